@@ -1,0 +1,3 @@
+"""dilu-invoker: GPU resourcing-on-demand for Apache OpenWhisk."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from dilu_invoker.cli import main
+
+raise SystemExit(main())
