@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
@@ -79,6 +80,12 @@ class InvokerConfig:
     container_prefix: str = _opt("wsk", "name prefix of action containers (OpenWhisk's 'wsk{id}_…')")
     log_chunk_kb: int = _opt(64, "read size for action logs (KB)")
     max_queue: int = _opt(10_000, "activations waiting for capacity before new ones are rejected")
+    tags: str = _opt("", "invoker tags sent in every InvokerInstanceId, comma-separated",
+                     env=("CONFIG_whisk_invoker_resource_tags",))
+    dedicated_namespaces: str = _opt("", "namespaces dedicated to this invoker, comma-separated",
+                                     env=("CONFIG_whisk_invoker_dedicated_namespaces",))
+    gpu_images: str = _opt("", "docker images whose actions (kind blackbox) run as the manifest's GPU kind, "
+                               "comma-separated; an image without a tag matches every tag")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +117,12 @@ class KafkaConfig:
     security_protocol: str = _opt("PLAINTEXT", "PLAINTEXT or SSL",
                                   env=("CONFIG_whisk_kafka_common_securityProtocol",))
     ssl_cafile: str | None = _opt(None, "CA bundle for SSL")
+    replication_factor: int = _opt(1, "replication factor of the topics this invoker creates",
+                                   env=("CONFIG_whisk_kafka_replicationFactor",))
+    user_events: bool = _opt(False, "send activation events to topic 'events'",
+                             env=("CONFIG_whisk_userEvents_enabled",))
+    user_event_prefix: str = _opt("", "prefix of the events topic",
+                                  env=("CONFIG_whisk_kafka_topics_userEvent_prefix",))
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,12 +266,28 @@ def _convert(s: Setting, raw: str, source: str) -> Any:
                 return False
             raise ValueError(raw)
         if base is int:
-            return int(raw)
+            return _size_mb(raw) if s.name.endswith("_mb") else int(raw)
         if base is float:
             return float(raw)
         return raw
     except ValueError:
         raise ConfigError(f"{source}: {raw!r} is not a valid {base.__name__}") from None
+
+
+_SIZE_RE = re.compile(r"\A\s*(\d+)\s*([kmgt]?)(b?)\s*\Z", re.IGNORECASE)
+_SIZE_FACTOR_MB = {"k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
+
+
+def _size_mb(raw: str) -> int:
+    """Megabytes from ``2048``, ``2048m``, ``2048 MB``, ``2g`` or ``2147483648 B`` (OpenWhisk's
+    ``ByteSize`` strings, e.g. ``CONFIG_whisk_containerPool_userMemory=2048m``); a bare number is MB."""
+    match = _SIZE_RE.match(raw)
+    if match is None:
+        raise ValueError(raw)
+    number, prefix, byte = match.groups()
+    if not prefix:
+        return int(number) // (1024 * 1024) if byte else int(number)
+    return int(int(number) * _SIZE_FACTOR_MB[prefix.lower()])
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, sections: Sequence[str] | None = None) -> None:
