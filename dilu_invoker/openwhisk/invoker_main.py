@@ -1,0 +1,143 @@
+"""``dilu-invoker invoker --id N``: this node's invoker core behind OpenWhisk's Kafka/CouchDB front.
+
+The wiring is deliberately thin: :func:`build_front` turns the configuration into a
+:class:`~dilu_invoker.openwhisk.cluster.ClusterFront` around any
+:class:`~dilu_invoker.invoker.api.ActivationRunner`; :func:`serve` runs it until ``stop`` is set;
+:func:`main` opens the invoker core (container pool, backends, HTTP endpoints) and serves until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from dilu_invoker import logs
+from dilu_invoker.config import Config, ConfigError
+from dilu_invoker.invoker.api import ActivationRunner
+from dilu_invoker.invoker.manifest import Manifest, ManifestError
+from dilu_invoker.openwhisk.cluster import ClusterFront, EnabledControl, FrontOptions
+from dilu_invoker.openwhisk.couchdb import ActionStore, ActivationStore, CouchClient
+from dilu_invoker.openwhisk.kafka import KafkaBus, Topics
+from dilu_invoker.openwhisk.messages import InvokerInstance
+from dilu_invoker.openwhisk.routing import GpuImages, LocalRouter, Router, split_list
+
+log = structlog.get_logger(__name__)
+
+#: ``MemoryLimit.MIN_MEMORY``: OpenWhisk's peek size is userMemory / 128 MB containers.
+MIN_ACTION_MEMORY_MB = 128
+
+
+def front_options(cfg: Config, manifest: Manifest) -> FrontOptions:
+    """The front's settings; raises ConfigError for what cannot work."""
+    if not cfg.kafka.hosts:
+        raise ConfigError("Kafka is not configured: set --kafka-hosts or KAFKA_HOSTS")
+    if not cfg.couchdb.host:
+        raise ConfigError("CouchDB is not configured: set --couchdb-host or CONFIG_whisk_couchdb_host")
+    inv = cfg.invoker
+    if inv.id < 0:
+        raise ConfigError("--id must be >= 0")
+    instance = InvokerInstance(
+        instance=inv.id,
+        user_memory_bytes=inv.user_memory_mb * 1024 * 1024,
+        unique_name=inv.unique_name or str(inv.id),
+        tags=split_list(inv.tags),
+        dedicated_namespaces=split_list(inv.dedicated_namespaces),
+    )
+    try:
+        gpu = GpuImages.parse(inv.gpu_images, manifest=manifest)
+    except ValueError as exc:
+        raise ConfigError(f"--invoker-gpu-images: {exc}") from exc
+    return FrontOptions(
+        instance=instance,
+        topics=Topics(prefix=cfg.kafka.topic_prefix, user_event_prefix=cfg.kafka.user_event_prefix),
+        max_peek=max(1, inv.user_memory_mb // MIN_ACTION_MEMORY_MB),
+        fetch_max_wait_ms=cfg.kafka.fetch_max_wait_ms,
+        user_events=cfg.kafka.user_events,
+        gpu=gpu,
+    )
+
+
+def build_front(
+    cfg: Config,
+    *,
+    runner: ActivationRunner,
+    manifest: Manifest,
+    control: EnabledControl | None = None,
+    router: Router | None = None,
+) -> ClusterFront:
+    options = front_options(cfg, manifest)
+    bus = KafkaBus(cfg.kafka, client_id=f"invoker{cfg.invoker.id}",
+                   replication_factor=cfg.kafka.replication_factor)
+    couch = CouchClient(cfg.couchdb)
+    return ClusterFront(
+        options,
+        bus=bus,
+        couch=couch,
+        actions=ActionStore(couch, cfg.whisks_db, manifest=manifest),
+        activations=ActivationStore(couch, cfg.activations_db),
+        router=router or LocalRouter(runner),
+        control=control,
+    )
+
+
+async def serve(
+    cfg: Config,
+    *,
+    runner: ActivationRunner,
+    manifest: Manifest,
+    stop: asyncio.Event,
+    control: EnabledControl | None = None,
+    router: Router | None = None,
+) -> None:
+    """Run the front around ``runner`` until ``stop`` is set, then shut it down in order."""
+    front = build_front(cfg, runner=runner, manifest=manifest, control=control, router=router)
+    async with front:
+        log.info("invoker.serving", instance=str(front.instance), kafka=cfg.kafka.hosts,
+                 couchdb=f"{cfg.couchdb.host}:{cfg.couchdb.port}", max_peek=front.options.max_peek)
+        await stop.wait()
+        log.info("invoker.stopping", in_work=front.in_work)
+
+
+def stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _open_core() -> Callable[..., Any]:
+    """The invoker core's ``open_invoker`` (container pool, backends, /ping, /invoker/enable...)."""
+    try:
+        from dilu_invoker.invoker.core import open_invoker
+    except ImportError as exc:
+        raise ConfigError(f"the invoker core is not available in this installation: {exc}") from exc
+    return open_invoker
+
+
+async def _main(cfg: Config) -> int:
+    manifest = Manifest.load(cfg.invoker.runtimes_manifest)
+    front_options(cfg, manifest)  # refuse a bad configuration before starting any container
+    open_invoker = _open_core()
+    stop = stop_on_signals()
+    async with open_invoker(cfg, manifest=manifest) as invoker:
+        await serve(cfg, runner=invoker, manifest=manifest, stop=stop, control=invoker)
+    return 0
+
+
+def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
+    logs.configure(cfg.log)
+    try:
+        return asyncio.run(_main(cfg))
+    except (ConfigError, ManifestError) as exc:
+        log.error("invoker.bad_configuration", error=str(exc))
+        print(f"dilu-invoker invoker: {exc}", file=sys.stderr)
+        return 2
