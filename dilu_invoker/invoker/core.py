@@ -439,4 +439,3 @@ def random_password() -> str:
     return secrets.token_urlsafe(24)
 
 
-_ = Any  # keep typing import for Protocol bodies
