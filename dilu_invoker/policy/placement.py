@@ -619,10 +619,15 @@ class _Rejects:
     examples: dict[str, str] = field(default_factory=dict)
 
     def note(
-        self, f: Filter, g: GpuState, r: PlacementRequest, c: PlacementConfig
+        self,
+        f: Filter,
+        g: GpuState,
+        r: PlacementRequest,
+        c: PlacementConfig,
+        count: int = 1,
     ) -> None:
         n = self.counts.get(f.name, 0)
-        self.counts[f.name] = n + 1
+        self.counts[f.name] = n + count
         if n == 0:
             self.examples[f.name] = f.explain(g, r, c)
 
@@ -658,15 +663,23 @@ def _scan_lit(
     rejects: _Rejects,
 ) -> list[int]:
     """Ordinals of lit GPUs passing every filter, tightest Σ request first, at most `limit`."""
-    bound = min(
-        (f.bound(request, config) for f in filters if f.bound is not None),
-        default=math.inf,
-    )
-    if bound < -EPS:
-        return []
-    kmax = (
-        BUCKETS if bound >= 1.0 else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
-    )
+    bounded = [(f.bound(request, config), f) for f in filters if f.bound is not None]
+    if not bounded:
+        kmax = BUCKETS
+    else:
+        bound, tightest = min(bounded, key=lambda b: b[0])
+        kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
+        # GPUs in buckets above the bound fail `tightest` without being looked at; count
+        # them so a refusal still says why.
+        skipped = [b for b in cluster.lit_buckets[kmax + 1 :] if b]
+        if skipped:
+            rejects.note(
+                tightest,
+                cluster.gpus[skipped[0][0]],
+                request,
+                config,
+                count=sum(len(b) for b in skipped),
+            )
     gpus = cluster.gpus
     found: list[int] = []
     for k in range(kmax, -1, -1):

@@ -333,7 +333,7 @@ def _latency_shares(
     if limits <= room + EPS:
         return {i.id: i.limit for i in active}, ""
     requests = sum(i.request for i in active)
-    if requests >= room - EPS:
+    if requests > room + EPS:
         # Admission keeps Σ request ≤ 1, so this means a misconfigured GPU: scale requests down.
         alloc = water_fill(
             room, [i.request for i in active], [i.request for i in active]
@@ -341,7 +341,7 @@ def _latency_shares(
         why = f"Σ active requests {requests:.2f} exceed the {room:.2f} available: cut in proportion"
         return {i.id: a for i, a in zip(active, alloc, strict=True)}, why
     extra = water_fill(
-        room - requests,
+        max(0.0, room - requests),
         [i.limit - i.request for i in active],
         [i.limit - i.request for i in active],
     )
@@ -373,9 +373,19 @@ def decide_shares(
     floor_total = min(1.0, sum(floors.values()))
     shares: dict[str, float] = {}
 
+    # The budget carried from the last period; None when best-effort demand beside
+    # latency-critical demand is just beginning (then it starts at the fair budget).
+    carried = state.budget if state.mode is not FeedbackMode.IDLE else None
+    # Best-effort requests are admitted guarantees: latency-critical instances may not grow
+    # into them, except into what feedback has already taken away from best-effort.
+    protected = sum(i.request for i in be_active)
+    if carried is not None:
+        protected = min(protected, carried)
+    protected = min(1.0, max(protected, floor_total))
+
     lc_cut_why = ""
     if lc_active:
-        lc_shares, lc_cut_why = _latency_shares(lc_active, 1.0 - floor_total)
+        lc_shares, lc_cut_why = _latency_shares(lc_active, 1.0 - protected)
         shares.update(lc_shares)
     lc_total = sum(shares.values())
 
@@ -396,12 +406,8 @@ def decide_shares(
             if config.oversubscribe_in_recovery
             else fair
         )
-        b = (
-            state.budget
-            if (state.budget is not None and state.mode is not FeedbackMode.IDLE)
-            else fair
-        )
-        start = state.budget is None or state.mode is FeedbackMode.IDLE
+        b = fair if carried is None else carried
+        start = carried is None
         if emergency:
             mode = FeedbackMode.EMERGENCY
             b = max(floor_total, min(b, fair) / emergency)
