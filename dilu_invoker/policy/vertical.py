@@ -349,6 +349,52 @@ def _latency_shares(
     return {i.id: i.request + e for i, e in zip(active, extra, strict=True)}, why
 
 
+def _budget_step(
+    b: float,
+    *,
+    fair: float,
+    floor: float,
+    ceiling: float,
+    emergency: float,
+    contention: float,
+    recovery: int,
+    counted: int,
+    notes: str,
+    config: VerticalConfig,
+) -> tuple[FeedbackMode, float, int, str]:
+    """One feedback step of the best-effort budget: (mode, budget, recovery cycles, summary)."""
+    if emergency:
+        b = max(floor, min(b, fair) / emergency)
+        return (
+            FeedbackMode.EMERGENCY,
+            b,
+            0,
+            f"emergency: best-effort budget cut ÷{emergency:.2f} ({notes})",
+        )
+    if contention:
+        b = max(floor, min(b, fair))
+        why = f"contention: hold best-effort budget, at most the fair {fair:.2f} ({notes})"
+        return FeedbackMode.CONTENTION, b, 0, why
+    if recovery:
+        counted += recovery
+        if counted < config.recovery_every:
+            why = f"recovery: {counted}/{config.recovery_every} cycles toward the next growth step"
+            return FeedbackMode.RECOVERY, b, counted, why
+        # A budget at (or near) zero would never grow back multiplicatively.
+        grown = b * config.recovery_growth if b > 0.01 else 0.01
+        why = (
+            f"recovery: {recovery} cycle(s) within {config.recovery_ratio}× their minimum, "
+            f"budget ×{config.recovery_growth}"
+        )
+        return FeedbackMode.RECOVERY, min(ceiling, grown), 0, why
+    return (
+        FeedbackMode.STEADY,
+        b,
+        counted,
+        "latency-critical demand, no completed cycle this period: hold",
+    )
+
+
 def decide_shares(
     snapshot: VerticalSnapshot, state: VerticalState, config: VerticalConfig
 ) -> VerticalDecision:
@@ -406,30 +452,19 @@ def decide_shares(
             if config.oversubscribe_in_recovery
             else fair
         )
-        b = fair if carried is None else carried
         start = carried is None
-        if emergency:
-            mode = FeedbackMode.EMERGENCY
-            b = max(floor_total, min(b, fair) / emergency)
-            summary = f"emergency: best-effort budget cut ÷{emergency:.2f} ({notes})"
-        elif contention:
-            mode = FeedbackMode.CONTENTION
-            b = max(floor_total, min(b, fair))
-            summary = f"contention: hold best-effort budget, at most the fair {fair:.2f} ({notes})"
-        elif recovery:
-            mode = FeedbackMode.RECOVERY
-            recovery_cycles = state.recovery_cycles + recovery
-            if recovery_cycles >= config.recovery_every:
-                grown = b * config.recovery_growth if b > 0.01 else 0.01
-                b = min(ceiling, grown)
-                recovery_cycles = 0
-                summary = f"recovery: {recovery} cycle(s) within {config.recovery_ratio}× their minimum, budget ×{config.recovery_growth}"
-            else:
-                summary = f"recovery: {recovery_cycles}/{config.recovery_every} cycles toward the next growth step"
-        else:
-            mode = FeedbackMode.STEADY
-            recovery_cycles = state.recovery_cycles
-            summary = "latency-critical demand, no completed cycle this period: hold"
+        mode, b, recovery_cycles, summary = _budget_step(
+            fair if carried is None else carried,
+            fair=fair,
+            floor=floor_total,
+            ceiling=ceiling,
+            emergency=emergency,
+            contention=contention,
+            recovery=recovery,
+            counted=state.recovery_cycles,
+            notes=notes,
+            config=config,
+        )
         if start and be_active:
             summary = (
                 f"latency-critical demand began: best-effort start at the fair budget {fair:.2f}; "
