@@ -17,11 +17,11 @@ def dumps(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def loads(data: bytes | str) -> Any:
+def loads(data: bytes | bytearray | str) -> Any:
     return json.loads(data)
 
 
-async def aloads(data: bytes | str) -> Any:
+async def aloads(data: bytes | bytearray | str) -> Any:
     if len(data) > OFFLOAD_BYTES:
         return await asyncio.to_thread(json.loads, data)
     return json.loads(data)

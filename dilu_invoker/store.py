@@ -25,6 +25,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from dilu_invoker import jsonutil
+from dilu_invoker.config import RedisConfig
 from dilu_invoker.model import Action, Activation
 
 DEFAULT_MAX_ACTIVATIONS = 10_000
@@ -147,6 +148,10 @@ class EntityStore:
         self._cache: OrderedDict[tuple[str, str], Action] = OrderedDict()
         self._cache_size = action_cache_size
         self._cache_max_code = action_cache_max_code
+
+    @classmethod
+    def from_config(cls, redis: aioredis.Redis, cfg: RedisConfig) -> EntityStore:
+        return cls(redis, prefix=cfg.prefix, max_activations_per_namespace=cfg.max_activations)
 
     # ----------------------------------------------------------------------------------------
     # Keys

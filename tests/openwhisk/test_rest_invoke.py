@@ -232,3 +232,30 @@ async def test_activation_keeps_running_when_the_client_goes_away(make_api: Any)
     aid = runner.requests[-1].activation_id
     stored = await api.wait_stored(aid)
     assert stored.response.is_success
+
+
+async def test_shutdown_waits_for_running_activations(make_api: Any) -> None:
+    api = await make_api()
+    await _action(api)
+    runner = runner_of(api)
+    status, body, _ = await api.invoke("echo", {"hold": True}, blocking=False)
+    assert status == 202
+    await runner.started.wait()
+    closing = asyncio.create_task(api.client.close())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # the drain is waiting for the held activation
+    runner.release()
+    await closing
+    assert await api.store.get_activation("guest", body["activationId"]) is not None
+
+
+async def test_shutdown_cancels_what_outlives_the_drain(make_api: Any) -> None:
+    api = await make_api(drain_timeout_s=0.2)
+    await _action(api)
+    runner = runner_of(api)
+    status, body, _ = await api.invoke("echo", {"sleep": 30}, blocking=False)
+    assert status == 202
+    await runner.started.wait()
+    await api.client.close()  # returns after the drain bound, the activation cancelled
+    assert runner.finished == []
+    assert await api.store.get_activation("guest", body["activationId"]) is None
