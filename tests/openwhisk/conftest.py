@@ -26,11 +26,12 @@ async def make_api(redis: aioredis.Redis, aiohttp_client: Any) -> ApiFactory:
 
     async def make(*, runner: ActivationRunner | None = None, store_kwargs: dict[str, Any] | None = None,
                    store_cls: type[EntityStore] = EntityStore, drain_timeout_s: float = 2.0,
+                   auth: Authenticator | None = None,
                    **cfg_fields: Any) -> Api:
         cfg = dataclasses.replace(ApiConfig(), **cfg_fields)
         store = store_cls(redis, prefix="test:", **(store_kwargs or {}))
         runner = runner or ScriptedRunner()
-        auth = Authenticator([GUEST_IDENTITY, OTHER_IDENTITY, NO_STORE_IDENTITY])
+        auth = auth or Authenticator([GUEST_IDENTITY, OTHER_IDENTITY, NO_STORE_IDENTITY])
         app = build_api(cfg, store=store, runner=runner, manifest=manifest_for_tests(), auth=auth,
                         drain_timeout_s=drain_timeout_s)
         client = await aiohttp_client(app)
