@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import io
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -127,15 +128,16 @@ def transid_id() -> str:
     return str(tid[0]) if tid else ""
 
 
+_STREAM_BYTES = 512 * 1024
+
+
 def json_response(
     body: JsonValue, *, status: int = 200, headers: Mapping[str, str] | None = None, encoded: bytes | None = None
 ) -> web.Response:
-    return web.Response(
-        body=encoded if encoded is not None else jsonutil.dumps(body),
-        status=status,
-        content_type="application/json",
-        headers=headers,
-    )
+    data = encoded if encoded is not None else jsonutil.dumps(body)
+    # aiohttp streams a file-like body in chunks instead of handing one huge buffer to the transport.
+    payload: bytes | io.BytesIO = io.BytesIO(data) if len(data) > _STREAM_BYTES else data
+    return web.Response(body=payload, status=status, content_type="application/json", headers=headers)
 
 
 def error_response(status: int, message: str, *, headers: Mapping[str, str] | None = None) -> web.Response:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +67,11 @@ class Api:
         headers = dict(kwargs.pop("headers", {}))
         if auth:
             headers.update(basic_auth(identity or self.identity))
+        if "json" in kwargs:  # large bodies as a stream, as a real client would send them
+            kwargs["data"] = json.dumps(kwargs.pop("json")).encode()
+            headers.setdefault("Content-Type", "application/json")
+        if isinstance(kwargs.get("data"), bytes) and len(kwargs["data"]) > 512 * 1024:
+            kwargs["data"] = io.BytesIO(kwargs["data"])
         async with self.client.request(method, self.url(path), headers=headers, **kwargs) as resp:
             text = await resp.text()
             body = await resp.json(content_type=None) if text else None
