@@ -21,7 +21,13 @@ from aiohttp import web
 
 from dilu_invoker.config import ApiConfig
 from dilu_invoker.invoker.manifest import Manifest
-from dilu_invoker.model import GUEST_IDENTITY, Activation, ActivationRequest, ActivationResponse, now_ms
+from dilu_invoker.model import (
+    GUEST_IDENTITY,
+    Activation,
+    ActivationRequest,
+    ActivationResponse,
+    now_ms,
+)
 from dilu_invoker.openwhisk.rest import build_api
 from dilu_invoker.openwhisk.rest_auth import Authenticator
 from dilu_invoker.redis_embedded import EmbeddedRedis, redis_client
