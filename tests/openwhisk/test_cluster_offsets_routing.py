@@ -15,8 +15,6 @@ from dilu_invoker.openwhisk.invoker_main import front_options
 from dilu_invoker.openwhisk.kafka import OffsetTracker
 from dilu_invoker.openwhisk.routing import GpuImages, gpu_image_action, split_list
 
-from .conftest import MANIFEST_JSON
-
 TP = TopicPartition("invoker0", 0)
 
 
@@ -63,11 +61,6 @@ def test_backoff_grows_to_its_bound() -> None:
         Backoff(initial_s=1.0, maximum_s=0.5)
 
 
-@pytest.fixture
-def manifest() -> Manifest:
-    return Manifest.from_json(MANIFEST_JSON)
-
-
 @pytest.mark.parametrize(
     ("configured", "image", "matches"),
     [("myorg/gpu-python", "myorg/gpu-python:1.0", True),
@@ -79,12 +72,12 @@ def manifest() -> Manifest:
      ("myorg/gpu-python", "myorg/gpu-python-extra:1", False),
      ("python", "library/python:3.11", True)],
 )
-def test_gpu_image_matching(manifest: Manifest, configured: str, image: str, matches: bool) -> None:
-    assert GpuImages.parse(configured, manifest=manifest).matches(image) is matches
+def test_gpu_image_matching(ow_manifest: Manifest, configured: str, image: str, matches: bool) -> None:
+    assert GpuImages.parse(configured, manifest=ow_manifest).matches(image) is matches
 
 
-def test_gpu_image_actions_become_the_gpu_kind(manifest: Manifest) -> None:
-    gpu = GpuImages.parse(" 'myorg/gpu-python' ", manifest=manifest)
+def test_gpu_image_actions_become_the_gpu_kind(ow_manifest: Manifest) -> None:
+    gpu = GpuImages.parse(" 'myorg/gpu-python' ", manifest=ow_manifest)
     assert gpu.gpu_kind == "python:3-gpu"
     docker = Action(namespace="guest", name="train", exec=Exec(kind="blackbox", image="myorg/gpu-python:1", code="c",
                                                               main="run"))
@@ -109,14 +102,14 @@ def test_split_list(raw: str, parts: tuple[str, ...]) -> None:
     assert split_list(raw) == parts
 
 
-def test_openwhisk_environment_names_reach_the_front(manifest: Manifest) -> None:
+def test_openwhisk_environment_names_reach_the_front(ow_manifest: Manifest) -> None:
     cfg = config.load(environ={
         "KAFKA_HOSTS": "kafka:9092", "CONFIG_whisk_couchdb_host": "couch", "CONFIG_whisk_containerPool_userMemory": "4096m",
         "CONFIG_whisk_kafka_topics_prefix": "ow_", "CONFIG_whisk_invoker_resource_tags": " 'gpu' ",
         "CONFIG_whisk_invoker_dedicated_namespaces": "", "CONFIG_whisk_userEvents_enabled": "true",
         "CONFIG_whisk_kafka_topics_userEvent_prefix": "ue_", "DILU_INVOKER_ID": "7",
     })
-    options = front_options(cfg, manifest)
+    options = front_options(cfg, ow_manifest)
     assert options.instance.to_json() == {"instance": 7, "userMemory": f"{4096 * 1024 * 1024} B",
                                           "instanceType": "invoker", "tags": ["gpu"], "dedicatedNamespaces": [],
                                           "uniqueName": "7"}
@@ -125,11 +118,11 @@ def test_openwhisk_environment_names_reach_the_front(manifest: Manifest) -> None
     assert options.topics.health().name == "ow_health" and options.topics.events().name == "ue_events"
 
 
-def test_missing_peers_are_configuration_errors(manifest: Manifest) -> None:
+def test_missing_peers_are_configuration_errors(ow_manifest: Manifest) -> None:
     with pytest.raises(config.ConfigError, match="KAFKA_HOSTS"):
-        front_options(config.load(environ={"CONFIG_whisk_couchdb_host": "c"}), manifest)
+        front_options(config.load(environ={"CONFIG_whisk_couchdb_host": "c"}), ow_manifest)
     with pytest.raises(config.ConfigError, match="CONFIG_whisk_couchdb_host"):
-        front_options(config.load(environ={"KAFKA_HOSTS": "k:9092"}), manifest)
+        front_options(config.load(environ={"KAFKA_HOSTS": "k:9092"}), ow_manifest)
 
 
 @pytest.mark.parametrize(("raw", "mb"), [("2048", 2048), ("2048m", 2048), ("2048 MB", 2048), ("2g", 2048),

@@ -208,6 +208,12 @@ class ControllerHarness:
             self._consumers.append(consumer)
             self._tasks.append(asyncio.create_task(self._collect(consumer, sink)))
 
+    async def rewind(self) -> None:
+        """After the broker lost its data: read the new, empty topics from their beginning."""
+        for consumer in self._consumers:
+            if consumer.assignment():
+                await consumer.seek_to_beginning()
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()

@@ -105,13 +105,13 @@ class Switch:
 
     def __init__(self) -> None:
         self._enabled = True
-        self._callbacks: list[Callable[..., object]] = []
+        self._callbacks: list[Callable[[bool], None]] = []
 
     @property
     def enabled(self) -> bool:
         return self._enabled
 
-    def on_enabled_change(self, callback: Callable[..., object]) -> None:
+    def on_enabled_change(self, callback: Callable[[bool], None]) -> None:
         self._callbacks.append(callback)
 
     def set(self, enabled: bool) -> None:

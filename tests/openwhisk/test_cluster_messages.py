@@ -6,6 +6,15 @@ import json
 import random
 
 import pytest
+from ow_cluster.harness import (
+    ReceivedAck,
+    check_ack,
+    check_activation,
+    check_ping,
+    compact,
+    load_fixture,
+    shuffled,
+)
 
 from dilu_invoker.model import (
     Action,
@@ -28,16 +37,6 @@ from dilu_invoker.openwhisk.messages import (
     fallback_for,
     health_test_activation,
     ping_message,
-)
-
-from .harness import (
-    ReceivedAck,
-    check_ack,
-    check_activation,
-    check_ping,
-    compact,
-    load_fixture,
-    shuffled,
 )
 
 INSTANCE = InvokerInstance(instance=0, user_memory_bytes=2147483648, unique_name="0")

@@ -6,6 +6,7 @@ broker comes back empty: Tansu keeps its data in memory; pouchdb keeps its Level
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -13,14 +14,29 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 NODE_DIR = Path(__file__).parent / "node"
 POUCHDB_BIN = NODE_DIR / "node_modules" / ".bin" / "pouchdb-server"
-INSTALL_HINT = f"npm ci --prefix {NODE_DIR} --no-audit --no-fund"
+INSTALL_COMMAND = ["npm", "ci", "--no-audit", "--no-fund"]
+
+
+def install_pouchdb() -> str | None:
+    """Install pouchdb-server from ``node/package-lock.json`` if it is not there yet (about a minute the
+    first time); None when it is usable, else why not."""
+    if POUCHDB_BIN.exists():
+        return None
+    if shutil.which("npm") is None or shutil.which("node") is None:
+        return "node and npm are not installed"
+    done = subprocess.run(INSTALL_COMMAND, cwd=NODE_DIR, capture_output=True, timeout=600, check=False)
+    if done.returncode != 0 or not POUCHDB_BIN.exists():
+        return f"npm ci in {NODE_DIR} failed: {done.stdout.decode(errors='replace')[-2000:]}"
+    return None
 
 
 def free_port() -> int:
@@ -62,21 +78,25 @@ def tansu_binary() -> str | None:
 
 
 class TansuBroker:
-    def __init__(self, binary: str, workdir: Path) -> None:
+    """Tansu on a free port. With ``advertised_port`` clients are told to connect there (a proxy)."""
+
+    def __init__(self, binary: str, workdir: Path, *, advertised_port: int | None = None) -> None:
         self.binary = binary
         self.workdir = workdir
         self.port = free_port()
+        self.advertised_port = advertised_port or self.port
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"127.0.0.1:{self.advertised_port}"
 
     def start(self) -> None:
         url = f"tcp://127.0.0.1:{self.port}"
         log = open(self.workdir / "tansu.log", "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            [self.binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
+            [self.binary, "broker", "--listener-url", url,
+             "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised_port}",
              "--storage-engine", "memory://tansu/"],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
         )
@@ -96,7 +116,7 @@ class PouchServer:
 
     def __init__(self, workdir: Path) -> None:
         if not POUCHDB_BIN.exists():
-            raise FileNotFoundError(f"pouchdb-server is not installed; run: {INSTALL_HINT}")
+            raise FileNotFoundError(f"pouchdb-server is not installed; run {' '.join(INSTALL_COMMAND)} in {NODE_DIR}")
         self.workdir = workdir
         self.data = workdir / "pouch"
         self.data.mkdir(parents=True, exist_ok=True)
@@ -159,5 +179,62 @@ class PouchServer:
         return status, json.loads(content) if content else {}
 
 
-def cleanup_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+class TcpProxy:
+    """A loopback TCP proxy that can cut every connection and refuse new ones for a while: to its clients
+    the peer behind it restarts, while the peer keeps its state (as a Kafka broker with disks does)."""
+
+    def __init__(self, target_port: int, *, port: int | None = None) -> None:
+        self.target_port = target_port
+        self.port = port or free_port()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tcp-proxy", daemon=True)
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    def start(self) -> None:
+        self._thread.start()
+        self._call(self._open())
+
+    def cut(self) -> None:
+        self._call(self._close())
+
+    def restore(self) -> None:
+        self._call(self._open())
+
+    def stop(self) -> None:
+        self._call(self._close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def _call(self, coro: Any) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    async def _open(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, reuse_address=True)
+
+    async def _close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers.update((writer, up_writer))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._writers.difference_update((writer, up_writer))

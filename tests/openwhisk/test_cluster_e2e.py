@@ -14,6 +14,16 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from ow_cluster.doubles import ScriptedRunner, Switch
+from ow_cluster.harness import (
+    ControllerHarness,
+    annotation_map,
+    check_ack,
+    check_activation,
+    check_ping,
+)
+from ow_cluster.peers import PouchServer, TansuBroker
+from ow_cluster.support import ACTIVATIONS, get_activation, invoker_config, put_action
 
 from dilu_invoker.invoker.manifest import Manifest
 from dilu_invoker.model import ActivationRequest
@@ -24,17 +34,6 @@ from dilu_invoker.openwhisk.couchdb import (
     ACTION_REMOVED,
 )
 from dilu_invoker.openwhisk.invoker_main import build_front
-
-from .conftest import ACTIVATIONS, get_activation, invoker_config, put_action
-from .doubles import ScriptedRunner, Switch
-from .harness import (
-    ControllerHarness,
-    annotation_map,
-    check_ack,
-    check_activation,
-    check_ping,
-)
-from .peers import PouchServer, TansuBroker
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.kafka, pytest.mark.couchdb]
 
@@ -64,7 +63,7 @@ class RecordingRouter:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def setup(broker: TansuBroker, pouch: PouchServer, manifest: Manifest) -> AsyncIterator[Setup]:
+async def setup(broker: TansuBroker, pouch: PouchServer, ow_manifest: Manifest) -> AsyncIterator[Setup]:
     runner = ScriptedRunner()
     switch = Switch()
     cfg = invoker_config(broker, pouch, invoker_id=INVOKER_ID,
@@ -72,7 +71,7 @@ async def setup(broker: TansuBroker, pouch: PouchServer, manifest: Manifest) -> 
                          CONFIG_whisk_userEvents_enabled="true",
                          DILU_INVOKER_GPU_IMAGES="myorg/gpu-python")
     async with ControllerHarness(broker.bootstrap, invoker=INVOKER_ID) as harness:
-        front = build_front(cfg, runner=runner, manifest=manifest, control=switch,
+        front = build_front(cfg, runner=runner, manifest=ow_manifest, control=switch,
                             router=RecordingRouter(runner))
         async with front:
             await asyncio.wait_for(front.assigned.wait(), 30)

@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+from ow_cluster.peers import PouchServer, free_port
+from ow_cluster.support import ACTIVATIONS, WHISKS, put_action
 
 from dilu_invoker import config
 from dilu_invoker.config import CouchConfig
@@ -24,9 +26,6 @@ from dilu_invoker.openwhisk.couchdb import (
     CouchUnavailable,
 )
 from dilu_invoker.openwhisk.messages import fallback_activation
-
-from .conftest import ACTIVATIONS, WHISKS, put_action
-from .peers import PouchServer, free_port
 
 pytestmark = pytest.mark.couchdb
 
@@ -45,8 +44,8 @@ async def client(pouch: PouchServer) -> AsyncIterator[CouchClient]:
 
 
 @pytest.fixture
-def store(client: CouchClient, manifest: Manifest) -> ActionStore:
-    return ActionStore(client, WHISKS, manifest=manifest, backoff=FAST, deadline_s=1.0)
+def store(client: CouchClient, ow_manifest: Manifest) -> ActionStore:
+    return ActionStore(client, WHISKS, manifest=ow_manifest, backoff=FAST, deadline_s=1.0)
 
 
 TEXT = "def main(args):\n    return {'héllo': args}\n"
@@ -138,10 +137,10 @@ async def test_external_attachment_stores_cannot_be_fetched(client: CouchClient,
         await store.get("guest", "in-s3", rev)
 
 
-async def test_wrong_credentials_are_a_fetch_error_and_stop_pings(pouch: PouchServer, manifest: Manifest) -> None:
+async def test_wrong_credentials_are_a_fetch_error_and_stop_pings(pouch: PouchServer, ow_manifest: Manifest) -> None:
     rev = put_action(pouch, namespace="guest", name="guarded", code="x")
     async with CouchClient(couch_config(pouch, password="wrong")) as bad:
-        store = ActionStore(bad, WHISKS, manifest=manifest, backoff=FAST, deadline_s=1.0)
+        store = ActionStore(bad, WHISKS, manifest=ow_manifest, backoff=FAST, deadline_s=1.0)
         with pytest.raises(ActionFetchFailed, match="401"):
             await store.get("guest", "guarded", rev)
         reason = await bad.probe(WHISKS)
@@ -149,9 +148,9 @@ async def test_wrong_credentials_are_a_fetch_error_and_stop_pings(pouch: PouchSe
         assert bad.available is False
 
 
-async def test_unreachable_database_gives_up_at_the_deadline(pouch: PouchServer, manifest: Manifest) -> None:
+async def test_unreachable_database_gives_up_at_the_deadline(pouch: PouchServer, ow_manifest: Manifest) -> None:
     async with CouchClient(couch_config(pouch, port=free_port()), timeout_s=1.0) as down:
-        store = ActionStore(down, WHISKS, manifest=manifest, backoff=FAST, deadline_s=0.3)
+        store = ActionStore(down, WHISKS, manifest=ow_manifest, backoff=FAST, deadline_s=0.3)
         with pytest.raises(ActionFetchFailed) as err:
             await store.get("guest", "anything", "1-a")
         assert err.value.response.status is ActivationStatus.WHISK_ERROR

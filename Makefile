@@ -1,0 +1,27 @@
+# Developer entry points. `make test` is the README's test command; .ci/run calls it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv shim test lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+venv: $(PY)
+	$(PY) -m pip install -q -e '.[test]'
+
+shim:
+	$(MAKE) -C cuda_shim
+
+test: venv shim
+	$(PY) -m pytest -q
+
+lint: venv
+	$(PY) -m ruff check dilu_invoker tests bench
+	$(PY) -m mypy dilu_invoker
+
+clean:
+	rm -rf $(VENV) build *.egg-info
+	$(MAKE) -C cuda_shim clean

@@ -1,0 +1,75 @@
+"""The interface every container backend implements."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class BackendError(RuntimeError):
+    """The platform could not start or manage a container (OpenWhisk: whisk internal error)."""
+
+
+class ImageError(BackendError):
+    """The user's image is missing or unusable (OpenWhisk: action developer error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mount:
+    source: str
+    target: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerSpec:
+    """Everything a backend needs to start one action container."""
+
+    name: str
+    kind: str
+    image: str
+    memory_mb: int
+    env: Mapping[str, str] = field(default_factory=dict)
+    mounts: tuple[Mount, ...] = ()
+    devices: tuple[str, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    #: the runtime is one of ours (``dilu-invoker runtime``), not an upstream image
+    own_runtime: bool = True
+
+
+class Container(Protocol):
+    """A started container whose runtime listens at :attr:`url`."""
+
+    name: str
+    url: str
+    stdout: asyncio.StreamReader
+    stderr: asyncio.StreamReader
+
+    @property
+    def alive(self) -> bool: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def destroy(self) -> None:
+        """Stop and remove; idempotent; never raises."""
+        ...
+
+    def exit_reason(self) -> str | None:
+        """Why the container is gone (e.g. ``"oom"``, ``"exit 1"``) when known."""
+        ...
+
+
+class ContainerBackend(Protocol):
+    name: str
+
+    async def start(self, spec: ContainerSpec) -> Container: ...
+
+    async def remove_leftovers(self, prefix: str) -> int:
+        """Remove containers left by an earlier run of this invoker (same name prefix)."""
+        ...
+
+    async def close(self) -> None: ...

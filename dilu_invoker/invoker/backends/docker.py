@@ -1,0 +1,201 @@
+"""Runs action containers through a Docker-API engine (Docker, or podman's API service).
+
+One image per kind (from the runtimes manifest) or the action's own image for docker actions; the runtime
+listens on 8080 inside, published on a random 127.0.0.1 port. Containers get OpenWhisk's hardening
+(``--cap-drop NET_RAW --cap-drop NET_ADMIN``, a pids limit, a nofile limit), a memory limit with no swap,
+labels, and for GPU actions the GPU (by ``device_requests`` for the NVIDIA container toolkit, by CDI name
+under podman, or by explicit ``/dev/nvidia*`` nodes), the shim and its control files as bind mounts.
+Logs come from the attach stream, demultiplexed into stdout and stderr.
+
+The docker SDK is synchronous: every call runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import docker
+import docker.errors
+import structlog
+from docker.types import DeviceRequest, Ulimit
+
+from dilu_invoker.invoker.backends.base import BackendError, ContainerSpec, ImageError
+
+log = structlog.get_logger(__name__)
+
+RUNTIME_PORT = "8080/tcp"
+
+
+class DockerContainer:
+    def __init__(self, backend: DockerBackend, container: Any, name: str, url: str) -> None:
+        self._backend = backend
+        self._container = container
+        self.name = name
+        self.url = url
+        loop = asyncio.get_running_loop()
+        self.stdout = asyncio.StreamReader(limit=1 << 20, loop=loop)
+        self.stderr = asyncio.StreamReader(limit=1 << 20, loop=loop)
+        self._exit_reason: str | None = None
+        self._destroyed = False
+        self._exited = threading.Event()
+
+    @property
+    def alive(self) -> bool:
+        return not self._destroyed and not self._exited.is_set()
+
+    def _pump_logs(self, stream: Iterator[tuple[bytes | None, bytes | None]], loop: asyncio.AbstractEventLoop) -> None:
+        """Thread: demultiplexed attach frames → the two StreamReaders."""
+        try:
+            for out, err in stream:
+                if out:
+                    loop.call_soon_threadsafe(self.stdout.feed_data, out)
+                if err:
+                    loop.call_soon_threadsafe(self.stderr.feed_data, err)
+        except Exception as exc:  # noqa: BLE001 - the engine closed the stream
+            log.debug("log stream ended", container=self.name, error=repr(exc))
+        finally:
+            self._exited.set()
+            self._exit_reason = self._inspect_exit()
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.stdout.feed_eof)
+                loop.call_soon_threadsafe(self.stderr.feed_eof)
+
+    def _inspect_exit(self) -> str | None:
+        try:
+            self._container.reload()
+        except Exception:  # noqa: BLE001 - already removed
+            return "removed"
+        state = self._container.attrs.get("State", {})
+        if state.get("OOMKilled"):
+            return "oom"
+        if state.get("Running"):
+            return None
+        return f"exit {state.get('ExitCode')}"
+
+    async def pause(self) -> None:
+        await asyncio.to_thread(self._container.pause)
+
+    async def resume(self) -> None:
+        await asyncio.to_thread(self._container.unpause)
+
+    async def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            await asyncio.to_thread(self._container.remove, force=True)
+        except docker.errors.NotFound:
+            pass
+        except Exception as exc:  # noqa: BLE001 - never raise from destroy
+            log.warning("container removal failed", container=self.name, error=repr(exc))
+
+    def exit_reason(self) -> str | None:
+        return self._exit_reason
+
+
+class DockerBackend:
+    name = "docker"
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        network: str | None = None,
+        gpu_mode: str = "device-requests",
+        pids_limit: int = 1024,
+        nofile: int = 1024,
+    ) -> None:
+        self._url = url
+        self._network = network
+        self._gpu_mode = gpu_mode
+        self._pids_limit = pids_limit
+        self._nofile = nofile
+        self._client: docker.DockerClient | None = None
+
+    def _docker(self) -> docker.DockerClient:
+        if self._client is None:
+            self._client = docker.DockerClient(base_url=self._url) if self._url else docker.from_env()
+        return self._client
+
+    async def start(self, spec: ContainerSpec) -> DockerContainer:
+        return await asyncio.to_thread(self._start_sync, spec, asyncio.get_running_loop())
+
+    def _create_kwargs(self, spec: ContainerSpec) -> dict[str, Any]:
+        memory = f"{spec.memory_mb}m"
+        kwargs: dict[str, Any] = {
+            "name": spec.name,
+            "detach": True,
+            "labels": dict(spec.labels),
+            "environment": dict(spec.env),
+            "mem_limit": memory,
+            "memswap_limit": memory,
+            "cap_drop": ["NET_RAW", "NET_ADMIN"],
+            "pids_limit": self._pids_limit,
+            "ulimits": [Ulimit(name="nofile", soft=self._nofile, hard=self._nofile)],
+            "ports": {RUNTIME_PORT: ("127.0.0.1", None)},
+            "volumes": {m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
+        }
+        if self._network:
+            kwargs["network"] = self._network
+        devices = [f"{d}:{d}:rwm" for d in spec.devices]
+        gpus = spec.env.get("DILU_GPU_UUID")
+        if gpus and self._gpu_mode == "device-requests":
+            kwargs["device_requests"] = [DeviceRequest(device_ids=gpus.split(","), capabilities=[["gpu"]])]
+        elif gpus and self._gpu_mode == "cdi":
+            devices += [f"nvidia.com/gpu={g}" for g in gpus.split(",")]
+        if devices:
+            kwargs["devices"] = devices
+        return kwargs
+
+    def _start_sync(self, spec: ContainerSpec, loop: asyncio.AbstractEventLoop) -> DockerContainer:
+        client = self._docker()
+        try:
+            container = client.containers.create(spec.image, **self._create_kwargs(spec))
+        except docker.errors.ImageNotFound as exc:
+            if spec.own_runtime:
+                raise BackendError(f"runtime image {spec.image} is not present on this node") from exc
+            try:
+                client.images.pull(spec.image)
+                container = client.containers.create(spec.image, **self._create_kwargs(spec))
+            except docker.errors.DockerException:
+                raise ImageError(f"Failed to pull container image '{spec.image}'.") from exc
+        except docker.errors.DockerException as exc:
+            raise BackendError(f"could not create container {spec.name}: {exc}") from exc
+        try:
+            stream = client.api.attach(container.id, stdout=True, stderr=True, stream=True, logs=True, demux=True)
+            container.start()
+            container.reload()
+            port = container.attrs["NetworkSettings"]["Ports"][RUNTIME_PORT][0]["HostPort"]
+        except Exception as exc:  # noqa: BLE001
+            with contextlib.suppress(Exception):
+                container.remove(force=True)
+            raise BackendError(f"could not start container {spec.name}: {exc}") from exc
+        wrapped = DockerContainer(self, container, spec.name, f"http://127.0.0.1:{port}")
+        threading.Thread(target=wrapped._pump_logs, args=(stream, loop), name=f"logs-{spec.name}",
+                         daemon=True).start()
+        log.debug("docker container started", container=spec.name, image=spec.image, port=port)
+        return wrapped
+
+    async def remove_leftovers(self, prefix: str) -> int:
+        def sync() -> int:
+            removed = 0
+            for c in self._docker().containers.list(all=True, filters={"name": prefix}):
+                if c.name.startswith(prefix):
+                    with contextlib.suppress(docker.errors.DockerException):
+                        c.remove(force=True)
+                        removed += 1
+            return removed
+
+        try:
+            return await asyncio.to_thread(sync)
+        except docker.errors.DockerException as exc:
+            raise BackendError(f"the Docker engine is not reachable: {exc}") from exc
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await asyncio.to_thread(client.close)

@@ -1,0 +1,441 @@
+"""The invoker core: runs activations in pooled containers and builds OpenWhisk activation records.
+
+The fronts (the standalone REST API, the Kafka consumer of cluster mode) hand it
+:class:`~dilu_invoker.model.ActivationRequest`\\ s through :meth:`Invoker.run`; it never raises for what an
+action or its container did — every outcome is an :class:`~dilu_invoker.model.Activation` with OpenWhisk's
+status code — and raises :class:`InvokerOverloaded` only when it cannot queue the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import structlog
+
+from dilu_invoker.config import Config
+from dilu_invoker.invoker.api import InvokerOverloaded
+from dilu_invoker.invoker.backends.base import BackendError, ContainerBackend, ContainerSpec, ImageError, Mount
+from dilu_invoker.invoker.container import ContainerProxy, PoolKey, State, Transition
+from dilu_invoker.invoker.logs import LogCollector, format_log_lines
+from dilu_invoker.invoker.manifest import Manifest, RuntimeKind
+from dilu_invoker.invoker.metrics import InvokerMetrics
+from dilu_invoker.invoker.pool import ContainerPool
+from dilu_invoker.invoker.runtime_client import (
+    RuntimeClient,
+    RuntimeOutcome,
+    build_init_body,
+    build_run_body,
+)
+from dilu_invoker.logs import bind_activation, clear_activation
+from dilu_invoker.model import (
+    Action,
+    Activation,
+    ActivationRequest,
+    ActivationResponse,
+    ActivationStatus,
+    GpuNeeds,
+    Parameter,
+    ValidationError,
+    now_ms,
+)
+
+log = structlog.get_logger(__name__)
+
+BLACKBOX = "blackbox"
+LOGS_MISSING = "The action did not initialize or run as expected. Log data might be missing."
+
+
+@dataclass(frozen=True, slots=True)
+class GpuAttachment:
+    """What a GPU container is given: environment (CUDA_VISIBLE_DEVICES, LD_PRELOAD, shim paths), bind
+    mounts (the shim, its control file read-only, its stats file) and device nodes."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    mounts: tuple[Mount, ...] = ()
+    devices: tuple[str, ...] = ()
+    gpu_index: int | None = None
+
+
+class GpuAllocator(Protocol):
+    """The node's GPU manager as the invoker core sees it (``dilu_invoker.gpu``)."""
+
+    async def attach(self, instance: str, function: str, needs: GpuNeeds) -> GpuAttachment | None:
+        """Reserve a GPU share for a new container; None when the node has no GPU for it."""
+        ...
+
+    async def detach(self, instance: str) -> None: ...
+
+
+class Invoker:
+    """One invoker: a container pool over a backend, plus what the fronts need to see of it."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        manifest: Manifest,
+        backend: ContainerBackend,
+        session: aiohttp.ClientSession,
+        gpu: GpuAllocator | None = None,
+        metrics: InvokerMetrics | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.manifest = manifest
+        self.backend = backend
+        self.gpu = gpu
+        self.metrics = metrics or InvokerMetrics()
+        self._session = session
+        self.instance_id = cfg.invoker.id
+        self.name = f"invoker{self.instance_id}"
+        self._enabled = True
+        self._enabled_callbacks: list[Callable[[bool], None]] = []
+        self._cpu_fallback_logged = False
+        ic = cfg.invoker
+        self.pool = ContainerPool(
+            user_memory_mb=ic.user_memory_mb,
+            idle_timeout_s=ic.idle_timeout_s,
+            pause_grace_s=ic.pause_grace_s if ic.pause_grace_s > 0 else None,
+            max_queue=ic.max_queue,
+            destroy=self._destroy_container,
+            name_prefix=f"{ic.container_prefix}{self.instance_id}",
+            observers=(self._count_states,),
+        )
+        self._collectors: dict[str, LogCollector] = {}
+        self.metrics.user_memory.set(ic.user_memory_mb)
+        self.metrics.enabled.set(1)
+
+    # -- control -------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def set_enabled(self, enabled: bool) -> bool:
+        """Returns whether the state changed."""
+        if enabled == self._enabled:
+            return False
+        self._enabled = enabled
+        self.metrics.enabled.set(1 if enabled else 0)
+        for cb in self._enabled_callbacks:
+            cb(enabled)
+        return True
+
+    def on_enabled_change(self, callback: Callable[[bool], None]) -> None:
+        self._enabled_callbacks.append(callback)
+
+    def _count_states(self, _t: Transition) -> None:
+        counts = {s: 0 for s in State}
+        for p in self.pool.containers.values():
+            counts[p.state] += 1
+        for s, n in counts.items():
+            self.metrics.containers.labels(s.value).set(n)
+        self.metrics.memory_in_use.set(self.pool.memory_in_use_mb)
+
+    # -- running activations -------------------------------------------------------------------
+
+    async def run(self, req: ActivationRequest) -> Activation:
+        bind_activation(activation_id=req.activation_id, transid=req.transid_id)
+        try:
+            return await self._run(req)
+        finally:
+            clear_activation()
+
+    async def _run(self, req: ActivationRequest) -> Activation:
+        arrived = req.transid_start_ms or now_ms()
+        action = req.action
+        runtime = self._runtime_of(action)
+        if runtime is None:
+            return self._failed(req, ActivationResponse.whisk_error(
+                "Action version is not compatible and cannot be invoked."))
+        key = PoolKey.of(req.identity.namespace, action)
+        memory = action.limits.memory_mb
+        self.metrics.queue_length.set(self.pool.queue_length + 1)
+        try:
+            lease = await self.pool.acquire(
+                key, action, memory_mb=memory, slots=action.limits.concurrency,
+                make_spec=lambda name: self._container_spec(name, action, runtime),
+            )
+        finally:
+            self.metrics.queue_length.set(self.pool.queue_length)
+        proxy = lease.proxy
+        healthy = False
+        release_reason = ""
+        try:
+            init_ms: int | None = None
+            start = now_ms()
+            if lease.cold:
+                failure, init_ms, init_logs = await self._start_and_init(proxy, req, runtime)
+                if failure is not None:
+                    release_reason = "initialization failed"
+                    return self._finish(req, runtime, start, now_ms(), failure, init_logs, arrived=arrived,
+                                        start_ms=start, init_ms=init_ms)
+            else:
+                failure = await asyncio.shield(proxy.ready)
+                if failure is not None:
+                    response = failure if isinstance(failure, ActivationResponse) else ActivationResponse.whisk_error(
+                        "The action did not produce a valid response and exited unexpectedly.")
+                    release_reason = "container failed before this activation ran"
+                    return self._finish(req, runtime, now_ms(), now_ms(), response, (), arrived=arrived,
+                                        start_ms=now_ms(), init_ms=None)
+                if not await self.pool.resume(proxy):
+                    release_reason = "resume failed"
+                    return self._finish(req, runtime, now_ms(), now_ms(), ActivationResponse.whisk_error(
+                        "The action did not produce a valid response and exited unexpectedly."), (),
+                        arrived=arrived, start_ms=now_ms(), init_ms=None)
+                start = now_ms()
+            run_start = now_ms()
+            outcome, logs = await self._run_once(proxy, req)
+            end = now_ms()
+            healthy = outcome.status_code in (0, 1) and not outcome.timed_out
+            release_reason = "" if healthy else (
+                "timed out" if outcome.timed_out else f"activation failed with status {outcome.status_code}")
+            response = ActivationResponse(ActivationStatus(outcome.status_code), outcome.result, outcome.size)
+            return self._finish(req, runtime, start, end, response, logs, arrived=arrived,
+                                start_ms=start if init_ms is not None else run_start, init_ms=init_ms,
+                                timed_out=outcome.timed_out)
+        except Exception as exc:  # noqa: BLE001 - a platform bug must not lose the activation
+            log.exception("activation failed inside the invoker")
+            release_reason = f"internal error: {exc!r}"
+            return self._failed(req, ActivationResponse.whisk_error(
+                "The action did not produce a valid response and exited unexpectedly."))
+        finally:
+            self.pool.release(proxy, healthy=healthy, reason=release_reason)
+
+    def _runtime_of(self, action: Action) -> RuntimeKind | None:
+        if action.exec.kind == BLACKBOX:
+            # A docker action runs its image through the blackbox pseudo-kind.
+            if not action.exec.image:
+                return None
+            from dilu_invoker.invoker.manifest import ImageName
+
+            return RuntimeKind(kind=BLACKBOX, family=BLACKBOX, image=ImageName(action.exec.image),
+                               gpu=action.annotation("gpu-class") is not None)
+        return self.manifest.resolve(action.exec.kind)
+
+    def _container_spec(self, name: str, action: Action, runtime: RuntimeKind) -> ContainerSpec:
+        env = {
+            "__OW_API_HOST": self.cfg.api.api_host_url or f"http://{self.cfg.api.host}:{self.cfg.api.port}",
+            "__OW_ALLOW_CONCURRENT": "true" if action.limits.concurrency > 1 else "false",
+        }
+        return ContainerSpec(
+            name=name,
+            kind=runtime.kind,
+            image=str(runtime.image),
+            memory_mb=action.limits.memory_mb,
+            env=env,
+            labels={"dilu.invoker": str(self.instance_id), "dilu.action": action.fqn, "dilu.kind": runtime.kind},
+            own_runtime=runtime.kind != BLACKBOX,
+        )
+
+    async def _start_and_init(
+        self, proxy: ContainerProxy, req: ActivationRequest, runtime: RuntimeKind
+    ) -> tuple[ActivationResponse | None, int | None, tuple[str, ...]]:
+        """Start the container and send /init; returns (failure or None, init ms, init logs)."""
+        action = req.action
+        spec = proxy.spec
+        if runtime.gpu:
+            spec = await self._attach_gpu(proxy, action, spec)
+        try:
+            container = await self.backend.start(spec)
+        except ImageError as exc:
+            failure = ActivationResponse.developer_error(str(exc))
+            self.pool.remove(proxy, f"image error: {exc}")
+            return failure, None, ()
+        except BackendError as exc:
+            log.warning("container start failed", container=proxy.name, error=str(exc))
+            self.pool.remove(proxy, f"start failed: {exc}")
+            return ActivationResponse.whisk_error("Failed to provision resources to run the action."), None, ()
+        proxy.container = container
+        collector = LogCollector(container.stdout, container.stderr,
+                                 limit_bytes=action.limits.logs_mb * 1024 * 1024,
+                                 chunk=self.cfg.invoker.log_chunk_kb * 1024)
+        self._collectors[proxy.name] = collector
+        proxy.transition(State.INITIALIZING, "container started")
+        init_start = time.monotonic()
+        client = RuntimeClient(self._session, container.url)
+        body = build_init_body(action, req, include_api_key=action.provide_api_key())
+        outcome = await client.init(body, action.limits.timeout_ms / 1000)
+        init_ms = int((time.monotonic() - init_start) * 1000)
+        proxy.init_ms = init_ms
+        if outcome.status_code != 0:
+            segment = await collector.next_segment(timeout_s=0.5)
+            logs = format_log_lines(segment, limit_bytes=collector.limit_bytes, missing_note=LOGS_MISSING)
+            failure = ActivationResponse(ActivationStatus(outcome.status_code), outcome.result, outcome.size)
+            self.pool.remove(proxy, "initialization failed")
+            if not proxy.ready.done():
+                proxy.ready.set_result(failure)
+            return failure, init_ms, logs
+        if not proxy.ready.done():
+            proxy.ready.set_result(None)
+        self.pool.mark_ready(proxy, "initialized")
+        return None, init_ms, ()
+
+    async def _attach_gpu(self, proxy: ContainerProxy, action: Action, spec: ContainerSpec) -> ContainerSpec:
+        try:
+            needs = GpuNeeds.from_annotations(action.annotation_map)
+        except ValidationError as exc:
+            log.warning("invalid GPU annotations; running without a GPU", action=action.fqn, error=str(exc))
+            return spec
+        attachment = await self.gpu.attach(proxy.name, action.fqn, needs) if self.gpu is not None else None
+        if attachment is None:
+            if not self._cpu_fallback_logged:
+                self._cpu_fallback_logged = True
+                log.warning("GPU action runs on the CPU: this node has no GPU available for it",
+                            action=action.fqn, reason="no GPU manager" if self.gpu is None else "no GPU capacity")
+            return spec
+        proxy.attachments.append(attachment)
+        env = dict(spec.env)
+        env.update(attachment.env)
+        from dataclasses import replace
+
+        return replace(spec, env=env, mounts=spec.mounts + attachment.mounts, devices=spec.devices + attachment.devices)
+
+    async def _run_once(self, proxy: ContainerProxy, req: ActivationRequest) -> tuple[RuntimeOutcome, tuple[str, ...]]:
+        assert proxy.container is not None
+        action = req.action
+        client = RuntimeClient(self._session, proxy.container.url)
+        body = build_run_body(action, req, include_api_key=action.provide_api_key())
+        collector = self._collectors.get(proxy.name)
+        outcome = await client.run(body, action.limits.timeout_ms / 1000)
+        if collector is None or proxy.slots > 1:
+            # Several activations share the container's output streams: they cannot be told apart.
+            return outcome, ()
+        grace = 2.0 if outcome.status_code in (0, 1) and not outcome.timed_out else 0.3
+        segment = await collector.next_segment(timeout_s=grace)
+        note = LOGS_MISSING if outcome.status_code >= 2 or outcome.timed_out else None
+        return outcome, format_log_lines(segment, limit_bytes=collector.limit_bytes, missing_note=note)
+
+    async def _destroy_container(self, proxy: ContainerProxy) -> None:
+        collector = self._collectors.pop(proxy.name, None)
+        if collector is not None:
+            collector.close()
+        if proxy.container is not None:
+            await proxy.container.destroy()
+        if proxy.attachments and self.gpu is not None:
+            with contextlib.suppress(Exception):
+                await self.gpu.detach(proxy.name)
+
+    # -- activation records --------------------------------------------------------------------
+
+    def _finish(
+        self,
+        req: ActivationRequest,
+        runtime: RuntimeKind,
+        start: int,
+        end: int,
+        response: ActivationResponse,
+        logs: tuple[str, ...],
+        *,
+        arrived: int,
+        start_ms: int,
+        init_ms: int | None,
+        timed_out: bool = False,
+    ) -> Activation:
+        action = req.action
+        wait_ms = max(0, start_ms - arrived)
+        annotations: list[Parameter] = [
+            Parameter("path", action.fqn),
+            Parameter("waitTime", wait_ms),
+            Parameter("kind", runtime.kind if runtime.kind != BLACKBOX else BLACKBOX),
+            Parameter("timeout", timed_out),
+            Parameter("limits", action.limits.to_json()),
+        ]
+        if init_ms is not None:
+            annotations.append(Parameter("initTime", init_ms))
+        if req.cause is not None:
+            annotations.append(Parameter("causedBy", "sequence"))
+        if req.binding is not None:
+            annotations.append(Parameter("binding", req.binding))
+        activation = Activation(
+            namespace=req.identity.namespace,
+            name=action.name,
+            subject=req.identity.subject,
+            activation_id=req.activation_id,
+            start=start,
+            end=max(start, end),
+            response=response,
+            logs=logs,
+            version=action.version,
+            annotations=tuple(annotations),
+            cause=req.cause,
+        )
+        self.metrics.record(activation, kind=runtime.kind, memory_mb=action.limits.memory_mb,
+                            wait_ms=wait_ms, init_ms=init_ms)
+        log.info("activation finished", action=action.fqn, status=response.status.api_string,
+                 duration_ms=activation.duration, cold=init_ms is not None)
+        return activation
+
+    def _failed(self, req: ActivationRequest, response: ActivationResponse) -> Activation:
+        """A fallback record for an activation that never reached a container (§1.4)."""
+        t = now_ms()
+        action = req.action
+        annotations = [Parameter("path", action.fqn), Parameter("kind", "unknown")]
+        if req.cause is not None:
+            annotations.append(Parameter("causedBy", "sequence"))
+        return Activation(
+            namespace=req.identity.namespace, name=action.name, subject=req.identity.subject,
+            activation_id=req.activation_id, start=t, end=t, response=response, version=action.version,
+            annotations=tuple(annotations), cause=req.cause,
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def close(self, *, drain_s: float = 5.0) -> None:
+        self.set_enabled(False)
+        await self.pool.close(drain_s=drain_s)
+        for collector in self._collectors.values():
+            collector.close()
+        self._collectors.clear()
+
+
+def make_backend(cfg: Config) -> ContainerBackend:
+    if cfg.invoker.backend == "docker":
+        from dilu_invoker.invoker.backends.docker import DockerBackend
+
+        return DockerBackend(url=cfg.invoker.docker_url, network=cfg.invoker.docker_network)
+    from dilu_invoker.invoker.backends.process import ProcessBackend
+
+    return ProcessBackend()
+
+
+@contextlib.asynccontextmanager
+async def open_invoker(
+    cfg: Config,
+    *,
+    manifest: Manifest | None = None,
+    backend: ContainerBackend | None = None,
+    gpu: GpuAllocator | None = None,
+) -> AsyncIterator[Invoker]:
+    """Start an invoker and tear it down in reverse order (drain, remove containers, close the backend)."""
+    manifest = manifest or Manifest.load(cfg.invoker.runtimes_manifest)
+    backend = backend or make_backend(cfg)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    removed = await backend.remove_leftovers(f"{cfg.invoker.container_prefix}{cfg.invoker.id}_")
+    if removed:
+        log.info("removed containers left by an earlier run", count=removed)
+    invoker = Invoker(cfg, manifest=manifest, backend=backend, session=session, gpu=gpu)
+    try:
+        yield invoker
+    finally:
+        errors: list[BaseException] = []
+        for step in (invoker.close, session.close, backend.close):
+            try:
+                await step()
+            except Exception as exc:  # noqa: BLE001 - finish the teardown, then report
+                errors.append(exc)
+        for exc in errors:
+            log.warning("error during invoker shutdown", error=repr(exc))
+
+
+def random_password() -> str:
+    return secrets.token_urlsafe(24)
+
+

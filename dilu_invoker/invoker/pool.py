@@ -1,0 +1,310 @@
+"""The container pool: which container runs an activation, when to start or evict one, and the queue.
+
+Scheduling follows OpenWhisk's ContainerPool (reference/openwhisk.md §9):
+
+1. a container of the same action revision and invoking namespace with a free slot (warm, or still
+   starting: it will be ready sooner than a new one);
+2. a new container if ``Σ memory + need ≤ user_memory``;
+3. otherwise evict least-recently-used idle containers of other actions and start one;
+4. otherwise wait in a FIFO queue. A waiter that a warm container can serve is served as soon as a slot
+   frees; among waiters that need a new container only the oldest may start one, so large actions are
+   not starved by a stream of small ones.
+
+All bookkeeping is synchronous on the event loop (no awaits between a decision and its effect), so no
+locks are needed. Starting, initializing and removing containers is done by the caller (``core``) and by
+the pool's own removal tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from dilu_invoker.invoker.api import InvokerOverloaded
+from dilu_invoker.invoker.backends.base import ContainerSpec
+from dilu_invoker.invoker.container import ContainerProxy, PoolKey, State, Transition
+from dilu_invoker.model import Action
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    proxy: ContainerProxy
+    #: this activation must start and initialize the container itself
+    cold: bool
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    key: PoolKey
+    action: Action
+    memory_mb: int
+    slots: int
+    make_spec: Callable[[str], ContainerSpec]
+    future: asyncio.Future[Lease]
+
+
+class ContainerPool:
+    def __init__(
+        self,
+        *,
+        user_memory_mb: int,
+        idle_timeout_s: float,
+        pause_grace_s: float | None,
+        max_queue: int,
+        destroy: Callable[[ContainerProxy], Awaitable[None]],
+        name_prefix: str = "wsk0",
+        observers: tuple[Callable[[Transition], None], ...] = (),
+    ) -> None:
+        self.user_memory_mb = user_memory_mb
+        self.idle_timeout_s = idle_timeout_s
+        self.pause_grace_s = pause_grace_s
+        self.max_queue = max_queue
+        self._destroy = destroy
+        self._prefix = name_prefix
+        self._observers = list(observers)
+        self._counter = itertools.count(1)
+        self.containers: dict[str, ContainerProxy] = {}
+        self._by_key: dict[PoolKey, list[ContainerProxy]] = collections.defaultdict(list)
+        self._queue: collections.deque[_Waiter] = collections.deque()
+        self._removals: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # -- observation --------------------------------------------------------------------------
+
+    def observe(self, callback: Callable[[Transition], None]) -> None:
+        self._observers.append(callback)
+
+    def _on_transition(self, t: Transition) -> None:
+        log.debug("container transition", container=t.container, old=t.old.value, new=t.new.value, reason=t.reason)
+        for cb in self._observers:
+            cb(t)
+
+    @property
+    def memory_in_use_mb(self) -> int:
+        return sum(p.memory_mb for p in self.containers.values())
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    def busy_count(self) -> int:
+        return sum(1 for p in self.containers.values() if p.active > 0)
+
+    # -- acquiring ---------------------------------------------------------------------------
+
+    async def acquire(
+        self, key: PoolKey, action: Action, *, memory_mb: int, slots: int, make_spec: Callable[[str], ContainerSpec]
+    ) -> Lease:
+        if self._closed:
+            raise InvokerOverloaded("the invoker is shutting down")
+        if memory_mb > self.user_memory_mb:
+            raise InvokerOverloaded(
+                f"the action needs {memory_mb} MB but this invoker has only {self.user_memory_mb} MB for actions"
+            )
+        lease = self._try_assign(key, action, memory_mb, slots, make_spec, may_start=not self._queue_needs_memory())
+        if lease is not None:
+            return lease
+        if len(self._queue) >= self.max_queue:
+            raise InvokerOverloaded("too many activations are waiting for a container")
+        waiter = _Waiter(key, action, memory_mb, slots, make_spec, asyncio.get_running_loop().create_future())
+        self._queue.append(waiter)
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                # Assigned just as we were cancelled: give the slot back.
+                self.release(waiter.future.result().proxy, healthy=True)
+            elif waiter in self._queue:
+                self._queue.remove(waiter)
+            raise
+
+    def _queue_needs_memory(self) -> bool:
+        return any(True for _ in self._queue)
+
+    def _warm_slot(self, key: PoolKey) -> ContainerProxy | None:
+        best: ContainerProxy | None = None
+        for proxy in self._by_key.get(key, ()):
+            if not proxy.has_capacity:
+                continue
+            # Prefer a ready container, then a paused one, then one still starting; least busy first.
+            rank = {State.READY: 0, State.PAUSED: 1, State.INITIALIZING: 2, State.STARTING: 3}[proxy.state]
+            if best is None or (rank, proxy.active) < (
+                {State.READY: 0, State.PAUSED: 1, State.INITIALIZING: 2, State.STARTING: 3}[best.state],
+                best.active,
+            ):
+                best = proxy
+        return best
+
+    def _try_assign(
+        self,
+        key: PoolKey,
+        action: Action,
+        memory_mb: int,
+        slots: int,
+        make_spec: Callable[[str], ContainerSpec],
+        *,
+        may_start: bool,
+    ) -> Lease | None:
+        proxy = self._warm_slot(key)
+        if proxy is not None:
+            proxy.active += 1
+            proxy.last_used = time.monotonic()
+            proxy.cancel_timers()
+            return Lease(proxy, cold=False)
+        if not may_start:
+            return None
+        if self.memory_in_use_mb + memory_mb > self.user_memory_mb and not self._evict_for(memory_mb):
+            return None
+        name = f"{self._prefix}_{next(self._counter)}_{_slug(key.namespace)}_{_slug(action.name)}"
+        proxy = ContainerProxy(
+            name=name,
+            key=key,
+            action=action,
+            spec=make_spec(name),
+            memory_mb=memory_mb,
+            slots=max(1, slots),
+            on_transition=self._on_transition,
+            active=1,
+        )
+        self.containers[name] = proxy
+        self._by_key[key].append(proxy)
+        self._on_transition(Transition(name, State.STARTING, State.STARTING, "cold start", time.monotonic()))
+        return Lease(proxy, cold=True)
+
+    def _evict_for(self, memory_mb: int) -> bool:
+        """Remove least-recently-used idle containers until ``memory_mb`` fits; False if it cannot."""
+        idle = sorted((p for p in self.containers.values() if p.is_idle), key=lambda p: p.last_used)
+        free = self.user_memory_mb - self.memory_in_use_mb
+        victims: list[ContainerProxy] = []
+        for p in idle:
+            if free >= memory_mb:
+                break
+            victims.append(p)
+            free += p.memory_mb
+        if free < memory_mb:
+            return False
+        for p in victims:
+            self.remove(p, "evicted to make room")
+        return True
+
+    # -- releasing and removing ---------------------------------------------------------------
+
+    def release(self, proxy: ContainerProxy, *, healthy: bool, reason: str = "") -> None:
+        """An activation is done with ``proxy``; an unhealthy container is removed."""
+        proxy.active = max(0, proxy.active - 1)
+        proxy.last_used = time.monotonic()
+        if not healthy:
+            self.remove(proxy, reason or "activation failed")
+        elif proxy.state is State.READY and proxy.active == 0 and not self._closed:
+            self._arm_idle(proxy)
+        self._drain_queue()
+
+    def _arm_idle(self, proxy: ContainerProxy) -> None:
+        if self.pause_grace_s is not None and self.pause_grace_s < self.idle_timeout_s:
+            proxy.arm(self.pause_grace_s, lambda: self._spawn(self._pause(proxy)))
+        proxy.arm(self.idle_timeout_s, lambda: self.remove(proxy, "idle timeout") if proxy.is_idle else None)
+
+    async def _pause(self, proxy: ContainerProxy) -> None:
+        if not proxy.is_idle or proxy.state is not State.READY or proxy.container is None:
+            return
+        proxy.transition(State.PAUSED, "pause grace elapsed")
+        # idle timer continues in PAUSED
+        proxy.arm(max(0.0, self.idle_timeout_s - (self.pause_grace_s or 0.0)),
+                  lambda: self.remove(proxy, "idle timeout") if proxy.is_idle else None)
+        try:
+            await proxy.container.pause()
+        except Exception as exc:  # noqa: BLE001 - a failed pause makes the container unusable
+            log.warning("pause failed", container=proxy.name, error=str(exc))
+            self.remove(proxy, f"pause failed: {exc}")
+
+    async def resume(self, proxy: ContainerProxy) -> bool:
+        """Bring a paused container back before running on it; False if it is gone."""
+        if proxy.state is not State.PAUSED or proxy.container is None:
+            return proxy.state is State.READY
+        proxy.transition(State.READY, "resumed for an activation")
+        try:
+            await proxy.container.resume()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("resume failed", container=proxy.name, error=str(exc))
+            self.remove(proxy, f"resume failed: {exc}")
+            return False
+        return True
+
+    def mark_ready(self, proxy: ContainerProxy, reason: str) -> None:
+        if proxy.state is State.INITIALIZING:
+            proxy.transition(State.READY, reason)
+            if proxy.active == 0:
+                self._arm_idle(proxy)
+        self._drain_queue()
+
+    def remove(self, proxy: ContainerProxy, reason: str) -> None:
+        if proxy.state in (State.REMOVING, State.REMOVED):
+            return
+        proxy.transition(State.REMOVING, reason)
+        if not proxy.ready.done():
+            proxy.ready.set_result(reason)
+        self._spawn(self._finish_removal(proxy))
+
+    async def _finish_removal(self, proxy: ContainerProxy) -> None:
+        try:
+            await self._destroy(proxy)
+        finally:
+            proxy.transition(State.REMOVED, "destroyed")
+            self.containers.pop(proxy.name, None)
+            siblings = self._by_key.get(proxy.key)
+            if siblings is not None:
+                if proxy in siblings:
+                    siblings.remove(proxy)
+                if not siblings:
+                    del self._by_key[proxy.key]
+            self._drain_queue()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    def _drain_queue(self) -> None:
+        if not self._queue:
+            return
+        may_start = True
+        for waiter in list(self._queue):
+            if waiter.future.done():
+                self._queue.remove(waiter)
+                continue
+            lease = self._try_assign(waiter.key, waiter.action, waiter.memory_mb, waiter.slots, waiter.make_spec,
+                                     may_start=may_start)
+            if lease is not None:
+                self._queue.remove(waiter)
+                waiter.future.set_result(lease)
+            else:
+                may_start = False  # only the oldest waiter that needs a new container may start one
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    async def close(self, *, drain_s: float = 5.0) -> None:
+        """Stop taking work, let running activations finish for ``drain_s``, then remove everything."""
+        self._closed = True
+        for waiter in self._queue:
+            if not waiter.future.done():
+                waiter.future.set_exception(InvokerOverloaded("the invoker is shutting down"))
+        self._queue.clear()
+        deadline = time.monotonic() + drain_s
+        while any(p.active for p in self.containers.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for proxy in list(self.containers.values()):
+            self.remove(proxy, "invoker shutting down")
+        if self._removals:
+            await asyncio.gather(*self._removals, return_exceptions=True)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "" for c in text)[:32] or "x"

@@ -1,0 +1,367 @@
+"""The cluster as placement sees it: a frozen snapshot with indexes kept up to date incrementally.
+
+Placement must stay fast with ~1,500 GPUs and thousands of decisions (the simulator replays 3,200
+placements in seconds), so a snapshot carries indexes that a decision can use without walking every
+GPU: lit GPUs bucketed by their Σ request, unlit GPUs per invoker, where each instance sits, and how
+many instances of each function each invoker holds. `with_instance` / `without_instance` return a new
+snapshot in which only the touched entries were rebuilt (the rest is shared or copied at C speed), so
+the snapshot stays a value: an old one is never changed by a later placement.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from dilu_invoker.policy.types import EPS, GpuRef, GpuState, PlacedInstance
+
+#: Resolution of the Σ-request index: lit GPUs are bucketed by floor(Σ request × BUCKETS).
+BUCKETS = 100
+
+
+def request_bucket(used_request: float) -> int:
+    """Index bucket of a lit GPU whose instances request `used_request` of it in total."""
+    return min(BUCKETS, max(0, math.floor(used_request * BUCKETS + EPS)))
+
+
+@dataclass(frozen=True, slots=True)
+class DemandTotals:
+    """Cluster-wide sums kept incrementally, for fragmentation means and the lit-GPU lower bound."""
+
+    lit_gpus: int
+    sm_request: float
+    """Σ over GPUs of Σ request on that GPU (an instance on k GPUs counts k times)."""
+    memory_mib: float
+    """Σ over GPUs of memory placed there."""
+    memory_fraction: float
+    """Σ over lit GPUs of (memory placed / capacity)."""
+    widest: int
+    """Most GPUs any live instance spans (0 when nothing is placed)."""
+
+
+_EMPTY_MAP: Mapping[str, int] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """Every GPU of every invoker, what is placed where, and `now`.
+
+    Build one with `ClusterSnapshot.build` (from load reports) or `ClusterSnapshot.uniform` (for a
+    simulated cluster); derive the next with `with_instance` / `without_instance` / `at`.
+    """
+
+    now: float
+    invokers: tuple[str, ...]
+    refs: tuple[GpuRef, ...]
+    """GPU ordinal → where it is; ordinals are the fixed order used for deterministic tie-breaks."""
+    gpus: tuple[GpuState, ...]
+    """GPU ordinal → state."""
+    ordinals: Mapping[GpuRef, int]
+    invoker_ordinals: Mapping[str, tuple[int, ...]]
+    lit_buckets: tuple[tuple[int, ...], ...]
+    """For k in 0..BUCKETS: ordinals (ascending) of lit GPUs whose Σ request falls in bucket k."""
+    unlit: Mapping[str, tuple[int, ...]]
+    """Invoker → ordinals (ascending) of its GPUs with nothing placed."""
+    locations: Mapping[str, tuple[int, ...]]
+    """Instance id → ordinals of the GPUs it occupies."""
+    function_counts: Mapping[str, Mapping[str, int]]
+    """Function → invoker → number of its instances there."""
+    width_counts: Mapping[int, int]
+    """Instance width (GPUs) → number of live instances that wide."""
+    lit_count: int
+    sum_request: float
+    sum_memory: float
+    sum_memory_fraction: float
+    max_memory_mib: float
+    min_memory_mib: float
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, *, now: float, gpus: Iterable[GpuState]) -> ClusterSnapshot:
+        """Index a full set of GPUs (O(GPUs + instances)); invokers keep their first-seen order."""
+        states = list(gpus)
+        if not states:
+            raise ValueError("a cluster needs at least one GPU")
+        order: dict[str, list[GpuState]] = {}
+        for g in states:
+            order.setdefault(g.ref.invoker, []).append(g)
+        ordered = [
+            g
+            for group in order.values()
+            for g in sorted(group, key=lambda s: s.ref.gpu)
+        ]
+        refs = tuple(g.ref for g in ordered)
+        ordinals = {ref: i for i, ref in enumerate(refs)}
+        if len(ordinals) != len(refs):
+            raise ValueError("duplicate GPU in cluster snapshot")
+        invoker_ordinals: dict[str, tuple[int, ...]] = {}
+        for i, ref in enumerate(refs):
+            invoker_ordinals[ref.invoker] = invoker_ordinals.get(ref.invoker, ()) + (i,)
+        buckets: list[list[int]] = [[] for _ in range(BUCKETS + 1)]
+        unlit: dict[str, tuple[int, ...]] = {inv: () for inv in order}
+        locations: dict[str, tuple[int, ...]] = {}
+        seen: dict[str, PlacedInstance] = {}
+        fn_counts: dict[str, dict[str, int]] = {}
+        widths: dict[int, int] = {}
+        lit = 0
+        sum_req = sum_mem = sum_frac = 0.0
+        for i, g in enumerate(ordered):
+            if g.lit:
+                lit += 1
+                buckets[request_bucket(g.used_request)].append(i)
+                sum_frac += g.used_memory / g.memory_mib
+            else:
+                unlit[g.ref.invoker] += (i,)
+            sum_req += g.used_request
+            sum_mem += g.used_memory
+            for inst in g.instances:
+                prev = seen.get(inst.id)
+                if prev is None:
+                    seen[inst.id] = inst
+                    fn = fn_counts.setdefault(inst.function, {})
+                    fn[g.ref.invoker] = fn.get(g.ref.invoker, 0) + 1
+                    widths[inst.gpus] = widths.get(inst.gpus, 0) + 1
+                elif prev != inst:
+                    raise ValueError(
+                        f"instance {inst.id} is described differently on two GPUs"
+                    )
+                locations[inst.id] = locations.get(inst.id, ()) + (i,)
+        return cls(
+            now=now,
+            invokers=tuple(order),
+            refs=refs,
+            gpus=tuple(ordered),
+            ordinals=MappingProxyType(ordinals),
+            invoker_ordinals=MappingProxyType(invoker_ordinals),
+            lit_buckets=tuple(tuple(b) for b in buckets),
+            unlit=MappingProxyType(unlit),
+            locations=MappingProxyType(locations),
+            function_counts=MappingProxyType(
+                {f: MappingProxyType(c) for f, c in fn_counts.items()}
+            ),
+            width_counts=MappingProxyType(widths),
+            lit_count=lit,
+            sum_request=sum_req,
+            sum_memory=sum_mem,
+            sum_memory_fraction=sum_frac,
+            max_memory_mib=max(g.memory_mib for g in ordered),
+            min_memory_mib=min(g.memory_mib for g in ordered),
+        )
+
+    @classmethod
+    def uniform(
+        cls,
+        *,
+        now: float = 0.0,
+        invokers: int | Sequence[str],
+        gpus_per_invoker: int,
+        memory_mib: float,
+        sm_count: int = 0,
+    ) -> ClusterSnapshot:
+        """An empty cluster of identical GPUs (the simulator's starting point)."""
+        names = (
+            [f"invoker{i}" for i in range(invokers)]
+            if isinstance(invokers, int)
+            else list(invokers)
+        )
+        if gpus_per_invoker < 1 or not names:
+            raise ValueError(
+                "a cluster needs at least one invoker with at least one GPU"
+            )
+        return cls.build(
+            now=now,
+            gpus=(
+                GpuState(ref=GpuRef(name, i), memory_mib=memory_mib, sm_count=sm_count)
+                for name in names
+                for i in range(gpus_per_invoker)
+            ),
+        )
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def gpu(self, ref: GpuRef) -> GpuState:
+        return self.gpus[self.ordinals[ref]]
+
+    def lit_gpus(self) -> Iterator[GpuState]:
+        """Lit GPUs in ordinal order (O(GPUs); for reports, not for the per-decision path)."""
+        return (g for g in self.gpus if g.lit)
+
+    def has_instance(self, instance_id: str) -> bool:
+        return instance_id in self.locations
+
+    def instance_gpus(self, instance_id: str) -> tuple[GpuRef, ...]:
+        return tuple(self.refs[o] for o in self.locations[instance_id])
+
+    def instance(self, instance_id: str) -> PlacedInstance:
+        ordinal = self.locations[instance_id][0]
+        for inst in self.gpus[ordinal].instances:
+            if inst.id == instance_id:
+                return inst
+        raise KeyError(instance_id)  # unreachable while the index is consistent
+
+    def function_count(self, function: str, invoker: str) -> int:
+        """How many instances of `function` the invoker holds."""
+        return self.function_counts.get(function, _EMPTY_MAP).get(invoker, 0)
+
+    def totals(self) -> DemandTotals:
+        widest = max((w for w, n in self.width_counts.items() if n > 0), default=0)
+        return DemandTotals(
+            lit_gpus=self.lit_count,
+            sm_request=self.sum_request,
+            memory_mib=self.sum_memory,
+            memory_fraction=self.sum_memory_fraction,
+            widest=widest,
+        )
+
+    def __len__(self) -> int:
+        return len(self.gpus)
+
+    # -- derivation ---------------------------------------------------------------------------
+
+    def at(self, now: float) -> ClusterSnapshot:
+        return _copy(self, now=now)
+
+    def with_instance(
+        self, instance: PlacedInstance, gpus: Sequence[GpuRef]
+    ) -> ClusterSnapshot:
+        """A new snapshot with `instance` placed on `gpus` (no admission check: that is placement's job)."""
+        if instance.id in self.locations:
+            raise ValueError(f"instance {instance.id} is already placed")
+        if len(gpus) != instance.gpus or len(set(gpus)) != len(gpus):
+            raise ValueError(
+                f"instance {instance.id} needs {instance.gpus} distinct GPUs, got {list(gpus)}"
+            )
+        try:
+            ords = tuple(sorted(self.ordinals[ref] for ref in gpus))
+        except KeyError as exc:
+            raise ValueError(f"unknown GPU {exc.args[0]}") from None
+        changed = {
+            o: self.gpus[o].with_instances(self.gpus[o].instances + (instance,))
+            for o in ords
+        }
+        locations = dict(self.locations)
+        locations[instance.id] = ords
+        return self._rebuild(changed, locations, instance, +1)
+
+    def without_instance(self, instance_id: str) -> ClusterSnapshot:
+        """A new snapshot with the instance gone from every GPU it occupied (KeyError if unknown)."""
+        ords = self.locations[instance_id]
+        instance = self.instance(instance_id)
+        changed = {
+            o: self.gpus[o].with_instances(
+                tuple(i for i in self.gpus[o].instances if i.id != instance_id)
+            )
+            for o in ords
+        }
+        locations = dict(self.locations)
+        del locations[instance_id]
+        return self._rebuild(changed, locations, instance, -1)
+
+    def with_schedulable(self, ref: GpuRef, schedulable: bool) -> ClusterSnapshot:
+        """Mark a GPU as draining (False) or open again (True)."""
+        o = self.ordinals[ref]
+        old = self.gpus[o]
+        new = GpuState(
+            ref=old.ref,
+            memory_mib=old.memory_mib,
+            uuid=old.uuid,
+            sm_count=old.sm_count,
+            instances=old.instances,
+            schedulable=schedulable,
+        )
+        gpus = list(self.gpus)
+        gpus[o] = new
+        return _copy(self, gpus=tuple(gpus))
+
+    def _rebuild(
+        self,
+        changed: Mapping[int, GpuState],
+        locations: dict[str, tuple[int, ...]],
+        instance: PlacedInstance,
+        sign: int,
+    ) -> ClusterSnapshot:
+        gpus = list(self.gpus)
+        buckets = list(self.lit_buckets)
+        unlit = dict(self.unlit)
+        lit = self.lit_count
+        sum_req, sum_mem, sum_frac = (
+            self.sum_request,
+            self.sum_memory,
+            self.sum_memory_fraction,
+        )
+        for o, new in changed.items():
+            old = gpus[o]
+            gpus[o] = new
+            inv = new.ref.invoker
+            if old.lit:
+                k = request_bucket(old.used_request)
+                buckets[k] = _remove(buckets[k], o)
+                sum_frac -= old.used_memory / old.memory_mib
+                lit -= 1
+            else:
+                unlit[inv] = _remove(unlit[inv], o)
+            if new.lit:
+                k = request_bucket(new.used_request)
+                buckets[k] = _insert(buckets[k], o)
+                sum_frac += new.used_memory / new.memory_mib
+                lit += 1
+            else:
+                unlit[inv] = _insert(unlit[inv], o)
+            sum_req += new.used_request - old.used_request
+            sum_mem += new.used_memory - old.used_memory
+        if lit == 0:
+            # Float residue from many add/subtract pairs must not survive an empty cluster.
+            sum_req = sum_mem = sum_frac = 0.0
+        invoker = self.refs[next(iter(changed))].invoker
+        fn_counts = dict(self.function_counts)
+        per_inv = dict(fn_counts.get(instance.function, _EMPTY_MAP))
+        count = per_inv.get(invoker, 0) + sign
+        if count > 0:
+            per_inv[invoker] = count
+        else:
+            per_inv.pop(invoker, None)
+        if per_inv:
+            fn_counts[instance.function] = MappingProxyType(per_inv)
+        else:
+            fn_counts.pop(instance.function, None)
+        widths = dict(self.width_counts)
+        widths[instance.gpus] = widths.get(instance.gpus, 0) + sign
+        if widths[instance.gpus] <= 0:
+            del widths[instance.gpus]
+        return _copy(
+            self,
+            gpus=tuple(gpus),
+            lit_buckets=tuple(buckets),
+            unlit=MappingProxyType(unlit),
+            locations=MappingProxyType(locations),
+            function_counts=MappingProxyType(fn_counts),
+            width_counts=MappingProxyType(widths),
+            lit_count=lit,
+            sum_request=sum_req,
+            sum_memory=sum_mem,
+            sum_memory_fraction=sum_frac,
+        )
+
+
+def _copy(snap: ClusterSnapshot, **changes: object) -> ClusterSnapshot:
+    fields = {
+        name: getattr(snap, name) for name in ClusterSnapshot.__dataclass_fields__
+    }
+    fields.update(changes)
+    return ClusterSnapshot(**fields)
+
+
+def _insert(ordered: tuple[int, ...], value: int) -> tuple[int, ...]:
+    i = bisect.bisect_left(ordered, value)
+    return ordered[:i] + (value,) + ordered[i:]
+
+
+def _remove(ordered: tuple[int, ...], value: int) -> tuple[int, ...]:
+    i = bisect.bisect_left(ordered, value)
+    if i == len(ordered) or ordered[i] != value:
+        raise AssertionError(f"index out of sync: GPU ordinal {value} missing")
+    return ordered[:i] + ordered[i + 1 :]

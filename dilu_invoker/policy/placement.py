@@ -1,0 +1,935 @@
+"""Placement: which GPU(s) of which invoker a new instance goes to. Filter → score → pick.
+
+* **Filters** say whether one GPU can take the instance at all (typed status + reason).
+* **Scorers** rate a GPU that passed, 0–100; a strategy combines them with weights.
+* **Strategies** name a set of filters, weights and how the instance's share is then run
+  (`dilu`, and the evaluation's baselines `exclusive`, `infless-l`, `infless-r`, `fastgs`).
+  An unknown strategy name fails when the `PlacementConfig` is built, i.e. at start-up.
+
+Speed: a decision never walks the whole cluster. Lit GPUs are visited from the snapshot's Σ-request
+index, tightest fit first, and only those whose Σ request leaves room (the filters' bound); scoring
+stops after `candidate_limit` GPUs have passed the filters (as kube-scheduler scores a sample of
+feasible nodes). Unlit GPUs are all empty, so one per invoker stands for the rest, and they are not
+looked at when no unlit GPU could outscore the best lit one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot
+from dilu_invoker.policy.types import (
+    EPS,
+    GpuRef,
+    GpuState,
+    InstanceClass,
+    PlacedInstance,
+    Profile,
+    SharePair,
+)
+
+
+class Affinity(StrEnum):
+    """Where instances of one function go relative to each other."""
+
+    SPREAD = "spread"
+    """Prefer invokers (and GPUs) without the function: one node's death does not take it down."""
+    PACK = "pack"
+    """Prefer invokers that already run the function (e.g. to share cached weights)."""
+    NONE = "none"
+
+
+class ShareMode(StrEnum):
+    """How the placed instance's SM share is run afterwards; what the strategy reserved for it."""
+
+    DYNAMIC = "dynamic"
+    """The vertical policy moves the share between request and limit (Dilu)."""
+    STATIC_LIMIT = "static-limit"
+    """Fixed at the limit, reserved in full: Σ limit ≤ 1 (INFless-l)."""
+    STATIC_REQUEST = "static-request"
+    """Fixed at the request: Σ request ≤ 1, never more than the request (INFless-r)."""
+    SPATIAL_REQUEST = "spatial-request+time-quota"
+    """Static SM partition at the request plus time slices up to the limit when idle (FaST-GShare)."""
+    WHOLE_GPU = "whole-gpu"
+    """The instance owns its GPUs outright (exclusive)."""
+
+    def static_share(self, pair: SharePair) -> float | None:
+        """The fixed share the instance runs at, or None when the vertical policy decides."""
+        if self is ShareMode.DYNAMIC:
+            return None
+        if self is ShareMode.STATIC_LIMIT:
+            return pair.limit
+        if self is ShareMode.WHOLE_GPU:
+            return 1.0
+        return pair.request
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacementRequest:
+    """A new instance to place; `request`, `limit` and `memory_mib` are per GPU."""
+
+    instance_id: str
+    function: str
+    cls: InstanceClass
+    request: float
+    limit: float
+    memory_mib: float
+    gpus: int = 1
+    """GPUs needed, all on one invoker (a gang, e.g. data-parallel training)."""
+    profile: Profile | None = None
+    affinity: Affinity | None = None
+    """Per-function override of `PlacementConfig.affinity`."""
+    avoid_gpus: frozenset[GpuRef] = frozenset()
+    avoid_invokers: frozenset[str] = frozenset()
+    lit_only: bool = False
+    """Never light a new GPU (compaction moves, or when the operator forbids growth)."""
+
+    def __post_init__(self) -> None:
+        # PlacedInstance validates id, shares, memory and width the same way.
+        self.to_instance()
+
+    def to_instance(self) -> PlacedInstance:
+        return PlacedInstance(
+            id=self.instance_id,
+            function=self.function,
+            cls=self.cls,
+            request=self.request,
+            limit=self.limit,
+            memory_mib=self.memory_mib,
+            gpus=self.gpus,
+            profile=self.profile,
+        )
+
+
+# -- filters -------------------------------------------------------------------------------------
+
+
+class FilterStatus(StrEnum):
+    SUCCESS = "success"
+    UNSCHEDULABLE = "unschedulable"
+
+
+@dataclass(frozen=True, slots=True)
+class FilterResult:
+    status: FilterStatus
+    filter: str
+    reason: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status is FilterStatus.SUCCESS
+
+
+GpuPredicate = Callable[[GpuState, PlacementRequest, "PlacementConfig"], bool]
+GpuExplain = Callable[[GpuState, PlacementRequest, "PlacementConfig"], str]
+ScanBound = Callable[[PlacementRequest, "PlacementConfig"], float]
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """A yes/no test of one GPU. `bound`, when given, is the largest Σ request a passing lit GPU can
+    have: placement skips index buckets above it without looking at their GPUs."""
+
+    name: str
+    description: str
+    passes: GpuPredicate
+    explain: GpuExplain
+    bound: ScanBound | None = None
+
+    def check(
+        self, gpu: GpuState, request: PlacementRequest, config: PlacementConfig
+    ) -> FilterResult:
+        if self.passes(gpu, request, config):
+            return FilterResult(FilterStatus.SUCCESS, self.name, "fits")
+        return FilterResult(
+            FilterStatus.UNSCHEDULABLE, self.name, self.explain(gpu, request, config)
+        )
+
+
+def _f_schedulable(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
+    return g.schedulable
+
+
+def _f_avoid(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
+    if not (r.avoid_gpus or r.avoid_invokers):
+        return True
+    return g.ref not in r.avoid_gpus and g.ref.invoker not in r.avoid_invokers
+
+
+def _f_sm_request(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
+    return g.used_request + r.request <= c.omega + EPS
+
+
+def _f_sm_limit(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
+    return g.used_limit + r.limit <= c.gamma + EPS
+
+
+def _f_sm_limit_static(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
+    return g.used_limit + r.limit <= 1.0 + EPS
+
+
+def _f_memory(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
+    return g.used_memory + r.memory_mib <= g.memory_mib * (1.0 + EPS)
+
+
+def _f_exclusive(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
+    return not g.instances
+
+
+FILTERS: dict[str, Filter] = {
+    f.name: f
+    for f in (
+        Filter(
+            "schedulable",
+            "the GPU (or its invoker) is not draining",
+            _f_schedulable,
+            lambda g, r, c: f"{g.ref} is draining",
+        ),
+        Filter(
+            "avoid",
+            "the request does not exclude this GPU or its invoker",
+            _f_avoid,
+            lambda g, r, c: f"{g.ref} is excluded by the request",
+        ),
+        Filter(
+            "sm-request",
+            "Σ request + request ≤ ω (requests are guaranteed, never oversubscribed)",
+            _f_sm_request,
+            lambda g, r, c: (
+                f"{g.ref}: Σ request {g.used_request:.2f} + {r.request:.2f} > ω {c.omega:.2f}"
+            ),
+            lambda r, c: c.omega - r.request,
+        ),
+        Filter(
+            "sm-limit",
+            "Σ limit + limit ≤ γ (limits oversubscribed by γ; vertical feedback protects)",
+            _f_sm_limit,
+            lambda g, r, c: (
+                f"{g.ref}: Σ limit {g.used_limit:.2f} + {r.limit:.2f} > γ {c.gamma:.2f}"
+            ),
+            # Σ request ≤ Σ limit, so a GPU passing this filter has Σ request ≤ γ − limit.
+            lambda r, c: c.gamma - r.limit,
+        ),
+        Filter(
+            "sm-limit-static",
+            "Σ limit + limit ≤ 1 (limits reserved in full, no oversubscription)",
+            _f_sm_limit_static,
+            lambda g, r, c: f"{g.ref}: Σ limit {g.used_limit:.2f} + {r.limit:.2f} > 1",
+            lambda r, c: 1.0 - r.limit,
+        ),
+        Filter(
+            "memory",
+            "Σ memory + memory ≤ GPU memory",
+            _f_memory,
+            lambda g, r, c: (
+                f"{g.ref}: memory {g.used_memory:.0f} + {r.memory_mib:.0f} MiB > {g.memory_mib:.0f} MiB"
+            ),
+        ),
+        Filter(
+            "exclusive",
+            "the GPU holds nothing (whole-GPU allocation)",
+            _f_exclusive,
+            lambda g, r, c: f"{g.ref} already holds {len(g.instances)} instance(s)",
+            lambda r, c: -1.0,
+        ),
+    )
+}
+
+
+# -- scorers -------------------------------------------------------------------------------------
+
+GpuScore = Callable[
+    [GpuState, PlacementRequest, ClusterSnapshot, "PlacementConfig"], float
+]
+UnlitBound = Callable[[PlacementRequest, ClusterSnapshot, "PlacementConfig"], float]
+
+
+@dataclass(frozen=True, slots=True)
+class Scorer:
+    """Rates a GPU that passed the filters, 0 (worst) to 100 (best). `unlit_bound` is the most any
+    unlit (empty) GPU can score, so placement can skip unlit GPUs that cannot win."""
+
+    name: str
+    description: str
+    score: GpuScore
+    unlit_bound: UnlitBound
+
+
+def _s_lit(
+    g: GpuState, r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    return 100.0 if g.instances else 0.0
+
+
+def _frag_score(
+    used_request: float, used_memory: float, capacity: float, c: PlacementConfig
+) -> float:
+    frag = c.sm_weight * (1.0 - used_request) + c.memory_weight * (
+        1.0 - used_memory / capacity
+    )
+    return min(100.0, max(0.0, 100.0 * (1.0 - frag)))
+
+
+def _s_fragmentation(
+    g: GpuState, r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    return _frag_score(
+        g.used_request + r.request, g.used_memory + r.memory_mib, g.memory_mib, c
+    )
+
+
+def _s_sm_fit(
+    g: GpuState, r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    return 100.0 * min(1.0, g.used_request + r.request)
+
+
+def _s_limit_fit(
+    g: GpuState, r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    return 100.0 * min(1.0, g.used_limit + r.limit)
+
+
+def _s_complementarity(
+    g: GpuState, r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    n = len(g.instances)
+    if n == 0:
+        return 50.0
+    other_class = g.n_best_effort if r.cls.latency_critical else g.n_latency
+    profiled = g.n_compute + g.n_memory
+    if r.profile is None or profiled == 0:
+        profile_part = 0.5
+    else:
+        opposite = g.n_memory if r.profile is Profile.COMPUTE else g.n_compute
+        profile_part = opposite / profiled
+    w = c.complement_class_weight
+    return 100.0 * (w * other_class / n + (1.0 - w) * profile_part)
+
+
+def _s_affinity(
+    g: GpuState, r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    mode = r.affinity or c.affinity
+    if mode is Affinity.NONE:
+        return 50.0
+    count = cl.function_count(r.function, g.ref.invoker)
+    if mode is Affinity.SPREAD:
+        score = 100.0 / (1 + count)
+        # Two instances of one function on one GPU compete for the same thing at the same time.
+        if count and any(i.function == r.function for i in g.instances):
+            score *= 0.5
+        return score
+    return 100.0 * count / (1 + count)
+
+
+def _unlit_fragmentation(
+    r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    return _frag_score(r.request, r.memory_mib, cl.min_memory_mib, c)
+
+
+def _unlit_affinity(
+    r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    return 50.0 if (r.affinity or c.affinity) is Affinity.NONE else 100.0
+
+
+SCORERS: dict[str, Scorer] = {
+    s.name: s
+    for s in (
+        Scorer(
+            "lit",
+            "100 on an already-lit GPU, 0 on one that would have to be lit (Dilu's tier order)",
+            _s_lit,
+            lambda r, cl, c: 0.0,
+        ),
+        Scorer(
+            "fragmentation",
+            "100·(1 − (sm_weight·SM_frag + memory_weight·Mem_frag)) after placing: best fit",
+            _s_fragmentation,
+            _unlit_fragmentation,
+        ),
+        Scorer(
+            "sm-fit",
+            "100·Σ request after placing: best fit on SM requests only",
+            _s_sm_fit,
+            lambda r, cl, c: 100.0 * min(1.0, r.request),
+        ),
+        Scorer(
+            "limit-fit",
+            "100·Σ limit after placing: best fit on reserved limits",
+            _s_limit_fit,
+            lambda r, cl, c: 100.0 * min(1.0, r.limit),
+        ),
+        Scorer(
+            "complementarity",
+            "share of neighbours of the other class (inference beside training) and opposite profile",
+            _s_complementarity,
+            lambda r, cl, c: 50.0,
+        ),
+        Scorer(
+            "affinity",
+            "spread: 100/(1+n) for n instances of the function on the invoker (halved on a GPU holding "
+            "one); pack: 100·n/(1+n)",
+            _s_affinity,
+            _unlit_affinity,
+        ),
+    )
+}
+
+
+# -- strategies ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    name: str
+    description: str
+    filters: tuple[str, ...]
+    weights: tuple[tuple[str, float], ...]
+    share_mode: ShareMode
+
+    def __post_init__(self) -> None:
+        for f in self.filters:
+            if f not in FILTERS:
+                raise ValueError(
+                    f"strategy {self.name}: unknown filter {f!r}; known: {sorted(FILTERS)}"
+                )
+        _check_weights(self.weights, f"strategy {self.name}")
+
+
+def _check_weights(weights: tuple[tuple[str, float], ...], where: str) -> None:
+    if not weights:
+        raise ValueError(f"{where}: needs at least one scorer weight")
+    for name, w in weights:
+        if name not in SCORERS:
+            raise ValueError(
+                f"{where}: unknown scorer {name!r}; known: {sorted(SCORERS)}"
+            )
+        if not (math.isfinite(w) and w >= 0):
+            raise ValueError(
+                f"{where}: weight of {name} must be a finite number >= 0, got {w!r}"
+            )
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(strategy: Strategy) -> Strategy:
+    """Add a strategy by name (at import / start-up time); a name can be registered once."""
+    if strategy.name in STRATEGIES:
+        raise ValueError(f"strategy {strategy.name!r} is already registered")
+    STRATEGIES[strategy.name] = strategy
+    return strategy
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown placement strategy {name!r}; known: {sorted(STRATEGIES)}"
+        ) from None
+
+
+_BASE_FILTERS = ("schedulable", "avoid")
+
+register_strategy(
+    Strategy(
+        "dilu",
+        "Dilu: Σ request ≤ ω, Σ limit ≤ γ, memory; lit GPUs first, then best fit on 0.6·SM + 0.4·memory "
+        "fragmentation, then complementary neighbours and spread; shares scaled at run time",
+        _BASE_FILTERS + ("sm-request", "sm-limit", "memory"),
+        (
+            ("lit", 10.0),
+            ("fragmentation", 4.0),
+            ("complementarity", 1.0),
+            ("affinity", 1.0),
+        ),
+        ShareMode.DYNAMIC,
+    )
+)
+register_strategy(
+    Strategy(
+        "exclusive",
+        "one instance per whole GPU (a gang takes that many empty GPUs of one invoker)",
+        _BASE_FILTERS + ("exclusive", "memory"),
+        (("affinity", 1.0),),
+        ShareMode.WHOLE_GPU,
+    )
+)
+register_strategy(
+    Strategy(
+        "infless-l",
+        "INFless-l: static share at the limit, Σ limit ≤ 1, memory; lit first, best fit on limits",
+        _BASE_FILTERS + ("sm-limit-static", "memory"),
+        (("lit", 10.0), ("limit-fit", 4.0)),
+        ShareMode.STATIC_LIMIT,
+    )
+)
+register_strategy(
+    Strategy(
+        "infless-r",
+        "INFless-r: static share at the request, Σ request ≤ ω, memory; lit first, best fit on SM requests",
+        _BASE_FILTERS + ("sm-request", "memory"),
+        (("lit", 10.0), ("sm-fit", 4.0)),
+        ShareMode.STATIC_REQUEST,
+    )
+)
+register_strategy(
+    Strategy(
+        "fastgs",
+        "FaST-GShare: static SM partition at the request (partitions never overlap: Σ request ≤ ω) plus a "
+        "time quota up to the limit that reserves nothing; lit first, best fit on SM and memory",
+        _BASE_FILTERS + ("sm-request", "memory"),
+        (("lit", 10.0), ("fragmentation", 4.0)),
+        ShareMode.SPATIAL_REQUEST,
+    )
+)
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacementConfig:
+    """Every constant of placement; see docs/policies.md for why each default."""
+
+    strategy: str = "dilu"
+    omega: float = 1.0
+    """ω: Σ request per GPU may reach ω·1. Dilu's 1: requests are guarantees."""
+    gamma: float = 1.5
+    """γ: Σ limit per GPU may reach γ·1. Dilu's 1.5: limits oversubscribed by 50%."""
+    sm_weight: float = 0.6
+    """Weight of SM fragmentation in the fragmentation scorer (Dilu's 0.6)."""
+    memory_weight: float = 0.4
+    """Weight of memory fragmentation in the fragmentation scorer (Dilu's 0.4)."""
+    affinity: Affinity = Affinity.SPREAD
+    """Default placement of a function's instances relative to each other."""
+    complement_class_weight: float = 0.6
+    """In the complementarity scorer, the weight of class (vs. 1 − it for compute/memory profile)."""
+    weights: tuple[tuple[str, float], ...] | None = None
+    """Scorer weights overriding the strategy's, e.g. (("lit", 10), ("fragmentation", 4))."""
+    candidate_limit: int = 64
+    """Stop scoring once this many lit GPUs (or unlit invokers) passed the filters."""
+    report_candidates: int = 3
+    """How many of the best candidates a decision lists with their scores."""
+
+    def __post_init__(self) -> None:
+        get_strategy(self.strategy)
+        if not (math.isfinite(self.omega) and 0 < self.omega):
+            raise ValueError(f"omega must be > 0, got {self.omega!r}")
+        if not (math.isfinite(self.gamma) and self.gamma >= self.omega):
+            raise ValueError(
+                f"gamma must be >= omega ({self.omega}), got {self.gamma!r}"
+            )
+        for name in ("sm_weight", "memory_weight", "complement_class_weight"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+                raise ValueError(f"{name} must be between 0 and 1, got {v!r}")
+        if self.weights is not None:
+            _check_weights(self.weights, "PlacementConfig.weights")
+        if self.candidate_limit < 1:
+            raise ValueError(
+                f"candidate_limit must be >= 1, got {self.candidate_limit}"
+            )
+        if self.report_candidates < 0:
+            raise ValueError(
+                f"report_candidates must be >= 0, got {self.report_candidates}"
+            )
+
+    def strategy_spec(self) -> Strategy:
+        return get_strategy(self.strategy)
+
+    def scorer_weights(self) -> tuple[tuple[Scorer, float], ...]:
+        pairs = (
+            self.weights if self.weights is not None else self.strategy_spec().weights
+        )
+        return tuple((SCORERS[name], w) for name, w in pairs if w > 0)
+
+
+# -- decisions -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateScore:
+    gpus: tuple[GpuRef, ...]
+    total: float
+    scores: tuple[tuple[str, float], ...]
+    """Per scorer, the 0–100 score (mean over the gang's GPUs)."""
+    lights: int
+    """How many of these GPUs are unlit now."""
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    filter: str
+    count: int
+    example: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementDecision:
+    instance_id: str
+    strategy: str
+    gpus: tuple[GpuRef, ...]
+    """Where to place; empty when nothing fits."""
+    share_mode: ShareMode
+    static_share: float | None
+    """The share to run the instance at for static strategies; None: the vertical policy decides."""
+    lights: int
+    total: float
+    reason: str
+    candidates: tuple[CandidateScore, ...] = ()
+    """The best few candidates, best first (the chosen one first)."""
+    rejections: tuple[Rejection, ...] = ()
+    """GPUs examined and rejected, counted by the first filter that failed."""
+
+    @property
+    def placed(self) -> bool:
+        return bool(self.gpus)
+
+    @property
+    def invoker(self) -> str | None:
+        return self.gpus[0].invoker if self.gpus else None
+
+
+def apply_placement(
+    cluster: ClusterSnapshot, request: PlacementRequest, decision: PlacementDecision
+) -> ClusterSnapshot:
+    """The cluster after carrying out a successful decision."""
+    if not decision.placed:
+        raise ValueError(
+            f"cannot apply a failed placement of {decision.instance_id}: {decision.reason}"
+        )
+    return cluster.with_instance(request.to_instance(), decision.gpus)
+
+
+# -- the decision --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Rejects:
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def note(
+        self,
+        f: Filter,
+        g: GpuState,
+        r: PlacementRequest,
+        c: PlacementConfig,
+        count: int = 1,
+    ) -> None:
+        n = self.counts.get(f.name, 0)
+        self.counts[f.name] = n + count
+        if n == 0:
+            self.examples[f.name] = f.explain(g, r, c)
+
+    def frozen(self) -> tuple[Rejection, ...]:
+        return tuple(
+            Rejection(name, n, self.examples[name]) for name, n in self.counts.items()
+        )
+
+    def summary(self) -> str:
+        if not self.counts:
+            return "no GPU was eligible"
+        return "; ".join(
+            f"{name} rejected {n} (e.g. {self.examples[name]})"
+            for name, n in self.counts.items()
+        )
+
+
+def _first_failure(
+    g: GpuState, filters: tuple[Filter, ...], r: PlacementRequest, c: PlacementConfig
+) -> Filter | None:
+    for f in filters:
+        if not f.passes(g, r, c):
+            return f
+    return None
+
+
+def _scan_lit(
+    cluster: ClusterSnapshot,
+    filters: tuple[Filter, ...],
+    request: PlacementRequest,
+    config: PlacementConfig,
+    limit: int,
+    rejects: _Rejects,
+) -> list[int]:
+    """Ordinals of lit GPUs passing every filter, tightest Σ request first, at most `limit`."""
+    bounded = [(f.bound(request, config), f) for f in filters if f.bound is not None]
+    if not bounded:
+        kmax = BUCKETS
+    else:
+        bound, tightest = min(bounded, key=lambda b: b[0])
+        kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
+        # GPUs in buckets above the bound fail `tightest` without being looked at; count
+        # them so a refusal still says why.
+        skipped = [b for b in cluster.lit_buckets[kmax + 1 :] if b]
+        if skipped:
+            rejects.note(
+                tightest,
+                cluster.gpus[skipped[0][0]],
+                request,
+                config,
+                count=sum(len(b) for b in skipped),
+            )
+    gpus = cluster.gpus
+    found: list[int] = []
+    for k in range(kmax, -1, -1):
+        for o in cluster.lit_buckets[k]:
+            g = gpus[o]
+            for f in filters:
+                if not f.passes(g, request, config):
+                    rejects.note(f, g, request, config)
+                    break
+            else:
+                found.append(o)
+                if len(found) >= limit:
+                    return found
+    return found
+
+
+def _score(
+    g: GpuState,
+    request: PlacementRequest,
+    cluster: ClusterSnapshot,
+    config: PlacementConfig,
+    scorers: tuple[tuple[Scorer, float], ...],
+) -> tuple[float, tuple[float, ...]]:
+    parts = tuple(s.score(g, request, cluster, config) for s, _ in scorers)
+    return sum(p * w for p, (_, w) in zip(parts, scorers, strict=True)), parts
+
+
+def _unlit_bound(
+    request: PlacementRequest,
+    cluster: ClusterSnapshot,
+    config: PlacementConfig,
+    scorers: tuple[tuple[Scorer, float], ...],
+) -> float:
+    return sum(w * s.unlit_bound(request, cluster, config) for s, w in scorers)
+
+
+def _describe(
+    gpus: tuple[GpuState, ...],
+    request: PlacementRequest,
+    total: float,
+    parts: tuple[float, ...],
+    scorers: tuple[tuple[Scorer, float], ...],
+) -> str:
+    where = ", ".join(
+        f"{g.ref} ({'lit' if g.lit else 'unlit'}, Σ request {g.used_request:.2f}→{g.used_request + request.request:.2f},"
+        f" Σ limit {g.used_limit:.2f}→{g.used_limit + request.limit:.2f})"
+        for g in gpus
+    )
+    terms = ", ".join(
+        f"{s.name} {p:.1f}×{w:g}" for p, (s, w) in zip(parts, scorers, strict=True)
+    )
+    return f"{where}: score {total:.1f} = {terms}"
+
+
+def _decision(
+    request: PlacementRequest,
+    config: PlacementConfig,
+    strategy: Strategy,
+    ranked: list[CandidateScore],
+    rejects: _Rejects,
+    examined: str,
+) -> PlacementDecision:
+    share_mode = strategy.share_mode
+    static = share_mode.static_share(SharePair(request.request, request.limit))
+    if not ranked:
+        what = f"{request.request:.2f}/{request.limit:.2f} SM, {request.memory_mib:.0f} MiB"
+        if request.gpus > 1:
+            what += f" on each of {request.gpus} GPUs of one invoker"
+        reason = f"no GPU fits {request.instance_id} ({what}) under {strategy.name}: {rejects.summary()}{examined}"
+        return PlacementDecision(
+            instance_id=request.instance_id,
+            strategy=strategy.name,
+            gpus=(),
+            share_mode=share_mode,
+            static_share=static,
+            lights=0,
+            total=0.0,
+            reason=reason,
+            candidates=(),
+            rejections=rejects.frozen(),
+        )
+    best = ranked[0]
+    lights = f", lights {best.lights} GPU(s)" if best.lights else ", no GPU lit"
+    reason = f"{strategy.name}: {request.instance_id} → {best.reason}{lights}"
+    return PlacementDecision(
+        instance_id=request.instance_id,
+        strategy=strategy.name,
+        gpus=best.gpus,
+        share_mode=share_mode,
+        static_share=static,
+        lights=best.lights,
+        total=best.total,
+        reason=reason,
+        candidates=tuple(ranked[: config.report_candidates]),
+        rejections=rejects.frozen(),
+    )
+
+
+def place(
+    cluster: ClusterSnapshot, request: PlacementRequest, config: PlacementConfig
+) -> PlacementDecision:
+    """Choose GPU(s) for `request` on `cluster` under `config.strategy`; never raises for "no room"."""
+    strategy = config.strategy_spec()
+    filters = tuple(FILTERS[name] for name in strategy.filters)
+    scorers = config.scorer_weights()
+    if request.gpus == 1:
+        return _place_one(cluster, request, config, strategy, filters, scorers)
+    return _place_gang(cluster, request, config, strategy, filters, scorers)
+
+
+# Candidates are ranked by (total, lit, -ordinal): best score, then an already-lit GPU, then the
+# earliest GPU in cluster order, so equal scores resolve the same way on every run.
+_Ranked = tuple[float, int, int, tuple[int, ...], tuple[float, ...]]
+
+
+def _place_one(
+    cluster: ClusterSnapshot,
+    request: PlacementRequest,
+    config: PlacementConfig,
+    strategy: Strategy,
+    filters: tuple[Filter, ...],
+    scorers: tuple[tuple[Scorer, float], ...],
+) -> PlacementDecision:
+    rejects = _Rejects()
+    gpus = cluster.gpus
+    ranked: list[_Ranked] = []
+    for o in _scan_lit(
+        cluster, filters, request, config, config.candidate_limit, rejects
+    ):
+        total, parts = _score(gpus[o], request, cluster, config, scorers)
+        ranked.append((total, 1, -o, (o,), parts))
+    best_lit = max((r[0] for r in ranked), default=-math.inf)
+    examined = ""
+    if request.lit_only:
+        examined = "; unlit GPUs not considered (lit only)"
+    elif _unlit_bound(request, cluster, config, scorers) > best_lit + EPS:
+        found = 0
+        for inv in cluster.invokers:
+            for o in cluster.unlit[inv]:
+                g = gpus[o]
+                failed = _first_failure(g, filters, request, config)
+                if failed is None:
+                    total, parts = _score(g, request, cluster, config, scorers)
+                    ranked.append((total, 0, -o, (o,), parts))
+                    found += 1
+                    break  # the invoker's other unlit GPUs are alike; one stands for them
+                rejects.note(failed, g, request, config)
+            if found >= config.candidate_limit:
+                break
+        if not any(cluster.unlit.values()):
+            examined = "; no unlit GPU left"
+    ranked.sort(reverse=True)
+    return _decision(
+        request,
+        config,
+        strategy,
+        _candidates(cluster, request, ranked, scorers, config),
+        rejects,
+        examined,
+    )
+
+
+def _candidates(
+    cluster: ClusterSnapshot,
+    request: PlacementRequest,
+    ranked: list[_Ranked],
+    scorers: tuple[tuple[Scorer, float], ...],
+    config: PlacementConfig,
+) -> list[CandidateScore]:
+    out = []
+    for total, _, _, ords, parts in ranked[: max(1, config.report_candidates)]:
+        states = tuple(cluster.gpus[o] for o in ords)
+        out.append(
+            CandidateScore(
+                gpus=tuple(g.ref for g in states),
+                total=total,
+                scores=tuple(
+                    (s.name, p) for p, (s, _) in zip(parts, scorers, strict=True)
+                ),
+                lights=sum(1 for g in states if not g.lit),
+                reason=_describe(states, request, total, parts, scorers),
+            )
+        )
+    return out
+
+
+def _place_gang(
+    cluster: ClusterSnapshot,
+    request: PlacementRequest,
+    config: PlacementConfig,
+    strategy: Strategy,
+    filters: tuple[Filter, ...],
+    scorers: tuple[tuple[Scorer, float], ...],
+) -> PlacementDecision:
+    k = request.gpus
+    rejects = _Rejects()
+    gpus = cluster.gpus
+    by_invoker: dict[str, list[int]] = {}
+    for o in _scan_lit(
+        cluster, filters, request, config, config.candidate_limit * k, rejects
+    ):
+        by_invoker.setdefault(cluster.refs[o].invoker, []).append(o)
+    # Invokers holding feasible lit GPUs first (they can avoid lighting some), then invokers with
+    # enough unlit GPUs, in cluster order, up to the candidate limit.
+    invokers = [inv for inv in cluster.invokers if inv in by_invoker]
+    if not request.lit_only:
+        extra = 0
+        for inv in cluster.invokers:
+            if inv not in by_invoker and len(cluster.unlit[inv]) >= k:
+                invokers.append(inv)
+                extra += 1
+                if extra >= config.candidate_limit:
+                    break
+    ranked: list[_Ranked] = []
+    for inv in invokers:
+        per_gpu: list[tuple[float, int, int, tuple[float, ...]]] = []
+        for o in by_invoker.get(inv, ()):
+            total, parts = _score(gpus[o], request, cluster, config, scorers)
+            per_gpu.append((total, 1, -o, parts))
+        if not request.lit_only:
+            for o in cluster.unlit[inv]:
+                failed = _first_failure(gpus[o], filters, request, config)
+                if failed is not None:
+                    rejects.note(failed, gpus[o], request, config)
+                    continue
+                total, parts = _score(gpus[o], request, cluster, config, scorers)
+                per_gpu.append((total, 0, -o, parts))
+        if len(per_gpu) < k:
+            continue
+        per_gpu.sort(reverse=True)
+        chosen = per_gpu[:k]
+        mean_total = sum(c[0] for c in chosen) / k
+        mean_parts = tuple(
+            sum(c[3][i] for c in chosen) / k for i in range(len(scorers))
+        )
+        ords = tuple(sorted(-c[2] for c in chosen))
+        lit = sum(c[1] for c in chosen)
+        ranked.append((mean_total, lit, -ords[0], ords, mean_parts))
+    ranked.sort(reverse=True)
+    examined = "" if invokers else f"; no invoker has {k} GPUs that pass the filters"
+    return _decision(
+        request,
+        config,
+        strategy,
+        _candidates(cluster, request, ranked, scorers, config),
+        rejects,
+        examined,
+    )
+
+
+def describe_strategies() -> Mapping[str, str]:
+    """Name → one-line description of every registered strategy (for `--help` and docs)."""
+    return {name: s.description for name, s in sorted(STRATEGIES.items())}

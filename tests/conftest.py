@@ -1,0 +1,134 @@
+"""Fixtures every area shares: real redis-server processes, and a guard against blocking the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+
+from dilu_invoker.redis_embedded import EmbeddedRedis, redis_client
+
+# --------------------------------------------------------------------------------------------
+# Event-loop guard
+# --------------------------------------------------------------------------------------------
+
+#: an async test whose event loop stops turning for longer than this fails (override with the variable)
+LOOP_BLOCK_LIMIT_S = float(os.environ.get("DILU_TEST_LOOP_BLOCK_S", "0.5"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "allow_loop_block: this async test may block its event loop (the guard does not fail it)"
+    )
+
+
+class LoopWatchdog:
+    """A loop callback stamps a heartbeat every 20 ms; a thread notices when the stamp gets old while the
+    loop is running and keeps the stack of the loop's thread at the worst moment."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit_s: float) -> None:
+        self.loop = loop
+        self.limit_s = limit_s
+        self.worst_s = 0.0
+        self.where = ""
+        self._last = time.monotonic()
+        self._loop_thread = threading.get_ident()
+        self._stop = threading.Event()
+        self._handle: asyncio.TimerHandle | None = None
+        self._thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._beat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._handle is not None:
+            self._handle.cancel()
+
+    def _beat(self) -> None:
+        self._last = time.monotonic()
+        self._handle = self.loop.call_later(0.02, self._beat)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.05):
+            if not self.loop.is_running():
+                # Between fixture steps pytest-asyncio stops the loop; that is not a block.
+                self._last = time.monotonic()
+                continue
+            lag = time.monotonic() - self._last
+            if lag > self.limit_s and lag > self.worst_s:
+                self.worst_s = lag
+                frame = sys._current_frames().get(self._loop_thread)
+                self.where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def _event_loop_block_guard(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    if not inspect.iscoroutinefunction(getattr(request, "function", None)) or request.node.get_closest_marker(
+        "allow_loop_block"
+    ):
+        yield
+        return
+    watchdog = LoopWatchdog(asyncio.get_running_loop(), LOOP_BLOCK_LIMIT_S)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.stop()
+    if watchdog.worst_s > LOOP_BLOCK_LIMIT_S:
+        pytest.fail(
+            f"the event loop was blocked for {watchdog.worst_s:.2f} s (limit {LOOP_BLOCK_LIMIT_S} s; "
+            f"mark the test allow_loop_block if that is intended). Loop thread at the time:\n{watchdog.where}",
+            pytrace=False,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Redis
+# --------------------------------------------------------------------------------------------
+
+RedisFactory = Callable[..., Awaitable[EmbeddedRedis]]
+
+
+@pytest.fixture
+async def redis_server_factory(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RedisFactory]:
+    """``server = await redis_server_factory(data_dir=None, persistent=False, **kw)`` starts a real
+    redis-server on a free loopback port with a random password; all are stopped after the test."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(*, data_dir: Path | None = None, persistent: bool = False, **kwargs: Any) -> EmbeddedRedis:
+            server = EmbeddedRedis(data_dir or tmp_path_factory.mktemp("redis"), persistent=persistent, **kwargs)
+            stack.push_async_callback(server.stop)
+            await server.start()
+            return server
+
+        yield start
+
+
+@pytest.fixture
+async def redis_server(redis_server_factory: RedisFactory) -> EmbeddedRedis:
+    return await redis_server_factory()
+
+
+@pytest.fixture
+async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
+    """A client of a fresh, empty redis-server of this test."""
+    client = redis_client(redis_server.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()

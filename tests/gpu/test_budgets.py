@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity, Reservation
+
+UUID = "GPU-test-0"
+
+
+def _res(name: str, request: float = 0.1, limit: float = 0.2, memory: int = 1000, invoker: str = "0") -> Reservation:
+    return Reservation(instance=name, function="guest/f", cls="inference", invoker=invoker,
+                       request=request, limit=limit, memory_mb=memory)
+
+
+@pytest.fixture
+async def budgets(redis_client):
+    b = GpuBudgets(redis_client, prefix="t:")
+    await b.register_gpu(UUID, GpuCapacity(node="0", index=0, name="Test", memory_mb=80_000, sm_count=132))
+    return b
+
+
+async def test_concurrent_reservations_never_oversubscribe(budgets: GpuBudgets) -> None:
+    results = await asyncio.gather(*(budgets.reserve(UUID, _res(f"i{n}", request=0.15, limit=0.15), ttl_s=30)
+                                     for n in range(20)))
+    admitted = [r for r in results if r.ok]
+    assert len(admitted) == 6  # 6 × 0.15 = 0.9; a 7th would pass 1.0
+    assert all("SM requests" in r.reason for r in results if not r.ok)
+    budget = await budgets.get(UUID)
+    assert budget is not None and budget.sum_request == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "ok", "reason"),
+    [
+        (_res("a", 0.5, 1.0), _res("b", 0.4, 0.6), False, "gamma"),
+        (_res("a", 0.5, 0.7), _res("b", 0.4, 0.8), True, "reserved"),
+        (_res("a", 0.1, 0.1, 70_000), _res("b", 0.1, 0.1, 20_000), False, "memory"),
+        (_res("a", 0.6, 0.6), _res("b", 0.5, 0.5), False, "SM requests"),
+    ],
+    ids=["limits-over-gamma", "limits-within-gamma", "memory-full", "requests-over-one"],
+)
+async def test_admission_rules(budgets: GpuBudgets, first: Reservation, second: Reservation, ok: bool, reason: str) -> None:
+    assert (await budgets.reserve(UUID, first, ttl_s=30)).ok
+    result = await budgets.reserve(UUID, second, ttl_s=30)
+    assert result.ok is ok
+    assert reason in result.reason
+
+
+async def test_reservation_expires_unless_renewed(budgets: GpuBudgets) -> None:
+    assert (await budgets.reserve(UUID, _res("kept", 0.5, 0.5), ttl_s=0.3)).ok
+    assert (await budgets.reserve(UUID, _res("lost", 0.5, 0.5), ttl_s=0.3)).ok
+    assert not (await budgets.reserve(UUID, _res("new", 0.5, 0.5), ttl_s=30)).ok
+    for _ in range(4):
+        await asyncio.sleep(0.15)
+        assert await budgets.renew(UUID, ["kept"], ttl_s=0.3) == 1
+    # "lost" was not renewed: its lease lapsed and its share is free again.
+    assert (await budgets.reserve(UUID, _res("new", 0.5, 0.5), ttl_s=30)).ok
+    budget = await budgets.get(UUID)
+    assert budget is not None and set(budget.reservations) == {"kept", "new"}
+
+
+async def test_release_and_shares(budgets: GpuBudgets) -> None:
+    assert (await budgets.reserve(UUID, _res("a", 0.3, 0.6), ttl_s=30)).ok
+    await budgets.set_shares(UUID, {"a": 0.55})
+    budget = await budgets.get(UUID)
+    assert budget is not None and budget.shares == {"a": 0.55}
+    assert budget.fragmentation == pytest.approx(0.7)
+    await budgets.release(UUID, "a")
+    budget = await budgets.get(UUID)
+    assert budget is not None and budget.reservations == {} and budget.shares == {}
+
+
+async def test_reconcile_after_invoker_restart(budgets: GpuBudgets) -> None:
+    # Before the restart: three containers; one died while the invoker was down, one reservation was lost.
+    for name in ("alive", "dead"):
+        assert (await budgets.reserve(UUID, _res(name, invoker="7"), ttl_s=30)).ok
+    assert (await budgets.reserve(UUID, _res("other-node", invoker="8"), ttl_s=30)).ok
+    live = {"alive": _res("alive", invoker="7"), "lost": _res("lost", invoker="7")}
+    dropped, restored = await budgets.reconcile(UUID, invoker="7", live=live, ttl_s=30)
+    assert (dropped, restored) == (1, 1)
+    budget = await budgets.get(UUID)
+    assert budget is not None and set(budget.reservations) == {"alive", "lost", "other-node"}
+
+
+async def test_unknown_gpu_is_refused(budgets: GpuBudgets) -> None:
+    result = await budgets.reserve("GPU-missing", _res("x"), ttl_s=30)
+    assert not result.ok and "unknown GPU" in result.reason
