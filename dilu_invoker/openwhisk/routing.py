@@ -16,6 +16,7 @@ Two ways of getting GPU work to dilu-invoker inside an existing OpenWhisk (``doc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -98,3 +99,27 @@ def split_list(spec: str | Iterable[str]) -> tuple[str, ...]:
     brackets (``" 'v1,gpu' "``, ``['gpu']``)."""
     parts = spec.split(",") if isinstance(spec, str) else list(spec)
     return tuple(p for p in (part.strip().strip("'\"[] ") for part in parts) if p)
+
+
+def blackbox_fractions(invokers: int, gpu_invokers: int, *, epsilon: float = 0.001) -> tuple[float, float]:
+    """Controller settings that make exactly the last ``gpu_invokers`` of ``invokers`` the blackbox set
+    (``CONFIG_whisk_loadbalancer_managedFraction``, ``..._blackboxFraction``).
+
+    The naive settings (``k/N`` and, as ansible derives it, ``1 - k/N``) are often off by one in the
+    balancer's floating-point ``ceil``/``floor``; nudging both by ``epsilon`` is exact while
+    ``invokers * epsilon < 1``.
+    """
+    if not 0 < gpu_invokers < invokers:
+        raise ValueError("need at least one CPU and one GPU invoker")
+    if invokers * epsilon >= 1:
+        raise ValueError(f"epsilon {epsilon} is too large for {invokers} invokers")
+    return (invokers - gpu_invokers) / invokers - epsilon, gpu_invokers / invokers + epsilon
+
+
+def balancer_split(invokers: int, managed_fraction: float, blackbox_fraction: float) -> tuple[int, int]:
+    """How ``ShardingContainerPoolBalancer`` splits ``invokers`` into (managed, blackbox) counts: the first
+    ``managed`` ids get managed work, the last ``blackbox`` ids get docker actions."""
+    blackbox_fraction = max(1.0 - managed_fraction, min(1.0, blackbox_fraction))
+    managed = max(1, math.ceil(invokers * managed_fraction))
+    blackboxes = max(1, math.floor(invokers * blackbox_fraction))
+    return managed, blackboxes

@@ -13,7 +13,13 @@ from dilu_invoker.model import Action, Exec
 from dilu_invoker.openwhisk.backoff import Backoff
 from dilu_invoker.openwhisk.invoker_main import front_options
 from dilu_invoker.openwhisk.kafka import OffsetTracker
-from dilu_invoker.openwhisk.routing import GpuImages, gpu_image_action, split_list
+from dilu_invoker.openwhisk.routing import (
+    GpuImages,
+    balancer_split,
+    blackbox_fractions,
+    gpu_image_action,
+    split_list,
+)
 
 TP = TopicPartition("invoker0", 0)
 
@@ -134,3 +140,23 @@ def test_openwhisk_byte_sizes_for_user_memory(raw: str, mb: int) -> None:
 def test_a_bad_byte_size_names_the_variable() -> None:
     with pytest.raises(config.ConfigError, match="CONFIG_whisk_containerPool_userMemory"):
         config.load(environ={"CONFIG_whisk_containerPool_userMemory": "lots"})
+
+
+def test_epsilon_fractions_make_exactly_the_gpu_invokers_the_blackbox_set() -> None:
+    wrong_naive = 0
+    for n in range(2, 60):
+        for k in range(1, n):
+            managed, blackbox = blackbox_fractions(n, k)
+            assert balancer_split(n, managed, blackbox) == (n - k, k), (n, k)
+            # What ansible does with only a blackbox fraction: managedFraction = 1 - blackboxFraction.
+            if balancer_split(n, 1 - k / n, k / n) != (n - k, k):
+                wrong_naive += 1
+    assert wrong_naive > 0  # the reason for the epsilon (reference/openwhisk.md §8.2)
+    assert balancer_split(9, 1 - 3 / 9, 3 / 9) == (7, 3)  # one GPU invoker would also get managed work
+
+
+def test_fractions_refuse_what_cannot_work() -> None:
+    with pytest.raises(ValueError):
+        blackbox_fractions(4, 4)
+    with pytest.raises(ValueError):
+        blackbox_fractions(2000, 1)

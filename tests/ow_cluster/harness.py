@@ -157,8 +157,10 @@ def check_ping(obj: Any, *, instance: int | None = None) -> None:
 
 
 class ControllerHarness:
-    def __init__(self, bootstrap: str, *, invoker: int, controller: str = "0", prefix: str = "") -> None:
+    def __init__(self, bootstrap: str, *, invoker: int, controller: str = "0", prefix: str = "",
+                 fetch_wait_ms: int = 20) -> None:
         self.bootstrap = bootstrap
+        self.fetch_wait_ms = fetch_wait_ms
         self.invoker = invoker
         self.controller = controller
         self.prefix = prefix
@@ -203,7 +205,7 @@ class ControllerHarness:
             # empty is read from its new beginning too.
             consumer = AIOKafkaConsumer(topic, bootstrap_servers=self.bootstrap, group_id=None,
                                         enable_auto_commit=False, auto_offset_reset="earliest",
-                                        fetch_max_wait_ms=20, metadata_max_age_ms=1000)
+                                        fetch_max_wait_ms=self.fetch_wait_ms, metadata_max_age_ms=1000)
             await consumer.start()
             self._consumers.append(consumer)
             self._tasks.append(asyncio.create_task(self._collect(consumer, sink)))
