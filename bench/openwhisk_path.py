@@ -193,6 +193,8 @@ def write_doc(results: dict[str, Any], command: str) -> Path:
     text = f"""# OpenWhisk cluster path: message in → ack out
 
 Measured {time.strftime('%Y-%m-%d')} on {results['machine']} (the development machine; no GPU involved).
+Load average (1, 5, 15 min) when the run started: {results['load_average_before']} — the machine is shared,
+and runs under load differ by up to 2× in throughput and p99; the p50 latencies are the stable figures.
 
 Command:
 
@@ -234,12 +236,13 @@ Raw results:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    load_before = [round(x, 2) for x in os.getloadavg()]
     kafka = []
     for fetch_wait_ms in args.fetch_wait_ms:
         with tempfile.TemporaryDirectory(prefix="dilu-ow-bench-") as tmp:
             kafka.append(await kafka_path(args.requests, args.burst, fetch_wait_ms, Path(tmp)))
     standalone = await standalone_path(args.requests)
-    return {"machine": machine(), "kafka": kafka, "standalone": standalone}
+    return {"machine": machine(), "load_average_before": load_before, "kafka": kafka, "standalone": standalone}
 
 
 if __name__ == "__main__":
