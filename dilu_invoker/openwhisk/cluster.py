@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
@@ -136,9 +136,11 @@ class _Slot:
 
     __slots__ = ("_front", "_held")
 
-    def __init__(self, front: ClusterFront, held: bool) -> None:
+    def __init__(self, front: ClusterFront, *, held: bool) -> None:
         self._front = front
         self._held = held
+        if held:
+            front._busy += 1
 
     def release(self) -> None:
         if self._held:
@@ -284,7 +286,7 @@ class ClusterFront:
             for record in records:
                 self._dispatch(record)
 
-    def _on_assigned(self, ends: dict[TopicPartition, int | None] | Any) -> None:
+    def _on_assigned(self, ends: Mapping[TopicPartition, int | None]) -> None:
         for tp, end in ends.items():
             if end is None:
                 self._backlog_end.pop(tp, None)
@@ -312,9 +314,8 @@ class ClusterFront:
             return
         if not self._claim(msg.activation_id, tp, record.offset):
             return
+        # The health test needs no container, so it takes no pool capacity.
         slot = _Slot(self, held=not msg.is_health_test)
-        if not msg.is_health_test:
-            self._busy += 1
         self._start_work(self._handle(msg, slot, backlog=backlog), msg.activation_id)
 
     def _claim(self, activation_id: str, tp: TopicPartition, offset: int) -> bool:
