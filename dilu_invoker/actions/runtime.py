@@ -213,7 +213,7 @@ class WorkerProcess:
         if self.process is not None:
             try:
                 returncode = await asyncio.wait_for(self.process.wait(), timeout=5.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.kill()
         reason = _describe_exit(returncode)
         if self._deadline_killed:
@@ -257,6 +257,7 @@ class Runtime:
     _run_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _in_flight: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _retired: list[WorkerProcess] = field(default_factory=list)
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -284,6 +285,7 @@ class Runtime:
 
     async def begin_shutdown(self) -> None:
         self.state = State.SHUTTING_DOWN
+        self._stopping.set()
         if self._in_flight:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=self.options.shutdown_grace_s)
@@ -341,7 +343,8 @@ class Runtime:
         if not isinstance(code, str) or not code:
             return self._init_failed(403, MSG_NO_CODE)
 
-        worker = await self._take_worker()
+        # Owned from now on, so that shutdown stops it even while the action is still loading.
+        self.worker = worker = await self._take_worker()
         try:
             kind, detail = await worker.request(Kind.INIT, body, is_run=False)
         except WorkerExited as exited:
@@ -349,7 +352,6 @@ class Runtime:
             self._discard(worker)
             return self._init_failed(502, MSG_START, note=f"dilu-runtime: {exited.reason}")
         if kind is Kind.INIT_OK:
-            self.worker = worker
             if self.state is State.INITIALIZING:
                 self.state = State.READY
             return web.json_response({"ok": True})
@@ -372,6 +374,8 @@ class Runtime:
     def _discard(self, worker: WorkerProcess) -> None:
         worker.kill()
         self._retired.append(worker)
+        if self.worker is worker:
+            self.worker = None
 
     async def handle_run(self, request: web.Request) -> web.Response:
         if self.state is State.SHUTTING_DOWN:
@@ -383,12 +387,44 @@ class Runtime:
             body = await request.read()
             if self.options.allow_concurrent:
                 return await self._run(body)
-            async with self._run_lock:
+            if not await self._wait_turn():
+                # Queued behind a running activation when shutdown began: it never started, so OpenWhisk
+                # may run it elsewhere.
+                return _json_response(503, MSG_SHUTTING_DOWN)
+            try:
                 if self.state is not State.READY:
                     return _json_response(500, MSG_NO_ACTION)
                 return await self._run(body)
+            finally:
+                self._run_lock.release()
         finally:
             self._leave()
+
+    async def _wait_turn(self) -> bool:
+        """Take the run lock, unless shutdown begins first (then False, lock not held)."""
+        if self._stopping.is_set():
+            return False
+        acquire = asyncio.ensure_future(self._run_lock.acquire())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({acquire, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # Our caller went away: never leave the lock held by a request that will not run.
+            acquire.cancel()
+            if acquire.done() and not acquire.cancelled():
+                self._run_lock.release()
+            raise
+        finally:
+            stopping.cancel()
+        if not acquire.done():
+            acquire.cancel()
+            await asyncio.wait({acquire})
+        if acquire.cancelled():
+            return False
+        if self._stopping.is_set():
+            self._run_lock.release()
+            return False
+        return True
 
     async def _run(self, body: bytes) -> web.Response:
         try:

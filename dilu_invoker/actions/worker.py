@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import ctypes
 import glob
 import importlib
@@ -23,7 +24,8 @@ import sys
 import threading
 import traceback
 import zipfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from dilu_invoker.actions._ipc import HEADER, SENTINEL_LINE, Kind, pack
 
@@ -140,8 +142,8 @@ class Worker:
         try:
             body = json.loads(payload)
             if not isinstance(body, dict):
-                raise ValueError("the run body is not a JSON object")
-        except ValueError as exc:
+                raise TypeError("the run body is not a JSON object")
+        except (ValueError, TypeError) as exc:
             _end_activation_output()
             self._send(Kind.BAD_REQUEST, request_id, str(exc).encode())
             return
@@ -232,25 +234,19 @@ def _activate_virtualenv(venv: str) -> None:
 
 def _flush_streams() -> None:
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
+        # A closed or replaced stream must not stop the sentinel.
+        with contextlib.suppress(Exception):
             if stream is not None:
                 stream.flush()
-        except Exception:  # noqa: BLE001 - a closed or replaced stream must not stop the sentinel
-            pass
-    try:
-        # Output of C extensions sits in libc's stdio buffers, which Python's flush does not reach.
+    # Output of C extensions sits in libc's stdio buffers, which Python's flush does not reach.
+    with contextlib.suppress(Exception):
         ctypes.CDLL(None).fflush(None)
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def _write_all(fd: int, data: bytes) -> None:
-    try:
+    with contextlib.suppress(OSError):
         while data:
-            written = os.write(fd, data)
-            data = data[written:]
-    except OSError:
-        pass
+            data = data[os.write(fd, data) :]
 
 
 def _end_activation_output() -> None:
@@ -274,11 +270,9 @@ def _exit_like_python(exc: SystemExit) -> None:
 
 
 def _die_with_parent(parent: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception:  # noqa: BLE001 - not Linux: the socket EOF still ends an idle worker
-        pass
+    # Not Linux: no prctl, but the socket's EOF still ends an idle worker.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         os._exit(0)
 

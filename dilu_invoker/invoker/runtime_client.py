@@ -59,8 +59,10 @@ _STATUS_MESSAGES = {
 
 
 def timed_out_message(timeout_s: float, *, init: bool) -> str:
-    millis = int(round(timeout_s * 1000))
-    return f"The action exceeded its time limits of {millis} milliseconds" + (" during initialization." if init else ".")
+    millis = round(timeout_s * 1000)
+    return f"The action exceeded its time limits of {millis} milliseconds" + (
+        " during initialization." if init else "."
+    )
 
 
 def invalid_run_response_message(text: str) -> str:
@@ -228,7 +230,9 @@ def run_outcome(
     if http_status == 503:
         return _error(ActivationStatus.WHISK_ERROR, MSG_SHUTTING_DOWN, reschedule=True, **meta)
     if elapsed_s >= timeout_s:
-        return _error(ActivationStatus.DEVELOPER_ERROR, timed_out_message(timeout_s, init=False), timed_out=True, **meta)
+        return _error(
+            ActivationStatus.DEVELOPER_ERROR, timed_out_message(timeout_s, init=False), timed_out=True, **meta
+        )
     if http_status is None or length == 0:
         return _error(ActivationStatus.DEVELOPER_ERROR, MSG_ABNORMAL_RUN, **meta)
     if length > max_result_bytes:
@@ -341,8 +345,13 @@ class RuntimeClient:
             max_result_bytes=self._max_result_bytes,
             total_length=exchange.total_length,
         )
-        log.debug("runtime.init", url=self._base_url, http_status=exchange.http_status, status=outcome.status_code.name,
-                  elapsed_s=round(exchange.elapsed_s, 6))
+        log.debug(
+            "runtime.init",
+            url=self._base_url,
+            http_status=exchange.http_status,
+            status=outcome.status_code.name,
+            elapsed_s=round(exchange.elapsed_s, 6),
+        )
         return outcome
 
     async def run(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
@@ -356,8 +365,13 @@ class RuntimeClient:
             max_result_bytes=self._max_result_bytes,
             total_length=exchange.total_length,
         )
-        log.debug("runtime.run", url=self._base_url, http_status=exchange.http_status, status=outcome.status_code.name,
-                  elapsed_s=round(exchange.elapsed_s, 6))
+        log.debug(
+            "runtime.run",
+            url=self._base_url,
+            http_status=exchange.http_status,
+            status=outcome.status_code.name,
+            elapsed_s=round(exchange.elapsed_s, 6),
+        )
         return outcome
 
     async def _post(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool) -> _Exchange:

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from tests.fakes.bodies import init_body, post, run_body, zip_base64
-from tests.fakes.runtime_process import running_runtime
+from tests.fakes.runtime_process import running_runtime, wait_for_active_runs
 
 SENTINEL = "XXX_THE_END_OF_A_WHISK_ACTIVATION_XXX"
 
@@ -105,7 +105,7 @@ async def test_exception_is_an_error_result_and_the_runtime_stays_warm(http: aio
     async with running_runtime() as rt:
         await post(http, rt.url + "/init", init_body(source))
         assert await post(http, rt.url + "/run", run_body({"fail": True})) == (200, {"error": "boom!"})
-        stdout, stderr = await rt.frames()
+        _stdout, stderr = await rt.frames()
         assert any("Exception: boom!" in line for line in stderr.lines)
         assert not any("worker.py" in line for line in stderr.lines)  # the user's frames, not ours
         assert await post(http, rt.url + "/run", run_body()) == (200, {"ok": 1})
@@ -169,8 +169,11 @@ async def test_init_without_code_is_forbidden(http: aiohttp.ClientSession) -> No
 async def test_syntax_error_fails_init_with_the_upstream_message(http: aiohttp.ClientSession) -> None:
     async with running_runtime() as rt:
         status, body = await post(http, rt.url + "/init", init_body("def main(args)\n    return {}\n"))
-        assert (status, body) == (502, {"error": "The action failed to generate or locate a binary. See logs for details."})
-        stdout, stderr = await rt.frames()
+        assert (status, body) == (
+            502,
+            {"error": "The action failed to generate or locate a binary. See logs for details."},
+        )
+        _stdout, stderr = await rt.frames()
         assert any("SyntaxError" in line for line in stderr.lines)
         assert await post(http, rt.url + "/run", run_body()) == (500, {"error": "no action defined yet"})
 
@@ -185,7 +188,14 @@ async def test_syntax_error_fails_init_with_the_upstream_message(http: aiohttp.C
         ("import os\nos._exit(9)\n", "main", "exited with code 9"),
         ("import sys\nsys.exit(2)\n", "main", "exited with code 2"),
     ],
-    ids=["missing-main", "main-not-callable", "raises-at-import", "import-error", "os-exit-at-import", "sys-exit-at-import"],
+    ids=[
+        "missing-main",
+        "main-not-callable",
+        "raises-at-import",
+        "import-error",
+        "os-exit-at-import",
+        "sys-exit-at-import",
+    ],
 )
 async def test_failures_while_loading_cannot_start_the_action(
     http: aiohttp.ClientSession, source: str, main: str, log_text: str
@@ -193,7 +203,7 @@ async def test_failures_while_loading_cannot_start_the_action(
     async with running_runtime() as rt:
         status, body = await post(http, rt.url + "/init", init_body(source, main=main))
         assert (status, body) == (502, {"error": "Cannot start action. Check logs for details."})
-        stdout, stderr = await rt.frames()
+        _stdout, stderr = await rt.frames()
         assert any(log_text in line for line in stderr.lines), stderr.lines
         # As upstream, a failed init leaves the runtime uninitialized: a later /init may succeed.
         assert (await post(http, rt.url + "/init", init_body(ECHO_ENV)))[0] == 200
@@ -227,7 +237,7 @@ async def test_a_dying_action_gets_command_exited_then_no_action(
     async with running_runtime() as rt:
         await post(http, rt.url + "/init", init_body(source))
         assert await post(http, rt.url + "/run", run_body()) == (400, {"error": "command exited"})
-        stdout, stderr = await rt.frames()
+        _stdout, stderr = await rt.frames()
         assert any(note in line for line in stderr.lines), stderr.lines
         assert await post(http, rt.url + "/run", run_body()) == (500, {"error": "no action defined yet"})
         async with http.get(rt.url + "/health") as response:
@@ -240,15 +250,9 @@ async def test_a_hanging_action_does_not_block_the_proxy(http: aiohttp.ClientSes
     async with running_runtime(args=["--deadline-grace-ms", "-1", "--shutdown-grace-s", "0"]) as rt:
         await post(http, rt.url + "/init", init_body(source))
         run = asyncio.create_task(post(http, rt.url + "/run", run_body()))
+        await wait_for_active_runs(http, rt.url, 1)
         async with http.get(rt.url + "/ping") as response:
             assert (response.status, await response.text()) == (200, "pong")
-        for _ in range(500):  # wait until the run is inside the worker (bounded, not a timing assertion)
-            async with http.get(rt.url + "/health") as response:
-                if (await response.json())["active_runs"] == 1:
-                    break
-            await asyncio.sleep(0.01)
-        else:
-            pytest.fail("the run never reached the worker")
         assert not run.done()
         run.cancel()
 
@@ -260,7 +264,7 @@ async def test_deadline_guard_stops_a_hanging_action(http: aiohttp.ClientSession
         deadline = str(int(time.time() * 1000) + 200)
         status, body = await post(http, rt.url + "/run", run_body(deadline=deadline))
         assert (status, body) == (502, {"error": "The action did not finish by its deadline and was stopped."})
-        stdout, stderr = await rt.frames()
+        _stdout, stderr = await rt.frames()
         assert any("past its deadline" in line for line in stderr.lines)
         assert await post(http, rt.url + "/run", run_body()) == (500, {"error": "no action defined yet"})
 
@@ -374,12 +378,24 @@ async def test_zip_with_virtualenv(http: aiohttp.ClientSession, extra: dict[str,
 @pytest.mark.parametrize(
     ("code_value", "status", "error", "log_text"),
     [
-        (zip_base64({"main.py": "def main(a):\n    return {}\n"}), 502,
-         "The action failed to generate or locate a binary. See logs for details.", "does not include __main__.py"),
-        ("bm90IGEgemlw", 502, "The action failed to generate or locate a binary. See logs for details.",
-         "not a usable zip"),
-        (zip_base64({"__main__.py": "def main(a):\n    return {}\n", "virtualenv/README": "empty"}), 502,
-         "Cannot start action. Check logs for details.", "Invalid virtualenv"),
+        (
+            zip_base64({"main.py": "def main(a):\n    return {}\n"}),
+            502,
+            "The action failed to generate or locate a binary. See logs for details.",
+            "does not include __main__.py",
+        ),
+        (
+            "bm90IGEgemlw",
+            502,
+            "The action failed to generate or locate a binary. See logs for details.",
+            "not a usable zip",
+        ),
+        (
+            zip_base64({"__main__.py": "def main(a):\n    return {}\n", "virtualenv/README": "empty"}),
+            502,
+            "Cannot start action. Check logs for details.",
+            "Invalid virtualenv",
+        ),
         ("%%% not base64 %%%", 400, None, "cannot decode the request"),
     ],
     ids=["no-main-file", "not-a-zip", "virtualenv-without-packages", "bad-base64"],
@@ -394,7 +410,7 @@ async def test_bad_zip_actions(
             assert body == {"error": error}
         else:
             assert body["error"].startswith("cannot decode the request")
-        stdout, stderr = await rt.frames()
+        _stdout, stderr = await rt.frames()
         assert any(log_text in line for line in stderr.lines), stderr.lines
 
 
@@ -485,19 +501,13 @@ async def test_sigterm_drains_running_activations_and_refuses_new_ones(
     async with running_runtime(args=["--shutdown-grace-s", "60"]) as rt:
         await post(http, rt.url + "/init", init_body(source))
         running = asyncio.create_task(post(http, rt.url + "/run", run_body()))
-        for _ in range(500):
-            async with http.get(rt.url + "/health") as response:
-                if (await response.json())["active_runs"] == 1:
-                    break
-            await asyncio.sleep(0.01)
+        await wait_for_active_runs(http, rt.url, 1)
+        # A run queued behind the running one when the signal comes is refused too: it never started.
+        queued = asyncio.create_task(post(http, rt.url + "/run", run_body()))
         rt.process.send_signal(signal.SIGTERM)
         shutting = (503, {"error": "The action runtime is shutting down."})
-        for _ in range(500):
-            reply = await post(http, rt.url + "/run", run_body())
-            if reply == shutting:
-                break
-            await asyncio.sleep(0.01)
-        assert reply == shutting
+        assert await queued == shutting
+        assert await post(http, rt.url + "/run", run_body()) == shutting
         assert await post(http, rt.url + "/init", init_body(ECHO_ENV)) == shutting
         release.write_text("go")
         assert await running == (200, {"released": True})

@@ -33,9 +33,7 @@ def zip_base64(files: Mapping[str, str | bytes]) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-async def post(
-    session: aiohttp.ClientSession, url: str, body: Any, *, timeout_s: float = 60.0
-) -> tuple[int, Any]:
+async def post(session: aiohttp.ClientSession, url: str, body: Any, *, timeout_s: float = 60.0) -> tuple[int, Any]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     async with session.post(url, data=data, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
         raw = await response.read()

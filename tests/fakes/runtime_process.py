@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SENTINEL = b"XXX_THE_END_OF_A_WHISK_ACTIVATION_XXX"
 OURS = "dilu_invoker.actions.runtime"
@@ -167,7 +169,7 @@ async def stop(process: asyncio.subprocess.Process) -> None:
             process.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(process.wait(), 10.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
@@ -200,3 +202,15 @@ async def running_runtime(
         for reader in (stdout, stderr):
             if reader is not None:
                 await reader.close()
+
+
+async def wait_for_active_runs(session: aiohttp.ClientSession, url: str, count: int, timeout_s: float = 30.0) -> None:
+    """Wait until our runtime reports `count` runs inside its worker (GET /health)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        async with session.get(url + "/health") as response:
+            if (await response.json())["active_runs"] == count:
+                return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the runtime never had {count} active runs")

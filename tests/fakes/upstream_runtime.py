@@ -22,7 +22,8 @@ import tempfile
 import traceback
 import types
 import zipfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -67,10 +68,9 @@ class FakeActionLoop:
                 archive = zipfile.ZipFile(io.BytesIO(base64.b64decode(code, validate=True)))
                 workdir = tempfile.mkdtemp(prefix="fake-upstream-")
                 archive.extractall(workdir)
-                with open(os.path.join(workdir, "__main__.py"), encoding="utf-8") as handle:
-                    source = handle.read()
+                source = archive.read("__main__.py").decode()
                 sys.path.insert(0, workdir)
-            except (binascii.Error, ValueError, zipfile.BadZipFile, OSError) as exc:
+            except (binascii.Error, ValueError, KeyError, zipfile.BadZipFile, OSError) as exc:
                 sys.stderr.write(f"{exc}\n")
                 _guard()
                 return _error(502, "The action failed to generate or locate a binary. See logs for details.")
