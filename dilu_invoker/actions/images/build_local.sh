@@ -80,6 +80,12 @@ EOF
 )"
 fi
 
+# Images replaced by this build; removed at the end unless something still uses them.
+previous=""
+for image in $images; do
+    previous="$previous $("$podman" image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)"
+done
+
 first=""
 for image in $images; do
     if [[ -z "$first" ]]; then
@@ -98,4 +104,8 @@ for image in $images; do
         "$podman" tag "$first" "$image"
     fi
     printf '%s\n' "$image"
+done
+
+for old in $previous; do
+    "$podman" rmi "$old" >/dev/null 2>&1 || true
 done
