@@ -22,7 +22,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -248,22 +248,26 @@ class WorkerProcess:
         shutil.rmtree(self.action_dir, ignore_errors=True)
 
 
-@dataclass(slots=True)
 class Runtime:
-    options: RuntimeOptions
-    state: State = State.UNINITIALIZED
-    worker: WorkerProcess | None = None
-    _standby: asyncio.Task[WorkerProcess] | None = None
-    _run_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _in_flight: int = 0
-    _idle: asyncio.Event = field(default_factory=asyncio.Event)
-    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
-    _retired: list[WorkerProcess] = field(default_factory=list)
+    """The protocol state and the HTTP handlers; one per runtime process."""
+
+    def __init__(self, options: RuntimeOptions) -> None:
+        self.options = options
+        self.state = State.UNINITIALIZED
+        self.worker: WorkerProcess | None = None
+        self._standby: asyncio.Task[WorkerProcess] | None = None
+        self._run_lock = asyncio.Lock()
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._closing: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
     def prepare_worker(self) -> None:
         """Start a worker before any /init arrives, so its interpreter start-up is off the cold path."""
+        if self._stopping.is_set() or self._standby is not None:
+            return
         self._standby = asyncio.create_task(self._spawn())
 
     async def _spawn(self) -> WorkerProcess:
@@ -278,7 +282,7 @@ class Runtime:
                 worker = await standby
                 if worker.exited is None and worker.process is not None and worker.process.returncode is None:
                     return worker
-                self._retired.append(worker)
+                self._discard(worker)
             except OSError:
                 pass
         return await self._spawn()
@@ -291,14 +295,14 @@ class Runtime:
                 await asyncio.wait_for(self._idle.wait(), timeout=self.options.shutdown_grace_s)
 
     async def close(self) -> None:
-        workers = list(self._retired)
-        if self.worker is not None:
-            workers.append(self.worker)
+        workers = [] if self.worker is None else [self.worker]
         if self._standby is not None:
             with contextlib.suppress(Exception):
                 workers.append(await self._standby)
         for worker in workers:
             await worker.close()
+        if self._closing:
+            await asyncio.wait(self._closing)
 
     def _enter(self) -> None:
         self._in_flight += 1
@@ -366,16 +370,17 @@ class Runtime:
     def _init_failed(self, status: int, error: str, *, note: str | None = None) -> web.Response:
         if self.state is State.INITIALIZING:
             self.state = State.UNINITIALIZED
-        if self._standby is None:
-            self.prepare_worker()
+        self.prepare_worker()
         _end_activation_output(note)
         return _json_response(status, error)
 
     def _discard(self, worker: WorkerProcess) -> None:
-        worker.kill()
-        self._retired.append(worker)
+        """Stop a worker that will not serve (its init failed) and remove the code it was given."""
         if self.worker is worker:
             self.worker = None
+        task = asyncio.create_task(worker.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def handle_run(self, request: web.Request) -> web.Response:
         if self.state is State.SHUTTING_DOWN:
