@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,7 +191,9 @@ async def running_runtime(
     `process.stdout` / `process.stderr` itself (and must keep reading them).
     """
     port = free_port()
-    process = await spawn(module, args=args, env=env, port=port)
+    # Its own TMPDIR, removed afterwards, so that even a SIGKILLed runtime leaves nothing behind.
+    scratch = tempfile.mkdtemp(prefix="dilu-test-runtime-")
+    process = await spawn(module, args=args, env={"TMPDIR": scratch, **(env or {})}, port=port)
     stdout = stderr = None
     try:
         if frames:
@@ -202,6 +206,7 @@ async def running_runtime(
         for reader in (stdout, stderr):
             if reader is not None:
                 await reader.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 async def wait_for_active_runs(session: aiohttp.ClientSession, url: str, count: int, timeout_s: float = 30.0) -> None:
