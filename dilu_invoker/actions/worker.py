@@ -127,8 +127,9 @@ class Worker:
             raise InitFailure(Kind.INIT_COMPILE_ERROR, text) from None
 
         os.chdir(self._action_dir)
-        _activate_virtualenv(os.path.join(self._action_dir, "virtualenv"))
         sys.path.insert(0, self._action_dir)
+        # After the action dir, as upstream: the virtualenv's packages end up in front of it.
+        _activate_virtualenv(os.path.join(self._action_dir, "virtualenv"))
         module = importlib.import_module(MODULE_NAME)
         main = getattr(module, main_name, None)
         if not callable(main):
