@@ -13,7 +13,6 @@ Three parts:
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +21,8 @@ from typing import Any, Protocol
 
 import aiohttp
 import structlog
+
+from dilu_invoker.model import ActivationStatus
 
 log = structlog.get_logger(__name__)
 
@@ -36,26 +37,7 @@ MSG_LOG_FAILURE = "There was an issue while collecting your logs. Data might be 
 MSG_LOG_DEVELOPER_ERROR = "The action did not initialize or run as expected. Log data might be missing."
 
 
-class ActivationStatus(enum.IntEnum):
-    """OpenWhisk's `ActivationResponse` status codes."""
-
-    SUCCESS = 0
-    APPLICATION_ERROR = 1
-    DEVELOPER_ERROR = 2
-    WHISK_ERROR = 3
-
-    @property
-    def message(self) -> str:
-        """The API's `status` string (`ActivationResponse.messageForCode`)."""
-        return _STATUS_MESSAGES[self]
-
-
-_STATUS_MESSAGES = {
-    ActivationStatus.SUCCESS: "success",
-    ActivationStatus.APPLICATION_ERROR: "application error",
-    ActivationStatus.DEVELOPER_ERROR: "action developer error",
-    ActivationStatus.WHISK_ERROR: "whisk internal error",
-}
+# OpenWhisk's status codes live in the model; re-exported here for the runtime protocol's users.
 
 
 def timed_out_message(timeout_s: float, *, init: bool) -> str:

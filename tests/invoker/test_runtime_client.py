@@ -252,7 +252,7 @@ def test_oversized_init_response_is_a_developer_error() -> None:
 def test_outcome_json_and_status_names() -> None:
     outcome = RuntimeOutcome(status_code=S.APPLICATION_ERROR, result={"error": "x"}, size=13)
     assert outcome.response_json() == {"statusCode": 1, "result": {"error": "x"}, "size": 13}
-    assert [s.message for s in S] == ["success", "application error", "action developer error", "whisk internal error"]
+    assert [s.api_string for s in S] == ["success", "application error", "action developer error", "whisk internal error"]
 
 
 # -- request bodies ------------------------------------------------------------------------------------------
