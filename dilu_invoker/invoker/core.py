@@ -465,7 +465,8 @@ def make_backend(cfg: Config) -> ContainerBackend:
     if cfg.invoker.backend == "docker":
         from dilu_invoker.invoker.backends.docker import DockerBackend
 
-        return DockerBackend(url=cfg.invoker.docker_url, network=cfg.invoker.docker_network)
+        return DockerBackend(url=cfg.invoker.docker_url, network=cfg.invoker.docker_network,
+                             ulimits=cfg.invoker.docker_ulimits, gpu_mode=cfg.invoker.docker_gpu_mode)
     from dilu_invoker.invoker.backends.process import ProcessBackend
 
     return ProcessBackend()

@@ -40,10 +40,9 @@ BUILD = REPO_ROOT / "dilu_invoker" / "actions" / "images" / "build_local.sh"
 RUN_FLAGS = ["--runtime", "runc", "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768"]
 
 
-@pytest.fixture(scope="module")
-def images() -> list[str]:
-    built = subprocess.run([str(BUILD)], check=True, capture_output=True, text=True, timeout=900)
-    return built.stdout.split()
+@pytest.fixture
+def images(runtime_images: list[str]) -> list[str]:
+    return runtime_images
 
 
 async def podman(*args: str) -> str:
