@@ -74,8 +74,10 @@ class GpuAttachment:
 class GpuAllocator(Protocol):
     """The node's GPU manager as the invoker core sees it (``dilu_invoker.gpu``)."""
 
-    async def attach(self, instance: str, function: str, needs: GpuNeeds) -> GpuAttachment | None:
-        """Reserve a GPU share for a new container; None when the node has no GPU for it."""
+    async def attach(self, instance: str, function: str, needs: GpuNeeds, *,
+                     gpu_index: int | None = None) -> GpuAttachment | None:
+        """Reserve a GPU share for a new container (on ``gpu_index`` when the balancer placed it, else
+        wherever the node sees fit); None when the node has no GPU for it."""
         ...
 
     async def detach(self, instance: str) -> None: ...
