@@ -77,6 +77,9 @@ class InvokerConfig:
     docker_url: str | None = _opt(None, "Docker API URL (default: DOCKER_HOST or the local socket)",
                                   env=("DOCKER_HOST",))
     docker_network: str | None = _opt(None, "network for action containers (default: the engine's default)")
+    docker_ulimits: str = _opt("nofile=1024:1024", "ulimits of action containers, name=soft:hard,… (OpenWhisk's)")
+    docker_gpu_mode: str = _opt("device-requests", "how containers get GPUs: device-requests (NVIDIA container "
+                                "toolkit), cdi (podman), devices (explicit /dev/nvidia* nodes)")
     container_prefix: str = _opt("wsk", "name prefix of action containers (OpenWhisk's 'wsk{id}_…')")
     log_chunk_kb: int = _opt(64, "read size for action logs (KB)")
     max_queue: int = _opt(10_000, "activations waiting for capacity before new ones are rejected")

@@ -63,7 +63,7 @@ async def _serve_app(app: web.Application, host: str, port: int) -> tuple[web.Ap
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
     bound = port
-    server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
+    server = site._server
     if server is not None and getattr(server, "sockets", None):
         bound = int(server.sockets[0].getsockname()[1])
     return runner, bound

@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import inspect
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +134,51 @@ async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
         yield client
     finally:
         await client.aclose()
+
+
+# --------------------------------------------------------------------------------------------
+# Containers: the runtime images and podman's Docker-compatible API service
+# --------------------------------------------------------------------------------------------
+
+IMAGE_BUILD = Path(__file__).resolve().parents[1] / "dilu_invoker" / "actions" / "images" / "build_local.sh"
+
+
+def _can_run_containers() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    for tool in ("podman", "debootstrap", "runc"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (scripts/setup-test-env.sh installs it)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def runtime_images() -> list[str]:
+    """Builds the runtime images once per session from a local root file system (no registry)."""
+    reason = _can_run_containers()
+    if reason:
+        pytest.skip(reason)
+    built = subprocess.run([str(IMAGE_BUILD)], check=True, capture_output=True, text=True, timeout=900)
+    return built.stdout.split()
+
+
+@pytest.fixture(scope="session")
+def podman_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``unix://…`` of a private ``podman system service`` (the Docker API for the docker SDK)."""
+    reason = _can_run_containers()
+    if reason:
+        pytest.skip(reason)
+    sock = tmp_path_factory.mktemp("podman") / "api.sock"
+    proc = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not sock.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"unix://{sock}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -13,21 +13,29 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import aiohttp
 import structlog
 
 from dilu_invoker.config import Config
-from dilu_invoker.invoker.api import InvokerOverloaded
-from dilu_invoker.invoker.backends.base import BackendError, ContainerBackend, ContainerSpec, ImageError, Mount
+from dilu_invoker.invoker.backends.base import (
+    BackendError,
+    ContainerBackend,
+    ContainerSpec,
+    ImageError,
+    Mount,
+)
 from dilu_invoker.invoker.container import ContainerProxy, PoolKey, State, Transition
-from dilu_invoker.invoker.logs import LogCollector, format_log_lines
-from dilu_invoker.invoker.manifest import Manifest, RuntimeKind
+from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
 from dilu_invoker.invoker.metrics import InvokerMetrics
 from dilu_invoker.invoker.pool import ContainerPool
 from dilu_invoker.invoker.runtime_client import (
+    ActivationContext,
+    ActivationLogReader,
+    ActivationLogs,
+    LogCollection,
     RuntimeClient,
     RuntimeOutcome,
     build_init_body,
@@ -49,7 +57,7 @@ from dilu_invoker.model import (
 log = structlog.get_logger(__name__)
 
 BLACKBOX = "blackbox"
-LOGS_MISSING = "The action did not initialize or run as expected. Log data might be missing."
+DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +74,10 @@ class GpuAttachment:
 class GpuAllocator(Protocol):
     """The node's GPU manager as the invoker core sees it (``dilu_invoker.gpu``)."""
 
-    async def attach(self, instance: str, function: str, needs: GpuNeeds) -> GpuAttachment | None:
-        """Reserve a GPU share for a new container; None when the node has no GPU for it."""
+    async def attach(self, instance: str, function: str, needs: GpuNeeds, *,
+                     gpu_index: int | None = None) -> GpuAttachment | None:
+        """Reserve a GPU share for a new container (on ``gpu_index`` when the balancer placed it, else
+        wherever the node sees fit); None when the node has no GPU for it."""
         ...
 
     async def detach(self, instance: str) -> None: ...
@@ -107,7 +117,9 @@ class Invoker:
             name_prefix=f"{ic.container_prefix}{self.instance_id}",
             observers=(self._count_states,),
         )
-        self._collectors: dict[str, LogCollector] = {}
+        self._logs: dict[str, ActivationLogReader] = {}
+        self._pending_logs: dict[str, LogCollection] = {}
+        self._drains: dict[str, asyncio.Task[None]] = {}
         self.metrics.user_memory.set(ic.user_memory_mb)
         self.metrics.enabled.set(1)
 
@@ -155,6 +167,18 @@ class Invoker:
             return self._failed(req, ActivationResponse.whisk_error(
                 "Action version is not compatible and cannot be invoked."))
         key = PoolKey.of(req.identity.namespace, action)
+        for _attempt in range(3):
+            activation = await self._attempt(req, runtime, key, arrived)
+            if activation is not None:
+                return activation
+            log.info("container shutting down; rescheduling the activation")
+        return self._failed(req, ActivationResponse.whisk_error(
+            "The action did not produce a valid response and exited unexpectedly."))
+
+    async def _attempt(self, req: ActivationRequest, runtime: RuntimeKind, key: PoolKey,
+                       arrived: int) -> Activation | None:
+        """One try on one container; None when the runtime asked for the activation to be rescheduled."""
+        action = req.action
         memory = action.limits.memory_mb
         self.metrics.queue_length.set(self.pool.queue_length + 1)
         try:
@@ -193,14 +217,19 @@ class Invoker:
             run_start = now_ms()
             outcome, logs = await self._run_once(proxy, req)
             end = now_ms()
-            healthy = outcome.status_code in (0, 1) and not outcome.timed_out
+            if outcome.reschedule:
+                release_reason = "runtime is shutting down"
+                return None
+            healthy = outcome.keeps_container and not outcome.timed_out
             release_reason = "" if healthy else (
                 "timed out" if outcome.timed_out else f"activation failed with status {outcome.status_code}")
             response = ActivationResponse(ActivationStatus(outcome.status_code), outcome.result, outcome.size)
+            if not healthy and proxy.container is not None and proxy.container.exit_reason() == "oom":
+                response = ActivationResponse.developer_error("The action exhausted its memory and was aborted.")
             return self._finish(req, runtime, start, end, response, logs, arrived=arrived,
                                 start_ms=start if init_ms is not None else run_start, init_ms=init_ms,
                                 timed_out=outcome.timed_out)
-        except Exception as exc:  # noqa: BLE001 - a platform bug must not lose the activation
+        except Exception as exc:
             log.exception("activation failed inside the invoker")
             release_reason = f"internal error: {exc!r}"
             return self._failed(req, ActivationResponse.whisk_error(
@@ -213,8 +242,6 @@ class Invoker:
             # A docker action runs its image through the blackbox pseudo-kind.
             if not action.exec.image:
                 return None
-            from dilu_invoker.invoker.manifest import ImageName
-
             return RuntimeKind(kind=BLACKBOX, family=BLACKBOX, image=ImageName(action.exec.image),
                                gpu=action.annotation("gpu-class") is not None)
         return self.manifest.resolve(action.exec.kind)
@@ -245,37 +272,68 @@ class Invoker:
         try:
             container = await self.backend.start(spec)
         except ImageError as exc:
-            failure = ActivationResponse.developer_error(str(exc))
             self.pool.remove(proxy, f"image error: {exc}")
-            return failure, None, ()
+            return ActivationResponse.developer_error(str(exc)), None, ()
         except BackendError as exc:
             log.warning("container start failed", container=proxy.name, error=str(exc))
             self.pool.remove(proxy, f"start failed: {exc}")
             return ActivationResponse.whisk_error("Failed to provision resources to run the action."), None, ()
         proxy.container = container
-        collector = LogCollector(container.stdout, container.stderr,
-                                 limit_bytes=action.limits.logs_mb * 1024 * 1024,
-                                 chunk=self.cfg.invoker.log_chunk_kb * 1024)
-        self._collectors[proxy.name] = collector
+        reader = ActivationLogReader(container.stdout, container.stderr,
+                                     chunk_bytes=self.cfg.invoker.log_chunk_kb * 1024)
+        self._logs[proxy.name] = reader
+        limit = action.limits.logs_mb * 1024 * 1024
+        collection: LogCollection | None = None
+        if proxy.slots > 1:
+            # Activations sharing a container share its output streams: drain them, attribute nothing.
+            self._drains[proxy.name] = asyncio.create_task(self._drain_logs(reader, limit))
+        else:
+            # The init's output belongs to the first run's logs (a successful /init writes no sentinel).
+            collection = reader.start(limit_bytes=limit)
         proxy.transition(State.INITIALIZING, "container started")
         init_start = time.monotonic()
-        client = RuntimeClient(self._session, container.url)
-        body = build_init_body(action, req, include_api_key=action.provide_api_key())
+        client = RuntimeClient(self._session, container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES)
+        context = self._context(req)
+        init_env = {k: v for k, v in (req.content or {}).items() if k in req.init_args} \
+            if isinstance(req.content, dict) else {}
+        body = build_init_body(name=action.name, code=action.exec.code, binary=action.exec.binary,
+                               main=action.exec.main, env=init_env, context=context)
         outcome = await client.init(body, action.limits.timeout_ms / 1000)
         init_ms = int((time.monotonic() - init_start) * 1000)
         proxy.init_ms = init_ms
-        if outcome.status_code != 0:
-            segment = await collector.next_segment(timeout_s=0.5)
-            logs = format_log_lines(segment, limit_bytes=collector.limit_bytes, missing_note=LOGS_MISSING)
+        if outcome.status_code != ActivationStatus.SUCCESS:
+            logs: tuple[str, ...] = ()
+            if collection is not None:
+                logs = (await collection.finish(developer_error=True)).lines
             failure = ActivationResponse(ActivationStatus(outcome.status_code), outcome.result, outcome.size)
             self.pool.remove(proxy, "initialization failed")
             if not proxy.ready.done():
                 proxy.ready.set_result(failure)
             return failure, init_ms, logs
+        if collection is not None:
+            self._pending_logs[proxy.name] = collection
         if not proxy.ready.done():
             proxy.ready.set_result(None)
         self.pool.mark_ready(proxy, "initialized")
         return None, init_ms, ()
+
+    @staticmethod
+    async def _drain_logs(reader: ActivationLogReader, limit: int) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            while True:
+                await reader.collect(limit_bytes=min(limit, 65536), timeout_s=3600)
+
+    def _context(self, req: ActivationRequest) -> ActivationContext:
+        action = req.action
+        return ActivationContext(
+            namespace=req.identity.namespace,
+            action_name=action.action_name,
+            action_version=action.version,
+            activation_id=req.activation_id,
+            transaction_id=req.transid_id,
+            deadline_ms=now_ms() + action.limits.timeout_ms,
+            api_key=req.identity.api_key if action.provide_api_key() else None,
+        )
 
     async def _attach_gpu(self, proxy: ContainerProxy, action: Action, spec: ContainerSpec) -> ContainerSpec:
         try:
@@ -293,29 +351,42 @@ class Invoker:
         proxy.attachments.append(attachment)
         env = dict(spec.env)
         env.update(attachment.env)
-        from dataclasses import replace
-
         return replace(spec, env=env, mounts=spec.mounts + attachment.mounts, devices=spec.devices + attachment.devices)
 
     async def _run_once(self, proxy: ContainerProxy, req: ActivationRequest) -> tuple[RuntimeOutcome, tuple[str, ...]]:
         assert proxy.container is not None
         action = req.action
-        client = RuntimeClient(self._session, proxy.container.url)
-        body = build_run_body(action, req, include_api_key=action.provide_api_key())
-        collector = self._collectors.get(proxy.name)
-        outcome = await client.run(body, action.limits.timeout_ms / 1000)
-        if collector is None or proxy.slots > 1:
-            # Several activations share the container's output streams: they cannot be told apart.
+        client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES)
+        value = req.content
+        if isinstance(value, dict) and req.init_args:
+            value = {k: v for k, v in value.items() if k not in req.init_args}
+        body = build_run_body(value, self._context(req))
+        reader = self._logs.get(proxy.name)
+        collection: LogCollection | None = None
+        if reader is not None and proxy.slots == 1:
+            collection = self._pending_logs.pop(proxy.name, None) or reader.start(
+                limit_bytes=action.limits.logs_mb * 1024 * 1024)
+        try:
+            outcome = await client.run(body, action.limits.timeout_ms / 1000)
+        except BaseException:
+            if collection is not None:
+                await collection.finish(developer_error=True)
+            raise
+        if collection is None:
             return outcome, ()
-        grace = 2.0 if outcome.status_code in (0, 1) and not outcome.timed_out else 0.3
-        segment = await collector.next_segment(timeout_s=grace)
-        note = LOGS_MISSING if outcome.status_code >= 2 or outcome.timed_out else None
-        return outcome, format_log_lines(segment, limit_bytes=collector.limit_bytes, missing_note=note)
+        broken = outcome.status_code == ActivationStatus.DEVELOPER_ERROR or outcome.timed_out
+        logs: ActivationLogs = await collection.finish(developer_error=broken)
+        return outcome, logs.lines
 
     async def _destroy_container(self, proxy: ContainerProxy) -> None:
-        collector = self._collectors.pop(proxy.name, None)
-        if collector is not None:
-            collector.close()
+        drain = self._drains.pop(proxy.name, None)
+        if drain is not None:
+            drain.cancel()
+        pending = self._pending_logs.pop(proxy.name, None)
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                await pending.finish(developer_error=True)
+        self._logs.pop(proxy.name, None)
         if proxy.container is not None:
             await proxy.container.destroy()
         if proxy.attachments and self.gpu is not None:
@@ -390,16 +461,14 @@ class Invoker:
     async def close(self, *, drain_s: float = 5.0) -> None:
         self.set_enabled(False)
         await self.pool.close(drain_s=drain_s)
-        for collector in self._collectors.values():
-            collector.close()
-        self._collectors.clear()
 
 
 def make_backend(cfg: Config) -> ContainerBackend:
     if cfg.invoker.backend == "docker":
         from dilu_invoker.invoker.backends.docker import DockerBackend
 
-        return DockerBackend(url=cfg.invoker.docker_url, network=cfg.invoker.docker_network)
+        return DockerBackend(url=cfg.invoker.docker_url, network=cfg.invoker.docker_network,
+                             ulimits=cfg.invoker.docker_ulimits, gpu_mode=cfg.invoker.docker_gpu_mode)
     from dilu_invoker.invoker.backends.process import ProcessBackend
 
     return ProcessBackend()

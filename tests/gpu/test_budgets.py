@@ -15,8 +15,8 @@ def _res(name: str, request: float = 0.1, limit: float = 0.2, memory: int = 1000
 
 
 @pytest.fixture
-async def budgets(redis_client):
-    b = GpuBudgets(redis_client, prefix="t:")
+async def budgets(redis):
+    b = GpuBudgets(redis, prefix="t:")
     await b.register_gpu(UUID, GpuCapacity(node="0", index=0, name="Test", memory_mb=80_000, sm_count=132))
     return b
 

@@ -97,6 +97,19 @@ class DockerContainer:
         return self._exit_reason
 
 
+def parse_ulimits(text: str) -> tuple[Ulimit, ...]:
+    """``"nofile=1024:1024,nproc=4096"`` → docker Ulimits (a single number sets soft and hard)."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, values = item.partition("=")
+        soft, _, hard = values.partition(":")
+        try:
+            out.append(Ulimit(name=name, soft=int(soft), hard=int(hard or soft)))
+        except ValueError:
+            raise ValueError(f"bad ulimit {item!r}: expected name=soft[:hard]") from None
+    return tuple(out)
+
+
 class DockerBackend:
     name = "docker"
 
@@ -107,13 +120,13 @@ class DockerBackend:
         network: str | None = None,
         gpu_mode: str = "device-requests",
         pids_limit: int = 1024,
-        nofile: int = 1024,
+        ulimits: str = "nofile=1024:1024",
     ) -> None:
         self._url = url
         self._network = network
         self._gpu_mode = gpu_mode
         self._pids_limit = pids_limit
-        self._nofile = nofile
+        self._ulimits = parse_ulimits(ulimits)
         self._client: docker.DockerClient | None = None
 
     def _docker(self) -> docker.DockerClient:
@@ -122,7 +135,13 @@ class DockerBackend:
         return self._client
 
     async def start(self, spec: ContainerSpec) -> DockerContainer:
-        return await asyncio.to_thread(self._start_sync, spec, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        container, port, stream = await asyncio.to_thread(self._start_sync, spec)
+        wrapped = DockerContainer(self, container, spec.name, f"http://127.0.0.1:{port}")
+        threading.Thread(target=wrapped._pump_logs, args=(stream, loop), name=f"logs-{spec.name}",
+                         daemon=True).start()
+        log.debug("docker container started", container=spec.name, image=spec.image, port=port)
+        return wrapped
 
     def _create_kwargs(self, spec: ContainerSpec) -> dict[str, Any]:
         memory = f"{spec.memory_mb}m"
@@ -135,7 +154,7 @@ class DockerBackend:
             "memswap_limit": memory,
             "cap_drop": ["NET_RAW", "NET_ADMIN"],
             "pids_limit": self._pids_limit,
-            "ulimits": [Ulimit(name="nofile", soft=self._nofile, hard=self._nofile)],
+            "ulimits": list(self._ulimits),
             "ports": {RUNTIME_PORT: ("127.0.0.1", None)},
             "volumes": {m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
         }
@@ -143,7 +162,7 @@ class DockerBackend:
             kwargs["network"] = self._network
         devices = [f"{d}:{d}:rwm" for d in spec.devices]
         gpus = spec.env.get("DILU_GPU_UUID")
-        if gpus and self._gpu_mode == "device-requests":
+        if gpus and self._gpu_mode == "device-requests":  # NVIDIA container toolkit
             kwargs["device_requests"] = [DeviceRequest(device_ids=gpus.split(","), capabilities=[["gpu"]])]
         elif gpus and self._gpu_mode == "cdi":
             devices += [f"nvidia.com/gpu={g}" for g in gpus.split(",")]
@@ -151,7 +170,7 @@ class DockerBackend:
             kwargs["devices"] = devices
         return kwargs
 
-    def _start_sync(self, spec: ContainerSpec, loop: asyncio.AbstractEventLoop) -> DockerContainer:
+    def _start_sync(self, spec: ContainerSpec) -> tuple[Any, str, Iterator[tuple[bytes | None, bytes | None]]]:
         client = self._docker()
         try:
             container = client.containers.create(spec.image, **self._create_kwargs(spec))
@@ -174,11 +193,7 @@ class DockerBackend:
             with contextlib.suppress(Exception):
                 container.remove(force=True)
             raise BackendError(f"could not start container {spec.name}: {exc}") from exc
-        wrapped = DockerContainer(self, container, spec.name, f"http://127.0.0.1:{port}")
-        threading.Thread(target=wrapped._pump_logs, args=(stream, loop), name=f"logs-{spec.name}",
-                         daemon=True).start()
-        log.debug("docker container started", container=spec.name, image=spec.image, port=port)
-        return wrapped
+        return container, port, stream
 
     async def remove_leftovers(self, prefix: str) -> int:
         def sync() -> int:

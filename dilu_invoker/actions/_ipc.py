@@ -1,0 +1,35 @@
+"""Framing shared by the runtime proxy and its worker process (stdlib only: this ships into images).
+
+Frames travel over a Unix socket pair: a fixed header (kind, request id, payload length) and the payload.
+Payloads are raw bytes; for results they are the JSON body the proxy returns verbatim, so the proxy never
+re-serializes a user's result.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+SENTINEL = "XXX_THE_END_OF_A_WHISK_ACTIVATION_XXX"
+SENTINEL_LINE = (SENTINEL + "\n").encode()
+
+HEADER = struct.Struct(">BQQ")
+
+
+class Kind(enum.IntEnum):
+    # proxy -> worker
+    INIT = 1
+    RUN = 2
+    # worker -> proxy
+    INIT_OK = 10
+    INIT_DECODE_ERROR = 11  # code could not be decoded (bad base64): 400 like upstream
+    INIT_COMPILE_ERROR = 12  # no usable source (syntax error, bad zip, no __main__.py): 502
+    INIT_START_ERROR = 13  # the module could not be loaded or has no such main: 502
+    RESULT = 20  # payload: JSON object or array, returned as the /run body
+    RESULT_NOT_DICT = 21  # main returned something other than a dict or list
+    RESULT_NOT_JSON = 22  # payload: UTF-8 message saying why the result could not be encoded
+    BAD_REQUEST = 23  # payload: UTF-8 message; the run body was not usable
+
+
+def pack(kind: Kind, request_id: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(kind, request_id, len(payload)) + payload

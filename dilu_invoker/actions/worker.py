@@ -1,0 +1,286 @@
+"""The worker process: loads the user's action once and runs it for every /run (stdlib only).
+
+The proxy (`runtime.py`) starts one worker ahead of time and talks to it over a Unix socket (fd given on
+the command line). The worker's stdout and stderr are the proxy's, so the user's output goes straight to
+the container's streams; the worker writes the activation sentinel on both after the user's output of each
+run and of a failed init. Anything fatal here (a segfault, `os._exit`, `sys.exit`) ends only this process;
+the proxy notices and answers for it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import ctypes
+import glob
+import importlib
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+from dilu_invoker.actions._ipc import HEADER, SENTINEL_LINE, Kind, pack
+
+MODULE_NAME = "main__"
+_PR_SET_PDEATHSIG = 1
+
+
+class InitFailure(Exception):
+    def __init__(self, kind: Kind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Worker:
+    def __init__(self, sock: socket.socket, *, action_dir: str, concurrent: bool) -> None:
+        self._sock = sock
+        self._rfile = sock.makefile("rb")
+        self._send_lock = threading.Lock()
+        self._env_lock = threading.Lock()
+        self._action_dir = action_dir
+        self._concurrent = concurrent
+        self._main: Callable[[Any], Any] | None = None
+
+    # -- wire ---------------------------------------------------------------------------------------
+
+    def _send(self, kind: Kind, request_id: int, payload: bytes = b"") -> None:
+        frame = pack(kind, request_id, payload)
+        with self._send_lock:
+            self._sock.sendall(frame)
+
+    def _receive(self) -> tuple[int, int, bytes] | None:
+        header = self._rfile.read(HEADER.size)
+        if len(header) < HEADER.size:
+            return None
+        kind, request_id, length = HEADER.unpack(header)
+        payload = self._rfile.read(length) if length else b""
+        if len(payload) < length:
+            return None
+        return kind, request_id, payload
+
+    def serve(self) -> None:
+        while True:
+            frame = self._receive()
+            if frame is None:
+                # The proxy is gone: nobody can use our answers any more.
+                _flush_streams()
+                os._exit(0)
+            kind, request_id, payload = frame
+            if kind == Kind.INIT:
+                self._handle_init(request_id, payload)
+            elif kind == Kind.RUN:
+                if self._concurrent:
+                    threading.Thread(target=self._handle_run, args=(request_id, payload), daemon=True).start()
+                else:
+                    self._handle_run(request_id, payload)
+
+    # -- /init --------------------------------------------------------------------------------------
+
+    def _handle_init(self, request_id: int, payload: bytes) -> None:
+        try:
+            self._main = self._load(payload)
+        except InitFailure as failure:
+            sys.stderr.write(f"{failure}\n")
+            _end_activation_output()
+            self._send(failure.kind, request_id, str(failure).encode("utf-8", "replace"))
+            return
+        except SystemExit as exc:
+            _exit_like_python(exc)
+        except BaseException:  # noqa: BLE001 - anything the user's module does at import is its own failure
+            traceback.print_exc(file=sys.stderr)
+            _end_activation_output()
+            self._send(Kind.INIT_START_ERROR, request_id, b"the action's module failed to load")
+            return
+        self._send(Kind.INIT_OK, request_id)
+
+    def _load(self, payload: bytes) -> Callable[[Any], Any]:
+        value = json.loads(payload)["value"]
+        for key, raw in (value.get("env") or {}).items():
+            os.environ[str(key)] = _env_string(raw)
+        main_name = value.get("main") or "main"
+        code = value["code"]
+        module_path = os.path.join(self._action_dir, MODULE_NAME + ".py")
+        if value.get("binary"):
+            archive = _decode_base64(code)
+            _extract_zip(archive, self._action_dir)
+            entry = os.path.join(self._action_dir, "__main__.py")
+            if not os.path.isfile(entry):
+                raise InitFailure(Kind.INIT_COMPILE_ERROR, "Zip file does not include __main__.py")
+            os.replace(entry, module_path)
+        else:
+            with open(module_path, "w", encoding="utf-8") as handle:
+                handle.write(code)
+        with open(module_path, "rb") as handle:
+            source = handle.read()
+        try:
+            compile(source, module_path, "exec")
+        except (SyntaxError, ValueError) as exc:
+            text = "".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n")
+            raise InitFailure(Kind.INIT_COMPILE_ERROR, text) from None
+
+        os.chdir(self._action_dir)
+        sys.path.insert(0, self._action_dir)
+        # After the action dir, as upstream: the virtualenv's packages end up in front of it.
+        _activate_virtualenv(os.path.join(self._action_dir, "virtualenv"))
+        module = importlib.import_module(MODULE_NAME)
+        main = getattr(module, main_name, None)
+        if not callable(main):
+            raise InitFailure(Kind.INIT_START_ERROR, f"The action has no function named '{main_name}'.")
+        return main
+
+    # -- /run ---------------------------------------------------------------------------------------
+
+    def _handle_run(self, request_id: int, payload: bytes) -> None:
+        assert self._main is not None
+        try:
+            body = json.loads(payload)
+            if not isinstance(body, dict):
+                raise TypeError("the run body is not a JSON object")
+        except (ValueError, TypeError) as exc:
+            _end_activation_output()
+            self._send(Kind.BAD_REQUEST, request_id, str(exc).encode())
+            return
+        args = body.get("value", {})
+        # Process-wide, as in the upstream launcher: with concurrent runs the last one to start wins.
+        with self._env_lock:
+            for key, raw in body.items():
+                if key != "value":
+                    os.environ[f"__OW_{key.upper()}"] = _env_string(raw)
+        try:
+            result = self._main(args)
+        except SystemExit as exc:
+            _exit_like_python(exc)
+        except BaseException as exc:  # noqa: BLE001 - the action's failure becomes its error result
+            _print_user_traceback(exc)
+            result = {"error": str(exc)}
+        kind, out = _encode_result(result)
+        _end_activation_output()
+        self._send(kind, request_id, out)
+
+
+def _print_user_traceback(exc: BaseException) -> None:
+    # Skip this module's frame: the user should see their own code first, as with the upstream launcher.
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+
+
+def _encode_result(result: Any) -> tuple[Kind, bytes]:
+    if not isinstance(result, (dict, list, tuple)):
+        return Kind.RESULT_NOT_DICT, b""
+    try:
+        text = json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        return Kind.RESULT_NOT_JSON, f"The action returned a result that is not valid JSON: {exc}".encode()
+    return Kind.RESULT, text.encode("utf-8", "surrogatepass")
+
+
+def _env_string(raw: Any) -> str:
+    return raw if isinstance(raw, str) else json.dumps(raw)
+
+
+def _decode_base64(code: Any) -> bytes:
+    if not isinstance(code, str):
+        raise InitFailure(Kind.INIT_DECODE_ERROR, "cannot decode the request: binary code is not a string")
+    try:
+        return base64.b64decode(code.replace("\n", "").replace("\r", ""), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InitFailure(Kind.INIT_DECODE_ERROR, f"cannot decode the request: {exc}") from None
+
+
+def _extract_zip(archive: bytes, target: str) -> None:
+    try:
+        with zipfile.ZipFile(io.BytesIO(archive)) as bundle:
+            # extractall drops absolute paths and '..' parts, so nothing lands outside the action dir.
+            bundle.extractall(target)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as exc:
+        raise InitFailure(Kind.INIT_COMPILE_ERROR, f"The binary code is not a usable zip file: {exc}") from None
+
+
+def _activate_virtualenv(venv: str) -> None:
+    """Honour a `virtualenv/` shipped in the zip, as the upstream launcher does.
+
+    Upstream executes `virtualenv/bin/activate_this.py` (written by the `virtualenv` tool). A venv made by
+    `python -m venv` has no such file; instead of refusing it, add its site-packages directories.
+    """
+    if not os.path.isdir(venv):
+        return
+    for candidate in ("bin/activate_this.py", "Scripts/activate_this.py"):
+        activate = os.path.join(venv, candidate)
+        if os.path.exists(activate):
+            with open(activate, encoding="utf-8") as handle:
+                code = compile(handle.read(), activate, "exec")
+            exec(code, {"__file__": activate})  # noqa: S102 - the user's own activation script
+            return
+    site_dirs = sorted(glob.glob(os.path.join(venv, "lib", "python3*", "site-packages")))
+    if not site_dirs:
+        raise InitFailure(Kind.INIT_START_ERROR, "Invalid virtualenv. Zip file does not include 'activate_this.py'.")
+    import site
+
+    for site_dir in site_dirs:
+        site.addsitedir(site_dir)
+    # addsitedir appends; the action's packages must win over the image's, as with activate_this.py.
+    for site_dir in reversed(site_dirs):
+        sys.path.remove(site_dir)
+        sys.path.insert(0, site_dir)
+    os.environ["VIRTUAL_ENV"] = venv
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        # A closed or replaced stream must not stop the sentinel.
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+    # Output of C extensions sits in libc's stdio buffers, which Python's flush does not reach.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(fd, data) :]
+
+
+def _end_activation_output() -> None:
+    _flush_streams()
+    _write_all(1, SENTINEL_LINE)
+    _write_all(2, SENTINEL_LINE)
+
+
+def _exit_like_python(exc: SystemExit) -> None:
+    """`sys.exit()` inside an action ends the worker (as upstream), from any thread."""
+    code = exc.code
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code & 0xFF
+    else:
+        sys.stderr.write(f"{code}\n")
+        status = 1
+    _flush_streams()
+    os._exit(status)
+
+
+def _die_with_parent(parent: int) -> None:
+    # Not Linux: no prctl, but the socket's EOF still ends an idle worker.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def main(argv: list[str]) -> int:
+    fd, action_dir, concurrent, parent = int(argv[0]), argv[1], argv[2] == "1", int(argv[3])
+    _die_with_parent(parent)
+    sock = socket.socket(fileno=fd)
+    Worker(sock, action_dir=action_dir, concurrent=concurrent).serve()
+    return 0

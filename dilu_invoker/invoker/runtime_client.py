@@ -1,0 +1,635 @@
+"""The invoker's side of OpenWhisk's action runtime protocol (`/init`, `/run`, sentinel-framed logs).
+
+Works against any OpenWhisk runtime: ours (`dilu_invoker.actions.runtime`) or an upstream image. The
+response-to-activation mapping copies OpenWhisk's `ActivationResponse.processRunResponseContent` /
+`processInitResponseContent` and the container client (see reference/openwhisk.md §4 and docs/runtime.md).
+
+Three parts:
+* body builders (`ActivationContext`, `build_init_body`, `build_run_body`, `env_string`, `encode_body`);
+* pure outcome mapping (`run_outcome`, `init_outcome`) and the HTTP client (`RuntimeClient`);
+* the log splitter (`ActivationLogReader`), an incremental reader over the runtime's stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import structlog
+
+from dilu_invoker.model import ActivationStatus
+
+log = structlog.get_logger(__name__)
+
+SENTINEL = "XXX_THE_END_OF_A_WHISK_ACTIVATION_XXX"
+DEFAULT_MAX_RESULT_BYTES = 1024 * 1024  # OpenWhisk's default action result (payload) limit: 1 MB
+INIT_RETRY_INTERVAL_S = 0.05
+
+MSG_ABNORMAL_INIT = "The action did not initialize and exited unexpectedly."
+MSG_ABNORMAL_RUN = "The action did not produce a valid response and exited unexpectedly."
+MSG_SHUTTING_DOWN = "The action container is shutting down; the activation must be rescheduled."
+MSG_LOG_FAILURE = "There was an issue while collecting your logs. Data might be missing."
+MSG_LOG_DEVELOPER_ERROR = "The action did not initialize or run as expected. Log data might be missing."
+
+
+# OpenWhisk's status codes live in the model; re-exported here for the runtime protocol's users.
+
+
+def timed_out_message(timeout_s: float, *, init: bool) -> str:
+    millis = round(timeout_s * 1000)
+    return f"The action exceeded its time limits of {millis} milliseconds" + (
+        " during initialization." if init else "."
+    )
+
+
+def invalid_run_response_message(text: str) -> str:
+    return "The action did not produce a valid JSON or JSON Array response" + (f": {text}" if text else ".")
+
+
+def invalid_init_response_message(text: str) -> str:
+    return "The action failed during initialization" + (f": {text}" if text else ".")
+
+
+def truncated_response_message(prefix: str, length: int, max_length: int) -> str:
+    return (
+        f"The action produced a response that exceeded the allowed length: {length} > {max_length} bytes. "
+        f"The truncated response was: {prefix}"
+    )
+
+
+def truncated_logs_message(limit_bytes: int) -> str:
+    return f"Logs were truncated because the total bytes size exceeds the limit of {limit_bytes} bytes."
+
+
+# -- request bodies ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationContext:
+    """The per-activation fields OpenWhisk sends beside `value` (§4.3) and as `__OW_*` init env (§4.2)."""
+
+    namespace: str
+    action_name: str  # fully qualified with a leading slash: /ns[/pkg]/name
+    action_version: str
+    activation_id: str
+    transaction_id: str  # the transid's id string only
+    deadline_ms: int  # epoch milliseconds: start of the run + limits.timeout
+    api_key: str | None = None  # only when the action's provide-api-key annotation allows it
+
+    def run_fields(self) -> dict[str, str]:
+        fields = {
+            "namespace": self.namespace,
+            "action_name": self.action_name,
+            "action_version": self.action_version,
+            "activation_id": self.activation_id,
+            "transaction_id": self.transaction_id,
+            "deadline": str(int(self.deadline_ms)),
+        }
+        if self.api_key is not None:
+            fields["api_key"] = self.api_key
+        return fields
+
+    def init_env(self) -> dict[str, str]:
+        return {f"__OW_{key.upper()}": value for key, value in self.run_fields().items()}
+
+
+def env_string(value: Any) -> str:
+    """Stringify an init env value as OpenWhisk does: strings as is, null as "", the rest as JSON."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def build_init_body(
+    *,
+    name: str,
+    code: str | None,
+    binary: bool,
+    main: str | None = None,
+    env: Mapping[str, Any] | None = None,
+    context: ActivationContext | None = None,
+) -> dict[str, Any]:
+    """`{"value": {name, main, code, binary, env}}`; `env` is the action's init parameters plus `__OW_*`."""
+    merged = {key: env_string(value) for key, value in (env or {}).items()}
+    if context is not None:
+        merged.update(context.init_env())
+    value: dict[str, Any] = {"name": name, "main": main or "main", "binary": bool(binary)}
+    if code is not None:  # a blackbox image without code gets none
+        value["code"] = code
+    if merged:
+        value["env"] = merged
+    return {"value": value}
+
+
+def build_run_body(value: Any, context: ActivationContext) -> dict[str, Any]:
+    """`{"value": params, <context fields>}`; `value` is the parameters object (or array), `{}` if none."""
+    body: dict[str, Any] = {"value": {} if value is None else value}
+    body.update(context.run_fields())
+    return body
+
+
+def encode_body(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+# -- outcomes -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOutcome:
+    """What one `/init` or `/run` means for the activation.
+
+    `result` is the action's result on success (a dict or list), `{"error": ...}` on any error, and None for
+    a successful `/init`. `size` is the response length OpenWhisk records (None when nothing came back).
+    `reschedule` is set for a 503: the container is shutting down and the activation belongs on another
+    container (OpenWhisk's `ContainerHealthError`); its status is a whisk error in case it cannot be moved.
+    """
+
+    status_code: ActivationStatus
+    result: Any
+    size: int | None = None
+    timed_out: bool = False
+    reschedule: bool = False
+    http_status: int | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code is ActivationStatus.SUCCESS
+
+    @property
+    def keeps_container(self) -> bool:
+        """OpenWhisk keeps a container only after a success or an application error."""
+        return self.status_code in (ActivationStatus.SUCCESS, ActivationStatus.APPLICATION_ERROR)
+
+    def response_json(self) -> dict[str, Any]:
+        """The stored activation's `response` object: `{"statusCode", "result", "size"?}`."""
+        response: dict[str, Any] = {"statusCode": int(self.status_code), "result": self.result}
+        if self.size is not None:
+            response["size"] = self.size
+        return response
+
+
+def _error(status: ActivationStatus, error: Any, **extra: Any) -> RuntimeOutcome:
+    return RuntimeOutcome(status_code=status, result={"error": error}, **extra)
+
+
+def _jvm_length(text: str) -> int:
+    # OpenWhisk records String.length, i.e. UTF-16 code units.
+    return len(text.encode("utf-16-le", "surrogatepass")) // 2
+
+
+def _parse_json(text: str) -> Any:
+    def reject_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=reject_constant)
+
+
+def run_outcome(
+    *,
+    http_status: int | None,
+    body: bytes,
+    elapsed_s: float,
+    timeout_s: float,
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    total_length: int | None = None,
+) -> RuntimeOutcome:
+    """Map a `/run` exchange to an activation outcome (`Container.run` + `processRunResponseContent`).
+
+    `http_status` None means no usable response (connection refused or reset, timeout, no body).
+    `body` may be a prefix of a longer response whose full length is `total_length`.
+    """
+    length = len(body) if total_length is None else total_length
+    meta: dict[str, Any] = {"http_status": http_status, "elapsed_s": elapsed_s}
+    if http_status == 503:
+        return _error(ActivationStatus.WHISK_ERROR, MSG_SHUTTING_DOWN, reschedule=True, **meta)
+    if elapsed_s >= timeout_s:
+        return _error(
+            ActivationStatus.DEVELOPER_ERROR, timed_out_message(timeout_s, init=False), timed_out=True, **meta
+        )
+    if http_status is None or length == 0:
+        return _error(ActivationStatus.DEVELOPER_ERROR, MSG_ABNORMAL_RUN, **meta)
+    if length > max_result_bytes:
+        prefix = body[:max_result_bytes].decode("utf-8", "replace")
+        message = truncated_response_message(prefix, length, max_result_bytes)
+        return _error(ActivationStatus.APPLICATION_ERROR, message, size=length, **meta)
+    text = body.decode("utf-8", "replace")
+    size = _jvm_length(text)
+    try:
+        parsed = _parse_json(text)
+    except ValueError:
+        return _error(ActivationStatus.DEVELOPER_ERROR, invalid_run_response_message(text), size=size, **meta)
+    if isinstance(parsed, dict):
+        if http_status == 200:
+            if "error" in parsed:
+                return _error(ActivationStatus.APPLICATION_ERROR, parsed["error"], size=size, **meta)
+            return RuntimeOutcome(status_code=ActivationStatus.SUCCESS, result=parsed, size=size, **meta)
+        error = parsed["error"] if "error" in parsed else invalid_run_response_message(text)
+        return _error(ActivationStatus.DEVELOPER_ERROR, error, size=size, **meta)
+    if isinstance(parsed, list) and http_status == 200:
+        return RuntimeOutcome(status_code=ActivationStatus.SUCCESS, result=parsed, size=size, **meta)
+    return _error(ActivationStatus.DEVELOPER_ERROR, invalid_run_response_message(text), size=size, **meta)
+
+
+def init_outcome(
+    *,
+    http_status: int | None,
+    body: bytes,
+    elapsed_s: float,
+    timeout_s: float,
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    total_length: int | None = None,
+) -> RuntimeOutcome:
+    """Map an `/init` exchange (`Container.initialize` + `processInitResponseContent`).
+
+    A 200 is a success whatever its body and duration (OpenWhisk checks `ok` before the time).
+    """
+    length = len(body) if total_length is None else total_length
+    meta: dict[str, Any] = {"http_status": http_status, "elapsed_s": elapsed_s}
+    if http_status == 503:
+        return _error(ActivationStatus.WHISK_ERROR, MSG_SHUTTING_DOWN, reschedule=True, **meta)
+    truncated = http_status is not None and length > max_result_bytes
+    if http_status == 200 and not truncated:
+        return RuntimeOutcome(status_code=ActivationStatus.SUCCESS, result=None, size=None, **meta)
+    if elapsed_s >= timeout_s:
+        return _error(ActivationStatus.DEVELOPER_ERROR, timed_out_message(timeout_s, init=True), timed_out=True, **meta)
+    if http_status is None or length == 0:
+        return _error(ActivationStatus.DEVELOPER_ERROR, MSG_ABNORMAL_INIT, **meta)
+    if truncated:
+        prefix = body[:max_result_bytes].decode("utf-8", "replace")
+        message = truncated_response_message(prefix, length, max_result_bytes)
+        return _error(ActivationStatus.DEVELOPER_ERROR, message, size=length, **meta)
+    text = body.decode("utf-8", "replace")
+    size = _jvm_length(text)
+    try:
+        parsed = _parse_json(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and "error" in parsed:
+        return _error(ActivationStatus.DEVELOPER_ERROR, parsed["error"], size=size, **meta)
+    return _error(ActivationStatus.DEVELOPER_ERROR, invalid_init_response_message(text), size=size, **meta)
+
+
+# -- HTTP client --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchange:
+    http_status: int | None
+    body: bytes
+    total_length: int | None
+    elapsed_s: float
+
+
+# The deadline is ours (asyncio.timeout); the session's default timeouts must not cut in first.
+_NO_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None, sock_read=None)
+
+
+class RuntimeClient:
+    """Drives one runtime (one container or process) at `base_url`, e.g. `http://127.0.0.1:8080`.
+
+    The session is the caller's (one per invoker is fine); keep-alive connections are reused.
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        *,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        retry_interval_s: float = INIT_RETRY_INTERVAL_S,
+    ) -> None:
+        self._session = session
+        self._base_url = base_url.rstrip("/")
+        self._max_result_bytes = max_result_bytes
+        self._retry_interval_s = retry_interval_s
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    async def init(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
+        """POST /init, retrying a refused connection every 50 ms until `timeout_s` is used up."""
+        exchange = await self._post("/init", payload, timeout_s, retry=True)
+        outcome = init_outcome(
+            http_status=exchange.http_status,
+            body=exchange.body,
+            elapsed_s=exchange.elapsed_s,
+            timeout_s=timeout_s,
+            max_result_bytes=self._max_result_bytes,
+            total_length=exchange.total_length,
+        )
+        log.debug(
+            "runtime.init",
+            url=self._base_url,
+            http_status=exchange.http_status,
+            status=outcome.status_code.name,
+            elapsed_s=round(exchange.elapsed_s, 6),
+        )
+        return outcome
+
+    async def run(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
+        """POST /run once (never retried: the action may have started)."""
+        exchange = await self._post("/run", payload, timeout_s, retry=False)
+        outcome = run_outcome(
+            http_status=exchange.http_status,
+            body=exchange.body,
+            elapsed_s=exchange.elapsed_s,
+            timeout_s=timeout_s,
+            max_result_bytes=self._max_result_bytes,
+            total_length=exchange.total_length,
+        )
+        log.debug(
+            "runtime.run",
+            url=self._base_url,
+            http_status=exchange.http_status,
+            status=outcome.status_code.name,
+            elapsed_s=round(exchange.elapsed_s, 6),
+        )
+        return outcome
+
+    async def _post(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool) -> _Exchange:
+        data = payload if isinstance(payload, bytes) else encode_body(payload)
+        url = self._base_url + path
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        start = time.monotonic()
+        while True:
+            remaining = timeout_s - (time.monotonic() - start)
+            if remaining <= 0:
+                return _Exchange(None, b"", None, max(time.monotonic() - start, timeout_s))
+            try:
+                async with asyncio.timeout(remaining):
+                    async with self._session.post(url, data=data, headers=headers, timeout=_NO_TIMEOUT) as response:
+                        status = response.status
+                        declared = response.content_length
+                        if declared is None or declared <= 0:
+                            # OpenWhisk's client treats an unknown or empty entity as no response.
+                            return _Exchange(None, b"", None, time.monotonic() - start)
+                        wanted = min(declared, self._max_result_bytes)
+                        body = await response.content.readexactly(wanted)
+                        if declared > wanted:
+                            # Drop the connection instead of reading (maybe) gigabytes we will not use.
+                            response.close()
+                        return _Exchange(status, body, declared, time.monotonic() - start)
+            except TimeoutError:
+                return _Exchange(None, b"", None, max(time.monotonic() - start, timeout_s))
+            except aiohttp.ClientConnectorError as exc:
+                if not retry:
+                    log.debug("runtime.connect_failed", url=url, error=str(exc))
+                    return _Exchange(None, b"", None, time.monotonic() - start)
+                # Not listening yet (container still starting): OpenWhisk retries every 50 ms.
+                remaining = timeout_s - (time.monotonic() - start)
+                await asyncio.sleep(max(0.0, min(self._retry_interval_s, remaining)))
+            except (aiohttp.ClientError, asyncio.IncompleteReadError, OSError) as exc:
+                log.debug("runtime.exchange_failed", url=url, error=str(exc))
+                return _Exchange(None, b"", None, time.monotonic() - start)
+
+
+# -- logs ---------------------------------------------------------------------------------------------
+
+
+class LogSource(Protocol):
+    """What the log reader reads: `asyncio.StreamReader` fits. `read` must be safe to cancel."""
+
+    async def read(self, n: int = -1) -> bytes: ...
+
+
+def format_timestamp(time_ns: int) -> str:
+    seconds, nanos = divmod(time_ns, 1_000_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{nanos:09d}Z"
+
+
+def format_log_line(time_ns: int, stream: str, text: str) -> str:
+    """A stored log line, as OpenWhisk formats it: `f"{time:<30} {stream}: {line}"`."""
+    return f"{format_timestamp(time_ns):<30} {stream}: {text}"
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationLogs:
+    """One activation's log lines as OpenWhisk stores them, plus how collection went.
+
+    `truncated`: the byte limit was hit (the truncation notice is the last collected line).
+    `complete`: both streams showed the sentinel. Either flag false/true as an error is what OpenWhisk
+    reports as a log collecting error.
+    """
+
+    lines: tuple[str, ...]
+    truncated: bool = False
+    complete: bool = True
+
+    @property
+    def collecting_error(self) -> bool:
+        return self.truncated or not self.complete
+
+
+_SENTINEL_BYTES = SENTINEL.encode()
+_TAIL_BYTES = len(_SENTINEL_BYTES) + 1  # the sentinel plus a possible '\r'
+
+
+@dataclass(slots=True)
+class _StreamState:
+    """What survives between collections for one stream: unread bytes and an unfinished line."""
+
+    name: str
+    source: LogSource
+    pending: bytes = b""  # read from the source but belonging to a later activation
+    head: bytearray = field(default_factory=bytearray)  # kept bytes of the unfinished line
+    line_bytes: int = 0  # length of the unfinished line, kept or not
+    tail: bytes = b""  # last bytes of an unfinished line that is too long to keep
+    dropping: bool = False  # the unfinished line is longer than the remaining budget
+    eof: bool = False
+
+
+class _Collector:
+    def __init__(self, limit_bytes: int, clock_ns: Callable[[], int]) -> None:
+        self.limit_bytes = max(0, limit_bytes)
+        self.clock_ns = clock_ns
+        self.used = 0
+        self.truncated = False
+        self.lines: list[str] = []
+
+    def room(self) -> int:
+        return 0 if self.truncated else self.limit_bytes - self.used
+
+    def add(self, stream: str, line: bytes) -> None:
+        if self.truncated:
+            return
+        cost = len(line) + 1  # the newline counts, as in OpenWhisk's limitWeighted stage
+        if self.used + cost > self.limit_bytes:
+            self.truncated = True
+            return
+        self.used += cost
+        self.lines.append(format_log_line(self.clock_ns(), stream, line.decode("utf-8", "replace")))
+
+    def drop(self) -> None:
+        self.truncated = True
+
+
+def _strip_line_end(line: bytes) -> bytes:
+    return line[:-1] if line.endswith(b"\r") else line
+
+
+async def _read_until_sentinel(state: _StreamState, collector: _Collector, chunk_bytes: int) -> bool:
+    """Consume one stream up to and including its next sentinel line; True if it was seen."""
+    while True:
+        if state.pending:
+            chunk, state.pending = state.pending, b""
+        elif state.eof:
+            return False
+        else:
+            chunk = await state.source.read(chunk_bytes)
+            if not chunk:
+                state.eof = True
+                if state.line_bytes:
+                    _finish_line(state, collector)
+                return False
+        start = 0
+        while start < len(chunk):
+            newline = chunk.find(b"\n", start)
+            end = len(chunk) if newline < 0 else newline
+            _extend_line(state, collector, chunk[start:end])
+            if newline < 0:
+                break
+            start = newline + 1
+            if _finish_line(state, collector):
+                state.pending = chunk[start:]
+                return True
+
+
+def _extend_line(state: _StreamState, collector: _Collector, piece: bytes) -> None:
+    if not piece:
+        return
+    state.line_bytes += len(piece)
+    # A sentinel-sized line is always kept whole, so the sentinel is recognised even past the limit.
+    if not state.dropping and state.line_bytes <= max(collector.room(), _TAIL_BYTES):
+        state.head += piece
+        return
+    # Too long to keep: remember only enough of its end to recognise a sentinel.
+    if not state.dropping:
+        state.dropping = True
+        state.tail = bytes(state.head[-_TAIL_BYTES:])
+        state.head = bytearray()
+    state.tail = (state.tail + piece)[-_TAIL_BYTES:]
+
+
+def _finish_line(state: _StreamState, collector: _Collector) -> bool:
+    """Account the finished line; True if it carried the sentinel."""
+    dropping, line = state.dropping, bytes(state.head)
+    end = _strip_line_end(state.tail if dropping else line)
+    state.head, state.line_bytes, state.tail, state.dropping = bytearray(), 0, b"", False
+    is_sentinel = end.endswith(_SENTINEL_BYTES)
+    if dropping:
+        # Part of the line was never kept; even its sentinel-free prefix is lost.
+        collector.drop()
+        return is_sentinel
+    text = _strip_line_end(line)
+    if is_sentinel:
+        # Output without a final newline shares the sentinel's line; keep the user's part.
+        text = text[: -len(_SENTINEL_BYTES)]
+        if text:
+            collector.add(state.name, text)
+        return True
+    collector.add(state.name, text)
+    return False
+
+
+class LogCollection:
+    """One activation's log collection, already reading; finish it once the /init or /run has answered."""
+
+    def __init__(self, reader: ActivationLogReader, collector: _Collector) -> None:
+        self._reader = reader
+        self._collector = collector
+        self._seen = {"stdout": False, "stderr": False}
+        self._task = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        async def one(state: _StreamState) -> None:
+            self._seen[state.name] = await _read_until_sentinel(state, self._collector, self._reader.chunk_bytes)
+
+        await asyncio.gather(one(self._reader.stdout), one(self._reader.stderr))
+
+    async def finish(
+        self, *, developer_error: bool = False, timeout_s: float = 2.0, settle_s: float = 0.1
+    ) -> ActivationLogs:
+        """Wait for both sentinels (`timeout_s`; only `settle_s` after a developer error, since a broken
+        runtime may never write them), stop reading and return the lines with OpenWhisk's notices."""
+        wait_s = settle_s if developer_error else timeout_s
+        try:
+            await asyncio.wait({self._task}, timeout=max(wait_s, 0.0))
+        finally:
+            # Stop reading even when our caller is cancelled: the next collection owns the streams.
+            if not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task})
+            self._reader._active = None
+        if not self._task.cancelled() and (error := self._task.exception()) is not None:
+            log.warning("runtime.log_read_failed", error=repr(error))
+        return self._result(developer_error)
+
+    def _result(self, developer_error: bool) -> ActivationLogs:
+        collector = self._collector
+        lines = list(collector.lines)
+        complete = all(self._seen.values())
+        now = collector.clock_ns()
+        if collector.truncated:
+            lines.append(format_log_line(now, "stderr", truncated_logs_message(collector.limit_bytes)))
+        elif not complete and not developer_error:
+            lines.append(format_log_line(now, "stderr", MSG_LOG_FAILURE))
+        if developer_error:
+            lines.append(format_log_line(now, "stderr", MSG_LOG_DEVELOPER_ERROR))
+        return ActivationLogs(lines=tuple(lines), truncated=collector.truncated, complete=complete)
+
+
+class ActivationLogReader:
+    """Splits a runtime's stdout and stderr into per-activation logs at the sentinels.
+
+    One reader per runtime, kept for the runtime's life: bytes read past one activation's sentinel are
+    kept for the next. Memory stays bounded by the log limit plus one read chunk per stream: past the
+    limit lines are dropped, but the reader keeps scanning for the sentinel.
+
+    With pipes (the process backend) a collection must be running while the action runs, or a chatty
+    action blocks on a full pipe::
+
+        collection = reader.start(limit_bytes=action_logs_mb * 1024 * 1024)
+        outcome = await client.run(body, timeout_s)
+        logs = await collection.finish(developer_error=outcome.status_code == ActivationStatus.DEVELOPER_ERROR)
+
+    Call it for every `/run` and every failed `/init` (a successful `/init` writes no sentinel; its output
+    belongs to the first run's logs). With `limits.concurrency > 1`, frames close in completion order and
+    lines of overlapping activations may land in either one's logs.
+    """
+
+    def __init__(
+        self,
+        stdout: LogSource,
+        stderr: LogSource,
+        *,
+        clock_ns: Callable[[], int] = time.time_ns,
+        chunk_bytes: int = 64 * 1024,
+    ) -> None:
+        self.stdout = _StreamState("stdout", stdout)
+        self.stderr = _StreamState("stderr", stderr)
+        self.clock_ns = clock_ns
+        self.chunk_bytes = chunk_bytes
+        self._active: LogCollection | None = None
+
+    def start(self, *, limit_bytes: int) -> LogCollection:
+        if self._active is not None:
+            raise RuntimeError("a log collection is already running on this runtime")
+        self._active = LogCollection(self, _Collector(limit_bytes, self.clock_ns))
+        return self._active
+
+    async def collect(
+        self, *, limit_bytes: int, developer_error: bool = False, timeout_s: float = 2.0, settle_s: float = 0.1
+    ) -> ActivationLogs:
+        """Start and finish in one step, for when the output is already written (e.g. docker's log file)."""
+        collection = self.start(limit_bytes=limit_bytes)
+        return await collection.finish(developer_error=developer_error, timeout_s=timeout_s, settle_s=settle_s)
