@@ -253,6 +253,9 @@ def doc_rows(results: dict[str, Any]) -> list[str]:
 
 def write_doc(results: dict[str, Any], command: str) -> Path:
     table = "\n".join(doc_rows(results))
+    core = results.get("standalone_core")
+    standalone_note = (f": the same warm action answers in {core['p50_ms']} ms (p50) through the standalone "
+                       "REST API" if core else "")
     text = f"""# OpenWhisk cluster path: message in → ack out
 
 Measured {time.strftime('%Y-%m-%d')} on {results['machine']} (the development machine; no GPU involved).
@@ -283,8 +286,7 @@ standalone stack with embedded Redis for the core), run in the same process.
 Reading the numbers: the result and completion acks of a blocking activation leave back to back,
 because a runner hands the front the finished record, logs included (the Scala invoker sends the result
 before collecting logs; for actions that log a lot, a blocking caller here waits for the log collection
-too). Latency is dominated by the two fetch waits, not by the invoker: the same warm action answers in
-about 1.4 ms through the standalone REST API. A shorter wait lowers the Kafka latency but costs CPU in
+too). Latency is dominated by the two fetch waits, not by the invoker{standalone_note}. A shorter wait lowers the Kafka latency but costs CPU in
 both consumers, which on a 2-core machine shows as lower burst throughput. The burst rate with records is bounded by pouchdb-server's writes: at most
 `max(4 × maxPeek, 64)` activations may wait for their record before the invoker takes more from its
 topic (maxPeek = userMemory / 128 MB = {results['kafka'][0]['max_peek']} here).
