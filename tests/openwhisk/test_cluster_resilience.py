@@ -151,7 +151,7 @@ async def test_database_down_then_back(broker: TansuBroker, pouch: PouchServer, 
         await harness.wait_completion(cached["activationId"])
         await wait_until(lambda: not front.pinging, what="pings to stop")
         paused = asyncio.get_running_loop().time()
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.5)  # more than a ping interval
         assert [p for p in harness.pings_since(paused) if p["name"]["instance"] == 12] == []
         assert not harness.acks.get(uncached["activationId"])
 
