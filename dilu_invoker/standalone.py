@@ -11,19 +11,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import structlog
-from aiohttp import web
 
 from dilu_invoker import logs
 from dilu_invoker.config import Config
-from dilu_invoker.invoker.core import Invoker, open_invoker, random_password
+from dilu_invoker.invoker.core import Invoker, open_invoker
 from dilu_invoker.invoker.manifest import Manifest
 from dilu_invoker.invoker.server import build_app as build_invoker_app
+from dilu_invoker.invoker.server import invoker_credentials, serve_app
 from dilu_invoker.openwhisk.rest import build_api
 from dilu_invoker.openwhisk.rest_auth import Authenticator
 from dilu_invoker.redis_embedded import open_redis
@@ -40,35 +39,6 @@ class Running:
     credentials: tuple[str, str]
 
 
-def invoker_credentials(cfg: Config) -> tuple[str, str]:
-    """The control endpoints' basic-auth pair: configured, or a random password kept in the data dir."""
-    if cfg.invoker.password:
-        return cfg.invoker.user, cfg.invoker.password
-    path = cfg.data_path / f"invoker{cfg.invoker.id}-credentials"
-    if path.exists():
-        user, _, password = path.read_text().strip().partition(":")
-        if user == cfg.invoker.user and password:
-            return user, password
-    password = random_password()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{cfg.invoker.user}:{password}\n")
-    return cfg.invoker.user, password
-
-
-async def _serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    bound = port
-    server = site._server
-    if server is not None and getattr(server, "sockets", None):
-        bound = int(server.sockets[0].getsockname()[1])
-    return runner, bound
-
-
 @contextlib.asynccontextmanager
 async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
     cfg.data_path.mkdir(parents=True, exist_ok=True)
@@ -78,11 +48,11 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
         store = EntityStore.from_config(redis, cfg.redis)
         invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest))
         credentials = invoker_credentials(cfg)
-        inv_runner, inv_port = await _serve_app(build_invoker_app(invoker, user=credentials[0], password=credentials[1]),
+        inv_runner, inv_port = await serve_app(build_invoker_app(invoker, user=credentials[0], password=credentials[1]),
                                                 cfg.invoker.host, cfg.invoker.port)
         stack.push_async_callback(inv_runner.cleanup)
         api = build_api(cfg.api, store=store, runner=invoker, manifest=manifest, auth=Authenticator.from_config(cfg.api))
-        api_runner, api_port = await _serve_app(api, cfg.api.host, cfg.api.port)
+        api_runner, api_port = await serve_app(api, cfg.api.host, cfg.api.port)
         stack.push_async_callback(api_runner.cleanup)
         running = Running(f"http://{cfg.api.host}:{api_port}", f"http://{cfg.invoker.host}:{inv_port}", invoker,
                           credentials)

@@ -217,7 +217,7 @@ def _activate_virtualenv(venv: str) -> None:
         if os.path.exists(activate):
             with open(activate, encoding="utf-8") as handle:
                 code = compile(handle.read(), activate, "exec")
-            exec(code, {"__file__": activate})  # noqa: S102 - the user's own activation script
+            exec(code, {"__file__": activate})
             return
     site_dirs = sorted(glob.glob(os.path.join(venv, "lib", "python3*", "site-packages")))
     if not site_dirs:

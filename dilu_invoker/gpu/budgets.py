@@ -25,7 +25,6 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
-
 _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

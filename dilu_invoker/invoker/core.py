@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -502,9 +501,5 @@ async def open_invoker(
                 errors.append(exc)
         for exc in errors:
             log.warning("error during invoker shutdown", error=repr(exc))
-
-
-def random_password() -> str:
-    return secrets.token_urlsafe(24)
 
 

@@ -11,10 +11,13 @@ import base64
 import binascii
 import hmac
 import json
+import os
+import secrets
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dilu_invoker.config import Config
 from dilu_invoker.invoker.core import Invoker
 
 INVOKER: web.AppKey[Invoker] = web.AppKey("invoker", Invoker)
@@ -81,3 +84,32 @@ def build_app(invoker: Invoker, *, user: str, password: str) -> web.Application:
         app.router.add_post(f"{prefix}/disable", disable)
     app.router.add_get("/isEnabled", is_enabled)
     return app
+
+
+def invoker_credentials(cfg: Config) -> tuple[str, str]:
+    """The control endpoints' basic-auth pair: configured, or a random password kept in the data dir."""
+    if cfg.invoker.password:
+        return cfg.invoker.user, cfg.invoker.password
+    path = cfg.data_path / f"invoker{cfg.invoker.id}-credentials"
+    if path.exists():
+        user, _, password = path.read_text().strip().partition(":")
+        if user == cfg.invoker.user and password:
+            return user, password
+    password = secrets.token_urlsafe(24)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{cfg.invoker.user}:{password}\n")
+    return cfg.invoker.user, password
+
+
+async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = port
+    server = site._server
+    if server is not None and getattr(server, "sockets", None):
+        bound = int(server.sockets[0].getsockname()[1])
+    return runner, bound

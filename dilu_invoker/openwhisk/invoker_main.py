@@ -120,8 +120,7 @@ async def _main(cfg: Config) -> int:
     # Imported here so that the front (and its tests) do not need the container backends. The control
     # endpoints are served and secured exactly as in standalone mode.
     from dilu_invoker.invoker.core import open_invoker
-    from dilu_invoker.invoker.server import build_app
-    from dilu_invoker.standalone import _serve_app, invoker_credentials
+    from dilu_invoker.invoker.server import build_app, invoker_credentials, serve_app
 
     stop = stop_on_signals()
     # Teardown in reverse: the front stops taking work and drains its acks first, then the endpoints
@@ -129,7 +128,7 @@ async def _main(cfg: Config) -> int:
     async with contextlib.AsyncExitStack() as stack:
         invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest))
         user, password = invoker_credentials(cfg)
-        http, port = await _serve_app(build_app(invoker, user=user, password=password),
+        http, port = await serve_app(build_app(invoker, user=user, password=password),
                                       cfg.invoker.host, cfg.invoker.port)
         stack.push_async_callback(http.cleanup)
         log.info("invoker.endpoints", url=f"http://{cfg.invoker.host}:{port}", user=user,

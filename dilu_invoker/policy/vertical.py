@@ -494,7 +494,8 @@ def decide_shares(
                 if share >= inst.limit - EPS:
                     why = f"latency-critical with demand: its limit {inst.limit:.2f}"
                 else:
-                    why = f"latency-critical with demand: {share:.2f} (request {inst.request:.2f}, limit {inst.limit:.2f}): {lc_cut_why}"
+                    why = (f"latency-critical with demand: {share:.2f} (request {inst.request:.2f}, "
+                           f"limit {inst.limit:.2f}): {lc_cut_why}")
             else:
                 share = inst.limit
                 why = f"latency-critical, idle: standing cap at its limit {inst.limit:.2f} so a burst starts unthrottled"

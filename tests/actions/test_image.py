@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 from collections.abc import AsyncIterator
 
 import aiohttp

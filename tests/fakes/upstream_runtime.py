@@ -82,7 +82,7 @@ class FakeActionLoop:
             return _error(502, "The action failed to generate or locate a binary. See logs for details.")
         module = types.ModuleType("main__")
         try:
-            exec(compiled, module.__dict__)  # noqa: S102 - this fake runs the test's own action code
+            exec(compiled, module.__dict__)
             main = getattr(module, value.get("main") or "main")
         except Exception:  # noqa: BLE001 - the launcher dies: upstream answers "Cannot start action"
             traceback.print_exc()

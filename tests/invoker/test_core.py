@@ -16,12 +16,12 @@ from dilu_invoker import config
 from dilu_invoker.invoker.container import State, Transition
 from dilu_invoker.invoker.core import Invoker, open_invoker
 from dilu_invoker.model import (
+    GUEST_IDENTITY,
     Action,
     ActionLimits,
     ActivationRequest,
     ActivationStatus,
     Exec,
-    GUEST_IDENTITY,
     Parameter,
     new_activation_id,
 )

@@ -93,7 +93,7 @@ class TansuBroker:
 
     def start(self) -> None:
         url = f"tcp://127.0.0.1:{self.port}"
-        log = open(self.workdir / "tansu.log", "ab")  # noqa: SIM115 - handed to the child
+        log = open(self.workdir / "tansu.log", "ab")
         self.proc = subprocess.Popen(
             [self.binary, "broker", "--listener-url", url,
              "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised_port}",
@@ -128,7 +128,7 @@ class PouchServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        log = open(self.workdir / "pouchdb.log", "ab")  # noqa: SIM115 - handed to the child
+        log = open(self.workdir / "pouchdb.log", "ab")
         # pouchdb-server writes log.txt into its working directory: keep it in the test's directory.
         self.proc = subprocess.Popen(
             [str(POUCHDB_BIN), "-p", str(self.port), "-o", "127.0.0.1", "-d", str(self.data),

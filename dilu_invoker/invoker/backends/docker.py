@@ -189,7 +189,7 @@ class DockerBackend:
             container.start()
             container.reload()
             port = container.attrs["NetworkSettings"]["Ports"][RUNTIME_PORT][0]["HostPort"]
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             with contextlib.suppress(Exception):
                 container.remove(force=True)
             raise BackendError(f"could not start container {spec.name}: {exc}") from exc
