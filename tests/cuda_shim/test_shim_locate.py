@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +78,19 @@ def test_process_env_puts_the_shim_first_once(tmp_path: Path) -> None:
         and env["PATH"] == "/bin"
     )
     assert "DILU_SHIM_LOG_LEVEL" not in env
+
+
+def test_package_build_ships_the_library(tmp_path: Path) -> None:
+    """setup.py's build_py hook puts the built shim where find_library looks first."""
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    shipped = tmp_path / "dilu_invoker" / "gpu" / "lib" / shim.LIBRARY_NAME
+    assert shipped.is_file() and shipped.read_bytes()[:4] == b"\x7fELF"
