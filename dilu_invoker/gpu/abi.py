@@ -207,10 +207,20 @@ class Quota:
         mem_cap_bytes: int = 0,
         stale_after_ns: int = DEFAULT_STALE_AFTER_NS,
     ) -> Quota:
-        """rate = share x capacity; a share of 1 (or more) means unlimited."""
-        if not math.isfinite(share) or share < 0:
-            raise ValueError(f"share must be finite and >= 0, got {share!r}")
+        """rate = share x capacity; a share of 1 or more means unlimited.
+
+        A share of 0 is refused rather than mapped to rate 0, which the shim reads as
+        *unlimited*: pausing a tenant takes a small positive share.
+        """
+        if not math.isfinite(share) or share <= 0:
+            raise ValueError(f"share must be finite and > 0, got {share!r}")
         clipped = min(share, 1.0)
+        if clipped < 1.0 and not (
+            math.isfinite(capacity_blocks_per_ms) and capacity_blocks_per_ms > 0
+        ):
+            raise ValueError(
+                f"a share below 1 needs a capacity > 0, got {capacity_blocks_per_ms!r}"
+            )
         rate = 0.0 if clipped >= 1.0 else clipped * capacity_blocks_per_ms
         return cls(
             rate_blocks_per_ms=rate,

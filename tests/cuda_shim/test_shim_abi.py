@@ -173,11 +173,11 @@ def test_quota_rejects_bad_values(kwargs: dict[str, float]) -> None:
     ("share", "capacity", "rate", "limited"),
     [
         (0.25, 800.0, 200.0, True),
-        (0.0, 800.0, 0.0, False),
         (1.0, 800.0, 0.0, False),
         (3.0, 800.0, 0.0, False),
+        (1.0, 0.0, 0.0, False),
     ],
-    ids=["quarter", "zero-share-means-unlimited", "full", "over-one"],
+    ids=["quarter", "full", "over-one", "full-without-capacity"],
 )
 def test_quota_from_share(
     share: float, capacity: float, rate: float, limited: bool
@@ -186,6 +186,28 @@ def test_quota_from_share(
     assert q.rate_blocks_per_ms == rate
     assert q.limited is limited
     assert q.share == min(share, 1.0) and q.capacity_blocks_per_ms == capacity
+
+
+@pytest.mark.parametrize(
+    ("share", "capacity"),
+    [
+        (0.0, 800.0),
+        (-0.5, 800.0),
+        (float("nan"), 800.0),
+        (0.5, 0.0),
+        (0.5, float("inf")),
+    ],
+    ids=[
+        "zero-would-mean-unlimited",
+        "negative",
+        "nan",
+        "no-capacity",
+        "infinite-capacity",
+    ],
+)
+def test_quota_from_share_refuses(share: float, capacity: float) -> None:
+    with pytest.raises(ValueError):
+        abi.Quota.from_share(share, capacity)
 
 
 # ---- control file ----------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from shim_testlib import SHIM_DIR, ShimBuild
@@ -134,3 +136,49 @@ def test_make_test_target(shim_build: ShimBuild) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all C tests passed; all failed without the shim" in out.stdout
+
+
+NVCC = shutil.which("nvcc") or (
+    "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
+)
+# Driver entry points of the families the shim meters, as cuGetProcAddress base names.
+METERED_FAMILY = re.compile(
+    r"^cu(Launch|GraphLaunch|GraphInstantiate|GraphExec(Update|Destroy)|Mem(Alloc|Free|Create|Release|GetInfo))"
+)
+# Host-side members of those families: nothing to meter.
+HOST_SIDE = {"cuLaunchHostFunc", "cuMemAllocHost", "cuMemFreeHost", "cuMemHostAlloc"}
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+def test_cudart_requests_nothing_the_shim_misses(
+    shim_build: ShimBuild, tmp_path: Path
+) -> None:
+    """The real CUDA runtime's lookups, recorded through the shim: every launch- or
+    memory-family entry point it asks for must be one the shim wraps, so a new name in a
+    future CUDA fails here instead of escaping the quota silently."""
+    src, exe = tmp_path / "app.cu", tmp_path / "app"
+    src.write_text(
+        "__global__ void k() {}\nint main() { k<<<1, 1>>>(); return (int)cudaDeviceSynchronize(); }\n"
+    )
+    assert NVCC is not None
+    cc = subprocess.run(
+        [NVCC, "-o", str(exe), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert cc.returncode == 0, cc.stderr
+    env = shim_build.env(preload=True, extra={"DILU_SHIM_LOG_LEVEL": "5"})
+    run = subprocess.run(
+        [str(exe)], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    # The fake driver cannot run cudart's kernels; the lookups are what we want.
+    requested = set(re.findall(r"cuGetProcAddress_v2\((cu\w+), \d+, \d+\)", run.stderr))
+    assert len(requested) > 200, run.stderr[-2000:]
+    hooked_bases = set(
+        re.findall(r'"(cu\w+)"\)', (SHIM_DIR / "src" / "hooks.h").read_text())
+    )
+    family = {name for name in requested if METERED_FAMILY.match(name)} - HOST_SIDE
+    assert family, "no launch/memory lookups recorded"
+    assert sorted(family - hooked_bases) == []
