@@ -311,13 +311,15 @@ static void apply_quota(const struct quota *q) {
     g_q = *q;
     g_applied = true;
     if (limited) {
+        double tick = ceil(q->rate * (double)DILU_SHIM_TICK_NS / 1e6);
         double burst = q->burst ? (double)q->burst : ceil(q->rate * DILU_SHIM_DEFAULT_BURST_MS);
+        /* A bucket that cannot hold one tick of refill would cap the rate at burst per tick. */
+        if (burst < tick) burst = tick;
         if (burst < 1.0) burst = 1.0;
         if (burst > (double)(INT64_MAX / 4)) burst = (double)(INT64_MAX / 4);
         g_burst = (int64_t)burst;
         g_rate = q->rate;
-        double chunk = ceil(q->rate * (double)DILU_SHIM_TICK_NS / 1e6);
-        if (chunk < 1.0) chunk = 1.0;
+        double chunk = tick < 1.0 ? 1.0 : tick;
         if (chunk > (double)(INT64_MAX / 4)) chunk = (double)(INT64_MAX / 4);
         atomic_store(&g_chunk_blocks, (int64_t)chunk);
         if (!was_limited) {
@@ -371,7 +373,8 @@ static void refill(uint64_t now) {
         double add = g_rate * ms + g_carry[d];
         double whole = floor(add);
         g_carry[d] = add - whole;
-        int64_t inc = whole > (double)g_burst ? g_burst : (int64_t)whole;
+        /* bounded only against overflow: a deep debt must get the whole refill */
+        int64_t inc = whole > (double)(INT64_MAX / 4) ? INT64_MAX / 4 : (int64_t)whole;
         int64_t cur = atomic_load(&g_bucket[d].tokens);
         int64_t nv;
         do {
