@@ -80,6 +80,15 @@ log "machine info written"
 # ---- build ----------------------------------------------------------------------------
 NVCC=${NVCC:-nvcc}
 command -v "$NVCC" >/dev/null 2>&1 || NVCC=/usr/local/cuda/bin/nvcc
+# cuda.h for the shim's build: /usr/local/cuda unless nvcc lives elsewhere
+if [ -z "${CUDA_INCLUDE:-}" ]; then
+    CUDA_INCLUDE=/usr/local/cuda/include
+    if [ ! -f "$CUDA_INCLUDE/cuda.h" ] && command -v "$NVCC" >/dev/null 2>&1; then
+        CUDA_INCLUDE=$(dirname "$(dirname "$(command -v "$NVCC")")")/include
+    fi
+fi
+export CUDA_INCLUDE
+log "CUDA_INCLUDE=$CUDA_INCLUDE nvcc=$NVCC"
 step build-shim 180 make -C cuda_shim clean tests
 make_rc=1
 [ -f cuda_shim/build/libdilu_shim.so ] && [ -x cuda_shim/build/tests/shim_tests ] && make_rc=0

@@ -410,6 +410,9 @@ static uint64_t current_flags(void) {
     return f;
 }
 
+/* One writer at a time: the refill thread, or the exit handler. */
+static pthread_mutex_t g_publish_mu = PTHREAD_MUTEX_INITIALIZER;
+
 static void publish(uint64_t now, const struct totals *t) {
     dilu_shim_stats_t *st = g_st;
     if (!st || !g_stats_owner) return;
@@ -461,6 +464,27 @@ void dilu_publish_passthrough(void) {
     publish(dilu_now_ns(), &t);
 }
 
+/*
+ * A short-lived process should not lose its last millisecond of counts: publish
+ * once more at exit. trylock, because exit() may run while the refill thread is
+ * mid-publish (it then finishes its own, nearly as fresh, copy).
+ */
+__attribute__((destructor)) static void publish_at_exit(void) {
+    if (!g_st || !g_stats_owner || !atomic_load(&g_refill_running)) return;
+    int saved = errno;
+    for (int i = 0; i < 20; i++) {
+        if (pthread_mutex_trylock(&g_publish_mu) == 0) {
+            struct totals t = sum_totals();
+            publish(dilu_now_ns(), &t);
+            pthread_mutex_unlock(&g_publish_mu);
+            break;
+        }
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+    }
+    errno = saved;
+}
+
 static void *refill_main(void *arg) {
     (void)arg;
     prctl(PR_SET_NAME, "dilu-refill", 0, 0, 0);
@@ -479,7 +503,9 @@ static void *refill_main(void *arg) {
         if (!g_stats_owner && g_st && g_ticks % 1000 == 0) try_claim_stats();
         struct totals t = sum_totals();
         if (g_ticks % DILU_SHIM_WINDOW_TICKS == 0) window_tick(t.blocks);
+        pthread_mutex_lock(&g_publish_mu);
         publish(now, &t);
+        pthread_mutex_unlock(&g_publish_mu);
     }
     return NULL;
 }

@@ -40,6 +40,7 @@ DILU_PIN(pthread_attr_setstacksize);
 DILU_PIN(pthread_mutex_lock);
 DILU_PIN(pthread_mutex_unlock);
 DILU_PIN(pthread_mutex_init);
+DILU_PIN(pthread_mutex_trylock);
 #endif
 
 #endif /* DILU_GLIBC_COMPAT_H */
