@@ -429,6 +429,13 @@ static void test_dlsym(void) {
 /* -lcuda callers bind through the global scope. */
 static void test_lcuda(void) {
     CHECK(in_shim((void *)&cuLaunchKernel, NULL), "&cuLaunchKernel is not the shim's");
+    /* what a PLT reference to each hooked name resolves to */
+    const char *sname = NULL;
+    for (size_t i = 0; i < N_HOOKS; i++) {
+        void *p = dlsym(RTLD_DEFAULT, hooks[i].name);
+        CHECK(in_shim(p, &sname) && !strcmp(sname, hooks[i].name), "global %s is not the shim's", hooks[i].name);
+        if (p) check_reaches(p, hooks[i].name, "global scope");
+    }
     dilu_shim_info_t a, b;
     REQUIRE(shim_info(&a), "no shim");
     long before = fake_count("cuLaunchKernel");
