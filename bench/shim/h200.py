@@ -280,6 +280,7 @@ def step_enqueue(b: Bench, out: dict[str, Any]) -> None:
             "limited": [],
         }
         stats: list[Any] = []
+        out[f"raw_grid_{grid}"] = per  # filled as runs finish: kept if the step is cut short
         for _ in range(rounds):
             for variant, results in per.items():
                 env, st = b.env_for(variant)
