@@ -98,9 +98,9 @@ typedef struct dilu_shim_control {
  * per tick under the seqlock `seq`. Counters are cumulative since the owning
  * process started; consumers take differences.
  *
- * pid                    owning process (claimed when 0 or dead).
- * heartbeat_ns, ticks    time of the last publish and the number of refill
- *                        ticks so far.
+ * pid                    owning process, claimed at its init (when 0 or dead).
+ * heartbeat_ns, ticks    time of the last publish (0 = never published) and
+ *                        the number of refill ticks so far.
  * control_epoch          epoch of the last control block the shim applied.
  * rate_blocks_per_ms, burst_blocks, mem_cap_bytes
  *                        the quota in force (rate 0 = unlimited).

@@ -282,8 +282,12 @@ class StatsSnapshot:
 
     @property
     def published(self) -> bool:
-        """False until a shim has written the block at least once."""
-        return self.pid != 0
+        """False until a shim has published the block at least once.
+
+        ``pid`` alone does not say it: a shim claims the block (sets ``pid``) at init,
+        up to one tick before its first publish.
+        """
+        return self.heartbeat_ns != 0
 
     @property
     def stale(self) -> bool:
