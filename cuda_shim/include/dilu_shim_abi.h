@@ -102,6 +102,7 @@ typedef struct dilu_shim_control {
  * heartbeat_ns, ticks    time of the last publish (0 = never published) and
  *                        the number of refill ticks so far.
  * control_epoch          epoch of the last control block the shim applied.
+ * control_applied_ns     when it applied it (compare with the manager's write).
  * rate_blocks_per_ms, burst_blocks, mem_cap_bytes
  *                        the quota in force (rate 0 = unlimited).
  * launches               cuLaunchKernel/Ex/CooperativeKernel calls (+_ptsz).
@@ -143,6 +144,7 @@ typedef struct dilu_shim_stats {
     uint64_t heartbeat_ns;
     uint64_t ticks;
     uint64_t control_epoch;
+    uint64_t control_applied_ns;
     double rate_blocks_per_ms;
     uint64_t burst_blocks;
     uint64_t mem_cap_bytes;
@@ -169,7 +171,7 @@ typedef struct dilu_shim_stats {
     uint64_t cycle_current_windows;
     uint64_t cycle_min_windows;
     uint64_t cycle_ring[DILU_SHIM_CYCLE_RING];
-    uint64_t reserved[16];
+    uint64_t reserved[15];
 } dilu_shim_stats_t;
 
 /*
@@ -201,6 +203,7 @@ typedef struct dilu_shim_stats {
     X(uint64_t, heartbeat_ns, 0)                       \
     X(uint64_t, ticks, 0)                              \
     X(uint64_t, control_epoch, 0)                      \
+    X(uint64_t, control_applied_ns, 0)                 \
     X(double, rate_blocks_per_ms, 0)                   \
     X(uint64_t, burst_blocks, 0)                       \
     X(uint64_t, mem_cap_bytes, 0)                      \
@@ -227,7 +230,7 @@ typedef struct dilu_shim_stats {
     X(uint64_t, cycle_current_windows, 0)              \
     X(uint64_t, cycle_min_windows, 0)                  \
     X(uint64_t, cycle_ring, DILU_SHIM_CYCLE_RING)      \
-    X(uint64_t, reserved, 16)
+    X(uint64_t, reserved, 15)
 
 #if defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
 _Static_assert(sizeof(dilu_shim_control_t) == DILU_SHIM_CONTROL_SIZE, "control block size");

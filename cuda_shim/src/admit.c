@@ -64,6 +64,7 @@ struct quota {
 };
 static struct quota g_q;         /* last accepted control snapshot */
 static bool g_applied;           /* g_q holds a snapshot */
+static uint64_t g_applied_ns;    /* when it was applied */
 static double g_rate;            /* 0 = unlimited */
 static int64_t g_burst;
 static double g_carry[DILU_MAX_DEVICES];
@@ -310,6 +311,7 @@ static void apply_quota(const struct quota *q) {
     bool limited = rate_is_limited(q->rate);
     g_q = *q;
     g_applied = true;
+    g_applied_ns = dilu_now_ns();
     if (limited) {
         double tick = ceil(q->rate * (double)DILU_SHIM_TICK_NS / 1e6);
         double burst = q->burst ? (double)q->burst : ceil(q->rate * DILU_SHIM_DEFAULT_BURST_MS);
@@ -428,6 +430,7 @@ static void publish(uint64_t now, const struct totals *t) {
     STORE(&st->heartbeat_ns, now);
     STORE(&st->ticks, g_ticks);
     STORE(&st->control_epoch, g_q.epoch);
+    STORE(&st->control_applied_ns, g_applied_ns);
     store_double(&st->rate_blocks_per_ms, g_rate);
     STORE(&st->burst_blocks, (uint64_t)g_burst);
     STORE(&st->mem_cap_bytes, dilu_memory_cap());

@@ -98,6 +98,7 @@ class StatsBlock(ctypes.Structure):
         ("heartbeat_ns", ctypes.c_uint64),
         ("ticks", ctypes.c_uint64),
         ("control_epoch", ctypes.c_uint64),
+        ("control_applied_ns", ctypes.c_uint64),
         ("rate_blocks_per_ms", ctypes.c_double),
         ("burst_blocks", ctypes.c_uint64),
         ("mem_cap_bytes", ctypes.c_uint64),
@@ -124,7 +125,7 @@ class StatsBlock(ctypes.Structure):
         ("cycle_current_windows", ctypes.c_uint64),
         ("cycle_min_windows", ctypes.c_uint64),
         ("cycle_ring", ctypes.c_uint64 * CYCLE_RING),
-        ("reserved", ctypes.c_uint64 * 16),
+        ("reserved", ctypes.c_uint64 * 15),
     ]
 
 
@@ -252,6 +253,7 @@ class StatsSnapshot:
     heartbeat_ns: int
     ticks: int
     control_epoch: int
+    control_applied_ns: int
     rate_blocks_per_ms: float
     burst_blocks: int
     mem_cap_bytes: int
