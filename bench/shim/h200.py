@@ -61,6 +61,10 @@ class Bench:
         self.work = work
         self.log_path = log_path
         self.cpu = pick_cpu(cpu) if shutil.which("taskset") else None
+        if self.cpu is not None and not taskset_works(self.cpu):
+            self.cpu = (
+                None  # e.g. a sandbox that refuses sched_setaffinity: run unpinned
+            )
         self.gpu_bench = os.environ.get("DILU_BENCH_GPU_BENCH", str(work / "gpu_bench"))
         self.python = os.environ.get("DILU_BENCH_PYTHON", sys.executable)
         self.lib = BUILD / "libdilu_shim.so"
@@ -192,6 +196,16 @@ def pick_cpu(want: str | None) -> str | None:
     return str(allowed[-1])
 
 
+def taskset_works(cpu: str) -> bool:
+    try:
+        r = subprocess.run(
+            ["taskset", "-c", cpu, "true"], capture_output=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
 def _text(x: Any) -> str:
     if x is None:
         return ""
@@ -280,7 +294,9 @@ def step_enqueue(b: Bench, out: dict[str, Any]) -> None:
             "limited": [],
         }
         stats: list[Any] = []
-        out[f"raw_grid_{grid}"] = per  # filled as runs finish: kept if the step is cut short
+        out[f"raw_grid_{grid}"] = (
+            per  # filled as runs finish: kept if the step is cut short
+        )
         for _ in range(rounds):
             for variant, results in per.items():
                 env, st = b.env_for(variant)

@@ -80,14 +80,19 @@ log "machine info written"
 # ---- build ----------------------------------------------------------------------------
 NVCC=${NVCC:-nvcc}
 command -v "$NVCC" >/dev/null 2>&1 || NVCC=/usr/local/cuda/bin/nvcc
-# cuda.h for the shim's build: /usr/local/cuda unless nvcc lives elsewhere
-if [ -z "${CUDA_INCLUDE:-}" ]; then
-    CUDA_INCLUDE=/usr/local/cuda/include
-    if [ ! -f "$CUDA_INCLUDE/cuda.h" ] && command -v "$NVCC" >/dev/null 2>&1; then
-        CUDA_INCLUDE=$(dirname "$(dirname "$(command -v "$NVCC")")")/include
-    fi
-fi
-export CUDA_INCLUDE
+# cuda.h + cudaTypedefs.h for the shim's build: /usr/local/cuda, next to nvcc, or anywhere
+# under /usr and /opt (pip's CUDA packages keep them in site-packages)
+find_cuda_include() {
+    local nv d
+    nv=$(command -v "$NVCC" 2>/dev/null) && nv=$(dirname "$(dirname "$(readlink -f "$nv")")")
+    for d in "${CUDA_INCLUDE:-}" /usr/local/cuda/include ${nv:+"$nv/include" "$nv/targets/x86_64-linux/include"}; do
+        [ -n "$d" ] && [ -f "$d/cuda.h" ] && [ -f "$d/cudaTypedefs.h" ] && { echo "$d"; return; }
+    done
+    d=$(timeout 30 find /usr /opt -name cudaTypedefs.h -not -path '*/proc/*' 2>/dev/null | head -1)
+    [ -n "$d" ] && dirname "$d"
+}
+CUDA_INCLUDE=$(find_cuda_include)
+export CUDA_INCLUDE=${CUDA_INCLUDE:-/usr/local/cuda/include}
 log "CUDA_INCLUDE=$CUDA_INCLUDE nvcc=$NVCC"
 step build-shim 180 make -C cuda_shim clean tests
 make_rc=1
