@@ -1,0 +1,210 @@
+"""Warm invoke latency and throughput through `dilu-invoker standalone`, beside calling the runtime's /run
+directly — the REST + pool layer's cost, measured side by side in one run (issue 2's figures).
+
+    python bench/standalone.py [--requests 2000] [--seconds 5] [--clients 32] [--rounds 3] [--write]
+
+Starts a real standalone server (process backend, embedded Redis) and a bare runtime process, creates a
+no-op `python:3` action, and alternates the two arms round by round so machine noise hits both alike.
+With --write, the result goes to docs/benchmarks/standalone.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFqm12CdAsMgRU4VrNZ9lyGVCGuMDGIwP"
+NOOP = "def main(args):\n    return {}\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_http(session: aiohttp.ClientSession, url: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(url) as r:
+                await r.read()
+                return
+        except aiohttp.ClientError:
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def latency(call, n: int) -> list[float]:  # type: ignore[no-untyped-def]
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await call()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+async def throughput(call, clients: int, seconds: float) -> float:  # type: ignore[no-untyped-def]
+    done = 0
+    stop = time.monotonic() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        while time.monotonic() < stop:
+            await call()
+            done += 1
+
+    t = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return done / (time.monotonic() - t)
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    api_port, run_port = free_port(), free_port()
+    data = tempfile.mkdtemp(prefix="dilu-bench-")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DILU_LOG_LEVEL": "warning"}
+    server = subprocess.Popen([sys.executable, "-m", "dilu_invoker", "standalone", "--data-dir", data,
+                               "--api-port", str(api_port)], env=env, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runtime = subprocess.Popen([sys.executable, "-m", "dilu_invoker.actions.runtime", "--port", str(run_port)],
+                               env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api = f"http://127.0.0.1:{api_port}/api/v1/namespaces/_/actions/noop"
+    run_url = f"http://127.0.0.1:{run_port}"
+    user, key = GUEST.split(":")
+    auth = aiohttp.BasicAuth(user, key)
+    connector = aiohttp.TCPConnector(limit=0)
+    results: dict = {"standalone": {"p50": [], "p99": [], "rps": []}, "direct": {"p50": [], "p99": [], "rps": []}}
+    try:
+        async with aiohttp.ClientSession(connector=connector) as session:
+            await wait_http(session, f"http://127.0.0.1:{api_port}/api/v1")
+            async with session.put(f"{api}?overwrite=true", auth=auth,
+                                   json={"exec": {"kind": "python:3", "code": NOOP}}) as r:
+                assert r.status == 200, await r.text()
+            await wait_http(session, f"{run_url}/")
+            async with session.post(f"{run_url}/init", json={"value": {"name": "noop", "main": "main",
+                                                                       "code": NOOP, "binary": False}}) as r:
+                assert r.status == 200, await r.text()
+            run_body = json.dumps({"value": {}, "namespace": "guest", "action_name": "/guest/noop",
+                                   "action_version": "0.0.1", "activation_id": "0" * 32,
+                                   "transaction_id": "bench", "deadline": str(2**41)}).encode()
+
+            async def via_api() -> None:
+                async with session.post(f"{api}?blocking=true&result=true", auth=auth, json={}) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"invoke answered {r.status}")
+
+            async def direct() -> None:
+                async with session.post(f"{run_url}/run", data=run_body,
+                                        headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"/run answered {r.status}")
+
+            for call in (via_api, direct):  # warm up (cold start, connection pools)
+                await latency(call, 200)
+            for _ in range(args.rounds):
+                for name, call in (("standalone", via_api), ("direct", direct)):
+                    lat = await latency(call, args.requests)
+                    results[name]["p50"].append(statistics.median(lat))
+                    results[name]["p99"].append(percentile(lat, 0.99))
+                    results[name]["rps"].append(await throughput(call, args.clients, args.seconds))
+    finally:
+        for proc in (server, runtime):
+            proc.terminate()
+        for proc in (server, runtime):
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return results
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def render(results: dict, args: argparse.Namespace, cmd: str) -> str:
+    def med(name: str, key: str) -> float:
+        return statistics.median(results[name][key])
+
+    s_p50, d_p50 = med("standalone", "p50"), med("direct", "p50")
+    s_p99, d_p99 = med("standalone", "p99"), med("direct", "p99")
+    s_rps, d_rps = med("standalone", "rps"), med("direct", "rps")
+    added = s_p50 - d_p50
+    rows = "\n".join(
+        f"| {name} | {', '.join(f'{v:.2f}' for v in results[name]['p50'])} | {med(name, 'p50'):.2f} | "
+        f"{med(name, 'p99'):.2f} | {', '.join(f'{v:.0f}' for v in results[name]['rps'])} | {med(name, 'rps'):.0f} |"
+        for name in ("standalone", "direct"))
+
+    def verdict(ok: bool) -> str:
+        return "**met**" if ok else "**not met**"
+
+    return f"""# Standalone: warm invoke latency and throughput
+
+Machine: {machine()}. Command: `{cmd}` ({args.rounds} rounds, arms alternated; {args.requests} sequential
+blocking invokes per round for latency, then {args.clients} concurrent clients for {args.seconds:g} s for
+throughput). The client runs on the same machine and its CPU counts against both arms alike.
+
+* **standalone**: `POST /api/v1/namespaces/_/actions/noop?blocking=true&result=true` through the REST API,
+  Redis (action lookup, activation record stored before the answer), the container pool, the runtime
+  client and the log collection, on a warm `python:3` container of the process backend.
+* **direct**: `POST /run` straight to a bare runtime process with the same no-op action.
+
+| arm | p50 per round (ms) | p50 (median) | p99 (median) | invokes/s per round | invokes/s (median) |
+| --- | --- | --- | --- | --- | --- |
+{rows}
+
+| target (issue 2) | measured | verdict |
+| --- | --- | --- |
+| warm p50 ≤ 3 ms end to end | {s_p50:.2f} ms (p99 {s_p99:.2f} ms) | {verdict(s_p50 <= 3.0)} |
+| ≥ 500 invokes/s with {args.clients} clients | {s_rps:.0f}/s ({s_rps / d_rps:.2f}× the direct arm's {d_rps:.0f}/s) | {verdict(s_rps >= 500)} |
+| REST + pool adds ≤ 1.5 ms p50 over direct /run | +{added:.2f} ms ({s_p50:.2f} vs {d_p50:.2f}; ratio {s_p50 / d_p50:.1f}×; p99 {s_p99:.2f} vs {d_p99:.2f}) | {verdict(added <= 1.5)} |
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help="write docs/benchmarks/standalone.md")
+    args = parser.parse_args()
+    results = asyncio.run(main_async(args))
+    cmd = "python bench/standalone.py " + " ".join(sys.argv[1:])
+    text = render(results, args, cmd.strip())
+    print(text)
+    if args.write:
+        (ROOT / "docs" / "benchmarks" / "standalone.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
