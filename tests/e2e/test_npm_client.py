@@ -6,16 +6,15 @@ unchanged against ``dilu-invoker standalone`` (see docs/rest-api.md, "Compatibil
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from ow_support.api import manifest_for_tests
+from ow_support.npm import NPM_DIR, install_client, run_command
 from ow_support.runners import PythonRunner
 
 from dilu_invoker.config import ApiConfig
@@ -24,36 +23,13 @@ from dilu_invoker.openwhisk.rest import build_api
 from dilu_invoker.openwhisk.rest_auth import Authenticator
 from dilu_invoker.store import EntityStore
 
-NPM_DIR = Path(__file__).parent / "npm"
-
 pytestmark = pytest.mark.slow
-
-
-async def _run(*argv: str, cwd: Path, env: dict[str, str] | None = None, timeout_s: float) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
-        *argv, cwd=str(cwd), env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    return proc.returncode or 0, out.decode(errors="replace")
-
-
-async def _install_client() -> None:
-    if (NPM_DIR / "node_modules" / "openwhisk" / "package.json").exists():
-        return
-    command = "ci" if (NPM_DIR / "package-lock.json").exists() else "install"
-    rc, out = await _run("npm", command, "--no-audit", "--no-fund", cwd=NPM_DIR, timeout_s=300)
-    assert rc == 0, f"npm {command} failed:\n{out}"
 
 
 async def test_openwhisk_npm_client(redis: aioredis.Redis, aiohttp_server: Any) -> None:
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("node and npm are not installed")
-    await _install_client()
+    await install_client()
     app = build_api(
         ApiConfig(), store=EntityStore(redis, prefix="e2e:"), runner=PythonRunner(),
         manifest=manifest_for_tests(), auth=Authenticator([GUEST_IDENTITY]),
@@ -65,7 +41,7 @@ async def test_openwhisk_npm_client(redis: aioredis.Redis, aiohttp_server: Any) 
         "__OW_API_KEY": GUEST_IDENTITY.api_key,
         "DILU_COMPAT_POLL_MS": "20000",
     })
-    rc, out = await _run("node", "compat.js", cwd=NPM_DIR, env=env, timeout_s=120)
+    rc, out = await run_command("node", "compat.js", cwd=NPM_DIR, env=env, timeout_s=120)
     summary = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
     assert rc == 0 and summary.get("ok") is True, out
     assert len(summary["checks"]) >= 20
