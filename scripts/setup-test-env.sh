@@ -6,9 +6,13 @@
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for pkg in redis-server podman runc debootstrap busybox-static make gcc nodejs npm python3-venv; do
+for pkg in redis-server podman runc debootstrap make gcc binutils; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
+# node and npm may come from another source (e.g. NodeSource's nodejs bundles npm): check the commands.
+command -v node >/dev/null 2>&1 || need+=(nodejs)
+command -v npm >/dev/null 2>&1 || need+=(npm)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 if ((${#need[@]})); then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
