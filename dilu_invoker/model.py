@@ -228,7 +228,7 @@ class GpuClass(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class GpuNeeds:
-    """What a GPU action asks for, read from its annotations (see docs/gpu-annotations.md)."""
+    """What a GPU action asks for, read from its annotations (see docs/rest-api.md, "GPU annotations")."""
 
     gpu_class: GpuClass = GpuClass.INFERENCE
     sm_request: float = 0.2
