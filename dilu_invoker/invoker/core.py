@@ -440,7 +440,7 @@ class Invoker:
         try:
             failure, _init_ms, _logs = await self._start_and_init(proxy, req, runtime, gpu_index=gpu_index,
                                                                   gpu_key=instance_id)
-        except Exception as exc:  # noqa: BLE001 - reported as the instance's failure
+        except Exception as exc:  # reported as the instance's failure
             log.exception("instance start failed", instance=instance_id)
             failure = ActivationResponse.whisk_error(f"instance start failed: {exc!r}")
         self.pool.release(proxy, healthy=failure is None, reason="" if failure is None else "instance start failed")

@@ -269,9 +269,12 @@ def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work) -> None:
             if r.state == RecordState.STOPPING:
                 work.forget(r, f"{r.id}: stopped", owed=False, stop=False, now=now, epoch=epoch)
             elif r.state == RecordState.STARTING:
+                # The invoker has not read the command yet (or not reported since).
                 if now - r.since > cfg.start_timeout_s:
                     work.forget(r, f"{r.id}: not started after {now - r.since:.0f} s", owed=False, stop=True,
                                 now=now, epoch=epoch)
+                else:
+                    work.records[r.id] = r
             elif r.missing + 1 >= cfg.missing_ticks:
                 work.forget(r, f"{r.id}: no longer reported by {r.invoker}", owed=True, stop=True,
                             now=now, epoch=epoch)

@@ -218,7 +218,8 @@ class Balancer:
             self._valid_until = started + self.cfg.balancer.lease_ttl_s
 
     async def _demand_loop(self) -> None:
-        last = "$"
+        # Signals of the last moments before this balancer led count too (a predecessor may have missed them).
+        last = f"{int(time.time() * 1000) - 2000}-0"
         while True:
             try:
                 got: Any = await self.redis.xread({self.keys.demand: last}, count=100, block=1000)
@@ -232,7 +233,7 @@ class Balancer:
                     fn = fields.get(b"f")
                     if fn:
                         self._demand[text(fn)] = time.time()
-                        self._wake.set()
+                    self._wake.set()  # demand, or an invoker's instance changed state
 
     # -- one tick --------------------------------------------------------------------------------
 
