@@ -14,8 +14,9 @@ Lua script, so each decision below is atomic:
 * **finish** — store the result (``{prefix}res:{id}``, kept ``--balancer-result-ttl-s``) unless one is
   there, append it to the origin's reply stream, acknowledge and delete the entry, drop the claim.
 * **steal** (origin, when the target's boot key ``{prefix}inv:{target}:boot`` is gone, i.e. its load
-  reports stopped) — unless a result exists or a live boot of the target is running it, move the claim
-  to ``x``, acknowledge and delete the entry; the origin then routes the activation elsewhere.
+  reports stopped) — unless a result exists or the target is back (a restarted target claims the entries
+  its predecessor had read), move the claim to ``x``, acknowledge and delete the entry; the origin then
+  routes the activation elsewhere.
 
 So an entry is acknowledged only after its result was handed back; an invoker that restarts claims the
 entries its previous incarnation had read (``XAUTOCLAIM``) and runs them; an invoker that stays dead has
@@ -105,20 +106,10 @@ return stored and 0 or 1
 """
 
 # KEYS: result, claim, target's boot key, target's activation stream. ARGV: target, group, entry id, ttl ms.
+# A live target (any boot) keeps the entry: a restarted one claims what its predecessor had read.
 STEAL = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 'done' end
-local v = redis.call('GET', KEYS[2])
-local alive = redis.call('GET', KEYS[3])
-if v then
-  if v == 'q:' .. ARGV[1] then
-    if alive then return 'wait' end
-  else
-    local prefix = 'r:' .. ARGV[1] .. ':'
-    if string.sub(v, 1, #prefix) == prefix and alive and string.sub(v, #prefix + 1) == alive then
-      return 'wait'
-    end
-  end
-end
+if redis.call('EXISTS', KEYS[3]) == 1 then return 'wait' end
 redis.call('SET', KEYS[2], 'x', 'PX', ARGV[4])
 redis.call('XACK', KEYS[4], ARGV[2], ARGV[3])
 redis.call('XDEL', KEYS[4], ARGV[3])

@@ -45,27 +45,34 @@ end
 return 0
 """
 
-# ARGV[1]: token; then operations, each an opcode followed by its fixed number of arguments.
+# ARGV[1]: token; then operations, each an opcode followed by its fixed number of arguments. Checked in
+# full before anything is written (a script that fails half way keeps what it wrote).
 APPLY = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local arity = {hset = 3, hdel = 2, set = 2, xadd = 3, publish = 2, srem = 2}
 local i = 2
+while i <= #ARGV do
+  local n = arity[ARGV[i]]
+  if not n or i + n > #ARGV then return redis.error_reply('unknown operation ' .. tostring(ARGV[i])) end
+  i = i + n + 1
+end
+i = 2
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'hset' then
-    redis.call('HSET', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]); i = i + 4
+    redis.call('HSET', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
   elseif op == 'hdel' then
-    redis.call('HDEL', ARGV[i + 1], ARGV[i + 2]); i = i + 3
+    redis.call('HDEL', ARGV[i + 1], ARGV[i + 2])
   elseif op == 'set' then
-    redis.call('SET', ARGV[i + 1], ARGV[i + 2]); i = i + 3
+    redis.call('SET', ARGV[i + 1], ARGV[i + 2])
   elseif op == 'xadd' then
-    redis.call('XADD', ARGV[i + 1], 'MAXLEN', '~', ARGV[i + 2], '*', 'v', ARGV[i + 3]); i = i + 4
+    redis.call('XADD', ARGV[i + 1], 'MAXLEN', '~', ARGV[i + 2], '*', 'v', ARGV[i + 3])
   elseif op == 'publish' then
-    redis.call('PUBLISH', ARGV[i + 1], ARGV[i + 2]); i = i + 3
+    redis.call('PUBLISH', ARGV[i + 1], ARGV[i + 2])
   elseif op == 'srem' then
-    redis.call('SREM', ARGV[i + 1], ARGV[i + 2]); i = i + 3
-  else
-    return redis.error_reply('unknown operation ' .. tostring(op))
+    redis.call('SREM', ARGV[i + 1], ARGV[i + 2])
   end
+  i = i + arity[op] + 1
 end
 return 1
 """

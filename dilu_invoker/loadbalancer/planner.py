@@ -323,11 +323,8 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     seq = inp.seq
     states = dict(inp.states)
     scale: list[ScaleDecision] = []
-    functions = sorted(
-        set(inp.specs)
-        & ({r.function for r in work.records.values()} | set(work.lost) | set(inp.demand) | set(inp.routes)
-           | {s for s, st in inp.states.items() if st.owed} | _busy(inp.reports))
-    )
+    # Every registered function, idle ones included: min-instances holds without traffic.
+    functions = sorted(inp.specs)
     # Without any GPU there is nothing to place: routers run GPU functions in their own pools (on the CPU)
     # as the routing tables say, and the scaler has nothing to decide.
     for fqn in functions if cluster is not None else ():
@@ -408,10 +405,6 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
         seq=seq,
         cluster=cluster,
     )
-
-
-def _busy(reports: Mapping[str, LoadReport]) -> set[str]:
-    return {f.function for rep in reports.values() for f in rep.functions if f.waiting or f.arrival_rate}
 
 
 def _routes(

@@ -143,7 +143,7 @@ class Balancer:
         """Campaign and lead until cancelled; a leader cancelled here releases the lease."""
         while True:
             try:
-                lead = await self.lease.acquire()
+                lead = await self.campaign_once()
             except RedisError as exc:
                 log.warning("balancer cannot reach Redis", error=str(exc))
                 await asyncio.sleep(1.0)
@@ -151,7 +151,6 @@ class Balancer:
             if lead is None:
                 await asyncio.sleep(POLL_S)
                 continue
-            self._valid_until = time.monotonic() + self.cfg.balancer.lease_ttl_s
             try:
                 await self._lead(lead)
             finally:
@@ -159,7 +158,15 @@ class Balancer:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.lease.release(lead))
 
-    async def _lead(self, lead: Leadership) -> None:
+    async def campaign_once(self) -> Leadership | None:
+        """Take the lease if it is free and load the predecessor's state; None when another leads."""
+        lead = await self.lease.acquire()
+        if lead is not None:
+            self._valid_until = time.monotonic() + self.cfg.balancer.lease_ttl_s
+            await self._take_over(lead)
+        return lead
+
+    async def _take_over(self, lead: Leadership) -> None:
         self.leading = lead
         self._lost.clear()
         self._states = {}
@@ -168,6 +175,8 @@ class Balancer:
         self._records = await self._load_records()
         self._routes = await self._load_routes()
         log.info("balancer leads", holder=self.holder, epoch=lead.epoch, instances=len(self._records))
+
+    async def _lead(self, lead: Leadership) -> None:
         renew = asyncio.create_task(self._renew_loop(lead), name="balancer-renew")
         demand = asyncio.create_task(self._demand_loop(), name="balancer-demand")
         try:
