@@ -42,8 +42,8 @@ CFG = PlannerConfig(horizontal=HorizontalConfig(window=6, scale_out_samples=3, s
 
 
 def spec(fqn: str = "guest/f", **kw: object) -> FunctionSpec:
-    base = dict(fqn=fqn, rev="1-a", kind="python:3-gpu", cls="inference", request=0.2, limit=0.4, memory_mb=2000,
-                slots=1, capacity_rps=4.0, max_instances=8)
+    base: dict[str, object] = {"fqn": fqn, "rev": "1-a", "kind": "python:3-gpu", "cls": "inference", "request": 0.2,
+                               "limit": 0.4, "memory_mb": 2000, "slots": 1, "capacity_rps": 4.0, "max_instances": 8}
     base.update(kw)
     return FunctionSpec(**base)  # type: ignore[arg-type]
 

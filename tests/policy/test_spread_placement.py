@@ -27,8 +27,8 @@ def gpu(inv: str, index: int, *held: tuple[str, str, float]) -> GpuState:
 
 
 def req(**kw: object) -> PlacementRequest:
-    base: dict[str, object] = dict(instance_id="new", function="f", cls=INF, request=0.1, limit=0.2,
-                                   memory_mib=1000.0)
+    base: dict[str, object] = {"instance_id": "new", "function": "f", "cls": INF, "request": 0.1, "limit": 0.2,
+                               "memory_mib": 1000.0}
     base.update(kw)
     return PlacementRequest(**base)  # type: ignore[arg-type]
 
