@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError, ResponseError
 
+from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.invoker.api import InvokerOverloaded
 from dilu_invoker.invoker.core import Invoker
 from dilu_invoker.invoker.instances import InstanceManager
@@ -363,9 +364,7 @@ class Forwarder:
             await asyncio.wait(set(self._executions), timeout=timeout_s)
 
     async def close(self) -> None:
-        for task in list(self._executions):
-            task.cancel()
-        await asyncio.gather(*self._executions, return_exceptions=True)
+        await cancel_and_wait(*self._executions)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

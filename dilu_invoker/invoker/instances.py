@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError, ResponseError
 
+from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.invoker.container import State, Transition
 from dilu_invoker.invoker.core import Invoker
@@ -356,8 +357,6 @@ class InstanceManager:
             await self.budgets.renew(uuid, ids, ttl_s=self.reservation_ttl_s)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         for inst in list(self.instances.values()):
             await self._release(inst)

@@ -32,6 +32,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import Config
 from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.gpu.devices import GpuDevice, discover
@@ -401,14 +402,10 @@ async def enable_balancer_routing(
     try:
         yield runner
     finally:
-        tasks["serve"].cancel()
-        await asyncio.gather(tasks["serve"], return_exceptions=True)
+        await cancel_and_wait(tasks["serve"])
         await forwarder.drain(timeout_s=5.0)
-        tasks["report"].cancel()
-        await asyncio.gather(tasks["report"], return_exceptions=True)
+        await cancel_and_wait(tasks["report"])
         await reporter.withdraw()
-        for task in tasks.values():
-            task.cancel()
-        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await cancel_and_wait(*tasks.values())
         await forwarder.close()
         await instances.close()

@@ -36,6 +36,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from dilu_invoker import logs
+from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import Config, ConfigError
 from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
 from dilu_invoker.loadbalancer.lease import LeaderLease, Leadership, Ops
@@ -197,9 +198,7 @@ class Balancer:
                     log.warning("balancer tick failed", error=str(exc))
                 await self._sleep(self.cfg.balancer.tick_s)
         finally:
-            for task in (renew, demand):
-                task.cancel()
-            await asyncio.gather(renew, demand, return_exceptions=True)
+            await cancel_and_wait(renew, demand)
             log.info("balancer no longer leads", holder=self.holder, epoch=lead.epoch)
 
     async def _sleep(self, timeout: float) -> None:
@@ -460,9 +459,7 @@ async def open_balancer(cfg: Config, redis: aioredis.Redis, *, holder: str | Non
     try:
         yield balancer
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
 
 
 async def _main(cfg: Config) -> int:
