@@ -141,6 +141,7 @@ class InstanceManager:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: called when an instance becomes ready, fails or is gone (the report goes out at once)
         self.on_change: Callable[[], None] = lambda: None
+        self._closing = False
         invoker.pool.observe(self._on_transition)
 
     # -- commands --------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ class InstanceManager:
 
     def _on_transition(self, t: Transition) -> None:
         iid = self._by_container.get(t.container)
-        if iid is None or t.new is not State.REMOVING:
+        if iid is None or t.new is not State.REMOVING or self._closing:
             return
         inst = self.instances.get(iid)
         if inst is not None and inst.stop_reason is None:
@@ -357,6 +358,7 @@ class InstanceManager:
             await self.budgets.renew(uuid, ids, ttl_s=self.reservation_ttl_s)
 
     async def close(self) -> None:
+        self._closing = True  # the invoker removes every container next: that is no instance failure
         await cancel_and_wait(*self._tasks)
         for inst in list(self.instances.values()):
             await self._release(inst)
