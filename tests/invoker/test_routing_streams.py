@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import pytest
-import redis.asyncio as aioredis
 
 from dilu_invoker import config
 from dilu_invoker.invoker.core import Invoker, open_invoker

@@ -141,3 +141,18 @@ async def test_an_unreadable_report_counts_as_gone(redis: aioredis.Redis) -> Non
     assert await balancer.tick(lead)
     assert [c.gpu_uuid for c in await _commands(redis, "invoker1")] == ["invoker1-gpu0"]
     assert await _commands(redis, "invoker0") == []
+
+
+def test_the_command_refuses_what_cannot_work(capsys) -> None:  # type: ignore[no-untyped-def]
+    from dilu_invoker.loadbalancer import service
+
+    base = _cfg()
+    assert service.main(base) == 2
+    assert "--redis-url" in capsys.readouterr().err
+    bad = replace(base, redis=replace(base.redis, url="redis://127.0.0.1:1"),
+                  balancer=replace(base.balancer, strategy="nope"))
+    assert service.main(bad) == 2
+    assert "unknown placement strategy 'nope'" in capsys.readouterr().err
+    tiny = replace(bad, balancer=replace(base.balancer, window=3, scale_out_samples=5))
+    assert service.main(tiny) == 2
+    assert "scale_out_samples" in capsys.readouterr().err
