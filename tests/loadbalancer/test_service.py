@@ -143,9 +143,11 @@ async def test_an_unreadable_report_counts_as_gone(redis: aioredis.Redis) -> Non
     assert await _commands(redis, "invoker0") == []
 
 
-def test_the_command_refuses_what_cannot_work(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_the_command_refuses_what_cannot_work(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from dilu_invoker.loadbalancer import service
 
+    # Configuring logs would bind structlog to this test's captured stderr, closed after it.
+    monkeypatch.setattr(service.logs, "configure", lambda cfg: None)
     base = _cfg()
     assert service.main(base) == 2
     assert "--redis-url" in capsys.readouterr().err
