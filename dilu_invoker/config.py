@@ -147,14 +147,41 @@ class CouchConfig:
 @dataclass(frozen=True, slots=True)
 class BalancerConfig:
     tick_s: float = _opt(1.0, "period of the balancer's policies")
-    lease_ttl_s: float = _opt(3.0, "leader lease; a standby takes over after it lapses")
+    lease_ttl_s: float = _opt(2.0, "leader lease; a standby takes over within this (plus its 0.2 s poll) after "
+                                   "the leader dies")
     strategy: str = _opt("dilu", "placement strategy")
     report_ttl_s: float = _opt(3.0, "an invoker whose load report is older is gone")
+    report_period_s: float = _opt(1.0, "period of the invokers' load reports")
+    affinity: str = _opt("spread", "instances of one function: spread over invokers, pack, or none "
+                                   "(annotation placement-affinity overrides)")
+    window: int = _opt(40, "horizontal scaling window, in ticks")
+    scale_out_samples: int = _opt(20, "ticks of the window above capacity that scale out")
+    scale_in_samples: int = _opt(30, "ticks of the window below the capacity of one instance fewer that scale in")
+    cooldown_s: float = _opt(5.0, "no further scale-out/in of a function for this long after one")
+    scale_to_zero_after_s: float = _opt(600.0, "an idle function goes to min-instances after this")
+    start_timeout_s: float = _opt(120.0, "an instance not ready this long after it was placed is given up")
+    routing: bool = _opt(True, "route GPU activations to the instances the balancer places (off: each invoker "
+                               "runs them in its own pool)")
+    route_wait_s: float = _opt(30.0, "an activation waits this long for an instance before it runs in the "
+                                     "receiving invoker's own pool")
+    result_ttl_s: float = _opt(300.0, "results of forwarded activations kept in Redis (dedupe, redelivery)")
+
+    def __post_init__(self) -> None:
+        for name in ("tick_s", "lease_ttl_s", "report_ttl_s", "report_period_s", "start_timeout_s",
+                     "route_wait_s", "result_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--balancer-{name.replace('_', '-')} must be positive")
+        if self.report_ttl_s <= self.report_period_s:
+            raise ConfigError("--balancer-report-ttl-s must exceed --balancer-report-period-s")
+        if self.affinity not in ("spread", "pack", "none"):
+            raise ConfigError(f"--balancer-affinity must be spread, pack or none, not {self.affinity!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class StandaloneConfig:
     invokers: int = _opt(1, "invokers to run in standalone mode", flag="--invokers")
+    balancer: bool = _opt(True, "embed a balancer (it campaigns for leadership with any other balancer "
+                                "sharing the Redis)")
 
 
 @dataclass(frozen=True, slots=True)

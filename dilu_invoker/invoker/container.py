@@ -91,6 +91,8 @@ class ContainerProxy:
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     #: resources attached to this container by others (a GPU lease); released on removal
     attachments: list[Any] = field(default_factory=list)
+    #: a balancer-placed instance: no pause or idle timers, never evicted; removed only when told to
+    pinned: bool = False
 
     @property
     def has_capacity(self) -> bool:

@@ -29,7 +29,7 @@ from dilu_invoker.invoker.backends.base import (
 from dilu_invoker.invoker.container import ContainerProxy, PoolKey, State, Transition
 from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
 from dilu_invoker.invoker.metrics import InvokerMetrics
-from dilu_invoker.invoker.pool import ContainerPool
+from dilu_invoker.invoker.pool import ContainerPool, NoContainer
 from dilu_invoker.invoker.runtime_client import (
     ActivationContext,
     ActivationLogReader,
@@ -48,8 +48,10 @@ from dilu_invoker.model import (
     ActivationResponse,
     ActivationStatus,
     GpuNeeds,
+    Identity,
     Parameter,
     ValidationError,
+    new_activation_id,
     now_ms,
 )
 
@@ -119,6 +121,8 @@ class Invoker:
         self._logs: dict[str, ActivationLogReader] = {}
         self._pending_logs: dict[str, LogCollection] = {}
         self._drains: dict[str, asyncio.Task[None]] = {}
+        #: container name -> the name its GPU share was attached under (an instance id for placed instances)
+        self._gpu_keys: dict[str, str] = {}
         self.metrics.user_memory.set(ic.user_memory_mb)
         self.metrics.enabled.set(1)
 
@@ -158,16 +162,16 @@ class Invoker:
         finally:
             clear_activation()
 
-    async def _run(self, req: ActivationRequest) -> Activation:
+    async def _run(self, req: ActivationRequest, *, key: PoolKey | None = None, start: bool = True) -> Activation:
         arrived = req.transid_start_ms or now_ms()
         action = req.action
         runtime = self._runtime_of(action)
         if runtime is None:
             return self._failed(req, ActivationResponse.whisk_error(
                 "Action version is not compatible and cannot be invoked."))
-        key = PoolKey.of(req.identity.namespace, action)
+        key = key or PoolKey.of(req.identity.namespace, action)
         for _attempt in range(3):
-            activation = await self._attempt(req, runtime, key, arrived)
+            activation = await self._attempt(req, runtime, key, arrived, start=start)
             if activation is not None:
                 return activation
             log.info("container shutting down; rescheduling the activation")
@@ -175,7 +179,7 @@ class Invoker:
             "The action did not produce a valid response and exited unexpectedly."))
 
     async def _attempt(self, req: ActivationRequest, runtime: RuntimeKind, key: PoolKey,
-                       arrived: int) -> Activation | None:
+                       arrived: int, *, start: bool = True) -> Activation | None:
         """One try on one container; None when the runtime asked for the activation to be rescheduled."""
         action = req.action
         memory = action.limits.memory_mb
@@ -183,7 +187,7 @@ class Invoker:
         try:
             lease = await self.pool.acquire(
                 key, action, memory_mb=memory, slots=action.limits.concurrency,
-                make_spec=lambda name: self._container_spec(name, action, runtime),
+                make_spec=lambda name: self._container_spec(name, action, runtime), start=start,
             )
         finally:
             self.metrics.queue_length.set(self.pool.queue_length)
@@ -236,6 +240,10 @@ class Invoker:
         finally:
             self.pool.release(proxy, healthy=healthy, reason=release_reason)
 
+    def runtime_for(self, action: Action) -> RuntimeKind | None:
+        """The runtime an action runs in (None: its kind is not in the manifest)."""
+        return self._runtime_of(action)
+
     def _runtime_of(self, action: Action) -> RuntimeKind | None:
         if action.exec.kind == BLACKBOX:
             # A docker action runs its image through the blackbox pseudo-kind.
@@ -261,13 +269,14 @@ class Invoker:
         )
 
     async def _start_and_init(
-        self, proxy: ContainerProxy, req: ActivationRequest, runtime: RuntimeKind
+        self, proxy: ContainerProxy, req: ActivationRequest, runtime: RuntimeKind, *,
+        gpu_index: int | None = None, gpu_key: str | None = None,
     ) -> tuple[ActivationResponse | None, int | None, tuple[str, ...]]:
         """Start the container and send /init; returns (failure or None, init ms, init logs)."""
         action = req.action
         spec = proxy.spec
         if runtime.gpu:
-            spec = await self._attach_gpu(proxy, action, spec)
+            spec = await self._attach_gpu(proxy, action, spec, gpu_index=gpu_index, gpu_key=gpu_key)
         try:
             container = await self.backend.start(spec)
         except ImageError as exc:
@@ -331,16 +340,20 @@ class Invoker:
             activation_id=req.activation_id,
             transaction_id=req.transid_id,
             deadline_ms=now_ms() + action.limits.timeout_ms,
-            api_key=req.identity.api_key if action.provide_api_key() else None,
+            # An instance started ahead of any activation has no caller, hence no key.
+            api_key=req.identity.api_key if action.provide_api_key() and req.identity.uuid else None,
         )
 
-    async def _attach_gpu(self, proxy: ContainerProxy, action: Action, spec: ContainerSpec) -> ContainerSpec:
+    async def _attach_gpu(self, proxy: ContainerProxy, action: Action, spec: ContainerSpec, *,
+                          gpu_index: int | None = None, gpu_key: str | None = None) -> ContainerSpec:
         try:
             needs = GpuNeeds.from_annotations(action.annotation_map)
         except ValidationError as exc:
             log.warning("invalid GPU annotations; running without a GPU", action=action.fqn, error=str(exc))
             return spec
-        attachment = await self.gpu.attach(proxy.name, action.fqn, needs) if self.gpu is not None else None
+        key = gpu_key or proxy.name
+        attachment = (await self.gpu.attach(key, action.fqn, needs, gpu_index=gpu_index)
+                      if self.gpu is not None else None)
         if attachment is None:
             if not self._cpu_fallback_logged:
                 self._cpu_fallback_logged = True
@@ -348,6 +361,7 @@ class Invoker:
                             action=action.fqn, reason="no GPU manager" if self.gpu is None else "no GPU capacity")
             return spec
         proxy.attachments.append(attachment)
+        self._gpu_keys[proxy.name] = key
         env = dict(spec.env)
         env.update(attachment.env)
         return replace(spec, env=env, mounts=spec.mounts + attachment.mounts, devices=spec.devices + attachment.devices)
@@ -388,9 +402,63 @@ class Invoker:
         self._logs.pop(proxy.name, None)
         if proxy.container is not None:
             await proxy.container.destroy()
+        gpu_key = self._gpu_keys.pop(proxy.name, proxy.name)
         if proxy.attachments and self.gpu is not None:
             with contextlib.suppress(Exception):
-                await self.gpu.detach(proxy.name)
+                await self.gpu.detach(gpu_key)
+
+    # -- balancer-placed instances -------------------------------------------------------------
+    #
+    # An instance is one pinned container of an action, started ahead of its activations on the GPU the
+    # balancer chose; its pool key carries the instance id, so only activations sent to that instance
+    # (``run_on_instance``) reach it and the pool never starts a second container for it.
+
+    @staticmethod
+    def instance_key(instance_id: str, action: Action) -> PoolKey:
+        return PoolKey(f"instance:{instance_id}", action.fqn, action.revision or "")
+
+    async def start_instance(self, instance_id: str, action: Action, *, gpu_index: int | None = None
+                             ) -> tuple[str | None, ActivationResponse | None]:
+        """Start and initialize the instance's container; (container name, failure or None)."""
+        runtime = self._runtime_of(action)
+        if runtime is None:
+            return None, ActivationResponse.whisk_error("Action version is not compatible and cannot be invoked.")
+        lease = await self.pool.acquire(
+            self.instance_key(instance_id, action), action, memory_mb=action.limits.memory_mb,
+            slots=action.limits.concurrency, make_spec=lambda name: self._container_spec(name, action, runtime),
+            pinned=True,
+        )
+        proxy = lease.proxy
+        if not lease.cold:  # the instance already has a container (a repeated command)
+            self.pool.release(proxy, healthy=True)
+            return proxy.name, await asyncio.shield(proxy.ready)
+        owner = Identity(subject=action.namespace, namespace=action.namespace, uuid="", key="")
+        req = ActivationRequest(activation_id=new_activation_id(), action=action, identity=owner,
+                                content=action.default_params, init_args=action.init_param_names)
+        failure: ActivationResponse | None = None
+        try:
+            failure, _init_ms, _logs = await self._start_and_init(proxy, req, runtime, gpu_index=gpu_index,
+                                                                  gpu_key=instance_id)
+        except Exception as exc:  # reported as the instance's failure
+            log.exception("instance start failed", instance=instance_id)
+            failure = ActivationResponse.whisk_error(f"instance start failed: {exc!r}")
+        self.pool.release(proxy, healthy=failure is None, reason="" if failure is None else "instance start failed")
+        return proxy.name, failure
+
+    async def run_on_instance(self, instance_id: str, req: ActivationRequest) -> Activation | None:
+        """Run on the instance's container; None when the instance has no container (any more)."""
+        bind_activation(activation_id=req.activation_id, transid=req.transid_id, instance=instance_id)
+        try:
+            return await self._run(req, key=self.instance_key(instance_id, req.action), start=False)
+        except NoContainer:
+            return None
+        finally:
+            clear_activation()
+
+    def stop_instance(self, container: str, reason: str) -> None:
+        proxy = self.pool.containers.get(container)
+        if proxy is not None:
+            self.pool.remove(proxy, reason)
 
     # -- activation records --------------------------------------------------------------------
 

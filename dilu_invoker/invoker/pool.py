@@ -41,6 +41,10 @@ class Lease:
     cold: bool
 
 
+class NoContainer(RuntimeError):
+    """``acquire(start=False)`` found no live container of the key (a pinned instance that is gone)."""
+
+
 @dataclass(slots=True, eq=False)
 class _Waiter:
     key: PoolKey
@@ -49,6 +53,8 @@ class _Waiter:
     slots: int
     make_spec: Callable[[str], ContainerSpec]
     future: asyncio.Future[Lease]
+    start: bool = True
+    pinned: bool = False
 
 
 class ContainerPool:
@@ -101,20 +107,28 @@ class ContainerPool:
     # -- acquiring ---------------------------------------------------------------------------
 
     async def acquire(
-        self, key: PoolKey, action: Action, *, memory_mb: int, slots: int, make_spec: Callable[[str], ContainerSpec]
+        self, key: PoolKey, action: Action, *, memory_mb: int, slots: int, make_spec: Callable[[str], ContainerSpec],
+        start: bool = True, pinned: bool = False,
     ) -> Lease:
+        """A slot of a container of ``key``. ``start=False``: only an existing container of the key will do
+        (wait for a slot of one; :class:`NoContainer` when there is none). ``pinned``: a container started
+        for this call is a balancer-placed instance (no idle or pause timers, never evicted)."""
         if self._closed:
             raise InvokerOverloaded("the invoker is shutting down")
         if memory_mb > self.user_memory_mb:
             raise InvokerOverloaded(
                 f"the action needs {memory_mb} MB but this invoker has only {self.user_memory_mb} MB for actions"
             )
-        lease = self._try_assign(key, action, memory_mb, slots, make_spec, may_start=not self._queue_needs_memory())
+        if not start and not self._live(key):
+            raise NoContainer(f"no container of {key.namespace}/{key.fqn}")
+        lease = self._try_assign(key, action, memory_mb, slots, make_spec,
+                                 may_start=start and not self._queue_needs_memory(), pinned=pinned)
         if lease is not None:
             return lease
         if len(self._queue) >= self.max_queue:
             raise InvokerOverloaded("too many activations are waiting for a container")
-        waiter = _Waiter(key, action, memory_mb, slots, make_spec, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(key, action, memory_mb, slots, make_spec, asyncio.get_running_loop().create_future(),
+                         start=start, pinned=pinned)
         self._queue.append(waiter)
         try:
             return await waiter.future
@@ -127,7 +141,10 @@ class ContainerPool:
             raise
 
     def _queue_needs_memory(self) -> bool:
-        return any(True for _ in self._queue)
+        return any(w.start for w in self._queue)
+
+    def _live(self, key: PoolKey) -> bool:
+        return any(p.state not in (State.REMOVING, State.REMOVED) for p in self._by_key.get(key, ()))
 
     def _warm_slot(self, key: PoolKey) -> ContainerProxy | None:
         best: ContainerProxy | None = None
@@ -152,6 +169,7 @@ class ContainerPool:
         make_spec: Callable[[str], ContainerSpec],
         *,
         may_start: bool,
+        pinned: bool = False,
     ) -> Lease | None:
         proxy = self._warm_slot(key)
         if proxy is not None:
@@ -173,6 +191,7 @@ class ContainerPool:
             slots=max(1, slots),
             on_transition=self._on_transition,
             active=1,
+            pinned=pinned,
         )
         self.containers[name] = proxy
         self._by_key[key].append(proxy)
@@ -181,7 +200,7 @@ class ContainerPool:
 
     def _evict_for(self, memory_mb: int) -> bool:
         """Remove least-recently-used idle containers until ``memory_mb`` fits; False if it cannot."""
-        idle = sorted((p for p in self.containers.values() if p.is_idle), key=lambda p: p.last_used)
+        idle = sorted((p for p in self.containers.values() if p.is_idle and not p.pinned), key=lambda p: p.last_used)
         free = self.user_memory_mb - self.memory_in_use_mb
         victims: list[ContainerProxy] = []
         for p in idle:
@@ -208,6 +227,8 @@ class ContainerPool:
         self._drain_queue()
 
     def _arm_idle(self, proxy: ContainerProxy) -> None:
+        if proxy.pinned:
+            return  # an instance lives until the balancer stops it
         if self.pause_grace_s is not None and self.pause_grace_s < self.idle_timeout_s:
             proxy.arm(self.pause_grace_s, lambda: self._spawn(self._pause(proxy)))
         proxy.arm(self.idle_timeout_s, lambda: self.remove(proxy, "idle timeout") if proxy.is_idle else None)
@@ -280,12 +301,16 @@ class ContainerPool:
             if waiter.future.done():
                 self._queue.remove(waiter)
                 continue
+            if not waiter.start and not self._live(waiter.key):
+                self._queue.remove(waiter)
+                waiter.future.set_exception(NoContainer(f"no container of {waiter.key.namespace}/{waiter.key.fqn}"))
+                continue
             lease = self._try_assign(waiter.key, waiter.action, waiter.memory_mb, waiter.slots, waiter.make_spec,
-                                     may_start=may_start)
+                                     may_start=may_start and waiter.start, pinned=waiter.pinned)
             if lease is not None:
                 self._queue.remove(waiter)
                 waiter.future.set_result(lease)
-            else:
+            elif waiter.start:
                 may_start = False  # only the oldest waiter that needs a new container may start one
 
     # -- shutdown ------------------------------------------------------------------------------

@@ -1,0 +1,437 @@
+"""One balancer tick as a pure function: reports + instance table + registry in, orders out.
+
+:func:`plan_tick` is what the leader runs every tick (and at once when a router signals demand). It
+
+1. reconciles the instance table with the invokers' load reports: a starting instance the invoker reports
+   ready becomes ready; an instance whose invoker is gone (report expired) or restarted (new boot), or that
+   failed, or that vanished from its invoker's reports, is *lost* — forgotten and owed (re-placed at once);
+   an instance that did not start in time is given up; an instance of an outdated action revision is
+   stopped and owed; an instance an invoker runs but the table does not know is stopped;
+2. aggregates each function's load over every live report and asks the horizontal policy
+   (:func:`~dilu_invoker.policy.decide_scale`) how many instances it should have;
+3. places the instances to start (:func:`~dilu_invoker.policy.spread.place_spread` over a
+   :class:`~dilu_invoker.policy.ClusterSnapshot` built from the GPU budgets) and picks the instances to stop;
+4. builds each function's routing table (its ready instances on live invokers).
+
+No I/O and no clock: ``now`` and everything else comes in :class:`TickInput`; the service applies the
+:class:`TickPlan` to Redis (reservations, fenced writes of the table, commands and routes).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from dilu_invoker.policy import (
+    Affinity,
+    ClusterSnapshot,
+    FunctionLoad,
+    GpuRef,
+    HorizontalConfig,
+    HorizontalState,
+    InstanceClass,
+    PlacementConfig,
+    PlacementRequest,
+    Profile,
+    ScaleAction,
+    ScaleDecision,
+    apply_placement,
+    decide_scale,
+)
+from dilu_invoker.policy.spread import place_spread
+from dilu_invoker.wire import (
+    Decision,
+    FunctionSpec,
+    InstanceRecord,
+    InstanceReport,
+    InstanceState,
+    LoadReport,
+    RecordState,
+    RouteEntry,
+    RoutingTable,
+    revision_generation,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerConfig:
+    horizontal: HorizontalConfig = field(default_factory=HorizontalConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    start_timeout_s: float = 120.0
+    """A starting instance not ready after this long is given up (and its start retried by the scaler)."""
+    missing_ticks: int = 3
+    """Ticks a ready instance may be absent from its live invoker's report before it counts as lost."""
+    demand_hold_s: float = 2.0
+    """A demand signal counts as one waiting activation for this long (reports lag by up to a period)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.start_timeout_s) and self.start_timeout_s > 0):
+            raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s!r}")
+        if self.missing_ticks < 1:
+            raise ValueError(f"missing_ticks must be >= 1, got {self.missing_ticks}")
+        if not (math.isfinite(self.demand_hold_s) and self.demand_hold_s >= 0):
+            raise ValueError(f"demand_hold_s must be >= 0, got {self.demand_hold_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionState:
+    """What the balancer carries for one function between ticks."""
+
+    horizontal: HorizontalState = field(default_factory=HorizontalState)
+    owed: int = 0
+    """Instances decided (scale-out, or replacing lost ones) but not placed yet."""
+    blocked: str = ""
+    """Why the last placement attempt failed ("" when it did not)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TickInput:
+    now: float
+    epoch: int
+    reports: Mapping[str, LoadReport]
+    """Live invokers (their report has not expired)."""
+    known_invokers: frozenset[str]
+    """Every invoker that ever reported and was not yet dropped; those without a report are gone."""
+    records: Mapping[str, InstanceRecord]
+    specs: Mapping[str, FunctionSpec]
+    cluster: ClusterSnapshot | None
+    """The GPUs of the live invokers with what their budgets hold; None when there is no GPU at all."""
+    demand: Mapping[str, float] = field(default_factory=dict)
+    """Function → time of the last demand signal of a router."""
+    states: Mapping[str, FunctionState] = field(default_factory=dict)
+    routes: Mapping[str, RoutingTable] = field(default_factory=dict)
+    """The routing tables published last."""
+    seq: int = 1
+    """Sequence number of the next instance id (unique per epoch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    record: InstanceRecord
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TickPlan:
+    starts: tuple[Order, ...]
+    stops: tuple[Order, ...]
+    records: Mapping[str, InstanceRecord]
+    """The whole table after this tick."""
+    forgotten: tuple[Order, ...]
+    """Records removed from the table (lost, given up, stopped), with why."""
+    routes: Mapping[str, RoutingTable]
+    states: Mapping[str, FunctionState]
+    scale: tuple[ScaleDecision, ...]
+    decisions: tuple[Decision, ...]
+    gone: frozenset[str]
+    seq: int
+    cluster: ClusterSnapshot | None
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+_SLUG = re.compile(r"[^A-Za-z0-9]+")
+
+
+def instance_id(function: str, epoch: int, seq: int) -> str:
+    slug = _SLUG.sub("-", function).strip("-")[:40] or "fn"
+    return f"{slug}-{epoch}-{seq}"
+
+
+def outdated(record_rev: str, spec_rev: str) -> bool:
+    """A record of an older action revision than the registry's."""
+    return record_rev != spec_rev and revision_generation(record_rev) < revision_generation(spec_rev)
+
+
+def estimate_capacity(reports: list[InstanceReport]) -> float | None:
+    """Requests/s one instance sustains: its slots over the mean run time seen (None without data)."""
+    done = [(r.completion_rate, r.latency_ms, r.slots) for r in reports if r.completion_rate > 0 and r.latency_ms]
+    total = sum(c for c, _, _ in done)
+    if total <= 0:
+        return None
+    latency = sum(c * lat for c, lat, _ in done if lat) / total
+    slots = sum(c * s for c, _, s in done) / total
+    return slots * 1000.0 / latency if latency > 0 else None
+
+
+def function_load(
+    spec: FunctionSpec,
+    *,
+    now: float,
+    records: list[InstanceRecord],
+    reports: Mapping[str, LoadReport],
+    demand_at: float | None,
+    demand_hold_s: float,
+) -> FunctionLoad:
+    """One function's load this tick, summed over every live report (records: this function's, current revision)."""
+    by_id = {i.id: i for rep in reports.values() for i in rep.instances if i.function == spec.fqn}
+    ready = [r for r in records if r.state == RecordState.READY]
+    starting = [r for r in records if r.state == RecordState.STARTING]
+    stopping = [r for r in records if r.state == RecordState.STOPPING]
+    live = [by_id[r.id] for r in records if r.id in by_id and r.state != RecordState.STOPPING]
+    fn_reports = [f for rep in reports.values() for f in rep.functions if f.function == spec.fqn]
+    waiting = sum(f.waiting for f in fn_reports) + sum(i.waiting for i in live)
+    if demand_at is not None and now - demand_at <= demand_hold_s:
+        waiting = max(waiting, 1)
+    delays = [f.queue_delay_ms for f in fn_reports] + [i.queue_delay_ms for i in live]
+    saturated = sum(1 for r in ready if r.id in by_id and by_id[r.id].saturated)
+    return FunctionLoad(
+        function=spec.fqn,
+        now=now,
+        instances=len(ready),
+        starting=len(starting),
+        stopping=len(stopping),
+        arrival_rate=sum(f.arrival_rate for f in fn_reports),
+        capacity_per_instance=spec.capacity_rps or estimate_capacity(live),
+        waiting=waiting,
+        in_flight=sum(i.in_flight for i in live),
+        queue_delay_ms=max(delays, default=0.0),
+        slo_ms=spec.slo_ms,
+        instances_at_limit=min(saturated, len(ready)),
+        min_instances=spec.min_instances,
+        max_instances=max(spec.max_instances, spec.min_instances),
+    )
+
+
+def placement_request(spec: FunctionSpec, instance: str) -> PlacementRequest:
+    return PlacementRequest(
+        instance_id=instance,
+        function=spec.fqn,
+        cls=InstanceClass.parse(spec.cls),
+        request=spec.request,
+        limit=spec.limit,
+        memory_mib=float(spec.memory_mb),
+        profile=Profile(spec.profile) if spec.profile else None,
+        affinity=Affinity(spec.affinity) if spec.affinity else None,
+    )
+
+
+def victim_order(
+    candidates: list[InstanceRecord], *, cluster: ClusterSnapshot | None, reports: Mapping[str, LoadReport]
+) -> list[InstanceRecord]:
+    """Which instances of a function to stop first: from the invoker holding most of them (keeps the rest
+    spread), then from the emptiest GPU (it may go dark), then the least busy, then the newest."""
+    per_invoker: dict[str, int] = {}
+    for r in candidates:
+        per_invoker[r.invoker] = per_invoker.get(r.invoker, 0) + 1
+    loads = {i.id: i.in_flight + i.waiting for rep in reports.values() for i in rep.instances}
+
+    def used(r: InstanceRecord) -> float:
+        if cluster is None or r.gpu is None:
+            return 0.0
+        ref = GpuRef(r.invoker, r.gpu)
+        return cluster.gpu(ref).used_request if ref in cluster.ordinals else 0.0
+
+    return sorted(candidates, key=lambda r: (-per_invoker[r.invoker], used(r), loads.get(r.id, 0), -r.since, r.id))
+
+
+# -- the tick -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Work:
+    """Mutable scratch of one tick (kept inside plan_tick)."""
+
+    records: dict[str, InstanceRecord]
+    starts: list[Order] = field(default_factory=list)
+    stops: list[Order] = field(default_factory=list)
+    forgotten: list[Order] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    lost: dict[str, int] = field(default_factory=dict)
+
+    def forget(self, r: InstanceRecord, reason: str, *, owed: bool, stop: bool, now: float, epoch: int) -> None:
+        self.records.pop(r.id, None)
+        self.forgotten.append(Order(r, reason))
+        if owed and r.state != RecordState.STOPPING:
+            self.lost[r.function] = self.lost.get(r.function, 0) + 1
+        if stop:
+            self.stops.append(Order(r, reason))
+        self.decisions.append(Decision(now, epoch, "lost" if owed else "forget", r.function, reason,
+                                       r.id, r.invoker, r.gpu))
+
+
+def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work) -> None:
+    now, epoch = inp.now, inp.epoch
+    reported = {inv: {i.id: i for i in rep.instances} for inv, rep in inp.reports.items()}
+    for r in sorted(inp.records.values(), key=lambda r: r.id):
+        rep = inp.reports.get(r.invoker)
+        if rep is None:
+            work.forget(r, f"{r.id}: invoker {r.invoker} is gone (no load report)", owed=True, stop=False,
+                        now=now, epoch=epoch)
+            continue
+        if r.boot and r.boot != rep.boot:
+            work.forget(r, f"{r.id}: invoker {r.invoker} restarted", owed=True, stop=False, now=now, epoch=epoch)
+            continue
+        inst = reported[r.invoker].get(r.id)
+        if inst is None:
+            if r.state == RecordState.STOPPING:
+                work.forget(r, f"{r.id}: stopped", owed=False, stop=False, now=now, epoch=epoch)
+            elif r.state == RecordState.STARTING:
+                # The invoker has not read the command yet (or not reported since).
+                if now - r.since > cfg.start_timeout_s:
+                    work.forget(r, f"{r.id}: not started after {now - r.since:.0f} s", owed=False, stop=True,
+                                now=now, epoch=epoch)
+                else:
+                    work.records[r.id] = r
+            elif r.missing + 1 >= cfg.missing_ticks:
+                work.forget(r, f"{r.id}: no longer reported by {r.invoker}", owed=True, stop=True,
+                            now=now, epoch=epoch)
+            else:
+                work.records[r.id] = replace(r, missing=r.missing + 1)
+            continue
+        if inst.state == InstanceState.FAILED:
+            work.forget(r, f"{r.id}: failed on {r.invoker}", owed=True, stop=True, now=now, epoch=epoch)
+            continue
+        new = replace(r, missing=0, boot=r.boot or rep.boot)
+        if r.state == RecordState.STARTING:
+            if inst.state == InstanceState.READY:
+                new = replace(new, state=RecordState.READY.value, since=now, rev=inst.rev or r.rev)
+            elif now - r.since > cfg.start_timeout_s:
+                work.forget(r, f"{r.id}: not ready after {now - r.since:.0f} s", owed=False, stop=True,
+                            now=now, epoch=epoch)
+                continue
+        spec = inp.specs.get(r.function)
+        if spec is not None and new.state != RecordState.STOPPING and outdated(new.rev, spec.rev):
+            new = replace(new, state=RecordState.STOPPING.value, since=now)
+            work.stops.append(Order(new, f"{r.id}: runs revision {r.rev}, the action is now {spec.rev}"))
+            work.lost[r.function] = work.lost.get(r.function, 0) + 1
+        work.records[r.id] = new
+    # Instances an invoker runs that the table does not know (e.g. it came back after being given up).
+    for inv, instances in reported.items():
+        for inst in instances.values():
+            if inst.id in inp.records or inst.state == InstanceState.DRAINING:
+                continue
+            ghost = InstanceRecord(id=inst.id, function=inst.function, rev=inst.rev, invoker=inv, gpu=inst.gpu,
+                                   gpu_uuid=None, cls=inst.cls, request=inst.request, limit=inst.limit,
+                                   memory_mb=inst.memory_mb, slots=inst.slots, state=RecordState.STOPPING.value,
+                                   since=now, epoch=epoch, boot=inp.reports[inv].boot)
+            work.stops.append(Order(ghost, f"{inst.id}: unknown to the balancer"))
+
+
+def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
+    work = _Work(records={})
+    _reconcile(inp, cfg, work)
+    now, epoch = inp.now, inp.epoch
+    cluster = inp.cluster
+    # Lost instances leave the cluster snapshot (their budgets may still hold them until they expire).
+    if cluster is not None:
+        for order in work.forgotten:
+            if cluster.has_instance(order.record.id):
+                cluster = cluster.without_instance(order.record.id)
+    seq = inp.seq
+    states = dict(inp.states)
+    scale: list[ScaleDecision] = []
+    # Every registered function, idle ones included: min-instances holds without traffic.
+    functions = sorted(inp.specs)
+    # Without any GPU there is nothing to place: routers run GPU functions in their own pools (on the CPU)
+    # as the routing tables say, and the scaler has nothing to decide.
+    for fqn in functions if cluster is not None else ():
+        spec = inp.specs[fqn]
+        state = states.get(fqn, FunctionState())
+        mine = [r for r in work.records.values() if r.function == fqn and not outdated(r.rev, spec.rev)]
+        load = function_load(spec, now=now, records=mine, reports=inp.reports, demand_at=inp.demand.get(fqn),
+                             demand_hold_s=cfg.demand_hold_s)
+        decision = decide_scale(load, state.horizontal, cfg.horizontal)
+        scale.append(decision)
+        committed = load.committed
+        hi = max(spec.max_instances, spec.min_instances)
+        owed = state.owed + work.lost.get(fqn, 0)
+        if decision.action is ScaleAction.IN:
+            owed = 0
+        elif decision.action is ScaleAction.OUT:
+            owed = max(owed, decision.desired - committed)
+        owed = max(0, min(owed, hi - committed))
+        # A decision the balancer is still carrying out (blocked placement) is not logged again every tick.
+        if decision.action is ScaleAction.IN or (decision.action is ScaleAction.OUT and owed > state.owed):
+            work.decisions.append(Decision(now, epoch, f"scale-{decision.action.value}", fqn, decision.reason))
+        if work.lost.get(fqn):
+            work.decisions.append(Decision(now, epoch, "replace", fqn,
+                                           f"{fqn}: {work.lost[fqn]} instance(s) lost or outdated: replace them"))
+        blocked = state.blocked
+        if owed and cluster is not None:
+            placed = 0
+            for _ in range(owed):
+                iid = instance_id(fqn, epoch, seq)
+                request = placement_request(spec, iid)
+                where = place_spread(cluster, request, cfg.placement)
+                if not where.placed:
+                    if where.reason != blocked:
+                        work.decisions.append(Decision(now, epoch, "blocked", fqn, where.reason))
+                    blocked = where.reason
+                    break
+                seq += 1
+                placed += 1
+                blocked = ""
+                cluster = apply_placement(cluster, request, where)
+                ref = where.gpus[0]
+                rep = inp.reports.get(ref.invoker)
+                record = InstanceRecord(
+                    id=iid, function=fqn, rev=spec.rev, invoker=ref.invoker, gpu=ref.gpu,
+                    gpu_uuid=cluster.gpu(ref).uuid or None, cls=spec.cls, request=spec.request, limit=spec.limit,
+                    memory_mb=spec.memory_mb, slots=spec.slots, state=RecordState.STARTING.value, since=now,
+                    epoch=epoch, boot=rep.boot if rep is not None else "",
+                )
+                work.records[iid] = record
+                work.starts.append(Order(record, where.reason))
+                work.decisions.append(Decision(now, epoch, "place", fqn, where.reason, iid, ref.invoker, ref.gpu))
+            owed -= placed
+        if decision.action is ScaleAction.IN:
+            stop_n = committed - decision.desired
+            live = [r for r in mine if r.state in (RecordState.READY, RecordState.STARTING)]
+            # Starting instances are cheapest to give up only in number: prefer ready ones, they cost
+            # nothing more than a warm container, and a start in progress was just paid for.
+            ready = [r for r in live if r.state == RecordState.READY]
+            for victim in victim_order(ready, cluster=cluster, reports=inp.reports)[:stop_n]:
+                stopped = replace(victim, state=RecordState.STOPPING.value, since=now)
+                work.records[victim.id] = stopped
+                work.stops.append(Order(stopped, decision.reason))
+                work.decisions.append(Decision(now, epoch, "stop", fqn, decision.reason, victim.id, victim.invoker,
+                                               victim.gpu))
+        states[fqn] = FunctionState(horizontal=decision.state, owed=owed, blocked=blocked)
+    routes = _routes(inp, work.records, states, cluster)
+    gone = frozenset(inp.known_invokers - set(inp.reports))
+    return TickPlan(
+        starts=tuple(work.starts),
+        stops=tuple(work.stops),
+        records=dict(work.records),
+        forgotten=tuple(work.forgotten),
+        routes=routes,
+        states=states,
+        scale=tuple(scale),
+        decisions=tuple(work.decisions),
+        gone=gone,
+        seq=seq,
+        cluster=cluster,
+    )
+
+
+def _routes(
+    inp: TickInput,
+    records: Mapping[str, InstanceRecord],
+    states: Mapping[str, FunctionState],
+    cluster: ClusterSnapshot | None,
+) -> dict[str, RoutingTable]:
+    loads = {i.id: i for rep in inp.reports.values() for i in rep.instances}
+    functions = set(inp.routes) | set(inp.demand) | {r.function for r in records.values()} | set(states)
+    out: dict[str, RoutingTable] = {}
+    for fqn in sorted(functions & set(inp.specs)):
+        spec = inp.specs[fqn]
+        entries = tuple(
+            RouteEntry(id=r.id, invoker=r.invoker, slots=r.slots,
+                       in_flight=loads[r.id].in_flight if r.id in loads else 0,
+                       waiting=loads[r.id].waiting if r.id in loads else 0)
+            for r in sorted(records.values(), key=lambda r: r.id)
+            if r.function == fqn and r.state == RecordState.READY and r.invoker in inp.reports
+            and not outdated(r.rev, spec.rev)
+        )
+        state = states.get(fqn, FunctionState())
+        prev = inp.routes.get(fqn)
+        table = RoutingTable(function=fqn, rev=spec.rev, epoch=inp.epoch, version=prev.version if prev else 0,
+                             instances=entries, local_fallback=cluster is None,
+                             blocked=state.blocked if not entries else "")
+        if not table.same_routes(prev):
+            table = replace(table, version=(prev.version if prev else 0) + 1)
+        out[fqn] = table
+    return out

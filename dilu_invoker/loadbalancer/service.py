@@ -1,0 +1,499 @@
+"""``dilu-invoker balancer``: the cluster balancer service (standalone mode embeds one).
+
+Every balancer campaigns for the lease (:mod:`~dilu_invoker.loadbalancer.lease`); the leader, each tick
+(``--balancer-tick-s``) and at once when a router signals demand:
+
+1. reads the invokers' load reports (an expired report means the invoker is gone), the function registry
+   and the GPU budgets of the live invokers' GPUs, and builds a :class:`~dilu_invoker.policy.ClusterSnapshot`;
+2. runs :func:`~dilu_invoker.loadbalancer.planner.plan_tick` (pure: horizontal policy, placement, stops,
+   routing tables);
+3. reserves each new instance's GPU budget atomically (the same Lua admission the node uses), then writes
+   the instance table, the start/stop commands on the invokers' streams, the routing tables and the
+   decisions in one fenced script — nothing is written if the lease moved on.
+
+A standby polls the lease every 0.2 s, so it leads within ``lease-ttl + 0.2 s`` of the leader's death; a
+leader that stops cleanly releases the lease at once. See docs/balancer.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from dilu_invoker import logs
+from dilu_invoker.aiotasks import cancel_and_wait
+from dilu_invoker.config import Config, ConfigError
+from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
+from dilu_invoker.loadbalancer.lease import LeaderLease, Leadership, Ops
+from dilu_invoker.loadbalancer.planner import (
+    FunctionState,
+    PlannerConfig,
+    TickInput,
+    TickPlan,
+    plan_tick,
+)
+from dilu_invoker.policy import (
+    Affinity,
+    ClusterSnapshot,
+    GpuRef,
+    GpuState,
+    HorizontalConfig,
+    InstanceClass,
+    PlacedInstance,
+    PlacementConfig,
+    Profile,
+)
+from dilu_invoker.wire import (
+    CommandOp,
+    FunctionSpec,
+    InstanceCommand,
+    InstanceRecord,
+    Keys,
+    LoadReport,
+    RecordState,
+    RoutingTable,
+    WireError,
+    decode,
+    pack,
+    text,
+)
+
+log = structlog.get_logger(__name__)
+
+COMMAND_STREAM_MAXLEN = 1000
+DECISION_STREAM_MAXLEN = 2000
+#: a standby checks the lease this often
+POLL_S = 0.2
+#: demand signals never make ticks closer than this
+MIN_TICK_GAP_S = 0.05
+
+
+def planner_config(cfg: Config) -> PlannerConfig:
+    """The policies' configuration from the balancer's settings; ConfigError names the flag at fault."""
+    b = cfg.balancer
+    try:
+        horizontal = HorizontalConfig(
+            window=b.window,
+            scale_out_samples=b.scale_out_samples,
+            scale_in_samples=b.scale_in_samples,
+            sample_period_s=b.tick_s,
+            stale_after_s=max(5.0, 5 * b.tick_s),
+            cooldown_s=b.cooldown_s,
+            scale_to_zero_after_s=b.scale_to_zero_after_s,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"balancer scaling settings (--balancer-window, -scale-*): {exc}") from None
+    try:
+        placement = PlacementConfig(strategy=b.strategy, gamma=cfg.gpu.gamma, affinity=Affinity(b.affinity))
+    except ValueError as exc:
+        raise ConfigError(f"--balancer-strategy / --gpu-gamma: {exc}") from None
+    return PlannerConfig(horizontal=horizontal, placement=placement, start_timeout_s=b.start_timeout_s,
+                         demand_hold_s=max(2.0, 2 * cfg.balancer.report_period_s))
+
+
+def _natural(name: str) -> tuple[str, int, str]:
+    m = re.match(r"^(.*?)(\d+)$", name)
+    return (m.group(1), int(m.group(2)), name) if m else (name, -1, name)
+
+
+def default_holder() -> str:
+    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
+
+
+class Balancer:
+    """One balancer: a standby until it holds the lease, then the leader until it loses it."""
+
+    def __init__(self, redis: aioredis.Redis, cfg: Config, *, holder: str | None = None) -> None:
+        self.redis = redis
+        self.cfg = cfg
+        self.planner = planner_config(cfg)
+        self.keys = Keys(cfg.redis.prefix)
+        self.budgets = GpuBudgets(redis, cfg.redis.prefix)
+        self.holder = holder or default_holder()
+        self.lease = LeaderLease(redis, self.keys, holder=self.holder, ttl_s=cfg.balancer.lease_ttl_s)
+        self.leading: Leadership | None = None
+        self.ticks = 0
+        self._wake = asyncio.Event()
+        self._lost = asyncio.Event()
+        self._valid_until = 0.0
+        self._records: dict[str, InstanceRecord] = {}
+        self._routes: dict[str, RoutingTable] = {}
+        self._states: dict[str, FunctionState] = {}
+        self._demand: dict[str, float] = {}
+        self._seq = 1
+        self._bad_reports: set[str] = set()
+
+    # -- campaign --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Campaign and lead until cancelled; a leader cancelled here releases the lease."""
+        while True:
+            try:
+                lead = await self.campaign_once()
+            except RedisError as exc:
+                log.warning("balancer cannot reach Redis", error=str(exc))
+                await asyncio.sleep(1.0)
+                continue
+            if lead is None:
+                await asyncio.sleep(POLL_S)
+                continue
+            try:
+                await self._lead(lead)
+            finally:
+                self.leading = None
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.lease.release(lead))
+
+    async def campaign_once(self) -> Leadership | None:
+        """Take the lease if it is free and load the predecessor's state; None when another leads."""
+        lead = await self.lease.acquire()
+        if lead is not None:
+            self._valid_until = time.monotonic() + self.cfg.balancer.lease_ttl_s
+            await self._take_over(lead)
+        return lead
+
+    async def _take_over(self, lead: Leadership) -> None:
+        self.leading = lead
+        self._lost.clear()
+        self._states = {}
+        self._demand = {}
+        self._seq = 1
+        self._records = await self._load_records()
+        self._routes = await self._load_routes()
+        log.info("balancer leads", holder=self.holder, epoch=lead.epoch, instances=len(self._records))
+
+    async def _lead(self, lead: Leadership) -> None:
+        renew = asyncio.create_task(self._renew_loop(lead), name="balancer-renew")
+        demand = asyncio.create_task(self._demand_loop(), name="balancer-demand")
+        try:
+            last = 0.0
+            while not self._lost.is_set():
+                if time.monotonic() > self._valid_until:
+                    log.warning("balancer lease may have lapsed; stepping down", epoch=lead.epoch)
+                    break
+                gap = time.monotonic() - last
+                if gap < MIN_TICK_GAP_S:
+                    await asyncio.sleep(MIN_TICK_GAP_S - gap)
+                last = time.monotonic()
+                try:
+                    if not await self.tick(lead):
+                        log.warning("balancer lost the lease; stepping down", epoch=lead.epoch)
+                        break
+                except RedisError as exc:
+                    log.warning("balancer tick failed", error=str(exc))
+                await self._sleep(self.cfg.balancer.tick_s)
+        finally:
+            await cancel_and_wait(renew, demand)
+            log.info("balancer no longer leads", holder=self.holder, epoch=lead.epoch)
+
+    async def _sleep(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        self._wake.clear()
+
+    async def _renew_loop(self, lead: Leadership) -> None:
+        period = self.cfg.balancer.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(period)
+            started = time.monotonic()
+            try:
+                ok = await self.lease.renew(lead)
+            except RedisError as exc:
+                log.warning("balancer cannot renew its lease", error=str(exc))
+                if time.monotonic() > self._valid_until:
+                    ok = False
+                else:
+                    continue
+            if not ok:
+                self._lost.set()
+                self._wake.set()
+                return
+            self._valid_until = started + self.cfg.balancer.lease_ttl_s
+
+    async def _demand_loop(self) -> None:
+        # Signals of the last moments before this balancer led count too (a predecessor may have missed them).
+        last = f"{int(time.time() * 1000) - 2000}-0"
+        while True:
+            try:
+                got: Any = await self.redis.xread({self.keys.demand: last}, count=100, block=1000)
+            except RedisError as exc:
+                log.warning("balancer cannot read demand signals", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for _stream, entries in got or ():
+                for entry_id, fields in entries:
+                    last = text(entry_id)
+                    fn = fields.get(b"f")
+                    if fn:
+                        self._demand[text(fn)] = time.time()
+                    self._wake.set()  # demand, or an invoker's instance changed state
+
+    # -- one tick --------------------------------------------------------------------------------
+
+    async def tick(self, lead: Leadership) -> bool:
+        """Read, plan, apply. False when the lease is gone (nothing was written)."""
+        now = time.time()
+        reports, known = await self._read_reports()
+        specs = await self._read_specs()
+        cluster = await self._cluster(now, reports, specs)
+        self._demand = {f: t for f, t in self._demand.items() if now - t < 60}
+        plan = plan_tick(
+            TickInput(now=now, epoch=lead.epoch, reports=reports, known_invokers=known, records=self._records,
+                      specs=specs, cluster=cluster, demand=self._demand, states=self._states,
+                      routes=self._routes, seq=self._seq),
+            self.planner,
+        )
+        ok = await self._apply(lead, plan)
+        self.ticks += 1
+        return ok
+
+    async def _read_reports(self) -> tuple[dict[str, LoadReport], frozenset[str]]:
+        names = sorted((text(m) for m in await self.redis.smembers(self.keys.invokers)), key=_natural)
+        if not names:
+            return {}, frozenset()
+        raws = await self.redis.mget([self.keys.report(n) for n in names])
+        reports: dict[str, LoadReport] = {}
+        for name, raw in zip(names, raws, strict=True):
+            if raw is None:
+                continue
+            try:
+                report = decode(LoadReport, raw)
+            except WireError as exc:
+                if name not in self._bad_reports:
+                    self._bad_reports.add(name)
+                    log.warning("unreadable load report; the invoker counts as gone", invoker=name, error=str(exc))
+                continue
+            if report is not None:
+                self._bad_reports.discard(name)
+                reports[name] = report
+        return reports, frozenset(names)
+
+    async def _read_specs(self) -> dict[str, FunctionSpec]:
+        names = sorted(text(m) for m in await self.redis.smembers(self.keys.functions))
+        if not names:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for n in names:
+                pipe.hget(self.keys.function(n), "meta")
+            metas = await pipe.execute()
+        specs: dict[str, FunctionSpec] = {}
+        for name, raw in zip(names, metas, strict=True):
+            try:
+                spec = decode(FunctionSpec, raw)
+            except WireError as exc:
+                log.warning("unreadable function spec", function=name, error=str(exc))
+                continue
+            if spec is not None:
+                specs[name] = spec
+        return specs
+
+    async def _cluster(self, now: float, reports: dict[str, LoadReport],
+                       specs: dict[str, FunctionSpec]) -> ClusterSnapshot | None:
+        """The live invokers' GPUs with what their budgets hold (the node's own admission sees the same)."""
+        states: list[GpuState] = []
+        seen_uuid: set[str] = set()
+        seen_instance: set[str] = set()
+        for name, report in reports.items():
+            for g in report.gpus:
+                if g.uuid in seen_uuid:
+                    log.warning("a GPU is reported by two invokers; ignoring the second", uuid=g.uuid, invoker=name)
+                    continue
+                seen_uuid.add(g.uuid)
+                budget = await self.budgets.get(g.uuid)
+                placed: list[PlacedInstance] = []
+                for r in (budget.reservations.values() if budget is not None else ()):
+                    if r.instance in seen_instance:
+                        continue
+                    seen_instance.add(r.instance)
+                    spec = specs.get(r.function)
+                    try:
+                        cls = InstanceClass.parse(r.cls)
+                    except ValueError:
+                        cls = InstanceClass.INFERENCE
+                    placed.append(PlacedInstance(
+                        id=r.instance, function=r.function, cls=cls, request=r.request, limit=r.limit,
+                        memory_mib=float(r.memory_mb),
+                        profile=Profile(spec.profile) if spec is not None and spec.profile else None))
+                memory = budget.capacity.memory_mb if budget is not None else g.memory_mb
+                states.append(GpuState(ref=GpuRef(name, g.index), memory_mib=float(max(1, memory)), uuid=g.uuid,
+                                       sm_count=g.sm_count, instances=tuple(placed), schedulable=report.enabled))
+        if not states:
+            return None
+        return ClusterSnapshot.build(now=now, gpus=states)
+
+    # -- applying a plan -------------------------------------------------------------------------
+
+    async def _apply(self, lead: Leadership, plan: TickPlan) -> bool:
+        ttl_s = self.cfg.gpu.reservation_ttl_s
+        # Room held by instances that are gone goes back first, so this tick's starts can use it.
+        for order in plan.forgotten:
+            r = order.record
+            if r.gpu_uuid:
+                with contextlib.suppress(RedisError):
+                    await self.budgets.release(r.gpu_uuid, r.id)
+        records = dict(plan.records)
+        states = dict(plan.states)
+        starts = []
+        reserved: list[InstanceRecord] = []
+        for order in plan.starts:
+            r = order.record
+            if r.gpu_uuid is None:
+                starts.append(order)
+                continue
+            result = await self.budgets.reserve(r.gpu_uuid, Reservation(
+                instance=r.id, function=r.function, cls=r.cls, invoker=r.invoker, request=r.request,
+                limit=r.limit, memory_mb=r.memory_mb), ttl_s=ttl_s)
+            if not result.ok:
+                # The budget saw something the snapshot did not (a concurrent admission): retry next tick.
+                log.info("GPU budget refused a placement", instance=r.id, gpu=r.gpu_uuid, reason=result.reason)
+                records.pop(r.id, None)
+                st = states.get(r.function, FunctionState())
+                states[r.function] = replace(st, owed=st.owed + 1)
+                continue
+            reserved.append(r)
+            starts.append(order)
+        # Until its invoker renews them, the leader keeps the reservations of starting instances alive.
+        by_gpu: dict[str, list[str]] = {}
+        for r in records.values():
+            if r.state == RecordState.STARTING and r.gpu_uuid and r not in reserved:
+                by_gpu.setdefault(r.gpu_uuid, []).append(r.id)
+        for uuid, ids in by_gpu.items():
+            with contextlib.suppress(RedisError):
+                await self.budgets.renew(uuid, ids, ttl_s=ttl_s)
+
+        ops = Ops()
+        for rid, rec in records.items():
+            if self._records.get(rid) != rec:
+                ops.hset(self.keys.instances, rid, pack(rec))
+        for rid in self._records.keys() - records.keys():
+            ops.hdel(self.keys.instances, rid)
+        for order in starts:
+            r = order.record
+            ops.xadd(self.keys.commands(r.invoker), pack(InstanceCommand(
+                op=CommandOp.START.value, epoch=lead.epoch, instance=r.id, function=r.function, rev=r.rev,
+                gpu=r.gpu, gpu_uuid=r.gpu_uuid, cls=r.cls, request=r.request, limit=r.limit,
+                memory_mb=r.memory_mb, boot=r.boot, reason=order.reason)), maxlen=COMMAND_STREAM_MAXLEN)
+        for order in plan.stops:
+            r = order.record
+            ops.xadd(self.keys.commands(r.invoker), pack(InstanceCommand(
+                op=CommandOp.STOP.value, epoch=lead.epoch, instance=r.id, function=r.function, rev=r.rev,
+                gpu=r.gpu, gpu_uuid=r.gpu_uuid, boot=r.boot, reason=order.reason)), maxlen=COMMAND_STREAM_MAXLEN)
+        for fqn, table in plan.routes.items():
+            prev = self._routes.get(fqn)
+            if prev != table:
+                ops.set(self.keys.route(fqn), pack(table))
+            if not table.same_routes(prev):
+                ops.publish(self.keys.routes_channel, fqn)
+        for d in plan.decisions:
+            ops.xadd(self.keys.decisions, pack(d), maxlen=DECISION_STREAM_MAXLEN)
+        for name in plan.gone:
+            ops.srem(self.keys.invokers, name)
+
+        if ops.count and not await self.lease.apply(lead, ops):
+            for r in reserved:
+                with contextlib.suppress(RedisError):
+                    await self.budgets.release(r.gpu_uuid or "", r.id)
+            self._lost.set()
+            return False
+        for d in plan.decisions:
+            log.info("balancer decision", kind=d.kind, function=d.function, instance=d.instance or None,
+                     invoker=d.invoker or None, gpu=d.gpu, reason=d.reason, epoch=lead.epoch)
+        self._records = records
+        self._routes = dict(plan.routes)
+        self._states = states
+        self._seq = plan.seq
+        return True
+
+    # -- loading a predecessor's state -----------------------------------------------------------
+
+    async def _load_records(self) -> dict[str, InstanceRecord]:
+        out: dict[str, InstanceRecord] = {}
+        for rid, raw in (await self.redis.hgetall(self.keys.instances)).items():
+            try:
+                rec = decode(InstanceRecord, raw)
+            except WireError as exc:
+                log.warning("unreadable instance record; dropped", instance=text(rid), error=str(exc))
+                continue
+            if rec is not None:
+                out[rec.id] = rec
+        return out
+
+    async def _load_routes(self) -> dict[str, RoutingTable]:
+        names = sorted(text(m) for m in await self.redis.smembers(self.keys.functions))
+        if not names:
+            return {}
+        raws = await self.redis.mget([self.keys.route(n) for n in names])
+        out: dict[str, RoutingTable] = {}
+        for name, raw in zip(names, raws, strict=True):
+            with contextlib.suppress(WireError):
+                table = decode(RoutingTable, raw)
+                if table is not None:
+                    out[name] = table
+        return out
+
+
+# -- running it ---------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def open_balancer(cfg: Config, redis: aioredis.Redis, *, holder: str | None = None) -> AsyncIterator[Balancer]:
+    """Run a balancer (campaigning, then leading) for the duration of the block; a leader leaving
+    releases the lease so a standby takes over at once."""
+    balancer = Balancer(redis, cfg, holder=holder)
+    task = asyncio.create_task(balancer.run(), name="balancer")
+    try:
+        yield balancer
+    finally:
+        await cancel_and_wait(task)
+
+
+async def _main(cfg: Config) -> int:
+    from dilu_invoker.redis_embedded import redis_client
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    assert cfg.redis.url is not None
+    redis = redis_client(cfg.redis.url)
+    try:
+        await redis.ping()
+        async with open_balancer(cfg, redis) as balancer:
+            log.info("balancer started", holder=balancer.holder, prefix=cfg.redis.prefix,
+                     strategy=cfg.balancer.strategy)
+            await stop.wait()
+    finally:
+        await redis.aclose()
+    return 0
+
+
+def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
+    logs.configure(cfg.log)
+    if not cfg.redis.url:
+        print("dilu-invoker balancer: --redis-url (DILU_REDIS_URL) is required: the balancer shares the "
+              "invokers' Redis", file=sys.stderr)
+        return 2
+    try:
+        planner_config(cfg)
+        return asyncio.run(_main(cfg))
+    except ConfigError as exc:
+        print(f"dilu-invoker balancer: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, RedisError) as exc:
+        log.error("balancer could not start", error=str(exc))
+        return 1

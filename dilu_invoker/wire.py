@@ -1,0 +1,494 @@
+"""What invokers and the balancer exchange through Redis: key names and msgpack value types.
+
+Both sides import this module (the invoker writes load reports and reads commands and routing tables,
+the balancer the reverse), so the formats are defined once. Every value is a frozen dataclass encoded as
+a msgpack map of its fields; decoding ignores fields it does not know and fills missing ones with their
+defaults, so a newer writer and an older reader (or the reverse) keep working during a rolling upgrade.
+The keyspace is documented in docs/redis-keyspace.md and docs/balancer.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgpack
+
+from dilu_invoker.model import Action, GpuNeeds, ValidationError
+
+#: Consumer group of the per-invoker activation streams.
+ACTIVATION_GROUP = "exec"
+#: Consumer group of the per-invoker command streams.
+COMMAND_GROUP = "invoker"
+
+
+class WireError(ValueError):
+    """A value read from Redis could not be decoded."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Every key of the balancer and the routing layer, under the deployment's prefix."""
+
+    prefix: str = "dilu:"
+
+    # -- balancer ---------------------------------------------------------------------------------
+    @property
+    def lease(self) -> str:
+        """String ``holder|epoch`` with a TTL: the leader lease."""
+        return f"{self.prefix}bal:lease"
+
+    @property
+    def epoch(self) -> str:
+        """Counter: the last epoch granted (every new leader increments it)."""
+        return f"{self.prefix}bal:epoch"
+
+    @property
+    def instances(self) -> str:
+        """Hash instance id → :class:`InstanceRecord`: the balancer's table of instances."""
+        return f"{self.prefix}bal:instances"
+
+    @property
+    def demand(self) -> str:
+        """Stream: routers signal a function with work waiting and no instance."""
+        return f"{self.prefix}bal:demand"
+
+    @property
+    def decisions(self) -> str:
+        """Stream: every decision the leader carried out, with its reason (bounded)."""
+        return f"{self.prefix}bal:decisions"
+
+    # -- invokers ---------------------------------------------------------------------------------
+    @property
+    def invokers(self) -> str:
+        """Set of invoker names that have reported at least once."""
+        return f"{self.prefix}invokers"
+
+    def report(self, invoker: str) -> str:
+        """:class:`LoadReport` with a TTL; its absence means the invoker is gone."""
+        return f"{self.prefix}inv:{invoker}:report"
+
+    def boot(self, invoker: str) -> str:
+        """The invoker's boot id with the report's TTL (read by Lua to tell a live run from a dead one)."""
+        return f"{self.prefix}inv:{invoker}:boot"
+
+    def commands(self, invoker: str) -> str:
+        """Stream of :class:`InstanceCommand` for one invoker."""
+        return f"{self.prefix}inv:{invoker}:cmd"
+
+    def activations(self, invoker: str) -> str:
+        """Stream of forwarded activations for one invoker (consumer group ``exec``)."""
+        return f"{self.prefix}inv:{invoker}:act"
+
+    def replies(self, invoker: str) -> str:
+        """Stream of results coming back to the invoker that received the activations."""
+        return f"{self.prefix}inv:{invoker}:res"
+
+    # -- functions and activations ----------------------------------------------------------------
+    @property
+    def functions(self) -> str:
+        """Set of the GPU functions registered by routers."""
+        return f"{self.prefix}fns"
+
+    def function(self, fqn: str) -> str:
+        """Hash ``rev``, ``doc`` (action JSON), ``meta`` (:class:`FunctionSpec`)."""
+        return f"{self.prefix}fn:{fqn}"
+
+    def route(self, fqn: str) -> str:
+        """:class:`RoutingTable` of one function."""
+        return f"{self.prefix}route:{fqn}"
+
+    @property
+    def routes_channel(self) -> str:
+        """Pub/sub channel: the name of a function whose routing table changed."""
+        return f"{self.prefix}routes"
+
+    def result(self, activation_id: str) -> str:
+        """The finished activation (JSON) of a forwarded activation, kept for dedupe and redelivery."""
+        return f"{self.prefix}res:{activation_id}"
+
+    def claim(self, activation_id: str) -> str:
+        """Who may run a forwarded activation: ``q:{invoker}`` queued, ``r:{invoker}:{boot}`` running,
+        ``x`` moved elsewhere."""
+        return f"{self.prefix}run:{activation_id}"
+
+
+def invoker_name(invoker_id: int) -> str:
+    return f"invoker{invoker_id}"
+
+
+# -- encoding ----------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def pack(value: Any) -> bytes:
+    return msgpack.packb(_plain(value), use_bin_type=True)
+
+
+def unpack(raw: bytes | bytearray | memoryview) -> Any:
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise WireError(f"not msgpack: {exc}") from None
+
+
+def _fields_of(cls: type[T], data: Any, nested: Mapping[str, Any] | None = None) -> T:
+    if not isinstance(data, Mapping):
+        raise WireError(f"{cls.__name__}: expected a map, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs = {k: v for k, v in data.items() if k in names}
+    for name, convert in (nested or {}).items():
+        if name in kwargs:
+            kwargs[name] = convert(kwargs[name])
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"{cls.__name__}: {exc}") from None
+
+
+def decode(cls: type[T], raw: bytes | str | None) -> T | None:
+    """Decode a value written by :func:`pack`; None stays None. Raises :class:`WireError`."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raise WireError("expected msgpack bytes, got text")
+    return cls.from_wire(unpack(raw))  # type: ignore[attr-defined]
+
+
+# -- functions ---------------------------------------------------------------------------------------
+
+
+#: Annotations the balancer reads beside the GPU annotations of ``model.GpuNeeds``.
+CAPACITY_ANNOTATION = "capacity-rps"
+PROFILE_ANNOTATION = "gpu-profile"
+AFFINITY_ANNOTATION = "placement-affinity"
+
+_GENERATION = re.compile(r"^(\d+)-")
+
+
+def revision_generation(revision: str | None) -> int:
+    """The generation of ``N-hash`` revisions (our store's and CouchDB's); 0 when there is none."""
+    if not revision:
+        return 0
+    m = _GENERATION.match(revision)
+    return int(m.group(1)) if m else 0
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionSpec:
+    """What the balancer needs to know of a GPU function, derived from its action by the router."""
+
+    fqn: str
+    rev: str
+    kind: str
+    cls: str
+    request: float
+    limit: float
+    memory_mb: int
+    slots: int = 1
+    slo_ms: float | None = None
+    min_instances: int = 0
+    max_instances: int = 8
+    capacity_rps: float | None = None
+    profile: str | None = None
+    affinity: str | None = None
+
+    @classmethod
+    def of(cls, action: Action) -> FunctionSpec:
+        """Raises :class:`~dilu_invoker.model.ValidationError` for bad annotations."""
+        ann = action.annotation_map
+        needs = GpuNeeds.from_annotations(ann)
+        capacity = ann.get(CAPACITY_ANNOTATION)
+        if capacity is not None:
+            if isinstance(capacity, bool) or not isinstance(capacity, (int, float, str)):
+                raise ValidationError(f"Annotation '{CAPACITY_ANNOTATION}' must be a number.")
+            try:
+                capacity = float(capacity)
+            except ValueError:
+                raise ValidationError(f"Annotation '{CAPACITY_ANNOTATION}' must be a number.") from None
+            if not (math.isfinite(capacity) and capacity > 0):
+                raise ValidationError(f"Annotation '{CAPACITY_ANNOTATION}' must be a positive number.")
+        profile = ann.get(PROFILE_ANNOTATION)
+        if profile is not None and profile not in ("compute", "memory"):
+            raise ValidationError(f"Annotation '{PROFILE_ANNOTATION}' must be 'compute' or 'memory'.")
+        affinity = ann.get(AFFINITY_ANNOTATION)
+        if affinity is not None and affinity not in ("spread", "pack", "none"):
+            raise ValidationError(f"Annotation '{AFFINITY_ANNOTATION}' must be spread, pack or none.")
+        return cls(
+            fqn=action.fqn,
+            rev=action.revision or "",
+            kind=action.exec.kind,
+            cls=needs.gpu_class.value,
+            request=needs.sm_request,
+            limit=needs.sm_limit,
+            memory_mb=needs.memory_mb,
+            slots=action.limits.concurrency,
+            slo_ms=needs.slo_ms,
+            min_instances=needs.min_instances,
+            max_instances=needs.max_instances,
+            capacity_rps=capacity,
+            profile=profile,
+            affinity=affinity,
+        )
+
+    @classmethod
+    def from_wire(cls, data: Any) -> FunctionSpec:
+        return _fields_of(cls, data)
+
+
+# -- load reports ------------------------------------------------------------------------------------
+
+
+class InstanceState(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReport:
+    index: int
+    uuid: str
+    name: str = ""
+    memory_mb: int = 0
+    sm_count: int = 0
+    simulated: bool = False
+
+    @classmethod
+    def from_wire(cls, data: Any) -> GpuReport:
+        return _fields_of(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceReport:
+    """One instance as its invoker sees it over the last report period."""
+
+    id: str
+    function: str
+    rev: str
+    state: str
+    cls: str = "inference"
+    gpu: int | None = None
+    request: float = 0.0
+    limit: float = 0.0
+    memory_mb: int = 0
+    slots: int = 1
+    share: float | None = None
+    """SM share enforced now (from the GPU manager); None when unknown."""
+    saturated: bool | None = None
+    """At its limit and throttled (vertical scaling has nothing more to give); None when unknown."""
+    throttled_s: float | None = None
+    waiting: int = 0
+    in_flight: int = 0
+    arrival_rate: float = 0.0
+    completion_rate: float = 0.0
+    latency_ms: float | None = None
+    """Mean run time of the activations completed in the period."""
+    queue_delay_ms: float = 0.0
+    """90th percentile of the time activations waited for a slot of this instance."""
+
+    @classmethod
+    def from_wire(cls, data: Any) -> InstanceReport:
+        return _fields_of(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionReport:
+    """What the invoker's router saw of one function (each activation is counted by exactly one router)."""
+
+    function: str
+    arrival_rate: float = 0.0
+    waiting: int = 0
+    """Activations waiting for an instance to exist."""
+    queue_delay_ms: float = 0.0
+
+    @classmethod
+    def from_wire(cls, data: Any) -> FunctionReport:
+        return _fields_of(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    invoker: str
+    boot: str
+    at_ms: int
+    period_s: float = 1.0
+    enabled: bool = True
+    epoch: int = 0
+    """The highest balancer epoch the invoker has accepted a command from."""
+    user_memory_mb: int = 0
+    memory_in_use_mb: int = 0
+    gpus: tuple[GpuReport, ...] = ()
+    instances: tuple[InstanceReport, ...] = ()
+    functions: tuple[FunctionReport, ...] = ()
+    schema: int = 1
+
+    @classmethod
+    def from_wire(cls, data: Any) -> LoadReport:
+        return _fields_of(cls, data, {
+            "gpus": lambda v: tuple(GpuReport.from_wire(x) for x in v or ()),
+            "instances": lambda v: tuple(InstanceReport.from_wire(x) for x in v or ()),
+            "functions": lambda v: tuple(FunctionReport.from_wire(x) for x in v or ()),
+        })
+
+
+# -- commands ----------------------------------------------------------------------------------------
+
+
+class CommandOp(enum.StrEnum):
+    START = "start"
+    STOP = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceCommand:
+    op: str
+    epoch: int
+    instance: str
+    function: str
+    rev: str = ""
+    gpu: int | None = None
+    gpu_uuid: str | None = None
+    cls: str = "inference"
+    request: float = 0.0
+    limit: float = 0.0
+    memory_mb: int = 0
+    boot: str = ""
+    """The invoker's boot id the command is meant for ("" any); another incarnation ignores it."""
+    reason: str = ""
+
+    @classmethod
+    def from_wire(cls, data: Any) -> InstanceCommand:
+        return _fields_of(cls, data)
+
+
+# -- the balancer's instance table and routing tables ------------------------------------------------
+
+
+class RecordState(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRecord:
+    """One instance as the balancer decided it; the invoker's report says how it is doing."""
+
+    id: str
+    function: str
+    rev: str
+    invoker: str
+    gpu: int | None
+    gpu_uuid: str | None
+    cls: str
+    request: float
+    limit: float
+    memory_mb: int
+    slots: int = 1
+    state: str = RecordState.STARTING.value
+    since: float = 0.0
+    """When it entered its state (the balancer's clock, seconds)."""
+    epoch: int = 0
+    boot: str = ""
+    """The invoker's boot id once it reported the instance; a different boot means it was lost."""
+    missing: int = 0
+    """Consecutive fresh reports of its invoker that did not list it."""
+
+    @classmethod
+    def from_wire(cls, data: Any) -> InstanceRecord:
+        return _fields_of(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteEntry:
+    id: str
+    invoker: str
+    slots: int = 1
+    in_flight: int = 0
+    waiting: int = 0
+
+    @classmethod
+    def from_wire(cls, data: Any) -> RouteEntry:
+        return _fields_of(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingTable:
+    """Where a function's activations may go: its ready instances on live invokers."""
+
+    function: str
+    rev: str
+    epoch: int
+    version: int
+    instances: tuple[RouteEntry, ...] = ()
+    local_fallback: bool = False
+    """No GPU anywhere in the cluster: run activations in the receiving invoker's own pool (on the CPU)."""
+    blocked: str = ""
+    """Why no instance could be placed, when that is the case."""
+
+    @classmethod
+    def from_wire(cls, data: Any) -> RoutingTable:
+        return _fields_of(cls, data, {"instances": lambda v: tuple(RouteEntry.from_wire(x) for x in v or ())})
+
+    def same_routes(self, other: RoutingTable | None) -> bool:
+        """Equal but for the load figures (those change every tick and do not warrant a notification)."""
+        return other is not None and self._route_key() == other._route_key()
+
+    def _route_key(self) -> tuple[Any, ...]:
+        return (self.rev, self.local_fallback, self.blocked,
+                tuple((e.id, e.invoker, e.slots) for e in self.instances))
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One line of the decisions stream."""
+
+    at: float
+    epoch: int
+    kind: str
+    function: str
+    reason: str
+    instance: str = ""
+    invoker: str = ""
+    gpu: int | None = None
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Decision:
+        return _fields_of(cls, data)
+
+
+def stream_fields(value: Any) -> dict[str, bytes]:
+    """A stream entry carrying one packed value."""
+    return {"v": pack(value)}
+
+
+def from_stream(cls: type[T], fields: Mapping[Any, Any]) -> T:
+    raw = fields.get(b"v", fields.get("v"))
+    if raw is None:
+        raise WireError("stream entry without a value")
+    return cls.from_wire(unpack(raw))  # type: ignore[attr-defined]
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+

@@ -1,0 +1,160 @@
+"""The balancer service against a real Redis, with invokers' reports written as invokers write them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import redis.asyncio as aioredis
+
+from dilu_invoker import config
+from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity
+from dilu_invoker.invoker.registry import FunctionRegistry
+from dilu_invoker.loadbalancer.service import Balancer, open_balancer
+from dilu_invoker.model import Action, Exec, Parameter
+from dilu_invoker.wire import (
+    Decision,
+    GpuReport,
+    InstanceCommand,
+    InstanceRecord,
+    Keys,
+    LoadReport,
+    RoutingTable,
+    decode,
+    from_stream,
+    pack,
+)
+
+PREFIX = "svc:"
+KEYS = Keys(PREFIX)
+
+
+def _cfg() -> config.Config:
+    base = config.load(environ={})
+    return replace(base, redis=replace(base.redis, prefix=PREFIX),
+                   balancer=replace(base.balancer, tick_s=0.2, lease_ttl_s=1.0))
+
+
+async def _invoker(redis: aioredis.Redis, name: str, *, gpus: int = 1, boot: str = "boot") -> None:
+    """What an invoker's reporter writes: GPU budgets, report, boot key, membership."""
+    budgets = GpuBudgets(redis, PREFIX)
+    report = LoadReport(invoker=name, boot=boot, at_ms=int(time.time() * 1000),
+                        gpus=tuple(GpuReport(index=i, uuid=f"{name}-gpu{i}", memory_mb=16000) for i in range(gpus)))
+    for g in report.gpus:
+        await budgets.register_gpu(g.uuid, GpuCapacity(node=name, index=g.index, name="t", memory_mb=16000,
+                                                       sm_count=132))
+    await redis.set(KEYS.report(name), pack(report), px=60_000)
+    await redis.set(KEYS.boot(name), boot, px=60_000)
+    await redis.sadd(KEYS.invokers, name)
+
+
+async def _function(redis: aioredis.Redis, name: str = "f", **annotations: object) -> None:
+    action = Action(namespace="guest", name=name, exec=Exec(kind="python:3-gpu", code="def main(a): return a"),
+                    revision="1-x", annotations=tuple(Parameter(k, v) for k, v in annotations.items()))
+    await FunctionRegistry(redis, KEYS).ensure(action)
+
+
+async def _commands(redis: aioredis.Redis, invoker: str) -> list[InstanceCommand]:
+    return [from_stream(InstanceCommand, f) for _, f in await redis.xrange(KEYS.commands(invoker))]
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_demand_places_reserves_and_commands(redis: aioredis.Redis) -> None:
+    await _invoker(redis, "invoker0")
+    await _function(redis, "f", **{"gpu-sm-request": 0.25, "gpu-memory-mb": 3000})
+    async with open_balancer(_cfg(), redis, holder="solo") as balancer:
+        await redis.xadd(KEYS.demand, {"f": "guest/f", "i": "invoker0"})
+
+        async def started() -> bool:
+            return bool(await _commands(redis, "invoker0"))
+
+        await _until(started)
+        assert balancer.leading is not None
+        epoch = balancer.leading.epoch
+    [cmd] = await _commands(redis, "invoker0")
+    assert (cmd.op, cmd.function, cmd.gpu, cmd.gpu_uuid, cmd.request, cmd.epoch, cmd.boot) == (
+        "start", "guest/f", 0, "invoker0-gpu0", 0.25, epoch, "boot")
+    record = decode(InstanceRecord, await redis.hget(KEYS.instances, cmd.instance))
+    assert record is not None and record.state == "starting" and record.invoker == "invoker0"
+    budget = await GpuBudgets(redis, PREFIX).get("invoker0-gpu0")
+    assert budget is not None and set(budget.reservations) == {cmd.instance}
+    assert budget.reservations[cmd.instance].memory_mb == 3000
+    table = decode(RoutingTable, await redis.get(KEYS.route("guest/f")))
+    assert table is not None and table.instances == ()  # not ready yet
+    decisions = [from_stream(Decision, f).kind for _, f in await redis.xrange(KEYS.decisions)]
+    assert decisions[:2] == ["scale-out", "place"]
+    assert await redis.get(KEYS.lease) is None  # a leader that stops lets go at once
+
+
+async def test_a_deposed_leader_writes_nothing(redis: aioredis.Redis) -> None:
+    await _invoker(redis, "invoker0")
+    await _function(redis, "f")
+    old = Balancer(redis, _cfg(), holder="old")
+    new = Balancer(redis, _cfg(), holder="new")
+    lead_old = await old.campaign_once()
+    assert lead_old is not None and await new.campaign_once() is None
+    await redis.delete(KEYS.lease)  # the old leader paused past its lease
+    lead_new = await new.campaign_once()
+    assert lead_new is not None and lead_new.epoch == lead_old.epoch + 1
+    await redis.xadd(KEYS.demand, {"f": "guest/f"})
+    old._demand["guest/f"] = new._demand["guest/f"] = time.time()  # both saw the demand
+    assert not await old.tick(lead_old)
+    assert await redis.hlen(KEYS.instances) == 0 and await _commands(redis, "invoker0") == []
+    assert await new.tick(lead_new)
+    [cmd] = await _commands(redis, "invoker0")
+    assert cmd.epoch == lead_new.epoch and await redis.hlen(KEYS.instances) == 1
+
+
+async def test_a_standby_takes_over_with_the_table(redis: aioredis.Redis) -> None:
+    await _invoker(redis, "invoker0")
+    await _function(redis, "f", **{"min-instances": 1})
+    first = Balancer(redis, _cfg(), holder="first")
+    lead = await first.campaign_once()
+    assert lead is not None and await first.tick(lead)
+    assert await redis.hlen(KEYS.instances) == 1
+    await redis.delete(KEYS.lease)
+    second = Balancer(redis, _cfg(), holder="second")
+    lead2 = await second.campaign_once()
+    assert lead2 is not None
+    for _ in range(3):
+        assert await second.tick(lead2)
+    # min-instances is already met by the predecessor's starting instance: nothing is started twice.
+    assert len(await _commands(redis, "invoker0")) == 1 and await redis.hlen(KEYS.instances) == 1
+
+
+async def test_an_unreadable_report_counts_as_gone(redis: aioredis.Redis) -> None:
+    await _invoker(redis, "invoker0")
+    await _invoker(redis, "invoker1")
+    await redis.set(KEYS.report("invoker0"), b"\xc1garbage")
+    await _function(redis, "f")
+    balancer = Balancer(redis, _cfg(), holder="b")
+    lead = await balancer.campaign_once()
+    assert lead is not None
+    balancer._demand["guest/f"] = time.time()
+    assert await balancer.tick(lead)
+    assert [c.gpu_uuid for c in await _commands(redis, "invoker1")] == ["invoker1-gpu0"]
+    assert await _commands(redis, "invoker0") == []
+
+
+def test_the_command_refuses_what_cannot_work(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from dilu_invoker.loadbalancer import service
+
+    # Configuring logs would bind structlog to this test's captured stderr, closed after it.
+    monkeypatch.setattr(service.logs, "configure", lambda cfg: None)
+    base = _cfg()
+    assert service.main(base) == 2
+    assert "--redis-url" in capsys.readouterr().err
+    bad = replace(base, redis=replace(base.redis, url="redis://127.0.0.1:1"),
+                  balancer=replace(base.balancer, strategy="nope"))
+    assert service.main(bad) == 2
+    assert "unknown placement strategy 'nope'" in capsys.readouterr().err
+    tiny = replace(bad, balancer=replace(base.balancer, window=3, scale_out_samples=5))
+    assert service.main(tiny) == 2
+    assert "scale_out_samples" in capsys.readouterr().err
