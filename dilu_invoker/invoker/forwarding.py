@@ -471,8 +471,8 @@ class Forwarder:
 
     async def _hand_back(self, fwd: Forwarded, stream: str, entry_id: str, payload: bytes, *, again: bool) -> None:
         keys = [self.keys.result(fwd.aid), self.keys.claim(fwd.aid), self.keys.replies(fwd.origin), stream]
-        args: list[bytes | str | int] = [payload, self.result_ttl_ms, ACTIVATION_GROUP, entry_id, fwd.aid, REPLY_STREAM_MAXLEN,
-                "1" if again else "0"]
+        args: list[bytes | str | int] = [payload, self.result_ttl_ms, ACTIVATION_GROUP, entry_id, fwd.aid,
+                                          REPLY_STREAM_MAXLEN, "1" if again else "0"]
         for attempt in range(5):
             try:
                 await self._finish(keys=keys, args=args)

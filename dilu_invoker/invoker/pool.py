@@ -323,7 +323,7 @@ class ContainerPool:
                 waiter.future.set_exception(InvokerOverloaded("the invoker is shutting down"))
         self._queue.clear()
         deadline = time.monotonic() + drain_s
-        while any(p.active for p in self.containers.values()) and time.monotonic() < deadline:  # noqa: ASYNC110
+        while any(p.active for p in self.containers.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # activations release through many paths; polling keeps this simple
         for proxy in list(self.containers.values()):
             self.remove(proxy, "invoker shutting down")
