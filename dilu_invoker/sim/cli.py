@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--interference", type=_nonneg_float, default=0.1, help="co-location slowdown κ (docs)")
     s.add_argument("--vertical-period", type=_positive(float), default=0.5, help="seconds between vertical re-decisions of a GPU with training")
     s.add_argument("--sample-every", type=_positive(float), default=60.0, help="time-series resolution (s)")
+    s.add_argument("--gamma", type=_positive(float), default=1.5, help="dilu's Σ-limit oversubscription γ")
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true")
@@ -340,6 +341,7 @@ def _serving(args: argparse.Namespace) -> int:
             vertical_period_s=args.vertical_period,
             sample_every_s=args.sample_every,
             seed=args.seed,
+            gamma=args.gamma,
         )
         bar = Progress(f"serving {policy}", trace.duration_s, enabled=not args.quiet)
         def on_time(t: float, bar: Progress = bar) -> None:

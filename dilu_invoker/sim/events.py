@@ -12,6 +12,7 @@ order in the file. Errors name the file and line and stop the run before anythin
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import math
 from collections.abc import Iterable, Iterator
@@ -160,6 +161,10 @@ def read_events(lines: Iterable[str], name: str = "<events>") -> list[PlacementE
 def open_text(path: Path, mode: str = "r") -> IO[str]:
     """A text file, gzip-compressed when its name ends in `.gz`."""
     if path.suffix == ".gz":
+        if "w" in mode:
+            # mtime 0: regenerating a trace gives the same bytes.
+            raw = gzip.GzipFile(path, mode="wb", mtime=0)
+            return io.TextIOWrapper(raw, encoding="utf-8")
         return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
     return path.open(mode, encoding="utf-8")
 

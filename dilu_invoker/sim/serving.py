@@ -172,6 +172,7 @@ class _Fn:
         "active",
         "arr",
         "batch",
+        "blocked_until",
         "capacity",
         "cls",
         "completed",
@@ -231,6 +232,7 @@ class _Fn:
         self.violations = 0
         self.completed = 0
         self.dropped = 0
+        self.blocked_until = -math.inf
 
 
 class _Inst:
@@ -807,9 +809,11 @@ class _Sim:
             )
             d = decide_scale(load, fn.hstate, hconf)
             fn.hstate = d.state
-            if d.action is ScaleAction.OUT:
+            if d.action is ScaleAction.OUT and now >= fn.blocked_until:
                 for _ in range(d.desired - d.current):
                     if self._new_instance(fn) is None:
+                        # No GPU fits: as the live balancer, retry after the cooldown.
+                        fn.blocked_until = now + hconf.cooldown_s
                         break
             elif d.action is ScaleAction.IN:
                 self._scale_in(fn, d.current - d.desired)
@@ -842,7 +846,7 @@ class _Sim:
             (
                 self.now,
                 self.cluster.lit_count,
-                sum(len(f.instances) for f in self.fns),
+                sum(len(f.instances) for f in self.fns) + len(self.running_jobs),
                 arrivals_n,
                 completed,
                 violations,

@@ -108,3 +108,20 @@ def test_mps_without_the_daemon_binary_is_a_clear_error() -> None:
 def test_default_grid_is_the_issues() -> None:
     cfg = SearchConfig()
     assert len(cfg.shares()) == 10 and cfg.batch_sizes()[-1] == 64
+
+
+def test_report_of_a_compare_run(tmp_path: Path) -> None:
+    import importlib.util
+
+    out, runs = tmp_path / "profiles.json", tmp_path / "runs.json"
+    assert main(["--model", "resnet50", "--model", "train-resnet50", "--compare", "--dry-run",
+                 "--batches", "1,2,4", "--out", str(out), "--runs", str(runs), *FAST]) == 0
+    path = Path(__file__).resolve().parents[2] / "bench" / "profiler_report.py"
+    spec = importlib.util.spec_from_file_location("profiler_report", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.report(tmp_path)
+    assert "SYNTHETIC dry run" in text
+    assert "| resnet50 |" in text and "| train-resnet50 |" in text
+    assert "of the grid's 30 points" in text and "Limit check" in text
