@@ -31,7 +31,6 @@ sys.path.insert(0, str(ROOT))
 
 from dilu_invoker.policy import (
     ClusterSnapshot,
-    CompactionConfig,
     InstanceClass,
     PlacementConfig,
     PlacementRequest,
@@ -43,6 +42,7 @@ from dilu_invoker.sim import report
 from dilu_invoker.sim.events import GIB, PlacementEvent, load_events
 from dilu_invoker.sim.placement import (
     PLACEMENT_POLICIES,
+    SIM_COMPACTION,
     PlacementSimConfig,
     simulate_placement,
 )
@@ -57,7 +57,7 @@ from dilu_invoker.sim.traces import FunctionTrace, ServingTrace, load_trace
 SIZES = (100, 200, 400, 800, 1600, 3200)
 GPU_GIB = 40.0
 NODE = 4
-COMPACT = CompactionConfig(source_max_request=1.0, max_sources=64, max_moves=64)
+COMPACT = SIM_COMPACTION
 SERVING = (
     ("azure-day", "examples/serving/azure-day.jsonl.gz", 64, "an Azure-style day: 100 functions, 24 h"),
     ("bursty", "examples/serving/bursty.jsonl.gz", 16, "a bursty hour: 10 functions, 5× bursts"),

@@ -47,7 +47,8 @@ def main() -> int:
     print(f"placement, {len(events)} events of 3,200 instances, 40 GiB GPUs:")
     for p in PLACEMENT_POLICIES:
         t0 = time.perf_counter()
-        r = simulate_placement(events, PlacementSimConfig(policy=p, gpu_memory_gib=40.0, compact_every_s=10.0 if p == "dilu" else 0.0))
+        cfg = PlacementSimConfig(policy=p, gpu_memory_gib=40.0, compact_every_s=10.0 if p == "dilu" else 0.0)
+        r = simulate_placement(events, cfg)
         print(f"  {p:10s} {time.perf_counter() - t0:6.2f} s  (peak {r.summary['gpus_peak']})")
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

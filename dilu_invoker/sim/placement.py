@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dilu_invoker.policy import (
@@ -48,6 +48,10 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "mem_fragmentation_mean",
 )
 
+#: Compaction as the simulator runs it by default: every lit GPU may be a source (the live default
+#: looks only at GPUs with Σ request ≤ 0.5, 32 per run, to bound cold starts).
+SIM_COMPACTION = CompactionConfig(source_max_request=1.0, max_sources=64, max_moves=64)
+
 TIMESERIES_COLUMNS: tuple[str, ...] = (
     "t",
     "live_instances",
@@ -72,7 +76,7 @@ class PlacementSimConfig:
     1 turns splitting off. Baselines never split."""
     compact_every_s: float = 0.0
     """Run compaction at most this often (seconds of trace time); 0: never."""
-    compaction: CompactionConfig = field(default_factory=CompactionConfig)
+    compaction: CompactionConfig = SIM_COMPACTION
 
     def __post_init__(self) -> None:
         if self.policy not in STRATEGIES:
