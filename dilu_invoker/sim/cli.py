@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="accepted for symmetry; placement is deterministic")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--jobs", type=_positive(int), default=None,
+                   help="with --policy all: policies simulated in parallel (default: one per CPU)")
 
     s = sub.add_parser("serving", help="request-level simulation of serving functions on a GPU cluster")
     s.add_argument("--trace", required=True, type=Path, help="dilu-serving-trace JSON lines or Azure 2019 invocations CSV")
@@ -109,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true")
+    s.add_argument("--jobs", type=_positive(int), default=None,
+                   help="with --policy all: policies simulated in parallel (default: one per CPU)")
 
     g = sub.add_parser("gen", help="generate traces")
     gsub = g.add_subparsers(dest="kind", metavar="placement|serving|azure", required=True)
@@ -180,11 +187,12 @@ def _placement(args: argparse.Namespace) -> int:
     out: Path = args.out or DEFAULT_OUT / "placement"
     policies = list(PLACEMENT_POLICIES) if args.policy == "all" else [args.policy]
     results: dict[str, PlacementResult] = {}
+    configs: dict[str, PlacementSimConfig] = {}
     for policy in policies:
         every = args.compact_every
         if every is None:
             every = DILU_COMPACT_EVERY_S if policy == "dilu" else 0.0
-        config = PlacementSimConfig(
+        configs[policy] = PlacementSimConfig(
             policy=policy,
             gpu_memory_gib=args.gpu_memory_gib,
             gpus=args.gpus,
@@ -199,12 +207,15 @@ def _placement(args: argparse.Namespace) -> int:
                 max_moves=max(64, args.compact_max_sources),
             ),
         )
-        bar = Progress(f"placement {policy}", len(events), enabled=not args.quiet)
-        def on_progress(done: int, total: int, bar: Progress = bar) -> None:
-            bar.update(done)
 
-        result = simulate_placement(events, config, progress=on_progress)
-        bar.close()
+    def run_one(policy: str, bar: Progress | None) -> PlacementResult:
+        def on_progress(done: int, total: int) -> None:
+            if bar is not None:
+                bar.update(done)
+
+        return simulate_placement(events, configs[policy], progress=on_progress)
+
+    for policy, result in _run_policies(run_one, policies, args.jobs, "placement", len(events), args.quiet):
         results[policy] = result
         where = out / policy if len(policies) > 1 else out
         report.write_json(where / "summary.json", result.summary)
@@ -245,6 +256,45 @@ def _placement(args: argparse.Namespace) -> int:
             _placement_plots(out, results, report)
     print(f"wrote {out}/")
     return 0
+
+
+_WORKER: Callable[[str, Any], Any] | None = None
+
+
+def _in_worker(policy: str) -> tuple[str, Any, float]:
+    assert _WORKER is not None
+    t0 = time.perf_counter()
+    return policy, _WORKER(policy, None), time.perf_counter() - t0
+
+
+def _run_policies(
+    run: Callable[[str, Any], Any], policies: list[str], jobs: int | None, what: str, total: float, quiet: bool
+) -> Iterator[tuple[str, Any]]:
+    """Run each policy's simulation: one after another with a progress bar, or in `jobs` forked
+    processes (results in policy order either way; the simulations share nothing)."""
+    from dilu_invoker.sim.progress import Progress
+
+    n = min(len(policies), jobs if jobs is not None else (os.cpu_count() or 1))
+    if n <= 1:
+        for policy in policies:
+            bar = Progress(f"{what} {policy}", total, enabled=not quiet)
+            result = run(policy, bar)
+            bar.close()
+            yield policy, result
+        return
+    global _WORKER
+    _WORKER = run
+    try:
+        with multiprocessing.get_context("fork").Pool(n) as pool:
+            done: dict[str, Any] = {}
+            for policy, result, seconds in pool.imap_unordered(_in_worker, policies):
+                done[policy] = result
+                if not quiet:
+                    print(f"{what} {policy}: done in {seconds:.1f} s", file=sys.stderr, flush=True)
+    finally:
+        _WORKER = None
+    for policy in policies:
+        yield policy, done[policy]
 
 
 def _placement_rows(results: dict[str, Any]) -> list[list[Any]]:
@@ -329,8 +379,9 @@ def _serving(args: argparse.Namespace) -> int:
     results: dict[str, ServingResult] = {}
     if profiles.synthetic:
         print(f"NOTE: {args.profiles} is a SYNTHETIC profile set ({profiles.source}), not measurements")
+    sconfigs: dict[str, ServingSimConfig] = {}
     for policy in policies:
-        config = ServingSimConfig(
+        sconfigs[policy] = ServingSimConfig(
             policy=policy,
             gpus=args.gpus,
             gpus_per_node=args.gpus_per_node,
@@ -343,12 +394,15 @@ def _serving(args: argparse.Namespace) -> int:
             seed=args.seed,
             gamma=args.gamma,
         )
-        bar = Progress(f"serving {policy}", trace.duration_s, enabled=not args.quiet)
-        def on_time(t: float, bar: Progress = bar) -> None:
-            bar.update(t)
 
-        result = simulate_serving(trace, profiles, config, progress=on_time)
-        bar.close()
+    def run_serving(policy: str, bar: Progress | None) -> ServingResult:
+        def on_time(t: float) -> None:
+            if bar is not None:
+                bar.update(t)
+
+        return simulate_serving(trace, profiles, sconfigs[policy], progress=on_time)
+
+    for policy, result in _run_policies(run_serving, policies, args.jobs, "serving", trace.duration_s, args.quiet):
         results[policy] = result
         where = out / policy if len(policies) > 1 else out
         report.write_json(where / "summary.json", result.summary)
