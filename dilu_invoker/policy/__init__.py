@@ -1,4 +1,5 @@
-"""Pure decision code: vertical SM shares, placement, horizontal scaling, compaction, metrics.
+"""Pure decision code: vertical SM shares, placement, horizontal scaling, compaction, metrics,
+the profiler's search.
 
 Every policy is a function of a frozen snapshot that carries `now`, returning a frozen decision with a
 `reason`; state a policy keeps between calls is passed in and handed back. Nothing here does I/O,
@@ -44,6 +45,7 @@ from dilu_invoker.policy.placement import (
     FilterStatus,
     PlacementConfig,
     PlacementDecision,
+    PlacementPart,
     PlacementRequest,
     Rejection,
     Scorer,
@@ -52,8 +54,17 @@ from dilu_invoker.policy.placement import (
     apply_placement,
     describe_strategies,
     get_strategy,
+    part_id,
     place,
     register_strategy,
+)
+from dilu_invoker.policy.profiling import (
+    Measurement,
+    SearchConfig,
+    SearchResult,
+    grid_search,
+    hybrid_growth_search,
+    training_search,
 )
 from dilu_invoker.policy.types import (
     EPS,
@@ -102,9 +113,11 @@ __all__ = [
     "HorizontalConfig",
     "HorizontalState",
     "InstanceClass",
+    "Measurement",
     "PlacedInstance",
     "PlacementConfig",
     "PlacementDecision",
+    "PlacementPart",
     "PlacementRequest",
     "Profile",
     "Rejection",
@@ -112,6 +125,8 @@ __all__ = [
     "ScaleDecision",
     "ScaleTrigger",
     "Scorer",
+    "SearchConfig",
+    "SearchResult",
     "ShareDecision",
     "ShareMode",
     "SharePair",
@@ -131,9 +146,13 @@ __all__ = [
     "fragmentation_after",
     "get_strategy",
     "gpu_fragmentation",
+    "grid_search",
+    "hybrid_growth_search",
     "instances_for",
     "lit_gpu_lower_bound",
+    "part_id",
     "place",
     "register_strategy",
+    "training_search",
     "water_fill",
 ]

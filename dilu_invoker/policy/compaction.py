@@ -3,7 +3,9 @@
 Each move is make-before-break: start a replacement on the target GPU, route to it, then stop the
 original; its price is one cold start (reported). A source GPU is only touched when *all* its
 instances can move to GPUs that are already lit, so every accepted source turns one GPU off and no
-move lights a GPU. Gangs (instances on several GPUs) are never moved.
+move lights a GPU. Gangs (instances on several GPUs) and pieces of split instances are never moved;
+an instance the strategy may split (an `llm` under `dilu` with `llm_max_parts` > 1) may be split
+by its move when no single lit GPU can take it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, request_bucket
-from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
+from dilu_invoker.policy.placement import (
+    PlacementConfig,
+    PlacementPart,
+    PlacementRequest,
+    apply_placement,
+    place,
+)
 from dilu_invoker.policy.types import GpuRef, PlacedInstance
 
 
@@ -43,6 +51,8 @@ class CompactionMove:
     source: GpuRef
     target: GpuRef
     reason: str
+    parts: tuple[PlacementPart, ...] = ()
+    """Non-empty when the move split the instance: its pieces (`target` is the first's GPU)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +105,7 @@ def compaction_plan(
             not gpu.instances
             or len(gpu.instances) > config.source_max_instances
             or gpu.used_request > config.source_max_request
-            or any(i.gpus > 1 for i in gpu.instances)
+            or any(i.gpus > 1 or i.part_of is not None for i in gpu.instances)
             or len(moves) + len(gpu.instances) > config.max_moves
         ):
             continue
@@ -112,7 +122,7 @@ def compaction_plan(
             if not decision.placed:
                 trial_moves = []
                 break
-            trial = trial.with_instance(inst, decision.gpus)
+            trial = apply_placement(trial, request, decision)
             trial_moves.append(
                 CompactionMove(
                     instance_id=inst.id,
@@ -120,6 +130,7 @@ def compaction_plan(
                     source=gpu.ref,
                     target=decision.gpus[0],
                     reason=f"empty {gpu.ref} (Σ request {gpu.used_request:.2f}): {decision.reason}",
+                    parts=decision.parts,
                 )
             )
         if trial_moves:

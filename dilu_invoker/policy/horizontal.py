@@ -214,9 +214,14 @@ def bounds(load: FunctionLoad, config: HorizontalConfig) -> tuple[int, int]:
 
 def window_counts(rates: tuple[float, ...], n: int, capacity: float) -> tuple[int, int]:
     """(samples above what n instances serve, samples below what n − 1 serve)."""
-    over = sum(1 for r in rates if r > n * capacity + EPS)
-    under = sum(1 for r in rates if r < (n - 1) * capacity - EPS) if n > 1 else 0
-    return over, under
+    # Thresholds hoisted and list counting: this runs once per function per tick (and per simulated
+    # second in the simulator), so it is kept cheap.
+    high = n * capacity + EPS
+    over = len([r for r in rates if r > high])
+    if n <= 1:
+        return over, 0
+    low = (n - 1) * capacity - EPS
+    return over, len([r for r in rates if r < low])
 
 
 def sustained_level(rates: tuple[float, ...], samples: int, *, high: bool) -> float:

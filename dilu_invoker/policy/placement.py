@@ -55,10 +55,13 @@ class ShareMode(StrEnum):
     """Static SM partition at the request plus time slices up to the limit when idle (FaST-GShare)."""
     WHOLE_GPU = "whole-gpu"
     """The instance owns its GPUs outright (exclusive)."""
+    PRIORITY = "priority"
+    """Two priority classes (TGS): latency-critical (production) runs unthrottled on the whole GPU,
+    best-effort (opportunistic) takes what production leaves; decided at run time."""
 
     def static_share(self, pair: SharePair) -> float | None:
-        """The fixed share the instance runs at, or None when the vertical policy decides."""
-        if self is ShareMode.DYNAMIC:
+        """The fixed share the instance runs at, or None when it is decided at run time."""
+        if self is ShareMode.DYNAMIC or self is ShareMode.PRIORITY:
             return None
         if self is ShareMode.STATIC_LIMIT:
             return pair.limit
@@ -86,10 +89,26 @@ class PlacementRequest:
     avoid_invokers: frozenset[str] = frozenset()
     lit_only: bool = False
     """Never light a new GPU (compaction moves, or when the operator forbids growth)."""
+    max_parts: int | None = None
+    """A one-GPU instance whose memory may be split across up to this many GPUs of one invoker
+    (an LLM served as pipeline stages, as Dilu does); None: `PlacementConfig.llm_max_parts` for
+    `llm`, 1 (never split) for the other classes. Only strategies that split use it."""
 
     def __post_init__(self) -> None:
         # PlacedInstance validates id, shares, memory and width the same way.
         self.to_instance()
+        if self.max_parts is not None and self.max_parts < 1:
+            raise ValueError(f"max_parts must be >= 1, got {self.max_parts}")
+        if self.gpus > 1 and (self.max_parts or 1) > 1:
+            raise ValueError("a gang (gpus > 1) cannot also be split into parts")
+
+    def parts_allowed(self, config: PlacementConfig) -> int:
+        """How many GPUs this request's memory may be split across under `config`."""
+        if self.gpus > 1 or not config.strategy_spec().splits:
+            return 1
+        if self.max_parts is not None:
+            return self.max_parts
+        return config.llm_max_parts if self.cls is InstanceClass.LLM else 1
 
     def to_instance(self) -> PlacedInstance:
         return PlacedInstance(
@@ -179,6 +198,12 @@ def _f_exclusive(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
     return not g.instances
 
 
+def _f_priority_pair(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
+    if r.cls.latency_critical:
+        return g.n_latency == 0
+    return g.n_best_effort == 0
+
+
 FILTERS: dict[str, Filter] = {
     f.name: f
     for f in (
@@ -234,6 +259,15 @@ FILTERS: dict[str, Filter] = {
             _f_exclusive,
             lambda g, r, c: f"{g.ref} already holds {len(g.instances)} instance(s)",
             lambda r, c: -1.0,
+        ),
+        Filter(
+            "priority-pair",
+            "at most one latency-critical (production) and one best-effort (opportunistic) instance",
+            _f_priority_pair,
+            lambda g, r, c: (
+                f"{g.ref} already holds a "
+                f"{'latency-critical' if r.cls.latency_critical else 'best-effort'} instance"
+            ),
         ),
     )
 }
@@ -392,6 +426,8 @@ class Strategy:
     filters: tuple[str, ...]
     weights: tuple[tuple[str, float], ...]
     share_mode: ShareMode
+    splits: bool = False
+    """Whether it may split a one-GPU instance's memory across GPUs of one invoker (Dilu's LLMs)."""
 
     def __post_init__(self) -> None:
         for f in self.filters:
@@ -451,6 +487,7 @@ register_strategy(
             ("affinity", 1.0),
         ),
         ShareMode.DYNAMIC,
+        splits=True,
     )
 )
 register_strategy(
@@ -490,6 +527,17 @@ register_strategy(
         ShareMode.SPATIAL_REQUEST,
     )
 )
+register_strategy(
+    Strategy(
+        "tgs",
+        "TGS: one production (latency-critical) and one opportunistic (best-effort) instance per GPU, "
+        "memory; lit first, best fit on SM and memory; production runs unthrottled, opportunistic "
+        "takes what it leaves",
+        _BASE_FILTERS + ("priority-pair", "memory"),
+        (("lit", 10.0), ("fragmentation", 4.0)),
+        ShareMode.PRIORITY,
+    )
+)
 
 
 # -- configuration -------------------------------------------------------------------------------
@@ -518,6 +566,12 @@ class PlacementConfig:
     """Stop scoring once this many lit GPUs (or unlit invokers) passed the filters."""
     report_candidates: int = 3
     """How many of the best candidates a decision lists with their scores."""
+    llm_max_parts: int = 1
+    """Strategies that split (dilu) may split an `llm` instance's memory across up to this many
+    GPUs of one invoker when it would otherwise light a GPU. 1: never (the live default: the
+    action must be able to run as pipeline stages); Dilu's artifact splits within a node."""
+    min_part_mib: float = 2048.0
+    """The smallest piece of a split instance: a stage must hold at least a few layers."""
 
     def __post_init__(self) -> None:
         get_strategy(self.strategy)
@@ -541,6 +595,10 @@ class PlacementConfig:
             raise ValueError(
                 f"report_candidates must be >= 0, got {self.report_candidates}"
             )
+        if self.llm_max_parts < 1:
+            raise ValueError(f"llm_max_parts must be >= 1, got {self.llm_max_parts}")
+        if not (math.isfinite(self.min_part_mib) and self.min_part_mib > 0):
+            raise ValueError(f"min_part_mib must be > 0, got {self.min_part_mib!r}")
 
     def strategy_spec(self) -> Strategy:
         return get_strategy(self.strategy)
@@ -574,6 +632,19 @@ class Rejection:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacementPart:
+    """One piece of a split instance: the GPU and what is placed there (`instance.part_of` set)."""
+
+    gpu: GpuRef
+    instance: PlacedInstance
+
+
+def part_id(instance_id: str, index: int) -> str:
+    """The id placement gives piece `index` of a split instance."""
+    return f"{instance_id}#p{index}"
+
+
+@dataclass(frozen=True, slots=True)
 class PlacementDecision:
     instance_id: str
     strategy: str
@@ -589,10 +660,16 @@ class PlacementDecision:
     """The best few candidates, best first (the chosen one first)."""
     rejections: tuple[Rejection, ...] = ()
     """GPUs examined and rejected, counted by the first filter that failed."""
+    parts: tuple[PlacementPart, ...] = ()
+    """Non-empty when the instance's memory was split: one piece per GPU of `gpus` (same order)."""
 
     @property
     def placed(self) -> bool:
         return bool(self.gpus)
+
+    @property
+    def split(self) -> bool:
+        return bool(self.parts)
 
     @property
     def invoker(self) -> str | None:
@@ -602,11 +679,15 @@ class PlacementDecision:
 def apply_placement(
     cluster: ClusterSnapshot, request: PlacementRequest, decision: PlacementDecision
 ) -> ClusterSnapshot:
-    """The cluster after carrying out a successful decision."""
+    """The cluster after carrying out a successful decision (each piece of a split one placed)."""
     if not decision.placed:
         raise ValueError(
             f"cannot apply a failed placement of {decision.instance_id}: {decision.reason}"
         )
+    if decision.parts:
+        for part in decision.parts:
+            cluster = cluster.with_instance(part.instance, (part.gpu,))
+        return cluster
     return cluster.with_instance(request.to_instance(), decision.gpus)
 
 
@@ -785,9 +866,17 @@ def place(
     strategy = config.strategy_spec()
     filters = tuple(FILTERS[name] for name in strategy.filters)
     scorers = config.scorer_weights()
-    if request.gpus == 1:
-        return _place_one(cluster, request, config, strategy, filters, scorers)
-    return _place_gang(cluster, request, config, strategy, filters, scorers)
+    if request.gpus > 1:
+        return _place_gang(cluster, request, config, strategy, filters, scorers)
+    decision = _place_one(cluster, request, config, strategy, filters, scorers)
+    max_parts = request.parts_allowed(config)
+    if max_parts > 1 and (not decision.placed or decision.lights):
+        # Dilu's tiers for an LLM: whole on a lit GPU, else split over lit GPUs of one invoker,
+        # else whole on a new GPU.
+        split = _place_split(cluster, request, config, strategy, filters, max_parts)
+        if split is not None:
+            return split
+    return decision
 
 
 # Candidates are ranked by (total, lit, -ordinal): best score, then an already-lit GPU, then the
@@ -933,3 +1022,143 @@ def _place_gang(
 def describe_strategies() -> Mapping[str, str]:
     """Name → one-line description of every registered strategy (for `--help` and docs)."""
     return {name: s.description for name, s in sorted(STRATEGIES.items())}
+
+
+# -- splitting one instance's memory across GPUs of one invoker ----------------------------------
+
+
+def _part_capacity(
+    g: GpuState, request: PlacementRequest, config: PlacementConfig, filters: tuple[Filter, ...]
+) -> float:
+    """The most memory (MiB) of `request` one piece on `g` may take, given that a piece's request
+    and limit are the instance's scaled by its share of the memory."""
+    total = request.memory_mib
+    cap = g.memory_mib * (1.0 + EPS) - g.used_memory
+    names = {f.name for f in filters}
+    if "sm-request" in names and request.request > 0:
+        cap = min(cap, (config.omega + EPS - g.used_request) / request.request * total)
+    if "sm-limit" in names and request.limit > 0:
+        cap = min(cap, (config.gamma + EPS - g.used_limit) / request.limit * total)
+    if "sm-limit-static" in names and request.limit > 0:
+        cap = min(cap, (1.0 + EPS - g.used_limit) / request.limit * total)
+    return cap
+
+
+def _part_request(request: PlacementRequest, memory_mib: float, index: int) -> PlacementRequest:
+    f = memory_mib / request.memory_mib
+    return PlacementRequest(
+        instance_id=part_id(request.instance_id, index),
+        function=request.function,
+        cls=request.cls,
+        request=min(request.request, request.request * f),
+        limit=min(request.limit, request.limit * f),
+        memory_mib=memory_mib,
+        profile=request.profile,
+        affinity=request.affinity,
+        avoid_gpus=request.avoid_gpus,
+        avoid_invokers=request.avoid_invokers,
+        max_parts=1,
+    )
+
+
+def _place_split(
+    cluster: ClusterSnapshot,
+    request: PlacementRequest,
+    config: PlacementConfig,
+    strategy: Strategy,
+    filters: tuple[Filter, ...],
+    max_parts: int,
+) -> PlacementDecision | None:
+    """Split the instance's memory over 2..max_parts lit GPUs of one invoker, never lighting one.
+
+    Each piece's request and limit are the instance's scaled by the piece's share of the memory,
+    so Σ request, Σ limit and Σ memory over the pieces equal the instance's (nothing is reserved
+    twice); pipeline stages keep the instance's throughput, while one request passes the stages one
+    after another. Per invoker the GPUs that can take the largest pieces are used first (fewest
+    pieces); the invoker needing the fewest pieces wins, then the one leaving the least room unused
+    on the GPUs it uses, then cluster order.
+    """
+    total = request.memory_mib
+    if total <= 0:
+        return None
+    min_part = min(config.min_part_mib, total)
+    gpus = cluster.gpus
+    by_invoker: dict[str, list[tuple[float, int]]] = {}
+    for bucket in cluster.lit_buckets:
+        for o in bucket:
+            g = gpus[o]
+            if g.memory_mib - g.used_memory < min_part:
+                continue
+            cap = _part_capacity(g, request, config, filters)
+            if cap >= min_part:
+                by_invoker.setdefault(g.ref.invoker, []).append((cap, o))
+    best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
+    for rank, inv in enumerate(cluster.invokers):
+        cands = by_invoker.get(inv)
+        if not cands or len(cands) < 2 or sum(min(c, total) for c, _ in cands) < total - EPS:
+            continue
+        cands.sort(key=lambda c: (-c[0], c[1]))
+        remaining = total
+        plan: list[tuple[int, float]] = []
+        unused = 0.0
+        for cap, o in cands[:max_parts]:
+            take = min(cap, remaining)
+            left = remaining - take
+            if 0 < left < min_part:
+                # Leave a last piece that is not too small to be a stage.
+                take = remaining - min_part
+                if take < min_part:
+                    continue
+            g = gpus[o]
+            piece = _part_request(request, take, len(plan))
+            if _first_failure(g, filters, piece, config) is not None:
+                continue
+            plan.append((o, take))
+            unused += cap - take
+            remaining -= take
+            if remaining <= EPS:
+                break
+        if remaining > EPS or len(plan) < 2:
+            continue
+        key = (len(plan), unused, rank)
+        if best is None or key < best[0]:
+            best = (key, plan)
+    if best is None:
+        return None
+    parts = []
+    for k, (o, mem) in enumerate(best[1]):
+        piece = _part_request(request, mem, k)
+        inst = piece.to_instance()
+        parts.append(
+            PlacementPart(
+                gpu=cluster.refs[o],
+                instance=PlacedInstance(
+                    id=inst.id,
+                    function=inst.function,
+                    cls=inst.cls,
+                    request=inst.request,
+                    limit=inst.limit,
+                    memory_mib=inst.memory_mib,
+                    profile=inst.profile,
+                    part_of=request.instance_id,
+                ),
+            )
+        )
+    where = ", ".join(
+        f"{p.gpu} ({p.instance.memory_mib / 1024:.1f} GiB, {p.instance.request:.2f}/{p.instance.limit:.2f} SM)"
+        for p in parts
+    )
+    return PlacementDecision(
+        instance_id=request.instance_id,
+        strategy=strategy.name,
+        gpus=tuple(p.gpu for p in parts),
+        share_mode=strategy.share_mode,
+        static_share=strategy.share_mode.static_share(SharePair(request.request, request.limit)),
+        lights=0,
+        total=0.0,
+        reason=(
+            f"{strategy.name}: {request.instance_id} split over {len(parts)} lit GPUs of "
+            f"{parts[0].gpu.invoker} instead of lighting one: {where}"
+        ),
+        parts=tuple(parts),
+    )

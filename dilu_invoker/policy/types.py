@@ -113,10 +113,15 @@ class PlacedInstance:
     memory_mib: float
     gpus: int = 1
     profile: Profile | None = None
+    part_of: str | None = None
+    """Set on each piece of an instance whose memory placement split across GPUs of one invoker
+    (an LLM's pipeline stages): the id of the whole instance. None for an ordinary instance."""
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("instance id must not be empty")
+        if self.part_of is not None and (not self.part_of or self.gpus != 1):
+            raise ValueError(f"part {self.id} must name its instance and occupy one GPU")
         SharePair(self.request, self.limit)
         if not (math.isfinite(self.memory_mib) and self.memory_mib >= 0):
             raise ValueError(f"memory_mib must be >= 0, got {self.memory_mib!r}")

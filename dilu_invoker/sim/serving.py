@@ -1,0 +1,1014 @@
+"""Serving simulation: a request-level discrete-event simulation of functions on a GPU cluster.
+
+The decisions are the live ones, imported: placement (`place` with each policy's strategy),
+horizontal scaling (`decide_scale`, every policy, once per second per function) and, for `dilu`,
+the vertical share policy (`decide_shares`). The simulator supplies time and a performance model
+(docs/simulator.md, "Performance model"):
+
+* A function's instance serves batches of up to its profiled batch size from one FIFO queue per
+  function (join-the-idle-queue routing). A batch of b at effective SM share s takes the profile's
+  latency L(s, b); its progress is tracked as a fraction, so a change of share mid-batch stretches or
+  shrinks the rest of it (processor sharing).
+* Spatial sharing (`dilu`, `mps-static`): a busy instance runs at its cap, of which it can use
+  u = min(cap, sat(b)), where sat(b) is the smallest share within 1% of the batch's full-GPU speed (a
+  batch of 1 cannot fill an H200). When Σu > 1 on a GPU, every busy instance runs at u/Σu
+  (proportional sharing of SM time).
+  Co-location costs a slowdown of 1 + κ·(Σ of the other busy instances' effective shares), κ =
+  `interference` (memory bandwidth and caches are shared even when SMs are not).
+* Temporal sharing (`static-quota`): time slices, no concurrency: an instance runs at full-GPU
+  speed for its quota (its limit) of the time, so a batch takes L(1, b) / limit, busy or not its
+  neighbours (a fixed quota is not work-conserving).
+* Priority (`tgs`): the production (latency-critical) instance runs at full-GPU speed, slowed by
+  `tgs_production_slowdown` while the opportunistic one runs; the opportunistic (training) instance
+  gets `tgs_opportunistic_share` of full speed while production has a batch in flight, all of it
+  otherwise (TGS's rate control keeps production within a few percent of its solo speed).
+* `exclusive`: one instance per GPU at full speed, no interference.
+* Training jobs are fluid: samples accrue at the profile's throughput for their effective share;
+  a training instance is always busy while it runs.
+* Cold start: an instance occupies its GPU (lit, reserved) from the decision and serves after
+  `cold_start_s`. Requests that wait longer than `timeout_s` are dropped (an SLO violation).
+
+Vertical re-decisions are event-driven, not every 50 ms: a GPU's shares are recomputed when its set
+of instances changes, when an idle latency-critical instance becomes active (at most once per 50 ms),
+and every `vertical_period_s` while the GPU holds both latency-critical and best-effort instances or
+has cut a latency-critical instance below its limit. A GPU without best-effort instances has no
+feedback state that matters (the policy's output is a function of which instances are active), so its
+decisions are memoised per active set.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dilu_invoker.policy import (
+    ClusterSnapshot,
+    FunctionLoad,
+    HorizontalConfig,
+    HorizontalState,
+    PlacementConfig,
+    PlacementRequest,
+    ScaleAction,
+    VerticalConfig,
+    VerticalInstance,
+    VerticalSnapshot,
+    VerticalState,
+    apply_placement,
+    cluster_fragmentation,
+    decide_scale,
+    decide_shares,
+    place,
+)
+from dilu_invoker.sim.events import GIB
+from dilu_invoker.sim.profiles import FunctionProfile, ProfileSet
+from dilu_invoker.sim.traces import ServingTrace, arrivals
+
+SERVING_POLICIES: tuple[str, ...] = ("exclusive", "mps-static", "static-quota", "tgs", "dilu")
+
+#: Serving policy -> (placement strategy, how shares run).
+POLICY_SPEC: dict[str, tuple[str, str]] = {
+    "exclusive": ("exclusive", "exclusive"),
+    "mps-static": ("infless-r", "spatial"),
+    "static-quota": ("infless-l", "temporal"),
+    "tgs": ("tgs", "priority"),
+    "dilu": ("dilu", "dynamic"),
+}
+
+SERVING_TIMESERIES_COLUMNS: tuple[str, ...] = (
+    "t",
+    "lit_gpus",
+    "instances",
+    "arrivals",
+    "completed",
+    "violations",
+    "violation_rate",
+    "sm_fragmentation",
+    "mem_fragmentation",
+    "training_samples_per_s",
+)
+
+SUMMARY_KEYS: tuple[str, ...] = (
+    "policy",
+    "requests",
+    "completed",
+    "dropped",
+    "throughput",
+    "throughput_per_gpu",
+    "slo_violation_rate",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "cold_starts",
+    "gpus_peak",
+    "gpu_seconds",
+    "sm_fragmentation_mean",
+    "mem_fragmentation_mean",
+    "training_samples",
+    "training_samples_per_s",
+)
+
+_SHARE_STEPS = 100  # speed tables on a 0.01 share grid
+_ACTIVATION_DEBOUNCE_S = 0.05  # the live manager's period
+_SATURATED_BUSY = 0.9  # busy this fraction of a tick: no headroom left (for `instances_at_limit`)
+
+# event kinds (ordered only by time and sequence)
+_DONE, _ARRIVE, _READY, _TICK, _VERTICAL, _TRAIN_START, _TRAIN_END = range(7)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServingSimConfig:
+    policy: str
+    gpus: int
+    gpus_per_node: int = 4
+    gpu_memory_gib: float = 80.0
+    cold_start_s: float = 5.0
+    timeout_s: float = 30.0
+    interference: float = 0.1
+    vertical_period_s: float = 0.5
+    sample_every_s: float = 60.0
+    seed: int = 1
+    gamma: float = 1.5
+    tgs_opportunistic_share: float = 0.05
+    tgs_production_slowdown: float = 0.03
+    horizontal: HorizontalConfig = field(default_factory=HorizontalConfig)
+    vertical: VerticalConfig = field(default_factory=VerticalConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_SPEC:
+            raise ValueError(f"unknown serving policy {self.policy!r}; known: {list(SERVING_POLICIES)}")
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError("need at least one GPU and one GPU per node")
+        for name in ("gpu_memory_gib", "timeout_s", "vertical_period_s", "sample_every_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        for name in ("cold_start_s", "interference"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be >= 0, got {v!r}")
+        if not 0 <= self.tgs_opportunistic_share <= 1 or not 0 <= self.tgs_production_slowdown < 1:
+            raise ValueError("tgs shares must be fractions")
+
+
+@dataclass(frozen=True, slots=True)
+class ServingResult:
+    summary: dict[str, Any]
+    functions: dict[str, Any]
+    """Per function: requests, completed, violations, p50/p99, instances started, profile."""
+    samples: list[tuple[float, ...]]
+    details: dict[str, Any]
+
+
+# -- runtime objects (plain slotted classes: this is the hot path) ---------------------------------
+
+
+class _Fn:
+    __slots__ = (
+        "active",
+        "arr",
+        "batch",
+        "blocked_until",
+        "capacity",
+        "cls",
+        "completed",
+        "dropped",
+        "head",
+        "hstate",
+        "idle",
+        "instances",
+        "lat",
+        "limit",
+        "memory_mib",
+        "n",
+        "name",
+        "norm",
+        "prof",
+        "request",
+        "sat",
+        "slo_ms",
+        "speed",
+        "started",
+        "starting",
+        "violations",
+        "wake",
+    )  # fmt: skip
+
+    def __init__(self, name: str, prof: FunctionProfile, slo_ms: float | None, arr: np.ndarray) -> None:
+        self.name = name
+        self.prof = prof
+        self.slo_ms = slo_ms
+        rec = prof.recommended
+        self.batch = rec.batch
+        self.request = rec.request
+        self.limit = rec.limit
+        self.memory_mib = prof.memory_mib
+        self.cls = prof.cls
+        self.arr = arr
+        self.n = len(arr)
+        self.head = 0
+        self.lat = np.full(self.n, np.nan, dtype=np.float32)
+        # speed[b][k]: batches per second of a batch of b at share k/100; sat[b]: useful share.
+        self.speed: list[list[float]] = [[0.0]]
+        self.sat: list[float] = [1.0]
+        for b in range(1, self.batch + 1):
+            row = [0.0] + [1000.0 / prof.latency_ms(k / _SHARE_STEPS, b) for k in range(1, _SHARE_STEPS + 1)]
+            self.speed.append(row)
+            self.sat.append(prof.saturation_share(b, within=0.01))
+        # The policy normalises cycles of b requests to cycles of one (see _Gpu cycles).
+        self.norm = [0.0] + [self.speed[b][_SHARE_STEPS] / self.speed[1][_SHARE_STEPS] for b in range(1, self.batch + 1)]
+        self.capacity = 0.0
+        self.instances: list[_Inst] = []
+        self.idle: list[_Inst] = []
+        self.starting = 0
+        self.hstate = HorizontalState()
+        self.wake = False
+        self.active = False
+        self.started = 0
+        self.violations = 0
+        self.completed = 0
+        self.dropped = 0
+        self.blocked_until = -math.inf
+
+
+class _Inst:
+    __slots__ = (
+        "a",
+        "b",
+        "busy_acc",
+        "busy_since",
+        "cap",
+        "cls",
+        "cycles",
+        "fn",
+        "gpu",
+        "id",
+        "last_end",
+        "limit",
+        "rate",
+        "ready_at",
+        "request",
+        "samples",
+        "share_eff",
+        "start_t",
+        "state",
+        "t_rate",
+        "tb",
+        "training",
+        "version",
+        "work",
+    )  # fmt: skip
+
+    def __init__(self, iid: str, fn: _Fn, gpu: _Gpu, cap: float, training: bool) -> None:
+        self.id = iid
+        self.fn = fn
+        self.gpu = gpu
+        self.cls = fn.cls
+        self.request = fn.request
+        self.limit = fn.limit
+        self.cap = cap
+        self.state = "starting"
+        self.training = training
+        self.a = 0  # first request index of the batch in flight
+        self.b = 0  # its size (0: idle)
+        self.work = 0.0  # fraction of the batch done
+        self.rate = 0.0  # batches (training: samples) per second now
+        self.t_rate = 0.0  # when `rate` took effect
+        self.version = 0
+        self.start_t = 0.0
+        self.last_end = -math.inf
+        self.busy_acc = 0.0
+        self.busy_since = 0.0
+        self.cycles: list[float] = []
+        self.share_eff = 0.0
+        self.samples = 0.0
+        self.tb = fn.batch
+        self.ready_at = 0.0
+
+
+class _Gpu:
+    __slots__ = ("busy", "insts", "last_v", "memo", "n_be", "name", "ordinal", "v_pending", "v_periodic", "vstate")
+
+    def __init__(self, ordinal: int, name: str) -> None:
+        self.ordinal = ordinal
+        self.name = name
+        self.insts: list[_Inst] = []
+        self.busy: list[_Inst] = []
+        self.vstate = VerticalState()
+        self.memo: dict[tuple[str, ...], dict[str, float]] = {}
+        self.last_v = -math.inf
+        self.v_pending = False
+        self.v_periodic = False
+        self.n_be = 0
+
+
+# -- the simulation ------------------------------------------------------------------------------
+
+
+class _Sim:
+    def __init__(self, trace: ServingTrace, profiles: ProfileSet, config: ServingSimConfig) -> None:
+        self.cfg = config
+        self.trace = trace
+        strategy, self.mode = POLICY_SPEC[config.policy]
+        self.pconf = PlacementConfig(strategy=strategy, gamma=config.gamma)
+        nodes = math.ceil(config.gpus / config.gpus_per_node)
+        names = [f"node{i:03d}" for i in range(nodes)]
+        cluster = ClusterSnapshot.uniform(
+            invokers=names, gpus_per_invoker=config.gpus_per_node, memory_mib=config.gpu_memory_gib * GIB
+        )
+        if len(cluster) > config.gpus:
+            # A last, partial node: mark the GPUs beyond the requested count as draining.
+            for ref in cluster.refs[config.gpus :]:
+                cluster = cluster.with_schedulable(ref, False)
+        self.cluster = cluster
+        self.gpus = [_Gpu(i, str(ref)) for i, ref in enumerate(cluster.refs)]
+        rng = np.random.default_rng(config.seed)
+        self.fns: list[_Fn] = []
+        for ft in trace.functions:
+            prof = profiles[ft.profile]
+            fn = _Fn(ft.name, prof, ft.slo_ms if ft.slo_ms is not None else prof.slo_ms, arrivals(ft, rng))
+            fn.capacity = self._capacity(fn)
+            self.fns.append(fn)
+        self.jobs = []
+        for job in trace.jobs:
+            prof = profiles[job.profile]
+            fn = _Fn(job.name, prof, None, np.empty(0))
+            self.jobs.append((job, fn))
+        self.heap: list[tuple[float, int, int, Any, int]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.inst_seq = 0
+        self.active_fns: set[_Fn] = set()
+        self.pending_jobs: list[tuple[Any, _Fn]] = []
+        self.running_jobs: dict[str, _Inst] = {}
+        self.cold_starts = 0
+        self.placement_failures = 0
+        self.vertical_calls = 0
+        self.vertical_memo_hits = 0
+        # accounting
+        self.t_acct = 0.0
+        self.lit_area = 0.0
+        self.sm_area = 0.0
+        self.mem_area = 0.0
+        self.frag_time = 0.0
+        self.peak = 0
+        self.frag = cluster_fragmentation(cluster)
+        self.samples: list[tuple[float, ...]] = []
+        self.win = [0, 0, 0, 0.0]  # arrivals, completed, violations, training samples in this interval
+        self.training_samples = 0.0
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _capacity(self, fn: _Fn) -> float:
+        """Requests/s one instance sustains at the share this policy runs it at (for scaling)."""
+        b = fn.batch
+        if self.mode in ("exclusive", "priority"):
+            return fn.prof.throughput_rps(1.0, b)
+        if self.mode == "temporal":
+            return fn.prof.throughput_rps(1.0, b) * fn.limit
+        if self.mode == "spatial":
+            return fn.prof.throughput_rps(fn.request, b)
+        return fn.prof.throughput_rps(fn.limit, b)
+
+    def _static_cap(self, fn: _Fn) -> float:
+        if self.mode in ("exclusive", "priority"):
+            return 1.0
+        if self.mode == "temporal":
+            return fn.limit
+        if self.mode == "spatial":
+            return fn.request
+        # dilu: an idle latency-critical instance stands at its limit; training starts at its request.
+        return fn.limit if fn.cls.latency_critical else fn.request
+
+    def push(self, t: float, kind: int, obj: Any, version: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, obj, version))
+
+    def _account(self) -> None:
+        dt = self.now - self.t_acct
+        if dt > 0:
+            end = min(self.now, self.trace.duration_s)
+            span = max(0.0, end - self.t_acct)
+            lit = self.cluster.lit_count
+            self.lit_area += span * lit
+            if lit:
+                self.sm_area += span * self.frag.sm_mean
+                self.mem_area += span * self.frag.memory_mean
+                self.frag_time += span
+            self.t_acct = self.now
+
+    def _cluster_changed(self) -> None:
+        self.frag = cluster_fragmentation(self.cluster)
+        self.peak = max(self.peak, self.cluster.lit_count)
+
+    # -- speeds -------------------------------------------------------------------------------
+
+    def _speed(self, fn: _Fn, b: int, share: float) -> float:
+        b = min(b, fn.batch)
+        x = share * _SHARE_STEPS
+        if x >= _SHARE_STEPS:
+            return fn.speed[b][_SHARE_STEPS]
+        if x <= 0:
+            return 0.0
+        i = int(x)
+        w = x - i
+        row = fn.speed[b]
+        if i == 0:
+            return row[1] * w
+        return row[i] * (1 - w) + row[i + 1] * w
+
+    def _refresh(self, g: _Gpu) -> None:
+        """Re-derive every busy instance's speed on `g` and reschedule its completion."""
+        now = self.now
+        busy = g.busy
+        if not busy:
+            return
+        mode = self.mode
+        kappa = self.cfg.interference
+        rates: list[float] = []
+        if mode == "exclusive":
+            for inst in busy:
+                rates.append(self._speed(inst.fn, inst.b, 1.0))
+                inst.share_eff = 1.0
+        elif mode == "temporal":
+            for inst in busy:
+                rates.append(self._speed(inst.fn, inst.b, 1.0) * inst.cap)
+                inst.share_eff = inst.cap
+        elif mode == "priority":
+            prod = any(i.cls.latency_critical for i in busy)
+            opp = any(not i.cls.latency_critical for i in busy)
+            for inst in busy:
+                r = self._speed(inst.fn, inst.b, 1.0)
+                if inst.cls.latency_critical:
+                    if opp:
+                        r *= 1.0 - self.cfg.tgs_production_slowdown
+                    inst.share_eff = 1.0
+                elif prod:
+                    r *= self.cfg.tgs_opportunistic_share
+                    inst.share_eff = self.cfg.tgs_opportunistic_share
+                else:
+                    inst.share_eff = 1.0
+                rates.append(r)
+        else:
+            # What each busy batch can use of its cap; when that oversubscribes the GPU, SM time is
+            # divided in proportion to it. Otherwise each runs at its cap.
+            useful = [min(inst.cap, inst.fn.sat[inst.b]) for inst in busy]
+            total = sum(useful)
+            scale = 1.0 / total if total > 1.0 else 1.0
+            used_total = total * scale
+            for inst, u in zip(busy, useful, strict=True):
+                used = u * scale
+                s = used if scale < 1.0 else inst.cap
+                inst.share_eff = used
+                r = self._speed(inst.fn, inst.b, s)
+                if kappa and len(busy) > 1:
+                    r /= 1.0 + kappa * (used_total - used)
+                rates.append(r)
+        for inst, r in zip(busy, rates, strict=True):
+            if inst.training:
+                if inst.rate:
+                    inst.samples += (now - inst.t_rate) * inst.rate
+                inst.rate = r * inst.b  # samples per second (b = training batch)
+                inst.t_rate = now
+                continue
+            if inst.rate:
+                inst.work += (now - inst.t_rate) * inst.rate
+            inst.rate = r
+            inst.t_rate = now
+            inst.version += 1
+            left = max(0.0, 1.0 - inst.work)
+            self.push(now + (left / r if r > 0 else 1e9), _DONE, inst, inst.version)
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def _available(self, fn: _Fn) -> int:
+        """Requests that have arrived and wait, after dropping those past the timeout."""
+        now = self.now
+        arr = fn.arr
+        head = fn.head
+        if head >= fn.n or arr[head] > now:
+            return 0
+        cutoff = now - self.cfg.timeout_s
+        if arr[head] < cutoff:
+            new_head = int(arr.searchsorted(cutoff, "left"))
+            dropped = new_head - head
+            fn.dropped += dropped
+            fn.violations += dropped
+            self.win[2] += dropped
+            fn.head = head = new_head
+        return int(arr.searchsorted(now, "right")) - head
+
+    def _start_batch(self, inst: _Inst, k: int) -> None:
+        fn = inst.fn
+        g = inst.gpu
+        inst.a = fn.head
+        inst.b = k
+        fn.head += k
+        inst.work = 0.0
+        inst.rate = 0.0
+        inst.start_t = self.now
+        inst.busy_since = self.now
+        was_active = inst.state == "busy" or (self.now - inst.last_end) <= self.cfg.vertical.idle_after_s
+        inst.state = "busy"
+        g.busy.append(inst)
+        if self.mode == "dynamic" and not was_active:
+            self._vertical_soon(g)
+        self._refresh(g)
+
+    def _dispatch(self, fn: _Fn) -> None:
+        """Give waiting requests to idle instances; wake up again at the next arrival if needed."""
+        while fn.idle:
+            avail = self._available(fn)
+            if avail <= 0:
+                break
+            inst = fn.idle.pop()
+            self._start_batch(inst, min(avail, fn.batch))
+        self._schedule_wake(fn)
+
+    def _schedule_wake(self, fn: _Fn) -> None:
+        if fn.wake or fn.head >= fn.n:
+            return
+        if fn.idle or not fn.instances:
+            nxt = float(fn.arr[fn.head])
+            if nxt <= self.now:
+                if not fn.instances:
+                    self._activate(fn)
+                return
+            fn.wake = True
+            self.push(nxt, _ARRIVE, fn)
+
+    def _activate(self, fn: _Fn) -> None:
+        if not fn.active:
+            fn.active = True
+            self.active_fns.add(fn)
+
+    def _on_done(self, inst: _Inst) -> None:
+        fn = inst.fn
+        g = inst.gpu
+        now = self.now
+        a, b = inst.a, inst.b
+        if b == 1:
+            lat_ms = (now - fn.arr[a]) * 1000.0
+            fn.lat[a] = lat_ms
+            viol = 1 if (fn.slo_ms is not None and lat_ms > fn.slo_ms) else 0
+        else:
+            lat = (now - fn.arr[a : a + b]) * 1000.0
+            fn.lat[a : a + b] = lat
+            viol = int(np.count_nonzero(lat > fn.slo_ms)) if fn.slo_ms is not None else 0
+        fn.completed += b
+        fn.violations += viol
+        self.win[1] += b
+        self.win[2] += viol
+        # One completed batch is one kernel-launch cycle; scaled to a batch of one so the policy
+        # compares like with like (its minimum must not be set by batch size).
+        if self.mode == "dynamic" and g.n_be:
+            inst.cycles.append((now - inst.start_t) / fn.norm[b])
+        inst.busy_acc += now - inst.busy_since
+        inst.last_end = now
+        inst.b = 0
+        inst.rate = 0.0
+        g.busy.remove(inst)
+        if inst.state == "stopping":
+            self._remove(inst)
+            self._refresh(g)
+            return
+        avail = self._available(fn)
+        if avail > 0:
+            inst.state = "idle"  # _start_batch marks it busy again, keeping it active
+            inst.last_end = now
+            self._start_batch(inst, min(avail, fn.batch))
+            return
+        inst.state = "idle"
+        fn.idle.append(inst)
+        self._refresh(g)
+        self._schedule_wake(fn)
+
+    # -- instances ----------------------------------------------------------------------------
+
+    def _new_instance(self, fn: _Fn, training: bool = False) -> _Inst | None:
+        self.inst_seq += 1
+        iid = f"{fn.name}.{self.inst_seq}"
+        req = PlacementRequest(
+            instance_id=iid,
+            function=fn.name,
+            cls=fn.cls,
+            request=fn.request,
+            limit=fn.limit,
+            memory_mib=fn.memory_mib,
+        )
+        d = place(self.cluster.at(self.now), req, self.pconf)
+        if not d.placed:
+            self.placement_failures += 1
+            return None
+        self._account()
+        self.cluster = apply_placement(self.cluster, req, d)
+        self._cluster_changed()
+        g = self.gpus[self.cluster.ordinals[d.gpus[0]]]
+        inst = _Inst(iid, fn, g, self._static_cap(fn), training)
+        g.insts.append(inst)
+        if not fn.cls.latency_critical:
+            g.n_be += 1
+        fn.instances.append(inst)
+        fn.starting += 1
+        fn.started += 1
+        self.cold_starts += 1
+        inst.ready_at = self.now + self.cfg.cold_start_s
+        self.push(inst.ready_at, _READY, inst)
+        g.memo.clear()
+        if self.mode == "dynamic":
+            self._vertical_now(g)
+        return inst
+
+    def _remove(self, inst: _Inst) -> None:
+        fn = inst.fn
+        g = inst.gpu
+        if inst.state == "starting":
+            fn.starting -= 1
+        if inst in fn.idle:
+            fn.idle.remove(inst)
+        fn.instances.remove(inst)
+        g.insts.remove(inst)
+        if inst in g.busy:
+            g.busy.remove(inst)
+        if not fn.cls.latency_critical:
+            g.n_be -= 1
+        inst.state = "gone"
+        inst.version += 1
+        self._account()
+        self.cluster = self.cluster.without_instance(inst.id)
+        self._cluster_changed()
+        g.memo.clear()
+        if self.mode == "dynamic":
+            self._vertical_now(g)
+
+    def _on_ready(self, inst: _Inst) -> None:
+        if inst.state != "starting":
+            return
+        fn = inst.fn
+        fn.starting -= 1
+        if inst.training:
+            inst.state = "busy"
+            inst.b = inst.tb
+            inst.t_rate = self.now
+            inst.gpu.busy.append(inst)
+            if self.mode == "dynamic":
+                self._vertical_now(inst.gpu)
+            self._refresh(inst.gpu)
+            return
+        inst.state = "idle"
+        fn.idle.append(inst)
+        self._dispatch(fn)
+
+    def _scale_in(self, fn: _Fn, count: int) -> None:
+        for _ in range(count):
+            # Prefer an idle instance on the emptiest GPU (it may turn the GPU off), then one still
+            # starting, then a busy one (it finishes its batch first).
+            cands = [i for i in fn.instances if i.state == "idle"]
+            if cands:
+                victim = min(cands, key=lambda i: (self.cluster.gpus[i.gpu.ordinal].used_request, i.id))
+                self._remove(victim)
+                continue
+            cands = [i for i in fn.instances if i.state == "starting"]
+            if cands:
+                self._remove(cands[-1])
+                continue
+            cands = [i for i in fn.instances if i.state == "busy"]
+            if cands:
+                cands[-1].state = "stopping"
+
+    # -- the vertical policy (dilu) -----------------------------------------------------------
+
+    def _vertical_soon(self, g: _Gpu) -> None:
+        if g.v_pending:
+            return
+        when = max(self.now, g.last_v + _ACTIVATION_DEBOUNCE_S)
+        if when <= self.now:
+            self._vertical_now(g)
+        else:
+            g.v_pending = True
+            self.push(when, _VERTICAL, g)
+
+    def _vertical_now(self, g: _Gpu) -> None:
+        g.last_v = self.now
+        if not g.insts:
+            return
+        now = self.now
+        idle_after = self.cfg.vertical.idle_after_s
+        if g.n_be == 0:
+            key = tuple(
+                sorted(
+                    i.id
+                    for i in g.insts
+                    if i.state == "busy" or (i.state != "starting" and now - i.last_end <= idle_after)
+                )
+            )
+            shares = g.memo.get(key)
+            if shares is None:
+                shares = self._decide(g, VerticalState())[0]
+                g.memo[key] = shares
+            else:
+                self.vertical_memo_hits += 1
+        else:
+            shares, g.vstate = self._decide(g, g.vstate)
+        changed = False
+        cut = False
+        for inst in g.insts:
+            s = shares.get(inst.id)
+            if s is None:
+                continue
+            if abs(s - inst.cap) > 1e-9:
+                inst.cap = s
+                changed = True
+            if inst.cls.latency_critical and s < inst.limit - 1e-9:
+                cut = True
+        if changed:
+            self._refresh(g)
+        want_periodic = g.n_be > 0 and len(g.insts) > g.n_be or cut
+        if want_periodic and not g.v_periodic:
+            g.v_periodic = True
+            self.push(now + self.cfg.vertical_period_s, _VERTICAL, g, 1)
+        elif not want_periodic:
+            g.v_periodic = False
+
+    def _decide(self, g: _Gpu, state: VerticalState) -> tuple[dict[str, float], VerticalState]:
+        now = self.now
+        vis = []
+        for inst in g.insts:
+            busy = inst.state == "busy"
+            last = now if busy else (inst.last_end if inst.last_end > -math.inf else None)
+            if inst.state == "starting":
+                last = None
+            vis.append(
+                VerticalInstance(
+                    id=inst.id,
+                    cls=inst.cls,
+                    request=inst.request,
+                    limit=inst.limit,
+                    blocks=1 if busy else 0,
+                    last_active_at=last,
+                    cycles_s=tuple(inst.cycles[-16:]),
+                    share=inst.cap,
+                )
+            )
+            inst.cycles.clear()
+        d = decide_shares(
+            VerticalSnapshot(now=now, instances=tuple(vis), period_s=self.cfg.vertical_period_s, gpu=g.name),
+            state,
+            self.cfg.vertical,
+        )
+        self.vertical_calls += 1
+        return {s.id: s.share for s in d.shares}, d.state
+
+    # -- horizontal scaling (every policy) ----------------------------------------------------
+
+    def _tick(self) -> None:
+        now = self.now
+        hconf = self.cfg.horizontal
+        for fn in sorted(self.active_fns, key=lambda f: f.name):
+            avail = self._available(fn)
+            arr = fn.arr
+            lo = int(arr.searchsorted(now - 1.0, "right"))
+            hi = int(arr.searchsorted(now, "right"))
+            ready = 0
+            at_limit = 0
+            in_flight = 0
+            stopping = 0
+            for inst in fn.instances:
+                st = inst.state
+                if st == "starting":
+                    continue
+                if st == "stopping":
+                    stopping += 1
+                    continue
+                ready += 1
+                busy = inst.busy_acc + (now - inst.busy_since if st == "busy" else 0.0)
+                if busy >= _SATURATED_BUSY * hconf.sample_period_s:
+                    at_limit += 1
+                inst.busy_acc = 0.0
+                if st == "busy":
+                    inst.busy_since = now
+                    in_flight += inst.b
+            delay = (now - float(arr[fn.head])) * 1000.0 if avail > 0 else 0.0
+            load = FunctionLoad(
+                function=fn.name,
+                now=now,
+                instances=ready,
+                starting=fn.starting,
+                stopping=stopping,
+                arrival_rate=float(hi - lo),
+                capacity_per_instance=fn.capacity if fn.capacity > 0 else None,
+                waiting=max(0, avail),
+                in_flight=in_flight,
+                queue_delay_ms=delay,
+                slo_ms=fn.slo_ms,
+                instances_at_limit=at_limit,
+            )
+            d = decide_scale(load, fn.hstate, hconf)
+            fn.hstate = d.state
+            if d.action is ScaleAction.OUT and now >= fn.blocked_until:
+                for _ in range(d.desired - d.current):
+                    if self._new_instance(fn) is None:
+                        # No GPU fits: as the live balancer, retry after the cooldown.
+                        fn.blocked_until = now + hconf.cooldown_s
+                        break
+            elif d.action is ScaleAction.IN:
+                self._scale_in(fn, d.current - d.desired)
+            if not fn.instances and avail <= 0 and fn.starting == 0:
+                fn.active = False
+                self.active_fns.discard(fn)
+                fn.hstate = HorizontalState()
+                self._schedule_wake(fn)
+        # Training jobs waiting for a GPU retry every tick.
+        if self.pending_jobs:
+            still: list[tuple[Any, _Fn]] = []
+            for job, fn in self.pending_jobs:
+                if job.end_s <= now:
+                    continue
+                started = self._new_instance(fn, training=True)
+                if started is None:
+                    still.append((job, fn))
+                else:
+                    self.running_jobs[job.name] = started
+            self.pending_jobs = still
+
+    def _sample(self) -> None:
+        arrivals_n, completed, violations, _ = self.win
+        train_now = self.training_samples + sum(
+            i.samples + (self.now - i.t_rate) * i.rate for i in self.running_jobs.values() if i.state == "busy"
+        )
+        prev_train = self.win[3]
+        dt = self.cfg.sample_every_s
+        self.samples.append(
+            (
+                self.now,
+                self.cluster.lit_count,
+                sum(len(f.instances) for f in self.fns) + len(self.running_jobs),
+                arrivals_n,
+                completed,
+                violations,
+                violations / arrivals_n if arrivals_n else 0.0,
+                self.frag.sm_mean,
+                self.frag.memory_mean,
+                (train_now - prev_train) / dt,
+            )
+        )
+        self.win = [0, 0, 0, train_now]
+
+    # -- main loop ----------------------------------------------------------------------------
+
+    def run(self, progress: Callable[[float], None] | None) -> None:
+        end = self.trace.duration_s
+        for fn in self.fns:
+            self._schedule_wake(fn)
+        for job, fn in self.jobs:
+            self.push(job.start_s, _TRAIN_START, (job, fn))
+            self.push(job.end_s, _TRAIN_END, (job, fn))
+        self.push(1.0, _TICK, None)
+        sample_every = self.cfg.sample_every_s
+        next_sample = sample_every
+        # Arrival counts per sample interval, precomputed (arrivals are known in advance).
+        drain_until = end + self.cfg.timeout_s
+        heap = self.heap
+        pop = heapq.heappop
+        last_progress = 0.0
+        while heap:
+            t, _, kind, obj, version = pop(heap)
+            if t > drain_until:
+                break
+            while t >= next_sample and next_sample <= end:
+                self.now = next_sample
+                self._account()
+                self.win[0] = sum(
+                    int(f.arr.searchsorted(next_sample, "right"))
+                    - int(f.arr.searchsorted(next_sample - sample_every, "right"))
+                    for f in self.fns
+                )
+                self._sample()
+                next_sample += sample_every
+            self.now = t
+            if kind == _DONE:
+                if obj.version == version and obj.state in ("busy", "stopping"):
+                    self._on_done(obj)
+            elif kind == _ARRIVE:
+                obj.wake = False
+                if not obj.instances:
+                    self._activate(obj)
+                else:
+                    self._dispatch(obj)
+            elif kind == _READY:
+                self._on_ready(obj)
+            elif kind == _TICK:
+                if t <= end:
+                    self._tick()
+                    self.push(t + self.cfg.horizontal.sample_period_s, _TICK, None)
+                    if progress is not None and t - last_progress >= 60.0:
+                        last_progress = t
+                        progress(t)
+            elif kind == _VERTICAL:
+                if version == 1:
+                    obj.v_periodic = False
+                else:
+                    obj.v_pending = False
+                self._vertical_now(obj)
+            elif kind == _TRAIN_START:
+                job, fn = obj
+                inst = self._new_instance(fn, training=True)
+                if inst is None:
+                    self.pending_jobs.append((job, fn))
+                else:
+                    self.running_jobs[job.name] = inst
+            elif kind == _TRAIN_END:
+                job, fn = obj
+                self.pending_jobs = [(j, f) for j, f in self.pending_jobs if j.name != job.name]
+                inst = self.running_jobs.pop(job.name, None)
+                if inst is not None:
+                    if inst.state == "busy":
+                        inst.samples += (t - inst.t_rate) * inst.rate
+                    self.training_samples += inst.samples
+                    self._remove(inst)
+                    self._refresh(inst.gpu)
+        self.now = max(self.now, end)
+        self._account()
+        for inst in list(self.running_jobs.values()):
+            if inst.state == "busy":
+                inst.samples += (min(self.now, end) - inst.t_rate) * inst.rate
+            self.training_samples += inst.samples
+        if progress is not None:
+            progress(end)
+
+
+def simulate_serving(
+    trace: ServingTrace,
+    profiles: ProfileSet,
+    config: ServingSimConfig,
+    *,
+    progress: Callable[[float], None] | None = None,
+) -> ServingResult:
+    wall0 = time.perf_counter()
+    trace.check_profiles(profiles)
+    sim = _Sim(trace, profiles, config)
+    sim.run(progress)
+    duration = trace.duration_s
+    lats = [f.lat for f in sim.fns if f.n]
+    all_lat = np.concatenate(lats) if lats else np.empty(0, dtype=np.float32)
+    done = all_lat[~np.isnan(all_lat)]
+    requests = int(sum(f.n for f in sim.fns))
+    completed = int(done.size)
+    # Requests never served by the end (still queued or in flight after the drain) are dropped.
+    unserved = requests - completed - sum(f.dropped for f in sim.fns)
+    violations = sum(f.violations for f in sim.fns) + unserved
+    p50, p99 = (float(np.percentile(done, 50)), float(np.percentile(done, 99))) if completed else (math.nan, math.nan)
+    gpu_seconds = sim.lit_area
+    summary: dict[str, Any] = {
+        "policy": config.policy,
+        "requests": requests,
+        "completed": completed,
+        "dropped": requests - completed,
+        "throughput": round(completed / duration, 4),
+        "throughput_per_gpu": round(completed / gpu_seconds, 4) if gpu_seconds else 0.0,
+        "slo_violation_rate": round(violations / requests, 6) if requests else 0.0,
+        "latency_p50_ms": round(p50, 3),
+        "latency_p99_ms": round(p99, 3),
+        "cold_starts": sim.cold_starts,
+        "gpus_peak": sim.peak,
+        "gpu_seconds": round(gpu_seconds, 3),
+        "sm_fragmentation_mean": round(sim.sm_area / sim.frag_time, 6) if sim.frag_time else 0.0,
+        "mem_fragmentation_mean": round(sim.mem_area / sim.frag_time, 6) if sim.frag_time else 0.0,
+        "training_samples": round(sim.training_samples, 1),
+        "training_samples_per_s": round(sim.training_samples / duration, 3),
+    }
+    assert tuple(summary) == SUMMARY_KEYS
+    functions: dict[str, Any] = {}
+    for f in sim.fns:
+        done_f = f.lat[~np.isnan(f.lat)]
+        functions[f.name] = {
+            "profile": f.prof.name,
+            "slo_ms": f.slo_ms,
+            "request": f.request,
+            "limit": f.limit,
+            "batch": f.batch,
+            "requests": f.n,
+            "completed": int(done_f.size),
+            "slo_violations": f.violations + (f.n - int(done_f.size) - f.dropped),
+            "latency_p50_ms": round(float(np.percentile(done_f, 50)), 3) if done_f.size else None,
+            "latency_p99_ms": round(float(np.percentile(done_f, 99)), 3) if done_f.size else None,
+            "instances_started": f.started,
+        }
+    details = {
+        "policy": config.policy,
+        "placement_strategy": sim.pconf.strategy,
+        "share_mode": sim.mode,
+        "gpus": config.gpus,
+        "duration_s": duration,
+        "placement_failures": sim.placement_failures,
+        "vertical_calls": sim.vertical_calls,
+        "vertical_memo_hits": sim.vertical_memo_hits,
+        "profiles_synthetic": profiles.synthetic,
+        "profiles_source": profiles.source,
+        "wall_s": round(time.perf_counter() - wall0, 3),
+    }
+    return ServingResult(summary=summary, functions=functions, samples=sim.samples, details=details)

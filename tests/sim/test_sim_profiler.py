@@ -1,0 +1,127 @@
+"""`dilu-invoker profile` plumbing with real worker processes, on the dry-run formula (no GPU here):
+the search's probes, the grid, the outputs, share-control selection and errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dilu_invoker.policy import SearchConfig
+from dilu_invoker.sim.profiler import (
+    MpsShareControl,
+    NoShareControl,
+    ProfilerError,
+    main,
+    make_share_control,
+)
+from dilu_invoker.sim.profiles import load_profiles
+
+FAST = ["--formula-scale", "0.01", "--warmup", "0", "--min-iters", "1", "--max-iters", "2", "--window-s", "0", "--quiet"]
+
+
+def test_dry_run_compare_writes_profiles_and_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, runs = tmp_path / "p.json", tmp_path / "runs.json"
+    rc = main(["--model", "resnet50", "--model", "train-resnet50", "--compare", "--dry-run",
+               "--batches", "1,2,4", "--out", str(out), "--runs", str(runs), *FAST])
+    assert rc == 0
+    profiles = load_profiles(out)
+    assert profiles.synthetic and "SYNTHETIC" in profiles.source
+    inf, train = profiles["resnet50"], profiles["train-resnet50"]
+    # The profile's points are the grid's: every share × batch once.
+    assert len(inf.points) == 10 * 3 and len(train.points) == 10
+    assert inf.recommended.request <= inf.recommended.limit
+    raw = json.loads(runs.read_text())
+    search, grid = raw["models"]["resnet50"]["search"], raw["models"]["resnet50"]["grid"]
+    assert grid["probes"] == 30 and 0 < search["probes"] < grid["probes"]
+    assert (search["points"][0]["sm_share"], search["points"][0]["batch"]) == (0.1, 1)
+    assert raw["models"]["train-resnet50"]["search"]["method"] == "training"
+    assert raw["command"].startswith("dilu-invoker profile --model resnet50")
+    printed = capsys.readouterr().out
+    assert "resnet50" in printed and "hybrid-growth" in printed
+
+
+def test_exhaustive_only_runs_the_grid(tmp_path: Path) -> None:
+    out, runs = tmp_path / "p.json", tmp_path / "r.json"
+    assert main(["--model", "bert-base", "--exhaustive", "--dry-run", "--batches", "1,2",
+                 "--out", str(out), "--runs", str(runs), *FAST]) == 0
+    raw = json.loads(runs.read_text())["models"]["bert-base"]
+    assert set(raw) == {"grid"} and raw["grid"]["probes"] == 20
+    assert json.loads(out.read_text())["functions"]["bert-base"]["recommended_by"] == "grid"
+
+
+def test_search_alone_is_the_default(tmp_path: Path) -> None:
+    out, runs = tmp_path / "p.json", tmp_path / "r.json"
+    assert main(["--model", "resnet50", "--dry-run", "--batches", "1,2,4,8", "--out", str(out), "--runs", str(runs), *FAST]) == 0
+    raw = json.loads(runs.read_text())["models"]["resnet50"]
+    assert set(raw) == {"search"} and raw["search"]["probes"] < 40
+    assert json.loads(out.read_text())["functions"]["resnet50"]["points"]
+
+
+def test_an_action_file_is_profiled_through_its_main(tmp_path: Path) -> None:
+    action = tmp_path / "act.py"
+    action.write_text("import time\ndef main(params):\n    time.sleep(0.0005 * params['batch'])\n    return {}\n")
+    out = tmp_path / "p.json"
+    rc = main(["--action", str(action), "--share-control", "none", "--batches", "1,2", "--step", "0.5",
+               "--slo-ms", "1000", "--out", str(out), *FAST])
+    assert rc == 0
+    prof = load_profiles(out)["act"]
+    assert prof.points and prof.recommended.batch in (1, 2)
+
+
+def test_a_broken_action_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    action = tmp_path / "bad.py"
+    action.write_text("x = 1\n")
+    rc = main(["--action", str(action), "--share-control", "none", "--out", str(tmp_path / "p.json"), *FAST])
+    assert rc == 2
+    assert "no main(params)" in capsys.readouterr().err
+
+
+def test_missing_action_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--action", str(tmp_path / "nope.py"), "--out", str(tmp_path / "p.json")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_share_control_selection(tmp_path: Path) -> None:
+    assert isinstance(make_share_control("none", shim_lib=tmp_path / "x.so", mps_external=False), NoShareControl)
+    # No shim library (and no ABI mirror yet): auto falls back to MPS.
+    auto = make_share_control("auto", shim_lib=tmp_path / "x.so", mps_external=False)
+    assert isinstance(auto, MpsShareControl) and auto.per_process
+    with pytest.raises(ProfilerError, match="not found"):
+        make_share_control("shim", shim_lib=tmp_path / "x.so", mps_external=False)
+
+
+def test_mps_env_sets_the_thread_percentage() -> None:
+    mps = MpsShareControl(external=True)
+    mps.start()
+    env = mps.worker_env(0.3)
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    assert mps.worker_env(0.001)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "1"
+
+
+def test_mps_without_the_daemon_binary_is_a_clear_error() -> None:
+    with pytest.raises(ProfilerError, match="not found"):
+        MpsShareControl(control="no-such-mps-control-binary").start()
+
+
+def test_default_grid_is_the_issues() -> None:
+    cfg = SearchConfig()
+    assert len(cfg.shares()) == 10 and cfg.batch_sizes()[-1] == 64
+
+
+def test_report_of_a_compare_run(tmp_path: Path) -> None:
+    import importlib.util
+
+    out, runs = tmp_path / "profiles.json", tmp_path / "runs.json"
+    assert main(["--model", "resnet50", "--model", "train-resnet50", "--compare", "--dry-run",
+                 "--batches", "1,2,4", "--out", str(out), "--runs", str(runs), *FAST]) == 0
+    path = Path(__file__).resolve().parents[2] / "bench" / "profiler_report.py"
+    spec = importlib.util.spec_from_file_location("profiler_report", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.report(tmp_path)
+    assert "SYNTHETIC dry run" in text
+    assert "| resnet50 |" in text and "| train-resnet50 |" in text
+    assert "of the grid's 30 points" in text and "Limit check" in text

@@ -1,0 +1,168 @@
+"""The serving simulation's mechanics on small traces, with expectations derived from the (synthetic)
+profile: each policy's share rule, training progress, drops, cold starts, scaling, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dilu_invoker.sim.profiles import ProfileSet
+from dilu_invoker.sim.serving import (
+    SERVING_POLICIES,
+    SUMMARY_KEYS,
+    ServingSimConfig,
+    simulate_serving,
+)
+from dilu_invoker.sim.traces import FunctionTrace, ServingTrace, TrainingJob
+
+
+def trace(*fns: FunctionTrace, jobs: tuple[TrainingJob, ...] = (), duration: float | None = None) -> ServingTrace:
+    end = max([f.end_s for f in fns] + [j.end_s for j in jobs])
+    return ServingTrace(duration or end, tuple(fns), jobs)
+
+
+def sparse(name: str = "f", profile: str = "resnet50", minutes: int = 10, per_minute: int = 6) -> FunctionTrace:
+    """A few requests a minute: each finds an idle instance and runs alone at batch 1."""
+    return FunctionTrace(name, profile, np.full(minutes, per_minute, dtype=np.int64), bin_s=60.0)
+
+
+def cfg(policy: str, **kw: object) -> ServingSimConfig:
+    kw.setdefault("gpus", 2)
+    kw.setdefault("cold_start_s", 0.0)
+    return ServingSimConfig(policy=policy, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", SERVING_POLICIES)
+def test_summary_has_every_metric_and_adds_up(policy: str, synthetic_profiles: ProfileSet) -> None:
+    r = simulate_serving(trace(sparse()), synthetic_profiles, cfg(policy))
+    s = r.summary
+    assert tuple(s) == SUMMARY_KEYS and s["policy"] == policy
+    assert s["requests"] == 60
+    assert s["completed"] + s["dropped"] == s["requests"]
+    assert s["throughput"] == pytest.approx(s["completed"] / 600.0, rel=1e-3)
+    assert s["throughput_per_gpu"] == pytest.approx(s["completed"] / s["gpu_seconds"], rel=1e-3)
+    assert s["cold_starts"] >= 1 and s["gpus_peak"] == 1
+    assert sum(f["requests"] for f in r.functions.values()) == s["requests"]
+    assert r.samples and len(r.samples[0]) == 10
+
+
+@pytest.mark.parametrize(
+    ("policy", "share_of"),
+    [
+        ("exclusive", lambda p: (1.0, 1.0)),
+        ("tgs", lambda p: (1.0, 1.0)),
+        # MPS-style static partition at the request.
+        ("mps-static", lambda p: (p.recommended.request, 1.0)),
+        # A fixed time quota at the limit: the whole GPU for that fraction of the time.
+        ("static-quota", lambda p: (1.0, p.recommended.limit)),
+    ],
+)
+def test_a_lone_request_takes_the_profiles_latency_under_each_share_rule(
+    policy: str, share_of: object, synthetic_profiles: ProfileSet
+) -> None:
+    prof = synthetic_profiles["resnet50"]
+    share, quota = share_of(prof)  # type: ignore[operator]
+    expected = prof.latency_ms(share, 1) / quota
+    r = simulate_serving(trace(sparse()), synthetic_profiles, cfg(policy))
+    # The first request waits for the instance to be decided (≤ 1 s tick); the rest run alone.
+    assert r.summary["latency_p50_ms"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_dilu_runs_a_lone_instance_up_to_its_limit(synthetic_profiles: ProfileSet) -> None:
+    prof = synthetic_profiles["resnet50"]
+    r = simulate_serving(trace(sparse()), synthetic_profiles, cfg("dilu"))
+    p50 = r.summary["latency_p50_ms"]
+    assert p50 <= prof.latency_ms(prof.recommended.limit, 1) * 1.001
+    assert p50 < prof.latency_ms(prof.recommended.request, 1)
+
+
+@pytest.mark.parametrize(
+    ("policy", "share"),
+    [("exclusive", 1.0), ("static-quota", None), ("mps-static", "request")],
+)
+def test_training_progress_follows_the_profile(policy: str, share: object, synthetic_profiles: ProfileSet) -> None:
+    prof = synthetic_profiles["train-resnet50"]
+    b = prof.recommended.batch
+    if share == "request":
+        rate = prof.throughput_rps(prof.recommended.request, b)
+    elif share is None:
+        rate = prof.throughput_rps(1.0, b) * prof.recommended.limit
+    else:
+        rate = prof.throughput_rps(1.0, b)
+    job = TrainingJob("t", "train-resnet50", 10.0, 110.0)
+    quiet = FunctionTrace("f", "resnet50", np.zeros(2, dtype=np.int64), bin_s=60.0)
+    r = simulate_serving(trace(quiet, jobs=(job,)), synthetic_profiles, cfg(policy))
+    assert r.summary["training_samples"] == pytest.approx(rate * 100.0, rel=2e-3)
+
+
+def test_tgs_lets_training_run_beside_production_and_yields_to_it(synthetic_profiles: ProfileSet) -> None:
+    prof = synthetic_profiles["train-resnet50"]
+    full = prof.throughput_rps(1.0, prof.recommended.batch) * 100.0
+    job = TrainingJob("t", "train-resnet50", 0.0, 100.0)
+    busy = FunctionTrace("f", "resnet50", np.full(100, 200, dtype=np.int64), bin_s=1.0)
+    r = simulate_serving(trace(busy, jobs=(job,)), synthetic_profiles, cfg("tgs", gpus=1))
+    assert 0 < r.summary["training_samples"] < full
+    assert r.summary["gpus_peak"] == 1
+
+
+def test_requests_with_no_gpu_are_dropped_after_the_timeout(synthetic_profiles: ProfileSet) -> None:
+    a = FunctionTrace("a", "resnet50", np.full(5, 30, dtype=np.int64), bin_s=60.0)
+    b = FunctionTrace("b", "bert-base", np.full(5, 30, dtype=np.int64), bin_s=60.0)
+    r = simulate_serving(trace(a, b), synthetic_profiles, cfg("exclusive", gpus=1, timeout_s=5.0))
+    s = r.summary
+    starved = [f for f in r.functions.values() if f["completed"] == 0]
+    assert len(starved) == 1 and starved[0]["slo_violations"] == starved[0]["requests"] == 150
+    assert s["dropped"] >= 150
+    assert s["slo_violation_rate"] >= 0.5
+
+
+def test_idle_functions_scale_to_zero_and_cold_start_again(synthetic_profiles: ProfileSet) -> None:
+    counts = np.zeros(16, dtype=np.int64)
+    counts[0] = 20
+    counts[15] = 20  # 14 idle minutes > the 600 s idle timeout
+    f = FunctionTrace("f", "resnet50", counts, bin_s=60.0)
+    r = simulate_serving(trace(f), synthetic_profiles, cfg("dilu", cold_start_s=2.0))
+    assert r.summary["cold_starts"] == 2
+    assert r.summary["completed"] == 40
+    # While scaled to zero nothing is lit.
+    lit_mid = [row[1] for row in r.samples if 12 * 60 <= row[0] <= 14 * 60]
+    assert lit_mid and all(x == 0 for x in lit_mid)
+
+
+def test_sustained_load_scales_out(synthetic_profiles: ProfileSet) -> None:
+    prof = synthetic_profiles["resnet50"]
+    cap = prof.throughput_rps(prof.recommended.request, prof.recommended.batch)
+    rate = int(cap * 3)
+    f = FunctionTrace("f", "resnet50", np.full(120, rate, dtype=np.int64), bin_s=1.0)
+    r = simulate_serving(trace(f), synthetic_profiles, cfg("mps-static", gpus=4))
+    assert r.functions["f"]["instances_started"] >= 3
+
+
+def test_deterministic_for_a_seed_and_seed_dependent(synthetic_profiles: ProfileSet) -> None:
+    f = FunctionTrace("f", "bert-base", np.full(30, 40, dtype=np.int64), bin_s=10.0)
+    t = trace(f, sparse("g"))
+    a = simulate_serving(t, synthetic_profiles, cfg("dilu", seed=7))
+    b = simulate_serving(t, synthetic_profiles, cfg("dilu", seed=7))
+    c = simulate_serving(t, synthetic_profiles, cfg("dilu", seed=8))
+    assert a.summary == b.summary and a.samples == b.samples
+    assert a.summary["latency_p99_ms"] != c.summary["latency_p99_ms"] or a.samples != c.samples
+
+
+def test_dilu_keeps_inference_latency_beside_training(synthetic_profiles: ProfileSet) -> None:
+    # One GPU, a training job and a steady inference function: the vertical policy must keep the
+    # inference within its SLO while training takes what is left.
+    job = TrainingJob("t", "train-resnet50", 0.0, 300.0)
+    f = FunctionTrace("f", "resnet50", np.full(300, 50, dtype=np.int64), bin_s=1.0)
+    r = simulate_serving(trace(f, jobs=(job,)), synthetic_profiles, cfg("dilu", gpus=1))
+    assert r.summary["gpus_peak"] == 1
+    assert r.summary["training_samples"] > 0
+    assert r.functions["f"]["latency_p50_ms"] < synthetic_profiles["resnet50"].slo_ms
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="unknown serving policy"):
+        ServingSimConfig(policy="nope", gpus=1)
+    with pytest.raises(ValueError):
+        ServingSimConfig(policy="dilu", gpus=0)
+    with pytest.raises(ValueError):
+        ServingSimConfig(policy="dilu", gpus=1, timeout_s=0)
