@@ -24,16 +24,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
 #: systemd's default PATH for services
 SERVICE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def read_env_file(path: str) -> Dict[str, str]:
+def read_env_file(path: str) -> dict[str, str]:
     """``KEY=value`` lines as the roles render them for systemd's ``EnvironmentFile``: values in double
     quotes with ``\\\\`` and ``\\"`` escaped; blank lines and lines starting with ``#`` or ``;`` skipped."""
-    env: Dict[str, str] = {}
+    env: dict[str, str] = {}
     for number, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         line = raw.strip()
         if not line or line[0] in "#;":
@@ -50,7 +49,7 @@ def read_env_file(path: str) -> Dict[str, str]:
 
 
 def _unescape(quoted: str) -> str:
-    out: List[str] = []
+    out: list[str] = []
     chars = iter(quoted)
     for ch in chars:
         if ch == "\\":
@@ -67,7 +66,7 @@ class Supervisor:
         self.args = args
         self.stopping = False
         self.stop_deadline = 0.0
-        self.child: Optional[subprocess.Popen] = None  # type: ignore[type-arg]
+        self.child: subprocess.Popen[bytes] | None = None
 
     def say(self, message: str) -> None:
         with open(self.args.log, "a", encoding="utf-8") as log:
@@ -82,13 +81,13 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 self.child.send_signal(signal.SIGTERM)
 
-    def environment(self) -> Dict[str, str]:
+    def environment(self) -> dict[str, str]:
         env = {"PATH": SERVICE_PATH, "LANG": os.environ.get("LANG", "C.UTF-8")}
         for path in self.args.env_file:
             env.update(read_env_file(path))
         return env
 
-    def spawn(self) -> subprocess.Popen:  # type: ignore[type-arg]
+    def spawn(self) -> subprocess.Popen[bytes]:
         log = open(self.args.log, "ab")
         try:
             return subprocess.Popen(
@@ -152,7 +151,7 @@ class Supervisor:
         return 0 if self.stopping else rc
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dilu-supervise", description=__doc__.split("\n")[0])
     parser.add_argument("--name", required=True, help="service name (for the log and the module)")
     parser.add_argument("--pidfile", required=True)

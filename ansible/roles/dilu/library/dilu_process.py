@@ -88,13 +88,13 @@ child_pid:
   returned: always
 """
 
-import os
-import signal
-import subprocess
-import sys
-import time
+import os  # noqa: E402 - Ansible modules open with their documentation
+import signal  # noqa: E402 - Ansible modules open with their documentation
+import subprocess  # noqa: E402 - Ansible modules open with their documentation
+import sys  # noqa: E402 - Ansible modules open with their documentation
+import time  # noqa: E402 - Ansible modules open with their documentation
 
-from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402 - Ansible modules open with their documentation
 
 SUPERVISOR_MARK = "dilu-supervise"
 
