@@ -182,9 +182,10 @@ def test_controller_settings_make_exactly_the_gpu_invokers_the_blackbox_set(
     assert helm["controller"]["options"] == (
         f"-Dwhisk.loadbalancer.managed-fraction={settings['controller_managed_fraction']}")
 
-    again, _ = _controller_run(tmp_path, cpu=invokers - gpu_invokers, gpu=gpu_invokers)
-    assert again.returncode == 0, _tail(again)
-    assert _recap(again.stdout)["changed"] == 0
+    if invokers == 9:  # once is enough: a second run with the same inventory changes nothing
+        again, _ = _controller_run(tmp_path, cpu=invokers - gpu_invokers, gpu=gpu_invokers)
+        assert again.returncode == 0, _tail(again)
+        assert _recap(again.stdout)["changed"] == 0
 
 
 def test_the_naive_fractions_would_have_been_wrong_for_n9_k3() -> None:
