@@ -133,7 +133,19 @@ async def _main(cfg: Config) -> int:
         stack.push_async_callback(http.cleanup)
         log.info("invoker.endpoints", url=f"http://{cfg.invoker.host}:{port}", user=user,
                  backend=cfg.invoker.backend, kinds=manifest.kinds)
-        await serve(cfg, runner=invoker, manifest=manifest, stop=stop, control=invoker)
+        if cfg.redis.url and cfg.balancer.routing:
+            # GPU routing mode (a), "all-dilu": GPU activations go to the instances the balancer placed,
+            # wherever they run; this invoker still acks to the controller itself.
+            from dilu_invoker.invoker.routing import enable_balancer_routing
+            from dilu_invoker.redis_embedded import redis_client
+
+            redis = redis_client(cfg.redis.url)
+            stack.push_async_callback(redis.aclose)
+            routed = await stack.enter_async_context(enable_balancer_routing(invoker, cfg, redis=redis))
+            log.info("invoker.balancer_routing", redis=cfg.redis.url.rsplit("@", 1)[-1])
+            await serve(cfg, runner=routed, manifest=manifest, stop=stop, control=invoker, router=routed)
+        else:
+            await serve(cfg, runner=invoker, manifest=manifest, stop=stop, control=invoker)
     return 0
 
 
