@@ -46,7 +46,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
     async with contextlib.AsyncExitStack() as stack:
         redis = await stack.enter_async_context(open_redis(cfg.redis, data_dir=cfg.data_path))
         store = EntityStore.from_config(redis, cfg.redis)
-        invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest))
+        invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest, redis=redis))
         credentials = invoker_credentials(cfg)
         inv_runner, inv_port = await serve_app(build_invoker_app(invoker, user=credentials[0], password=credentials[1]),
                                                 cfg.invoker.host, cfg.invoker.port)

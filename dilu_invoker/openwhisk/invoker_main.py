@@ -126,7 +126,14 @@ async def _main(cfg: Config) -> int:
     # Teardown in reverse: the front stops taking work and drains its acks first, then the endpoints
     # close, then the container pool drains and removes its containers.
     async with contextlib.AsyncExitStack() as stack:
-        invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest))
+        # GPU budgets live in Redis when one is configured; without it the node admits against its own view.
+        redis = None
+        if cfg.redis.url:
+            from dilu_invoker.redis_embedded import redis_client
+
+            redis = redis_client(cfg.redis.url)
+            stack.push_async_callback(redis.aclose)
+        invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest, redis=redis))
         user, password = invoker_credentials(cfg)
         http, port = await serve_app(build_app(invoker, user=user, password=password),
                                       cfg.invoker.host, cfg.invoker.port)
