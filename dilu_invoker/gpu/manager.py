@@ -542,6 +542,20 @@ class GpuManager:
         m.pinned = share
         self._log.info("share pinned" if share is not None else "share unpinned", instance=instance, share=share)
 
+    def set_vertical_config(self, config: VerticalConfig) -> None:
+        """Run the policy with ``config`` from the next tick on; its memory (cycle minima, budget) starts over."""
+        self.vertical = config
+        self._state = VerticalState()
+        self._log.info("vertical policy reconfigured", config=config)
+
+    def set_capacity(self, instance: str, blocks_per_ms: float | None) -> None:
+        """Use a measured capacity (the profiler's) from the next tick on; None: back to the online estimate."""
+        if blocks_per_ms is not None and not (math.isfinite(blocks_per_ms) and blocks_per_ms > 0):
+            raise ValueError(f"a capacity must be > 0 blocks/ms, got {blocks_per_ms!r}")
+        m = self._instances[instance]
+        m.capacity = replace(m.capacity, override=blocks_per_ms)
+        self._log.info("capacity set", instance=instance, blocks_per_ms=blocks_per_ms)
+
     def instances(self) -> tuple[InstanceSpec, ...]:
         return tuple(m.spec for m in self._instances.values())
 

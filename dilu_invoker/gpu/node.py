@@ -348,6 +348,11 @@ class GpuNode:
         a = self._attached[instance]
         self._managers[a.device.uuid].pin(instance, share)
 
+    def set_capacity(self, instance: str, blocks_per_ms: float | None) -> None:
+        """A capacity measured after the instance started (the profiler); None: the online estimate."""
+        a = self._attached[instance]
+        self._managers[a.device.uuid].set_capacity(instance, blocks_per_ms)
+
     def _attachment(self, device: GpuDevice, files: abi.InstanceFiles) -> GpuAttachment:
         env: dict[str, str] = {"DILU_GPU_UUID": device.uuid}
         mounts: tuple[GpuMount, ...] = ()

@@ -248,6 +248,15 @@ def test_training_alone_rises_to_its_limit_then_is_cut_when_inference_bursts(gpu
     assert gpu.control("inf").share == pytest.approx(0.7)  # standing cap: its next burst starts unthrottled
 
 
+def test_reconfigured_policy_starts_over(gpu: Gpu) -> None:
+    gpu.tick(train=1000, inf=500)
+    assert gpu.control("train").share == pytest.approx(0.3)
+    # A policy whose idle threshold is shorter than the silence: inference counts as idle at once.
+    gpu.mgr.set_vertical_config(VerticalConfig(idle_after_s=0.01))
+    record = gpu.tick(train=1000)
+    assert record.mode is FeedbackMode.IDLE and gpu.control("train").share == pytest.approx(0.8)
+
+
 def test_heartbeat_every_tick_without_rewriting_an_unchanged_quota(gpu: Gpu) -> None:
     gpu.tick(train=1000)
     before = gpu.controls["train"].read()
@@ -283,6 +292,13 @@ def test_unknown_capacity_runs_unlimited_until_measured(tmp_path: Path) -> None:
         assert record.status("train").capacity_blocks_per_ms == pytest.approx(20.0)
         assert g.control("train").share == pytest.approx(0.8)
         assert g.control("train").rate_blocks_per_ms == pytest.approx(16.0)
+        g.mgr.set_capacity("train", 50.0)  # measured later by the profiler: it wins over the estimate
+        g.clock.advance(0.05)
+        w.publish(blocks=5000, launches=20, windows=20, cycle_current_windows=20)
+        assert g.mgr.tick().status("train").capacity_blocks_per_ms == pytest.approx(50.0)
+        assert g.control("train").rate_blocks_per_ms == pytest.approx(40.0)
+        with pytest.raises(ValueError):
+            g.mgr.set_capacity("train", 0.0)
     finally:
         g.close()
 
