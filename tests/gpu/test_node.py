@@ -19,7 +19,7 @@ from dilu_invoker.gpu import abi
 from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity, Reservation
 from dilu_invoker.gpu.devices import GpuDevice, load_inventory
 from dilu_invoker.gpu.node import GpuNode, GpuView, InstanceView
-from dilu_invoker.model import GpuClass, GpuNeeds
+from dilu_invoker.model import GpuClass, GpuNeeds, ValidationError
 from dilu_invoker.policy.types import InstanceClass
 from tests.gpu.support import ShimBuild
 
@@ -217,3 +217,24 @@ async def test_restart_reconciles_reservations_and_files(make_node: NodeFactory,
 
 def load_inventory_one(uuid: str, *, memory_mb: int) -> GpuDevice:
     return GpuDevice(index=0, uuid=uuid, name="Test GPU", memory_mb=memory_mb, sm_count=132, simulated=True)
+
+
+@pytest.mark.parametrize(("raw", "value"), [("250", 250.0), (12.5, 12.5), (None, None)])
+def test_capacity_annotation(raw: object, value: float | None) -> None:
+    annotations = {} if raw is None else {"gpu-capacity-blocks-per-ms": raw}
+    assert GpuNeeds.from_annotations(annotations).capacity_blocks_per_ms == value
+
+
+@pytest.mark.parametrize("raw", [0, -3, "fast", float("inf")])
+def test_bad_capacity_annotation(raw: object) -> None:
+    with pytest.raises(ValidationError, match="gpu-capacity-blocks-per-ms"):
+        GpuNeeds.from_annotations({"gpu-capacity-blocks-per-ms": raw})
+
+
+async def test_measured_capacity_sets_the_starting_rate(make_node: NodeFactory) -> None:
+    node = await make_node()
+    a = await node.attach("c", "guest/f", needs("inference", 0.2, 0.5, capacity_blocks_per_ms=200.0))
+    assert a is not None
+    with abi.ControlFile.open(a.env["DILU_SHIM_CONTROL"]) as control:
+        quota = control.read().quota
+    assert quota.rate_blocks_per_ms == pytest.approx(100.0) and quota.capacity_blocks_per_ms == 200.0
