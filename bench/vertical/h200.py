@@ -113,7 +113,7 @@ class Worker:
             try:
                 line = await asyncio.wait_for(self.proc.stdout.readline(), max(0.1, deadline - time.monotonic()))
             except TimeoutError:
-                raise RuntimeError(f"{self.role} worker did not answer within {timeout:.0f} s") from None
+                raise RuntimeError(f"{self.role} worker did not answer within {timeout:.0f} s: {self.tail()}") from None
             if not line:
                 await self.proc.wait()
                 raise RuntimeError(f"{self.role} worker exited ({self.proc.returncode}): {self.tail()}")
@@ -233,8 +233,8 @@ def summarize(records: list[TickRecord], t0: float, t1: float) -> dict[str, Any]
     return {"ticks": len(rs), "modes": modes,
             "mean_share": {i: statistics.fmean(v) if v else None for i, v in shares.items()},
             "min_share": {i: min(v) if v else None for i, v in shares.items()},
-            "mode_changes": [{"t": round(r.now - t0, 3), "mode": r.mode.value, "reason": r.reason}
-                             for prev, r in itertools.pairwise(rs) if r.mode is not prev.mode][:40]}
+            "mode_changes": [{"t": round(r.now - t0, 3), "mode": r.mode.value, "reason": r.reason[:240]}
+                             for prev, r in itertools.pairwise(rs) if r.mode is not prev.mode][:20]}
 
 
 # -- the scenario suite ---------------------------------------------------------------------------------
@@ -479,7 +479,7 @@ class Suite:
         suffix = "" if variant == "default" else f"@{variant}"
         self.pins(None, None)
         self.timeline.start()
-        d, idle_s = secs(self.o.seconds), max(3.0, secs(5))
+        d, idle_s = secs(self.o.seconds), max(3.0, secs(4))
         res, tr, stopped = await self.with_training(
             2.0, lambda: self.open_loop([[d, self.rps]], self.o.seed), idle_s, d)
         records = self.timeline.stop()
@@ -514,7 +514,7 @@ class Suite:
             self.use(variant)
         cap = self.capacity_rps
         base, peak = o.burst_base * cap, o.burst_base * o.burst_mult * cap
-        pre, during, post = secs(3), secs(2.5), secs(2.5)
+        pre, during, post = secs(2.5), secs(2.5), secs(2)
         phases = [[pre, base], [during, peak], [post, base]]
         if train:
             self.pins(None, None)
@@ -551,6 +551,9 @@ class Suite:
                 "share_raised_ms": (raised.now - b0) * 1000 if raised else None,
                 "share_raised_to": raised.status(INF).share if raised else None,
                 "first_cut_ms": (cut.now - b0) * 1000 if cut else None,
+                # Emergencies already happening before the burst make a fast "reaction" meaningless.
+                "emergency_ticks_in_second_before": sum(
+                    1 for r in before if r.now >= b0 - 1.0 and r.mode is FeedbackMode.EMERGENCY),
                 "period_ms": o.period_ms,
             },
             "manager": summarize(records, b0, b1 + 1.0),
@@ -692,9 +695,15 @@ def vertical_config(pairs: list[str], base: VerticalConfig | None = None) -> Ver
     return dataclasses.replace(base, **overrides)
 
 
-#: Dilu's RCKM takes its minimum only over cycles longer than 6 windows (30 ms, gpu-sharing.md §4.2); with
-#: ~5 ms requests and 5 ms windows the policy's default (1 ms) judges 1- against 2-window cycles.
-DILU_BASELINE = ["min_cycle_s=0.035"]
+#: Policy variants run beside the defaults unless --variant names others. `dilu`: Dilu's RCKM takes its
+#: minimum only over cycles longer than 6 windows (30 ms, gpu-sharing.md §4.2); with ~5 ms requests and 5 ms
+#: windows the policy's default (1 ms) judges 1- against 2-window cycles. `dilu-tolerant`: the same, and a
+#: busy period must stretch 1.5x (contention) or 2x (emergency) before training is held or cut, because a
+#: Poisson load alone makes busy periods vary.
+DEFAULT_VARIANTS = {
+    "dilu": ["min_cycle_s=0.035"],
+    "dilu-tolerant": ["min_cycle_s=0.035", "recovery_ratio=1.5", "llm_emergency_ratio=1.5", "emergency_ratio=2.0"],
+}
 
 
 def options(args: argparse.Namespace) -> Options:
@@ -704,7 +713,8 @@ def options(args: argparse.Namespace) -> Options:
         name, _, rest = spec.partition(":")
         variants[name] = vertical_config([kv for kv in rest.split(",") if kv], base)
     if not args.variant and not args.no_dilu_variant:
-        variants["dilu"] = vertical_config(DILU_BASELINE, base)
+        for name, pairs in DEFAULT_VARIANTS.items():
+            variants[name] = vertical_config(pairs, base)
     def pair(text: str, flag: str) -> tuple[float, float]:
         values = tuple(float(x) for x in text.split(","))
         if len(values) != 2:
@@ -733,10 +743,7 @@ def cmd_step(args: argparse.Namespace) -> int:
                             logger_factory=structlog.stdlib.LoggerFactory())
     # Mode changes are in the results' timelines; the log keeps warnings from the manager.
     logging.getLogger("dilu_invoker.gpu.manager").setLevel(logging.WARNING)
-    o = options(args)
-    out: dict[str, Any] = {"options": {k: (str(v) if isinstance(v, Path) else v)
-                                       for k, v in dataclasses.asdict(o).items()},
-                           "scale": SCALE}
+    out: dict[str, Any] = {"scale": SCALE}
     t0 = time.monotonic()
     path = results / f"{args.name}.json"
 
@@ -752,6 +759,8 @@ def cmd_step(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_term)
     log.info("step %s begins (scale %s)", args.name, SCALE)
     try:
+        o = options(args)
+        out["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(o).items()}
         asyncio.run(step(args.name, o, out, save))
     except BaseException as e:  # noqa: BLE001 - the step's result must be written whatever happened
         out["error"] = str(e) if isinstance(e, SystemExit) else traceback.format_exc()
@@ -797,7 +806,7 @@ def main() -> int:
     s.add_argument("--load", type=float, default=0.5, help="steady load, fraction of closed-loop capacity")
     s.add_argument("--burst-base", type=float, default=0.2, help="load before and after the burst")
     s.add_argument("--burst-mult", type=float, default=3.0, help="arrival rate multiplier of the burst")
-    s.add_argument("--seconds", type=float, default=6.0, help="length of each steady run")
+    s.add_argument("--seconds", type=float, default=5.0, help="length of each steady run")
     s.add_argument("--period-ms", type=float, default=50.0, help="manager period")
     s.add_argument("--static", default="0.7,0.3", help="static shim shares inference,training")
     s.add_argument("--inference-share", default="0.5,1.0", help="inference request,limit")
@@ -806,7 +815,8 @@ def main() -> int:
     s.add_argument("--vertical", action="append", help="VerticalConfig override key=value (repeatable)")
     s.add_argument("--variant", action="append",
                    help="extra policy variant name:key=value,key=value (dynamic and burst run once per variant); "
-                        "without any, a 'dilu' variant (min_cycle_s=0.035) runs beside the defaults")
+                        "without any, the variants 'dilu' and 'dilu-tolerant' (DEFAULT_VARIANTS) run beside the "
+                        "defaults")
     s.add_argument("--no-dilu-variant", action="store_true", help="run only the default policy configuration")
     s.add_argument("--capacity", choices=("measured", "estimated"), default="measured",
                    help="capacities from the solo calibration (as the profiler would), or the online estimate")

@@ -131,8 +131,9 @@ class Report:
             if name == "default":
                 continue
             diff = {k: v for k, v in cfg.items() if default.get(k) != v}
-            self.w(f"* policy variant `{name}`: the defaults with {', '.join(f'`{k}={v}`' for k, v in diff.items())} "
-                   "(Dilu's RCKM ignores cycles of 6 windows or fewer for its minimum);")
+            self.w(f"* policy variant `{name}`: the defaults with {', '.join(f'`{k}={v}`' for k, v in diff.items())};")
+        if len(variants) > 1:
+            self.w("  (`min_cycle_s=0.035`: Dilu's RCKM ignores cycles of 6 windows or fewer for its minimum);")
         self.w(f"* torch {torch_v}, SLO = 2 × solo p99 = {f(2 * self.solo_p99 if self.solo_p99 else None)} ms.")
         self.w()
 
@@ -162,7 +163,8 @@ class Report:
                        f"{pctf(idle)} {verdict(None if idle is None else idle >= 0.95)} |")
         self.w()
         self.w("Reaction: time from the burst's first arrival to the first manager decision that raised the "
-               "inference share or cut training's (— when neither happened).")
+               "inference share or cut training's (— when neither happened). It only means something when the "
+               "manager was not already cutting before the burst: see the emergency ticks in the burst table.")
         self.w()
 
     def steady_table(self) -> None:
@@ -206,8 +208,9 @@ class Report:
         self.w("## Burst")
         self.w()
         self.w("| mode | scenario | rate (req/s) | burst p99 (ms) | violations in the burst | violations, whole run | "
-               "inference share before → raised (ms) | first training cut (ms) | training it/s |")
-        self.w("|---|---|---|---|---|---|---|---|---|")
+               "inference share before → raised (ms) | first training cut (ms) | emergency ticks in the second "
+               "before | training it/s |")
+        self.w("|---|---|---|---|---|---|---|---|---|---|")
         for label, key in (("time-slicing", "timeslice"), ("MPS + shim", "mps")):
             step = self.steps.get(key) or {}
             items = [(f"dynamic ({v})", b) for v, b in variants_of(step, "burst")]
@@ -220,7 +223,8 @@ class Report:
                        f"{f(get(b, 'inference_burst', 'p99_ms'), 2)} | {pctf(get(b, 'inference_burst', 'violations'), 2)} | "
                        f"{pctf(get(b, 'inference_all', 'violations'), 2)} | {f(re.get('share_before'), 2)} → "
                        f"{f(re.get('share_raised_to'), 2)} ({f(re.get('share_raised_ms'), 0)}) | "
-                       f"{f(re.get('first_cut_ms'), 0)} | {f(get(b, 'training', 'it_s'), 2)} |")
+                       f"{f(re.get('first_cut_ms'), 0)} | {f(re.get('emergency_ticks_in_second_before'))} | "
+                       f"{f(get(b, 'training', 'it_s'), 2)} |")
         self.w()
 
     def idle_table(self) -> None:

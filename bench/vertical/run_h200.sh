@@ -107,8 +107,8 @@ run_step() {
         --log "$LOG" $ARGS
     mps_quit
 }
-run_step timeslice 170
-run_step mps 130
+run_step timeslice 165
+run_step mps 135
 run_step mps_static 60
 
 # ---- results --------------------------------------------------------------------------
