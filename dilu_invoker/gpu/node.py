@@ -340,7 +340,8 @@ class GpuNode:
         a.control.close()
         a.stats.close()
         await asyncio.to_thread(shutil.rmtree, a.files.directory, True)
-        await self._release(a.device, instance)
+        async with self._admit_lock:  # not in the middle of a re-sync that still counts it as live
+            await self._release(a.device, instance)
         log.info("GPU detached", instance=instance, gpu=a.device.index)
 
     def pin(self, instance: str, share: float | None) -> None:
@@ -546,8 +547,12 @@ class GpuNode:
                     log.warning("GPU reservations were lost (expired or Redis restarted); re-syncing",
                                 gpu=d.index, held=len(ids), renewed=renewed)
                     self._needs_sync = True
-        if self._needs_sync and not await self._resync(budgets):
-            return
+        if self._needs_sync:
+            # Attach and detach wait meanwhile: the set of live instances must not change under the reconcile.
+            async with self._admit_lock:
+                synced = await self._resync(budgets)
+            if not synced:
+                return
         for d in self.devices:
             got = await self._call("read budget", partial(budgets.get, d.uuid))
             if isinstance(got, _Failed):
