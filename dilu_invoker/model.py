@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 import secrets
 import time
@@ -237,6 +238,9 @@ class GpuNeeds:
     slo_ms: float | None = None
     min_instances: int = 0
     max_instances: int = 8
+    #: thread blocks per ms the action launches with a whole GPU, as measured by the profiler; None: the GPU
+    #: manager estimates it online (docs/gpu-manager.md)
+    capacity_blocks_per_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.sm_request <= 1.0:
@@ -253,6 +257,10 @@ class GpuNeeds:
             raise ValidationError(
                 "Annotations 'min-instances'/'max-instances' must satisfy 0 <= min <= max and max >= 1."
             )
+        if self.capacity_blocks_per_ms is not None and not (
+            math.isfinite(self.capacity_blocks_per_ms) and self.capacity_blocks_per_ms > 0
+        ):
+            raise ValidationError("Annotation 'gpu-capacity-blocks-per-ms' must be a positive number.")
 
     ANNOTATIONS = (
         "gpu-class",
@@ -262,6 +270,7 @@ class GpuNeeds:
         "slo-ms",
         "min-instances",
         "max-instances",
+        "gpu-capacity-blocks-per-ms",
     )
 
     @classmethod
@@ -306,6 +315,7 @@ class GpuNeeds:
             slo_ms=number("slo-ms", base.slo_ms),
             min_instances=integer("min-instances", base.min_instances),
             max_instances=integer("max-instances", base.max_instances),
+            capacity_blocks_per_ms=number("gpu-capacity-blocks-per-ms", base.capacity_blocks_per_ms),
         )
 
 

@@ -81,7 +81,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
         for k in range(n):
             icfg = replace(cfg, invoker=replace(cfg.invoker, id=cfg.invoker.id + k,
                                                 port=cfg.invoker.port + k if cfg.invoker.port else 0))
-            invoker = await stack.enter_async_context(open_invoker(icfg, manifest=manifest))
+            invoker = await stack.enter_async_context(open_invoker(icfg, manifest=manifest, redis=redis))
             credentials = invoker_credentials(icfg)
             first_credentials = first_credentials or credentials
             inv_runner, inv_port = await serve_app(
@@ -91,7 +91,8 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
             runner: ActivationRunner = invoker
             if cfg.balancer.routing:
                 runner = await stack.enter_async_context(enable_balancer_routing(
-                    invoker, icfg, redis=redis, devices=devices_for(icfg, invoker_id=icfg.invoker.id, invokers=n)))
+                    invoker, icfg, redis=redis, devices=devices_for(icfg, invoker_id=icfg.invoker.id, invokers=n),
+                    gpu_view=invoker.gpu if hasattr(invoker.gpu, "view") else None))
             invokers.append(invoker)
             urls.append(f"http://{icfg.invoker.host}:{inv_port}")
             runners.append(runner)

@@ -12,13 +12,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Protocol
 
 import aiohttp
+import redis.asyncio as aioredis
 import structlog
 
 from dilu_invoker.config import Config
+from dilu_invoker.gpu.attachment import GpuAttachment
+from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.invoker.backends.base import (
     BackendError,
     ContainerBackend,
@@ -59,17 +62,6 @@ log = structlog.get_logger(__name__)
 
 BLACKBOX = "blackbox"
 DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class GpuAttachment:
-    """What a GPU container is given: environment (CUDA_VISIBLE_DEVICES, LD_PRELOAD, shim paths), bind
-    mounts (the shim, its control file read-only, its stats file) and device nodes."""
-
-    env: dict[str, str] = field(default_factory=dict)
-    mounts: tuple[Mount, ...] = ()
-    devices: tuple[str, ...] = ()
-    gpu_index: int | None = None
 
 
 class GpuAllocator(Protocol):
@@ -364,7 +356,8 @@ class Invoker:
         self._gpu_keys[proxy.name] = key
         env = dict(spec.env)
         env.update(attachment.env)
-        return replace(spec, env=env, mounts=spec.mounts + attachment.mounts, devices=spec.devices + attachment.devices)
+        mounts = tuple(Mount(m.source, m.target, m.read_only) for m in attachment.mounts)
+        return replace(spec, env=env, mounts=spec.mounts + mounts, devices=spec.devices + attachment.devices)
 
     async def _run_once(self, proxy: ContainerProxy, req: ActivationRequest) -> tuple[RuntimeOutcome, tuple[str, ...]]:
         assert proxy.container is not None
@@ -548,8 +541,11 @@ async def open_invoker(
     manifest: Manifest | None = None,
     backend: ContainerBackend | None = None,
     gpu: GpuAllocator | None = None,
+    redis: aioredis.Redis | None = None,
 ) -> AsyncIterator[Invoker]:
-    """Start an invoker and tear it down in reverse order (drain, remove containers, close the backend)."""
+    """Start an invoker and tear it down in reverse order (drain, remove containers, stop the GPU managers,
+    close the backend). Without ``gpu`` it runs this node's :class:`GpuNode` (budgets in ``redis`` when
+    given), which starts after leftover containers are gone: their reservations are then reconciled away."""
     manifest = manifest or Manifest.load(cfg.invoker.runtimes_manifest)
     backend = backend or make_backend(cfg)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -557,12 +553,21 @@ async def open_invoker(
     removed = await backend.remove_leftovers(f"{cfg.invoker.container_prefix}{cfg.invoker.id}_")
     if removed:
         log.info("removed containers left by an earlier run", count=removed)
-    invoker = Invoker(cfg, manifest=manifest, backend=backend, session=session, gpu=gpu)
+    metrics = InvokerMetrics()
+    gpu_node: GpuNode | None = None
+    if gpu is None:
+        # NVML discovery can take a while on a big host: off the event loop.
+        gpu_node = await asyncio.to_thread(GpuNode.from_config, cfg, redis=redis, backend=backend.name,
+                                           registry=metrics.registry)
+        await gpu_node.start()
+        gpu = gpu_node
+    invoker = Invoker(cfg, manifest=manifest, backend=backend, session=session, gpu=gpu, metrics=metrics)
     try:
         yield invoker
     finally:
         errors: list[BaseException] = []
-        for step in (invoker.close, session.close, backend.close):
+        steps = (invoker.close, *((gpu_node.close,) if gpu_node is not None else ()), session.close, backend.close)
+        for step in steps:
             try:
                 await step()
             except Exception as exc:  # noqa: BLE001 - finish the teardown, then report

@@ -126,7 +126,14 @@ async def _main(cfg: Config) -> int:
     # Teardown in reverse: the front stops taking work and drains its acks first, then the endpoints
     # close, then the container pool drains and removes its containers.
     async with contextlib.AsyncExitStack() as stack:
-        invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest))
+        # GPU budgets live in Redis when one is configured; without it the node admits against its own view.
+        redis = None
+        if cfg.redis.url:
+            from dilu_invoker.redis_embedded import redis_client
+
+            redis = redis_client(cfg.redis.url)
+            stack.push_async_callback(redis.aclose)
+        invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest, redis=redis))
         user, password = invoker_credentials(cfg)
         http, port = await serve_app(build_app(invoker, user=user, password=password),
                                       cfg.invoker.host, cfg.invoker.port)
@@ -137,11 +144,10 @@ async def _main(cfg: Config) -> int:
             # GPU routing mode (a), "all-dilu": GPU activations go to the instances the balancer placed,
             # wherever they run; this invoker still acks to the controller itself.
             from dilu_invoker.invoker.routing import enable_balancer_routing
-            from dilu_invoker.redis_embedded import redis_client
 
-            redis = redis_client(cfg.redis.url)
-            stack.push_async_callback(redis.aclose)
-            routed = await stack.enter_async_context(enable_balancer_routing(invoker, cfg, redis=redis))
+            assert redis is not None
+            routed = await stack.enter_async_context(enable_balancer_routing(
+                invoker, cfg, redis=redis, gpu_view=invoker.gpu if hasattr(invoker.gpu, "view") else None))
             log.info("invoker.balancer_routing", redis=cfg.redis.url.rsplit("@", 1)[-1])
             await serve(cfg, runner=routed, manifest=manifest, stop=stop, control=invoker, router=routed)
         else:

@@ -727,7 +727,7 @@ class _Sim:
                 cut = True
         if changed:
             self._refresh(g)
-        want_periodic = g.n_be > 0 and len(g.insts) > g.n_be or cut
+        want_periodic = (g.n_be > 0 and len(g.insts) > g.n_be) or cut
         if want_periodic and not g.v_periodic:
             g.v_periodic = True
             self.push(now + self.cfg.vertical_period_s, _VERTICAL, g, 1)

@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""Render docs/benchmarks/vertical.md from vertical_results.json (bench/vertical/h200.py merge).
+
+    python3 bench/vertical/report.py vertical_results.json [--out docs/benchmarks/vertical.md]
+
+Stdlib only. Every figure comes from the JSON; a missing step or scenario is shown as such, never invented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# Issue 4's anchor, measured before this manager existed (same models and load), for context only.
+ANCHOR = [
+    ("solo", "8.8", "30.9 it/s"),
+    ("co-located, no control", "47 (5.4x solo)", "79% of solo"),
+    ("MPS 50/50", "9.8 (1.12x)", "66%"),
+    ("MPS 70/30", "9.2", "46%"),
+]
+TARGETS = {"p99_ratio": 1.25, "training_steady": 0.75, "burst_violations": 0.01, "reaction_ms": 100.0,
+           "training_idle": 0.95}
+MODES = ("Time-slicing", "MPS (100% threads each) + shim rates")
+
+
+def f(x: Any, digits: int = 1, unit: str = "") -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}{unit}"
+    return f"{x}{unit}"
+
+
+def pctf(x: Any, digits: int = 1) -> str:
+    return "—" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def verdict(ok: bool | None) -> str:
+    return "—" if ok is None else ("**met**" if ok else "**not met**")
+
+
+def get(d: Any, *path: str) -> Any:
+    for p in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(p)
+    return d
+
+
+def variants_of(step: dict[str, Any], prefix: str) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for k, v in step.items():
+        if isinstance(v, dict) and (k == prefix or k.startswith(prefix + "@")):
+            out.append((k.partition("@")[2] or "default", v))
+    return out
+
+
+def reaction_ms(burst: dict[str, Any]) -> float | None:
+    r = burst.get("reaction") or {}
+    times = [t for t in (r.get("share_raised_ms"), r.get("first_cut_ms")) if t is not None]
+    return min(times) if times else None
+
+
+class Report:
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+        self.steps: dict[str, Any] = doc.get("steps") or {}
+        self.ts: dict[str, Any] = self.steps.get("timeslice") or {}
+        self.lines: list[str] = []
+
+    def w(self, line: str = "") -> None:
+        self.lines.append(line)
+
+    # -- reference figures ------------------------------------------------------------------------
+
+    @property
+    def solo_p99(self) -> float | None:
+        return get(self.ts, "solo_inference", "p99_ms")
+
+    @property
+    def solo_it(self) -> float | None:
+        return get(self.ts, "calibration", "training_solo_it_s")
+
+    def p99_ratio(self, sc: dict[str, Any]) -> float | None:
+        p99 = get(sc, "inference", "p99_ms")
+        return p99 / self.solo_p99 if p99 and self.solo_p99 else None
+
+    # -- sections ---------------------------------------------------------------------------------
+
+    def header(self) -> None:
+        d = self.doc
+        self.w("# Vertical scaling on the H200")
+        self.w()
+        self.w(f"Generated {d.get('generated', '?')} by `bench/vertical/report.py` from `vertical_results.json`, "
+               f"produced by `{d.get('command', '?')}` (run from the repository root; scale {d.get('scale')}).")
+        self.w()
+        if d.get("dry_run"):
+            self.w("> **DRY RUN.** Stand-ins replaced the GPU workers (`bench/vertical/dry_run.sh`): the shim and the "
+                   "manager were real, the numbers below are made up and prove only the pipeline.")
+            self.w()
+        opts = self.ts.get("options") or next((s.get("options") for s in self.steps.values() if isinstance(s, dict)
+                                               and s.get("options")), {}) or {}
+        inst = self.ts.get("instances") or {}
+        workers = self.ts.get("workers") or {}
+        torch_v = get(workers, "inference", "torch")
+        self.w("**Set-up.** Two processes on one GPU, each under `libdilu_shim.so` with the control and stats blocks "
+               "of a `GpuNode` attachment (process backend), driven by the node's `GpuManager` in the benchmark's "
+               "process (the invoker's code, without Redis):")
+        self.w()
+        self.w(f"* inference: torchvision ResNet-50 (random weights), fp16, batch {opts.get('infer_batch')}, "
+               f"open-loop Poisson arrivals with a FIFO queue, latency = completion − arrival; class inference, "
+               f"request {get(inst, 'inference', 'request')}, limit {get(inst, 'inference', 'limit')};")
+        self.w(f"* training: ResNet-50 fp32, batch {opts.get('train_batch')}, SGD, synchronised steps; class training, "
+               f"request {get(inst, 'training', 'request')}, limit {get(inst, 'training', 'limit')} "
+               f"(the node admits Σ limit ≤ γ = {opts.get('gamma')});")
+        cal = self.ts.get("calibration") or {}
+        cap = cal.get("capacity_blocks_per_ms") or {}
+        est = cal.get("estimator_blocks_per_ms") or {}
+        self.w(f"* steady load: {pctf(opts.get('load'), 0)} of inference's closed-loop capacity "
+               f"({f(get(cal, 'inference_closed', 'rps'))} requests/s alone) for {opts.get('seconds')} s; "
+               f"manager period {opts.get('period_ms')} ms;")
+        self.w(f"* capacities ({opts.get('capacity')}): inference {f(cap.get('inference'))} blocks/ms, training "
+               f"{f(cap.get('training'))} blocks/ms measured alone (the online estimator had learnt "
+               f"{f(est.get('inference'))} and {f(est.get('training'))});")
+        variants = opts.get("variants") or {}
+        default = variants.get("default") or {}
+        for name, cfg in variants.items():
+            if name == "default":
+                continue
+            diff = {k: v for k, v in cfg.items() if default.get(k) != v}
+            self.w(f"* policy variant `{name}`: the defaults with {', '.join(f'`{k}={v}`' for k, v in diff.items())};")
+        if len(variants) > 1:
+            self.w("  (`min_cycle_s=0.035`: Dilu's RCKM ignores cycles of 6 windows or fewer for its minimum);")
+        self.w(f"* torch {torch_v}, SLO = 2 × solo p99 = {f(2 * self.solo_p99 if self.solo_p99 else None)} ms.")
+        self.w()
+
+    def targets(self) -> None:
+        self.w("## Targets (issue 4)")
+        self.w()
+        self.w("| mode | policy | steady: p99 / solo p99 (≤ 1.25) | steady: training / solo (≥ 75%) | burst: SLO "
+               "violations (≤ 1%) | burst: reaction (≤ 100 ms) | idle: training / solo (≥ 95%) |")
+        self.w("|---|---|---|---|---|---|---|")
+        for label, key in zip(MODES, ("timeslice", "mps"), strict=True):
+            step = self.steps.get(key) or {}
+            dyns = dict(variants_of(step, "dynamic"))
+            bursts = dict(variants_of(step, "burst"))
+            idles = dict(variants_of(step, "idle"))
+            names = list(dict.fromkeys([*dyns, *bursts])) or ["default"]
+            for v in names:
+                d, b, i = dyns.get(v, {}), bursts.get(v, {}), idles.get(v, {})
+                ratio = self.p99_ratio(d)
+                tr = get(d, "training", "vs_solo")
+                viol = get(b, "inference_burst", "violations")
+                react = reaction_ms(b) if b else None
+                idle = get(i, "training", "vs_solo")
+                self.w(f"| {label} | {v} | {f(ratio, 2)} {verdict(None if ratio is None else ratio <= 1.25)} | "
+                       f"{pctf(tr)} {verdict(None if tr is None else tr >= 0.75)} | "
+                       f"{pctf(viol, 2)} {verdict(None if viol is None else viol <= 0.01)} | "
+                       f"{f(react, 0, ' ms')} {verdict(None if react is None else react <= 100)} | "
+                       f"{pctf(idle)} {verdict(None if idle is None else idle >= 0.95)} |")
+        self.w()
+        self.w("Reaction: time from the burst's first arrival to the first manager decision that raised the "
+               "inference share or cut training's (— when neither happened). It only means something when the "
+               "manager was not already cutting before the burst: see the emergency ticks in the burst table.")
+        self.w()
+
+    def steady_table(self) -> None:
+        self.w("## Steady load")
+        self.w()
+        self.w("| mode | scenario | inference p50 (ms) | p99 (ms) | p99 / solo | SLO violations | training it/s | "
+               "training / solo | manager modes (ticks) | mean training share |")
+        self.w("|---|---|---|---|---|---|---|---|---|---|")
+        solo = self.ts.get("solo_inference") or {}
+        self.w(f"| time-slicing | inference alone | {f(solo.get('p50_ms'), 2)} | {f(solo.get('p99_ms'), 2)} | 1.00 | "
+               f"— | — | — | — | — |")
+        self.w(f"| time-slicing | training alone | — | — | — | — | {f(self.solo_it, 2)} | 100% | — | — |")
+        rows = [("time-slicing", "timeslice"), ("MPS + shim", "mps"), ("MPS 50/50", "mps_static")]
+        for label, key in rows:
+            step = self.steps.get(key) or {}
+            for name in ("none", "static", "static_mps_split"):
+                if isinstance(step.get(name), dict):
+                    self.row(label, self.scenario_label(name, step[name]), step[name])
+            for v, d in variants_of(step, "dynamic"):
+                self.row(label, f"dynamic manager ({v})", d)
+        self.w()
+
+    @staticmethod
+    def scenario_label(name: str, sc: dict[str, Any]) -> str:
+        pins = sc.get("pins") or {}
+        if name == "none":
+            return "co-located, no limits"
+        if name == "static":
+            return f"static shim shares {pins.get('inference')}/{pins.get('training')}"
+        return "static MPS split 50/50 (no shim limits)"
+
+    def row(self, mode: str, label: str, sc: dict[str, Any]) -> None:
+        inf, tr, mgr = sc.get("inference") or {}, sc.get("training") or {}, sc.get("manager") or {}
+        modes = ", ".join(f"{k} {v}" for k, v in (mgr.get("modes") or {}).items())
+        share = get(mgr, "mean_share", "training")
+        self.w(f"| {mode} | {label} | {f(inf.get('p50_ms'), 2)} | {f(inf.get('p99_ms'), 2)} | "
+               f"{f(self.p99_ratio(sc), 2)} | {pctf(inf.get('violations'), 2)} | {f(tr.get('it_s'), 2)} | "
+               f"{pctf(tr.get('vs_solo'))} | {modes or '—'} | {f(share, 3)} |")
+
+    def burst_table(self) -> None:
+        self.w("## Burst")
+        self.w()
+        self.w("| mode | scenario | rate (req/s) | burst p99 (ms) | violations in the burst | violations, whole run | "
+               "inference share before → raised (ms) | first training cut (ms) | emergency ticks in the second "
+               "before | training it/s |")
+        self.w("|---|---|---|---|---|---|---|---|---|---|")
+        for label, key in (("time-slicing", "timeslice"), ("MPS + shim", "mps")):
+            step = self.steps.get(key) or {}
+            items = [(f"dynamic ({v})", b) for v, b in variants_of(step, "burst")]
+            if isinstance(step.get("burst_solo"), dict):
+                items.append(("inference alone", step["burst_solo"]))
+            for name, b in items:
+                r = b.get("rates_rps") or {}
+                re = b.get("reaction") or {}
+                self.w(f"| {label} | {name} | {f(r.get('base'), 0)} → {f(r.get('burst'), 0)} | "
+                       f"{f(get(b, 'inference_burst', 'p99_ms'), 2)} | {pctf(get(b, 'inference_burst', 'violations'), 2)} | "
+                       f"{pctf(get(b, 'inference_all', 'violations'), 2)} | {f(re.get('share_before'), 2)} → "
+                       f"{f(re.get('share_raised_to'), 2)} ({f(re.get('share_raised_ms'), 0)}) | "
+                       f"{f(re.get('first_cut_ms'), 0)} | {f(re.get('emergency_ticks_in_second_before'))} | "
+                       f"{f(get(b, 'training', 'it_s'), 2)} |")
+        self.w()
+
+    def idle_table(self) -> None:
+        self.w("## Idle (inference stops)")
+        self.w()
+        self.w("| mode | policy | idle mode after (ms) | training it/s | training / solo |")
+        self.w("|---|---|---|---|---|")
+        for label, key in (("time-slicing", "timeslice"), ("MPS + shim", "mps")):
+            for v, i in variants_of(self.steps.get(key) or {}, "idle"):
+                self.w(f"| {label} | {v} | {f(i.get('idle_mode_after_ms'), 0)} | {f(get(i, 'training', 'it_s'), 2)} | "
+                       f"{pctf(get(i, 'training', 'vs_solo'))} |")
+        self.w()
+
+    def decisions(self) -> None:
+        self.w("## What the manager did")
+        self.w()
+        for label, key in (("time-slicing", "timeslice"), ("MPS + shim", "mps")):
+            for v, d in variants_of(self.steps.get(key) or {}, "dynamic"):
+                changes = get(d, "manager", "mode_changes") or []
+                self.w(f"**{label}, dynamic ({v}):** {len(changes)} mode changes during the steady run"
+                       f"{' (first shown)' if changes else ''}.")
+                self.w()
+                for c in changes[:4]:
+                    self.w(f"* t={c.get('t')} s → {c.get('mode')}: {c.get('reason')}")
+                if changes:
+                    self.w()
+        self.w("The full decision timelines (shares, rates, modes per tick) are in `vertical_results.json`.")
+        self.w()
+
+    def anchor(self) -> None:
+        self.w("## Anchor from the issue (before this manager; same models and load)")
+        self.w()
+        self.w("| configuration | inference p99 (ms) | training |")
+        self.w("|---|---|---|")
+        for row in ANCHOR:
+            self.w(f"| {row[0]} | {row[1]} | {row[2]} |")
+        self.w()
+
+    def problems(self) -> None:
+        errs = []
+        for name, step in self.steps.items():
+            if not isinstance(step, dict):
+                continue
+            if step.get("error"):
+                errs.append(f"* step `{name}`: {str(step['error']).strip().splitlines()[-1][:300]}")
+            for sc, e in (step.get("errors") or {}).items():
+                errs.append(f"* `{name}/{sc}`: {str(e)[:300]}")
+        if errs:
+            self.w("## Problems during the run")
+            self.w()
+            self.lines.extend(errs)
+            self.w()
+
+    def machine(self) -> None:
+        self.w("## Machine")
+        self.w()
+        self.w("```")
+        self.w(str(self.doc.get("machine", "")).rstrip())
+        self.w("```")
+
+    def render(self) -> str:
+        self.header()
+        self.targets()
+        self.steady_table()
+        self.burst_table()
+        self.idle_table()
+        self.decisions()
+        self.anchor()
+        self.problems()
+        self.machine()
+        return "\n".join(self.lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results")
+    ap.add_argument("--out", default="docs/benchmarks/vertical.md")
+    args = ap.parse_args()
+    doc = json.loads(Path(args.results).read_text())
+    Path(args.out).write_text(Report(doc).render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Vertical scaling on the H200 (issue 4): an inference and a training ResNet-50 under the shim, driven by
+# the real GpuManager. From the repository root:
+#
+#   OUT=/path/to/out bash bench/vertical/run_h200.sh
+#
+# Needs: gcc (the shim), python3 with torch + torchvision, an NVIDIA driver, nvidia-cuda-mps-control for
+# the MPS steps; no network, no Redis (the manager runs without it). About 4-5 minutes, never more than
+# ~6 (every step has a time limit and a share of one global budget); a failing step is logged and the
+# next one still runs. Extra arguments for every step go in DILU_BENCH_ARGS (e.g. "--vertical
+# min_cycle_s=0.02 --load 0.4").
+#
+# Writes under $OUT (default ./out/vertical):
+#   vertical_results.json  every measurement; input of report.py
+#   vertical.md            the report rendered from it (same as docs/benchmarks/vertical.md)
+#   vertical_log.txt       every step, its exit status, the manager's and workers' complaints
+#   machine.txt            GPU, driver, CPU, toolchain and library versions
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+REPO=$PWD
+OUT=${OUT:-$REPO/out/vertical}
+mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/dilu-vertical-bench.XXXXXX)
+RES=$WORK/results
+mkdir -p "$RES"
+LOG=$OUT/vertical_log.txt
+: >"$LOG"
+PY=${PYTHON:-python3}
+BUDGET=${DILU_BENCH_BUDGET:-345} # seconds for everything, merge and report included
+START=$SECONDS
+ARGS=${DILU_BENCH_ARGS:-}
+MPS_CONTROL=${DILU_BENCH_MPS_CONTROL:-nvidia-cuda-mps-control}
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
+remaining() { echo $((BUDGET - (SECONDS - START))); }
+
+# step NAME LIMIT CMD...: run with min(LIMIT, what is left of the budget minus 25 s for merge and report)
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$(($(remaining) - 25))
+    if [ "$left" -lt 20 ]; then
+        log "== $name skipped: time budget spent"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    log "== $name (limit ${limit}s)"
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    log "== $name exit $? after $((SECONDS - START))s total"
+    return 0
+}
+
+mps_quit() {
+    # The steps quit their daemon themselves; this is for a step killed by its time limit.
+    if [ -d "$WORK/mps_pipe" ] && { command -v "$MPS_CONTROL" >/dev/null 2>&1 || [ -f "$MPS_CONTROL" ]; }; then
+        echo quit | CUDA_MPS_PIPE_DIRECTORY=$WORK/mps_pipe CUDA_MPS_LOG_DIRECTORY=$WORK/mps_log \
+            timeout 20 "$MPS_CONTROL" >/dev/null 2>&1
+    fi
+}
+trap 'mps_quit; rm -rf "$WORK"' EXIT
+
+log "vertical benchmark: repo $REPO, out $OUT, work $WORK, budget ${BUDGET}s, args '$ARGS'"
+
+# ---- machine ------------------------------------------------------------------------
+{
+    echo "date: $(date -Is)"
+    echo "host: $(uname -a)"
+    echo "commit: $(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)"
+    echo "--- nvidia-smi"
+    timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,compute_mode,mig.mode.current --format=csv 2>&1
+    echo "--- cpu"
+    timeout 10 lscpu 2>&1 | grep -E "Model name|^CPU\(s\)|Thread|NUMA node\(s\)" || true
+    echo "--- toolchain"
+    timeout 10 gcc --version 2>&1 | head -1
+    echo "python: $(timeout 10 "$PY" --version 2>&1)"
+    timeout 60 "$PY" -c 'import torch, torchvision; print("torch", torch.__version__, "cuda", torch.version.cuda, "torchvision", torchvision.__version__)' 2>&1 | tail -1
+    echo "mps: $(command -v "$MPS_CONTROL" || echo missing)"
+} >"$OUT/machine.txt" 2>&1
+log "machine info written"
+
+# ---- build ----------------------------------------------------------------------------
+# cuda.h + cudaTypedefs.h for the shim: /usr/local/cuda, next to nvcc, or anywhere under /usr and /opt
+find_cuda_include() {
+    local nv d
+    nv=$(command -v nvcc 2>/dev/null) && nv=$(dirname "$(dirname "$(readlink -f "$nv")")")
+    for d in "${CUDA_INCLUDE:-}" /usr/local/cuda/include ${nv:+"$nv/include" "$nv/targets/x86_64-linux/include"}; do
+        [ -n "$d" ] && [ -f "$d/cuda.h" ] && [ -f "$d/cudaTypedefs.h" ] && { echo "$d"; return; }
+    done
+    d=$(timeout 30 find /usr /opt -name cudaTypedefs.h -not -path '*/proc/*' 2>/dev/null | head -1)
+    [ -n "$d" ] && dirname "$d"
+}
+if [ -z "${DILU_BENCH_SKIP_BUILD:-}" ]; then
+    CUDA_INCLUDE=$(find_cuda_include)
+    export CUDA_INCLUDE=${CUDA_INCLUDE:-/usr/local/cuda/include}
+    log "CUDA_INCLUDE=$CUDA_INCLUDE"
+    step build-shim 120 make -C cuda_shim clean all
+fi
+if [ ! -f cuda_shim/build/libdilu_shim.so ]; then
+    log "no cuda_shim/build/libdilu_shim.so: nothing can be measured"
+fi
+
+# ---- steps (most important first) -------------------------------------------------------
+run_step() {
+    local name=$1 limit=$2
+    # shellcheck disable=SC2086  # ARGS is a list of words on purpose
+    step "$name" "$limit" "$PY" bench/vertical/h200.py step "$name" --work "$WORK" --results "$RES" \
+        --log "$LOG" $ARGS
+    mps_quit
+}
+run_step timeslice 165
+run_step mps 135
+run_step mps_static 60
+
+# ---- results --------------------------------------------------------------------------
+CMD="OUT=<dir> bash bench/vertical/run_h200.sh${ARGS:+ (DILU_BENCH_ARGS='$ARGS')}"
+timeout 60 "$PY" bench/vertical/h200.py merge --results "$RES" --out "$OUT/vertical_results.json" \
+    --machine "$OUT/machine.txt" --command "$CMD" >>"$LOG" 2>&1
+log "merge exit $?"
+timeout 60 "$PY" bench/vertical/report.py "$OUT/vertical_results.json" --out "$OUT/vertical.md" >>"$LOG" 2>&1
+log "report exit $?; total $((SECONDS - START))s"
+exit 0

@@ -1,0 +1,593 @@
+"""This node's GPUs as the invoker sees them: admission, shim files, vertical managers, Redis budgets.
+
+:class:`GpuNode` implements the invoker core's ``GpuAllocator``: ``attach`` picks a GPU (the balancer's
+choice when given, else the placement policy over this node's GPUs), reserves the instance's
+``<request, limit>`` and memory in the GPU's Redis budget, writes its control and stats blocks and returns
+what its container needs; ``detach`` undoes all of it. One :class:`~dilu_invoker.gpu.manager.GpuManager`
+per GPU re-divides the shares every period. See docs/gpu-manager.md.
+
+Redis is the shared truth of the budgets but never a dependency of running work: when it does not answer,
+admission falls back to the node's last-known view (its own instances plus the other invokers'
+reservations it last read), the managers keep enforcing shares, and a background sync re-registers the
+GPUs and reconciles the reservations once Redis is back. Without any Redis (``budgets=None``) the node
+admits locally only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import shutil
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import structlog
+
+from dilu_invoker.gpu import abi, shim
+from dilu_invoker.gpu.attachment import GpuAttachment, GpuMount
+from dilu_invoker.gpu.devices import GpuDevice
+from dilu_invoker.gpu.manager import (
+    CapacityConfig,
+    GpuManager,
+    InstanceSpec,
+    ManagerMetrics,
+    TickRecord,
+)
+from dilu_invoker.model import GpuNeeds
+from dilu_invoker.policy.cluster import ClusterSnapshot
+from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
+from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
+from dilu_invoker.policy.vertical import VerticalConfig
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+    from prometheus_client import CollectorRegistry
+
+    from dilu_invoker.config import Config
+    from dilu_invoker.gpu.budgets import GpuBudget, GpuBudgets, Reservation
+
+try:
+    from redis.exceptions import RedisError as _RedisError
+except ImportError:  # the GPU benchmark runs the node without Redis and without the redis package
+    _RedisError = OSError  # type: ignore[assignment,misc]
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+DOCKER_GPU_MODES = ("device-requests", "cdi", "devices")
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """One instance on a GPU of this node (the balancer's load reports are built from these)."""
+
+    id: str
+    function: str
+    cls: InstanceClass
+    request: float
+    limit: float
+    share: float
+    memory_mb: int
+    active: bool
+    saturated: bool
+    throttled_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class GpuView:
+    index: int
+    uuid: str
+    memory_mb: int
+    sm_count: int
+    instances: tuple[InstanceView, ...]
+
+
+class _Failed:
+    """A Redis call that did not answer."""
+
+
+_FAILED = _Failed()
+
+
+@dataclass(slots=True)
+class _Attached:
+    spec: InstanceSpec
+    device: GpuDevice
+    files: abi.InstanceFiles
+    control: abi.ControlFile
+    stats: abi.StatsFile
+    attachment: GpuAttachment
+    reserved: bool
+    """Redis holds its reservation (False: admitted locally while Redis was unreachable)."""
+
+
+class GpuNode:
+    """The GPUs of one invoker."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        devices: Sequence[GpuDevice],
+        shm_dir: Path | str,
+        no_gpu_reason: str = "",
+        backend: str = "process",
+        docker_gpu_mode: str = "device-requests",
+        shim_library: Path | str | None = None,
+        budgets: GpuBudgets | None = None,
+        gamma: float = 1.5,
+        omega: float = 1.0,
+        reservation_ttl_s: float = 30.0,
+        sync_period_s: float | None = None,
+        redis_timeout_s: float = 2.0,
+        period_s: float = 0.05,
+        vertical: VerticalConfig | None = None,
+        capacity: CapacityConfig | None = None,
+        stale_after_s: float | None = None,
+        metrics: ManagerMetrics | None = None,
+        utilization: Callable[[GpuDevice], float | None] | None = None,
+        observers: tuple[Callable[[TickRecord], None], ...] = (),
+    ) -> None:
+        if backend == "docker" and docker_gpu_mode not in DOCKER_GPU_MODES:
+            raise ValueError(f"docker GPU mode must be one of {DOCKER_GPU_MODES}, not {docker_gpu_mode!r}")
+        if not (math.isfinite(reservation_ttl_s) and reservation_ttl_s > 0):
+            raise ValueError(f"reservation_ttl_s must be > 0, got {reservation_ttl_s!r}")
+        self.node = node
+        self.devices = tuple(sorted(devices, key=lambda d: d.index))
+        self.no_gpu_reason = no_gpu_reason if not self.devices else ""
+        self.root = Path(shm_dir) / node
+        self.backend = backend
+        self.docker_gpu_mode = docker_gpu_mode
+        self.gamma = gamma
+        self.omega = omega
+        self.ttl_s = reservation_ttl_s
+        self.sync_period_s = sync_period_s if sync_period_s is not None else max(0.2, reservation_ttl_s / 3)
+        self.redis_timeout_s = redis_timeout_s
+        self._budgets = budgets
+        self._shim: Path | None = None
+        self._shim_problem = ""
+        try:
+            self._shim = Path(shim_library) if shim_library is not None else shim.find_library()
+            if not self._shim.is_file():
+                raise shim.ShimNotFoundError(f"{self._shim} does not exist")
+        except shim.ShimNotFoundError as exc:
+            self._shim, self._shim_problem = None, str(exc)
+        self._managers: dict[str, GpuManager] = {
+            d.uuid: GpuManager(
+                uuid=d.uuid, index=d.index, period_s=period_s, vertical=vertical, capacity=capacity,
+                stale_after_s=stale_after_s, publish=self._publish if budgets is not None else None,
+                metrics=metrics, observers=observers,
+                utilization=(lambda d=d: utilization(d)) if utilization is not None else None,  # type: ignore[misc]
+            )
+            for d in self.devices
+        }
+        self._attached: dict[str, _Attached] = {}
+        self._known: dict[str, GpuBudget] = {}
+        self._admit_lock = asyncio.Lock()
+        self._redis_ok = True
+        self._needs_sync = budgets is not None
+        self._sync_task: asyncio.Task[None] | None = None
+        self._wake_sync = asyncio.Event()
+        self._started = False
+
+    # -- construction from the configuration ------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Config,
+        *,
+        redis: aioredis.Redis | None = None,
+        backend: str = "process",
+        registry: CollectorRegistry | None = None,
+    ) -> GpuNode:
+        """Discovery (NVML, or ``--gpu-inventory``), budgets on ``redis`` and metrics in ``registry``."""
+        from dilu_invoker.gpu.devices import discover, sm_utilization
+
+        g = cfg.gpu
+        try:
+            found = discover(enabled=g.enabled, inventory=g.inventory, invoker_id=cfg.invoker.id)
+            devices, reason = found.devices, found.reason
+        except (OSError, ValueError) as exc:
+            devices, reason = (), f"the GPU inventory could not be read: {exc}"
+        budgets = None
+        metrics = None
+        if devices and redis is not None:
+            from dilu_invoker.gpu.budgets import GpuBudgets
+
+            budgets = GpuBudgets(redis, prefix=cfg.redis.prefix)
+        if devices and registry is not None:
+            from dilu_invoker.gpu.metrics import GpuMetrics
+
+            metrics = GpuMetrics(registry)
+        return cls(
+            node=f"invoker{cfg.invoker.id}", devices=devices, no_gpu_reason=reason, shm_dir=g.shm_dir,
+            backend=backend, docker_gpu_mode=cfg.invoker.docker_gpu_mode, shim_library=g.shim_path,
+            budgets=budgets, gamma=g.gamma, reservation_ttl_s=g.reservation_ttl_s,
+            period_s=g.manager_period_ms / 1000, metrics=metrics, utilization=sm_utilization,
+        )
+
+    # -- state -------------------------------------------------------------------------------------
+
+    @property
+    def has_gpus(self) -> bool:
+        return bool(self.devices)
+
+    @property
+    def redis_reachable(self) -> bool:
+        return self._budgets is not None and self._redis_ok
+
+    def manager(self, uuid_or_index: str | int) -> GpuManager:
+        for d in self.devices:
+            if uuid_or_index in (d.uuid, d.index):
+                return self._managers[d.uuid]
+        raise KeyError(uuid_or_index)
+
+    def view(self) -> tuple[GpuView, ...]:
+        out = []
+        for d in self.devices:
+            instances = []
+            for spec, status in self._managers[d.uuid].statuses():
+                instances.append(InstanceView(
+                    id=spec.id, function=spec.function, cls=spec.cls, request=spec.request, limit=spec.limit,
+                    share=status.share if status else spec.starting_share, memory_mb=spec.memory_mb,
+                    active=status.active if status else False, saturated=status.saturated if status else False,
+                    throttled_s=status.throttled_s if status else 0.0,
+                ))
+            out.append(GpuView(index=d.index, uuid=d.uuid, memory_mb=d.memory_mb, sm_count=d.sm_count,
+                               instances=tuple(instances)))
+        return tuple(out)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if not self.devices:
+            log.warning("no GPUs: GPU actions run on the CPU", reason=self.no_gpu_reason)
+            return
+        try:
+            await asyncio.to_thread(self._prepare_root)
+        except OSError as exc:
+            self.no_gpu_reason = f"the shim directory {self.root} is unusable: {exc}"
+            self.devices = ()
+            log.error("no GPUs: GPU actions run on the CPU", reason=self.no_gpu_reason)
+            return
+        if self._shim is None:
+            log.error("libdilu_shim.so not found: GPU actions get their GPU but shares are NOT enforced",
+                      problem=self._shim_problem)
+        for mgr in self._managers.values():
+            mgr.start()
+        log.info("GPU node started", node=self.node, gpus=[d.index for d in self.devices], backend=self.backend,
+                 redis=self._budgets is not None, shim=str(self._shim) if self._shim else None)
+        if self._budgets is not None:
+            await self._sync_once()  # registers the GPUs and drops reservations of an earlier life
+            self._sync_task = asyncio.create_task(self._sync_loop(), name=f"gpu-budgets-{self.node}")
+
+    def _prepare_root(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o755)
+        # Blocks of an earlier run: its containers were removed before this node started.
+        for leftover in self.root.iterdir():
+            if leftover.is_dir() and (leftover / "control").exists():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    async def close(self) -> None:
+        """Stop the sync and the managers, detach whatever is still attached (best effort)."""
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync_task
+            self._sync_task = None
+        for instance in list(self._attached):
+            with contextlib.suppress(Exception):
+                await self.detach(instance)
+        for mgr in self._managers.values():
+            await mgr.stop()
+
+    # -- attach / detach ---------------------------------------------------------------------------
+
+    async def attach(self, instance: str, function: str, needs: GpuNeeds, *,
+                     gpu_index: int | None = None) -> GpuAttachment | None:
+        if not self.devices:
+            return None
+        have = self._attached.get(instance)
+        if have is not None:
+            return have.attachment
+        try:
+            spec = InstanceSpec(
+                id=instance, function=function, cls=InstanceClass(needs.gpu_class.value), request=needs.sm_request,
+                limit=needs.sm_limit, memory_mb=needs.memory_mb, slo_ms=needs.slo_ms,
+                capacity_blocks_per_ms=needs.capacity_blocks_per_ms,
+            )
+            abi.instance_files(self.root, instance)
+        except ValueError as exc:
+            log.warning("GPU not attached: bad instance", instance=instance, error=str(exc))
+            return None
+        async with self._admit_lock:
+            device, reserved, why = await self._admit(spec, gpu_index)
+        if device is None:
+            log.warning("no GPU for the instance: it runs on the CPU", instance=instance, function=function,
+                        reason=why)
+            return None
+        mgr = self._managers[device.uuid]
+        try:
+            control, stats = await asyncio.to_thread(
+                abi.create_instance_files, self.root, instance, mgr.initial_quota(spec))
+        except OSError as exc:
+            log.error("could not create the shim blocks; the instance runs on the CPU", instance=instance,
+                      error=str(exc))
+            await self._release(device, instance)
+            return None
+        files = abi.instance_files(self.root, instance)
+        attachment = self._attachment(device, files)
+        mgr.add(spec, control, stats)
+        self._attached[instance] = _Attached(spec, device, files, control, stats, attachment, reserved)
+        log.info("GPU attached", instance=instance, function=function, gpu=device.index, uuid=device.uuid,
+                 cls=spec.cls.value, request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb,
+                 budget="redis" if reserved else "local", reason=why)
+        return attachment
+
+    async def detach(self, instance: str) -> None:
+        a = self._attached.pop(instance, None)
+        if a is None:
+            return
+        self._managers[a.device.uuid].remove(instance)
+        a.control.close()
+        a.stats.close()
+        await asyncio.to_thread(shutil.rmtree, a.files.directory, True)
+        async with self._admit_lock:  # not in the middle of a re-sync that still counts it as live
+            await self._release(a.device, instance)
+        log.info("GPU detached", instance=instance, gpu=a.device.index)
+
+    def pin(self, instance: str, share: float | None) -> None:
+        """Fix an instance's share (static placement strategies); None gives it back to the policy."""
+        a = self._attached[instance]
+        self._managers[a.device.uuid].pin(instance, share)
+
+    def set_capacity(self, instance: str, blocks_per_ms: float | None) -> None:
+        """A capacity measured after the instance started (the profiler); None: the online estimate."""
+        a = self._attached[instance]
+        self._managers[a.device.uuid].set_capacity(instance, blocks_per_ms)
+
+    def _attachment(self, device: GpuDevice, files: abi.InstanceFiles) -> GpuAttachment:
+        env: dict[str, str] = {"DILU_GPU_UUID": device.uuid}
+        mounts: tuple[GpuMount, ...] = ()
+        devices: tuple[str, ...] = ()
+        if self.backend == "docker":
+            if self._shim is not None:
+                cc = shim.container_config(control_path=files.control, stats_path=files.stats, library=self._shim)
+                env.update(cc.env)
+                mounts = tuple(GpuMount(str(m.source), m.target, m.read_only) for m in cc.mounts)
+            if self.docker_gpu_mode == "devices":
+                devices = device.device_nodes
+                env["CUDA_VISIBLE_DEVICES"] = device.uuid
+        else:
+            # NVML numbers GPUs by PCI bus; CUDA only does so when told.
+            env.update({"CUDA_VISIBLE_DEVICES": str(device.index), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+            if self._shim is not None:
+                env.update(shim.process_env(control_path=files.control, stats_path=files.stats,
+                                            library=self._shim, base_env={}))
+        return GpuAttachment(env=env, mounts=mounts, devices=devices, gpu_index=device.index, uuid=device.uuid)
+
+    # -- admission ---------------------------------------------------------------------------------
+
+    async def _admit(self, spec: InstanceSpec, gpu_index: int | None) -> tuple[GpuDevice | None, bool, str]:
+        tried: set[str] = set()
+        reasons: list[str] = []
+        preferred = None
+        if gpu_index is not None:
+            preferred = next((d for d in self.devices if d.index == gpu_index), None)
+            if preferred is None:
+                reasons.append(f"GPU {gpu_index} is not on this node")
+        for _ in range(len(self.devices) + 1):
+            device: GpuDevice | None
+            if preferred is not None and preferred.uuid not in tried:
+                device, why = preferred, f"GPU {preferred.index} chosen by the balancer"
+            else:
+                device, why = self._place(spec, avoid=tried)
+            if device is None:
+                reasons.append(why)
+                break
+            tried.add(device.uuid)
+            ok, reserved, detail = await self._reserve(device, spec)
+            if ok:
+                if reasons:
+                    why += f" (after: {'; '.join(reasons)})"
+                return device, reserved, why
+            reasons.append(f"GPU {device.index}: {detail}")
+        return None, False, "; ".join(reasons) or "no GPU fits"
+
+    def _placed_on(self, device: GpuDevice) -> list[PlacedInstance]:
+        """What this node believes is on ``device``: its own instances plus other invokers' reservations."""
+        own = [
+            PlacedInstance(id=a.spec.id, function=a.spec.function, cls=a.spec.cls, request=a.spec.request,
+                           limit=a.spec.limit, memory_mib=float(a.spec.memory_mb))
+            for a in self._attached.values() if a.device.uuid == device.uuid
+        ]
+        known = self._known.get(device.uuid)
+        others = []
+        if known is not None:
+            for r in known.reservations.values():
+                if r.invoker != self.node and r.instance not in self._attached:
+                    others.append(PlacedInstance(
+                        id=r.instance, function=r.function or "?", cls=_parse_class(r.cls), request=r.request,
+                        limit=max(r.limit, r.request), memory_mib=float(r.memory_mb)))
+        return own + others
+
+    def _place(self, spec: InstanceSpec, *, avoid: set[str]) -> tuple[GpuDevice | None, str]:
+        states = [
+            GpuState(ref=GpuRef(self.node, d.index), memory_mib=float(max(d.memory_mb, 1)), uuid=d.uuid,
+                     sm_count=d.sm_count, instances=tuple(self._placed_on(d)))
+            for d in self.devices
+        ]
+        request = PlacementRequest(
+            instance_id=spec.id, function=spec.function, cls=spec.cls, request=spec.request, limit=spec.limit,
+            memory_mib=float(spec.memory_mb),
+            avoid_gpus=frozenset(GpuRef(self.node, d.index) for d in self.devices if d.uuid in avoid),
+        )
+        decision = place(ClusterSnapshot.build(now=0.0, gpus=states), request,
+                         PlacementConfig(omega=self.omega, gamma=max(self.gamma, self.omega)))
+        if not decision.placed:
+            return None, f"placement: {decision.reason}"
+        index = decision.gpus[0].gpu
+        return next(d for d in self.devices if d.index == index), f"placement: {decision.reason}"
+
+    def _fits_locally(self, device: GpuDevice, spec: InstanceSpec) -> tuple[bool, str]:
+        placed = self._placed_on(device)
+        req = sum(p.request for p in placed) + spec.request
+        lim = sum(p.limit for p in placed) + spec.limit
+        mem = sum(p.memory_mib for p in placed) + spec.memory_mb
+        if req > self.omega + EPS:
+            return False, f"SM requests would reach {req:.3f} > {self.omega:.3f} (local view)"
+        if lim > self.gamma + EPS:
+            return False, f"SM limits would reach {lim:.3f} > gamma {self.gamma:.3f} (local view)"
+        if mem > device.memory_mb:
+            return False, f"memory would reach {mem:.0f} MB > {device.memory_mb} MB (local view)"
+        return True, "admitted against the local view"
+
+    async def _reserve(self, device: GpuDevice, spec: InstanceSpec) -> tuple[bool, bool, str]:
+        """(admitted, held in Redis, detail)."""
+        budgets = self._budgets
+        if budgets is None or not self._redis_ok:
+            ok, why = self._fits_locally(device, spec)
+            return ok, False, why + ("" if budgets is None else " (Redis unreachable)")
+        reservation = self._reservation(spec)
+        for _ in range(2):
+            result = await self._call("reserve", partial(budgets.reserve, device.uuid, reservation, ttl_s=self.ttl_s))
+            if isinstance(result, _Failed):
+                ok, why = self._fits_locally(device, spec)
+                return ok, False, why + " (Redis unreachable)"
+            if result.ok or result.reason != "unknown GPU":
+                return result.ok, result.ok, result.reason
+            # Redis lost the GPU (a restart without persistence): register it again and retry.
+            self._needs_sync = True
+            if isinstance(await self._call("register", partial(self._register, device)), _Failed):
+                ok, why = self._fits_locally(device, spec)
+                return ok, False, why + " (Redis unreachable)"
+        return False, False, "the GPU could not be registered in Redis"
+
+    async def _release(self, device: GpuDevice, instance: str) -> None:
+        budgets = self._budgets
+        if budgets is None or not self._redis_ok:
+            return  # the next re-sync drops reservations of instances that are gone
+        await self._call("release", partial(budgets.release, device.uuid, instance))
+
+    def _reservation(self, spec: InstanceSpec) -> Reservation:
+        from dilu_invoker.gpu.budgets import Reservation
+
+        return Reservation(instance=spec.id, function=spec.function, cls=spec.cls.value, invoker=self.node,
+                           request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb)
+
+    # -- Redis -------------------------------------------------------------------------------------
+
+    async def _call(self, what: str, factory: Callable[[], Awaitable[T]]) -> T | _Failed:
+        try:
+            result = await asyncio.wait_for(factory(), self.redis_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except (_RedisError, OSError, TimeoutError) as exc:
+            if self._redis_ok:
+                log.warning("Redis unreachable: admitting against this node's last-known view, shares keep "
+                            "being enforced", operation=what, error=repr(exc))
+            self._redis_ok = False
+            self._needs_sync = True
+            self._wake_sync.set()
+            return _FAILED
+        if not self._redis_ok:
+            log.info("Redis reachable again; re-syncing GPU budgets", operation=what)
+            self._redis_ok = True
+            self._wake_sync.set()
+        return result
+
+    async def _register(self, device: GpuDevice) -> None:
+        from dilu_invoker.gpu.budgets import GpuCapacity
+
+        assert self._budgets is not None
+        await self._budgets.register_gpu(device.uuid, GpuCapacity(
+            node=self.node, index=device.index, name=device.name, memory_mb=device.memory_mb,
+            sm_count=device.sm_count, gamma=self.gamma, omega=self.omega))
+
+    async def _publish(self, uuid: str, shares: Mapping[str, float]) -> None:
+        budgets = self._budgets
+        if budgets is None or not self._redis_ok or self._needs_sync:
+            return  # the re-sync publishes them; no pile of failing calls meanwhile
+        await self._call("set shares", partial(budgets.set_shares, uuid, shares))
+
+    async def _sync_loop(self) -> None:
+        while True:
+            period = min(self.sync_period_s, 1.0) if self._needs_sync else self.sync_period_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_sync.wait(), period)
+            self._wake_sync.clear()
+            try:
+                await self._sync_once()
+            except Exception:
+                log.exception("GPU budget sync failed; retrying")
+                self._needs_sync = True
+
+    async def _sync_once(self) -> None:
+        """Renew the leases, or re-sync everything after an outage or a lost reservation."""
+        budgets = self._budgets
+        if budgets is None:
+            return
+        if not self._needs_sync:
+            for d in self.devices:
+                ids = [a.spec.id for a in self._attached.values() if a.device.uuid == d.uuid]
+                if not ids:
+                    continue
+                renewed = await self._call("renew", partial(budgets.renew, d.uuid, ids, ttl_s=self.ttl_s))
+                if isinstance(renewed, _Failed):
+                    return
+                if renewed < len(ids):
+                    log.warning("GPU reservations were lost (expired or Redis restarted); re-syncing",
+                                gpu=d.index, held=len(ids), renewed=renewed)
+                    self._needs_sync = True
+        if self._needs_sync:
+            # Attach and detach wait meanwhile: the set of live instances must not change under the reconcile.
+            async with self._admit_lock:
+                synced = await self._resync(budgets)
+            if not synced:
+                return
+        for d in self.devices:
+            got = await self._call("read budget", partial(budgets.get, d.uuid))
+            if isinstance(got, _Failed):
+                return
+            if got is not None:
+                self._known[d.uuid] = got
+
+    async def _resync(self, budgets: GpuBudgets) -> bool:
+        """Register every GPU and make Redis agree with the instances attached here (GpuBudgets.reconcile)."""
+        summary: dict[int, tuple[int, int]] = {}
+        for d in self.devices:
+            if isinstance(await self._call("register", partial(self._register, d)), _Failed):
+                return False
+            live = {a.spec.id: self._reservation(a.spec) for a in self._attached.values() if a.device.uuid == d.uuid}
+            done = await self._call("reconcile", partial(budgets.reconcile, d.uuid, invoker=self.node, live=live,
+                                                         ttl_s=self.ttl_s))
+            if isinstance(done, _Failed):
+                return False
+            summary[d.index] = done
+            shares = {st.id: st.share for _, st in self._managers[d.uuid].statuses() if st is not None}
+            if shares and isinstance(await self._call("set shares", partial(budgets.set_shares, d.uuid, shares)),
+                                     _Failed):
+                return False
+        for a in self._attached.values():
+            a.reserved = True
+        self._needs_sync = False
+        log.info("GPU budgets in sync with Redis", node=self.node,
+                 dropped={i: s[0] for i, s in summary.items() if s[0]},
+                 restored={i: s[1] for i, s in summary.items() if s[1]})
+        return True
+
+
+def _parse_class(value: str) -> InstanceClass:
+    try:
+        return InstanceClass.parse(value)
+    except ValueError:
+        return InstanceClass.INFERENCE
+

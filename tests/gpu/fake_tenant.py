@@ -1,0 +1,106 @@
+"""A GPU tenant for the manager's end-to-end tests: launches "kernels" through the fake libcuda (under the
+shim when LD_PRELOAD says so), in a pattern set by commands on stdin:
+
+    run <blocks> <gap_us>                              launch continuously (a training loop)
+    burst <blocks> <launches> <gap_us> <pause_ms>      bursts of launches, then a pause (inference requests)
+    idle                                               launch nothing
+    quit
+
+It answers ``ok <command>`` on stdout once the command is in force.
+
+``--contend STATS --contend-capacity C``: while bursting, each launch takes longer the faster the tenant
+whose stats block is STATS is admitted (gap × (1 + 2 × its rate / C)). The fake driver's timeline is per
+process, so this stands in for two processes sharing one GPU: the other tenant's work stretches this
+one's kernel-launch cycles, which is what the vertical policy feeds back on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from dilu_invoker.gpu import abi
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contend", type=Path)
+    ap.add_argument("--contend-capacity", type=float, default=1.0)
+    args = ap.parse_args()
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    launch = cuda.cuLaunchKernel
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    launch.restype = ctypes.c_int
+    if cuda.cuInit(0) != 0:
+        print("cuInit failed", flush=True)
+        return 1
+
+    other = abi.StatsFile.open(args.contend) if args.contend else None
+    mode: list[object] = ["idle"]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def stretch() -> float:
+        if other is None:
+            return 1.0
+        s = other.snapshot()
+        if not s.window_ns:
+            return 1.0
+        rate = s.window_blocks_last / (s.window_ns / 1e6)
+        return 1.0 + 2.0 * rate / args.contend_capacity
+
+    def one(blocks: int) -> None:
+        if launch(None, blocks, 1, 1, 1, 1, 1, 0, 0x100, None, None) != 0:
+            raise SystemExit("cuLaunchKernel failed")
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                current = mode[0]
+            if current == "idle":
+                time.sleep(0.002)
+            elif current[0] == "run":  # type: ignore[index]
+                _, blocks, gap_us = current  # type: ignore[misc]
+                one(blocks)
+                time.sleep(gap_us / 1e6)
+            else:
+                _, blocks, launches, gap_us, pause_ms = current  # type: ignore[misc]
+                for _ in range(launches):
+                    one(blocks)
+                    time.sleep(gap_us * stretch() / 1e6)
+                time.sleep(pause_ms / 1000)
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        cmd = words[0]
+        with lock:
+            if cmd == "run":
+                mode[0] = ("run", int(words[1]), float(words[2]))
+            elif cmd == "burst":
+                mode[0] = ("burst", int(words[1]), int(words[2]), float(words[3]), float(words[4]))
+            elif cmd == "idle":
+                mode[0] = "idle"
+            elif cmd == "quit":
+                break
+            else:
+                print(f"unknown {cmd}", flush=True)
+                continue
+        print(f"ok {cmd}", flush=True)
+    stop.set()
+    t.join(timeout=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

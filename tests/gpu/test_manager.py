@@ -1,0 +1,370 @@
+"""The manager's pure pieces by tables (reading the stats block, the capacity estimator, quotas), and its tick
+against stats blocks written the way the shim writes them (no process, an injected clock)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from dilu_invoker.gpu import abi
+from dilu_invoker.gpu.manager import (
+    CapacityConfig,
+    CapacityEstimate,
+    CapacityObservation,
+    Counters,
+    GpuManager,
+    InstanceSpec,
+    TickRecord,
+    estimate_capacity,
+    quota_for,
+    read_delta,
+    ticks,
+    vertical_instance,
+)
+from dilu_invoker.gpu.metrics import GpuMetrics
+from dilu_invoker.policy.types import InstanceClass
+from dilu_invoker.policy.vertical import FeedbackMode, VerticalConfig
+from tests.gpu.support import StatsWriter, snapshot
+
+# -- reading the stats block ---------------------------------------------------------------------
+
+PREV = Counters(pid=100, launches=12, blocks=500, throttled_ns=3_000_000, windows=10, cycles=2,
+                cycle_current_windows=1)
+
+
+@pytest.mark.parametrize(
+    ("prev", "snap", "expect"),
+    [
+        # expect: blocks, launches, throttled_s, windows, busy_windows, cycles_s, open_cycle_s, restarted
+        (None, snapshot(blocks=500, launches=10, graph_launches=2, throttled_ns=3_000_000, windows=10, cycles=2,
+                        recent_cycles=(3, 2), cycle_current_windows=1),
+         (500, 12, 0.003, 10, 6, (0.015, 0.010), 0.005, False)),
+        (PREV, snapshot(blocks=900, launches=20, throttled_ns=5_000_000, windows=20, cycles=3,
+                        recent_cycles=(3, 2, 4), cycle_current_windows=2),
+         (400, 8, 0.002, 10, 5, (0.020,), 0.010, False)),
+        (replace(PREV, cycles=3, cycle_current_windows=2),
+         snapshot(blocks=600, launches=12, throttled_ns=3_000_000, windows=15, cycles=3, recent_cycles=(3, 2, 4),
+                  cycle_current_windows=7),
+         (100, 0, 0.0, 5, 5, (), 0.035, False)),
+        (PREV, snapshot(pid=200, blocks=50, launches=1, windows=2, cycles=0, cycle_current_windows=2),
+         (50, 1, 0.0, 2, 2, (), 0.010, True)),
+        (PREV, snapshot(blocks=100, launches=30, throttled_ns=3_000_000, windows=30, cycles=2,
+                        recent_cycles=(3, 2)),
+         (100, 30, 0.003, 30, 5, (0.015, 0.010), 0.0, True)),
+        (replace(PREV, cycles=0, windows=0, cycle_current_windows=0),
+         snapshot(blocks=600, launches=12, throttled_ns=3_000_000, windows=200, cycles=20,
+                  recent_cycles=tuple(range(1, 17))),
+         (100, 0, 0.0, 200, sum(range(1, 17)), tuple(c * 0.005 for c in range(1, 17)), 0.0, False)),
+        (replace(PREV, cycles=0, cycle_current_windows=0),
+         snapshot(blocks=600, launches=12, throttled_ns=3_000_000, windows=12, cycles=1, recent_cycles=(9,),
+                  cycle_current_windows=3),
+         (100, 0, 0.0, 2, 2, (0.045,), 0.015, False)),
+    ],
+    ids=["first-reading", "delta", "open-cycle-grows", "restart-new-pid", "counters-went-back",
+         "ring-overflow-keeps-16", "busy-clamped-to-windows"],
+)
+def test_read_delta(prev: Counters | None, snap: abi.StatsSnapshot, expect: tuple[object, ...]) -> None:
+    reading, counters = read_delta(prev, snap)
+    blocks, launches, throttled, windows, busy, cycles, open_s, restarted = expect
+    assert (reading.blocks, reading.launches, reading.windows, reading.busy_windows) == (
+        blocks, launches, windows, busy)
+    assert reading.throttled_s == pytest.approx(throttled)
+    assert reading.cycles_s == pytest.approx(cycles)
+    assert reading.open_cycle_s == pytest.approx(open_s)
+    assert reading.restarted is restarted and reading.published
+    assert counters == Counters.of(snap)
+
+
+def test_unpublished_block_reads_as_nothing() -> None:
+    reading, counters = read_delta(PREV, snapshot(heartbeat_ns=0, blocks=10))
+    assert not reading.published and reading.blocks == 0 and not reading.demand and counters is None
+
+
+def test_vertical_instance_clips_throttling_to_the_period() -> None:
+    spec = InstanceSpec(id="a", function="ns/f", cls=InstanceClass.TRAINING, request=0.2, limit=0.6, slo_ms=50)
+    reading, _ = read_delta(None, snapshot(blocks=10, throttled_ns=400_000_000, cycles=1, recent_cycles=(4,),
+                                           windows=10))
+    inst = vertical_instance(spec, reading, period_s=0.05, last_active_at=3.0, share=0.4)
+    assert inst.throttled_s == pytest.approx(0.05) and inst.blocks == 10 and inst.share == 0.4
+    assert inst.cycles_s == pytest.approx((0.02,)) and inst.last_active_at == 3.0 and inst.slo_ms == 50
+
+
+# -- capacity --------------------------------------------------------------------------------------
+
+BASE = CapacityObservation(blocks=1000, busy_windows=10, window_s=0.005, elapsed_s=0.05, throttled_s=0.0,
+                           limited=True, at_limit=False, others_latency_active=False)  # busy rate 20 blocks/ms
+
+
+@pytest.mark.parametrize(
+    ("est", "obs", "value", "peak", "why"),
+    [
+        (CapacityEstimate(override=50.0), BASE, 50.0, 0.0, "measured"),
+        (CapacityEstimate(), BASE, 20.0, 20.0, "first observation"),
+        (CapacityEstimate(10.0, 10.0), BASE, 20.0, 20.0, "raised"),
+        (CapacityEstimate(100.0, 100.0), replace(BASE, elapsed_s=600.0), 50.0, 100.0, "decayed"),
+        (CapacityEstimate(100.0, 100.0), replace(BASE, elapsed_s=6000.0), 20.0, 100.0, "raised"),
+        (CapacityEstimate(20.0, 20.0), replace(BASE, throttled_s=0.01, at_limit=True), 25.0, 20.0, "probe"),
+        (CapacityEstimate(20.0, 20.0), replace(BASE, throttled_s=0.01, at_limit=True, others_latency_active=True),
+         20.0, 20.0, "not its own"),
+        (CapacityEstimate(20.0, 20.0), replace(BASE, throttled_s=0.01), 20.0, 20.0, "not its own"),
+        (CapacityEstimate(78.0, 20.0), replace(BASE, throttled_s=0.01, at_limit=True), 80.0, 20.0, "probe"),
+        (CapacityEstimate(80.0, 20.0), replace(BASE, throttled_s=0.01, at_limit=True), 80.0, 20.0, "stopped"),
+        (CapacityEstimate(5.0, 5.0), replace(BASE, busy_windows=1), 5.0, 5.0, "no clean"),
+        (CapacityEstimate(5.0, 5.0), replace(BASE, throttled_s=0.002), 5.0, 5.0, "no clean"),
+        (CapacityEstimate(), replace(BASE, limited=False, throttled_s=0.02), 20.0, 20.0, "first"),
+        (CapacityEstimate(), replace(BASE, blocks=0), None, 0.0, "no clean"),
+    ],
+    ids=["override-wins", "first-observation", "higher-rate-raises", "decays-over-a-half-life",
+         "decays-down-to-the-observation", "probe-when-throttled-at-limit-alone",
+         "no-probe-beside-latency-critical-demand", "no-probe-below-the-limit", "probe-capped-at-4x-peak",
+         "probe-stops-at-the-cap", "too-few-busy-windows", "partly-throttled-teaches-nothing",
+         "unlimited-has-no-token-waits", "idle-teaches-nothing"],
+)
+def test_estimate_capacity(est: CapacityEstimate, obs: CapacityObservation, value: float | None, peak: float,
+                           why: str) -> None:
+    new, reason = estimate_capacity(est, obs, CapacityConfig())
+    assert new.value == (pytest.approx(value) if value is not None else None)
+    assert new.peak_blocks_per_ms == pytest.approx(peak)
+    assert why in reason
+
+
+@pytest.mark.parametrize(
+    ("share", "capacity", "rate", "recorded"),
+    [(1.0, 100.0, 0.0, 1.0), (0.5, None, 0.0, 0.5), (0.5, 100.0, 50.0, 0.5), (0.0, 100.0, 0.01, 0.0001),
+     (1.3, 100.0, 0.0, 1.0), (0.25, 0.0, 0.0, 0.25)],
+    ids=["whole-gpu-is-unlimited", "unknown-capacity-is-unlimited", "share-times-capacity",
+         "zero-keeps-a-trickle", "over-one-is-clipped", "zero-capacity-is-unknown"],
+)
+def test_quota_for(share: float, capacity: float | None, rate: float, recorded: float) -> None:
+    q = quota_for(share, capacity, mem_cap_bytes=1 << 30, stale_after_ns=7)
+    assert q.rate_blocks_per_ms == pytest.approx(rate) and q.share == pytest.approx(recorded)
+    assert q.mem_cap_bytes == 1 << 30 and q.stale_after_ns == 7
+
+
+async def test_ticks_follow_the_schedule() -> None:
+    seen = []
+    async for n in ticks(0.005):
+        seen.append(n)
+        if len(seen) == 3:
+            break
+    assert seen == [0, 1, 2]
+    with pytest.raises(ValueError):
+        await anext(aiter(ticks(0.0)))
+
+
+# -- ticks against written stats blocks -----------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ns = 1_000_000_000
+
+    def __call__(self) -> int:
+        return self.ns
+
+    def advance(self, s: float) -> None:
+        self.ns += int(s * 1e9)
+
+
+INF = InstanceSpec(id="inf", function="guest/classify", cls=InstanceClass.INFERENCE, request=0.4, limit=0.7,
+                   memory_mb=100, capacity_blocks_per_ms=100.0)
+TRAIN = InstanceSpec(id="train", function="guest/pkg/train", cls=InstanceClass.TRAINING, request=0.2, limit=0.8,
+                     memory_mb=200, capacity_blocks_per_ms=100.0)
+
+
+class Gpu:
+    """A manager over instance files whose stats blocks the test writes."""
+
+    def __init__(self, root: Path, *, metrics: GpuMetrics | None = None,
+                 vertical: VerticalConfig | None = None) -> None:
+        self.clock = Clock()
+        self.records: list[TickRecord] = []
+        self.mgr = GpuManager(uuid="GPU-t", index=3, period_s=0.05, clock_ns=self.clock, metrics=metrics,
+                              vertical=vertical or VerticalConfig(oversubscribe_in_recovery=False),
+                              observers=(self.records.append,))
+        self.root = root
+        self.controls: dict[str, abi.ControlFile] = {}
+        self.writers: dict[str, StatsWriter] = {}
+
+    def add(self, spec: InstanceSpec) -> None:
+        ctl, st = abi.create_instance_files(self.root, spec.id, self.mgr.initial_quota(spec))
+        self.controls[spec.id] = ctl
+        self.writers[spec.id] = StatsWriter(st.path)
+        self.mgr.add(spec, ctl, st)
+
+    def tick(self, **launched: int) -> TickRecord:
+        """Advance one period; each named instance launched that many blocks in it."""
+        self.clock.advance(0.05)
+        for name, blocks in launched.items():
+            w = self.writers[name]
+            w.publish(blocks=w.block.blocks + blocks, launches=w.block.launches + 1,
+                      windows=w.block.windows + 10, pid=4242)
+        return self.mgr.tick()
+
+    def control(self, name: str) -> abi.Quota:
+        return self.controls[name].read().quota
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+
+
+@pytest.fixture
+def gpu(tmp_path: Path) -> Iterator[Gpu]:
+    g = Gpu(tmp_path)
+    g.add(INF)
+    g.add(TRAIN)
+    yield g
+    g.close()
+
+
+def test_starting_quotas_are_the_standing_caps(gpu: Gpu) -> None:
+    assert gpu.control("inf").share == 0.7 and gpu.control("inf").rate_blocks_per_ms == pytest.approx(70.0)
+    assert gpu.control("train").share == 0.2 and gpu.control("train").mem_cap_bytes == 200 << 20
+
+
+def test_training_alone_rises_to_its_limit_then_is_cut_when_inference_bursts(gpu: Gpu) -> None:
+    first = gpu.tick(train=1000)
+    assert first.mode is FeedbackMode.IDLE
+    assert gpu.control("train").share == pytest.approx(0.8)
+    assert gpu.control("train").rate_blocks_per_ms == pytest.approx(80.0)
+
+    burst = gpu.tick(train=1000, inf=500)
+    assert burst.status("inf").active and burst.status("inf").share == pytest.approx(0.7)
+    # Latency-critical demand beside training: training starts at the fair budget 1 - 0.7.
+    assert gpu.control("train").share == pytest.approx(0.3)
+    assert gpu.control("train").rate_blocks_per_ms == pytest.approx(30.0)
+    assert burst.mode is not FeedbackMode.IDLE
+
+    # Inference falls silent; after idle_after_s (0.6 s) training gets the GPU back.
+    modes = [gpu.tick(train=1000).mode for _ in range(14)]
+    assert modes[0] is not FeedbackMode.IDLE and modes[-1] is FeedbackMode.IDLE
+    assert gpu.control("train").share == pytest.approx(0.8)
+    assert gpu.control("inf").share == pytest.approx(0.7)  # standing cap: its next burst starts unthrottled
+
+
+def test_reconfigured_policy_starts_over(gpu: Gpu) -> None:
+    gpu.tick(train=1000, inf=500)
+    assert gpu.control("train").share == pytest.approx(0.3)
+    # A policy whose idle threshold is shorter than the silence: inference counts as idle at once.
+    gpu.mgr.set_vertical_config(VerticalConfig(idle_after_s=0.01))
+    record = gpu.tick(train=1000)
+    assert record.mode is FeedbackMode.IDLE and gpu.control("train").share == pytest.approx(0.8)
+
+
+def test_heartbeat_every_tick_without_rewriting_an_unchanged_quota(gpu: Gpu) -> None:
+    gpu.tick(train=1000)
+    before = gpu.controls["train"].read()
+    gpu.tick(train=1000)
+    after = gpu.controls["train"].read()
+    assert after.epoch == before.epoch  # same quota: no new epoch for the shim to apply
+    assert after.manager_heartbeat_ns > before.manager_heartbeat_ns
+
+
+def test_pinned_share_overrides_the_policy(gpu: Gpu) -> None:
+    gpu.mgr.pin("train", 0.5)
+    record = gpu.tick(train=1000, inf=500)
+    assert gpu.control("train").share == pytest.approx(0.5) and record.status("train").pinned
+    assert gpu.control("inf").share == pytest.approx(0.7)
+    gpu.mgr.pin("train", None)
+    gpu.tick(train=1000, inf=500)
+    assert gpu.control("train").share == pytest.approx(0.3)
+    with pytest.raises(ValueError):
+        gpu.mgr.pin("train", 0.0)
+
+
+def test_unknown_capacity_runs_unlimited_until_measured(tmp_path: Path) -> None:
+    g = Gpu(tmp_path)
+    g.add(replace(TRAIN, capacity_blocks_per_ms=None))
+    try:
+        assert not g.control("train").limited  # nothing measured yet
+        g.tick()
+        w = g.writers["train"]
+        # 10 windows of 5 ms, all busy (one open cycle of 10 windows): 1000 blocks in 50 ms = 20 blocks/ms.
+        g.clock.advance(0.05)
+        w.publish(blocks=1000, launches=10, windows=10, cycle_current_windows=10, pid=7)
+        record = g.mgr.tick()
+        assert record.status("train").capacity_blocks_per_ms == pytest.approx(20.0)
+        assert g.control("train").share == pytest.approx(0.8)
+        assert g.control("train").rate_blocks_per_ms == pytest.approx(16.0)
+        g.mgr.set_capacity("train", 50.0)  # measured later by the profiler: it wins over the estimate
+        g.clock.advance(0.05)
+        w.publish(blocks=5000, launches=20, windows=20, cycle_current_windows=20)
+        assert g.mgr.tick().status("train").capacity_blocks_per_ms == pytest.approx(50.0)
+        assert g.control("train").rate_blocks_per_ms == pytest.approx(40.0)
+        with pytest.raises(ValueError):
+            g.mgr.set_capacity("train", 0.0)
+    finally:
+        g.close()
+
+
+def test_metrics_follow_the_counters_across_a_restart(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    g = Gpu(tmp_path, metrics=GpuMetrics(registry))
+    g.add(TRAIN)
+    labels = {"namespace": "guest", "action": "pkg/train", "instance": "train", "gpu": "3", "uuid": "GPU-t"}
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    try:
+        g.tick(train=1000)
+        g.tick(train=500)
+        assert value("openwhisk_action_gpu_tokens_granted_total") == 1500
+        assert value("openwhisk_action_gpu_kernel_launches_total") == 2
+        assert value("openwhisk_action_gpu_sm_quota_ratio") == pytest.approx(0.8)
+        assert value("openwhisk_action_gpu_sm_request_ratio") == pytest.approx(0.2)
+        assert value("openwhisk_action_gpu_sm_limit_ratio") == pytest.approx(0.8)
+        # A new process claims the block: its counters start from zero and count whole.
+        g.clock.advance(0.05)
+        g.writers["train"].publish(blocks=300, launches=1, windows=2, pid=999, throttled_ns=2_000_000,
+                                   mem_used_bytes=12345)
+        g.mgr.tick()
+        assert value("openwhisk_action_gpu_tokens_granted_total") == 1800
+        assert value("openwhisk_action_gpu_kernel_throttled_seconds_total") == pytest.approx(0.002)
+        assert value("openwhisk_action_gpu_memory_used_bytes") == 12345
+        gpu_labels = {"gpu": "3", "uuid": "GPU-t"}
+        assert registry.get_sample_value("openwhisk_invoker_gpu_fragmentation_ratio", gpu_labels) == pytest.approx(0.8)
+        assert registry.get_sample_value("dilu_gpu_vertical_mode", {**gpu_labels, "mode": "idle"}) == 1
+        assert registry.get_sample_value("dilu_gpu_vertical_decisions_total", {**gpu_labels, "mode": "idle"}) == 3
+        g.mgr.remove("train")
+        assert value("openwhisk_action_gpu_sm_quota_ratio") is None
+    finally:
+        g.close()
+
+
+async def test_publisher_never_blocks_the_tick(gpu: Gpu) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+    calls: list[dict[str, float]] = []
+
+    async def slow_publish(uuid: str, shares: dict[str, float]) -> None:
+        calls.append(dict(shares))
+        started.set()
+        await release.wait()
+
+    mgr = GpuManager(uuid="GPU-p", period_s=0.05, publish=slow_publish, clock_ns=gpu.clock)
+    ctl, st = abi.create_instance_files(gpu.root, "solo", mgr.initial_quota(TRAIN))
+    mgr.add(replace(TRAIN, id="solo"), ctl, st)
+    try:
+        mgr.tick()
+        await started.wait()
+        for _ in range(5):  # the publisher is stuck; ticks go on and do not pile up calls
+            gpu.clock.advance(2.0)
+            mgr.tick()
+        assert len(calls) == 1 and calls[0] == {"solo": pytest.approx(0.2)}
+        release.set()
+        await asyncio.sleep(0)
+        gpu.clock.advance(2.0)
+        mgr.tick()
+        await asyncio.sleep(0)
+        assert len(calls) == 2
+    finally:
+        await mgr.stop()
+        ctl.close()
+        st.close()

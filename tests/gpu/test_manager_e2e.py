@@ -1,0 +1,233 @@
+"""End to end without a GPU: tenant processes launch "kernels" through the fake libcuda under the real shim,
+with the environment of a GpuNode attachment; the node's manager loop drives them through the control
+blocks, and the tests read what the shim applied from the stats blocks.
+
+Nothing here asserts on speed: a cut is checked by the rate the shim applied and by an upper bound on what
+it admitted (tokens cannot refill faster than the rate); waits have generous time limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import redis.asyncio as aioredis
+
+from dilu_invoker.gpu import abi
+from dilu_invoker.gpu.attachment import GpuAttachment
+from dilu_invoker.gpu.budgets import GpuBudgets
+from dilu_invoker.gpu.devices import GpuDevice
+from dilu_invoker.gpu.manager import TickRecord
+from dilu_invoker.gpu.node import GpuNode
+from dilu_invoker.model import GpuClass, GpuNeeds
+from dilu_invoker.policy.vertical import FeedbackMode, VerticalConfig
+from dilu_invoker.redis_embedded import free_port, redis_client
+from tests.gpu.support import ShimBuild, Tenant, start_tenant
+
+pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
+GPU = GpuDevice(index=0, uuid="GPU-e2e-0", name="inventory GPU", memory_mb=80_000, sm_count=132, simulated=True)
+CAPACITY = 200.0  # blocks/ms, as the profiler would have measured (the annotation)
+TRAIN = GpuNeeds(gpu_class=GpuClass.TRAINING, sm_request=0.2, sm_limit=0.8, memory_mb=1000,
+                 capacity_blocks_per_ms=CAPACITY)
+INFER = GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.4, sm_limit=0.7, memory_mb=1000,
+                 capacity_blocks_per_ms=CAPACITY)
+TRAIN_IDLE_RATE = 0.8 * CAPACITY  # training alone: its limit
+TRAIN_CUT_RATE = (1 - 0.7) * CAPACITY  # beside bursting inference: the fair budget 1 - inference's limit
+# Training launches 100 blocks roughly every 0.3 ms (~330 blocks/ms), more than any quota here allows.
+TRAIN_LOAD = "run 100 200"
+INFER_LOAD = "burst 20 30 300 20"
+
+
+async def until(pred: Callable[[], T], what: str, timeout: float = 15.0) -> T:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def stats(a: GpuAttachment) -> abi.StatsSnapshot:
+    with abi.StatsFile.open(a.env["DILU_SHIM_STATS"]) as f:
+        return f.snapshot()
+
+
+def control(a: GpuAttachment) -> abi.Quota:
+    with abi.ControlFile.open(a.env["DILU_SHIM_CONTROL"]) as f:
+        return f.read().quota
+
+
+def applied(a: GpuAttachment, rate: float) -> abi.StatsSnapshot | None:
+    s = stats(a)
+    return s if s.published and s.rate_blocks_per_ms == pytest.approx(rate) else None
+
+
+def cut_applied(a: GpuAttachment) -> abi.StatsSnapshot | None:
+    """Training cut to the fair budget or below (feedback may cut further), as the shim applied it."""
+    s = stats(a)
+    return s if s.published and s.limited and s.rate_blocks_per_ms <= TRAIN_CUT_RATE + 1e-6 else None
+
+
+@pytest.fixture
+async def records() -> list[TickRecord]:
+    return []
+
+
+@pytest.fixture
+async def node(tmp_path: Path, shim_build: ShimBuild, redis: aioredis.Redis,
+               records: list[TickRecord]) -> AsyncIterator[GpuNode]:
+    # Recovery may not oversubscribe here: with no real GPU to interfere, nothing would ever stretch the
+    # inference cycles, and the budget would climb back to training's limit while inference still runs.
+    n = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", shim_library=shim_build.library,
+                budgets=GpuBudgets(redis, prefix="e2e:"), period_s=0.02, stale_after_s=0.3,
+                vertical=VerticalConfig(oversubscribe_in_recovery=False), observers=(records.append,))
+    await n.start()
+    yield n
+    await n.close()
+
+
+async def test_burst_cuts_training_idle_restores_stale_fails_static(
+    node: GpuNode, shim_build: ShimBuild, tenants: list[Tenant], redis: aioredis.Redis,
+    records: list[TickRecord],
+) -> None:
+    train = await node.attach("train", "guest/train", TRAIN)
+    infer = await node.attach("infer", "guest/classify", INFER)
+    assert train is not None and infer is not None
+    trainer = await start_tenant(tenants, shim_build.env(train.env))
+    server = await start_tenant(tenants, shim_build.env(infer.env))
+    await trainer.send(TRAIN_LOAD)
+
+    # Training alone: idle mode, it rises to its limit and the shim enforces that rate.
+    await until(lambda: applied(train, TRAIN_IDLE_RATE), "training at its limit")
+    assert node.manager(0).last is not None and node.manager(0).last.mode is FeedbackMode.IDLE
+
+    # Inference bursts: training is cut to the fair budget 1 - 0.7 or below (the cycle feedback may cut further:
+    # a burst that spans one 5 ms window once and two the next reads as a stretched cycle), the shim applies it.
+    await server.send(INFER_LOAD)
+    await until(lambda: control(train).share <= 0.3 + 1e-9, "training share cut")
+    first = await until(lambda: cut_applied(train), "cut rate applied by the shim")
+    assert control(infer).share == pytest.approx(0.7)
+    await asyncio.sleep(0.5)
+    last = stats(train)
+    # Without oversubscription the budget never grows past the fair budget while inference is active.
+    assert last.limited and last.rate_blocks_per_ms <= TRAIN_CUT_RATE + 1e-6, "the cut holds"
+    elapsed_ms = (last.heartbeat_ns - first.heartbeat_ns) / 1e6
+    admitted = last.blocks - first.blocks
+    # Tokens refill at the rate in force (at most the cut rate here): at most rate × time, plus one bucket
+    # (5 ms of rate), one launch of debt, and a tick of publishing skew on each side.
+    bound = TRAIN_CUT_RATE * (elapsed_ms + 5 + 2) + 100
+    assert 0 < admitted <= bound, (admitted, bound, elapsed_ms)
+    assert admitted / elapsed_ms < 0.5 * TRAIN_IDLE_RATE  # the admitted rate dropped
+    assert last.throttled_ns > first.throttled_ns and stats(infer).blocks > 0
+    assert any(s.id == "infer" and s.active and r.mode is not FeedbackMode.IDLE for r in records for s in r.instances)
+
+    # Inference stops: after idle_after_s (0.6 s) training gets its limit back.
+    await server.send("idle")
+    await until(lambda: applied(train, TRAIN_IDLE_RATE), "training back at its limit")
+    assert node.manager(0).last is not None and node.manager(0).last.mode is FeedbackMode.IDLE
+    budget = await GpuBudgets(redis, prefix="e2e:").get(GPU.uuid)
+    assert budget is not None and set(budget.reservations) == {"train", "infer"}
+    await until(lambda: node.manager(0).last is not None, "a tick")
+    end = time.monotonic() + 15
+    while (b := await GpuBudgets(redis, prefix="e2e:").get(GPU.uuid)) is None or b.shares.get("train") != 0.8:
+        assert time.monotonic() < end, "shares were never published"
+        await asyncio.sleep(0.05)
+    assert b.shares["infer"] == pytest.approx(0.7)
+
+    # The manager stops: heartbeats age past stale_after_s and the shim keeps the last quota (fail-static).
+    await node.manager(0).stop()
+    stale = await until(lambda: (s := stats(train)).stale and s, "fail-static")
+    assert stale.rate_blocks_per_ms == pytest.approx(TRAIN_IDLE_RATE) and trainer.proc.returncode is None
+
+    # Detach removes the blocks and the reservations.
+    await trainer.stop()
+    await server.stop()
+    for name, a in (("train", train), ("infer", infer)):
+        await node.detach(name)
+        assert not Path(a.env["DILU_SHIM_CONTROL"]).parent.exists()
+    budget = await GpuBudgets(redis, prefix="e2e:").get(GPU.uuid)
+    assert budget is not None and budget.reservations == {}
+
+
+async def test_stretched_cycles_trigger_an_emergency_cut(tmp_path: Path, shim_build: ShimBuild,
+                                                         tenants: list[Tenant]) -> None:
+    """The feedback loop with the policy's defaults: the inference tenant's bursts take longer the faster
+    training is admitted (fake_tenant --contend), so its kernel-launch cycles stretch; the manager reads
+    them from the real shim's stats block and cuts training below the fair budget."""
+    seen: list[TickRecord] = []
+    node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", shim_library=shim_build.library,
+                   period_s=0.02, observers=(seen.append,))
+    await node.start()
+    try:
+        train = await node.attach("train", "guest/train", TRAIN)
+        infer = await node.attach("infer", "guest/classify", INFER)
+        assert train is not None and infer is not None
+        trainer = await start_tenant(tenants, shim_build.env(train.env))
+        await trainer.send(TRAIN_LOAD)
+        await until(lambda: applied(train, TRAIN_IDLE_RATE), "training at its limit")
+        server = await start_tenant(tenants, shim_build.env(infer.env), "--contend", train.env["DILU_SHIM_STATS"],
+                                    "--contend-capacity", str(CAPACITY))
+        await server.send("burst 10 12 500 40")
+        emergency = await until(lambda: next((r for r in seen if r.mode is FeedbackMode.EMERGENCY), None),
+                                "an emergency decision", timeout=30)
+        assert "cycle" in emergency.reason
+        assert emergency.status("train").share < 0.3 - 1e-9  # below the fair budget: cut by the ratio
+        cut = await until(lambda: (s := stats(train)).rate_blocks_per_ms < TRAIN_CUT_RATE - 1e-6 and s,
+                          "the emergency cut applied by the shim")
+        assert cut.limited
+    finally:
+        await node.close()
+
+
+async def test_redis_outage_keeps_enforcing_and_resyncs(tmp_path: Path, shim_build: ShimBuild,
+                                                        tenants: list[Tenant], redis_server_factory: Any) -> None:
+    server = await redis_server_factory(port=free_port(), persistent=False)
+    client = redis_client(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    budgets = GpuBudgets(client, prefix="o:")
+    node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", shim_library=shim_build.library,
+                   budgets=budgets, period_s=0.02, reservation_ttl_s=1.5, redis_timeout_s=1.0,
+                   vertical=VerticalConfig(oversubscribe_in_recovery=False))
+    await node.start()
+    try:
+        train = await node.attach("train", "guest/train", TRAIN)
+        assert train is not None
+        trainer = await start_tenant(tenants, shim_build.env(train.env))
+        await trainer.send(TRAIN_LOAD)
+        await until(lambda: applied(train, TRAIN_IDLE_RATE), "training at its limit")
+
+        await server.stop()
+        # Admission during the outage: against the node's own view.
+        infer = await node.attach("infer", "guest/classify", INFER)
+        assert infer is not None and not node.redis_reachable
+        assert await node.attach("too-much", "guest/x", GpuNeeds(sm_request=0.5, sm_limit=0.5)) is None
+        burster = await start_tenant(tenants, shim_build.env(infer.env))
+        await burster.send(INFER_LOAD)
+        # Shares keep being decided and enforced, heartbeats keep the shim from failing static.
+        cut = await until(lambda: cut_applied(train), "cut enforced while Redis is down")
+        assert not cut.stale and not node.redis_reachable
+
+        await server.start()  # same port and password, but empty: GPUs and reservations must be re-synced
+        await until(lambda: node.redis_reachable, "Redis reachable again")
+
+        async def synced() -> bool:
+            b = await budgets.get(GPU.uuid)
+            return b is not None and set(b.reservations) == {"train", "infer"} and set(b.shares) == {"train",
+                                                                                                     "infer"}
+
+        end = time.monotonic() + 15
+        while not await synced():
+            assert time.monotonic() < end, "budgets never re-synced"
+            await asyncio.sleep(0.05)
+        b = await budgets.get(GPU.uuid)
+        assert b is not None and b.shares["train"] <= 0.3 + 1e-9 and b.shares["infer"] == pytest.approx(0.7)
+        assert {r.invoker for r in b.reservations.values()} == {"invoker0"}
+    finally:
+        await node.close()
+        await client.aclose()

@@ -1,0 +1,122 @@
+"""The H200 benchmark of the vertical manager (bench/vertical): measurement helpers, the report, a dry run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from dilu_invoker.policy.vertical import VerticalConfig
+from tests.gpu.support import REPO
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_vertical_{name}", REPO / "bench" / "vertical" / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+h200 = _load("h200")
+report = _load("report")
+schedule = _load("schedule")
+
+
+def test_latency_window_and_slo() -> None:
+    res = {"start": 10.0, "arrivals": [10.1, 10.2, 10.3, 11.5], "completions": [10.105, 10.25, 10.31, 11.6]}
+    whole = h200.latency(res, slo_ms=20.0)
+    assert whole["n"] == 4 and whole["violations"] == pytest.approx(0.5)
+    assert whole["p50_ms"] == pytest.approx(50.0) and whole["max_ms"] == pytest.approx(100.0)
+    part = h200.latency(res, slo_ms=20.0, window=(10.0, 10.25))
+    assert part["n"] == 2 and part["violations"] == pytest.approx(0.5) and part["offered_rps"] == pytest.approx(8.0)
+
+
+def test_rates_and_windows() -> None:
+    steps = [0.5, 1.0, 1.5, 2.0, 2.5]
+    assert h200.rate(steps, 1.0, 2.0) == pytest.approx(2.0)
+    assert h200.rate(steps, 2.0, 2.0) is None
+    res = {"start": 0.0, "completions": [1.0, 3.0]}
+    assert h200.window(res, {"steps": steps}, 5.0) == (0.0, 2.5)  # not past training's last step
+    assert h200.window({"start": 0.0, "completions": []}, {}, 5.0) == (0.0, 5.0)
+
+
+def test_vertical_config_overrides_are_typed() -> None:
+    cfg = h200.vertical_config(["min_cycle_s=0.035", "recovery_every=3", "oversubscribe_in_recovery=false"])
+    assert cfg == VerticalConfig(min_cycle_s=0.035, recovery_every=3, oversubscribe_in_recovery=False)
+    with pytest.raises(SystemExit):
+        h200.vertical_config(["no_such_field=1"])
+    for pairs in h200.DEFAULT_VARIANTS.values():  # the variants the GPU run uses must be valid
+        h200.vertical_config(pairs)
+
+
+def test_arrivals_follow_the_phases() -> None:
+    arr = schedule.arrivals([[1.0, 200.0], [1.0, 0.0], [1.0, 50.0]], 3, 100.0)
+    assert arr == sorted(arr) and all(100.0 < a < 103.0 for a in arr)
+    assert not any(101.0 <= a < 102.0 for a in arr)  # a silent phase
+    first, last = sum(a < 101.0 for a in arr), sum(a >= 102.0 for a in arr)
+    assert first > last > 0
+    assert arr == schedule.arrivals([[1.0, 200.0], [1.0, 0.0], [1.0, 50.0]], 3, 100.0)  # same seed, same load
+
+
+def test_report_of_a_partial_run_is_honest() -> None:
+    doc = {
+        "generated": "now", "command": "cmd", "machine": "GPU X",
+        "steps": {
+            "timeslice": {
+                "solo_inference": {"p50_ms": 4.0, "p99_ms": 8.0},
+                "calibration": {"training_solo_it_s": 30.0},
+                "dynamic": {"inference": {"p50_ms": 4.5, "p99_ms": 9.0}, "training": {"it_s": 24.0, "vs_solo": 0.8}},
+                "idle": {"training": {"it_s": 29.0, "vs_solo": 29 / 30}},
+                "burst": {"inference_burst": {"violations": 0.02}, "reaction": {"first_cut_ms": 60.0}},
+                "errors": {"static": "RuntimeError('worker died')"},
+            },
+            "mps": {"error": "Traceback ...\nRuntimeError: MPS daemon did not start (rc 1)"},
+        },
+    }
+    md = report.Report(doc).render()
+    assert ("| Time-slicing | default | 1.12 **met** | 80.0% **met** | 2.00% **not met** | 60 ms **met** | "
+            "96.7% **met** |") in md
+    assert "| MPS (100% threads each) + shim rates | default | — — | — — | — — | — — | — — |" in md
+    assert "* step `mps`: RuntimeError: MPS daemon did not start (rc 1)" in md
+    assert "* `timeslice/static`: RuntimeError('worker died')" in md
+    assert "DRY RUN" not in md and "GPU X" in md
+
+
+def test_report_marks_a_dry_run() -> None:
+    assert "DRY RUN" in report.Report({"dry_run": True, "steps": {}}).render()
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_whole_pipeline(tmp_path: Path) -> None:
+    """run_h200.sh with stand-in workers on the fake driver, under the real shim and the real manager."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DILU_", "LD_PRELOAD"))}
+    env.update(OUT=str(tmp_path), DILU_BENCH_SCALE="0.05", PYTHON=sys.executable,
+               DILU_BENCH_ARGS="--no-dilu-variant")
+    out = subprocess.run(["bash", str(REPO / "bench" / "vertical" / "dry_run.sh")], env=env, capture_output=True,
+                         text=True, timeout=400, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "machine.txt", "vertical.md", "vertical_log.txt", "vertical_results.json"]
+    doc = json.loads((tmp_path / "vertical_results.json").read_text())
+    assert doc["dry_run"] is True
+    for name, step in doc["steps"].items():
+        assert not step.get("error") and step.get("errors") == {}, (name, step.get("error"), step.get("errors"))
+    ts, mps = doc["steps"]["timeslice"], doc["steps"]["mps"]
+    for scenario in ("calibration", "solo_inference", "none", "static", "dynamic", "idle", "burst", "burst_solo"):
+        assert scenario in ts, scenario
+    for scenario in ("none", "dynamic", "idle", "burst"):
+        assert scenario in mps, scenario
+    assert doc["steps"]["mps_static"]["static_mps_split"]["training"]["it_s"] > 0
+    # The manager really drove the workers: training's share fell while inference ran, and came back at idle.
+    assert ts["dynamic"]["manager"]["mean_share"]["training"] < 1.0
+    assert ts["idle"]["idle_mode_after_ms"] is not None
+    md = (tmp_path / "vertical.md").read_text()
+    assert "DRY RUN" in md and "| Time-slicing | default |" in md

@@ -1,0 +1,83 @@
+"""The GPU node inside the invoker: open_invoker creates it from the configuration, a GPU-kind action's
+container gets its GPU, shim and blocks, the metrics land in the invoker's registry, and the blocks and the
+reservation go with the container."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from dilu_invoker import config
+from dilu_invoker.gpu.budgets import GpuBudgets
+from dilu_invoker.gpu.node import GpuNode
+from dilu_invoker.invoker.core import open_invoker
+from dilu_invoker.model import GUEST_IDENTITY, Action, ActivationRequest, Exec, Parameter, new_activation_id
+from tests.gpu.support import ShimBuild
+
+ENV = ("import os\ndef main(args):\n    keys = ['CUDA_VISIBLE_DEVICES', 'LD_PRELOAD', 'DILU_SHIM_CONTROL',"
+       " 'DILU_SHIM_STATS', 'DILU_GPU_UUID']\n    return {k: os.environ.get(k) for k in keys}\n")
+
+
+def _gpu_action(**annotations: object) -> Action:
+    return Action(namespace="guest", name="gpuenv", exec=Exec(kind="python:3-gpu", code=ENV),
+                  annotations=tuple(Parameter(k, v) for k, v in annotations.items()), revision="1-gpu")
+
+
+def _req(action: Action) -> ActivationRequest:
+    return ActivationRequest(activation_id=new_activation_id(), action=action, identity=GUEST_IDENTITY, content={})
+
+
+def _cfg(**gpu: object) -> config.Config:
+    base = config.load(environ={})
+    return replace(base, gpu=replace(base.gpu, **gpu))  # type: ignore[arg-type]
+
+
+async def test_gpu_action_gets_its_gpu_and_shim(tmp_path: Path, shim_build: ShimBuild, redis: aioredis.Redis) -> None:
+    inventory = tmp_path / "gpus.json"
+    inventory.write_text(json.dumps([{"uuid": "GPU-w-0"}, {"uuid": "GPU-w-1"}]))
+    cfg = _cfg(inventory=str(inventory), shm_dir=str(tmp_path / "shm"), shim_path=str(shim_build.library),
+               manager_period_ms=20)
+    cfg = replace(cfg, redis=replace(cfg.redis, prefix="w:"))
+    async with open_invoker(cfg, redis=redis) as inv:
+        node = inv.gpu
+        assert isinstance(node, GpuNode) and node.has_gpus
+        result = await inv.run(_req(_gpu_action(**{"gpu-class": "training", "gpu-sm-request": 0.3,
+                                                  "gpu-sm-limit": 0.6})))
+        env = result.response.result
+        assert env["LD_PRELOAD"] == str(shim_build.library) and env["CUDA_VISIBLE_DEVICES"] in ("0", "1")
+        control = Path(env["DILU_SHIM_CONTROL"])
+        assert control.is_file() and Path(env["DILU_SHIM_STATS"]).is_file()
+        (instance,) = [i for g in node.view() for i in g.instances]
+        assert (instance.function, instance.request, instance.limit) == ("guest/gpuenv", 0.3, 0.6)
+        budget = await GpuBudgets(redis, prefix="w:").get(env["DILU_GPU_UUID"])
+        assert budget is not None and list(budget.reservations) == [instance.id]
+
+        async def quota_metric() -> float | None:
+            for _ in range(200):
+                v = inv.metrics.registry.get_sample_value("openwhisk_action_gpu_sm_quota_ratio", {
+                    "namespace": "guest", "action": "gpuenv", "instance": instance.id,
+                    "gpu": env["CUDA_VISIBLE_DEVICES"], "uuid": env["DILU_GPU_UUID"]})
+                if v is not None:
+                    return v
+                await asyncio.sleep(0.02)
+            return None
+
+        assert await quota_metric() == pytest.approx(0.3)  # idle training: its request
+    # The container went with the invoker: so did its blocks and its reservation.
+    assert not control.parent.exists()
+    budget = await GpuBudgets(redis, prefix="w:").get(env["DILU_GPU_UUID"])
+    assert budget is not None and budget.reservations == {}
+
+
+async def test_without_gpus_a_gpu_action_runs_on_the_cpu(tmp_path: Path) -> None:
+    async with open_invoker(_cfg(enabled=False, shm_dir=str(tmp_path / "shm"))) as inv:
+        result = await inv.run(_req(_gpu_action()))
+        assert result.response.result == {k: None for k in ("CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "DILU_SHIM_CONTROL",
+                                                           "DILU_SHIM_STATS", "DILU_GPU_UUID")}
+        assert isinstance(inv.gpu, GpuNode) and not inv.gpu.has_gpus
+    assert not (tmp_path / "shm").exists()
