@@ -36,13 +36,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.invoker.api import InvokerOverloaded
 from dilu_invoker.invoker.core import Invoker
 from dilu_invoker.invoker.instances import InstanceManager
 from dilu_invoker.invoker.registry import FunctionRegistry
+from dilu_invoker.invoker.streams import ensure_group, read_group
 from dilu_invoker.model import (
     Action,
     Activation,
@@ -338,25 +339,12 @@ class Forwarder:
     async def serve(self) -> None:
         """Run what other invokers forward here, until cancelled (running executions continue)."""
         stream = self.keys.activations(self.name)
-        await self._ensure_group(stream)
+        await ensure_group(self.redis, stream, ACTIVATION_GROUP)
         await self._claim_pending(stream)
-        while True:
-            try:
-                got: Any = await self.redis.xreadgroup(ACTIVATION_GROUP, self.boot, {stream: ">"}, count=64,
-                                                       block=1000)
-            except ResponseError as exc:
-                if "NOGROUP" in str(exc):
-                    await self._ensure_group(stream)
-                    continue
-                raise
-            except RedisError as exc:
-                log.warning("cannot read forwarded activations", error=str(exc))
-                await asyncio.sleep(0.5)
-                continue
-            for _stream, entries in got or ():
-                for entry_id, fields in entries:
-                    await self._slots.acquire()
-                    self._spawn(self._execute(stream, text(entry_id), fields))
+        async for entry_id, fields in read_group(self.redis, stream, ACTIVATION_GROUP, self.boot, count=64,
+                                                 what="forwarded activations"):
+            await self._slots.acquire()
+            self._spawn(self._execute(stream, text(entry_id), fields))
 
     async def drain(self, timeout_s: float) -> None:
         """Wait for running executions (after :meth:`serve` was cancelled)."""
@@ -375,13 +363,6 @@ class Forwarder:
             self._slots.release()
 
         task.add_done_callback(done)
-
-    async def _ensure_group(self, stream: str) -> None:
-        try:
-            await self.redis.xgroup_create(stream, ACTIVATION_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
 
     async def _claim_pending(self, stream: str) -> None:
         """Entries an earlier incarnation of this invoker read but did not finish."""

@@ -24,13 +24,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.invoker.container import State, Transition
 from dilu_invoker.invoker.core import Invoker
 from dilu_invoker.invoker.registry import FunctionRegistry
+from dilu_invoker.invoker.streams import read_group
 from dilu_invoker.model import Action, Activation, ActivationRequest
 from dilu_invoker.wire import (
     COMMAND_GROUP,
@@ -149,36 +150,16 @@ class InstanceManager:
     async def consume(self) -> None:
         """Read this invoker's command stream until cancelled."""
         stream = self.keys.commands(self.name)
-        await self._ensure_group(stream)
-        while True:
+        async for entry_id, fields in read_group(self.redis, stream, COMMAND_GROUP, self.boot, count=50,
+                                                 what="instance commands"):
             try:
-                got: Any = await self.redis.xreadgroup(COMMAND_GROUP, self.boot, {stream: ">"}, count=50, block=1000)
-            except ResponseError as exc:
-                if "NOGROUP" in str(exc):
-                    await self._ensure_group(stream)
-                    continue
-                raise
-            except RedisError as exc:
-                log.warning("cannot read instance commands", error=str(exc))
-                await asyncio.sleep(0.5)
-                continue
-            for _stream, entries in got or ():
-                for entry_id, fields in entries:
-                    try:
-                        cmd = from_stream(InstanceCommand, fields)
-                    except WireError as exc:
-                        log.warning("unreadable instance command; skipped", entry=text(entry_id), error=str(exc))
-                    else:
-                        self.handle(cmd)
-                    with contextlib.suppress(RedisError):
-                        await self.redis.xack(stream, COMMAND_GROUP, entry_id)
-
-    async def _ensure_group(self, stream: str) -> None:
-        try:
-            await self.redis.xgroup_create(stream, COMMAND_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+                cmd = from_stream(InstanceCommand, fields)
+            except WireError as exc:
+                log.warning("unreadable instance command; skipped", entry=text(entry_id), error=str(exc))
+            else:
+                self.handle(cmd)
+            with contextlib.suppress(RedisError):
+                await self.redis.xack(stream, COMMAND_GROUP, entry_id)
 
     def handle(self, cmd: InstanceCommand) -> str:
         """Carry out one command; returns what was done (for logs and tests)."""
