@@ -53,7 +53,7 @@ from dilu_invoker.gpu.devices import GpuDevice
 from dilu_invoker.gpu.manager import TickRecord
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.model import GpuClass, GpuNeeds
-from dilu_invoker.policy.vertical import FeedbackMode, VerticalConfig
+from dilu_invoker.policy.vertical import RUN1_OVERRIDES, FeedbackMode, VerticalConfig
 
 SCALE = min(1.0, max(0.01, float(os.environ.get("DILU_BENCH_SCALE", "1"))))
 WORKER = os.environ.get("DILU_BENCH_WORKER", str(HERE / "worker.py"))
@@ -201,6 +201,8 @@ def compact(r: TickRecord, t_ref: float) -> dict[str, Any]:
         "shares": {s.id: round(s.share, 4) for s in r.instances},
         "rates": {s.id: round(s.rate_blocks_per_ms, 1) for s in r.instances},
         "active": [s.id for s in r.instances if s.active],
+        "blocks": {s.id: s.blocks for s in r.instances},
+        "reason": r.reason[:320],
     }
 
 
@@ -535,7 +537,7 @@ class Suite:
         after = [r for r in records if r.now >= b0]
         raised = next((r for r in after if share_before is not None and r.status(INF).share > share_before + 1e-6),
                       None)
-        cut = next((r for r in after if r.mode is FeedbackMode.EMERGENCY
+        cut = next((r for r in after if r.mode in (FeedbackMode.EMERGENCY, FeedbackMode.BURST)
                     or (train_before is not None and r.status(TRAIN).share < train_before - 1e-6)), None)
         end = res["completions"][-1] if res["completions"] else b1 + post
         self.out[name] = {
@@ -554,6 +556,8 @@ class Suite:
                 # Emergencies already happening before the burst make a fast "reaction" meaningless.
                 "emergency_ticks_in_second_before": sum(
                     1 for r in before if r.now >= b0 - 1.0 and r.mode is FeedbackMode.EMERGENCY),
+                "burst_ticks_in_second_before": sum(
+                    1 for r in before if r.now >= b0 - 1.0 and r.mode is FeedbackMode.BURST),
                 "period_ms": o.period_ms,
             },
             "manager": summarize(records, b0, b1 + 1.0),
@@ -691,18 +695,24 @@ def vertical_config(pairs: list[str], base: VerticalConfig | None = None) -> Ver
         if k not in fields:
             raise SystemExit(f"VerticalConfig has no field {k!r}")
         default = getattr(base, k)
-        overrides[k] = (v.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(v)
+        if v.lower() in ("none", "null"):
+            overrides[k] = None  # VerticalConfig rejects it where a field is not optional
+        elif isinstance(default, bool):
+            overrides[k] = v.lower() in ("1", "true", "yes")
+        else:
+            overrides[k] = float(v) if default is None else type(default)(v)
     return dataclasses.replace(base, **overrides)
 
 
-#: Policy variants run beside the defaults unless --variant names others. `dilu`: Dilu's RCKM takes its
-#: minimum only over cycles longer than 6 windows (30 ms, gpu-sharing.md §4.2); with ~5 ms requests and 5 ms
-#: windows the policy's default (1 ms) judges 1- against 2-window cycles. `dilu-tolerant`: the same, and a
-#: busy period must stretch 1.5x (contention) or 2x (emergency) before training is held or cut, because a
-#: Poisson load alone makes busy periods vary.
+#: Policy variants run beside the defaults unless --variant names others (docs/policies.md §1 says why).
+#: `run1-default`: the policy of the first H200 run (VerticalConfig.run1(): every cycle judged alone
+#: against a 1 ms-floor minimum, contention clamps training to the fair budget, no burst cut), side by
+#: side with the new defaults on the same load. `tight`: the defaults with a 10 ms floor for the minimum
+#: cycle, so the baseline is one request alone (~2 windows) instead of a merged busy period (> 6
+#: windows): more sensitive to stretched requests, so more protection and less training.
 DEFAULT_VARIANTS = {
-    "dilu": ["min_cycle_s=0.035"],
-    "dilu-tolerant": ["min_cycle_s=0.035", "recovery_ratio=1.5", "llm_emergency_ratio=1.5", "emergency_ratio=2.0"],
+    "tight": ["min_cycle_s=0.01"],
+    "run1-default": [f"{k}={v}" for k, v in RUN1_OVERRIDES.items()],
 }
 
 
@@ -815,9 +825,10 @@ def main() -> int:
     s.add_argument("--vertical", action="append", help="VerticalConfig override key=value (repeatable)")
     s.add_argument("--variant", action="append",
                    help="extra policy variant name:key=value,key=value (dynamic and burst run once per variant); "
-                        "without any, the variants 'dilu' and 'dilu-tolerant' (DEFAULT_VARIANTS) run beside the "
+                        "without any, the variants 'tight' and 'run1-default' (DEFAULT_VARIANTS) run beside the "
                         "defaults")
-    s.add_argument("--no-dilu-variant", action="store_true", help="run only the default policy configuration")
+    s.add_argument("--no-dilu-variant", action="store_true",
+                   help="run only the default policy configuration (no DEFAULT_VARIANTS)")
     s.add_argument("--capacity", choices=("measured", "estimated"), default="measured",
                    help="capacities from the solo calibration (as the profiler would), or the online estimate")
     s.add_argument("--infer-batch", type=int, default=8)

@@ -132,8 +132,8 @@ class Report:
                 continue
             diff = {k: v for k, v in cfg.items() if default.get(k) != v}
             self.w(f"* policy variant `{name}`: the defaults with {', '.join(f'`{k}={v}`' for k, v in diff.items())};")
-        if len(variants) > 1:
-            self.w("  (`min_cycle_s=0.035`: Dilu's RCKM ignores cycles of 6 windows or fewer for its minimum);")
+        if "run1-default" in variants:
+            self.w("  (`run1-default` is the policy of the first H200 run, `VerticalConfig.run1()`; docs/policies.md §1);")
         self.w(f"* torch {torch_v}, SLO = 2 × solo p99 = {f(2 * self.solo_p99 if self.solo_p99 else None)} ms.")
         self.w()
 

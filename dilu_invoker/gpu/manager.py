@@ -223,6 +223,7 @@ def vertical_instance(
     period_s: float,
     last_active_at: float | None,
     share: float | None,
+    capacity_blocks_per_ms: float | None = None,
 ) -> VerticalInstance:
     """The policy's view of one instance this period (``last_active_at`` already updated for it)."""
     return VerticalInstance(
@@ -238,6 +239,8 @@ def vertical_instance(
         cycles_s=reading.cycles_s,
         open_cycle_s=reading.open_cycle_s,
         share=share,
+        # Turns blocks into a demand share: the room a latency-critical instance leaves, its bursts.
+        capacity_blocks_per_ms=capacity_blocks_per_ms,
     )
 
 
@@ -630,7 +633,8 @@ class GpuManager:
 
         inputs = {
             m.spec.id: vertical_instance(m.spec, m.last_reading, period_s=elapsed_s,
-                                         last_active_at=m.last_active_at, share=m.share)
+                                         last_active_at=m.last_active_at, share=m.share,
+                                         capacity_blocks_per_ms=m.capacity.value)
             for m in managed
         }
         lc_active = {i for i, v in inputs.items() if v.cls.latency_critical and v.active(now, self.vertical)}

@@ -2,21 +2,24 @@
 
 In the spirit of Dilu's RCKM (`gpu-sharing.md` §4.2):
 
-* Latency-critical instances (`inference`, `llm`) get their limit while they have demand; only when
-  the active ones' limits do not fit beside the best-effort floors are they cut back toward their
-  requests. An idle one keeps its limit as a standing cap so its next burst starts unthrottled.
+* Latency-critical instances (`inference`, `llm`) get their limit while they have demand: a share is a
+  cap on launch rate, and a latency-critical instance launches at full speed inside each request, so any
+  cap below its limit stretches every request. Only when their limits do not fit together are they cut
+  back toward their requests. An idle one keeps its limit as a standing cap.
 * Best-effort instances (`training`) share a *budget* in proportion to their requests, each capped at
   its limit. With no latency-critical demand (idle > 0.6 s) the budget is the whole GPU.
-* The budget follows the kernel-launch cycles of the latency-critical instances: a cycle ≥ 1.6× its
-  minimum (1.3× for `llm`) is an **emergency** — the budget is cut at once, divided by that ratio, down
-  to a floor; a cycle < 1.2× is **recovery** — every few such cycles the budget grows ×1.3; anything in
-  between is **contention** — hold, but never above the fair budget (Σ active shares ≤ 1).
+* The budget follows the kernel-launch cycles of the latency-critical instances, judged by the median
+  of their last few cycles against their minimum (one merged-request cycle is not interference): ≥ 1.6×
+  (1.3× for `llm`) is an **emergency** — the budget is divided by that ratio at once, down to a floor;
+  < 1.2× is **recovery** — every few such cycles the budget grows ×1.3 up to the best-effort limits;
+  in between is **contention** — hold. A sudden jump of a latency-critical instance's launch rate (a
+  **burst**) divides the budget by the jump within one period, never below the room the burst leaves.
 
-A share is a cap on an instance's launch rate, not a reservation: it limits, and protection comes from
-the feedback. Hence the one place where Σ active shares may exceed 1 by design: in recovery the budget
-may grow past the fair budget (1 − Σ latency-critical shares) up to the best-effort limits, because
-unstretched cycles show the latency-critical instances are not hurt; the first stretched cycle takes it
-back to ≤ the fair budget. Standing caps of idle instances are not counted as active.
+A cap only limits; protection comes from the feedback. So Σ active shares may exceed 1: the
+latency-critical caps cost nothing between requests, and the best-effort budget is wherever feedback
+says the latency-critical tenants are unhurt. `oversubscribe_in_recovery=False` (or
+`fair_budget_cap=True`, the policy of the first H200 run) ties the budget to the fair budget
+1 − Σ latency-critical shares instead; docs/policies.md §1 says why the default changed.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class FeedbackMode(StrEnum):
     """A cycle between the recovery and emergency ratios: hold, at most the fair budget."""
     EMERGENCY = "emergency"
     """A cycle ≥ the emergency ratio: cut the best-effort budget now."""
+    BURST = "burst"
+    """A latency-critical launch rate jumped: cut the best-effort budget now, to the room left."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,12 +67,28 @@ class VerticalConfig:
     """Recovery cycles needed per growth step (Dilu: every 5th cycle)."""
     emergency_floor: float = 0.05
     """A best-effort instance keeps at least this fraction of its request, even in emergency."""
-    min_cycle_s: float = 0.001
-    """Completed cycles shorter than this never become an instance's minimum (noise, warm-up)."""
+    min_cycle_s: float = 0.035
+    """Completed cycles shorter than this never become an instance's minimum (Dilu: > 6 windows)."""
     llm_history: int = 20
     """An `llm` instance's minimum is over its last N cycles: decode length drifts (Dilu: 20)."""
+    cycle_smoothing: int = 5
+    """Judge the median ratio of the last N cycles, not each cycle alone (1: each cycle, as run 1)."""
+    open_cycle_ratio: float | None = 3.0
+    """A cycle still in progress at this ratio is an emergency now (None: at the emergency ratio)."""
     oversubscribe_in_recovery: bool = True
-    """Let recovery grow the budget past the fair budget (Σ active > 1); False keeps Σ active ≤ 1."""
+    """Let the budget exceed the fair budget (Σ active > 1); False keeps Σ active ≤ 1 always."""
+    fair_budget_cap: bool = False
+    """Run 1's rule: latency-critical shares leave room for best-effort requests, contention clamps the
+    budget to the fair budget 1 − Σ latency-critical shares, emergency cuts from at most the fair budget
+    (only growth in recovery may go above it)."""
+    demand_headroom: float = 1.25
+    """The room a latency-critical instance leaves: max(request, measured demand × this)."""
+    demand_ema_weight: float = 0.125
+    """Weight of the newest period in the demand average (the shim's window EMA uses 1/8 too)."""
+    burst_ratio: float = 2.0
+    """Demand this period ≥ this × its average is a burst (0: off)."""
+    burst_min_demand: float = 0.05
+    """The average a burst is judged against is at least this share (a few stray launches are no base)."""
     saturated_throttle_fraction: float = 0.1
     """An instance at its limit that waited for tokens this fraction of the period is saturated."""
 
@@ -95,8 +116,26 @@ class VerticalConfig:
             raise ValueError(
                 f"recovery_growth must be > 1, got {self.recovery_growth!r}"
             )
-        if self.recovery_every < 1 or self.llm_history < 1:
-            raise ValueError("recovery_every and llm_history must be >= 1")
+        if self.recovery_every < 1 or self.llm_history < 1 or self.cycle_smoothing < 1:
+            raise ValueError("recovery_every, llm_history and cycle_smoothing must be >= 1")
+        if self.open_cycle_ratio is not None and not (
+            self.recovery_ratio < self.open_cycle_ratio < self.outlier_ratio
+        ):
+            raise ValueError(
+                "open_cycle_ratio must lie between recovery_ratio and outlier_ratio, got "
+                f"{self.open_cycle_ratio!r}"
+            )
+        if not (math.isfinite(self.demand_headroom) and self.demand_headroom >= 1.0):
+            raise ValueError(f"demand_headroom must be >= 1, got {self.demand_headroom!r}")
+        if not 0.0 < self.demand_ema_weight <= 1.0:
+            raise ValueError("demand_ema_weight must be within (0, 1]")
+        if not (
+            math.isfinite(self.burst_ratio)
+            and (self.burst_ratio == 0 or self.burst_ratio > 1.0)
+        ):
+            raise ValueError(f"burst_ratio must be 0 (off) or > 1, got {self.burst_ratio!r}")
+        if not 0.0 < self.burst_min_demand <= 1.0:
+            raise ValueError("burst_min_demand must be within (0, 1]")
         if not 0.0 <= self.emergency_floor <= 1.0:
             raise ValueError(
                 f"emergency_floor must be between 0 and 1, got {self.emergency_floor!r}"
@@ -104,12 +143,39 @@ class VerticalConfig:
         if not 0.0 <= self.saturated_throttle_fraction <= 1.0:
             raise ValueError("saturated_throttle_fraction must be between 0 and 1")
 
+    @classmethod
+    def run1(cls, **overrides: object) -> VerticalConfig:
+        """The defaults of the first H200 run (docs/benchmarks/vertical.md), for side-by-side runs."""
+        return cls(**{**RUN1_OVERRIDES, **overrides})  # type: ignore[arg-type]
+
+    @property
+    def strict(self) -> bool:
+        """The budget is tied to the fair budget (Σ active ≤ 1 outside recovery growth)."""
+        return self.fair_budget_cap or not self.oversubscribe_in_recovery
+
+    def open_threshold(self, cls: InstanceClass) -> float:
+        return (
+            self.open_cycle_ratio
+            if self.open_cycle_ratio is not None
+            else self.emergency_threshold(cls)
+        )
+
     def emergency_threshold(self, cls: InstanceClass) -> float:
         return (
             self.llm_emergency_ratio
             if cls is InstanceClass.LLM
             else self.emergency_ratio
         )
+
+
+RUN1_OVERRIDES: dict[str, object] = {
+    "min_cycle_s": 0.001,
+    "cycle_smoothing": 1,
+    "open_cycle_ratio": None,
+    "fair_budget_cap": True,
+    "burst_ratio": 0.0,
+}
+"""What `VerticalConfig.run1()` changes: the first H200 run's defaults."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,6 +199,8 @@ class VerticalInstance:
     """Length of the cycle in progress (0: none)."""
     share: float | None = None
     """The share enforced now (None: not yet set)."""
+    capacity_blocks_per_ms: float | None = None
+    """Blocks/ms it launches with the whole GPU (None: unknown); turns `blocks` into a demand share."""
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -144,6 +212,15 @@ class VerticalInstance:
             )
         if any(not (math.isfinite(c) and c >= 0) for c in self.cycles_s):
             raise ValueError(f"{self.id}: cycle lengths must be finite and >= 0")
+        cap = self.capacity_blocks_per_ms
+        if cap is not None and not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"{self.id}: capacity_blocks_per_ms must be > 0, got {cap!r}")
+
+    def demand(self, period_s: float) -> float | None:
+        """Its launches this period as a share of the GPU (None: capacity unknown)."""
+        if self.capacity_blocks_per_ms is None:
+            return None
+        return self.blocks / (self.capacity_blocks_per_ms * period_s * 1000.0)
 
     def active(self, now: float, config: VerticalConfig) -> bool:
         if self.blocks > 0:
@@ -185,6 +262,10 @@ class CycleTrack:
     open_flagged: bool = False
     """The cycle in progress already triggered an emergency; do not cut twice for it."""
     last_open_s: float = 0.0
+    recent_ratios: tuple[float, ...] = ()
+    """Ratios of the last `cycle_smoothing` judged cycles (outliers excluded), oldest first."""
+    demand_ema: float | None = None
+    """Average demand share per period (None: capacity unknown or nothing measured yet)."""
 
     def baseline(self, cls: InstanceClass) -> float | None:
         if cls is InstanceClass.LLM and self.history:
@@ -253,6 +334,8 @@ class _Feedback:
     contention: float  # largest contention ratio (0: none)
     recovery: int  # recovery cycles this period
     note: str
+    demand: float | None = None  # this period's demand share (None: capacity unknown)
+    jump: float = 0.0  # demand / its previous average when that is a burst (0: none)
 
 
 def _classify(ratio: float, threshold: float, config: VerticalConfig) -> str:
@@ -265,8 +348,17 @@ def _classify(ratio: float, threshold: float, config: VerticalConfig) -> str:
     return "contention"
 
 
+def _median(xs: tuple[float, ...]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
 def _feedback(
-    inst: VerticalInstance, prev: CycleTrack | None, config: VerticalConfig
+    inst: VerticalInstance,
+    prev: CycleTrack | None,
+    config: VerticalConfig,
+    period_s: float,
 ) -> _Feedback:
     track = prev or CycleTrack(id=inst.id)
     threshold = config.emergency_threshold(inst.cls)
@@ -274,6 +366,8 @@ def _feedback(
     recovery = 0
     notes: list[str] = []
     min_cycle, history, last_ratio = track.min_cycle_s, track.history, track.last_ratio
+    recent = track.recent_ratios[-config.cycle_smoothing :]
+    smoothed = config.cycle_smoothing > 1
     already_cut = track.open_flagged
     for c in inst.cycles_s:
         if c >= config.min_cycle_s:
@@ -284,19 +378,31 @@ def _feedback(
             continue
         ratio = c / base
         last_ratio = ratio
-        kind = _classify(ratio, threshold, config)
+        if ratio >= config.outlier_ratio:
+            # Several requests merged into one cycle: not interference, and kept out of the median.
+            notes.append(f"{inst.id} cycle {ratio:.2f}× its minimum (outlier)")
+            already_cut = False
+            continue
+        recent = (recent + (ratio,))[-config.cycle_smoothing :]
+        judged = _median(recent) if smoothed else ratio
+        kind = _classify(judged, threshold, config)
         if kind == "emergency" and already_cut:
             # This is the cycle that was in progress when we cut for it: count it once.
             kind = "contention"
         already_cut = False
         if kind == "emergency":
-            emergency = max(emergency, ratio)
+            emergency = max(emergency, judged)
         elif kind == "contention":
-            contention = max(contention, ratio)
+            contention = max(contention, judged)
         elif kind == "recovery":
             recovery += 1
         if kind != "recovery":
-            notes.append(f"{inst.id} cycle {ratio:.2f}× its minimum ({kind})")
+            what = (
+                f"median of its last {len(recent)} cycles {judged:.2f}× its minimum"
+                if smoothed
+                else f"cycle {ratio:.2f}× its minimum"
+            )
+            notes.append(f"{inst.id} {what} ({kind})")
     if inst.cycles_s:
         # The cycle that was in progress has completed; whatever runs now is a new one.
         open_flagged = False
@@ -305,12 +411,25 @@ def _feedback(
     base = min(history) if inst.cls is InstanceClass.LLM and history else min_cycle
     if inst.open_cycle_s > 0 and base and not open_flagged:
         ratio = inst.open_cycle_s / base
-        if threshold <= ratio < config.outlier_ratio:
+        if config.open_threshold(inst.cls) <= ratio < config.outlier_ratio:
             emergency = max(emergency, ratio)
             open_flagged = True
             notes.append(
                 f"{inst.id} cycle in progress already {ratio:.2f}× its minimum (emergency)"
             )
+
+    demand = inst.demand(period_s)
+    demand_ema, jump = track.demand_ema, 0.0
+    if demand is not None:
+        if demand_ema is not None and config.burst_ratio > 0:
+            j = demand / max(demand_ema, config.burst_min_demand)
+            if j >= config.burst_ratio:
+                jump = j
+                notes.append(
+                    f"{inst.id} launched {demand:.2f} of the GPU, {j:.1f}× its average {demand_ema:.2f} (burst)"
+                )
+        w = config.demand_ema_weight
+        demand_ema = demand if demand_ema is None else (1 - w) * demand_ema + w * demand
     new_track = CycleTrack(
         id=inst.id,
         min_cycle_s=min_cycle,
@@ -318,8 +437,12 @@ def _feedback(
         last_ratio=last_ratio,
         open_flagged=open_flagged,
         last_open_s=inst.open_cycle_s,
+        recent_ratios=recent,
+        demand_ema=demand_ema,
     )
-    return _Feedback(new_track, emergency, contention, recovery, "; ".join(notes))
+    return _Feedback(
+        new_track, emergency, contention, recovery, "; ".join(notes), demand, jump
+    )
 
 
 # -- shares --------------------------------------------------------------------------------------
@@ -349,31 +472,62 @@ def _latency_shares(
     return {i.id: i.request + e for i, e in zip(active, extra, strict=True)}, why
 
 
+def _room_left(
+    lc_active: list[VerticalInstance],
+    shares: dict[str, float],
+    feedback: dict[str, _Feedback],
+    config: VerticalConfig,
+) -> float:
+    """1 − what the active latency-critical instances need: max(request, demand × headroom) each, their
+    share where the demand is unknown. Uses the larger of this period's demand and its average."""
+    need = 0.0
+    for i in lc_active:
+        f = feedback[i.id]
+        levels = [x for x in (f.demand, f.track.demand_ema) if x is not None]
+        if not levels:
+            need += shares[i.id]
+            continue
+        need += max(i.request, min(shares[i.id], max(levels) * config.demand_headroom))
+    return 1.0 - need
+
+
 def _budget_step(
     b: float,
     *,
     fair: float,
+    room: float,
     floor: float,
     ceiling: float,
     emergency: float,
     contention: float,
     recovery: int,
+    jump: float,
     counted: int,
     notes: str,
     config: VerticalConfig,
 ) -> tuple[FeedbackMode, float, int, str]:
     """One feedback step of the best-effort budget: (mode, budget, recovery cycles, summary)."""
-    if emergency:
-        b = max(floor, min(b, fair) / emergency)
-        return (
-            FeedbackMode.EMERGENCY,
-            b,
-            0,
-            f"emergency: best-effort budget cut ÷{emergency:.2f} ({notes})",
-        )
-    if contention:
-        b = max(floor, min(b, fair))
-        why = f"contention: hold best-effort budget, at most the fair {fair:.2f} ({notes})"
+    clamp = config.fair_budget_cap
+    if emergency or jump:
+        cuts = []
+        if emergency:
+            cuts.append((max(floor, (min(b, fair) if clamp else b) / emergency), FeedbackMode.EMERGENCY))
+        if jump and b > room:
+            # Not below the room the burst leaves: feedback takes it further if the cycles stretch.
+            cuts.append((max(floor, room, b / jump), FeedbackMode.BURST))
+        if cuts:
+            nb, mode = min(cuts, key=lambda c: c[0])
+            if mode is FeedbackMode.EMERGENCY:
+                why = f"emergency: best-effort budget cut ÷{emergency:.2f} ({notes})"
+            else:
+                why = f"burst: best-effort budget cut ÷{jump:.2f}, not below the room {room:.2f} ({notes})"
+            return mode, min(b, nb), 0, why
+    if contention or jump:
+        if clamp:
+            b = max(floor, min(b, fair))
+            why = f"contention: hold best-effort budget, at most the fair {fair:.2f} ({notes})"
+        else:
+            why = f"contention: hold the best-effort budget ({notes})"
         return FeedbackMode.CONTENTION, b, 0, why
     if recovery:
         counted += recovery
@@ -386,7 +540,7 @@ def _budget_step(
             f"recovery: {recovery} cycle(s) within {config.recovery_ratio}× their minimum, "
             f"budget ×{config.recovery_growth}"
         )
-        return FeedbackMode.RECOVERY, min(ceiling, grown), 0, why
+        return FeedbackMode.RECOVERY, min(ceiling, max(b, grown)), 0, why
     return (
         FeedbackMode.STEADY,
         b,
@@ -405,14 +559,16 @@ def decide_shares(
     lc_active = [i for i in lc if i.active(now, config)]
     be_active = [i for i in be if i.active(now, config)]
 
-    feedback = [_feedback(i, state.track(i.id), config) for i in lc]
-    tracks = tuple(f.track for f in feedback)
-    active_ids = {i.id for i in lc_active}
+    feedback = {
+        i.id: _feedback(i, state.track(i.id), config, snapshot.period_s) for i in lc
+    }
+    tracks = tuple(f.track for f in feedback.values())
     # Only instances with demand speak for the GPU; an idle one's late cycle says nothing about now.
-    live = [f for f in feedback if f.track.id in active_ids]
+    live = [feedback[i.id] for i in lc_active]
     emergency = max((f.emergency for f in live), default=0.0)
     contention = max((f.contention for f in live), default=0.0)
     recovery = sum(f.recovery for f in live)
+    jump = max((f.jump for f in live), default=0.0)
     notes = "; ".join(f.note for f in live if f.note)
 
     floors = {i.id: config.emergency_floor * i.request for i in be_active}
@@ -422,16 +578,20 @@ def decide_shares(
     # The budget carried from the last period; None when best-effort demand beside
     # latency-critical demand is just beginning (then it starts at the fair budget).
     carried = state.budget if state.mode is not FeedbackMode.IDLE else None
-    # Best-effort requests are admitted guarantees: latency-critical instances may not grow
-    # into them, except into what feedback has already taken away from best-effort.
-    protected = sum(i.request for i in be_active)
-    if carried is not None:
-        protected = min(protected, carried)
-    protected = min(1.0, max(protected, floor_total))
+    be_requests = sum(i.request for i in be_active)
+    if config.strict:
+        # A partition: best-effort requests are admitted guarantees, so latency-critical instances may
+        # not grow into them, except into what feedback has already taken away from best-effort.
+        protected = be_requests if carried is None else min(be_requests, carried)
+        lc_room = 1.0 - min(1.0, max(protected, floor_total))
+    else:
+        # Caps, not reservations: a latency-critical cap costs nothing between its requests, and any
+        # cap below its limit would stretch every request. Only latency-critical instances contend here.
+        lc_room = 1.0
 
     lc_cut_why = ""
     if lc_active:
-        lc_shares, lc_cut_why = _latency_shares(lc_active, 1.0 - protected)
+        lc_shares, lc_cut_why = _latency_shares(lc_active, lc_room)
         shares.update(lc_shares)
     lc_total = sum(shares.values())
 
@@ -447,34 +607,52 @@ def decide_shares(
         )
     else:
         fair = max(floor_total, 1.0 - lc_total)
+        if config.strict:
+            room = fair
+        else:
+            # What the latency-critical instances leave by their measured demand, and never less than
+            # the best-effort requests that fit beside their requests (admitted guarantees).
+            lc_requests = sum(i.request for i in lc_active)
+            room = max(
+                fair,
+                _room_left(lc_active, shares, feedback, config),
+                min(be_requests, 1.0 - lc_requests),
+                floor_total,
+            )
         ceiling = (
-            max(fair, min(1.0, sum(i.limit for i in be_active)))
+            max(room, min(1.0, sum(i.limit for i in be_active)))
             if config.oversubscribe_in_recovery
             else fair
         )
         start = carried is None
         mode, b, recovery_cycles, summary = _budget_step(
-            fair if carried is None else carried,
+            room if carried is None else carried,
             fair=fair,
+            room=room,
             floor=floor_total,
             ceiling=ceiling,
             emergency=emergency,
             contention=contention,
             recovery=recovery,
+            jump=0.0 if start else jump,
             counted=state.recovery_cycles,
             notes=notes,
             config=config,
         )
         if start and be_active:
+            what = "the fair budget" if config.strict else "the room latency-critical demand leaves"
             summary = (
-                f"latency-critical demand began: best-effort start at the fair budget {fair:.2f}; "
+                f"latency-critical demand began: best-effort start at {what} {room:.2f}; "
                 + summary
             )
         b = min(max(b, floor_total), ceiling)
         if be_active:
             budget = b
         be_total = b
-        summary += f"; budget {b:.2f} (fair {fair:.2f}, floor {floor_total:.2f}, ceiling {ceiling:.2f})"
+        summary += (
+            f"; budget {b:.2f} (fair {fair:.2f}, room {room:.2f}, floor {floor_total:.2f}, "
+            f"ceiling {ceiling:.2f})"
+        )
         if lc_cut_why:
             summary += f"; {lc_cut_why}"
 

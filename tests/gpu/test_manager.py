@@ -92,6 +92,15 @@ def test_vertical_instance_clips_throttling_to_the_period() -> None:
     inst = vertical_instance(spec, reading, period_s=0.05, last_active_at=3.0, share=0.4)
     assert inst.throttled_s == pytest.approx(0.05) and inst.blocks == 10 and inst.share == 0.4
     assert inst.cycles_s == pytest.approx((0.02,)) and inst.last_active_at == 3.0 and inst.slo_ms == 50
+    assert inst.capacity_blocks_per_ms is None and inst.demand(0.05) is None
+
+
+def test_vertical_instance_carries_the_capacity_as_a_demand_share() -> None:
+    spec = InstanceSpec(id="a", function="ns/f", cls=InstanceClass.INFERENCE, request=0.5, limit=1.0)
+    reading, _ = read_delta(None, snapshot(blocks=1500, windows=10))
+    inst = vertical_instance(spec, reading, period_s=0.05, last_active_at=3.0, share=1.0,
+                             capacity_blocks_per_ms=100.0)
+    assert inst.demand(0.05) == pytest.approx(1500 / (100.0 * 50))
 
 
 # -- capacity --------------------------------------------------------------------------------------

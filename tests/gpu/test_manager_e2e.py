@@ -158,12 +158,18 @@ async def test_burst_cuts_training_idle_restores_stale_fails_static(
 
 async def test_stretched_cycles_trigger_an_emergency_cut(tmp_path: Path, shim_build: ShimBuild,
                                                          tenants: list[Tenant]) -> None:
-    """The feedback loop with the policy's defaults: the inference tenant's bursts take longer the faster
-    training is admitted (fake_tenant --contend), so its kernel-launch cycles stretch; the manager reads
-    them from the real shim's stats block and cuts training below the fair budget."""
+    """The feedback loop end to end: the inference tenant's bursts take longer the faster training is
+    admitted (fake_tenant --contend), so its kernel-launch cycles stretch; the manager reads them from the
+    real shim's stats block and cuts training below the fair budget.
+
+    With run 1's rule (`VerticalConfig.run1()`): training starts at the fair budget 0.3, recovery grows it
+    to 0.8 and the stretch (1 + 2 × rate / capacity) goes from 1.6 to 2.6, an emergency. The defaults start
+    training at the room inference's measured demand leaves (0.6 here: its bursts are a few blocks), so
+    this tenant's cycles only stretch 1.2× from their minimum, which the defaults rightly call recovery;
+    their tables (tests/policy/test_vertical_feedback.py) cover the emergency."""
     seen: list[TickRecord] = []
     node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", shim_library=shim_build.library,
-                   period_s=0.02, observers=(seen.append,))
+                   period_s=0.02, observers=(seen.append,), vertical=VerticalConfig.run1())
     await node.start()
     try:
         train = await node.attach("train", "guest/train", TRAIN)

@@ -55,6 +55,9 @@ def test_vertical_config_overrides_are_typed() -> None:
         h200.vertical_config(["no_such_field=1"])
     for pairs in h200.DEFAULT_VARIANTS.values():  # the variants the GPU run uses must be valid
         h200.vertical_config(pairs)
+    # The first run's policy stays reachable side by side with the defaults.
+    assert h200.vertical_config(h200.DEFAULT_VARIANTS["run1-default"]) == VerticalConfig.run1()
+    assert h200.vertical_config(["open_cycle_ratio=none"]).open_cycle_ratio is None
 
 
 def test_arrivals_follow_the_phases() -> None:
