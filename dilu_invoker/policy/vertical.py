@@ -75,6 +75,11 @@ class VerticalConfig:
     """Judge the median ratio of the last N cycles, not each cycle alone (1: each cycle, as run 1)."""
     open_cycle_ratio: float | None = 3.0
     """A cycle still in progress at this ratio is an emergency now (None: at the emergency ratio)."""
+    slo_guard: float | None = 0.25
+    """A latency-critical instance with an SLO whose (smoothed) cycle stays within this fraction of the
+    SLO is not hurt: stretch relative to its best cycle is then read as recovery, not contention or
+    emergency. Dilu's ratios know nothing of the SLO; with one we know how much stretch is affordable.
+    None: ratios only (Dilu)."""
     oversubscribe_in_recovery: bool = True
     """Let the budget exceed the fair budget (Σ active > 1); False keeps Σ active ≤ 1 always."""
     fair_budget_cap: bool = False
@@ -108,6 +113,8 @@ class VerticalConfig:
                 "need 1 <= recovery_ratio <= llm_emergency_ratio <= emergency_ratio, got "
                 f"{self.recovery_ratio}, {self.llm_emergency_ratio}, {self.emergency_ratio}"
             )
+        if self.slo_guard is not None and not 0.0 < self.slo_guard <= 1.0:
+            raise ValueError(f"slo_guard must be in (0, 1] or None, got {self.slo_guard}")
         if not self.outlier_ratio > self.emergency_ratio:
             raise ValueError(
                 f"outlier_ratio must exceed emergency_ratio, got {self.outlier_ratio}"
@@ -174,6 +181,7 @@ RUN1_OVERRIDES: dict[str, object] = {
     "open_cycle_ratio": None,
     "fair_budget_cap": True,
     "burst_ratio": 0.0,
+    "slo_guard": None,
 }
 """What `VerticalConfig.run1()` changes: the first H200 run's defaults."""
 
@@ -369,6 +377,8 @@ def _feedback(
     recent = track.recent_ratios[-config.cycle_smoothing :]
     smoothed = config.cycle_smoothing > 1
     already_cut = track.open_flagged
+    safe_s = (config.slo_guard * inst.slo_ms / 1000.0
+              if config.slo_guard is not None and inst.slo_ms and inst.cls.latency_critical else None)
     for c in inst.cycles_s:
         if c >= config.min_cycle_s:
             min_cycle = c if min_cycle is None else min(min_cycle, c)
@@ -386,6 +396,10 @@ def _feedback(
         recent = (recent + (ratio,))[-config.cycle_smoothing :]
         judged = _median(recent) if smoothed else ratio
         kind = _classify(judged, threshold, config)
+        if kind in ("emergency", "contention") and safe_s is not None and judged * base <= safe_s:
+            notes.append(f"{inst.id} cycles {judged:.2f}× its minimum but {judged * base * 1000:.1f} ms, "
+                         f"within {config.slo_guard:.0%} of its {inst.slo_ms:g} ms SLO (recovery)")
+            kind = "recovery"
         if kind == "emergency" and already_cut:
             # This is the cycle that was in progress when we cut for it: count it once.
             kind = "contention"
@@ -409,7 +423,7 @@ def _feedback(
     else:
         open_flagged = track.open_flagged and 0 < inst.open_cycle_s >= track.last_open_s
     base = min(history) if inst.cls is InstanceClass.LLM and history else min_cycle
-    if inst.open_cycle_s > 0 and base and not open_flagged:
+    if inst.open_cycle_s > 0 and base and not open_flagged and (safe_s is None or inst.open_cycle_s > safe_s):
         ratio = inst.open_cycle_s / base
         if config.open_threshold(inst.cls) <= ratio < config.outlier_ratio:
             emergency = max(emergency, ratio)

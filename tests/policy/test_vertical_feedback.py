@@ -349,3 +349,45 @@ def test_burst_is_absorbed_within_two_periods() -> None:
     assert seq[0][0] is FeedbackMode.BURST
     # ÷3 would be below what the burst leaves: inference's request 0.5 beats 0.36 × 1.25.
     assert seq[0][1] == pytest.approx(0.5)
+
+
+# -- the SLO guard ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("slo_ms", "cycles", "open_cycle", "mode"),
+    [
+        # 2× its best cycle is 80 ms: a 400 ms SLO can afford it (guard 25% = 100 ms): no cut.
+        (400.0, (2.0, 2.0, 2.0), 0.0, FeedbackMode.RECOVERY),
+        # The same stretch against a 200 ms SLO (guard 50 ms) is an emergency, as without an SLO.
+        (200.0, (2.0, 2.0, 2.0), 0.0, FeedbackMode.EMERGENCY),
+        (None, (2.0, 2.0, 2.0), 0.0, FeedbackMode.EMERGENCY),
+        # A cycle in progress is judged the same way.
+        (1000.0, (), 3.5, FeedbackMode.STEADY),
+        (200.0, (), 3.5, FeedbackMode.EMERGENCY),
+    ],
+    ids=["within-guard", "beyond-guard", "no-slo", "open-within-guard", "open-beyond-guard"],
+)
+def test_slo_guard_reads_affordable_stretch_as_recovery(
+    slo_ms: float | None, cycles: tuple[float, ...], open_cycle: float, mode: FeedbackMode
+) -> None:
+    inst = infer(cycles=cycles, open_cycle=open_cycle)
+    inst = VerticalInstance(**{**{f: getattr(inst, f) for f in inst.__slots__}, "slo_ms": slo_ms})
+    decision = decide_shares(VerticalSnapshot(now=NOW, instances=(inst, train()), period_s=PERIOD),
+                             state(0.5, recent=(1.0, 1.0)), CFG)
+    assert decision.mode is mode, decision.reason
+    if mode is FeedbackMode.RECOVERY:
+        assert decision.share_of("train") >= 0.5 - 1e-9
+
+
+def test_slo_guard_off_restores_ratio_only_feedback() -> None:
+    inst = infer(cycles=(2.0, 2.0, 2.0))
+    inst = VerticalInstance(**{**{f: getattr(inst, f) for f in inst.__slots__}, "slo_ms": 400.0})
+    decision = decide_shares(VerticalSnapshot(now=NOW, instances=(inst, train()), period_s=PERIOD),
+                             state(0.5, recent=(1.0, 1.0)), VerticalConfig(slo_guard=None))
+    assert decision.mode is FeedbackMode.EMERGENCY
+
+
+def test_slo_guard_is_validated() -> None:
+    with pytest.raises(ValueError, match="slo_guard"):
+        VerticalConfig(slo_guard=1.5)
