@@ -318,28 +318,16 @@ class RuntimeClient:
 
     async def init(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
         """POST /init, retrying a refused connection every 50 ms until `timeout_s` is used up."""
-        exchange = await self._post("/init", payload, timeout_s, retry=True)
-        outcome = init_outcome(
-            http_status=exchange.http_status,
-            body=exchange.body,
-            elapsed_s=exchange.elapsed_s,
-            timeout_s=timeout_s,
-            max_result_bytes=self._max_result_bytes,
-            total_length=exchange.total_length,
-        )
-        log.debug(
-            "runtime.init",
-            url=self._base_url,
-            http_status=exchange.http_status,
-            status=outcome.status_code.name,
-            elapsed_s=round(exchange.elapsed_s, 6),
-        )
-        return outcome
+        return await self._call("/init", payload, timeout_s, retry=True, mapping=init_outcome)
 
     async def run(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
         """POST /run once (never retried: the action may have started)."""
-        exchange = await self._post("/run", payload, timeout_s, retry=False)
-        outcome = run_outcome(
+        return await self._call("/run", payload, timeout_s, retry=False, mapping=run_outcome)
+
+    async def _call(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool,
+                    mapping: Callable[..., RuntimeOutcome]) -> RuntimeOutcome:
+        exchange = await self._post(path, payload, timeout_s, retry=retry)
+        outcome = mapping(
             http_status=exchange.http_status,
             body=exchange.body,
             elapsed_s=exchange.elapsed_s,
@@ -348,7 +336,7 @@ class RuntimeClient:
             total_length=exchange.total_length,
         )
         log.debug(
-            "runtime.run",
+            f"runtime{path.replace('/', '.')}",
             url=self._base_url,
             http_status=exchange.http_status,
             status=outcome.status_code.name,
