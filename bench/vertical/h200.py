@@ -53,7 +53,7 @@ from dilu_invoker.gpu.devices import GpuDevice
 from dilu_invoker.gpu.manager import TickRecord
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.model import GpuClass, GpuNeeds
-from dilu_invoker.policy.vertical import RUN1_OVERRIDES, FeedbackMode, VerticalConfig
+from dilu_invoker.policy.vertical import RUN1_OVERRIDES, RUN3_OVERRIDES, FeedbackMode, VerticalConfig
 
 SCALE = min(1.0, max(0.01, float(os.environ.get("DILU_BENCH_SCALE", "1"))))
 WORKER = os.environ.get("DILU_BENCH_WORKER", str(HERE / "worker.py"))
@@ -257,6 +257,7 @@ class Options:
     gamma: float
     vertical: VerticalConfig
     variants: dict[str, VerticalConfig]
+    static_caps: tuple[float, ...]
     capacity: str
     infer_batch: int
     train_batch: int
@@ -590,6 +591,10 @@ async def run_suite(o: Options, out: dict[str, Any], save: Callable[[], None], l
                     await suite.colocated("none", 1.0, 1.0, slo=slo, solo_it=solo_it)
                 elif name == "static":
                     await suite.colocated("static", o.static[0], o.static[1], slo=slo, solo_it=solo_it)
+                elif name.startswith("static@"):
+                    # Inference uncapped, training capped: the frontier a fixed rate cap buys.
+                    cap = float(name.partition("@")[2])
+                    await suite.colocated(name, 1.0, cap, slo=slo, solo_it=solo_it)
                 elif name.startswith("dynamic"):
                     _, _, variant = name.partition("@")
                     await suite.dynamic_and_idle(slo=slo, solo_it=solo_it, variant=variant or "default")
@@ -671,7 +676,9 @@ async def step(name: str, o: Options, out: dict[str, Any], save: Callable[[], No
             # Both processes as MPS clients at 100% threads; the shim's rates do the sharing.
             dyn = [f"dynamic@{v}" if v != "default" else "dynamic" for v in o.variants]
             bursts = [f"burst@{v}" if v != "default" else "burst" for v in o.variants]
-            plan = ["calibrate", *([] if ref.get("solo_inference") else ["solo_inference"]), "none", *dyn, *bursts]
+            caps = [f"static@{c:g}" for c in o.static_caps]
+            plan = ["calibrate", *([] if ref.get("solo_inference") else ["solo_inference"]), "none", *caps, *dyn,
+                    *bursts]
             await run_suite(o, out, save, "mps", plan, mps.env, ref, percentages=(100, 100))
         elif name == "mps_static":
             # A static 50/50 MPS split (no shim limits): the (b).
@@ -710,11 +717,13 @@ def vertical_config(pairs: list[str], base: VerticalConfig | None = None) -> Ver
 #: `run1-default`: the policy of the first H200 run (VerticalConfig.run1(): every cycle judged alone
 #: against a 1 ms-floor minimum, contention clamps training to the fair budget, no burst cut), side by
 #: side with the new defaults on the same load. `ratios-only`: the defaults without the SLO guard (the
-#: second H200 run's defaults: stretch judged only against the best cycle, as Dilu does).
+#: second H200 run's defaults: stretch judged only against the best cycle, as Dilu does). `run3-default`:
+#: the third run's defaults (VerticalConfig.run3(): growth every 5th unhurt cycle, burst cuts regrown, no
+#: drain).
 INFERENCE_SLO_MS = 100.0
 
 DEFAULT_VARIANTS = {
-    "ratios-only": ["slo_guard=none"],
+    "run3-default": [f"{k}={v}" for k, v in RUN3_OVERRIDES.items()],
     "run1-default": [f"{k}={v}" for k, v in RUN1_OVERRIDES.items()],
 }
 
@@ -740,6 +749,7 @@ def options(args: argparse.Namespace) -> Options:
         burst_mult=args.burst_mult, seconds=args.seconds, period_ms=args.period_ms,
         static=static, inference_share=pair(args.inference_share, "--inference-share"),
         training_share=pair(args.training_share, "--training-share"), gamma=args.gamma, vertical=base, variants=variants,
+        static_caps=tuple(float(x) for x in args.static_caps.split(",") if x.strip()),
         capacity=args.capacity, infer_batch=args.infer_batch, train_batch=args.train_batch,
         start_timeout=args.start_timeout, seed=args.seed,
     )
@@ -822,6 +832,8 @@ def main() -> int:
     s.add_argument("--seconds", type=float, default=5.0, help="length of each steady run")
     s.add_argument("--period-ms", type=float, default=50.0, help="manager period")
     s.add_argument("--static", default="0.7,0.3", help="static shim shares inference,training")
+    s.add_argument("--static-caps", default="",
+                   help="MPS step: training rate caps to run beside uncapped inference (comma-separated, e.g. 0.5,0.75)")
     s.add_argument("--inference-share", default="0.5,1.0", help="inference request,limit")
     s.add_argument("--training-share", default="0.2,1.0", help="training request,limit")
     s.add_argument("--gamma", type=float, default=2.0, help="the node's bound on Σ limit (the default limits sum to 2.0)")

@@ -134,6 +134,8 @@ class Report:
             self.w(f"* policy variant `{name}`: the defaults with {', '.join(f'`{k}={v}`' for k, v in diff.items())};")
         if "run1-default" in variants:
             self.w("  (`run1-default` is the policy of the first H200 run, `VerticalConfig.run1()`; docs/policies.md §1);")
+        if "run3-default" in variants:
+            self.w("  (`run3-default` is the policy of the third H200 run, `VerticalConfig.run3()`);")
         self.w(f"* torch {torch_v}, SLO = 2 × solo p99 = {f(2 * self.solo_p99 if self.solo_p99 else None)} ms.")
         self.w()
 
@@ -180,7 +182,7 @@ class Report:
         rows = [("time-slicing", "timeslice"), ("MPS + shim", "mps"), ("MPS 50/50", "mps_static")]
         for label, key in rows:
             step = self.steps.get(key) or {}
-            for name in ("none", "static", "static_mps_split"):
+            for name in ("none", *(k for k in step if k == "static" or k.startswith("static@")), "static_mps_split"):
                 if isinstance(step.get(name), dict):
                     self.row(label, self.scenario_label(name, step[name]), step[name])
             for v, d in variants_of(step, "dynamic"):
@@ -192,7 +194,7 @@ class Report:
         pins = sc.get("pins") or {}
         if name == "none":
             return "co-located, no limits"
-        if name == "static":
+        if name == "static" or name.startswith("static@"):
             return f"static shim shares {pins.get('inference')}/{pins.get('training')}"
         return "static MPS split 50/50 (no shim limits)"
 

@@ -100,19 +100,24 @@ if [ ! -f cuda_shim/build/libdilu_shim.so ]; then
 fi
 
 # ---- steps (most important first) -------------------------------------------------------
+# Per-step extra arguments and limits: DILU_BENCH_ARGS_TIMESLICE / _MPS / _MPS_STATIC and
+# DILU_BENCH_LIMIT_TIMESLICE / _MPS / _MPS_STATIC (seconds).
 run_step() {
-    local name=$1 limit=$2
+    local name=$1 limit=$2 extra=$3
     # shellcheck disable=SC2086  # ARGS is a list of words on purpose
     step "$name" "$limit" "$PY" bench/vertical/h200.py step "$name" --work "$WORK" --results "$RES" \
-        --log "$LOG" $ARGS
+        --log "$LOG" $ARGS $extra
     mps_quit
 }
-run_step timeslice 165
-run_step mps 135
-run_step mps_static 60
+run_step timeslice "${DILU_BENCH_LIMIT_TIMESLICE:-165}" "${DILU_BENCH_ARGS_TIMESLICE:-}"
+run_step mps "${DILU_BENCH_LIMIT_MPS:-135}" "${DILU_BENCH_ARGS_MPS:-}"
+run_step mps_static "${DILU_BENCH_LIMIT_MPS_STATIC:-60}" "${DILU_BENCH_ARGS_MPS_STATIC:-}"
 
 # ---- results --------------------------------------------------------------------------
 CMD="OUT=<dir> bash bench/vertical/run_h200.sh${ARGS:+ (DILU_BENCH_ARGS='$ARGS')}"
+for v in DILU_BENCH_ARGS_TIMESLICE DILU_BENCH_ARGS_MPS DILU_BENCH_ARGS_MPS_STATIC; do
+    [ -n "${!v:-}" ] && CMD="$CMD ($v='${!v}')"
+done
 timeout 60 "$PY" bench/vertical/h200.py merge --results "$RES" --out "$OUT/vertical_results.json" \
     --machine "$OUT/machine.txt" --command "$CMD" >>"$LOG" 2>&1
 log "merge exit $?"

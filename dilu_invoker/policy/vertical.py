@@ -45,6 +45,9 @@ class FeedbackMode(StrEnum):
     """A cycle ≥ the emergency ratio: cut the best-effort budget now."""
     BURST = "burst"
     """A latency-critical launch rate jumped: cut the best-effort budget now, to the room left."""
+    DRAIN = "drain"
+    """A latency-critical cycle in progress is eating into its SLO (a queue is building): best-effort
+    instances drop to their floor until it completes; the budget is kept for afterwards."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,8 +66,9 @@ class VerticalConfig:
     """Cycles this much longer than the minimum are not interference (merged requests): ignored."""
     recovery_growth: float = 1.3
     """Budget multiplier per recovery step (Dilu ×1.3)."""
-    recovery_every: int = 5
-    """Recovery cycles needed per growth step (Dilu: every 5th cycle)."""
+    recovery_every: int = 1
+    """Recovery cycles needed per growth step (Dilu: every 5th cycle; judged cycles are already the median
+    of `cycle_smoothing`, so each is evidence)."""
     emergency_floor: float = 0.05
     """A best-effort instance keeps at least this fraction of its request, even in emergency."""
     min_cycle_s: float = 0.035
@@ -80,6 +84,14 @@ class VerticalConfig:
     SLO is not hurt: stretch relative to its best cycle is then read as recovery, not contention or
     emergency. Dilu's ratios know nothing of the SLO; with one we know how much stretch is affordable.
     None: ratios only (Dilu)."""
+    drain_slo_fraction: float | None = 0.25
+    """A latency-critical instance with an SLO whose cycle in progress has run at least this fraction of
+    the SLO (and less than the whole SLO) is building a queue, where tail latency comes from: best-effort
+    instances drop to their floor until that cycle completes, then get their budget back. A cycle as long
+    as the SLO is no queue to drain but a continuously busy instance: the ratios judge it. None: off."""
+    burst_restore: bool = True
+    """A burst cut is provisional: when the next judged cycles are unhurt (recovery), the budget returns to
+    what it was before the cut instead of regrowing ×`recovery_growth` at a time. False: regrow."""
     oversubscribe_in_recovery: bool = True
     """Let the budget exceed the fair budget (Σ active > 1); False keeps Σ active ≤ 1 always."""
     fair_budget_cap: bool = False
@@ -115,6 +127,8 @@ class VerticalConfig:
             )
         if self.slo_guard is not None and not 0.0 < self.slo_guard <= 1.0:
             raise ValueError(f"slo_guard must be in (0, 1] or None, got {self.slo_guard}")
+        if self.drain_slo_fraction is not None and not 0.0 < self.drain_slo_fraction < 1.0:
+            raise ValueError(f"drain_slo_fraction must be in (0, 1) or None, got {self.drain_slo_fraction}")
         if not self.outlier_ratio > self.emergency_ratio:
             raise ValueError(
                 f"outlier_ratio must exceed emergency_ratio, got {self.outlier_ratio}"
@@ -155,6 +169,11 @@ class VerticalConfig:
         """The defaults of the first H200 run (docs/benchmarks/vertical.md), for side-by-side runs."""
         return cls(**{**RUN1_OVERRIDES, **overrides})  # type: ignore[arg-type]
 
+    @classmethod
+    def run3(cls, **overrides: object) -> VerticalConfig:
+        """The defaults of the third H200 run: slow regrowth, no drain, burst cuts regrown."""
+        return cls(**{**RUN3_OVERRIDES, **overrides})  # type: ignore[arg-type]
+
     @property
     def strict(self) -> bool:
         """The budget is tied to the fair budget (Σ active ≤ 1 outside recovery growth)."""
@@ -175,7 +194,15 @@ class VerticalConfig:
         )
 
 
+RUN3_OVERRIDES: dict[str, object] = {
+    "recovery_every": 5,
+    "drain_slo_fraction": None,
+    "burst_restore": False,
+}
+"""What `VerticalConfig.run3()` changes: the third H200 run's defaults."""
+
 RUN1_OVERRIDES: dict[str, object] = {
+    **RUN3_OVERRIDES,
     "min_cycle_s": 0.001,
     "cycle_smoothing": 1,
     "open_cycle_ratio": None,
@@ -290,6 +317,8 @@ class VerticalState:
     recovery_cycles: int = 0
     mode: FeedbackMode = FeedbackMode.IDLE
     tracks: tuple[CycleTrack, ...] = ()
+    restore_to: float | None = None
+    """The budget before a burst cut, given back at the next recovery (None: nothing to give back)."""
 
     def track(self, instance_id: str) -> CycleTrack | None:
         for t in self.tracks:
@@ -344,6 +373,7 @@ class _Feedback:
     note: str
     demand: float | None = None  # this period's demand share (None: capacity unknown)
     jump: float = 0.0  # demand / its previous average when that is a burst (0: none)
+    drain: bool = False  # its cycle in progress is eating into its SLO: a queue is building
 
 
 def _classify(ratio: float, threshold: float, config: VerticalConfig) -> str:
@@ -432,6 +462,13 @@ def _feedback(
                 f"{inst.id} cycle in progress already {ratio:.2f}× its minimum (emergency)"
             )
 
+    drain = False
+    if (config.drain_slo_fraction is not None and inst.slo_ms and inst.cls.latency_critical
+            and config.drain_slo_fraction * inst.slo_ms <= inst.open_cycle_s * 1000.0 < inst.slo_ms):
+        drain = True
+        notes.append(f"{inst.id} cycle in progress {inst.open_cycle_s * 1000:.0f} ms, "
+                     f"≥ {config.drain_slo_fraction:.0%} of its {inst.slo_ms:g} ms SLO (drain)")
+
     demand = inst.demand(period_s)
     demand_ema, jump = track.demand_ema, 0.0
     if demand is not None:
@@ -455,7 +492,7 @@ def _feedback(
         demand_ema=demand_ema,
     )
     return _Feedback(
-        new_track, emergency, contention, recovery, "; ".join(notes), demand, jump
+        new_track, emergency, contention, recovery, "; ".join(notes), demand, jump, drain
     )
 
 
@@ -583,6 +620,7 @@ def decide_shares(
     contention = max((f.contention for f in live), default=0.0)
     recovery = sum(f.recovery for f in live)
     jump = max((f.jump for f in live), default=0.0)
+    drain = any(f.drain for f in live)
     notes = "; ".join(f.note for f in live if f.note)
 
     floors = {i.id: config.emergency_floor * i.request for i in be_active}
@@ -611,6 +649,7 @@ def decide_shares(
 
     budget: float | None = None
     recovery_cycles = 0
+    restore_to: float | None = None
     if not lc_active:
         mode = FeedbackMode.IDLE
         be_total = 1.0
@@ -639,8 +678,9 @@ def decide_shares(
             else fair
         )
         start = carried is None
+        before = room if carried is None else carried
         mode, b, recovery_cycles, summary = _budget_step(
-            room if carried is None else carried,
+            before,
             fair=fair,
             room=room,
             floor=floor_total,
@@ -653,6 +693,19 @@ def decide_shares(
             notes=notes,
             config=config,
         )
+        restore_to = None if start else state.restore_to
+        if config.burst_restore:
+            if mode is FeedbackMode.BURST:
+                restore_to = max(restore_to or 0.0, before)
+            elif mode in (FeedbackMode.EMERGENCY, FeedbackMode.CONTENTION):
+                restore_to = None
+            elif mode is FeedbackMode.RECOVERY and restore_to is not None:
+                if restore_to > b:
+                    b = min(ceiling, restore_to)
+                    summary += f"; the burst cut is undone: cycles unhurt, budget back to {b:.2f}"
+                restore_to = None
+        else:
+            restore_to = None
         if start and be_active:
             what = "the fair budget" if config.strict else "the room latency-critical demand leaves"
             summary = (
@@ -663,6 +716,11 @@ def decide_shares(
         if be_active:
             budget = b
         be_total = b
+        if drain and be_active:
+            # The budget is kept (and carried) for when the cycle completes; only the shares drop.
+            mode = FeedbackMode.DRAIN
+            be_total = floor_total
+            summary = f"drain: best-effort at its floor until the cycle completes ({notes}); then {summary}"
         summary += (
             f"; budget {b:.2f} (fair {fair:.2f}, room {room:.2f}, floor {floor_total:.2f}, "
             f"ceiling {ceiling:.2f})"
@@ -721,7 +779,7 @@ def decide_shares(
         )
 
     new_state = VerticalState(
-        budget=budget, recovery_cycles=recovery_cycles, mode=mode, tracks=tracks
+        budget=budget, recovery_cycles=recovery_cycles, mode=mode, tracks=tracks, restore_to=restore_to
     )
     active_total = sum(d.share for d in decisions if d.active)
     reason = f"{snapshot.gpu or 'gpu'} {mode.value}: {summary}; Σ active shares {active_total:.2f}"

@@ -137,8 +137,8 @@ CASES = {
     "one-merged-request-cycle-is-not-an-emergency": Case(
         (infer(cycles=(2.5,)), train()),
         FeedbackMode.RECOVERY,
-        0.9,
-        state=state(0.9, recent=(1.0, 1.0, 1.05, 1.1)),
+        0.5 * 1.3,
+        state=state(0.5, recent=(1.0, 1.0, 1.05, 1.1)),
     ),
     "run1-one-merged-request-cycle-is-an-emergency": Case(
         (infer(cycles=(2.5,)), train()),
@@ -151,8 +151,8 @@ CASES = {
     "outlier-cycle-stays-out-of-the-median": Case(
         (infer(cycles=(4.5, 1.0)), train()),
         FeedbackMode.RECOVERY,
-        0.9,
-        state=state(0.9, recent=(1.0, 1.0, 1.0, 1.0)),
+        0.5 * 1.3,
+        state=state(0.5, recent=(1.0, 1.0, 1.0, 1.0)),
     ),
     # -- emergency
     "stretched-median-is-an-emergency-cut-by-the-ratio": Case(
@@ -182,12 +182,19 @@ CASES = {
         reason_has="in progress",
     ),
     # -- recovery
-    "recovery-counts-cycles": Case(
+    "recovery-grows-on-every-unhurt-cycle": Case(
+        (infer(cycles=(1.0,)), train()),
+        FeedbackMode.RECOVERY,
+        0.5 * 1.3,
+        state=state(0.5),
+    ),
+    "run3-recovery-counts-cycles": Case(
         (infer(cycles=(1.0,)), train()),
         FeedbackMode.RECOVERY,
         0.5,
         state=state(0.5),
         reason_has="1/5",
+        config=VerticalConfig.run3(),
     ),
     "recovery-grows-past-the-fair-budget": Case(
         (infer(cycles=(1.0,)), train()),
@@ -373,8 +380,9 @@ def test_slo_guard_reads_affordable_stretch_as_recovery(
 ) -> None:
     inst = infer(cycles=cycles, open_cycle=open_cycle)
     inst = VerticalInstance(**{**{f: getattr(inst, f) for f in inst.__slots__}, "slo_ms": slo_ms})
+    # The drain (a cycle in progress eating into the SLO) is tested on its own below.
     decision = decide_shares(VerticalSnapshot(now=NOW, instances=(inst, train()), period_s=PERIOD),
-                             state(0.5, recent=(1.0, 1.0)), CFG)
+                             state(0.5, recent=(1.0, 1.0)), VerticalConfig(drain_slo_fraction=None))
     assert decision.mode is mode, decision.reason
     if mode is FeedbackMode.RECOVERY:
         assert decision.share_of("train") >= 0.5 - 1e-9
@@ -391,3 +399,82 @@ def test_slo_guard_off_restores_ratio_only_feedback() -> None:
 def test_slo_guard_is_validated() -> None:
     with pytest.raises(ValueError, match="slo_guard"):
         VerticalConfig(slo_guard=1.5)
+
+
+# -- the drain: a queue building behind a long cycle -------------------------------------------------
+
+
+def _with_slo(inst: VerticalInstance, slo_ms: float | None) -> VerticalInstance:
+    return VerticalInstance(**{**{f: getattr(inst, f) for f in inst.__slots__}, "slo_ms": slo_ms})
+
+
+@pytest.mark.parametrize(
+    ("slo_ms", "open_cycle", "config", "mode", "train_share"),
+    [
+        # 1.5 × 40 ms = 60 ms in progress against a 200 ms SLO: 30% of it, past the 25% drain point.
+        (200.0, 1.5, CFG, FeedbackMode.DRAIN, 0.05 * 0.2),
+        # 20% of the SLO: no queue worth draining yet.
+        (300.0, 1.5, CFG, FeedbackMode.STEADY, 0.9),
+        # A cycle as long as the SLO is a continuously busy instance, not a queue: the ratios judge it.
+        (100.0, 2.6, CFG, FeedbackMode.STEADY, 0.9),
+        # No SLO, no drain; and off when configured off.
+        (None, 1.5, CFG, FeedbackMode.STEADY, 0.9),
+        (200.0, 1.5, VerticalConfig(drain_slo_fraction=None), FeedbackMode.STEADY, 0.9),
+    ],
+    ids=["past-drain-point", "before-drain-point", "longer-than-slo", "no-slo", "off"],
+)
+def test_drain_drops_best_effort_to_its_floor_while_a_queue_builds(
+    slo_ms: float | None, open_cycle: float, config: VerticalConfig, mode: FeedbackMode, train_share: float
+) -> None:
+    inst = _with_slo(infer(open_cycle=open_cycle), slo_ms)
+    d = decide_shares(VerticalSnapshot(now=NOW, instances=(inst, train()), period_s=PERIOD), state(0.9), config)
+    assert d.mode is mode, d.reason
+    assert d.share_of("train") == pytest.approx(train_share), d.reason
+    assert d.share_of("inf") == pytest.approx(1.0)
+    # The budget itself is kept for when the cycle completes.
+    assert d.state.budget == pytest.approx(0.9)
+
+
+def test_drain_ends_with_the_cycle_and_the_budget_comes_back() -> None:
+    s = state(0.6)
+    seq = []
+    for open_cycle, cycles in [(1.5, ()), (2.0, ()), (0.0, (1.0,))]:
+        inst = _with_slo(infer(open_cycle=open_cycle, cycles=cycles), 200.0)
+        d = decide_shares(VerticalSnapshot(now=NOW, instances=(inst, train()), period_s=PERIOD), s, CFG)
+        seq.append((d.mode, d.share_of("train")))
+        s = d.state
+    assert [m for m, _ in seq] == [FeedbackMode.DRAIN, FeedbackMode.DRAIN, FeedbackMode.RECOVERY]
+    assert seq[0][1] == pytest.approx(0.01) and seq[1][1] == pytest.approx(0.01)
+    assert seq[2][1] == pytest.approx(0.6 * 1.3)
+
+
+# -- a burst cut is provisional ----------------------------------------------------------------------
+
+
+def test_burst_cut_is_undone_when_the_cycles_stay_unhurt() -> None:
+    s = state(0.9, ema=0.2)
+    d = decide_shares(VerticalSnapshot(now=NOW, instances=(infer(demand=0.6), train()), period_s=PERIOD), s, CFG)
+    assert d.mode is FeedbackMode.BURST and d.share_of("train") == pytest.approx(0.3)
+    assert d.state.restore_to == pytest.approx(0.9)
+    d = decide_shares(VerticalSnapshot(now=NOW + PERIOD, instances=(infer(demand=0.4, cycles=(1.0,)), train()),
+                                       period_s=PERIOD), d.state, CFG)
+    assert d.mode is FeedbackMode.RECOVERY
+    assert d.share_of("train") == pytest.approx(0.9), d.reason
+    assert "undone" in d.reason and d.state.restore_to is None
+    # Regrowth instead (the third run's rule): ×1.3 from the cut.
+    r3 = VerticalConfig.run3(recovery_every=1)
+    d = decide_shares(VerticalSnapshot(now=NOW, instances=(infer(demand=0.6), train()), period_s=PERIOD), s, r3)
+    d = decide_shares(VerticalSnapshot(now=NOW + PERIOD, instances=(infer(demand=0.4, cycles=(1.0,)), train()),
+                                       period_s=PERIOD), d.state, r3)
+    assert d.share_of("train") == pytest.approx(0.3 * 1.3)
+
+
+def test_burst_cut_followed_by_stretch_is_not_undone() -> None:
+    s = state(0.9, ema=0.2, recent=(1.7, 1.7, 1.7, 1.7))
+    d = decide_shares(VerticalSnapshot(now=NOW, instances=(infer(demand=0.6), train()), period_s=PERIOD), s, CFG)
+    assert d.mode is FeedbackMode.BURST
+    d = decide_shares(VerticalSnapshot(now=NOW + PERIOD, instances=(infer(demand=0.6, cycles=(1.8,)), train()),
+                                       period_s=PERIOD), d.state, CFG)
+    assert d.mode is FeedbackMode.EMERGENCY
+    assert d.state.restore_to is None
+    assert d.share_of("train") < 0.3
