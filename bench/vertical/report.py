@@ -136,7 +136,11 @@ class Report:
             self.w("  (`run1-default` is the policy of the first H200 run, `VerticalConfig.run1()`; docs/policies.md §1);")
         if "run3-default" in variants:
             self.w("  (`run3-default` is the policy of the third H200 run, `VerticalConfig.run3()`);")
-        self.w(f"* torch {torch_v}, SLO = 2 × solo p99 = {f(2 * self.solo_p99 if self.solo_p99 else None)} ms.")
+        mslo = next((s.get("manager_slo_ms") for s in self.steps.values() if isinstance(s, dict)
+                     and s.get("manager_slo_ms")), None)
+        told = (f"the manager is given the same SLO ({f(mslo)} ms) once the solo run has measured it" if mslo
+                else "the manager is given a fixed 100 ms annotation")
+        self.w(f"* torch {torch_v}, SLO = 2 × solo p99 = {f(2 * self.solo_p99 if self.solo_p99 else None)} ms; {told}.")
         self.w()
 
     def targets(self) -> None:

@@ -545,6 +545,14 @@ class GpuManager:
         m.pinned = share
         self._log.info("share pinned" if share is not None else "share unpinned", instance=instance, share=share)
 
+    def set_slo(self, instance: str, slo_ms: float | None) -> None:
+        """A latency objective learnt after the instance started (a measured solo p99); None: none."""
+        if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):
+            raise ValueError(f"an SLO must be > 0 ms, got {slo_ms!r}")
+        m = self._instances[instance]
+        m.spec = replace(m.spec, slo_ms=slo_ms)
+        self._log.info("SLO set", instance=instance, slo_ms=slo_ms)
+
     def set_vertical_config(self, config: VerticalConfig) -> None:
         """Run the policy with ``config`` from the next tick on; its memory (cycle minima, budget) starts over."""
         self.vertical = config

@@ -349,6 +349,11 @@ class GpuNode:
         a = self._attached[instance]
         self._managers[a.device.uuid].pin(instance, share)
 
+    def set_slo(self, instance: str, slo_ms: float | None) -> None:
+        """An SLO learnt after the instance started (the benchmarks: 2 × the measured solo p99)."""
+        a = self._attached[instance]
+        self._managers[a.device.uuid].set_slo(instance, slo_ms)
+
     def set_capacity(self, instance: str, blocks_per_ms: float | None) -> None:
         """A capacity measured after the instance started (the profiler); None: the online estimate."""
         a = self._attached[instance]

@@ -84,11 +84,13 @@ class VerticalConfig:
     SLO is not hurt: stretch relative to its best cycle is then read as recovery, not contention or
     emergency. Dilu's ratios know nothing of the SLO; with one we know how much stretch is affordable.
     None: ratios only (Dilu)."""
-    drain_slo_fraction: float | None = 0.25
+    drain_slo_fraction: float | None = None
     """A latency-critical instance with an SLO whose cycle in progress has run at least this fraction of
     the SLO (and less than the whole SLO) is building a queue, where tail latency comes from: best-effort
     instances drop to their floor until that cycle completes, then get their budget back. A cycle as long
-    as the SLO is no queue to drain but a continuously busy instance: the ratios judge it. None: off."""
+    as the SLO is no queue to drain but a continuously busy instance: the ratios judge it. None (the
+    default): off — on the H200 (fourth run) 0.25 flapped training between its floor and its budget every
+    period and lost throughput without protecting p99 (docs/benchmarks/vertical.md)."""
     burst_restore: bool = True
     """A burst cut is provisional: when the next judged cycles are unhurt (recovery), the budget returns to
     what it was before the cut instead of regrowing ×`recovery_growth` at a time. False: regrow."""
@@ -196,7 +198,6 @@ class VerticalConfig:
 
 RUN3_OVERRIDES: dict[str, object] = {
     "recovery_every": 5,
-    "drain_slo_fraction": None,
     "burst_restore": False,
 }
 """What `VerticalConfig.run3()` changes: the third H200 run's defaults."""

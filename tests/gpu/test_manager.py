@@ -287,6 +287,18 @@ def test_pinned_share_overrides_the_policy(gpu: Gpu) -> None:
         gpu.mgr.pin("train", 0.0)
 
 
+def test_slo_learnt_later_reaches_the_policy(gpu: Gpu) -> None:
+    gpu.mgr.set_slo("inf", 54.0)
+    assert {s.id: s.slo_ms for s in gpu.mgr.instances()}["inf"] == pytest.approx(54.0)
+    gpu.mgr.set_slo("inf", None)
+    assert {s.id: s.slo_ms for s in gpu.mgr.instances()}["inf"] is None
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError):
+            gpu.mgr.set_slo("inf", bad)
+    with pytest.raises(KeyError):
+        gpu.mgr.set_slo("nobody", 10.0)
+
+
 def test_unknown_capacity_runs_unlimited_until_measured(tmp_path: Path) -> None:
     g = Gpu(tmp_path)
     g.add(replace(TRAIN, capacity_blocks_per_ms=None))

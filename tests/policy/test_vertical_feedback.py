@@ -380,9 +380,8 @@ def test_slo_guard_reads_affordable_stretch_as_recovery(
 ) -> None:
     inst = infer(cycles=cycles, open_cycle=open_cycle)
     inst = VerticalInstance(**{**{f: getattr(inst, f) for f in inst.__slots__}, "slo_ms": slo_ms})
-    # The drain (a cycle in progress eating into the SLO) is tested on its own below.
     decision = decide_shares(VerticalSnapshot(now=NOW, instances=(inst, train()), period_s=PERIOD),
-                             state(0.5, recent=(1.0, 1.0)), VerticalConfig(drain_slo_fraction=None))
+                             state(0.5, recent=(1.0, 1.0)), CFG)
     assert decision.mode is mode, decision.reason
     if mode is FeedbackMode.RECOVERY:
         assert decision.share_of("train") >= 0.5 - 1e-9
@@ -401,7 +400,9 @@ def test_slo_guard_is_validated() -> None:
         VerticalConfig(slo_guard=1.5)
 
 
-# -- the drain: a queue building behind a long cycle -------------------------------------------------
+# -- the drain (off by default): a queue building behind a long cycle --------------------------------
+
+DRAIN = VerticalConfig(drain_slo_fraction=0.25)
 
 
 def _with_slo(inst: VerticalInstance, slo_ms: float | None) -> VerticalInstance:
@@ -412,14 +413,14 @@ def _with_slo(inst: VerticalInstance, slo_ms: float | None) -> VerticalInstance:
     ("slo_ms", "open_cycle", "config", "mode", "train_share"),
     [
         # 1.5 × 40 ms = 60 ms in progress against a 200 ms SLO: 30% of it, past the 25% drain point.
-        (200.0, 1.5, CFG, FeedbackMode.DRAIN, 0.05 * 0.2),
+        (200.0, 1.5, DRAIN, FeedbackMode.DRAIN, 0.05 * 0.2),
         # 20% of the SLO: no queue worth draining yet.
-        (300.0, 1.5, CFG, FeedbackMode.STEADY, 0.9),
+        (300.0, 1.5, DRAIN, FeedbackMode.STEADY, 0.9),
         # A cycle as long as the SLO is a continuously busy instance, not a queue: the ratios judge it.
-        (100.0, 2.6, CFG, FeedbackMode.STEADY, 0.9),
-        # No SLO, no drain; and off when configured off.
-        (None, 1.5, CFG, FeedbackMode.STEADY, 0.9),
-        (200.0, 1.5, VerticalConfig(drain_slo_fraction=None), FeedbackMode.STEADY, 0.9),
+        (100.0, 2.6, DRAIN, FeedbackMode.STEADY, 0.9),
+        # No SLO, no drain; and off by default.
+        (None, 1.5, DRAIN, FeedbackMode.STEADY, 0.9),
+        (200.0, 1.5, CFG, FeedbackMode.STEADY, 0.9),
     ],
     ids=["past-drain-point", "before-drain-point", "longer-than-slo", "no-slo", "off"],
 )
@@ -440,7 +441,7 @@ def test_drain_ends_with_the_cycle_and_the_budget_comes_back() -> None:
     seq = []
     for open_cycle, cycles in [(1.5, ()), (2.0, ()), (0.0, (1.0,))]:
         inst = _with_slo(infer(open_cycle=open_cycle, cycles=cycles), 200.0)
-        d = decide_shares(VerticalSnapshot(now=NOW, instances=(inst, train()), period_s=PERIOD), s, CFG)
+        d = decide_shares(VerticalSnapshot(now=NOW, instances=(inst, train()), period_s=PERIOD), s, DRAIN)
         seq.append((d.mode, d.share_of("train")))
         s = d.state
     assert [m for m, _ in seq] == [FeedbackMode.DRAIN, FeedbackMode.DRAIN, FeedbackMode.RECOVERY]
