@@ -109,12 +109,15 @@ run_step() {
         --log "$LOG" $ARGS $extra
     mps_quit
 }
-run_step timeslice "${DILU_BENCH_LIMIT_TIMESLICE:-165}" "${DILU_BENCH_ARGS_TIMESLICE:-}"
-run_step mps "${DILU_BENCH_LIMIT_MPS:-135}" "${DILU_BENCH_ARGS_MPS:-}"
-run_step mps_static "${DILU_BENCH_LIMIT_MPS_STATIC:-60}" "${DILU_BENCH_ARGS_MPS_STATIC:-}"
+# DILU_BENCH_STEPS picks the steps (default all three, in this order).
+STEPS=" ${DILU_BENCH_STEPS:-timeslice mps mps_static} "
+[[ $STEPS == *" timeslice "* ]] && run_step timeslice "${DILU_BENCH_LIMIT_TIMESLICE:-165}" "${DILU_BENCH_ARGS_TIMESLICE:-}"
+[[ $STEPS == *" mps "* ]] && run_step mps "${DILU_BENCH_LIMIT_MPS:-135}" "${DILU_BENCH_ARGS_MPS:-}"
+[[ $STEPS == *" mps_static "* ]] && run_step mps_static "${DILU_BENCH_LIMIT_MPS_STATIC:-60}" "${DILU_BENCH_ARGS_MPS_STATIC:-}"
 
 # ---- results --------------------------------------------------------------------------
 CMD="OUT=<dir> bash bench/vertical/run_h200.sh${ARGS:+ (DILU_BENCH_ARGS='$ARGS')}"
+[ -n "${DILU_BENCH_STEPS:-}" ] && CMD="$CMD (DILU_BENCH_STEPS='$DILU_BENCH_STEPS')"
 for v in DILU_BENCH_ARGS_TIMESLICE DILU_BENCH_ARGS_MPS DILU_BENCH_ARGS_MPS_STATIC; do
     [ -n "${!v:-}" ] && CMD="$CMD ($v='${!v}')"
 done

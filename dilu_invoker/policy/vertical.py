@@ -94,6 +94,9 @@ class VerticalConfig:
     burst_restore: bool = True
     """A burst cut is provisional: when the next judged cycles are unhurt (recovery), the budget returns to
     what it was before the cut instead of regrowing ×`recovery_growth` at a time. False: regrow."""
+    busy_ceiling: float = 1.0
+    """While latency-critical demand exists, best-effort instances together take at most this share (a
+    reserve the cycle feedback cannot see: its signal only comes once a queue has formed)."""
     oversubscribe_in_recovery: bool = True
     """Let the budget exceed the fair budget (Σ active > 1); False keeps Σ active ≤ 1 always."""
     fair_budget_cap: bool = False
@@ -159,6 +162,8 @@ class VerticalConfig:
             raise ValueError(f"burst_ratio must be 0 (off) or > 1, got {self.burst_ratio!r}")
         if not 0.0 < self.burst_min_demand <= 1.0:
             raise ValueError("burst_min_demand must be within (0, 1]")
+        if not 0.0 < self.busy_ceiling <= 1.0:
+            raise ValueError(f"busy_ceiling must be within (0, 1], got {self.busy_ceiling!r}")
         if not 0.0 <= self.emergency_floor <= 1.0:
             raise ValueError(
                 f"emergency_floor must be between 0 and 1, got {self.emergency_floor!r}"
@@ -674,7 +679,7 @@ def decide_shares(
                 floor_total,
             )
         ceiling = (
-            max(room, min(1.0, sum(i.limit for i in be_active)))
+            max(room, min(1.0, config.busy_ceiling, sum(i.limit for i in be_active)))
             if config.oversubscribe_in_recovery
             else fair
         )
