@@ -94,9 +94,11 @@ class VerticalConfig:
     burst_restore: bool = True
     """A burst cut is provisional: when the next judged cycles are unhurt (recovery), the budget returns to
     what it was before the cut instead of regrowing ×`recovery_growth` at a time. False: regrow."""
-    busy_ceiling: float = 1.0
+    busy_ceiling: float = 0.8
     """While latency-critical demand exists, best-effort instances together take at most this share (a
-    reserve the cycle feedback cannot see: its signal only comes once a queue has formed)."""
+    reserve the cycle feedback cannot see: its signal only comes once a queue has formed). Sixth H200 run
+    (MPS, same load): 0.8 gave training 65% of solo at p99 0.63× solo, 1.0 gave 21% at 1.14× — growth to
+    the whole GPU overshot into emergencies that cut ÷3. 1.0: no reserve."""
     oversubscribe_in_recovery: bool = True
     """Let the budget exceed the fair budget (Σ active > 1); False keeps Σ active ≤ 1 always."""
     fair_budget_cap: bool = False
@@ -204,6 +206,7 @@ class VerticalConfig:
 RUN3_OVERRIDES: dict[str, object] = {
     "recovery_every": 5,
     "burst_restore": False,
+    "busy_ceiling": 1.0,
 }
 """What `VerticalConfig.run3()` changes: the third H200 run's defaults."""
 

@@ -26,7 +26,9 @@ NOW = 50.0
 PERIOD = 0.05
 CAPACITY = 100.0  # blocks/ms: a demand share d is d × 5000 blocks per 50 ms period
 MIN = 0.040
-CFG = VerticalConfig()
+CFG = VerticalConfig(busy_ceiling=1.0)
+"""The feedback rules without the reserve, so budgets up to 1 show each rule alone (the reserve is tested
+on its own at the end)."""
 INF, TRAIN = InstanceClass.INFERENCE, InstanceClass.TRAINING
 
 
@@ -402,7 +404,7 @@ def test_slo_guard_is_validated() -> None:
 
 # -- the drain (off by default): a queue building behind a long cycle --------------------------------
 
-DRAIN = VerticalConfig(drain_slo_fraction=0.25)
+DRAIN = VerticalConfig(drain_slo_fraction=0.25, busy_ceiling=1.0)
 
 
 def _with_slo(inst: VerticalInstance, slo_ms: float | None) -> VerticalInstance:
@@ -463,7 +465,7 @@ def test_burst_cut_is_undone_when_the_cycles_stay_unhurt() -> None:
     assert d.share_of("train") == pytest.approx(0.9), d.reason
     assert "undone" in d.reason and d.state.restore_to is None
     # Regrowth instead (the third run's rule): ×1.3 from the cut.
-    r3 = VerticalConfig.run3(recovery_every=1)
+    r3 = VerticalConfig.run3(recovery_every=1, busy_ceiling=1.0)
     d = decide_shares(VerticalSnapshot(now=NOW, instances=(infer(demand=0.6), train()), period_s=PERIOD), s, r3)
     d = decide_shares(VerticalSnapshot(now=NOW + PERIOD, instances=(infer(demand=0.4, cycles=(1.0,)), train()),
                                        period_s=PERIOD), d.state, r3)
@@ -479,3 +481,24 @@ def test_burst_cut_followed_by_stretch_is_not_undone() -> None:
     assert d.mode is FeedbackMode.EMERGENCY
     assert d.state.restore_to is None
     assert d.share_of("train") < 0.3
+
+
+# -- the reserve while latency-critical demand exists -------------------------------------------------
+
+
+def test_busy_ceiling_keeps_a_reserve_beside_latency_critical_demand() -> None:
+    default = VerticalConfig()
+    assert default.busy_ceiling == pytest.approx(0.8)
+    grown = _steps(default, STEADY, VerticalState())
+    assert max(s for _, s in grown) == pytest.approx(0.8)  # grows to the ceiling, never past it
+    assert grown[-1][1] == pytest.approx(0.8)
+    # Without latency-critical demand the whole GPU is training's again.
+    d = decide_shares(VerticalSnapshot(now=NOW, instances=(infer(idle_for=2.0), train()), period_s=PERIOD),
+                      VerticalState(), default)
+    assert d.mode is FeedbackMode.IDLE and d.share_of("train") == pytest.approx(1.0)
+    # The ceiling never cuts below what latency-critical demand leaves.
+    d = decide_shares(VerticalSnapshot(now=NOW, instances=(infer(demand=0.05), train()), period_s=PERIOD),
+                      VerticalState(), VerticalConfig(busy_ceiling=0.3))
+    assert d.share_of("train") == pytest.approx(1 - 0.5)  # room = 1 − inference's request 0.5
+    with pytest.raises(ValueError):
+        VerticalConfig(busy_ceiling=0.0)
