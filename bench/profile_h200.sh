@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Profile ResNet-50 inference, BERT-base inference and a ResNet-50 training step on the GPU machine:
 # the hybrid growth search AND the exhaustive grid (SM share 0.1..1.0 step 0.1 x batch 1..64), with the
-# share held by MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, one worker process per share; a private MPS
-# control daemon is started and stopped by the profiler). Random weights, nothing downloaded.
+# share held by SHARE_CONTROL:
+#   shim (default): the shim preloaded into one worker, share x the launch rate the workload reaches alone
+#                   written into its control block (what the live GpuManager enforces);
+#   mps:            CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, one worker process per share; a private MPS control
+#                   daemon is started and stopped by the profiler.
+# Random weights, nothing downloaded.
 #
 #   bench/profile_h200.sh            # from the repository root; writes to $OUT (default out/profile)
 #
@@ -21,6 +25,10 @@ mkdir -p "$OUT"
 LOG="$OUT/profile.log"
 PY="${PYTHON:-python3}"
 BUDGET_S="${BUDGET_S:-330}"
+SHARE_CONTROL="${SHARE_CONTROL:-shim}"
+if [ "$SHARE_CONTROL" = shim ] && [ -z "${EXTRA_ARGS:-}" ]; then
+  make -C cuda_shim >/dev/null 2>"$OUT/build.log" || { echo "cannot build the shim: see $OUT/build.log"; exit 2; }
+fi
 # EXTRA_ARGS="--dry-run --formula-scale 0.02" smoke-tests the plumbing on a machine without a GPU.
 read -r -a EXTRA <<<"${EXTRA_ARGS:-}"
 
@@ -34,7 +42,7 @@ read -r -a EXTRA <<<"${EXTRA_ARGS:-}"
 run() {
   timeout --kill-after=20 "$BUDGET_S" "$PY" -m dilu_invoker profile \
     --model resnet50 --model bert-base --model train-resnet50 --compare \
-    --share-control mps --prestart "${EXTRA[@]}" "$@" \
+    --share-control "$SHARE_CONTROL" --prestart --shim-lib cuda_shim/build/libdilu_shim.so "${EXTRA[@]}" "$@" \
     --slo-ms 50 --training-batch 32 --batches 1,2,4,8,16,32,64 --step 0.1 \
     --warmup 3 --min-iters 5 --max-iters 30 --window-s 0.2 \
     --out "$OUT/profiles.json" --runs "$OUT/runs.json" --worker-log "$OUT/worker.log" >>"$LOG" 2>&1

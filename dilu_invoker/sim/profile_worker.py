@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -49,12 +50,39 @@ class _Formula:
             raise ValueError(f"no formula for {name!r}; known: {sorted(self.PARAMS)}")
         self.params = self.PARAMS[name]
         self.scale = scale
+        self._launch: Any = None
+
+    FAKE_LAUNCHES_ENV = "DILU_PROFILE_FAKE_LAUNCHES"
+    """Set (tests only, with the fake libcuda and the shim preloaded): each step also launches kernels
+    through libcuda.so.1 and the formula ignores the requested share — the shim holds it instead."""
 
     def run(self, batch: int, share: float) -> None:
         overhead, w0, w1, s0, k = self.params
+        if self.launch is not None:
+            # The GPU time of the whole-GPU formula, in four slices each ending with a launch of
+            # 64 blocks per sample: under a share the shim makes the launches wait for tokens.
+            slice_s = (overhead + w0 + w1 * batch) * self.scale / 1000.0 / 4
+            for _ in range(4):
+                time.sleep(slice_s)
+                self.launch(None, 64 * batch, 1, 1, 1, 1, 1, 0, 0x100, None, None)
+            return
         sat = min(1.0, s0 + k * batch)
         ms = overhead + (w0 + w1 * batch) / min(1.0, max(share, 1e-3) / sat)
         time.sleep(ms * self.scale / 1000.0)
+
+    @property
+    def launch(self) -> Any:
+        if not os.environ.get(self.FAKE_LAUNCHES_ENV):
+            return None
+        if self._launch is None:
+            import ctypes
+
+            cuda = ctypes.CDLL("libcuda.so.1")
+            fn = cuda.cuLaunchKernel
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            cuda.cuInit(0)
+            self._launch = fn
+        return self._launch
 
 
 class Worker:

@@ -71,7 +71,10 @@ class ShareControl(Protocol):
 
     def worker_env(self, share: float | None) -> dict[str, str]: ...
 
-    def apply(self, worker: _Worker, share: float) -> None: ...
+    def apply(self, worker: _Worker, share: float, batch: int, request: dict[str, Any]) -> None:
+        """Hold ``share`` for the next measurement of ``batch`` (``request``: that measurement, which a
+        control may first run unlimited to calibrate)."""
+        ...
 
 
 class NoShareControl:
@@ -87,7 +90,7 @@ class NoShareControl:
     def worker_env(self, share: float | None) -> dict[str, str]:
         return {}
 
-    def apply(self, worker: _Worker, share: float) -> None:
+    def apply(self, worker: _Worker, share: float, batch: int, request: dict[str, Any]) -> None:
         pass
 
 
@@ -139,32 +142,18 @@ class MpsShareControl:
         pct = max(1, min(100, round(share * 100)))
         return {**self.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(pct)}
 
-    def apply(self, worker: _Worker, share: float) -> None:
+    def apply(self, worker: _Worker, share: float, batch: int, request: dict[str, Any]) -> None:
         pass  # fixed at the worker's start
 
 
-def _shim_writer() -> Callable[[Path], Any]:
-    """The control-block writer of the shim's ABI mirror.
-
-    Expected interface (the shim's Python mirror, `dilu_invoker.gpu.abi`): `open_control(path)`
-    returning an object with `set_share(share: float)`; plus the environment variable naming the
-    control block for the shim inside the worker, `abi.CONTROL_ENV`. Until the shim lands this
-    raises, and `auto` falls back to MPS.
-    """
-    try:
-        import importlib
-
-        abi = importlib.import_module("dilu_invoker.gpu.abi")
-    except ImportError as exc:
-        raise ProfilerError(f"the shim's ABI mirror is not available ({exc})") from None
-    opener = getattr(abi, "open_control", None)
-    if not callable(opener) or not hasattr(abi, "CONTROL_ENV"):
-        raise ProfilerError("dilu_invoker.gpu.abi has no open_control()/CONTROL_ENV: cannot drive the shim")
-    return opener
-
-
 class ShimShareControl:
-    """One worker with the shim preloaded; its share is rewritten in the control block."""
+    """One worker under the shim; its share is a launch rate written into its control block.
+
+    A share is what the live system enforces (`dilu_invoker.gpu.abi.Quota.from_share`): share × the
+    thread blocks per millisecond the workload launches with the GPU to itself. That capacity depends on
+    the batch, so the first probe of each batch size is preceded by the same measurement run unlimited,
+    counting the blocks the shim saw (`calibrations` keeps them, with their cost).
+    """
 
     name = "shim"
     per_process = False
@@ -173,30 +162,61 @@ class ShimShareControl:
         if not library.is_file():
             raise ProfilerError(f"shim library {library} not found (build it with `make -C cuda_shim`)")
         self.library = library
-        self.opener = _shim_writer()
         self.dir: Path | None = None
-        self.block: Any = None
+        self.control: Any = None
+        self.stats: Any = None
+        self.capacity: dict[tuple[str, int], float] = {}
+        self.calibrations: list[dict[str, Any]] = []
 
     def start(self) -> None:
+        from dilu_invoker.gpu import abi
+
         self.dir = Path(tempfile.mkdtemp(prefix="dilu-shim-"))
-        self.block = self.opener(self.dir / "control")
-        self.block.set_share(1.0)
+        # Never stale: no manager heartbeats here, the profiler writes every share itself.
+        self.control, self.stats = abi.create_instance_files(self.dir, "profile", abi.Quota(stale_after_ns=0))
 
     def stop(self) -> None:
+        for block in (self.control, self.stats):
+            if block is not None:
+                block.close()
+        self.control = self.stats = None
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
     def worker_env(self, share: float | None) -> dict[str, str]:
-        import importlib
+        from dilu_invoker.gpu import shim
 
-        abi = importlib.import_module("dilu_invoker.gpu.abi")
         assert self.dir is not None
-        return {"LD_PRELOAD": str(self.library), str(abi.CONTROL_ENV): str(self.dir / "control")}
+        files = self.dir / "profile"
+        return {"LD_PRELOAD": str(self.library), shim.ENV_CONTROL: str(files / "control"),
+                shim.ENV_STATS: str(files / "stats")}
 
-    def apply(self, worker: _Worker, share: float) -> None:
-        self.block.set_share(share)
-        time.sleep(0.05)  # the shim picks a new quota up within one refill period
+    def _blocks(self) -> int:
+        return int(self.stats.snapshot().blocks)
+
+    def _write(self, quota: Any) -> None:
+        self.control.write(quota)
+        time.sleep(0.02)  # the shim re-reads its block at its next launch window (5 ms)
+
+    def apply(self, worker: _Worker, share: float, batch: int, request: dict[str, Any]) -> None:
+        from dilu_invoker.gpu import abi
+
+        key = (str(request.get("model")), batch)
+        if key not in self.capacity:
+            self._write(abi.Quota(stale_after_ns=0))
+            b0, t0 = self._blocks(), time.perf_counter()
+            r = worker.call({**request, "share": 1.0})
+            elapsed_ms = (time.perf_counter() - t0) * 1000.0
+            blocks = self._blocks() - b0
+            if blocks <= 0:
+                raise ProfilerError("the shim counted no thread blocks: is the worker running under it "
+                                    "(LD_PRELOAD) with a GPU?")
+            self.capacity[key] = blocks / elapsed_ms
+            self.calibrations.append({"model": key[0], "batch": batch, "blocks": blocks, "seconds": round(elapsed_ms / 1000, 3),
+                                      "capacity_blocks_per_ms": round(self.capacity[key], 3),
+                                      "latency_ms": r.get("latency_ms")})
+        self._write(abi.Quota.from_share(share, self.capacity[key], stale_after_ns=0))
 
 
 def make_share_control(kind: str, *, shim_lib: Path, mps_external: bool) -> ShareControl:
@@ -280,7 +300,6 @@ class WorkerPool:
         if w is None:
             self.prestart([share])
             w = self.workers[key]
-        self.control.apply(w, share)
         return w
 
     def close(self) -> None:
@@ -336,19 +355,19 @@ class Measurer:
 
     def __call__(self, share: float, batch: int) -> Measurement:
         w = self.pool.get(share)
+        request = {
+            "op": "measure",
+            "model": self.model,
+            "batch": batch,
+            "share": share,
+            "warmup": self.options.warmup,
+            "min_iters": self.options.min_iters,
+            "max_iters": self.options.max_iters,
+            "min_time_s": self.options.min_time_s,
+        }
+        self.pool.control.apply(w, share, batch, request)
         t0 = time.perf_counter()
-        r = w.call(
-            {
-                "op": "measure",
-                "model": self.model,
-                "batch": batch,
-                "share": share,
-                "warmup": self.options.warmup,
-                "min_iters": self.options.min_iters,
-                "max_iters": self.options.max_iters,
-                "min_time_s": self.options.min_time_s,
-            }
-        )
+        r = w.call(request)
         p = Probe(
             share=share,
             batch=batch,
@@ -539,7 +558,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.action is not None:
             raise ProfilerError("--dry-run profiles the built-in models' formulas, not an action")
         targets = [(n, f"formula:{n}", c) for n, _, c in targets]
-        control: ShareControl = NoShareControl()
+        # The formula takes the share as a parameter; an explicit `--share-control shim` drives the real
+        # shim instead (its workers then launch through libcuda.so.1: the tests' fake driver).
+        control: ShareControl = (ShimShareControl(args.shim_lib) if args.share_control == "shim"
+                                 else NoShareControl())
     else:
         control = make_share_control(args.share_control, shim_lib=args.shim_lib, mps_external=args.mps_external)
         if control.name == "none":
@@ -613,6 +635,7 @@ def _run(args: argparse.Namespace) -> int:
                     "measure": {"warmup": options.warmup, "min_iters": options.min_iters,
                                 "max_iters": options.max_iters, "min_time_s": options.min_time_s},
                     "workers_started": pool.started,
+                    "calibrations": getattr(control, "calibrations", None),
                     "wall_s": round(wall, 2),
                     "models": runs,
                 },

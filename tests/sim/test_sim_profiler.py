@@ -92,6 +92,42 @@ def test_share_control_selection(tmp_path: Path) -> None:
         make_share_control("shim", shim_lib=tmp_path / "x.so", mps_external=False)
 
 
+@pytest.fixture(scope="module")
+def shim_and_fake_driver() -> tuple[Path, Path]:
+    """``make -C cuda_shim tests``: the real shim and the fake libcuda.so.1."""
+    import subprocess
+
+    shim_dir = Path(__file__).resolve().parents[2] / "cuda_shim"
+    r = subprocess.run(["make", "-C", str(shim_dir), "tests"], capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return shim_dir / "build" / "libdilu_shim.so", shim_dir / "build" / "fake"
+
+
+def test_shim_share_control_holds_the_share_through_the_control_block(
+    tmp_path: Path, shim_and_fake_driver: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker launches through the fake driver under the real shim; the profiler calibrates each
+    batch unlimited, then writes share × capacity into the control block: half the share takes about
+    twice as long (the formula itself ignores the share here)."""
+    library, fake = shim_and_fake_driver
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(fake))
+    monkeypatch.setenv("DILU_PROFILE_FAKE_LAUNCHES", "1")
+    out, runs = tmp_path / "p.json", tmp_path / "r.json"
+    rc = main(["--model", "resnet50", "--exhaustive", "--dry-run", "--share-control", "shim", "--shim-lib", str(library),
+               "--batches", "4", "--step", "0.25", "--formula-scale", "1", "--warmup", "1", "--min-iters", "4",
+               "--max-iters", "4", "--window-s", "0", "--quiet", "--out", str(out), "--runs", str(runs)])
+    assert rc == 0
+    raw = json.loads(runs.read_text())
+    assert raw["share_control"] == "shim"
+    (cal,) = raw["calibrations"]
+    assert cal["model"] == "formula:resnet50" and cal["batch"] == 4 and cal["blocks"] > 0 and cal["capacity_blocks_per_ms"] > 0
+    lat = {p["sm_share"]: p["latency_ms"] for p in raw["models"]["resnet50"]["grid"]["points"]}
+    assert set(lat) == {0.25, 0.5, 0.75, 1.0}
+    assert lat[0.25] > 2.5 * lat[1.0], lat
+    assert lat[0.5] == pytest.approx(2 * lat[1.0], rel=0.35), lat
+    assert lat[0.25] > lat[0.5] > lat[0.75] > lat[1.0] * 1.1, lat
+
+
 def test_mps_env_sets_the_thread_percentage() -> None:
     mps = MpsShareControl(external=True)
     mps.start()
