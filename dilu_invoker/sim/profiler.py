@@ -205,17 +205,24 @@ class ShimShareControl:
         key = (str(request.get("model")), batch)
         if key not in self.capacity:
             self._write(abi.Quota(stale_after_ns=0))
-            b0, t0 = self._blocks(), time.perf_counter()
+            t0 = time.perf_counter()
+            # Once unlimited to load and warm up (allocations, autotuning: launches that are no step),
+            # then counted: every iteration, warm-up included, launches the same kernels, and the timed
+            # ones say how long one takes with the GPU to itself.
+            worker.call({**request, "share": 1.0, "min_iters": 1, "max_iters": 1})
+            b0 = self._blocks()
             r = worker.call({**request, "share": 1.0})
-            elapsed_ms = (time.perf_counter() - t0) * 1000.0
             blocks = self._blocks() - b0
-            if blocks <= 0:
+            steps = int(request.get("warmup", 0)) + int(r.get("iters", 0))
+            step_ms = float(r["latency_ms"])
+            if blocks <= 0 or steps <= 0 or step_ms <= 0:
                 raise ProfilerError("the shim counted no thread blocks: is the worker running under it "
                                     "(LD_PRELOAD) with a GPU?")
-            self.capacity[key] = blocks / elapsed_ms
-            self.calibrations.append({"model": key[0], "batch": batch, "blocks": blocks, "seconds": round(elapsed_ms / 1000, 3),
-                                      "capacity_blocks_per_ms": round(self.capacity[key], 3),
-                                      "latency_ms": r.get("latency_ms")})
+            self.capacity[key] = blocks / steps / step_ms
+            self.calibrations.append({"model": key[0], "batch": batch, "blocks": blocks, "steps": steps,
+                                      "step_ms": round(step_ms, 4),
+                                      "seconds": round(time.perf_counter() - t0, 3),
+                                      "capacity_blocks_per_ms": round(self.capacity[key], 3)})
         self._write(abi.Quota.from_share(share, self.capacity[key], stale_after_ns=0))
 
 
