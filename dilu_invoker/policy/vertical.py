@@ -11,7 +11,8 @@ In the spirit of Dilu's RCKM (`gpu-sharing.md` §4.2):
 * The budget follows the kernel-launch cycles of the latency-critical instances, judged by the median
   of their last few cycles against their minimum (one merged-request cycle is not interference): ≥ 1.6×
   (1.3× for `llm`) is an **emergency** — the budget is divided by that ratio at once, down to a floor;
-  < 1.2× is **recovery** — every few such cycles the budget grows ×1.3 up to the best-effort limits;
+  < 1.2× is **recovery** — each such cycle grows the budget ×1.3, up to a ceiling that keeps a reserve
+  beside latency-critical demand (`busy_ceiling`), and the first one after a burst cut undoes it;
   in between is **contention** — hold. A sudden jump of a latency-critical instance's launch rate (a
   **burst**) divides the budget by the jump within one period, never below the room the burst leaves.
 
