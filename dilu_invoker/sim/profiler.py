@@ -511,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", action="append", choices=sorted(MODELS), help="repeat for several models")
     what.add_argument("--action", type=Path, help="an OpenWhisk action file whose main(params) takes {'batch': b}")
+    what.add_argument("--replay", type=Path, metavar="PROFILES",
+                      help="no GPU: re-run the searches over the points of a measured profile set (e.g. with "
+                           "another --limit-gain) and write it with the new recommendations to --out")
     ap.add_argument("--name", default=None, help="profile name of --action (default: the file's stem)")
     ap.add_argument("--class", dest="cls", choices=[c.value for c in InstanceClass], default="inference",
                     help="class of --action")
@@ -521,6 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--step", type=_shares, default=0.1, help="share grid step")
     ap.add_argument("--batches", type=_batches, default=(1, 2, 4, 8, 16, 32, 64))
     ap.add_argument("--training-batch", type=int, default=DEFAULT_TRAINING_BATCH)
+    ap.add_argument("--limit-gain", type=float, default=SearchConfig().limit_gain,
+                    help="raise the limit while one more share step adds at least this fraction of throughput")
     ap.add_argument("--share-control", choices=("auto", "shim", "mps", "none"), default="auto")
     ap.add_argument("--shim-lib", type=Path, default=Path(os.environ.get("DILU_SHIM_LIB", "cuda_shim/build/libdilu_shim.so")))
     ap.add_argument("--mps-external", action="store_true", help="use the MPS daemon named by CUDA_MPS_PIPE_DIRECTORY")
@@ -552,8 +557,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def replay(doc: dict[str, Any], *, limit_gain: float, slo_ms: float, echo: Callable[[str], None]) -> dict[str, Any]:
+    """The profile set `doc` with every recommendation re-derived by the searches from its measured points
+    (a point the search asks for and the set lacks is an error)."""
+    from dilu_invoker.sim.profiles import parse_profiles
+
+    profiles = parse_profiles(doc)
+    out = json.loads(json.dumps(doc))
+    for name, prof in profiles.functions.items():
+        table = {(round(p.sm_share, 4), p.batch): p for p in prof.points}
+        shares = sorted({k[0] for k in table})
+        batches = tuple(sorted({k[1] for k in table}))
+        step = shares[0]
+
+        def measure(share: float, batch: int, table: dict[tuple[float, int], Any] = table, name: str = name) -> Measurement:
+            p = table.get((round(share, 4), batch))
+            if p is None:
+                raise ProfilerError(f"{name}: no measured point at share {share:.2f}, batch {batch}")
+            return Measurement(share, batch, p.latency_ms, p.throughput_rps)
+
+        config = SearchConfig(step=step, batches=batches, max_batch=max(batches), limit_gain=limit_gain)
+        if prof.cls is InstanceClass.TRAINING:
+            r = training_search(measure, batch=prof.recommended.batch, config=config)
+        else:
+            r = hybrid_growth_search(measure, slo_ms=prof.slo_ms or slo_ms, config=config)
+        out["functions"][name]["recommended"] = {"request": r.request, "limit": r.limit, "batch": r.batch}
+        out["functions"][name]["recommended_by"] = f"{r.method} (replayed over the measured points)"
+        echo(f"{name}: {r.method} → request {r.request:.2f}, limit {r.limit:.2f}, batch {r.batch}: {r.reason}")
+    out["source"] = (f"{doc.get('source', '')}; recommendations replayed with limit_gain {limit_gain:g} "
+                     f"on {time.strftime('%Y-%m-%d', time.gmtime())}")
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
     echo: Callable[[str], None] = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
+    if args.replay is not None:
+        try:
+            doc = json.loads(args.replay.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ProfilerError(f"cannot read {args.replay}: {exc}") from None
+        try:
+            out = replay(doc, limit_gain=args.limit_gain, slo_ms=args.slo_ms, echo=echo)
+        except ValueError as exc:  # ProfileError and bad settings
+            raise ProfilerError(str(exc)) from None
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        echo(f"wrote {args.out}")
+        return 0
     if args.action is not None:
         if not args.action.is_file():
             raise ProfilerError(f"action file {args.action} not found")
@@ -573,7 +623,7 @@ def _run(args: argparse.Namespace) -> int:
         control = make_share_control(args.share_control, shim_lib=args.shim_lib, mps_external=args.mps_external)
         if control.name == "none":
             echo("WARNING: --share-control none: nothing holds the SM share; every point runs on the whole GPU")
-    config = SearchConfig(step=args.step, batches=args.batches, max_batch=max(args.batches))
+    config = SearchConfig(step=args.step, batches=args.batches, max_batch=max(args.batches), limit_gain=args.limit_gain)
     options = MeasureOptions(args.warmup, args.min_iters, args.max_iters, args.window_s)
     worker_args = [
         sys.executable, "-m", "dilu_invoker.sim.profile_worker",

@@ -161,3 +161,37 @@ def test_report_of_a_compare_run(tmp_path: Path) -> None:
     assert "SYNTHETIC dry run" in text
     assert "| resnet50 |" in text and "| train-resnet50 |" in text
     assert "of the grid's 30 points" in text and "Limit check" in text
+
+
+def test_replay_rederives_recommendations_from_the_measured_points(tmp_path: Path) -> None:
+    measured = tmp_path / "measured.json"
+    assert main(["--model", "resnet50", "--model", "train-resnet50", "--exhaustive", "--dry-run",
+                 "--batches", "1,2,4,8", "--out", str(measured), *FAST]) == 0
+    limits = {}
+    for gain in (0.0, 0.5):
+        out = tmp_path / f"replayed-{gain}.json"
+        assert main(["--replay", str(measured), "--limit-gain", str(gain), "--out", str(out), "--quiet"]) == 0
+        doc = json.loads(out.read_text())
+        rec = doc["functions"]["resnet50"]["recommended"]
+        assert "replayed" in doc["functions"]["resnet50"]["recommended_by"]
+        assert f"limit_gain {gain:g}" in doc["source"]
+        # The points are the measured ones, untouched.
+        assert doc["functions"]["resnet50"]["points"] == json.loads(measured.read_text())["functions"]["resnet50"]["points"]
+        limits[gain] = rec["limit"]
+        assert 0 < rec["request"] <= rec["limit"] <= 1.0
+        assert load_profiles(out)["train-resnet50"].recommended.batch == 32
+    # Without a minimum gain the limit climbs to where throughput stops growing at all; a 50% gain per step
+    # is never met, so the limit stays at the request.
+    assert limits[0.0] > limits[0.5]
+
+
+def test_replay_needs_the_points_the_search_asks_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    measured = tmp_path / "measured.json"
+    assert main(["--model", "resnet50", "--exhaustive", "--dry-run", "--batches", "1,2", "--out", str(measured), *FAST]) == 0
+    doc = json.loads(measured.read_text())
+    doc["functions"]["resnet50"]["points"] = [p for p in doc["functions"]["resnet50"]["points"]
+                                              if not (p["batch"] == 2 and p["sm_share"] <= 0.5)]
+    holed = tmp_path / "holed.json"
+    holed.write_text(json.dumps(doc))
+    assert main(["--replay", str(holed), "--out", str(tmp_path / "o.json"), "--quiet"]) == 2
+    assert "no measured point at share" in capsys.readouterr().err
