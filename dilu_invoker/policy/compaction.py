@@ -1,11 +1,13 @@
 """Compaction: close the holes departures leave by moving instances off nearly empty GPUs.
 
 Each move is make-before-break: start a replacement on the target GPU, route to it, then stop the
-original; its price is one cold start (reported). A source GPU is only touched when *all* its
-instances can move to GPUs that are already lit, so every accepted source turns one GPU off and no
-move lights a GPU. Gangs (instances on several GPUs) and pieces of split instances are never moved;
-an instance the strategy may split (an `llm` under `dilu` with `llm_max_parts` > 1) may be split
-by its move when no single lit GPU can take it.
+original; its price is a cold start per process started (reported). A source GPU is only touched
+when *all* its instances can move to GPUs that are already lit, so every accepted source turns one GPU
+off and no move lights a GPU. Gangs (instances on several GPUs) never move; an instance the strategy
+may split (an `llm` under `dilu` with `llm_max_parts` > 1) may be split by its move when no single lit
+GPU can take it. With `move_pieces`, a piece of a split instance moves within its node, or else the
+whole instance is placed anew (away from its current stages, so the old pipeline serves until the new
+one does).
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ def compaction_plan(
     work = cluster
     moves: list[CompactionMove] = []
     freed: list[GpuRef] = []
+    # GPUs this plan moved something onto: never emptied again by the same plan (no ping-pong).
+    targets: set[GpuRef] = set()
     tried = 0
     top = request_bucket(config.source_max_request)
     # Sources: lowest Σ request first, straight from the index (no walk over every GPU).
@@ -163,6 +167,7 @@ def compaction_plan(
         gpu = work.gpus[o]
         if (
             not gpu.instances
+            or gpu.ref in targets
             or len(gpu.instances) > config.source_max_instances
             or gpu.used_request > config.source_max_request
             or any(
@@ -234,6 +239,9 @@ def compaction_plan(
         if trial_moves:
             work = trial
             moves.extend(trial_moves)
+            for m in trial_moves:
+                targets.add(m.target)
+                targets.update(p.gpu for p in m.parts)
             freed.append(gpu.ref)
             freed.extend(trial_freed)
     if not moves:

@@ -244,6 +244,7 @@ def simulate_placement(
             mem_fragmentation=frag.memory_mean,
         )
 
+    departed = False
     current = sample(t0)
     for i, ev in enumerate(events):
         if ev.t > last_t:
@@ -256,8 +257,11 @@ def simulate_placement(
                 frag_time += dt
             samples.append(current)
             last_t = ev.t
-            if ev.t >= next_compact:
+            # Only a departure opens a hole a lit GPU could be emptied into: without one since the
+            # last run, a run would find what the last one found.
+            if ev.t >= next_compact and departed:
                 next_compact = ev.t + config.compact_every_s
+                departed = False
                 plan = compaction_plan(cluster.at(ev.t), pconf, config.compaction)
                 compaction_runs += 1
                 if plan.moves:
@@ -299,6 +303,7 @@ def simulate_placement(
             if spec_gone is None:
                 unknown_deletes += 1
             else:
+                departed = True
                 bound.add(spec_gone, -1)
                 for pid in placed_ids.pop(ev.instance, ()):
                     cluster = cluster.without_instance(pid)
