@@ -87,6 +87,9 @@ class PlacementRequest:
     """Per-function override of `PlacementConfig.affinity`."""
     avoid_gpus: frozenset[GpuRef] = frozenset()
     avoid_invokers: frozenset[str] = frozenset()
+    only_invoker: str | None = None
+    """Consider this invoker's GPUs only (compaction moving a piece of a split instance: its
+    pipeline stages stay on one node)."""
     lit_only: bool = False
     """Never light a new GPU (compaction moves, or when the operator forbids growth)."""
     max_parts: int | None = None
@@ -173,6 +176,8 @@ def _f_schedulable(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool
 
 
 def _f_avoid(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
+    if r.only_invoker is not None and g.ref.invoker != r.only_invoker:
+        return False
     if not (r.avoid_gpus or r.avoid_invokers):
         return True
     return g.ref not in r.avoid_gpus and g.ref.invoker not in r.avoid_invokers
@@ -215,7 +220,7 @@ FILTERS: dict[str, Filter] = {
         ),
         Filter(
             "avoid",
-            "the request does not exclude this GPU or its invoker",
+            "the request does not exclude this GPU or its invoker (nor keep to another invoker)",
             _f_avoid,
             lambda g, r, c: f"{g.ref} is excluded by the request",
         ),
@@ -744,6 +749,8 @@ def _scan_lit(
     rejects: _Rejects,
 ) -> list[int]:
     """Ordinals of lit GPUs passing every filter, tightest Σ request first, at most `limit`."""
+    if request.only_invoker is not None:
+        return _scan_invoker(cluster, filters, request, config, limit, rejects)
     bounded = [(f.bound(request, config), f) for f in filters if f.bound is not None]
     if not bounded:
         kmax = BUCKETS
@@ -775,6 +782,37 @@ def _scan_lit(
                 if len(found) >= limit:
                     return found
     return found
+
+
+def _scan_invoker(
+    cluster: ClusterSnapshot,
+    filters: tuple[Filter, ...],
+    request: PlacementRequest,
+    config: PlacementConfig,
+    limit: int,
+    rejects: _Rejects,
+) -> list[int]:
+    """`_scan_lit` for a request kept to one invoker: its few GPUs instead of the whole index."""
+    ords = cluster.invoker_ordinals.get(request.only_invoker or "", ())
+    gpus = cluster.gpus
+    lit = sorted((o for o in ords if gpus[o].lit), key=lambda o: (-gpus[o].used_request, o))
+    found: list[int] = []
+    for o in lit:
+        failed = _first_failure(gpus[o], filters, request, config)
+        if failed is not None:
+            rejects.note(failed, gpus[o], request, config)
+            continue
+        found.append(o)
+        if len(found) >= limit:
+            break
+    return found
+
+
+def _invokers(cluster: ClusterSnapshot, request: PlacementRequest) -> tuple[str, ...]:
+    """The invokers a request may use, in cluster order."""
+    if request.only_invoker is None:
+        return cluster.invokers
+    return (request.only_invoker,) if request.only_invoker in cluster.unlit else ()
 
 
 def _score(
@@ -906,7 +944,7 @@ def _place_one(
         examined = "; unlit GPUs not considered (lit only)"
     elif _unlit_bound(request, cluster, config, scorers) > best_lit + EPS:
         found = 0
-        for inv in cluster.invokers:
+        for inv in _invokers(cluster, request):
             for o in cluster.unlit[inv]:
                 g = gpus[o]
                 failed = _first_failure(g, filters, request, config)
@@ -976,7 +1014,7 @@ def _place_gang(
     invokers = [inv for inv in cluster.invokers if inv in by_invoker]
     if not request.lit_only:
         extra = 0
-        for inv in cluster.invokers:
+        for inv in _invokers(cluster, request):
             if inv not in by_invoker and len(cluster.unlit[inv]) >= k:
                 invokers.append(inv)
                 extra += 1
@@ -1028,19 +1066,32 @@ def describe_strategies() -> Mapping[str, str]:
 
 
 def _part_capacity(
-    g: GpuState, request: PlacementRequest, config: PlacementConfig, filters: tuple[Filter, ...]
-) -> float:
-    """The most memory (MiB) of `request` one piece on `g` may take, given that a piece's request
-    and limit are the instance's scaled by its share of the memory."""
+    request: PlacementRequest, config: PlacementConfig, filters: tuple[Filter, ...]
+) -> Callable[[GpuState], float]:
+    """The most memory (MiB) of `request` one piece on a GPU may take, given that a piece's request
+    and limit are the instance's scaled by its share of the memory (built once per decision: it is
+    asked of every lit GPU)."""
     total = request.memory_mib
-    cap = g.memory_mib * (1.0 + EPS) - g.used_memory
     names = {f.name for f in filters}
-    if "sm-request" in names and request.request > 0:
-        cap = min(cap, (config.omega + EPS - g.used_request) / request.request * total)
-    if "sm-limit" in names and request.limit > 0:
-        cap = min(cap, (config.gamma + EPS - g.used_limit) / request.limit * total)
-    if "sm-limit-static" in names and request.limit > 0:
-        cap = min(cap, (1.0 + EPS - g.used_limit) / request.limit * total)
+    per_request = total / request.request if "sm-request" in names and request.request > 0 else 0.0
+    limit_cap = 0.0
+    if request.limit > 0:
+        if "sm-limit" in names:
+            limit_cap = config.gamma
+        if "sm-limit-static" in names:
+            limit_cap = min(limit_cap, 1.0) if limit_cap else 1.0
+    per_limit = total / request.limit if limit_cap else 0.0
+    omega = config.omega + EPS
+    limit_cap += EPS
+
+    def cap(g: GpuState) -> float:
+        c = g.memory_mib * (1.0 + EPS) - g.used_memory
+        if per_request:
+            c = min(c, (omega - g.used_request) * per_request)
+        if per_limit:
+            c = min(c, (limit_cap - g.used_limit) * per_limit)
+        return c
+
     return cap
 
 
@@ -1057,6 +1108,7 @@ def _part_request(request: PlacementRequest, memory_mib: float, index: int) -> P
         affinity=request.affinity,
         avoid_gpus=request.avoid_gpus,
         avoid_invokers=request.avoid_invokers,
+        only_invoker=request.only_invoker,
         max_parts=1,
     )
 
@@ -1084,18 +1136,36 @@ def _place_split(
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
     by_invoker: dict[str, list[tuple[float, int]]] = {}
-    for bucket in cluster.lit_buckets:
+    lit_buckets = cluster.lit_buckets
+    # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ request
+    # ≤ Σ limit, its limit) is never looked at: its bucket and the ones above are skipped.
+    bound = math.inf
+    for f in filters:
+        if f.bound is not None:
+            bound = min(bound, f.bound(_part_request(request, min_part, 0), config))
+    if bound < math.inf:
+        kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
+        lit_buckets = lit_buckets[: kmax + 1]
+    if request.only_invoker is not None:
+        lit_buckets = (tuple(o for o in cluster.invoker_ordinals.get(request.only_invoker, ()) if gpus[o].lit),)
+    part_capacity = _part_capacity(request, config, filters)
+    for bucket in lit_buckets:
         for o in bucket:
             g = gpus[o]
             if g.memory_mib - g.used_memory < min_part:
                 continue
-            cap = _part_capacity(g, request, config, filters)
+            cap = part_capacity(g)
             if cap >= min_part:
                 by_invoker.setdefault(g.ref.invoker, []).append((cap, o))
     best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
-    for rank, inv in enumerate(cluster.invokers):
-        cands = by_invoker.get(inv)
-        if not cands or len(cands) < 2 or sum(min(c, total) for c, _ in cands) < total - EPS:
+    # Invokers in cluster order (their GPUs' ordinals are grouped and ascending), only those with
+    # room for two pieces or more.
+    order = sorted(
+        (cluster.invoker_ordinals[inv][0], inv) for inv, c in by_invoker.items() if len(c) >= 2
+    )
+    for rank, inv in order:
+        cands = by_invoker[inv]
+        if sum(min(c, total) for c, _ in cands) < total - EPS:
             continue
         cands.sort(key=lambda c: (-c[0], c[1]))
         remaining = total

@@ -14,7 +14,7 @@ from typing import Any
 
 DEFAULT_OUT = Path("out")
 #: dilu's default compaction period (seconds of trace time); baselines never compact unless asked.
-DILU_COMPACT_EVERY_S = 10.0
+DILU_COMPACT_EVERY_S = 2.0
 
 
 class CliError(Exception):
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs one compaction run tries to empty")
     p.add_argument("--compact-max-instances", type=_positive(int), default=3,
                    help="compaction empties only GPUs holding at most this many instances")
+    p.add_argument("--no-compact-pieces", action="store_true",
+                   help="compaction leaves GPUs holding pieces of split instances alone")
     p.add_argument("--seed", type=int, default=0, help="accepted for symmetry; placement is deterministic")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -205,6 +207,7 @@ def _placement(args: argparse.Namespace) -> int:
                 max_sources=args.compact_max_sources,
                 source_max_instances=args.compact_max_instances,
                 max_moves=max(64, args.compact_max_sources),
+                move_pieces=not args.no_compact_pieces,
             ),
         )
 

@@ -50,7 +50,9 @@ SUMMARY_KEYS: tuple[str, ...] = (
 
 #: Compaction as the simulator runs it by default: every lit GPU may be a source (the live default
 #: looks only at GPUs with Σ request ≤ 0.5, 32 per run, to bound cold starts).
-SIM_COMPACTION = CompactionConfig(source_max_request=1.0, max_sources=64, max_moves=64)
+SIM_COMPACTION = CompactionConfig(
+    source_max_request=1.0, max_sources=64, max_moves=64, move_pieces=True
+)
 
 TIMESERIES_COLUMNS: tuple[str, ...] = (
     "t",
@@ -217,6 +219,7 @@ def simulate_placement(
     unknown_deletes = 0
     split_instances = 0
     compaction_moves = 0
+    compaction_cold_starts = 0
     compaction_runs = 0
     freed_by_compaction = 0
     rejections: list[str] = []
@@ -241,6 +244,7 @@ def simulate_placement(
             mem_fragmentation=frag.memory_mean,
         )
 
+    departed = False
     current = sample(t0)
     for i, ev in enumerate(events):
         if ev.t > last_t:
@@ -253,18 +257,24 @@ def simulate_placement(
                 frag_time += dt
             samples.append(current)
             last_t = ev.t
-            if ev.t >= next_compact:
+            # Only a departure opens a hole a lit GPU could be emptied into: without one since the
+            # last run, a run would find what the last one found.
+            if ev.t >= next_compact and departed:
                 next_compact = ev.t + config.compact_every_s
+                departed = False
                 plan = compaction_plan(cluster.at(ev.t), pconf, config.compaction)
                 compaction_runs += 1
                 if plan.moves:
                     cluster = plan.cluster
                     compaction_moves += len(plan.moves)
+                    compaction_cold_starts += plan.cold_starts
                     freed_by_compaction += len(plan.freed)
                     for mv in plan.moves:
                         if mv.parts:
                             placed_ids[mv.instance_id] = tuple(p.instance.id for p in mv.parts)
-                            split_instances += 1
+                            split_instances += not mv.replaces  # split once already
+                        elif mv.replaces:
+                            placed_ids[mv.instance_id] = (mv.instance_id,)
         if ev.op == CREATE:
             spec = ev.spec
             assert spec is not None
@@ -293,6 +303,7 @@ def simulate_placement(
             if spec_gone is None:
                 unknown_deletes += 1
             else:
+                departed = True
                 bound.add(spec_gone, -1)
                 for pid in placed_ids.pop(ev.instance, ()):
                     cluster = cluster.without_instance(pid)
@@ -337,7 +348,7 @@ def simulate_placement(
         "compact_every_s": config.compact_every_s,
         "compaction_runs": compaction_runs,
         "compaction_moves": compaction_moves,
-        "compaction_cold_starts": compaction_moves,
+        "compaction_cold_starts": compaction_cold_starts,
         "gpus_freed_by_compaction": freed_by_compaction,
         "unknown_deletes": unknown_deletes,
         "wall_s": round(time.perf_counter() - wall0, 3),

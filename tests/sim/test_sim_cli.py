@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dilu_invoker.cli import main as top_main
-from dilu_invoker.sim.cli import main
+from dilu_invoker.sim.cli import DILU_COMPACT_EVERY_S, main
 from dilu_invoker.sim.placement import (
     PLACEMENT_POLICIES,
     SUMMARY_KEYS,
@@ -34,7 +34,7 @@ def test_placement_one_policy_writes_its_files(events: Path, tmp_path: Path, cap
     summary = json.loads((out / "summary.json").read_text())
     assert tuple(summary) == SUMMARY_KEYS and summary["policy"] == "dilu" and summary["instances"] == 60
     details = json.loads((out / "details.json").read_text())
-    assert details["compact_every_s"] == 10.0  # dilu's default
+    assert details["compact_every_s"] == DILU_COMPACT_EVERY_S  # dilu's default
     with (out / "timeseries.csv").open() as fh:
         rows = list(csv.reader(fh))
     assert tuple(rows[0]) == TIMESERIES_COLUMNS and len(rows) > 10

@@ -182,3 +182,24 @@ def test_config_validation() -> None:
 def test_events_for_generated_mix_are_valid_placement_events() -> None:
     events = dilu_mix(100, seed=1)
     assert all(isinstance(e, PlacementEvent) for e in events)
+
+
+@pytest.mark.parametrize(
+    ("lines", "runs"),
+    [
+        # Creates only: nothing ever opens a hole, so compaction never runs.
+        ([ev(t, "create", f"i{t}") for t in range(6)], 0),
+        # One departure at t=2: one run, at the next event after it (t=3), none after.
+        ([ev(t, "create", f"i{t}") for t in range(6)] + [ev(2, "delete", "i0")], 1),
+        # Departures at t=1 and t=4: a run after each.
+        (
+            [ev(t, "create", f"i{t}") for t in range(6)]
+            + [ev(1, "delete", "i0"), ev(4, "delete", "i1")],
+            2,
+        ),
+    ],
+)
+def test_compaction_runs_only_after_a_departure(lines: list[str], runs: int) -> None:
+    lines = sorted(lines, key=lambda line: json.loads(line)["t"])
+    _, d, _ = run(lines, "dilu", compact_every_s=1.0)
+    assert d["compaction_runs"] == runs
