@@ -102,7 +102,9 @@ async def test_scaling_follows_sustained_load_not_bursts(tmp_path: Path, redis_s
         outs = [d for d in await c.decisions(fn) if d.kind == "scale-out"]
         assert len(outs) >= 2 and "sustained load" in outs[1].reason
         placed = len([d for d in await c.decisions(fn) if d.kind == "place"])
-        assert placed >= 3  # the cold start, then up to 12/4 = 3 instances
+        # The cold start, then at least one more (up to 12/4 = 3 once the windowed rate has caught up with
+        # the load; within 6 s it measures 8-12 requests/s, so 2 or 3 instances).
+        assert 2 <= placed <= 3, [(d.kind, d.reason[:90]) for d in await c.decisions(fn)]
         # Idle: one instance at a time goes (sustained underload), then the last one after the idle time.
 
         async def none_left() -> bool:
