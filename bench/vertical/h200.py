@@ -202,6 +202,11 @@ def compact(r: TickRecord, t_ref: float) -> dict[str, Any]:
         "rates": {s.id: round(s.rate_blocks_per_ms, 1) for s in r.instances},
         "active": [s.id for s in r.instances if s.active],
         "blocks": {s.id: s.blocks for s in r.instances},
+        # What an interference signal could be built from: busy time, cycles, waiting for tokens.
+        "busy_ms": {s.id: round(s.busy_s * 1000, 1) for s in r.instances},
+        "cycles_ms": {s.id: [round(c * 1000, 1) for c in s.cycles_s] for s in r.instances},
+        "open_ms": {s.id: round(s.open_cycle_s * 1000, 1) for s in r.instances},
+        "throttled_ms": {s.id: round(s.throttled_s * 1000, 2) for s in r.instances},
         "reason": r.reason[:320],
     }
 
@@ -500,6 +505,10 @@ class Suite:
                          "before_inference_it_s": alone},
             "manager": summarize(records, t0, t1),
             "timeline": [compact(r, t0) for r in records if r.now >= t0 - 0.5 and r.now < t1 + 0.2],
+            # Every request of the steady window (arrival relative to its start, latency), to line the
+            # tail up with the manager's ticks.
+            "requests": [[round(a - t0, 4), round((d - a) * 1000, 2)]
+                         for a, d in zip(res["arrivals"], res["completions"], strict=False) if t0 <= a < t1],
         }
         idle_at = next((r.now for r in records if r.now >= stopped and r.mode is FeedbackMode.IDLE), None)
         w0 = (idle_at or stopped + cfg.idle_after_s) + 0.3

@@ -393,6 +393,12 @@ class InstanceStatus:
     stale: bool
     reason: str
     capacity_reason: str = ""
+    busy_s: float = 0.0
+    """Time of the period in launch windows with launches (busy 5 ms windows × 5 ms)."""
+    cycles_s: tuple[float, ...] = ()
+    """Kernel-launch cycles completed this period."""
+    open_cycle_s: float = 0.0
+    """The cycle in progress (0: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -709,7 +715,8 @@ class GpuManager:
             active=inst.active(now, self.vertical), saturated=saturated,
             throttled_s=min(reading.throttled_s, elapsed_s), blocks=reading.blocks,
             mem_used_bytes=reading.mem_used_bytes, pinned=m.pinned is not None, stale=reading.stale,
-            reason=why, capacity_reason=cap_why,
+            reason=why, capacity_reason=cap_why, busy_s=reading.busy_s, cycles_s=reading.cycles_s,
+            open_cycle_s=reading.open_cycle_s,
         )
         m.status = status
         return status
