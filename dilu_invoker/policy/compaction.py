@@ -12,7 +12,7 @@ one does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, request_bucket
 from dilu_invoker.policy.placement import (
@@ -84,6 +84,16 @@ class CompactionPlan:
         return sum(m.cold_starts for m in self.moves)
 
 
+def _stages(cluster: ClusterSnapshot, part_of: str, invoker: str) -> list[tuple[GpuRef, PlacedInstance]]:
+    """The pieces (pipeline stages) of split instance `part_of`, all on `invoker`, with their GPUs."""
+    return [
+        (cluster.refs[o], i)
+        for o in cluster.invoker_ordinals[invoker]
+        for i in cluster.gpus[o].instances
+        if i.part_of == part_of
+    ]
+
+
 def _as_request(
     cluster: ClusterSnapshot, inst: PlacedInstance, source: GpuRef
 ) -> PlacementRequest:
@@ -94,9 +104,7 @@ def _as_request(
         # A pipeline stage stays on its node, whole, and apart from its sibling stages.
         only_invoker = source.invoker
         max_parts = 1
-        for o in cluster.invoker_ordinals[source.invoker]:
-            if any(i.part_of == inst.part_of for i in cluster.gpus[o].instances):
-                avoid.add(cluster.refs[o])
+        avoid.update(ref for ref, _ in _stages(cluster, inst.part_of, source.invoker))
     return PlacementRequest(
         instance_id=inst.id,
         function=inst.function,
@@ -112,37 +120,50 @@ def _as_request(
     )
 
 
-def _whole_request(
-    cluster: ClusterSnapshot, piece: PlacedInstance
-) -> tuple[PlacementRequest, tuple[str, ...], frozenset[GpuRef]]:
-    """The split instance `piece` belongs to as one request (Σ of its pieces), its pieces' ids, and
-    the GPUs they hold. The new pieces avoid those GPUs, so every old stage can serve until the new
-    pipeline does (make-before-break) without two copies sharing a GPU's memory."""
+def _move_whole(
+    cluster: ClusterSnapshot, piece: PlacedInstance, source: GpuRef, placement: PlacementConfig
+) -> tuple[ClusterSnapshot, CompactionMove, list[GpuRef]] | None:
+    """Place the split instance `piece` belongs to anew, as one request (Σ of its pieces), on lit GPUs
+    away from every GPU its pieces hold, so each old stage serves until the new pipeline does
+    (make-before-break) without two copies sharing a GPU's memory. `cluster` still holds every piece.
+    Returns the cluster after the move, the move, and the sibling GPUs it leaves dark; None: no room."""
     assert piece.part_of is not None
-    ids: list[str] = []
-    where: set[GpuRef] = set()
-    request = limit = memory = 0.0
-    invoker = cluster.refs[cluster.locations[piece.id][0]].invoker
-    for o in cluster.invoker_ordinals[invoker]:
-        for i in cluster.gpus[o].instances:
-            if i.part_of == piece.part_of:
-                ids.append(i.id)
-                where.add(cluster.refs[o])
-                request += i.request
-                limit += i.limit
-                memory += i.memory_mib
+    stages = _stages(cluster, piece.part_of, source.invoker)
+    held = frozenset(ref for ref, _ in stages)
+    request = sum(i.request for _, i in stages)
     whole = PlacementRequest(
         instance_id=piece.part_of,
         function=piece.function,
         cls=piece.cls,
         request=min(1.0, request),
-        limit=min(1.0, max(limit, request)),
-        memory_mib=memory,
+        limit=min(1.0, max(sum(i.limit for _, i in stages), request)),
+        memory_mib=sum(i.memory_mib for _, i in stages),
         profile=piece.profile,
-        avoid_gpus=frozenset(where),
+        avoid_gpus=held,
         lit_only=True,
     )
-    return whole, tuple(sorted(ids)), frozenset(where)
+    rest = cluster
+    for _, i in stages:
+        rest = rest.without_instance(i.id)
+    decision = place(rest, whole, placement)
+    if not decision.placed:
+        return None
+    after = apply_placement(rest, whole, decision)
+    move = CompactionMove(
+        instance_id=whole.instance_id,
+        function=piece.function,
+        source=source,
+        target=decision.gpus[0],
+        reason=(
+            f"empty {source}: {whole.instance_id} anew instead of its {len(stages)} piece(s): "
+            f"{decision.reason}"
+        ),
+        parts=decision.parts,
+        replaces=tuple(sorted(i.id for _, i in stages)),
+    )
+    # A sibling stage alone on its GPU leaves that GPU dark too.
+    dark = sorted(r for r in held if r != source and not after.gpu(r).lit)
+    return after, move, dark
 
 
 def compaction_plan(
@@ -190,33 +211,11 @@ def compaction_plan(
             decision = place(trial, request, placement)
             if not decision.placed and inst.part_of is not None:
                 # No other GPU of its node takes the stage: place the whole instance anew.
-                back = trial.with_instance(inst, (gpu.ref,))
-                whole, ids, held = _whole_request(back, inst)
-                rest = back
-                for pid in ids:
-                    rest = rest.without_instance(pid)
-                decision = place(rest, whole, placement)
-                if decision.placed:
-                    trial = apply_placement(rest, whole, decision)
-                    # A sibling stage alone on its GPU leaves that GPU dark too.
-                    trial_freed.extend(
-                        sorted(r for r in held if r != gpu.ref and not trial.gpu(r).lit)
-                    )
-                    trial_moves.append(
-                        CompactionMove(
-                            instance_id=whole.instance_id,
-                            function=inst.function,
-                            source=gpu.ref,
-                            target=decision.gpus[0],
-                            reason=(
-                                f"empty {gpu.ref} (Σ request {gpu.used_request:.2f}): "
-                                f"{whole.instance_id} anew instead of its {len(ids)} piece(s): "
-                                f"{decision.reason}"
-                            ),
-                            parts=decision.parts,
-                            replaces=ids,
-                        )
-                    )
+                moved = _move_whole(trial.with_instance(inst, (gpu.ref,)), inst, gpu.ref, placement)
+                if moved is not None:
+                    trial, move, dark = moved
+                    trial_moves.append(move)
+                    trial_freed.extend(dark)
                     continue
             if not decision.placed:
                 trial_moves = []
@@ -244,11 +243,9 @@ def compaction_plan(
                 targets.update(p.gpu for p in m.parts)
             freed.append(gpu.ref)
             freed.extend(trial_freed)
+    plan = CompactionPlan(moves=tuple(moves), freed=tuple(freed), cluster=work, reason="")
     if not moves:
         reason = f"nothing to compact: tried {tried} GPU(s) with Σ request ≤ {config.source_max_request:.2f}"
     else:
-        starts = sum(m.cold_starts for m in moves)
-        reason = f"{len(moves)} move(s) turn off {len(freed)} GPU(s) at {starts} cold start(s)"
-    return CompactionPlan(
-        moves=tuple(moves), freed=tuple(freed), cluster=work, reason=reason
-    )
+        reason = f"{len(moves)} move(s) turn off {len(freed)} GPU(s) at {plan.cold_starts} cold start(s)"
+    return replace(plan, reason=reason)
