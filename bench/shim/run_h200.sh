@@ -27,24 +27,9 @@ PY=${PYTHON:-python3}
 BUDGET=${DILU_BENCH_BUDGET:-510} # seconds for everything, merge and report included
 START=$SECONDS
 
-log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
-remaining() { echo $((BUDGET - (SECONDS - START))); }
-
-# step NAME LIMIT CMD...: run with min(LIMIT, what is left of the budget minus 20 s)
-step() {
-    local name=$1 limit=$2
-    shift 2
-    local left=$(($(remaining) - 20))
-    if [ "$left" -lt 15 ]; then
-        log "== $name skipped: time budget spent"
-        return 0
-    fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    log "== $name (limit ${limit}s)"
-    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
-    log "== $name exit $? after $((SECONDS - START))s total"
-    return 0
-}
+STEP_RESERVE=20 STEP_MIN=15
+# shellcheck source=../lib.sh
+. bench/lib.sh
 
 mps_quit() {
     if command -v nvidia-cuda-mps-control >/dev/null 2>&1 && [ -d "$WORK/mps_pipe" ]; then
@@ -80,17 +65,7 @@ log "machine info written"
 # ---- build ----------------------------------------------------------------------------
 NVCC=${NVCC:-nvcc}
 command -v "$NVCC" >/dev/null 2>&1 || NVCC=/usr/local/cuda/bin/nvcc
-# cuda.h + cudaTypedefs.h for the shim's build: /usr/local/cuda, next to nvcc, or anywhere
-# under /usr and /opt (pip's CUDA packages keep them in site-packages)
-find_cuda_include() {
-    local nv d
-    nv=$(command -v "$NVCC" 2>/dev/null) && nv=$(dirname "$(dirname "$(readlink -f "$nv")")")
-    for d in "${CUDA_INCLUDE:-}" /usr/local/cuda/include ${nv:+"$nv/include" "$nv/targets/x86_64-linux/include"}; do
-        [ -n "$d" ] && [ -f "$d/cuda.h" ] && [ -f "$d/cudaTypedefs.h" ] && { echo "$d"; return; }
-    done
-    d=$(timeout 30 find /usr /opt -name cudaTypedefs.h -not -path '*/proc/*' 2>/dev/null | head -1)
-    [ -n "$d" ] && dirname "$d"
-}
+# cuda.h + cudaTypedefs.h for the shim's build: find_cuda_include (bench/lib.sh)
 CUDA_INCLUDE=$(find_cuda_include)
 export CUDA_INCLUDE=${CUDA_INCLUDE:-/usr/local/cuda/include}
 log "CUDA_INCLUDE=$CUDA_INCLUDE nvcc=$NVCC"

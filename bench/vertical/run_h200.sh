@@ -31,24 +31,9 @@ START=$SECONDS
 ARGS=${DILU_BENCH_ARGS:-}
 MPS_CONTROL=${DILU_BENCH_MPS_CONTROL:-nvidia-cuda-mps-control}
 
-log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
-remaining() { echo $((BUDGET - (SECONDS - START))); }
-
-# step NAME LIMIT CMD...: run with min(LIMIT, what is left of the budget minus 25 s for merge and report)
-step() {
-    local name=$1 limit=$2
-    shift 2
-    local left=$(($(remaining) - 25))
-    if [ "$left" -lt 20 ]; then
-        log "== $name skipped: time budget spent"
-        return 0
-    fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    log "== $name (limit ${limit}s)"
-    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
-    log "== $name exit $? after $((SECONDS - START))s total"
-    return 0
-}
+STEP_RESERVE=25 STEP_MIN=20
+# shellcheck source=../lib.sh
+. bench/lib.sh
 
 mps_quit() {
     # The steps quit their daemon themselves; this is for a step killed by its time limit.
@@ -79,16 +64,7 @@ log "vertical benchmark: repo $REPO, out $OUT, work $WORK, budget ${BUDGET}s, ar
 log "machine info written"
 
 # ---- build ----------------------------------------------------------------------------
-# cuda.h + cudaTypedefs.h for the shim: /usr/local/cuda, next to nvcc, or anywhere under /usr and /opt
-find_cuda_include() {
-    local nv d
-    nv=$(command -v nvcc 2>/dev/null) && nv=$(dirname "$(dirname "$(readlink -f "$nv")")")
-    for d in "${CUDA_INCLUDE:-}" /usr/local/cuda/include ${nv:+"$nv/include" "$nv/targets/x86_64-linux/include"}; do
-        [ -n "$d" ] && [ -f "$d/cuda.h" ] && [ -f "$d/cudaTypedefs.h" ] && { echo "$d"; return; }
-    done
-    d=$(timeout 30 find /usr /opt -name cudaTypedefs.h -not -path '*/proc/*' 2>/dev/null | head -1)
-    [ -n "$d" ] && dirname "$d"
-}
+# cuda.h + cudaTypedefs.h for the shim: find_cuda_include (bench/lib.sh)
 if [ -z "${DILU_BENCH_SKIP_BUILD:-}" ]; then
     CUDA_INCLUDE=$(find_cuda_include)
     export CUDA_INCLUDE=${CUDA_INCLUDE:-/usr/local/cuda/include}

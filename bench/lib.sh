@@ -1,0 +1,35 @@
+# Shared by the unattended GPU-machine scripts (bench/shim/run_h200.sh, bench/vertical/run_h200.sh).
+# Source after setting LOG, BUDGET and START (=$SECONDS); STEP_RESERVE (seconds kept back for merge and
+# report, default 20) and STEP_MIN (skip a step with less than this left, default 15) are optional.
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
+remaining() { echo $((BUDGET - (SECONDS - START))); }
+
+# step NAME LIMIT CMD...: run with min(LIMIT, what is left of the budget minus STEP_RESERVE); a failing
+# step is logged and the script goes on.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$(($(remaining) - ${STEP_RESERVE:-20}))
+    if [ "$left" -lt "${STEP_MIN:-15}" ]; then
+        log "== $name skipped: time budget spent"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    log "== $name (limit ${limit}s)"
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    log "== $name exit $? after $((SECONDS - START))s total"
+    return 0
+}
+
+# cuda.h + cudaTypedefs.h for the shim's build: $CUDA_INCLUDE, /usr/local/cuda, next to $NVCC (or nvcc),
+# or anywhere under /usr and /opt (pip's CUDA packages keep them in site-packages).
+find_cuda_include() {
+    local nv d
+    nv=$(command -v "${NVCC:-nvcc}" 2>/dev/null) && nv=$(dirname "$(dirname "$(readlink -f "$nv")")")
+    for d in "${CUDA_INCLUDE:-}" /usr/local/cuda/include ${nv:+"$nv/include" "$nv/targets/x86_64-linux/include"}; do
+        [ -n "$d" ] && [ -f "$d/cuda.h" ] && [ -f "$d/cudaTypedefs.h" ] && { echo "$d"; return; }
+    done
+    d=$(timeout 30 find /usr /opt -name cudaTypedefs.h -not -path '*/proc/*' 2>/dev/null | head -1)
+    [ -n "$d" ] && dirname "$d"
+}
