@@ -493,6 +493,16 @@ def _shares(text: str) -> float:
     return v
 
 
+def _gain(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError("must be in [0, 1)")
+    return v
+
+
 def _batches(text: str) -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in text.split(",") if x.strip())
@@ -524,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--step", type=_shares, default=0.1, help="share grid step")
     ap.add_argument("--batches", type=_batches, default=(1, 2, 4, 8, 16, 32, 64))
     ap.add_argument("--training-batch", type=int, default=DEFAULT_TRAINING_BATCH)
-    ap.add_argument("--limit-gain", type=float, default=SearchConfig().limit_gain,
+    ap.add_argument("--limit-gain", type=_gain, default=SearchConfig().limit_gain,
                     help="raise the limit while one more share step adds at least this fraction of throughput")
     ap.add_argument("--share-control", choices=("auto", "shim", "mps", "none"), default="auto")
     ap.add_argument("--shim-lib", type=Path, default=Path(os.environ.get("DILU_SHIM_LIB", "cuda_shim/build/libdilu_shim.so")))

@@ -213,3 +213,16 @@ def test_replay_needs_the_points_the_search_asks_for(tmp_path: Path, capsys: pyt
     holed.write_text(json.dumps(doc))
     assert main(["--replay", str(holed), "--out", str(tmp_path / "o.json"), "--quiet"]) == 2
     assert "no measured point at share" in capsys.readouterr().err
+
+
+def test_replay_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--replay", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text('{"format": "dilu-profiles", "functions": {}}')
+    assert main(["--replay", str(garbage), "--out", str(tmp_path / "o.json")]) == 2
+    assert "functions" in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
+    with pytest.raises(SystemExit):
+        main(["--replay", str(garbage), "--limit-gain", "1.5"])
+    assert "must be in [0, 1)" in capsys.readouterr().err
