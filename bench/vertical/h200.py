@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Steps of the vertical-scaling benchmark (issue 4) on the H200; run by bench/vertical/run_h200.sh.
 
-    python3 bench/vertical/h200.py step {timeslice,mps,mps_static} --work DIR --results DIR --log FILE [options]
+    python3 bench/vertical/h200.py step {timeslice,mps,mps_capped,mps_static} --work DIR --results DIR --log FILE [options]
     python3 bench/vertical/h200.py merge --results DIR --out FILE [--machine FILE] [--command STR]
 
-An inference worker (ResNet-50 fp16 batch 8, open-loop Poisson arrivals) and a training worker (ResNet-50
+An inference worker (ResNet-50 fp16 batch 8, open-loop arrivals, evenly spaced
+by default as in the issue's anchor, or Poisson) and a training worker (ResNet-50
 fp32 batch 64, SGD) run as two processes under the shim, each with the control/stats blocks a GpuNode
 attachment gives it (the same code as the invoker's, process backend). The node's GpuManager runs in this
 process with the real vertical policy, without Redis. Scenarios: solo, co-located without limits, static
 shares, the dynamic manager (steady load, then idle), a burst; `mps` repeats the co-located ones with both
-workers as MPS clients; `mps_static` is a static 50/50 MPS split without the shim's limits.
+workers as MPS clients; `mps_capped` repeats them with training's MPS client held to part of the SMs
+(`--mps-capped`); `mps_static` runs static MPS splits without the shim's limits (`--mps-splits`).
 
 Each step writes results/<step>.json after every scenario, so a step cut short by its time limit keeps what
 it measured. Overrides for a dry run without a GPU: DILU_BENCH_WORKER (worker program), DILU_BENCH_PYTHON,
@@ -54,6 +56,9 @@ from dilu_invoker.gpu.manager import TickRecord
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.model import GpuClass, GpuNeeds
 from dilu_invoker.policy.vertical import RUN1_OVERRIDES, RUN3_OVERRIDES, FeedbackMode, VerticalConfig
+
+sys.path.insert(0, str(HERE))
+from schedule import PROCESSES  # the workers' own module, next to this file
 
 SCALE = min(1.0, max(0.01, float(os.environ.get("DILU_BENCH_SCALE", "1"))))
 WORKER = os.environ.get("DILU_BENCH_WORKER", str(HERE / "worker.py"))
@@ -252,6 +257,7 @@ class Options:
     work: Path
     results: Path
     load: float
+    arrivals: str
     burst_base: float
     burst_mult: float
     seconds: float
@@ -263,6 +269,8 @@ class Options:
     vertical: VerticalConfig
     variants: dict[str, VerticalConfig]
     static_caps: tuple[float, ...]
+    mps_capped: tuple[int, int]
+    mps_splits: tuple[tuple[int, int], ...]
     manager_slo: str
     capacity: str
     infer_batch: int
@@ -372,7 +380,8 @@ class Suite:
 
     async def open_loop(self, phases: list[list[float]], seed: int) -> dict[str, Any]:
         total = sum(p[0] for p in phases)
-        return await self.inf.call({"cmd": "open", "phases": phases, "seed": seed, "start_in": 0.3},
+        return await self.inf.call({"cmd": "open", "phases": phases, "seed": seed, "start_in": 0.3,
+                                    "arrivals": self.o.arrivals},
                                    timeout=total * 3 + 60)
 
     async def with_training(self, before: float, run: Callable[[], Awaitable[dict[str, Any]]],
@@ -686,26 +695,36 @@ async def step(name: str, o: Options, out: dict[str, Any], save: Callable[[], No
     mps = Mps(o.work)
     mps.start()
     try:
-        if name == "mps":
-            # Both processes as MPS clients at 100% threads; the shim's rates do the sharing.
+        if name in ("mps", "mps_capped"):
+            # Both processes as MPS clients; the shim's rates do the sharing. `mps`: 100% threads each;
+            # `mps_capped`: training's MPS client is also held to a fixed part of the SMs (--mps-capped).
+            pct = (100, 100) if name == "mps" else o.mps_capped
+            out["mps_percentages"] = {INF: pct[0], TRAIN: pct[1]}
             dyn = [f"dynamic@{v}" if v != "default" else "dynamic" for v in o.variants]
             bursts = [f"burst@{v}" if v != "default" else "burst" for v in o.variants]
-            caps = [f"static@{c:g}" for c in o.static_caps]
+            caps = [f"static@{c:g}" for c in o.static_caps] if name == "mps" else []
             plan = ["calibrate", *([] if ref.get("solo_inference") else ["solo_inference"]), "none", *caps, *dyn,
                     *bursts]
-            await run_suite(o, out, save, "mps", plan, mps.env, ref, percentages=(100, 100))
+            await run_suite(o, out, save, "mps" if name == "mps" else "mpsc", plan, mps.env, ref, percentages=pct)
         elif name == "mps_static":
-            # A static 50/50 MPS split (no shim limits): the issue's (b).
-            plan = ["none"] if ref.get("rps") else ["calibrate", "none"]
-            await run_suite(o, out, save, "mpss", plan, mps.env, ref, percentages=(50, 50))
-            out["static_mps_split"] = out.pop("none", None)
+            # Static MPS splits (no shim limits): the issue's (b); the first is also `static_mps_split`.
+            out["static_mps_splits"] = {}
+            for split in o.mps_splits:
+                plan = ["none"] if ref.get("rps") else ["calibrate", "none"]
+                await run_suite(o, out, save, "mpss", plan, mps.env, ref, percentages=split)
+                sc = out.pop("none", None)
+                if isinstance(sc, dict):
+                    sc["mps_percentages"] = {INF: split[0], TRAIN: split[1]}
+                out["static_mps_splits"][f"{split[0]}/{split[1]}"] = sc
+                out.setdefault("static_mps_split", sc)
+                save()
         else:
             raise ValueError(name)
     finally:
         mps.quit()
 
 
-STEPS = ("timeslice", "mps", "mps_static")
+STEPS = ("timeslice", "mps", "mps_capped", "mps_static")
 
 
 def vertical_config(pairs: list[str], base: VerticalConfig | None = None) -> VerticalConfig:
@@ -742,6 +761,17 @@ DEFAULT_VARIANTS = {
 }
 
 
+def percent_pair(text: str, flag: str) -> tuple[int, int]:
+    """``I,T``: MPS active-thread percentages of inference and training, each 1-100."""
+    try:
+        a, b = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"{flag} wants two percentages I,T, got {text!r}") from None
+    if not (1 <= a <= 100 and 1 <= b <= 100):
+        raise SystemExit(f"{flag}: percentages must be within 1-100, got {text!r}")
+    return a, b
+
+
 def options(args: argparse.Namespace) -> Options:
     base = vertical_config(args.vertical or [])
     variants = {"default": base}
@@ -759,11 +789,13 @@ def options(args: argparse.Namespace) -> Options:
 
     static = pair(args.static, "--static")
     return Options(
-        work=Path(args.work), results=Path(args.results), load=args.load, burst_base=args.burst_base,
+        work=Path(args.work), results=Path(args.results), load=args.load, arrivals=args.arrivals, burst_base=args.burst_base,
         burst_mult=args.burst_mult, seconds=args.seconds, period_ms=args.period_ms,
         static=static, inference_share=pair(args.inference_share, "--inference-share"),
         training_share=pair(args.training_share, "--training-share"), gamma=args.gamma, vertical=base, variants=variants,
         static_caps=tuple(float(x) for x in args.static_caps.split(",") if x.strip()), manager_slo=args.manager_slo,
+        mps_capped=percent_pair(args.mps_capped, "--mps-capped"),
+        mps_splits=tuple(percent_pair(x, "--mps-splits") for x in args.mps_splits.split(":") if x.strip()),
         capacity=args.capacity, infer_batch=args.infer_batch, train_batch=args.train_batch,
         start_timeout=args.start_timeout, seed=args.seed,
     )
@@ -841,13 +873,19 @@ def main() -> int:
     s.add_argument("--results", required=True)
     s.add_argument("--log", required=True)
     s.add_argument("--load", type=float, default=0.5, help="steady load, fraction of closed-loop capacity")
-    s.add_argument("--burst-base", type=float, default=0.2, help="load before and after the burst")
-    s.add_argument("--burst-mult", type=float, default=3.0, help="arrival rate multiplier of the burst")
+    s.add_argument("--arrivals", choices=PROCESSES, default="paced",
+                   help="arrival process of every open-loop run: paced (evenly spaced, the issue's anchor) or poisson")
+    s.add_argument("--burst-base", type=float, default=0.15, help="load before and after the burst")
+    s.add_argument("--burst-mult", type=float, default=5.0, help="arrival rate multiplier of the burst")
     s.add_argument("--seconds", type=float, default=5.0, help="length of each steady run")
     s.add_argument("--period-ms", type=float, default=50.0, help="manager period")
     s.add_argument("--static", default="0.7,0.3", help="static shim shares inference,training")
     s.add_argument("--static-caps", default="",
                    help="MPS step: training rate caps to run beside uncapped inference (comma-separated, e.g. 0.5,0.75)")
+    s.add_argument("--mps-capped", default="100,70",
+                   help="MPS thread percentages inference,training of the mps_capped step (shim rates on top)")
+    s.add_argument("--mps-splits", default="50,50",
+                   help="static MPS splits of the mps_static step, inference,training; several separated by ':' (50,50:30,70)")
     s.add_argument("--manager-slo", choices=("solo", "fixed"), default="solo",
                    help="the inference SLO the manager is given: 2 x the measured solo p99 (the SLO the results are "
                         "judged by) once it is known, or a fixed 100 ms annotation throughout")

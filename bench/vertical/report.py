@@ -24,6 +24,11 @@ ANCHOR = [
 TARGETS = {"p99_ratio": 1.25, "training_steady": 0.75, "burst_violations": 0.01, "reaction_ms": 100.0,
            "training_idle": 0.95}
 MODES = ("Time-slicing", "MPS (100% threads each) + shim rates")
+"""Long names of the `timeslice` and `mps` steps in the targets table (`mps_capped`'s is built from its run)."""
+
+
+ARRIVALS = {"paced": "evenly spaced (paced, as in the issue's anchor)", "poisson": "Poisson"}
+"""How each arrival process is named in the set-up (results before `--arrivals` existed were Poisson)."""
 
 
 def f(x: Any, digits: int = 1, unit: str = "") -> str:
@@ -91,6 +96,16 @@ class Report:
     def solo_it(self) -> float | None:
         return get(self.ref, "calibration", "training_solo_it_s")
 
+    def shared_steps(self, long: bool = False) -> list[tuple[str, str]]:
+        """(label, step) of every step where the manager shares the GPU, in run order."""
+        out = [(MODES[0] if long else "time-slicing", "timeslice"), (MODES[1] if long else "MPS + shim", "mps")]
+        capped = self.steps.get("mps_capped")
+        if isinstance(capped, dict) and capped:
+            pct = get(capped, "mps_percentages", "training")
+            out.append((f"MPS (training ≤ {pct}% threads) + shim rates" if long else f"MPS ≤{pct}% + shim",
+                        "mps_capped"))
+        return out
+
     def p99_ratio(self, sc: dict[str, Any]) -> float | None:
         p99 = get(sc, "inference", "p99_ms")
         return p99 / self.solo_p99 if p99 and self.solo_p99 else None
@@ -118,7 +133,8 @@ class Report:
                "process (the invoker's code, without Redis):")
         self.w()
         self.w(f"* inference: torchvision ResNet-50 (random weights), fp16, batch {opts.get('infer_batch')}, "
-               f"open-loop Poisson arrivals with a FIFO queue, latency = completion − arrival; class inference, "
+               f"open-loop {ARRIVALS.get(opts.get('arrivals', 'poisson'), '?')} arrivals with a FIFO queue, "
+               f"latency = completion − arrival; class inference, "
                f"request {get(inst, 'inference', 'request')}, limit {get(inst, 'inference', 'limit')};")
         self.w(f"* training: ResNet-50 fp32, batch {opts.get('train_batch')}, SGD, synchronised steps; class training, "
                f"request {get(inst, 'training', 'request')}, limit {get(inst, 'training', 'limit')} "
@@ -156,7 +172,7 @@ class Report:
         self.w("| mode | policy | steady: p99 / solo p99 (≤ 1.25) | steady: training / solo (≥ 75%) | burst: SLO "
                "violations (≤ 1%) | burst: reaction (≤ 100 ms) | idle: training / solo (≥ 95%) |")
         self.w("|---|---|---|---|---|---|---|")
-        for label, key in zip(MODES, ("timeslice", "mps"), strict=True):
+        for label, key in self.shared_steps(long=True):
             step = self.steps.get(key) or {}
             if not step:
                 continue
@@ -193,14 +209,18 @@ class Report:
         self.w(f"| {alone} | inference alone | {f(solo.get('p50_ms'), 2)} | {f(solo.get('p99_ms'), 2)} | 1.00 | "
                f"— | — | — | — | — |")
         self.w(f"| {alone} | training alone | — | — | — | — | {f(self.solo_it, 2)} | 100% | — | — |")
-        rows = [("time-slicing", "timeslice"), ("MPS + shim", "mps"), ("MPS 50/50", "mps_static")]
-        for label, key in rows:
+        for label, key in self.shared_steps():
             step = self.steps.get(key) or {}
-            for name in ("none", *(k for k in step if k == "static" or k.startswith("static@")), "static_mps_split"):
+            for name in ("none", *(k for k in step if k == "static" or k.startswith("static@"))):
                 if isinstance(step.get(name), dict):
                     self.row(label, self.scenario_label(name, step[name]), step[name])
             for v, d in variants_of(step, "dynamic"):
                 self.row(label, f"dynamic manager ({v})", d)
+        static = self.steps.get("mps_static") or {}
+        splits = static.get("static_mps_splits") or {"50/50": static.get("static_mps_split")}
+        for split, sc in splits.items():
+            if isinstance(sc, dict):
+                self.row(f"MPS {split}", f"static MPS split {split} (no shim limits)", sc)
         self.w()
 
     @staticmethod
@@ -210,7 +230,7 @@ class Report:
             return "co-located, no limits"
         if name == "static" or name.startswith("static@"):
             return f"static shim shares {pins.get('inference')}/{pins.get('training')}"
-        return "static MPS split 50/50 (no shim limits)"
+        raise ValueError(name)
 
     def row(self, mode: str, label: str, sc: dict[str, Any]) -> None:
         inf, tr, mgr = sc.get("inference") or {}, sc.get("training") or {}, sc.get("manager") or {}
@@ -227,7 +247,7 @@ class Report:
                "inference share before → raised (ms) | first training cut (ms) | emergency ticks in the second "
                "before | training it/s |")
         self.w("|---|---|---|---|---|---|---|---|---|---|")
-        for label, key in (("time-slicing", "timeslice"), ("MPS + shim", "mps")):
+        for label, key in self.shared_steps():
             step = self.steps.get(key) or {}
             items = [(f"dynamic ({v})", b) for v, b in variants_of(step, "burst")]
             if isinstance(step.get("burst_solo"), dict):
@@ -248,7 +268,7 @@ class Report:
         self.w()
         self.w("| mode | policy | idle mode after (ms) | training it/s | training / solo |")
         self.w("|---|---|---|---|---|")
-        for label, key in (("time-slicing", "timeslice"), ("MPS + shim", "mps")):
+        for label, key in self.shared_steps():
             for v, i in variants_of(self.steps.get(key) or {}, "idle"):
                 self.w(f"| {label} | {v} | {f(i.get('idle_mode_after_ms'), 0)} | {f(get(i, 'training', 'it_s'), 2)} | "
                        f"{pctf(get(i, 'training', 'vs_solo'))} |")
@@ -257,7 +277,7 @@ class Report:
     def decisions(self) -> None:
         self.w("## What the manager did")
         self.w()
-        for label, key in (("time-slicing", "timeslice"), ("MPS + shim", "mps")):
+        for label, key in self.shared_steps():
             for v, d in variants_of(self.steps.get(key) or {}, "dynamic"):
                 changes = get(d, "manager", "mode_changes") or []
                 self.w(f"**{label}, dynamic ({v}):** {len(changes)} mode changes during the steady run"

@@ -8,9 +8,10 @@ training, driven by JSON commands on stdin, one JSON answer per line on stdout.
 Commands (all times are CLOCK_MONOTONIC seconds, shared with the orchestrator):
 
     {"cmd": "closed", "seconds": S}                 back-to-back requests: capacity in requests/s
-    {"cmd": "open", "phases": [[S, RPS], ...], "seed": K, "start_in": 0.3}
-                                                    open-loop Poisson arrivals, FIFO queue, one request at a
-                                                    time; latency = completion - arrival
+    {"cmd": "open", "phases": [[S, RPS], ...], "seed": K, "start_in": 0.3, "arrivals": "paced"}
+                                                    open-loop arrivals ("paced": evenly spaced, "poisson":
+                                                    exponential gaps, the default), FIFO queue, one request
+                                                    at a time; latency = completion - arrival
     {"cmd": "train", "seconds": S}                  training steps for S seconds: step completion times
     {"cmd": "quit"}
 
@@ -62,9 +63,9 @@ class Inference:
         return {"n": len(lat), "seconds": took, "rps": len(lat) / took,
                 "p50_ms": 1000 * lat[len(lat) // 2], "min_ms": 1000 * lat[0], "t0": t0, "t1": t0 + took}
 
-    def open(self, phases: list[list[float]], seed: int, start_in: float) -> dict:
+    def open(self, phases: list[list[float]], seed: int, start_in: float, process: str) -> dict:
         start = time.monotonic() + start_in
-        arr = arrivals(phases, seed, start)
+        arr = arrivals(phases, seed, start, process)
         done = []
         for a in arr:
             now = time.monotonic()
@@ -124,7 +125,8 @@ def main() -> int:
             if c["cmd"] == "closed" and isinstance(worker, Inference):
                 say({"ok": True, **worker.closed(float(c["seconds"]))})
             elif c["cmd"] == "open" and isinstance(worker, Inference):
-                say({"ok": True, **worker.open(c["phases"], int(c.get("seed", 1)), float(c.get("start_in", 0.3)))})
+                say({"ok": True, **worker.open(c["phases"], int(c.get("seed", 1)), float(c.get("start_in", 0.3)),
+                                                 c.get("arrivals", "poisson"))})
             elif c["cmd"] == "train" and isinstance(worker, Training):
                 say({"ok": True, **worker.train(float(c["seconds"]))})
             else:

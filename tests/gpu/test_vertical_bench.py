@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -69,6 +70,18 @@ def test_arrivals_follow_the_phases() -> None:
     assert arr == schedule.arrivals([[1.0, 200.0], [1.0, 0.0], [1.0, 50.0]], 3, 100.0)  # same seed, same load
 
 
+def test_paced_arrivals_are_evenly_spaced() -> None:
+    arr = schedule.arrivals([[1.0, 100.0], [0.5, 0.0], [1.0, 20.0]], 3, 10.0, "paced")
+    first = [a for a in arr if a < 11.0]
+    gaps = [b - a for a, b in itertools.pairwise(first)]
+    assert len(first) == 99 and all(g == pytest.approx(0.01) for g in gaps)
+    assert not any(11.0 <= a < 11.5 for a in arr)
+    assert sum(a >= 11.5 for a in arr) == 19
+    assert arr == schedule.arrivals([[1.0, 100.0], [0.5, 0.0], [1.0, 20.0]], 99, 10.0, "paced")  # no randomness
+    with pytest.raises(ValueError, match="arrival process"):
+        schedule.arrivals([[1.0, 1.0]], 1, 0.0, "bursty")
+
+
 def test_report_of_a_partial_run_is_honest() -> None:
     doc = {
         "generated": "now", "command": "cmd", "machine": "GPU X",
@@ -102,7 +115,7 @@ def test_dry_run_of_the_whole_pipeline(tmp_path: Path) -> None:
     """run_h200.sh with stand-in workers on the fake driver, under the real shim and the real manager."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DILU_", "LD_PRELOAD"))}
     env.update(OUT=str(tmp_path), DILU_BENCH_SCALE="0.05", PYTHON=sys.executable,
-               DILU_BENCH_ARGS="--no-dilu-variant")
+               DILU_BENCH_ARGS="--no-dilu-variant --mps-splits 50,50:30,70")
     out = subprocess.run(["bash", str(REPO / "bench" / "vertical" / "dry_run.sh")], env=env, capture_output=True,
                          text=True, timeout=400, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -118,8 +131,17 @@ def test_dry_run_of_the_whole_pipeline(tmp_path: Path) -> None:
     for scenario in ("none", "dynamic", "idle", "burst"):
         assert scenario in mps, scenario
     assert doc["steps"]["mps_static"]["static_mps_split"]["training"]["it_s"] > 0
+    splits = doc["steps"]["mps_static"]["static_mps_splits"]
+    assert list(splits) == ["50/50", "30/70"]
+    assert splits["30/70"]["mps_percentages"] == {"inference": 30, "training": 70}
+    capped = doc["steps"]["mps_capped"]
+    assert capped["mps_percentages"] == {"inference": 100, "training": 70}
+    assert {"none", "dynamic", "idle", "burst"} <= set(capped)
+    assert doc["steps"]["timeslice"]["options"]["arrivals"] == "paced"
     # The manager really drove the workers: training's share fell while inference ran, and came back at idle.
     assert ts["dynamic"]["manager"]["mean_share"]["training"] < 1.0
     assert ts["idle"]["idle_mode_after_ms"] is not None
     md = (tmp_path / "vertical.md").read_text()
     assert "DRY RUN" in md and "| Time-slicing | default |" in md
+    assert "| MPS (training ≤ 70% threads) + shim rates | default |" in md and "| MPS 30/70 |" in md
+    assert "evenly spaced" in md

@@ -66,7 +66,7 @@ def main() -> int:
                  "p50_ms": 1000 * lat[len(lat) // 2], "min_ms": 1000 * lat[0], "t0": t0, "t1": t0 + took})
         elif c["cmd"] == "open":
             start = time.monotonic() + float(c.get("start_in", 0.3))
-            arr = arrivals(c["phases"], int(c.get("seed", 1)), start)
+            arr = arrivals(c["phases"], int(c.get("seed", 1)), start, c.get("arrivals", "poisson"))
             done = []
             for a in arr:
                 now = time.monotonic()
