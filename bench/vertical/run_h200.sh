@@ -5,8 +5,8 @@
 #   OUT=/path/to/out bash bench/vertical/run_h200.sh
 #
 # Needs: gcc (the shim), python3 with torch + torchvision, an NVIDIA driver, nvidia-cuda-mps-control for
-# the MPS steps; no network, no Redis (the manager runs without it). About 6-7 minutes, never more than
-# 8 (every step has a time limit and a share of one global budget); a failing step is logged and the
+# the MPS steps; no network, no Redis (the manager runs without it). About 6-8 minutes, never more than
+# 9.5 (every step has a time limit and a share of one global budget); a failing step is logged and the
 # next one still runs. Extra arguments for every step go in DILU_BENCH_ARGS (e.g. "--vertical
 # min_cycle_s=0.02 --load 0.4").
 #
@@ -26,7 +26,7 @@ mkdir -p "$RES"
 LOG=$OUT/vertical_log.txt
 : >"$LOG"
 PY=${PYTHON:-python3}
-BUDGET=${DILU_BENCH_BUDGET:-480} # seconds for everything, merge and report included
+BUDGET=${DILU_BENCH_BUDGET:-560} # seconds for everything, merge and report included
 START=$SECONDS
 ARGS=${DILU_BENCH_ARGS:-}
 MPS_CONTROL=${DILU_BENCH_MPS_CONTROL:-nvidia-cuda-mps-control}
@@ -87,10 +87,10 @@ run_step() {
 }
 # DILU_BENCH_STEPS picks the steps (default all four, in this order).
 STEPS=" ${DILU_BENCH_STEPS:-timeslice mps mps_capped mps_static} "
-[[ $STEPS == *" timeslice "* ]] && run_step timeslice "${DILU_BENCH_LIMIT_TIMESLICE:-165}" "${DILU_BENCH_ARGS_TIMESLICE:-}"
+[[ $STEPS == *" timeslice "* ]] && run_step timeslice "${DILU_BENCH_LIMIT_TIMESLICE:-200}" "${DILU_BENCH_ARGS_TIMESLICE:-}"
 [[ $STEPS == *" mps "* ]] && run_step mps "${DILU_BENCH_LIMIT_MPS:-135}" "${DILU_BENCH_ARGS_MPS:-}"
 [[ $STEPS == *" mps_capped "* ]] && run_step mps_capped "${DILU_BENCH_LIMIT_MPS_CAPPED:-135}" "${DILU_BENCH_ARGS_MPS_CAPPED:-}"
-[[ $STEPS == *" mps_static "* ]] && run_step mps_static "${DILU_BENCH_LIMIT_MPS_STATIC:-60}" "${DILU_BENCH_ARGS_MPS_STATIC:-}"
+[[ $STEPS == *" mps_static "* ]] && run_step mps_static "${DILU_BENCH_LIMIT_MPS_STATIC:-110}" "${DILU_BENCH_ARGS_MPS_STATIC:-}"
 
 # ---- results --------------------------------------------------------------------------
 CMD="OUT=<dir> bash bench/vertical/run_h200.sh${ARGS:+ (DILU_BENCH_ARGS='$ARGS')}"

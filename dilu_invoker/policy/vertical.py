@@ -11,8 +11,8 @@ In the spirit of Dilu's RCKM (`gpu-sharing.md` §4.2):
 * The budget follows the kernel-launch cycles of the latency-critical instances, judged by the median
   of their last few cycles against their minimum (one merged-request cycle is not interference): ≥ 1.6×
   (1.3× for `llm`) is an **emergency** — the budget is divided by that ratio at once, down to a floor;
-  < 1.2× is **recovery** — each such cycle grows the budget ×1.3, up to a ceiling that keeps a reserve
-  beside latency-critical demand (`busy_ceiling`), and the first one after a burst cut undoes it;
+  < 1.2× is **recovery** — each such cycle grows the budget ×1.3, up to a ceiling (`busy_ceiling`, the
+  whole GPU unless a reserve is configured), and the first one after a burst cut undoes it;
   in between is **contention** — hold. A sudden jump of a latency-critical instance's launch rate (a
   **burst**) divides the budget by the jump within one period, never below the room the burst leaves.
 
@@ -95,11 +95,13 @@ class VerticalConfig:
     burst_restore: bool = True
     """A burst cut is provisional: when the next judged cycles are unhurt (recovery), the budget returns to
     what it was before the cut instead of regrowing ×`recovery_growth` at a time. False: regrow."""
-    busy_ceiling: float = 0.8
+    busy_ceiling: float = 1.0
     """While latency-critical demand exists, best-effort instances together take at most this share (a
-    reserve the cycle feedback cannot see: its signal only comes once a queue has formed). Sixth H200 run
-    (MPS, same load): 0.8 gave training 65% of solo at p99 0.63× solo, 1.0 gave 21% at 1.14× — growth to
-    the whole GPU overshot into emergencies that cut ÷3. 1.0: no reserve."""
+    reserve the cycle feedback cannot see). 1.0 (the default): no reserve. On the H200 the answer depended
+    on the load: with Poisson arrivals (sixth run, MPS) 0.8 gave training 65% of solo at p99 0.63× and 1.0
+    only 21% at 1.14× (growth overshot into ÷3 emergency cuts); with the issue's evenly spaced arrivals
+    (eighth run) 0.8 held training at 8% / 41% of solo (time-slicing / MPS) where 1.0 gave 77% / 84% at
+    p99 0.90 / 0.85× solo."""
     oversubscribe_in_recovery: bool = True
     """Let the budget exceed the fair budget (Σ active > 1); False keeps Σ active ≤ 1 always."""
     fair_budget_cap: bool = False
@@ -207,7 +209,6 @@ class VerticalConfig:
 RUN3_OVERRIDES: dict[str, object] = {
     "recovery_every": 5,
     "burst_restore": False,
-    "busy_ceiling": 1.0,
 }
 """What `VerticalConfig.run3()` changes: the third H200 run's defaults."""
 

@@ -487,14 +487,15 @@ def test_burst_cut_followed_by_stretch_is_not_undone() -> None:
 
 
 def test_busy_ceiling_keeps_a_reserve_beside_latency_critical_demand() -> None:
-    default = VerticalConfig()
-    assert default.busy_ceiling == pytest.approx(0.8)
-    grown = _steps(default, STEADY, VerticalState())
+    assert VerticalConfig().busy_ceiling == pytest.approx(1.0)  # no reserve by default
+    reserve = VerticalConfig(busy_ceiling=0.8)
+    grown = _steps(reserve, STEADY, VerticalState())
     assert max(s for _, s in grown) == pytest.approx(0.8)  # grows to the ceiling, never past it
     assert grown[-1][1] == pytest.approx(0.8)
+    assert max(s for _, s in _steps(VerticalConfig(), STEADY, VerticalState())) > 0.8  # the default grows on
     # Without latency-critical demand the whole GPU is training's again.
     d = decide_shares(VerticalSnapshot(now=NOW, instances=(infer(idle_for=2.0), train()), period_s=PERIOD),
-                      VerticalState(), default)
+                      VerticalState(), reserve)
     assert d.mode is FeedbackMode.IDLE and d.share_of("train") == pytest.approx(1.0)
     # The ceiling never cuts below what latency-critical demand leaves.
     d = decide_shares(VerticalSnapshot(now=NOW, instances=(infer(demand=0.05), train()), period_s=PERIOD),
