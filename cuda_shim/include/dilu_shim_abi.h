@@ -100,6 +100,10 @@ typedef struct dilu_shim_control {
  * per tick under the seqlock `seq`. Counters are cumulative since the owning
  * process started; consumers take differences.
  *
+ * version                the ABI of the block's writer: whoever created the
+ *                        block writes its own, and the publishing shim writes
+ *                        its own on every publish (a reader reads fields of a
+ *                        newer minor version only when the minor says so).
  * pid                    owning process, claimed at its init (when 0 or dead).
  * heartbeat_ns, ticks    time of the last publish (0 = never published) and
  *                        the number of refill ticks so far.

@@ -502,6 +502,9 @@ static void publish(uint64_t now, const struct totals *t) {
     STORE(&st->seq, seq + 1);
     __atomic_thread_fence(__ATOMIC_RELEASE);
     STORE(&st->pid, (uint32_t)getpid());
+    /* Say which layout the words below follow: a block created for an older minor
+       version holds this shim's newer fields from now on. */
+    STORE(&st->version, DILU_SHIM_ABI_VERSION);
     uint64_t shared = LOAD(&st->flags) & DILU_STATS_F_SHARED;
     STORE(&st->flags, current_flags() | shared);
     STORE(&st->heartbeat_ns, now);

@@ -1000,9 +1000,11 @@ static void sync_on_other_thread(void) {
 static void test_spans(void) {
     setenv("FAKE_CUDA_BLOCK_NS", "10000", 1); /* fake GPU: 100 blocks per ms */
     setup_blocks(0.0, 0, 0, 0);               /* unlimited: nothing waits for tokens */
+    g_st->version = DILU_SHIM_ABI_MAJOR << 16; /* created by a minor-0 manager */
     dilu_shim_stats_t s;
     CHECK(cuCtxSynchronize() == CUDA_SUCCESS, "idle sync");
     settled(&s);
+    CHECK(s.version == DILU_SHIM_ABI_VERSION, "the shim did not stamp its version: %#x", s.version);
     CHECK(s.spans == 0 && s.span_open_ns == 0, "a sync with nothing launched: spans %llu open %llu",
           (unsigned long long)s.spans, (unsigned long long)s.span_open_ns);
 
