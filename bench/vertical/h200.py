@@ -211,6 +211,8 @@ def compact(r: TickRecord, t_ref: float) -> dict[str, Any]:
         "busy_ms": {s.id: round(s.busy_s * 1000, 1) for s in r.instances},
         "cycles_ms": {s.id: [round(c * 1000, 1) for c in s.cycles_s] for s in r.instances},
         "open_ms": {s.id: round(s.open_cycle_s * 1000, 1) for s in r.instances},
+        "spans_ms": {s.id: [round(x * 1000, 2) for x in s.spans_s] for s in r.instances},
+        "open_span_ms": {s.id: round(s.open_span_s * 1000, 2) for s in r.instances},
         "throttled_ms": {s.id: round(s.throttled_s * 1000, 2) for s in r.instances},
         "reason": r.reason[:320],
     }

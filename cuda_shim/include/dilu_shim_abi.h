@@ -30,7 +30,7 @@
 #include <stdint.h>
 
 #define DILU_SHIM_ABI_MAJOR 1u
-#define DILU_SHIM_ABI_MINOR 0u
+#define DILU_SHIM_ABI_MINOR 1u
 #define DILU_SHIM_ABI_VERSION ((DILU_SHIM_ABI_MAJOR << 16) | DILU_SHIM_ABI_MINOR)
 
 /* Bytes "DCTL" and "DSTS" when the little-endian word is dumped. */
@@ -46,6 +46,8 @@
 #define DILU_SHIM_WINDOW_TICKS 5u
 /* Completed cycle lengths kept in the stats ring. */
 #define DILU_SHIM_CYCLE_RING 16u
+/* Completed request-span lengths kept in the stats ring (minor version 1). */
+#define DILU_SHIM_SPAN_RING 24u
 /* When burst_blocks is 0 the shim uses this many milliseconds of rate. */
 #define DILU_SHIM_DEFAULT_BURST_MS 5.0
 
@@ -98,6 +100,10 @@ typedef struct dilu_shim_control {
  * per tick under the seqlock `seq`. Counters are cumulative since the owning
  * process started; consumers take differences.
  *
+ * version                the ABI of the block's writer: whoever created the
+ *                        block writes its own, and the publishing shim writes
+ *                        its own on every publish (a reader reads fields of a
+ *                        newer minor version only when the minor says so).
  * pid                    owning process, claimed at its init (when 0 or dead).
  * heartbeat_ns, ticks    time of the last publish (0 = never published) and
  *                        the number of refill ticks so far.
@@ -133,6 +139,18 @@ typedef struct dilu_shim_control {
  * cycle_min_windows      shortest completed cycle (0 before the first).
  * cycle_ring             last cycle lengths in windows; cycle number n is at
  *                        index n % DILU_SHIM_CYCLE_RING (n counts from 0).
+ *
+ * Request spans (minor version 1; a minor-0 shim leaves these words 0). A span
+ * opens at the process's first kernel or graph launch while none is open and
+ * closes when a hooked synchronize (cuCtxSynchronize(_v2),
+ * cuStreamSynchronize(_ptsz), cuEventSynchronize) called by the application
+ * returns CUDA_SUCCESS with no launch in the process between its entry and its
+ * return: the queued work is done. The shim's own waits never close a span.
+ * spans                  completed spans.
+ * span_open_ns           when the span in progress opened (0 = none).
+ * span_ring_us           last span lengths in microseconds, saturating at
+ *                        UINT32_MAX; span number n is at index
+ *                        n % DILU_SHIM_SPAN_RING (n counts from 0).
  */
 typedef struct dilu_shim_stats {
     uint32_t magic;
@@ -171,7 +189,10 @@ typedef struct dilu_shim_stats {
     uint64_t cycle_current_windows;
     uint64_t cycle_min_windows;
     uint64_t cycle_ring[DILU_SHIM_CYCLE_RING];
-    uint64_t reserved[15];
+    uint64_t spans;
+    uint64_t span_open_ns;
+    uint32_t span_ring_us[DILU_SHIM_SPAN_RING];
+    uint64_t reserved[1];
 } dilu_shim_stats_t;
 
 /*
@@ -230,7 +251,10 @@ typedef struct dilu_shim_stats {
     X(uint64_t, cycle_current_windows, 0)              \
     X(uint64_t, cycle_min_windows, 0)                  \
     X(uint64_t, cycle_ring, DILU_SHIM_CYCLE_RING)      \
-    X(uint64_t, reserved, 15)
+    X(uint64_t, spans, 0)                              \
+    X(uint64_t, span_open_ns, 0)                       \
+    X(uint32_t, span_ring_us, DILU_SHIM_SPAN_RING)     \
+    X(uint64_t, reserved, 1)
 
 #if defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
 _Static_assert(sizeof(dilu_shim_control_t) == DILU_SHIM_CONTROL_SIZE, "control block size");

@@ -75,6 +75,8 @@ static bool g_control_bad_now;
 /* ---- per-thread counters ---------------------------------------------------- */
 struct totals {
     uint64_t launches, graph_launches, blocks, waits, throttled_ns, inflight_waits, inflight_wait_ns;
+    uint64_t spans; /* copied from the span state, not summed */
+    uint32_t span_ring_us[DILU_SHIM_SPAN_RING];
 };
 static pthread_mutex_t g_tlist_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct dilu_tstat *g_tlist;
@@ -103,6 +105,11 @@ struct inflight {
 };
 static pthread_mutex_t g_inflight_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct inflight g_inflight[INFLIGHT_STREAMS];
+
+/* ---- request spans (completed ones: under g_tlist_mu) ----------------------------- */
+_Atomic uint64_t g_span_open;
+static uint64_t g_spans;
+static uint32_t g_span_ring[DILU_SHIM_SPAN_RING];
 
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
@@ -175,8 +182,78 @@ static struct totals sum_totals(void) {
     pthread_mutex_lock(&g_tlist_mu);
     struct totals t = g_retired;
     for (struct dilu_tstat *s = g_tlist; s; s = s->next) add_totals(&t, s);
+    t.spans = g_spans;
+    memcpy(t.span_ring_us, g_span_ring, sizeof g_span_ring);
     pthread_mutex_unlock(&g_tlist_mu);
     return t;
+}
+
+/* Kernel and graph launches of the process so far; caller holds g_tlist_mu. */
+static uint64_t launch_count_locked(void) {
+    uint64_t n = g_retired.launches + g_retired.graph_launches;
+    for (struct dilu_tstat *s = g_tlist; s; s = s->next)
+        n += atomic_load_explicit(&s->launches, memory_order_relaxed) +
+             atomic_load_explicit(&s->graph_launches, memory_order_relaxed);
+    return n;
+}
+
+/* ======================================================================= */
+/* request spans                                                            */
+/* ======================================================================= */
+/*
+ * A span runs from the first launch while none is open to the return of a
+ * successful application sync during which nothing was launched: the time the
+ * process's queued work took, request by request (docs/shim.md).
+ *
+ * "Nothing was launched during the sync" compares the per-thread launch
+ * counters summed at the sync's entry and at its return. That costs a mutex
+ * and a walk of the thread list per sync, paid only while a span is open;
+ * syncs are rare (hundreds to a few thousand per second), launches are not,
+ * and a shared launch sequence would put a contended atomic write on every
+ * launch instead. A launch that has been counted but not yet submitted when
+ * the sync starts can still end up outside the span (the sync did not wait for
+ * it); its work then belongs to the next span.
+ */
+void dilu_span_open(void) {
+    uint64_t expected = 0, now = dilu_now_ns();
+    /* Two threads opening at once: the first one's time wins. */
+    atomic_compare_exchange_strong_explicit(&g_span_open, &expected, now ? now : 1, memory_order_relaxed,
+                                            memory_order_relaxed);
+}
+
+void dilu_span_sync_enter(struct dilu_span_mark *m) {
+    m->open_ns = atomic_load_explicit(&g_span_open, memory_order_relaxed);
+    m->launches = 0;
+    /* No span open: one opened during the sync means a launch during the sync. */
+    if (!m->open_ns) return;
+    int saved = errno;
+    pthread_mutex_lock(&g_tlist_mu);
+    m->launches = launch_count_locked();
+    pthread_mutex_unlock(&g_tlist_mu);
+    errno = saved;
+}
+
+void dilu_span_sync_exit(const struct dilu_span_mark *m, uint64_t returned_ns) {
+    if (!m->open_ns) return;
+    int saved = errno;
+    pthread_mutex_lock(&g_tlist_mu);
+    uint64_t open = m->open_ns;
+    /* The CAS on the span seen at entry: of two syncs closing one span, one records it. */
+    if (launch_count_locked() == m->launches &&
+        atomic_compare_exchange_strong(&g_span_open, &open, 0)) {
+        if (launch_count_locked() != m->launches) {
+            /* A launch slipped in between the check and the CAS, and may have seen the span still
+               open: give it back (unless that launch already opened a new one). */
+            uint64_t zero = 0;
+            atomic_compare_exchange_strong(&g_span_open, &zero, m->open_ns);
+        } else {
+            uint64_t us = returned_ns > m->open_ns ? (returned_ns - m->open_ns) / 1000 : 0;
+            g_span_ring[g_spans % DILU_SHIM_SPAN_RING] = us > UINT32_MAX ? UINT32_MAX : (uint32_t)us;
+            g_spans++;
+        }
+    }
+    pthread_mutex_unlock(&g_tlist_mu);
+    errno = saved;
 }
 
 /* ======================================================================= */
@@ -425,6 +502,9 @@ static void publish(uint64_t now, const struct totals *t) {
     STORE(&st->seq, seq + 1);
     __atomic_thread_fence(__ATOMIC_RELEASE);
     STORE(&st->pid, (uint32_t)getpid());
+    /* Say which layout the words below follow: a block created for an older minor
+       version holds this shim's newer fields from now on. */
+    STORE(&st->version, DILU_SHIM_ABI_VERSION);
     uint64_t shared = LOAD(&st->flags) & DILU_STATS_F_SHARED;
     STORE(&st->flags, current_flags() | shared);
     STORE(&st->heartbeat_ns, now);
@@ -457,6 +537,9 @@ static void publish(uint64_t now, const struct totals *t) {
     STORE(&st->cycle_current_windows, g_cycle_cur);
     STORE(&st->cycle_min_windows, g_cycle_min);
     for (unsigned i = 0; i < DILU_SHIM_CYCLE_RING; i++) STORE(&st->cycle_ring[i], g_cycle_ring[i]);
+    STORE(&st->spans, t->spans);
+    STORE(&st->span_open_ns, (uint64_t)atomic_load_explicit(&g_span_open, memory_order_relaxed));
+    for (unsigned i = 0; i < DILU_SHIM_SPAN_RING; i++) STORE(&st->span_ring_us[i], t->span_ring_us[i]);
     __atomic_store_n(&st->seq, seq + 2, __ATOMIC_RELEASE);
 }
 
@@ -581,6 +664,8 @@ void dilu_admission_fork_child(void) {
     pthread_mutex_unlock(&g_tlist_mu);
     pthread_mutex_unlock(&g_rearm_mu);
     atomic_store(&g_waiters, 0);
+    /* The child has no queued GPU work of its own (contexts do not survive fork). */
+    atomic_store(&g_span_open, 0);
     if (atomic_load(&g_refill_running)) {
         /* Threads do not survive fork: restart the refill thread lazily, on the
            child's next launch, outside the restricted post-fork context. */
@@ -630,9 +715,12 @@ void dilu_admit_slow(uint64_t cost, CUstream stream, bool ptsz, bool graph, bool
     if (atomic_load(&g_fast) & FAST_NEED_INIT) dilu_ensure_init();
     if (atomic_load(&g_fast) & FAST_REARM) dilu_rearm();
     struct dilu_tstat *ts = t_stats ? t_stats : dilu_tstat_register();
-    if (!counted && ts) {
-        bump(graph ? &ts->graph_launches : &ts->launches, 1);
-        bump(&ts->blocks, cost);
+    if (!counted) {
+        if (ts) {
+            bump(graph ? &ts->graph_launches : &ts->launches, 1);
+            bump(&ts->blocks, cost);
+        }
+        if (atomic_load_explicit(&g_span_open, memory_order_relaxed) == 0) dilu_span_open();
     }
     if (!(atomic_load(&g_fast) & FAST_LIMITED)) goto out;
     struct dilu_bucket *b = &g_bucket[t_dev];

@@ -11,6 +11,9 @@
  *   base      the base name cuGetProcAddress is asked for.
  *
  * DILU_USES(X): X(name, pfn_type)   real entry points the shim calls itself.
+ *   A name may be in both lists (cuEventSynchronize): HOOK_ and USE_ enums do
+ *   not clash, and USE() always reaches the driver's own entry point, so the
+ *   shim's internal waits bypass its wrapper (they must not close request spans).
  */
 #ifndef DILU_SHIM_HOOKS_H
 #define DILU_SHIM_HOOKS_H
@@ -66,7 +69,12 @@ typedef CUresult(CUDAAPI *DILU_PFN_cuGraphInstantiate_legacy)(CUgraphExec *phGra
     X(cuCtxPopCurrent_v2, PFN_cuCtxPopCurrent_v4000, "cuCtxPopCurrent")                   \
     X(cuCtxCreate_v2, PFN_cuCtxCreate_v3020, "cuCtxCreate")                               \
     X(cuCtxCreate_v3, PFN_cuCtxCreate_v11040, "cuCtxCreate")                              \
-    X(cuCtxCreate_v4, PFN_cuCtxCreate_v12050, "cuCtxCreate")
+    X(cuCtxCreate_v4, PFN_cuCtxCreate_v12050, "cuCtxCreate")                              \
+    X(cuCtxSynchronize, PFN_cuCtxSynchronize_v2000, "cuCtxSynchronize")                   \
+    X(cuCtxSynchronize_v2, PFN_cuCtxSynchronize_v13000, "cuCtxSynchronize")               \
+    X(cuStreamSynchronize, PFN_cuStreamSynchronize_v2000, "cuStreamSynchronize")          \
+    X(cuStreamSynchronize_ptsz, PFN_cuStreamSynchronize_v7000_ptsz, "cuStreamSynchronize") \
+    X(cuEventSynchronize, PFN_cuEventSynchronize_v2000, "cuEventSynchronize")
 
 #define DILU_USES(X)                                                       \
     X(cuCtxGetDevice, PFN_cuCtxGetDevice_v2000)                            \

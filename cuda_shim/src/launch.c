@@ -1,5 +1,5 @@
 /*
- * Launch family, graph costing and context tracking.
+ * Launch family, graph costing, context tracking and the synchronize family.
  *
  * Every launch wrapper is: admit (fast path inlined) -> forward. The _ptsz
  * twins forward to the driver's _ptsz entry points, so per-thread default
@@ -233,3 +233,27 @@ DILU_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreat
     set_device(r, dev);
     return r;
 }
+
+/* ---- synchronize: where request spans close ----------------------------------------- */
+/*
+ * The application's own waits. The driver's result comes back unchanged; a
+ * successful one with no launch in the process since its entry closes the open
+ * span. The shim's in-flight waits call the driver directly (USE), so they
+ * never get here.
+ */
+#define SYNC_WRAP(name, params, args)                                           \
+    DILU_EXPORT CUresult name params {                                          \
+        dilu_enter();                                                           \
+        __typeof__(&name) real = REAL(name);                                    \
+        if (DILU_UNLIKELY(!real)) return CUDA_ERROR_NOT_INITIALIZED;            \
+        struct dilu_span_mark mark;                                             \
+        dilu_span_sync_enter(&mark);                                            \
+        CUresult r = real args;                                                 \
+        if (r == CUDA_SUCCESS && mark.open_ns) dilu_span_sync_exit(&mark, dilu_now_ns()); \
+        return r;                                                               \
+    }
+SYNC_WRAP(cuCtxSynchronize, (void), ())
+SYNC_WRAP(cuCtxSynchronize_v2, (CUcontext ctx), (ctx))
+SYNC_WRAP(cuStreamSynchronize, (CUstream hStream), (hStream))
+SYNC_WRAP(cuStreamSynchronize_ptsz, (CUstream hStream), (hStream))
+SYNC_WRAP(cuEventSynchronize, (CUevent hEvent), (hEvent))

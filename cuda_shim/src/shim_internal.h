@@ -97,6 +97,10 @@ struct dilu_tstat {
 extern DILU_TLS struct dilu_tstat *t_stats;
 extern DILU_TLS int t_dev;
 
+/* Request spans: CLOCK_MONOTONIC ns when the open span opened; 0 = none open.
+   Launches only read it (and CAS it from 0); closing syncs CAS it back to 0. */
+extern _Atomic uint64_t g_span_open;
+
 /* ---- functions --------------------------------------------------------- */
 void dilu_ensure_init(void);
 void dilu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -126,6 +130,15 @@ void dilu_publish_passthrough(void);
 void dilu_set_device_from_current(void);
 int dilu_open_blocks(void); /* 0 = controlled; -1 = pass-through */
 
+/* request spans (admit.c) */
+struct dilu_span_mark {
+    uint64_t open_ns;  /* the span open at the sync's entry; 0 = none */
+    uint64_t launches; /* the process's launches at the sync's entry */
+};
+void dilu_span_open(void);
+void dilu_span_sync_enter(struct dilu_span_mark *m);
+void dilu_span_sync_exit(const struct dilu_span_mark *m, uint64_t returned_ns);
+
 /* Entry of every non-launch wrapper: lazy init, and the refill thread after fork. */
 static inline void dilu_enter(void) {
     uint32_t fast = atomic_load_explicit(&g_fast, memory_order_acquire);
@@ -134,10 +147,12 @@ static inline void dilu_enter(void) {
 }
 
 /*
- * The launch fast path, inlined into every launch wrapper: count, and when a
- * finite rate is in force take tokens. Anything unusual goes to the slow path.
- * Costs a TLS read, a relaxed load, two single-writer increments and, when
- * limited, one load and one fetch_sub.
+ * The launch fast path, inlined into every launch wrapper: count, open a
+ * request span if none is open, and when a finite rate is in force take
+ * tokens. Anything unusual goes to the slow path. Costs a TLS read, two
+ * relaxed loads, two single-writer increments and, when limited, one load and
+ * one fetch_sub. Only the launch that opens a span pays for a clock read and a
+ * CAS (once per request, not per kernel).
  */
 static inline __attribute__((always_inline)) void dilu_admit(uint64_t cost, CUstream stream,
                                                               bool ptsz, bool graph) {
@@ -158,6 +173,9 @@ static inline __attribute__((always_inline)) void dilu_admit(uint64_t cost, CUst
     atomic_store_explicit(&ts->blocks,
                           atomic_load_explicit(&ts->blocks, memory_order_relaxed) + cost,
                           memory_order_relaxed);
+    /* After the count: a closing sync that sees no new launch may close the span. */
+    if (DILU_UNLIKELY(atomic_load_explicit(&g_span_open, memory_order_relaxed) == 0))
+        dilu_span_open();
     if (DILU_LIKELY(fast == 0)) return;
     struct dilu_bucket *b = &g_bucket[t_dev];
     if (DILU_UNLIKELY(atomic_load_explicit(&b->tokens, memory_order_relaxed) <= 0)) {

@@ -46,7 +46,8 @@
     X(cuMemAlloc_v2) X(cuMemAllocPitch_v2) X(cuMemAllocManaged) X(cuMemAllocAsync)          \
     X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz)      \
     X(cuMemCreate) X(cuMemFree_v2) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemRelease) \
-    X(cuMemGetInfo_v2) X(cuMemcpyHtoD_v2)
+    X(cuMemGetInfo_v2) X(cuMemcpyHtoD_v2) X(cuCtxSynchronize) X(cuCtxSynchronize_v2)          \
+    X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz)
 
 enum {
 #define X(n) F_##n,
@@ -227,6 +228,45 @@ EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode) {
     return CUDA_SUCCESS;
 }
 
+/* ---- synchronize ------------------------------------------------------------------ */
+static _Atomic CUresult sync_result = CUDA_SUCCESS;
+static void (*_Atomic sync_during)(void);
+
+EXPORT void fake_set_sync(CUresult result, void (*during)(void)) {
+    atomic_store(&sync_result, result);
+    atomic_store(&sync_during, during);
+}
+
+static void sleep_until(uint64_t t) {
+    uint64_t now;
+    while ((now = now_ns()) < t) {
+        uint64_t d = t - now;
+        struct timespec ts = {(time_t)(d / 1000000000ull), (long)(d % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* Wait for the timeline to reach `until`, running the one-shot hook midway; the set result. */
+static CUresult sync_common(uint64_t until) {
+    void (*during)(void) = atomic_exchange(&sync_during, NULL);
+    if (during) during();
+    sleep_until(until);
+    return atomic_load(&sync_result);
+}
+
+EXPORT CUresult cuCtxSynchronize(void) { hit(F_cuCtxSynchronize); return sync_common(atomic_load(&busy_until)); }
+EXPORT CUresult cuCtxSynchronize_v2(CUcontext c) {
+    hit(F_cuCtxSynchronize_v2);
+    if (c != NULL && ctx_dev(c) < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    return sync_common(atomic_load(&busy_until));
+}
+static CUresult stream_sync(CUstream s) {
+    if (s == FAKE_CAPTURE_STREAM) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return sync_common(atomic_load(&busy_until));
+}
+EXPORT CUresult cuStreamSynchronize(CUstream s) { hit(F_cuStreamSynchronize); return stream_sync(s); }
+EXPORT CUresult cuStreamSynchronize_ptsz(CUstream s) { hit(F_cuStreamSynchronize_ptsz); return stream_sync(s); }
+
 struct fake_event { uint64_t done_at; int recorded; };
 EXPORT CUresult cuEventCreate(CUevent *e, unsigned int flags) {
     hit(F_cuEventCreate);
@@ -252,13 +292,7 @@ EXPORT CUresult cuEventQuery(CUevent e) {
 EXPORT CUresult cuEventSynchronize(CUevent e) {
     hit(F_cuEventSynchronize);
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
-    uint64_t t = ((struct fake_event *)e)->done_at, now;
-    while ((now = now_ns()) < t) {
-        uint64_t d = t - now;
-        struct timespec ts = {(time_t)(d / 1000000000ull), (long)(d % 1000000000ull)};
-        nanosleep(&ts, NULL);
-    }
-    return CUDA_SUCCESS;
+    return sync_common(((struct fake_event *)e)->done_at);
 }
 EXPORT CUresult cuEventDestroy_v2(CUevent e) { hit(F_cuEventDestroy_v2); free(e); return CUDA_SUCCESS; }
 
@@ -556,6 +590,9 @@ static const struct gpa_entry table[] = {
     E("cuMemFree", 3020, 0, cuMemFree_v2), E("cuMemFreeAsync", 11020, 0, cuMemFreeAsync),
     E("cuMemFreeAsync", 11020, 1, cuMemFreeAsync_ptsz), E("cuMemRelease", 10020, 0, cuMemRelease),
     E("cuMemGetInfo", 3020, 0, cuMemGetInfo_v2), E("cuMemcpyHtoD", 3020, 0, cuMemcpyHtoD_v2),
+    E("cuCtxSynchronize", 2000, 0, cuCtxSynchronize), E("cuCtxSynchronize", 13000, 0, cuCtxSynchronize_v2),
+    E("cuStreamSynchronize", 2000, 0, cuStreamSynchronize),
+    E("cuStreamSynchronize", 7000, 1, cuStreamSynchronize_ptsz),
 };
 #define TABLE_LEN (sizeof table / sizeof *table)
 

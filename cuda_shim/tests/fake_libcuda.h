@@ -35,4 +35,9 @@ void fake_graph_add_empty(CUgraph g);
 /* Make CU_STREAM_PER_THREAD (and NULL under _ptsz) of this thread capture. */
 void fake_set_per_thread_capturing(int on);
 
+/* Every synchronize (context, stream, event) waits for the virtual timeline,
+   then returns `result` (persistent). `during`, if set, runs once inside the
+   next synchronize, after its entry and before it returns. */
+void fake_set_sync(CUresult result, void (*during)(void));
+
 #endif

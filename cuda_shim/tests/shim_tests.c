@@ -42,6 +42,7 @@ extern __typeof__(cuLaunchKernel) cuLaunchKernel_ptsz;
 extern __typeof__(cuLaunchKernelEx) cuLaunchKernelEx_ptsz;
 extern __typeof__(cuGraphLaunch) cuGraphLaunch_ptsz;
 extern __typeof__(cuMemAllocAsync) cuMemAllocAsync_ptsz;
+extern __typeof__(cuStreamSynchronize) cuStreamSynchronize_ptsz;
 CUresult cuGraphInstantiate_v2(CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t);
 CUresult cuGraphExecUpdate_v2(CUgraphExec, CUgraph, CUgraphExecUpdateResultInfo *);
 typedef CUresult (*legacy_instantiate_fn)(CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t);
@@ -260,6 +261,15 @@ static void inv_pop(void *f) { CUcontext c; ((PFN_cuCtxPopCurrent_v4000)f)(&c); 
 static void inv_create_v2(void *f) { CUcontext c; ((PFN_cuCtxCreate_v3020)f)(&c, 0, 0); }
 static void inv_create_v3(void *f) { CUcontext c; ((PFN_cuCtxCreate_v11040)f)(&c, NULL, 0, 0, 0); }
 static void inv_create_v4(void *f) { CUcontext c; ((PFN_cuCtxCreate_v12050)f)(&c, NULL, 0, 0); }
+static void inv_ctx_sync(void *f) { ((PFN_cuCtxSynchronize_v2000)f)(); }
+static void inv_ctx_sync2(void *f) { ((PFN_cuCtxSynchronize_v13000)f)(FAKE_CONTEXT(0)); }
+static void inv_stream_sync(void *f) { ((PFN_cuStreamSynchronize_v2000)f)(S0); }
+static void inv_event_sync(void *f) {
+    CUevent e = NULL;
+    cuEventCreate(&e, 0);
+    ((PFN_cuEventSynchronize_v2000)f)(e);
+    cuEventDestroy(e);
+}
 
 struct hook_case {
     const char *name;
@@ -282,6 +292,9 @@ static const struct hook_case hooks[] = {
     {"cuMemFreeAsync_ptsz", inv_free_async}, {"cuMemRelease", inv_release}, {"cuMemGetInfo_v2", inv_getinfo},
     {"cuCtxSetCurrent", inv_set_current}, {"cuCtxPushCurrent_v2", inv_push}, {"cuCtxPopCurrent_v2", inv_pop},
     {"cuCtxCreate_v2", inv_create_v2}, {"cuCtxCreate_v3", inv_create_v3}, {"cuCtxCreate_v4", inv_create_v4},
+    {"cuCtxSynchronize", inv_ctx_sync}, {"cuCtxSynchronize_v2", inv_ctx_sync2},
+    {"cuStreamSynchronize", inv_stream_sync}, {"cuStreamSynchronize_ptsz", inv_stream_sync},
+    {"cuEventSynchronize", inv_event_sync},
 };
 #define N_HOOKS (sizeof hooks / sizeof *hooks)
 
@@ -341,6 +354,10 @@ static const struct gpa_case gpa_cases[] = {
     {"cuCtxCreate", 3020, "cuCtxCreate_v2", NULL},
     {"cuCtxCreate", 11040, "cuCtxCreate_v3", NULL},
     {"cuCtxCreate", 12050, "cuCtxCreate_v4", NULL},
+    {"cuCtxSynchronize", 2000, "cuCtxSynchronize", NULL},
+    {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2", NULL},
+    {"cuStreamSynchronize", 7000, "cuStreamSynchronize", "cuStreamSynchronize_ptsz"},
+    {"cuEventSynchronize", 2000, "cuEventSynchronize", NULL},
 };
 #define N_GPA (sizeof gpa_cases / sizeof *gpa_cases)
 
@@ -922,6 +939,9 @@ static void test_inflight(void) {
     wait_ticks(2);
     stats_read(&st);
     CHECK(st.inflight_waits > 0 && st.inflight_wait_ns > 0, "in-flight waits %llu", (unsigned long long)st.inflight_waits);
+    /* Those waits were the shim's own cuEventSynchronize calls: they close no request span. */
+    CHECK(st.spans == 0 && st.span_open_ns != 0, "in-flight waits touched the span: spans %llu open %llu",
+          (unsigned long long)st.spans, (unsigned long long)st.span_open_ns);
     CHECK(fake_count("cuEventRecord") > 0, "no events recorded");
 }
 
@@ -950,6 +970,128 @@ static void test_devices(void) {
     REQUIRE(cuCtxPopCurrent_v2(&c) == CUDA_SUCCESS, "pop");
 }
 
+/* Request spans: opened by a launch, closed by an application sync that saw no launch during it. */
+static bool pred_spans_at_least(const dilu_shim_stats_t *s, const void *a) { return s->spans >= *(const uint64_t *)a; }
+static bool spans_published(uint64_t n, dilu_shim_stats_t *s) { return wait_stats(pred_spans_at_least, &n, 2000, s); }
+static void settled(dilu_shim_stats_t *s) {
+    wait_ticks(2);
+    stats_read(s);
+}
+static void *launch_one(void *arg) {
+    (void)arg;
+    launch(1, S0);
+    return NULL;
+}
+static void *sync_ctx(void *arg) {
+    (void)arg;
+    cuCtxSynchronize();
+    return NULL;
+}
+/* fake_set_sync hooks: run inside a sync, on another thread, before the sync returns. */
+static void launch_on_other_thread(void) {
+    pthread_t t;
+    if (pthread_create(&t, NULL, launch_one, NULL) == 0) pthread_join(t, NULL);
+}
+static void sync_on_other_thread(void) {
+    pthread_t t;
+    if (pthread_create(&t, NULL, sync_ctx, NULL) == 0) pthread_join(t, NULL);
+}
+
+static void test_spans(void) {
+    setenv("FAKE_CUDA_BLOCK_NS", "10000", 1); /* fake GPU: 100 blocks per ms */
+    setup_blocks(0.0, 0, 0, 0);               /* unlimited: nothing waits for tokens */
+    g_st->version = DILU_SHIM_ABI_MAJOR << 16; /* created by a minor-0 manager */
+    dilu_shim_stats_t s;
+    CHECK(cuCtxSynchronize() == CUDA_SUCCESS, "idle sync");
+    settled(&s);
+    CHECK(s.version == DILU_SHIM_ABI_VERSION, "the shim did not stamp its version: %#x", s.version);
+    CHECK(s.spans == 0 && s.span_open_ns == 0, "a sync with nothing launched: spans %llu open %llu",
+          (unsigned long long)s.spans, (unsigned long long)s.span_open_ns);
+
+    /* 10 ms of fake GPU work, then a sync: one span at least that long, at most the time we measured. */
+    uint64_t t0 = now_ns();
+    for (int i = 0; i < 10; i++) launch(100, S0);
+    uint64_t t_launched = now_ns();
+    settled(&s);
+    CHECK(s.span_open_ns >= t0 && s.span_open_ns <= t_launched && s.spans == 0, "open span: %llu not in [%llu, %llu]",
+          (unsigned long long)s.span_open_ns, (unsigned long long)t0, (unsigned long long)t_launched);
+    CHECK(cuCtxSynchronize() == CUDA_SUCCESS, "sync");
+    uint64_t t1 = now_ns();
+    REQUIRE(spans_published(1, &s), "no span after launches and a sync");
+    CHECK(s.spans == 1 && s.span_open_ns == 0, "spans %llu open %llu", (unsigned long long)s.spans,
+          (unsigned long long)s.span_open_ns);
+    CHECK(s.span_ring_us[0] >= 10000 && s.span_ring_us[0] <= (t1 - t0) / 1000, "span %u us, measured %llu us",
+          s.span_ring_us[0], (unsigned long long)((t1 - t0) / 1000));
+
+    /* Failed syncs close nothing, and their errors come back unchanged. */
+    launch(100, S0);
+    CHECK(cuStreamSynchronize(FAKE_CAPTURE_STREAM) == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "capture sync");
+    CHECK(cuCtxSynchronize_v2(FAKE_CONTEXT(7)) == CUDA_ERROR_INVALID_CONTEXT, "bad context");
+    fake_set_sync(CUDA_ERROR_LAUNCH_FAILED, NULL);
+    CHECK(cuCtxSynchronize() == CUDA_ERROR_LAUNCH_FAILED, "the driver's error must come back");
+    fake_set_sync(CUDA_SUCCESS, NULL);
+    settled(&s);
+    CHECK(s.spans == 1 && s.span_open_ns != 0, "a failed sync closed the span: spans %llu open %llu",
+          (unsigned long long)s.spans, (unsigned long long)s.span_open_ns);
+
+    /* A launch from another thread during the sync keeps the span open, until a quiet sync. */
+    fake_set_sync(CUDA_SUCCESS, launch_on_other_thread);
+    long launched = fake_count("cuLaunchKernel");
+    CHECK(cuStreamSynchronize_ptsz(NULL) == CUDA_SUCCESS, "sync with a launch inside");
+    CHECK(fake_count("cuLaunchKernel") == launched + 1, "the hook did not launch");
+    settled(&s);
+    CHECK(s.spans == 1 && s.span_open_ns != 0, "closed despite a launch during the sync: spans %llu",
+          (unsigned long long)s.spans);
+    CHECK(cuStreamSynchronize(S0) == CUDA_SUCCESS, "quiet sync");
+    REQUIRE(spans_published(2, &s), "quiet sync did not close the span");
+    CHECK(s.span_ring_us[1] >= 1000 + 10, "the second span covers 101 blocks (1.01 ms): %u us", s.span_ring_us[1]);
+
+    /* A span opened during a sync that started with none open stays open; an event sync closes it. */
+    fake_set_sync(CUDA_SUCCESS, launch_on_other_thread);
+    CHECK(cuCtxSynchronize() == CUDA_SUCCESS, "sync");
+    settled(&s);
+    CHECK(s.spans == 2 && s.span_open_ns != 0, "span opened during a sync: spans %llu open %llu",
+          (unsigned long long)s.spans, (unsigned long long)s.span_open_ns);
+    CUevent ev = NULL;
+    REQUIRE(cuEventCreate(&ev, 0) == CUDA_SUCCESS && cuEventRecord(ev, S0) == CUDA_SUCCESS, "event");
+    CHECK(cuEventSynchronize(ev) == CUDA_SUCCESS, "event sync");
+    REQUIRE(spans_published(3, &s), "event sync did not close the span");
+
+    /* Two syncs ending after the same span: one records it. */
+    launch(1, S0);
+    fake_set_sync(CUDA_SUCCESS, sync_on_other_thread);
+    CHECK(cuCtxSynchronize_v2(FAKE_CONTEXT(0)) == CUDA_SUCCESS, "outer sync");
+    settled(&s);
+    CHECK(s.spans == 4 && s.span_open_ns == 0, "two closing syncs: spans %llu (want 4) open %llu",
+          (unsigned long long)s.spans, (unsigned long long)s.span_open_ns);
+
+    /* A graph launch opens a span too. */
+    CUgraph g = fake_graph_create();
+    fake_graph_add_kernel(g, 5, 1, 1);
+    CUgraphExec e;
+    REQUIRE(cuGraphInstantiateWithFlags(&e, g, 0) == CUDA_SUCCESS, "instantiate");
+    CHECK(cuGraphLaunch(e, S0) == CUDA_SUCCESS, "graph launch");
+    settled(&s);
+    CHECK(s.span_open_ns != 0, "graph launch opened no span");
+    CHECK(cuCtxSynchronize() == CUDA_SUCCESS, "sync");
+    REQUIRE(spans_published(5, &s), "graph span not closed");
+
+    /* 30 more: the ring keeps the last 24, span n at n % 24. */
+    uint64_t took_us[35];
+    for (int n = 5; n < 35; n++) {
+        uint64_t a = now_ns();
+        launch(1, S0);
+        cuStreamSynchronize(S0);
+        took_us[n] = (now_ns() - a) / 1000;
+    }
+    REQUIRE(spans_published(35, &s), "ring spans");
+    CHECK(s.spans == 35, "spans %llu", (unsigned long long)s.spans);
+    for (int n = 11; n < 35; n++)
+        CHECK(s.span_ring_us[n % DILU_SHIM_SPAN_RING] >= 10 && s.span_ring_us[n % DILU_SHIM_SPAN_RING] <= took_us[n],
+              "span %d at %d: %u us, measured %llu", n, n % DILU_SHIM_SPAN_RING,
+              s.span_ring_us[n % DILU_SHIM_SPAN_RING], (unsigned long long)took_us[n]);
+}
+
 /* ======================================================================= */
 struct test {
     const char *name;
@@ -972,6 +1114,7 @@ static const struct test tests[] = {
     {"capture", test_capture},
     {"inflight", test_inflight},
     {"devices", test_devices},
+    {"spans", test_spans},
 };
 
 int main(int argc, char **argv) {

@@ -35,7 +35,7 @@ from types import TracebackType
 from typing import Self
 
 ABI_MAJOR = 1
-ABI_MINOR = 0
+ABI_MINOR = 1
 ABI_VERSION = (ABI_MAJOR << 16) | ABI_MINOR
 CONTROL_MAGIC = 0x4C544344  # bytes "DCTL"
 STATS_MAGIC = 0x53545344  # bytes "DSTS"
@@ -44,6 +44,7 @@ STATS_SIZE = 512
 TICK_NS = 1_000_000
 WINDOW_TICKS = 5
 CYCLE_RING = 16
+SPAN_RING = 24
 DEFAULT_BURST_MS = 5.0
 # The manager ticks every 50-100 ms; ten missed ticks mean it is gone.
 DEFAULT_STALE_AFTER_NS = 1_000_000_000
@@ -125,7 +126,10 @@ class StatsBlock(ctypes.Structure):
         ("cycle_current_windows", ctypes.c_uint64),
         ("cycle_min_windows", ctypes.c_uint64),
         ("cycle_ring", ctypes.c_uint64 * CYCLE_RING),
-        ("reserved", ctypes.c_uint64 * 15),
+        ("spans", ctypes.c_uint64),
+        ("span_open_ns", ctypes.c_uint64),
+        ("span_ring_us", ctypes.c_uint32 * SPAN_RING),
+        ("reserved", ctypes.c_uint64 * 1),
     ]
 
 
@@ -281,6 +285,12 @@ class StatsSnapshot:
     cycle_min_windows: int
     recent_cycles: tuple[int, ...]
     """Completed cycle lengths in windows, oldest first (at most ``CYCLE_RING``)."""
+    spans: int = 0
+    """Completed request spans (ABI 1.1; 0 from a 1.0 shim)."""
+    span_open_ns: int = 0
+    """CLOCK_MONOTONIC time the span in progress opened; 0: none."""
+    recent_spans_us: tuple[int, ...] = ()
+    """Completed span lengths in microseconds, oldest first (at most ``SPAN_RING``)."""
 
     @property
     def published(self) -> bool:
@@ -524,20 +534,33 @@ class StatsFile:
         self.close()
 
 
+_SPAN_FIELDS = ("spans", "span_open_ns", "recent_spans_us")
 _SNAPSHOT_SCALARS = tuple(
-    f.name for f in fields(StatsSnapshot) if f.name not in ("flags", "recent_cycles")
+    f.name
+    for f in fields(StatsSnapshot)
+    if f.name not in ("flags", "recent_cycles", *_SPAN_FIELDS)
 )
 
 
+def _ring(ring: ctypes.Array[ctypes.c_uint64] | ctypes.Array[ctypes.c_uint32], count: int) -> tuple[int, ...]:
+    """The last entries of a ring whose entry n lives at n % len, oldest first."""
+    size = len(ring)
+    return tuple(int(ring[n % size]) for n in range(count - min(count, size), count))
+
+
 def _stats_from_block(b: StatsBlock) -> StatsSnapshot:
-    done = min(int(b.cycles), CYCLE_RING)
-    # cycle n lives at index n % CYCLE_RING; the oldest kept one is cycles - done
-    recent = tuple(
-        int(b.cycle_ring[n % CYCLE_RING])
-        for n in range(int(b.cycles) - done, int(b.cycles))
-    )
     values = {name: getattr(b, name) for name in _SNAPSHOT_SCALARS}
-    return StatsSnapshot(flags=StatsFlag(b.flags), recent_cycles=recent, **values)
+    if b.version & 0xFFFF >= 1:
+        # A 1.0 shim never writes these words (they were reserved): read them only from 1.1 on.
+        spans = int(b.spans)
+        values.update(
+            spans=spans,
+            span_open_ns=int(b.span_open_ns),
+            recent_spans_us=_ring(b.span_ring_us, spans),
+        )
+    return StatsSnapshot(
+        flags=StatsFlag(b.flags), recent_cycles=_ring(b.cycle_ring, int(b.cycles)), **values
+    )
 
 
 @dataclass(frozen=True, slots=True)

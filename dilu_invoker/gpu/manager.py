@@ -120,6 +120,7 @@ class Counters:
     windows: int
     cycles: int
     cycle_current_windows: int
+    spans: int = 0
 
     @classmethod
     def of(cls, s: abi.StatsSnapshot) -> Counters:
@@ -131,6 +132,7 @@ class Counters:
             windows=s.windows,
             cycles=s.cycles,
             cycle_current_windows=s.cycle_current_windows,
+            spans=s.spans,
         )
 
 
@@ -155,6 +157,12 @@ class Reading:
     mem_used_bytes: int = 0
     stale: bool = False
     window_s: float = _DEFAULT_WINDOW_NS / 1e9
+    spans: int = 0
+    """Request spans (first launch to a quiet, successful sync) completed in between."""
+    spans_s: tuple[float, ...] = ()
+    """Their lengths in seconds, oldest first; the newest ``abi.SPAN_RING`` when more completed."""
+    open_span_s: float = 0.0
+    """Age of the span in progress when read (0: none)."""
 
     @property
     def busy_s(self) -> float:
@@ -171,12 +179,14 @@ EMPTY_READING = Reading(
 )
 
 
-def read_delta(prev: Counters | None, snap: abi.StatsSnapshot) -> tuple[Reading, Counters | None]:
+def read_delta(prev: Counters | None, snap: abi.StatsSnapshot, *,
+               now_ns: int | None = None) -> tuple[Reading, Counters | None]:
     """The reading between ``prev`` and ``snap``, and the counters to keep for the next call.
 
     Counters are cumulative since the owning process started; when they go back (a new process claimed
     the block) or the pid changes, the new values are what happened since, so they count whole. An
-    unpublished block (no process yet) reads as nothing and keeps no counters.
+    unpublished block (no process yet) reads as nothing and keeps no counters. ``now_ns`` (default: now)
+    is CLOCK_MONOTONIC, the shim's clock, for the age of an open span.
     """
     if not snap.published:
         return EMPTY_READING, None
@@ -188,6 +198,7 @@ def read_delta(prev: Counters | None, snap: abi.StatsSnapshot) -> tuple[Reading,
         or now.windows < prev.windows
         or now.cycles < prev.cycles
         or now.throttled_ns < prev.throttled_ns
+        or now.spans < prev.spans
     )
     base = prev if prev is not None and not restarted else None
     window_ns = snap.window_ns or _DEFAULT_WINDOW_NS
@@ -199,6 +210,13 @@ def read_delta(prev: Counters | None, snap: abi.StatsSnapshot) -> tuple[Reading,
     # either way its first open_prev windows were counted before.
     busy = sum(recent) + now.cycle_current_windows - open_prev
     busy = max(0, min(busy, windows)) if windows > 0 else 0
+    new_spans = now.spans - (base.spans if base else 0)
+    spans_us = snap.recent_spans_us[-new_spans:] if new_spans > 0 else ()
+    if snap.span_open_ns:
+        read_ns = time.monotonic_ns() if now_ns is None else now_ns
+        open_span_s = max(0, read_ns - snap.span_open_ns) / 1e9
+    else:
+        open_span_s = 0.0
     reading = Reading(
         published=True,
         restarted=restarted,
@@ -212,6 +230,9 @@ def read_delta(prev: Counters | None, snap: abi.StatsSnapshot) -> tuple[Reading,
         mem_used_bytes=snap.mem_used_bytes,
         stale=snap.stale,
         window_s=window_ns / 1e9,
+        spans=new_spans,
+        spans_s=tuple(us / 1e6 for us in spans_us),
+        open_span_s=open_span_s,
     )
     return reading, now
 
@@ -399,6 +420,10 @@ class InstanceStatus:
     """Kernel-launch cycles completed this period."""
     open_cycle_s: float = 0.0
     """The cycle in progress (0: none)."""
+    spans_s: tuple[float, ...] = ()
+    """Request spans completed this period, oldest first, in seconds (at most ``abi.SPAN_RING``, the newest)."""
+    open_span_s: float = 0.0
+    """Age of the request span in progress when the stats block was read (0: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -630,6 +655,8 @@ class GpuManager:
         self._last_tick_ns = now_ns
         now = now_ns / 1e9
         managed = list(self._instances.values())
+        # The shims' clock (CLOCK_MONOTONIC), not the injected one: open spans are aged against it.
+        read_ns = time.monotonic_ns()
 
         for m in managed:
             try:
@@ -637,7 +664,7 @@ class GpuManager:
             except abi.StatsBusyError:
                 m.last_reading = EMPTY_READING  # nothing this period; counters kept for next time
                 continue
-            reading, m.counters = read_delta(m.counters, snap)
+            reading, m.counters = read_delta(m.counters, snap, now_ns=read_ns)
             if reading.demand:
                 m.last_active_at = now
             m.last_reading = reading
@@ -716,7 +743,7 @@ class GpuManager:
             throttled_s=min(reading.throttled_s, elapsed_s), blocks=reading.blocks,
             mem_used_bytes=reading.mem_used_bytes, pinned=m.pinned is not None, stale=reading.stale,
             reason=why, capacity_reason=cap_why, busy_s=reading.busy_s, cycles_s=reading.cycles_s,
-            open_cycle_s=reading.open_cycle_s,
+            open_cycle_s=reading.open_cycle_s, spans_s=reading.spans_s, open_span_s=reading.open_span_s,
         )
         m.status = status
         return status

@@ -41,7 +41,7 @@ int main(void) {
     CONST(DILU_SHIM_ABI_MAJOR) CONST(DILU_SHIM_ABI_MINOR) CONST(DILU_SHIM_ABI_VERSION)
     CONST(DILU_SHIM_CONTROL_MAGIC) CONST(DILU_SHIM_STATS_MAGIC) CONST(DILU_SHIM_CONTROL_SIZE)
     CONST(DILU_SHIM_STATS_SIZE) CONST(DILU_SHIM_TICK_NS) CONST(DILU_SHIM_WINDOW_TICKS)
-    CONST(DILU_SHIM_CYCLE_RING) CONST(DILU_SHIM_DEFAULT_BURST_MS)
+    CONST(DILU_SHIM_CYCLE_RING) CONST(DILU_SHIM_SPAN_RING) CONST(DILU_SHIM_DEFAULT_BURST_MS)
     CONST(DILU_STATS_F_PASSTHROUGH) CONST(DILU_STATS_F_CONTROL_BAD) CONST(DILU_STATS_F_STALE)
     CONST(DILU_STATS_F_LIMITED) CONST(DILU_STATS_F_CAPTURE_SEEN) CONST(DILU_STATS_F_TABLE_FULL)
     CONST(DILU_STATS_F_SHARED) CONST(DILU_STATS_F_NO_DRIVER)
@@ -67,6 +67,7 @@ PY_CONSTANTS = {
     "DILU_SHIM_TICK_NS": abi.TICK_NS,
     "DILU_SHIM_WINDOW_TICKS": abi.WINDOW_TICKS,
     "DILU_SHIM_CYCLE_RING": abi.CYCLE_RING,
+    "DILU_SHIM_SPAN_RING": abi.SPAN_RING,
     "DILU_SHIM_DEFAULT_BURST_MS": abi.DEFAULT_BURST_MS,
     "DILU_STATS_F_PASSTHROUGH": abi.StatsFlag.PASSTHROUGH,
     "DILU_STATS_F_CONTROL_BAD": abi.StatsFlag.CONTROL_BAD,
@@ -303,16 +304,23 @@ def test_fresh_stats_file_is_unpublished(tmp_path: Path) -> None:
 
 
 def _write_stats(
-    path: Path, *, cycle_ring: list[int] | None = None, **values: float
+    path: Path,
+    *,
+    cycle_ring: list[int] | None = None,
+    span_ring: list[int] | None = None,
+    version: int = abi.ABI_VERSION,
+    **values: float,
 ) -> None:
     block = abi.StatsBlock()
     block.magic, block.version, block.size = (
         abi.STATS_MAGIC,
-        abi.ABI_VERSION,
+        version,
         abi.STATS_SIZE,
     )
     for i, v in enumerate(cycle_ring or []):
         block.cycle_ring[i] = v
+    for i, v in enumerate(span_ring or []):
+        block.span_ring_us[i] = v
     for name, value in values.items():
         setattr(block, name, value)
     path.write_bytes(bytes(block))
@@ -346,6 +354,42 @@ def test_recent_cycles_are_oldest_first_after_the_ring_wraps(tmp_path: Path) -> 
         and snap.window_blocks_ema == 2.5
     )
     assert snap.age_ns(now_ns=4_000) == 3_000
+
+
+def test_recent_spans_are_oldest_first_after_the_ring_wraps(tmp_path: Path) -> None:
+    path = tmp_path / "stats"
+    # 30 spans of 100..129 us: span n sits at n % 24, the oldest kept is n = 6
+    ring = [0] * abi.SPAN_RING
+    for n in range(30):
+        ring[n % abi.SPAN_RING] = 100 + n
+    _write_stats(
+        path, pid=7, seq=2, heartbeat_ns=5, spans=30, span_open_ns=4, span_ring=ring
+    )
+    with abi.StatsFile.open(path) as st:
+        snap = st.snapshot()
+    assert snap.recent_spans_us == tuple(range(106, 130))
+    assert (snap.spans, snap.span_open_ns) == (30, 4)
+
+
+def test_a_minor_0_block_has_no_spans(tmp_path: Path) -> None:
+    """A 1.0 shim never writes the span words (reserved then): whatever they hold reads as none."""
+    path = tmp_path / "stats"
+    _write_stats(
+        path,
+        version=abi.ABI_MAJOR << 16,
+        pid=7,
+        seq=2,
+        heartbeat_ns=5,
+        cycles=1,
+        cycle_ring=[3],
+        spans=9,
+        span_open_ns=4,
+        span_ring=[1] * abi.SPAN_RING,
+    )
+    with abi.StatsFile.open(path) as st:
+        snap = st.snapshot()
+    assert (snap.spans, snap.span_open_ns, snap.recent_spans_us) == (0, 0, ())
+    assert snap.recent_cycles == (3,) and snap.pid == 7
 
 
 def test_snapshot_gives_up_on_a_writer_that_never_finishes(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ C_TESTS = (
     "capture",
     "inflight",
     "devices",
+    "spans",
 )
 
 

@@ -3,6 +3,8 @@ shim when LD_PRELOAD says so), in a pattern set by commands on stdin:
 
     run <blocks> <gap_us>                              launch continuously (a training loop)
     burst <blocks> <launches> <gap_us> <pause_ms>      bursts of launches, then a pause (inference requests)
+    requests <blocks> <launches> <pause_ms>            launches back to back, cuCtxSynchronize, a pause (requests
+                                                       as PyTorch serves them: enqueue, then wait for the GPU)
     idle                                               launch nothing
     quit
 
@@ -38,6 +40,9 @@ def main() -> int:
     launch = cuda.cuLaunchKernel
     launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
     launch.restype = ctypes.c_int
+    synchronize = cuda.cuCtxSynchronize
+    synchronize.argtypes = []
+    synchronize.restype = ctypes.c_int
     if cuda.cuInit(0) != 0:
         print("cuInit failed", flush=True)
         return 1
@@ -66,6 +71,13 @@ def main() -> int:
                 current = mode[0]
             if current == "idle":
                 time.sleep(0.002)
+            elif current[0] == "requests":  # type: ignore[index]
+                _, blocks, launches, pause_ms = current  # type: ignore[misc]
+                for _ in range(launches):
+                    one(blocks)
+                if synchronize() != 0:
+                    raise SystemExit("cuCtxSynchronize failed")
+                time.sleep(pause_ms / 1000)
             elif current[0] == "run":  # type: ignore[index]
                 _, blocks, gap_us = current  # type: ignore[misc]
                 one(blocks)
@@ -89,6 +101,8 @@ def main() -> int:
                 mode[0] = ("run", int(words[1]), float(words[2]))
             elif cmd == "burst":
                 mode[0] = ("burst", int(words[1]), int(words[2]), float(words[3]), float(words[4]))
+            elif cmd == "requests":
+                mode[0] = ("requests", int(words[1]), int(words[2]), float(words[3]))
             elif cmd == "idle":
                 mode[0] = "idle"
             elif cmd == "quit":

@@ -71,7 +71,7 @@ def snapshot(**fields: Any) -> abi.StatsSnapshot:
     """A published StatsSnapshot with every counter 0 unless given."""
     values: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(abi.StatsSnapshot)}
     values.update(pid=100, flags=abi.StatsFlag(0), heartbeat_ns=1, window_ns=5_000_000, window_blocks_ema=0.0,
-                  rate_blocks_per_ms=0.0, recent_cycles=())
+                  rate_blocks_per_ms=0.0, recent_cycles=(), recent_spans_us=())
     values.update(fields)
     return abi.StatsSnapshot(**values)
 
@@ -87,8 +87,9 @@ class StatsWriter:
             os.close(fd)
         self.block = abi.StatsBlock.from_buffer_copy(self._mm[: abi.STATS_SIZE])
 
-    def publish(self, *, cycles: tuple[int, ...] = (), **fields: Any) -> None:
-        """Set ``fields`` and append completed ``cycles`` (lengths in windows) to the ring, then publish."""
+    def publish(self, *, cycles: tuple[int, ...] = (), spans_us: tuple[int, ...] = (), **fields: Any) -> None:
+        """Set ``fields``, append completed ``cycles`` (lengths in windows) and ``spans_us`` to their rings,
+        then publish."""
         b = self.block
         for name, value in fields.items():
             setattr(b, name, value)
@@ -96,6 +97,9 @@ class StatsWriter:
             b.cycle_ring[b.cycles % abi.CYCLE_RING] = c
             b.cycles += 1
             b.cycle_min_windows = c if not b.cycle_min_windows else min(b.cycle_min_windows, c)
+        for us in spans_us:
+            b.span_ring_us[b.spans % abi.SPAN_RING] = us
+            b.spans += 1
         if not b.heartbeat_ns:
             b.heartbeat_ns = 1
         if not b.window_ns:

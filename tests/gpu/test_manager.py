@@ -4,6 +4,7 @@ against stats blocks written the way the shim writes them (no process, an inject
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -78,6 +79,34 @@ def test_read_delta(prev: Counters | None, snap: abi.StatsSnapshot, expect: tupl
     assert reading.open_cycle_s == pytest.approx(open_s)
     assert reading.restarted is restarted and reading.published
     assert counters == Counters.of(snap)
+
+
+_SAME = {"blocks": 500, "launches": 12, "throttled_ns": 3_000_000, "windows": 10, "cycles": 2,
+         "recent_cycles": (3, 2), "cycle_current_windows": 1}
+
+
+@pytest.mark.parametrize(
+    ("prev", "snap", "expect"),
+    [
+        # expect: spans, spans_s, open_span_s (read at 10 ms), restarted
+        (None, snapshot(**_SAME, spans=3, recent_spans_us=(1000, 2000, 3500)), (3, (0.001, 0.002, 0.0035), 0.0, False)),
+        (replace(PREV, spans=2), snapshot(**_SAME, spans=4, recent_spans_us=(1, 2, 3000, 4000), span_open_ns=9_000_000),
+         (2, (0.003, 0.004), 0.001, False)),
+        (replace(PREV, spans=4), snapshot(**_SAME, spans=4, recent_spans_us=(1, 2, 3000, 4000), span_open_ns=4_000_000),
+         (0, (), 0.006, False)),
+        (replace(PREV, spans=1), snapshot(**_SAME, spans=31, recent_spans_us=tuple(range(108, 132))),
+         (30, tuple(us / 1e6 for us in range(108, 132)), 0.0, False)),
+        (replace(PREV, spans=10), snapshot(**_SAME, spans=2, recent_spans_us=(500, 600)), (2, (0.0005, 0.0006), 0.0, True)),
+    ],
+    ids=["first-reading", "delta-and-open-span", "open-span-only", "ring-overflow-keeps-24", "spans-went-back"],
+)
+def test_read_delta_spans(prev: Counters | None, snap: abi.StatsSnapshot, expect: tuple[object, ...]) -> None:
+    reading, counters = read_delta(prev, snap, now_ns=10_000_000)
+    spans, spans_s, open_s, restarted = expect
+    assert reading.spans == spans and reading.restarted is restarted
+    assert reading.spans_s == pytest.approx(spans_s)
+    assert reading.open_span_s == pytest.approx(open_s)
+    assert counters is not None and counters.spans == snap.spans
 
 
 def test_unpublished_block_reads_as_nothing() -> None:
@@ -273,6 +302,20 @@ def test_heartbeat_every_tick_without_rewriting_an_unchanged_quota(gpu: Gpu) -> 
     after = gpu.controls["train"].read()
     assert after.epoch == before.epoch  # same quota: no new epoch for the shim to apply
     assert after.manager_heartbeat_ns > before.manager_heartbeat_ns
+
+
+def test_tick_records_carry_the_spans(gpu: Gpu) -> None:
+    w = gpu.writers["inf"]
+    # The shim's clock: an open span is aged against CLOCK_MONOTONIC, whatever clock the manager ticks by.
+    w.publish(pid=4242, spans_us=(6000, 7200), span_open_ns=time.monotonic_ns() - 3_000_000)
+    first = gpu.tick(inf=10).status("inf")
+    assert first.spans_s == pytest.approx((0.006, 0.0072)) and first.open_span_s >= 0.003
+    w.publish(spans_us=(6500,), span_open_ns=0)
+    second = gpu.tick(inf=10).status("inf")
+    assert second.spans_s == pytest.approx((0.0065,)) and second.open_span_s == 0.0
+    third = gpu.tick(inf=10).status("inf")
+    assert third.spans_s == () and third.open_span_s == 0.0
+    assert gpu.records[-1].status("inf") == third
 
 
 def test_pinned_share_overrides_the_policy(gpu: Gpu) -> None:

@@ -237,3 +237,39 @@ async def test_redis_outage_keeps_enforcing_and_resyncs(tmp_path: Path, shim_bui
     finally:
         await node.close()
         await client.aclose()
+
+
+async def test_request_spans_reach_the_tick_records(tmp_path: Path, shim_build: ShimBuild,
+                                                    tenants: list[Tenant]) -> None:
+    """Requests as PyTorch serves them (launches, then cuCtxSynchronize) through the real shim: every
+    period's record carries the spans that completed in it, each at least the request's GPU time on the
+    fake driver's timeline (5 launches × 100 blocks × 10 µs = 5 ms)."""
+    seen: list[TickRecord] = []
+    node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", shim_library=shim_build.library,
+                   period_s=0.02, observers=(seen.append,))
+    await node.start()
+    try:
+        infer = await node.attach("infer", "guest/classify", INFER)
+        assert infer is not None
+        started = time.monotonic()
+        server = await start_tenant(tenants, shim_build.env({**infer.env, "FAKE_CUDA_BLOCK_NS": "10000"}))
+        await server.send("requests 100 5 20")
+
+        def spans() -> list[float]:
+            return [x for r in list(seen) for s in r.instances if s.id == "infer" for x in s.spans_s]
+
+        done = await until(lambda: len(spans()) >= 5 and spans(), "five request spans in the tick records")
+        assert all(0.005 <= x <= time.monotonic() - started for x in done), done
+        await server.send("idle")
+
+        def settled() -> abi.StatsSnapshot | None:
+            s = stats(infer)
+            quiet = s.span_open_ns == 0 and seen[-1].status("infer").open_span_s == 0.0
+            return s if quiet and len(spans()) == s.spans else None
+
+        # Once the requests stop no span stays open, and every completed span reached exactly one record
+        # (a few per period, far below the ring's 24).
+        snap = await until(settled, "the records caught up with the stats block, no span open")
+        assert snap.recent_spans_us and all(us >= 5000 for us in snap.recent_spans_us)
+    finally:
+        await node.close()
