@@ -877,7 +877,8 @@ def main() -> int:
     s.add_argument("--load", type=float, default=0.5, help="steady load, fraction of closed-loop capacity")
     s.add_argument("--arrivals", choices=PROCESSES, default="paced",
                    help="arrival process of every open-loop run: paced (evenly spaced, the issue's anchor) or poisson")
-    s.add_argument("--burst-base", type=float, default=0.15, help="load before and after the burst")
+    s.add_argument("--burst-base", type=float, default=0.1,
+                   help="load before and after the burst (5x: up to the steady load, which inference alone keeps up with)")
     s.add_argument("--burst-mult", type=float, default=5.0, help="arrival rate multiplier of the burst")
     s.add_argument("--seconds", type=float, default=5.0, help="length of each steady run")
     s.add_argument("--period-ms", type=float, default=50.0, help="manager period")

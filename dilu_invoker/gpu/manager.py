@@ -259,6 +259,8 @@ def vertical_instance(
         throttled_s=min(reading.throttled_s, period_s),
         cycles_s=reading.cycles_s,
         open_cycle_s=reading.open_cycle_s,
+        spans_s=reading.spans_s,
+        open_span_s=reading.open_span_s,
         share=share,
         # Turns blocks into a demand share: the room a latency-critical instance leaves, its bursts.
         capacity_blocks_per_ms=capacity_blocks_per_ms,

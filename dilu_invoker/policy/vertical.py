@@ -8,8 +8,10 @@ In the spirit of Dilu's RCKM (`gpu-sharing.md` §4.2):
   back toward their requests. An idle one keeps its limit as a standing cap.
 * Best-effort instances (`training`) share a *budget* in proportion to their requests, each capped at
   its limit. With no latency-critical demand (idle > 0.6 s) the budget is the whole GPU.
-* The budget follows the kernel-launch cycles of the latency-critical instances, judged by the median
-  of their last few cycles against their minimum (one merged-request cycle is not interference): ≥ 1.6×
+* The budget follows the cycles of the latency-critical instances — their request spans (first launch to
+  the next quiet sync, µs precision) where the shim reports them, else Dilu's 5 ms launch-window cycles —
+  judged by the median of their last few against their minimum (one merged-request cycle is not
+  interference): ≥ 1.6×
   (1.3× for `llm`) is an **emergency** — the budget is divided by that ratio at once, down to a floor;
   < 1.2× is **recovery** — each such cycle grows the budget ×1.3, up to a ceiling (`busy_ceiling`, the
   whole GPU unless a reserve is configured), and the first one after a burst cut undoes it;
@@ -74,6 +76,13 @@ class VerticalConfig:
     """A best-effort instance keeps at least this fraction of its request, even in emergency."""
     min_cycle_s: float = 0.035
     """Completed cycles shorter than this never become an instance's minimum (Dilu: > 6 windows)."""
+    span_feedback: bool = True
+    """Judge a latency-critical instance by its request spans (the shim's first launch to the next quiet
+    application sync, in microseconds) instead of its 5 ms launch-window cycles, once its shim reports any.
+    Window cycles need idle windows between requests: at ~100 requests/s every window holds a launch and a
+    cycle never ends (ninth H200 run: no completed cycle in 154 of 160 ticks). False: windows only."""
+    min_span_s: float = 0.0005
+    """Spans shorter than this never become an instance's minimum (a sync after a trivial kernel)."""
     llm_history: int = 20
     """An `llm` instance's minimum is over its last N cycles: decode length drifts (Dilu: 20)."""
     cycle_smoothing: int = 5
@@ -120,7 +129,7 @@ class VerticalConfig:
     """An instance at its limit that waited for tokens this fraction of the period is saturated."""
 
     def __post_init__(self) -> None:
-        positive = ("idle_after_s", "min_cycle_s")
+        positive = ("idle_after_s", "min_cycle_s", "min_span_s")
         for name in positive:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
@@ -209,6 +218,7 @@ class VerticalConfig:
 RUN3_OVERRIDES: dict[str, object] = {
     "recovery_every": 5,
     "burst_restore": False,
+    "span_feedback": False,
 }
 """What `VerticalConfig.run3()` changes: the third H200 run's defaults."""
 
@@ -243,6 +253,10 @@ class VerticalInstance:
     """Kernel-launch cycles completed since the previous call, oldest first, in seconds."""
     open_cycle_s: float = 0.0
     """Length of the cycle in progress (0: none)."""
+    spans_s: tuple[float, ...] = ()
+    """Request spans completed since the previous call, oldest first, in seconds (shim ABI ≥ 1.1)."""
+    open_span_s: float = 0.0
+    """Age of the request span in progress (0: none)."""
     share: float | None = None
     """The share enforced now (None: not yet set)."""
     capacity_blocks_per_ms: float | None = None
@@ -252,12 +266,12 @@ class VerticalInstance:
         if not self.id:
             raise ValueError("instance id must not be empty")
         SharePair(self.request, self.limit)
-        if self.blocks < 0 or self.throttled_s < 0 or self.open_cycle_s < 0:
+        if self.blocks < 0 or self.throttled_s < 0 or self.open_cycle_s < 0 or self.open_span_s < 0:
             raise ValueError(
-                f"{self.id}: blocks, throttled_s and open_cycle_s must be >= 0"
+                f"{self.id}: blocks, throttled_s, open_cycle_s and open_span_s must be >= 0"
             )
-        if any(not (math.isfinite(c) and c >= 0) for c in self.cycles_s):
-            raise ValueError(f"{self.id}: cycle lengths must be finite and >= 0")
+        if any(not (math.isfinite(c) and c >= 0) for c in (*self.cycles_s, *self.spans_s)):
+            raise ValueError(f"{self.id}: cycle and span lengths must be finite and >= 0")
         cap = self.capacity_blocks_per_ms
         if cap is not None and not (math.isfinite(cap) and cap > 0):
             raise ValueError(f"{self.id}: capacity_blocks_per_ms must be > 0, got {cap!r}")
@@ -312,6 +326,8 @@ class CycleTrack:
     """Ratios of the last `cycle_smoothing` judged cycles (outliers excluded), oldest first."""
     demand_ema: float | None = None
     """Average demand share per period (None: capacity unknown or nothing measured yet)."""
+    spans: bool = False
+    """Judged by request spans (its shim reported one); the cycle fields above then hold spans."""
 
     def baseline(self, cls: InstanceClass) -> float | None:
         if cls is InstanceClass.LLM and self.history:
@@ -410,6 +426,13 @@ def _feedback(
     period_s: float,
 ) -> _Feedback:
     track = prev or CycleTrack(id=inst.id)
+    use_spans = config.span_feedback and (track.spans or bool(inst.spans_s))
+    if use_spans and not track.spans:
+        # Spans and window cycles are different units: start the baseline over (the demand average stays).
+        track = CycleTrack(id=inst.id, demand_ema=track.demand_ema, spans=True)
+    cycles_s, open_s = (inst.spans_s, inst.open_span_s) if use_spans else (inst.cycles_s, inst.open_cycle_s)
+    min_len = config.min_span_s if use_spans else config.min_cycle_s
+    unit = "request span" if use_spans else "cycle"
     threshold = config.emergency_threshold(inst.cls)
     emergency = contention = 0.0
     recovery = 0
@@ -420,8 +443,8 @@ def _feedback(
     already_cut = track.open_flagged
     safe_s = (config.slo_guard * inst.slo_ms / 1000.0
               if config.slo_guard is not None and inst.slo_ms and inst.cls.latency_critical else None)
-    for c in inst.cycles_s:
-        if c >= config.min_cycle_s:
+    for c in cycles_s:
+        if c >= min_len:
             min_cycle = c if min_cycle is None else min(min_cycle, c)
             history = (history + (c,))[-config.llm_history :]
         base = min(history) if inst.cls is InstanceClass.LLM and history else min_cycle
@@ -431,14 +454,14 @@ def _feedback(
         last_ratio = ratio
         if ratio >= config.outlier_ratio:
             # Several requests merged into one cycle: not interference, and kept out of the median.
-            notes.append(f"{inst.id} cycle {ratio:.2f}× its minimum (outlier)")
+            notes.append(f"{inst.id} {unit} {ratio:.2f}× its minimum (outlier)")
             already_cut = False
             continue
         recent = (recent + (ratio,))[-config.cycle_smoothing :]
         judged = _median(recent) if smoothed else ratio
         kind = _classify(judged, threshold, config)
         if kind in ("emergency", "contention") and safe_s is not None and judged * base <= safe_s:
-            notes.append(f"{inst.id} cycles {judged:.2f}× its minimum but {judged * base * 1000:.1f} ms, "
+            notes.append(f"{inst.id} {unit}s {judged:.2f}× its minimum but {judged * base * 1000:.1f} ms, "
                          f"within {config.slo_guard:.0%} of its {inst.slo_ms:g} ms SLO (recovery)")
             kind = "recovery"
         if kind == "emergency" and already_cut:
@@ -453,31 +476,31 @@ def _feedback(
             recovery += 1
         if kind != "recovery":
             what = (
-                f"median of its last {len(recent)} cycles {judged:.2f}× its minimum"
+                f"median of its last {len(recent)} {unit}s {judged:.2f}× its minimum"
                 if smoothed
-                else f"cycle {ratio:.2f}× its minimum"
+                else f"{unit} {ratio:.2f}× its minimum"
             )
             notes.append(f"{inst.id} {what} ({kind})")
-    if inst.cycles_s:
+    if cycles_s:
         # The cycle that was in progress has completed; whatever runs now is a new one.
         open_flagged = False
     else:
-        open_flagged = track.open_flagged and 0 < inst.open_cycle_s >= track.last_open_s
+        open_flagged = track.open_flagged and 0 < open_s >= track.last_open_s
     base = min(history) if inst.cls is InstanceClass.LLM and history else min_cycle
-    if inst.open_cycle_s > 0 and base and not open_flagged and (safe_s is None or inst.open_cycle_s > safe_s):
-        ratio = inst.open_cycle_s / base
+    if open_s > 0 and base and not open_flagged and (safe_s is None or open_s > safe_s):
+        ratio = open_s / base
         if config.open_threshold(inst.cls) <= ratio < config.outlier_ratio:
             emergency = max(emergency, ratio)
             open_flagged = True
             notes.append(
-                f"{inst.id} cycle in progress already {ratio:.2f}× its minimum (emergency)"
+                f"{inst.id} {unit} in progress already {ratio:.2f}× its minimum (emergency)"
             )
 
     drain = False
     if (config.drain_slo_fraction is not None and inst.slo_ms and inst.cls.latency_critical
-            and config.drain_slo_fraction * inst.slo_ms <= inst.open_cycle_s * 1000.0 < inst.slo_ms):
+            and config.drain_slo_fraction * inst.slo_ms <= open_s * 1000.0 < inst.slo_ms):
         drain = True
-        notes.append(f"{inst.id} cycle in progress {inst.open_cycle_s * 1000:.0f} ms, "
+        notes.append(f"{inst.id} {unit} in progress {open_s * 1000:.0f} ms, "
                      f"≥ {config.drain_slo_fraction:.0%} of its {inst.slo_ms:g} ms SLO (drain)")
 
     demand = inst.demand(period_s)
@@ -498,9 +521,10 @@ def _feedback(
         history=history,
         last_ratio=last_ratio,
         open_flagged=open_flagged,
-        last_open_s=inst.open_cycle_s,
+        last_open_s=open_s,
         recent_ratios=recent,
         demand_ema=demand_ema,
+        spans=use_spans,
     )
     return _Feedback(
         new_track, emergency, contention, recovery, "; ".join(notes), demand, jump, drain

@@ -503,3 +503,53 @@ def test_busy_ceiling_keeps_a_reserve_beside_latency_critical_demand() -> None:
     assert d.share_of("train") == pytest.approx(1 - 0.5)  # room = 1 − inference's request 0.5
     with pytest.raises(ValueError):
         VerticalConfig(busy_ceiling=0.0)
+
+
+# -- request spans (shim ABI 1.1) ------------------------------------------------------------------------
+
+SPAN = 0.005  # a 5 ms request
+
+
+def spanned(spans: tuple[float, ...], *, open_span: float = 0.0, cycles: tuple[float, ...] = ()) -> VerticalInstance:
+    """An inference instance whose shim reports request spans (multiples of SPAN) beside window cycles."""
+    base = infer(cycles=cycles)
+    return VerticalInstance(
+        id=base.id, cls=base.cls, request=base.request, limit=base.limit, blocks=base.blocks,
+        last_active_at=base.last_active_at, cycles_s=base.cycles_s, capacity_blocks_per_ms=base.capacity_blocks_per_ms,
+        spans_s=tuple(x * SPAN for x in spans), open_span_s=open_span * SPAN,
+    )
+
+
+def _decide(inst: VerticalInstance, st: VerticalState, cfg: VerticalConfig = CFG):
+    return decide_shares(VerticalSnapshot(now=NOW, instances=(inst, train()), period_s=PERIOD), st, cfg)
+
+
+def test_request_spans_replace_window_cycles_once_reported() -> None:
+    # A window-cycle track (40 ms minimum) meets its first spans: the baseline starts over in spans, so
+    # 5 ms requests are not read as anything against 40 ms windows.
+    d = _decide(spanned((1.0, 1.0, 1.0, 1.0, 1.0)), state(0.5))
+    track = d.state.track("inf")
+    assert track is not None and track.spans and track.min_cycle_s == pytest.approx(SPAN)
+    assert d.mode is FeedbackMode.RECOVERY and d.budget == pytest.approx(0.5 * 1.3)
+    # Stretched spans cut training at once, whatever the window cycles say (here: unhurt).
+    d2 = _decide(spanned((1.8, 1.8, 1.8, 1.8, 1.8), cycles=(1.0, 1.0)), d.state)
+    assert d2.mode is FeedbackMode.EMERGENCY and d2.budget == pytest.approx(0.5 * 1.3 / 1.8, rel=1e-6)
+    assert "request spans" in d2.reason
+    # A span in progress 3.5× the minimum is an emergency before it completes.
+    d3 = _decide(spanned((), open_span=3.5), d.state)
+    assert d3.mode is FeedbackMode.EMERGENCY and "request span in progress" in d3.reason
+    # Once judged by spans, a period without spans stays span-judged (no flip back to windows).
+    d4 = _decide(spanned((), cycles=(3.0,)), d.state)
+    assert d4.state.track("inf").spans and d4.mode is FeedbackMode.STEADY
+
+
+def test_span_feedback_off_judges_window_cycles_only() -> None:
+    cfg = VerticalConfig(busy_ceiling=1.0, span_feedback=False)
+    d = _decide(spanned((3.0, 3.0, 3.0, 3.0, 3.0), cycles=(1.0,)), state(0.5), cfg)
+    assert not d.state.track("inf").spans
+    assert d.mode is FeedbackMode.RECOVERY  # the 40 ms window cycle is unhurt; the spans are not read
+    assert VerticalConfig.run3().span_feedback is False
+    with pytest.raises(ValueError, match="min_span_s"):
+        VerticalConfig(min_span_s=0.0)
+    with pytest.raises(ValueError, match="span lengths"):
+        spanned((-1.0,))
