@@ -510,11 +510,12 @@ def test_busy_ceiling_keeps_a_reserve_beside_latency_critical_demand() -> None:
 SPAN = 0.005  # a 5 ms request
 
 
-def spanned(spans: tuple[float, ...], *, open_span: float = 0.0, cycles: tuple[float, ...] = ()) -> VerticalInstance:
+def spanned(spans: tuple[float, ...], *, open_span: float = 0.0, cycles: tuple[float, ...] = (),
+            slo_ms: float | None = None) -> VerticalInstance:
     """An inference instance whose shim reports request spans (multiples of SPAN) beside window cycles."""
     base = infer(cycles=cycles)
     return VerticalInstance(
-        id=base.id, cls=base.cls, request=base.request, limit=base.limit, blocks=base.blocks,
+        id=base.id, cls=base.cls, request=base.request, limit=base.limit, blocks=base.blocks, slo_ms=slo_ms,
         last_active_at=base.last_active_at, cycles_s=base.cycles_s, capacity_blocks_per_ms=base.capacity_blocks_per_ms,
         spans_s=tuple(x * SPAN for x in spans), open_span_s=open_span * SPAN,
     )
@@ -553,3 +554,27 @@ def test_span_feedback_off_judges_window_cycles_only() -> None:
         VerticalConfig(min_span_s=0.0)
     with pytest.raises(ValueError, match="span lengths"):
         spanned((-1.0,))
+
+
+@pytest.mark.parametrize(("spans", "mode"), [
+    # SLO 50 ms: spans are judged against max(best span 5 ms, 0.3 × 50 = 15 ms).
+    ((3.0, 3.0, 3.0, 3.0, 3.0), FeedbackMode.RECOVERY),  # 15 ms: 3× the best, but 1.0× the SLO floor
+    ((4.0, 4.0, 4.0, 4.0, 4.0), FeedbackMode.CONTENTION),  # 20 ms = 1.33× the floor: hold
+    ((5.0, 5.0, 5.0, 5.0, 5.0), FeedbackMode.EMERGENCY),  # 25 ms = 1.67× the floor: cut
+])
+def test_spans_are_judged_against_a_fraction_of_the_slo(spans: tuple[float, ...], mode: FeedbackMode) -> None:
+    first = _decide(spanned((1.0,), slo_ms=50.0), state(0.5))  # the best span: 5 ms
+    d = _decide(spanned(spans, slo_ms=50.0), first.state)
+    assert d.mode is mode, d.reason
+    if mode is FeedbackMode.EMERGENCY:
+        assert d.budget == pytest.approx(first.budget / (5.0 / 3.0), rel=1e-6)
+        assert "0.3 of its SLO" in d.reason
+    # Without the SLO floor (or without an SLO) 15 ms spans are 3× the best one: an emergency.
+    three = (3.0,) * 5
+    none = VerticalConfig(busy_ceiling=1.0, span_slo_base=None)
+    first_n = _decide(spanned((1.0,), slo_ms=50.0), state(0.5), none)
+    assert _decide(spanned(three, slo_ms=50.0), first_n.state, none).mode is FeedbackMode.EMERGENCY
+    first_s = _decide(spanned((1.0,)), state(0.5))
+    assert _decide(spanned(three), first_s.state).mode is FeedbackMode.EMERGENCY
+    with pytest.raises(ValueError, match="span_slo_base"):
+        VerticalConfig(span_slo_base=1.5)
