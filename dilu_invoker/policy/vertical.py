@@ -83,6 +83,18 @@ class VerticalConfig:
     cycle never ends (ninth H200 run: no completed cycle in 154 of 160 ticks). False: windows only."""
     min_span_s: float = 0.0005
     """Spans shorter than this never become an instance's minimum (a sync after a trivial kernel)."""
+    span_quiet_baseline: bool = True
+    """Spans are judged against the shortest per-period median span (several spans, so not one rare fast
+    request) instead of the shortest span; and once the best-effort budget has sat at its floor for
+    `quiet_periods` periods, that period's median span — the instance's speed without best-effort
+    interference *now*, GPU clocks and power state included — resets the baseline, so cuts stop when cutting
+    no longer helps. Eleventh H200 run: with training at its floor the GPU clocked down and inference's
+    spans grew to 1.7× the best one seen, so the minimum-based ratios kept training at 3-14% of solo for
+    nothing. False: the minimum span."""
+    quiet_periods: int = 2
+    """Periods at the floor before spans count as quiet (the first still runs work admitted before the cut)."""
+    quiet_min_spans: int = 3
+    """Spans a quiet period needs before their median becomes the baseline."""
     span_slo_base: float | None = 0.3
     """With spans and an SLO, a span is judged against the larger of the best span seen and this fraction
     of the SLO: a request well inside its SLO is not hurt however much slower than the best one seen. The
@@ -167,6 +179,8 @@ class VerticalConfig:
             )
         if self.recovery_every < 1 or self.llm_history < 1 or self.cycle_smoothing < 1:
             raise ValueError("recovery_every, llm_history and cycle_smoothing must be >= 1")
+        if self.quiet_periods < 1 or self.quiet_min_spans < 1:
+            raise ValueError("quiet_periods and quiet_min_spans must be >= 1")
         if self.open_cycle_ratio is not None and not (
             self.recovery_ratio < self.open_cycle_ratio < self.outlier_ratio
         ):
@@ -228,6 +242,7 @@ RUN3_OVERRIDES: dict[str, object] = {
     "recovery_every": 5,
     "burst_restore": False,
     "span_feedback": False,
+    "span_quiet_baseline": False,
 }
 """What `VerticalConfig.run3()` changes: the third H200 run's defaults."""
 
@@ -337,6 +352,9 @@ class CycleTrack:
     """Average demand share per period (None: capacity unknown or nothing measured yet)."""
     spans: bool = False
     """Judged by request spans (its shim reported one); the cycle fields above then hold spans."""
+    quiet_s: float | None = None
+    """Span baseline (span_quiet_baseline): the median span of the last quiet period (best-effort at its
+    floor), lowered by any later period whose median span is shorter; None: the minimum span."""
 
     def baseline(self, cls: InstanceClass) -> float | None:
         if cls is InstanceClass.LLM and self.history:
@@ -355,6 +373,8 @@ class VerticalState:
     tracks: tuple[CycleTrack, ...] = ()
     restore_to: float | None = None
     """The budget before a burst cut, given back at the next recovery (None: nothing to give back)."""
+    floor_periods: int = 0
+    """Consecutive decisions that left the best-effort budget at its floor."""
 
     def track(self, instance_id: str) -> CycleTrack | None:
         for t in self.tracks:
@@ -410,6 +430,7 @@ class _Feedback:
     demand: float | None = None  # this period's demand share (None: capacity unknown)
     jump: float = 0.0  # demand / its previous average when that is a burst (0: none)
     drain: bool = False  # its cycle in progress is eating into its SLO: a queue is building
+    rebased: bool = False  # a quiet period reset its span baseline: the cuts before it did not help
 
 
 def _classify(ratio: float, threshold: float, config: VerticalConfig) -> str:
@@ -433,7 +454,9 @@ def _feedback(
     prev: CycleTrack | None,
     config: VerticalConfig,
     period_s: float,
+    quiet: bool = False,
 ) -> _Feedback:
+    """`quiet`: best-effort instances ran at their floor through this period (see span_quiet_baseline)."""
     track = prev or CycleTrack(id=inst.id)
     use_spans = config.span_feedback and (track.spans or bool(inst.spans_s))
     if use_spans and not track.spans:
@@ -448,6 +471,17 @@ def _feedback(
     notes: list[str] = []
     min_cycle, history, last_ratio = track.min_cycle_s, track.history, track.last_ratio
     recent = track.recent_ratios[-config.cycle_smoothing :]
+    quiet_s, rebased = track.quiet_s, False
+    if (use_spans and config.span_quiet_baseline and inst.cls is not InstanceClass.LLM
+            and len(cycles_s) >= config.quiet_min_spans):
+        period_median = _median(cycles_s)
+        if quiet:
+            # Best-effort has been at its floor: this is the instance's uncontended speed now.
+            quiet_s, rebased = period_median, True
+            recent = ()  # ratios against the old baseline say nothing against the new one
+            notes.append(f"{inst.id} quiet period (best-effort at its floor): baseline {quiet_s * 1000:.1f} ms")
+        elif quiet_s is None or period_median < quiet_s:
+            quiet_s = period_median  # a faster period: the instance can run that fast now
     smoothed = config.cycle_smoothing > 1
     already_cut = track.open_flagged
     safe_s = (config.slo_guard * inst.slo_ms / 1000.0
@@ -460,12 +494,13 @@ def _feedback(
         if c >= min_len:
             min_cycle = c if min_cycle is None else min(min_cycle, c)
             history = (history + (c,))[-config.llm_history :]
-        base = min(history) if inst.cls is InstanceClass.LLM and history else min_cycle
+        base = min(history) if inst.cls is InstanceClass.LLM and history else (quiet_s or min_cycle)
         if base is not None and base > 0:
             base = max(base, slo_floor_s)
         if base is None or base <= 0:
             continue
-        against = "its minimum" if base > slo_floor_s else f"{config.span_slo_base:g} of its SLO"
+        against = ("its quiet baseline" if quiet_s and base == quiet_s else "its minimum"
+                   if base > slo_floor_s else f"{config.span_slo_base:g} of its SLO")
         ratio = c / base
         last_ratio = ratio
         if ratio >= config.outlier_ratio:
@@ -502,7 +537,7 @@ def _feedback(
         open_flagged = False
     else:
         open_flagged = track.open_flagged and 0 < open_s >= track.last_open_s
-    base = min(history) if inst.cls is InstanceClass.LLM and history else min_cycle
+    base = min(history) if inst.cls is InstanceClass.LLM and history else (quiet_s or min_cycle)
     if base:
         base = max(base, slo_floor_s)
     if open_s > 0 and base and not open_flagged and (safe_s is None or open_s > safe_s):
@@ -543,9 +578,10 @@ def _feedback(
         recent_ratios=recent,
         demand_ema=demand_ema,
         spans=use_spans,
+        quiet_s=quiet_s,
     )
     return _Feedback(
-        new_track, emergency, contention, recovery, "; ".join(notes), demand, jump, drain
+        new_track, emergency, contention, recovery, "; ".join(notes), demand, jump, drain, rebased
     )
 
 
@@ -641,8 +677,8 @@ def _budget_step(
         # A budget at (or near) zero would never grow back multiplicatively.
         grown = b * config.recovery_growth if b > 0.01 else 0.01
         why = (
-            f"recovery: {recovery} cycle(s) within {config.recovery_ratio}× their minimum, "
-            f"budget ×{config.recovery_growth}"
+            f"recovery: {recovery} cycle(s) within {config.recovery_ratio}× their baseline, "
+            f"budget ×{config.recovery_growth}" + (f" ({notes})" if notes else "")
         )
         return FeedbackMode.RECOVERY, min(ceiling, max(b, grown)), 0, why
     return (
@@ -663,8 +699,9 @@ def decide_shares(
     lc_active = [i for i in lc if i.active(now, config)]
     be_active = [i for i in be if i.active(now, config)]
 
+    quiet = state.mode is not FeedbackMode.IDLE and state.floor_periods >= config.quiet_periods
     feedback = {
-        i.id: _feedback(i, state.track(i.id), config, snapshot.period_s) for i in lc
+        i.id: _feedback(i, state.track(i.id), config, snapshot.period_s, quiet) for i in lc
     }
     tracks = tuple(f.track for f in feedback.values())
     # Only instances with demand speak for the GPU; an idle one's late cycle says nothing about now.
@@ -732,6 +769,11 @@ def decide_shares(
         )
         start = carried is None
         before = room if carried is None else carried
+        rebased = [f.track.id for f in live if f.rebased]
+        if rebased and before < room:
+            # Cutting to the floor did not bring the spans back: they were not interference. Start over
+            # from the room latency-critical demand leaves instead of regrowing ×1.3 from the floor.
+            before = room
         mode, b, recovery_cycles, summary = _budget_step(
             before,
             fair=fair,
@@ -831,8 +873,10 @@ def decide_shares(
             )
         )
 
+    at_floor = budget is not None and be_active and budget <= floor_total + EPS
     new_state = VerticalState(
-        budget=budget, recovery_cycles=recovery_cycles, mode=mode, tracks=tracks, restore_to=restore_to
+        budget=budget, recovery_cycles=recovery_cycles, mode=mode, tracks=tracks, restore_to=restore_to,
+        floor_periods=state.floor_periods + 1 if at_floor else 0,
     )
     active_total = sum(d.share for d in decisions if d.active)
     reason = f"{snapshot.gpu or 'gpu'} {mode.value}: {summary}; Σ active shares {active_total:.2f}"

@@ -563,18 +563,52 @@ def test_span_feedback_off_judges_window_cycles_only() -> None:
     ((5.0, 5.0, 5.0, 5.0, 5.0), FeedbackMode.EMERGENCY),  # 25 ms = 1.67× the floor: cut
 ])
 def test_spans_are_judged_against_a_fraction_of_the_slo(spans: tuple[float, ...], mode: FeedbackMode) -> None:
-    first = _decide(spanned((1.0,), slo_ms=50.0), state(0.5))  # the best span: 5 ms
+    first = _decide(spanned((1.0, 1.0, 1.0), slo_ms=50.0), state(0.5))  # the baseline: 5 ms
     d = _decide(spanned(spans, slo_ms=50.0), first.state)
     assert d.mode is mode, d.reason
     if mode is FeedbackMode.EMERGENCY:
         assert d.budget == pytest.approx(first.budget / (5.0 / 3.0), rel=1e-6)
         assert "0.3 of its SLO" in d.reason
-    # Without the SLO floor (or without an SLO) 15 ms spans are 3× the best one: an emergency.
+    # Against the best span alone (no SLO floor, or no SLO) 15 ms spans are 3× the best one: an emergency.
     three = (3.0,) * 5
-    none = VerticalConfig(busy_ceiling=1.0, span_slo_base=None)
+    best = VerticalConfig(busy_ceiling=1.0, span_quiet_baseline=False)
+    none = VerticalConfig(busy_ceiling=1.0, span_slo_base=None, span_quiet_baseline=False)
     first_n = _decide(spanned((1.0,), slo_ms=50.0), state(0.5), none)
     assert _decide(spanned(three, slo_ms=50.0), first_n.state, none).mode is FeedbackMode.EMERGENCY
-    first_s = _decide(spanned((1.0,)), state(0.5))
-    assert _decide(spanned(three), first_s.state).mode is FeedbackMode.EMERGENCY
+    first_s = _decide(spanned((1.0,)), state(0.5), best)
+    assert _decide(spanned(three), first_s.state, best).mode is FeedbackMode.EMERGENCY
     with pytest.raises(ValueError, match="span_slo_base"):
         VerticalConfig(span_slo_base=1.5)
+
+
+def test_span_baseline_is_the_shortest_period_median_not_one_rare_span() -> None:
+    cfg = VerticalConfig(busy_ceiling=1.0, span_slo_base=None)
+    d = _decide(spanned((0.5, 2.0, 2.0, 2.0, 2.0)), state(0.5), cfg)  # one rare 2.5 ms span among 10 ms ones
+    assert d.state.track("inf").quiet_s == pytest.approx(2.0 * SPAN) and d.mode is FeedbackMode.RECOVERY
+    d = _decide(spanned((1.0, 1.0, 1.0)), d.state, cfg)  # a faster period lowers the baseline
+    assert d.state.track("inf").quiet_s == pytest.approx(SPAN)
+    d = _decide(spanned((1.8, 1.8, 1.8, 1.8, 1.8)), d.state, cfg)
+    assert d.mode is FeedbackMode.EMERGENCY and "its quiet baseline" in d.reason
+
+
+def test_a_quiet_period_resets_the_span_baseline_so_futile_cuts_stop() -> None:
+    cfg = VerticalConfig(busy_ceiling=1.0, span_slo_base=None)
+    floor = cfg.emergency_floor * 0.2  # training's request 0.2
+    track = CycleTrack("inf", SPAN, (SPAN,), recent_ratios=(1.8,) * 4, demand_ema=0.4, spans=True, quiet_s=SPAN)
+    st = VerticalState(budget=floor, mode=FeedbackMode.EMERGENCY, tracks=(track,), floor_periods=1)
+    slow = spanned((1.8, 1.8, 1.8, 1.8, 1.8))  # slower than the baseline although training is at its floor
+    d = _decide(slow, st, cfg)
+    assert d.mode is FeedbackMode.EMERGENCY and d.budget == pytest.approx(floor)  # one period: not yet quiet
+    assert d.state.floor_periods == 2
+    d = _decide(slow, d.state, cfg)  # the second period at the floor is quiet: 9 ms is its speed now
+    assert d.state.track("inf").quiet_s == pytest.approx(1.8 * SPAN)
+    assert d.mode is FeedbackMode.RECOVERY and "quiet period" in d.reason
+    # The cuts did not help: the budget starts over from the room inference leaves (1 − 0.4 × 1.25), grown.
+    assert d.budget == pytest.approx((1 - 0.4 * 1.25) * cfg.recovery_growth)
+    assert d.state.floor_periods == 0
+    # Off: the same periods keep cutting.
+    off = VerticalConfig(busy_ceiling=1.0, span_slo_base=None, span_quiet_baseline=False)
+    d = _decide(slow, VerticalState(budget=floor, mode=FeedbackMode.EMERGENCY, tracks=(track,), floor_periods=5), off)
+    assert d.mode is FeedbackMode.EMERGENCY
+    with pytest.raises(ValueError, match="quiet_periods"):
+        VerticalConfig(quiet_periods=0)
