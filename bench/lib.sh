@@ -33,3 +33,10 @@ find_cuda_include() {
     d=$(timeout 30 find /usr /opt -name cudaTypedefs.h -not -path '*/proc/*' 2>/dev/null | head -1)
     [ -n "$d" ] && dirname "$d"
 }
+
+# sha1 (12 hex digits) of the Python, C and shell sources under dilu_invoker/, cuda_shim/ and bench/, in
+# name order: identifies the tree a GPU run used even where its .git is stale.
+source_hash() {
+    find dilu_invoker cuda_shim/src cuda_shim/include bench -type f \( -name '*.py' -o -name '*.c' -o -name '*.h' \
+        -o -name '*.sh' \) -not -path '*/__pycache__/*' 2>/dev/null | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12
+}

@@ -844,12 +844,14 @@ def cmd_step(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     results = Path(args.results)
     steps: dict[str, Any] = {}
+    chosen = args.steps.split() if args.steps else STEPS
     for name in STEPS:
         p = results / f"{name}.json"
         try:
             steps[name] = json.loads(p.read_text())
         except FileNotFoundError:
-            steps[name] = {"error": "step did not run or was killed (see vertical_log.txt)"}
+            if name in chosen:
+                steps[name] = {"error": "step did not run or was killed (see vertical_log.txt)"}
         except (OSError, json.JSONDecodeError) as e:
             steps[name] = {"error": f"unreadable result: {e}"}
     machine = Path(args.machine).read_text() if args.machine and Path(args.machine).exists() else ""
@@ -913,6 +915,7 @@ def main() -> int:
     m.add_argument("--out", required=True)
     m.add_argument("--machine")
     m.add_argument("--command", default="bench/vertical/run_h200.sh")
+    m.add_argument("--steps", default="", help="the steps that were run (default: all); others are left out")
     args = ap.parse_args()
     return cmd_step(args) if args.cmd == "step" else cmd_merge(args)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,7 @@ class Report:
         """(label, step) of every step where the manager shares the GPU, in run order."""
         out = [(MODES[0] if long else "time-slicing", "timeslice"), (MODES[1] if long else "MPS + shim", "mps")]
         capped = self.steps.get("mps_capped")
-        if isinstance(capped, dict) and capped:
+        if isinstance(capped, dict) and capped.get("mps_percentages"):
             pct = get(capped, "mps_percentages", "training")
             out.append((f"MPS (training ≤ {pct}% threads) + shim rates" if long else f"MPS ≤{pct}% + shim",
                         "mps_capped"))
@@ -301,8 +302,10 @@ class Report:
 
     def problems(self) -> None:
         errs = []
+        # Runs merged before `merge --steps` existed list unselected steps as missing: leave those out.
+        chosen = re.search(r"DILU_BENCH_STEPS='([^']*)'", str(self.doc.get("command", "")))
         for name, step in self.steps.items():
-            if not isinstance(step, dict):
+            if not isinstance(step, dict) or (chosen and name not in chosen.group(1).split()):
                 continue
             if step.get("error"):
                 errs.append(f"* step `{name}`: {str(step['error']).strip().splitlines()[-1][:300]}")

@@ -51,6 +51,9 @@ log "vertical benchmark: repo $REPO, out $OUT, work $WORK, budget ${BUDGET}s, ar
     echo "date: $(date -Is)"
     echo "host: $(uname -a)"
     echo "commit: $(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)"
+    # A copied working tree can carry a stale .git: the sources' own hash says what really ran
+    # (the same command in a checkout of the commit gives the same hash).
+    echo "sources: $(source_hash)"
     echo "--- nvidia-smi"
     timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,compute_mode,mig.mode.current --format=csv 2>&1
     echo "--- cpu"
@@ -99,7 +102,7 @@ for v in DILU_BENCH_ARGS_TIMESLICE DILU_BENCH_ARGS_MPS DILU_BENCH_ARGS_MPS_CAPPE
     [ -n "${!v:-}" ] && CMD="$CMD ($v='${!v}')"
 done
 timeout 60 "$PY" bench/vertical/h200.py merge --results "$RES" --out "$OUT/vertical_results.json" \
-    --machine "$OUT/machine.txt" --command "$CMD" >>"$LOG" 2>&1
+    --machine "$OUT/machine.txt" --command "$CMD" --steps "$STEPS" >>"$LOG" 2>&1
 log "merge exit $?"
 timeout 60 "$PY" bench/vertical/report.py "$OUT/vertical_results.json" --out "$OUT/vertical.md" >>"$LOG" 2>&1
 log "report exit $?; total $((SECONDS - START))s"

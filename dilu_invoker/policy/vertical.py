@@ -89,7 +89,7 @@ class VerticalConfig:
     `quiet_periods` periods, that period's median span — the instance's speed without best-effort
     interference *now*, GPU clocks and power state included — resets the baseline, so cuts stop when cutting
     no longer helps. Eleventh H200 run: with training at its floor the GPU clocked down and inference's
-    spans grew to 1.7× the best one seen, so the minimum-based ratios kept training at 3-14% of solo for
+    spans grew to 1.7× the best one seen, so the minimum-based ratios kept training at 3-14% of solo (five of six runs) for
     nothing. False: the minimum span."""
     quiet_periods: int = 2
     """Periods at the floor before spans count as quiet (the first still runs work admitted before the cut)."""
