@@ -2,19 +2,21 @@
 
 Per instance (labels ``namespace, action, instance, gpu, uuid``): the share in force, request and limit,
 and counters fed from the stats block's monotonic counters (tokens granted in thread blocks, kernel
-launches, throttled seconds) plus the device memory in use. Per GPU (``gpu, uuid``): Dilu's fragmentation
+launches, throttled seconds, request spans and their lengths) plus the device memory in use. Per GPU (``gpu, uuid``): Dilu's fragmentation
 ``1 − Σ request`` (0 on a GPU with nothing placed), NVML's SM utilisation, the vertical mode and the
 number of decisions per mode.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dilu_invoker.gpu.manager import GpuLabel, InstanceSpec, InstanceStatus, Reading
 from dilu_invoker.policy.vertical import FeedbackMode
 
 _INSTANCE = ("namespace", "action", "instance", "gpu", "uuid")
+SPAN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+"""Request spans from a millisecond (a graph replay) to seconds (an LLM request)."""
 _GPU = ("gpu", "uuid")
 
 
@@ -36,6 +38,12 @@ class GpuMetrics:
                                 registry=r)
         self.throttled = Counter("openwhisk_action_gpu_kernel_throttled_seconds",
                                  "Time launches waited for tokens (summed over threads)", _INSTANCE, registry=r)
+        self.spans = Counter("openwhisk_action_gpu_request_spans",
+                             "Request spans (first launch to a quiet application sync) completed", _INSTANCE,
+                             registry=r)
+        self.span_seconds = Histogram("openwhisk_action_gpu_request_span_seconds",
+                                      "Request span lengths (at most the newest 24 per manager period)", _INSTANCE,
+                                      buckets=SPAN_BUCKETS, registry=r)
         self.memory = Gauge("openwhisk_action_gpu_memory_used_bytes", "Device memory held through the shim",
                             _INSTANCE, registry=r)
         self.rate = Gauge("dilu_gpu_rate_blocks_per_ms", "Token rate in the control block (0 = unlimited)",
@@ -65,6 +73,9 @@ class GpuMetrics:
         self.tokens.labels(*labels).inc(max(0, reading.blocks))
         self.launches.labels(*labels).inc(max(0, reading.launches))
         self.throttled.labels(*labels).inc(max(0.0, reading.throttled_s))
+        self.spans.labels(*labels).inc(max(0, reading.spans))
+        for span in reading.spans_s:
+            self.span_seconds.labels(*labels).observe(span)
         self.memory.labels(*labels).set(reading.mem_used_bytes)
 
     def observe_gpu(self, gpu: GpuLabel, *, fragmentation: float, utilization: float | None,
@@ -81,7 +92,7 @@ class GpuMetrics:
     def forget_instance(self, spec: InstanceSpec, gpu: GpuLabel) -> None:
         labels = _instance_labels(spec, gpu)
         for metric in (self.quota, self.limit, self.request, self.tokens, self.launches, self.throttled,
-                       self.memory, self.rate, self.capacity):
+                       self.spans, self.span_seconds, self.memory, self.rate, self.capacity):
             try:
                 metric.remove(*labels)
             except KeyError:

@@ -384,6 +384,14 @@ def test_metrics_follow_the_counters_across_a_restart(tmp_path: Path) -> None:
         assert value("openwhisk_action_gpu_sm_quota_ratio") == pytest.approx(0.8)
         assert value("openwhisk_action_gpu_sm_request_ratio") == pytest.approx(0.2)
         assert value("openwhisk_action_gpu_sm_limit_ratio") == pytest.approx(0.8)
+        g.clock.advance(0.05)
+        g.writers["train"].publish(spans_us=(4_000, 30_000))  # two requests: 4 ms and 30 ms
+        g.mgr.tick()
+        assert value("openwhisk_action_gpu_request_spans_total") == 2
+        assert value("openwhisk_action_gpu_request_span_seconds_count") == 2
+        assert value("openwhisk_action_gpu_request_span_seconds_sum") == pytest.approx(0.034)
+        assert registry.get_sample_value("openwhisk_action_gpu_request_span_seconds_bucket",
+                                         {**labels, "le": "0.005"}) == 1
         # A new process claims the block: its counters start from zero and count whole.
         g.clock.advance(0.05)
         g.writers["train"].publish(blocks=300, launches=1, windows=2, pid=999, throttled_ns=2_000_000,
@@ -395,9 +403,10 @@ def test_metrics_follow_the_counters_across_a_restart(tmp_path: Path) -> None:
         gpu_labels = {"gpu": "3", "uuid": "GPU-t"}
         assert registry.get_sample_value("openwhisk_invoker_gpu_fragmentation_ratio", gpu_labels) == pytest.approx(0.8)
         assert registry.get_sample_value("dilu_gpu_vertical_mode", {**gpu_labels, "mode": "idle"}) == 1
-        assert registry.get_sample_value("dilu_gpu_vertical_decisions_total", {**gpu_labels, "mode": "idle"}) == 3
+        assert registry.get_sample_value("dilu_gpu_vertical_decisions_total", {**gpu_labels, "mode": "idle"}) == 4
         g.mgr.remove("train")
         assert value("openwhisk_action_gpu_sm_quota_ratio") is None
+        assert value("openwhisk_action_gpu_request_spans_total") is None
     finally:
         g.close()
 
