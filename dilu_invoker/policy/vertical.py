@@ -449,6 +449,14 @@ def _median(xs: tuple[float, ...]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
+def _baseline(cls: InstanceClass, history: tuple[float, ...], min_cycle: float | None, span_base: float | None,
+              floor_s: float) -> float | None:
+    """What a cycle or span is judged against: an `llm`'s recent minimum, else the span baseline (when
+    kept) or the minimum; never below the SLO floor (0 when none). None: nothing to judge against yet."""
+    base = min(history) if cls is InstanceClass.LLM and history else (span_base or min_cycle)
+    return max(base, floor_s) if base is not None and base > 0 else None
+
+
 def _feedback(
     inst: VerticalInstance,
     prev: CycleTrack | None,
@@ -494,10 +502,8 @@ def _feedback(
         if c >= min_len:
             min_cycle = c if min_cycle is None else min(min_cycle, c)
             history = (history + (c,))[-config.llm_history :]
-        base = min(history) if inst.cls is InstanceClass.LLM and history else (quiet_s or min_cycle)
-        if base is not None and base > 0:
-            base = max(base, slo_floor_s)
-        if base is None or base <= 0:
+        base = _baseline(inst.cls, history, min_cycle, quiet_s, slo_floor_s)
+        if base is None:
             continue
         against = ("its quiet baseline" if quiet_s and base == quiet_s else "its minimum"
                    if base > slo_floor_s else f"{config.span_slo_base:g} of its SLO")
@@ -537,9 +543,7 @@ def _feedback(
         open_flagged = False
     else:
         open_flagged = track.open_flagged and 0 < open_s >= track.last_open_s
-    base = min(history) if inst.cls is InstanceClass.LLM and history else (quiet_s or min_cycle)
-    if base:
-        base = max(base, slo_floor_s)
+    base = _baseline(inst.cls, history, min_cycle, quiet_s, slo_floor_s)
     if open_s > 0 and base and not open_flagged and (safe_s is None or open_s > safe_s):
         ratio = open_s / base
         if config.open_threshold(inst.cls) <= ratio < config.outlier_ratio:
