@@ -51,6 +51,9 @@ class FeedbackMode(StrEnum):
     DRAIN = "drain"
     """A latency-critical cycle in progress is eating into its SLO (a queue is building): best-effort
     instances drop to their floor until it completes; the budget is kept for afterwards."""
+    PROBE = "probe"
+    """Best-effort held at its floor for a few periods to measure the latency-critical spans without it
+    (`quiet_probe_every_s`); the budget is kept for afterwards."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +98,13 @@ class VerticalConfig:
     """Periods at the floor before spans count as quiet (the first still runs work admitted before the cut)."""
     quiet_min_spans: int = 3
     """Spans a quiet period needs before their median becomes the baseline."""
+    quiet_probe_every_s: float | None = None
+    """While latency-critical and best-effort demand run together and no quiet period has come for this
+    long, hold best-effort at its floor for `quiet_periods` periods (a probe) so the next period measures the
+    span baseline. Without probes the baseline is the fastest period seen, which on a GPU where training
+    always ran beside inference is already a contended one (tests/policy/test_vertical_closed_loop.py). None
+    (the default, the policy of the twelfth H200 run): no probes; 5.0 costs best-effort ~2 periods in 100.
+    Not yet measured on the GPU."""
     span_slo_base: float | None = 0.3
     """With spans and an SLO, a span is judged against the larger of the best span seen and this fraction
     of the SLO: a request well inside its SLO is not hurt however much slower than the best one seen. The
@@ -181,6 +191,9 @@ class VerticalConfig:
             raise ValueError("recovery_every, llm_history and cycle_smoothing must be >= 1")
         if self.quiet_periods < 1 or self.quiet_min_spans < 1:
             raise ValueError("quiet_periods and quiet_min_spans must be >= 1")
+        if self.quiet_probe_every_s is not None and not (
+                math.isfinite(self.quiet_probe_every_s) and self.quiet_probe_every_s > 0):
+            raise ValueError(f"quiet_probe_every_s must be > 0 or None, got {self.quiet_probe_every_s!r}")
         if self.open_cycle_ratio is not None and not (
             self.recovery_ratio < self.open_cycle_ratio < self.outlier_ratio
         ):
@@ -374,7 +387,11 @@ class VerticalState:
     restore_to: float | None = None
     """The budget before a burst cut, given back at the next recovery (None: nothing to give back)."""
     floor_periods: int = 0
-    """Consecutive decisions that left the best-effort budget at its floor."""
+    """Consecutive decisions that left best-effort instances at their floor."""
+    quiet_at: float | None = None
+    """When the last quiet period was measured, or latency-critical and best-effort demand met (probes)."""
+    probe_left: int = 0
+    """Periods of the probe in progress still to hold best-effort at its floor."""
 
     def track(self, instance_id: str) -> CycleTrack | None:
         for t in self.tracks:
@@ -744,6 +761,7 @@ def decide_shares(
     budget: float | None = None
     recovery_cycles = 0
     restore_to: float | None = None
+    quiet_at, probe_left = (state.quiet_at, state.probe_left) if state.mode is not FeedbackMode.IDLE else (None, 0)
     if not lc_active:
         mode = FeedbackMode.IDLE
         be_total = 1.0
@@ -820,6 +838,20 @@ def decide_shares(
             mode = FeedbackMode.DRAIN
             be_total = floor_total
             summary = f"drain: best-effort at its floor until the cycle completes ({notes}); then {summary}"
+        if be_active:
+            quiet_at = now if quiet or quiet_at is None else quiet_at
+            every = config.quiet_probe_every_s
+            if (probe_left == 0 and every is not None and now - quiet_at >= every
+                    and any(f.track.spans for f in live)  # only a span baseline is measured by quiet
+                    and mode not in (FeedbackMode.EMERGENCY, FeedbackMode.BURST, FeedbackMode.DRAIN)):
+                probe_left = config.quiet_periods
+            if probe_left > 0:
+                # Like a drain, the budget is carried; only the shares drop, for the quiet measurement.
+                probe_left -= 1
+                mode = FeedbackMode.PROBE
+                be_total = floor_total
+                summary = (f"probe: best-effort at its floor to measure latency-critical spans without it "
+                           f"(no quiet period for {now - quiet_at:.1f} s); then {summary}")
         summary += (
             f"; budget {b:.2f} (fair {fair:.2f}, room {room:.2f}, floor {floor_total:.2f}, "
             f"ceiling {ceiling:.2f})"
@@ -877,10 +909,11 @@ def decide_shares(
             )
         )
 
-    at_floor = budget is not None and be_active and budget <= floor_total + EPS
+    at_floor = bool(lc_active) and bool(be_active) and be_total <= floor_total + EPS
     new_state = VerticalState(
         budget=budget, recovery_cycles=recovery_cycles, mode=mode, tracks=tracks, restore_to=restore_to,
         floor_periods=state.floor_periods + 1 if at_floor else 0,
+        quiet_at=quiet_at if lc_active else None, probe_left=probe_left if lc_active else 0,
     )
     active_total = sum(d.share for d in decisions if d.active)
     reason = f"{snapshot.gpu or 'gpu'} {mode.value}: {summary}; Σ active shares {active_total:.2f}"

@@ -182,7 +182,7 @@ async def test_stretched_cycles_trigger_an_emergency_cut(tmp_path: Path, shim_bu
                                     "--contend-capacity", str(CAPACITY))
         await server.send("burst 10 12 500 40")
         emergency = await until(lambda: next((r for r in seen if r.mode is FeedbackMode.EMERGENCY), None),
-                                "an emergency decision", timeout=30)
+                                "an emergency decision", timeout=60)
         assert "cycle" in emergency.reason
         assert emergency.status("train").share < 0.3 - 1e-9  # below the fair budget: cut by the ratio
         cut = await until(lambda: (s := stats(train)).rate_blocks_per_ms < TRAIN_CUT_RATE - 1e-6 and s,

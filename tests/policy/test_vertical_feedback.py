@@ -612,3 +612,24 @@ def test_a_quiet_period_resets_the_span_baseline_so_futile_cuts_stop() -> None:
     assert d.mode is FeedbackMode.EMERGENCY
     with pytest.raises(ValueError, match="quiet_periods"):
         VerticalConfig(quiet_periods=0)
+
+
+def test_a_probe_holds_best_effort_at_its_floor_then_gives_the_budget_back() -> None:
+    cfg = VerticalConfig(quiet_probe_every_s=1.0, span_slo_base=None)
+    st, t, modes, shares = VerticalState(), NOW, [], []
+    for _ in range(30):  # 1.5 s of steady, unhurt spans beside training
+        inst = spanned((1.0, 1.05, 1.0, 1.1, 1.0))
+        d = decide_shares(VerticalSnapshot(now=t, instances=(inst, train()), period_s=PERIOD), st, cfg)
+        modes.append(d.mode)
+        shares.append(d.share_of("train"))
+        st, t = d.state, t + PERIOD
+    first = modes.index(FeedbackMode.PROBE)
+    assert 19 <= first <= 21  # one second after the demands met
+    assert modes[first:first + cfg.quiet_periods] == [FeedbackMode.PROBE] * cfg.quiet_periods
+    floor = cfg.emergency_floor * 0.2
+    assert all(x == pytest.approx(floor) for x in shares[first:first + cfg.quiet_periods])
+    assert shares[first + cfg.quiet_periods] == pytest.approx(1.0)  # the budget was carried through
+    assert FeedbackMode.PROBE not in modes[first + cfg.quiet_periods:]  # the next one a second later
+    assert FeedbackMode.PROBE not in _steps(CFG, STEADY, VerticalState())  # off by default
+    with pytest.raises(ValueError, match="quiet_probe_every_s"):
+        VerticalConfig(quiet_probe_every_s=0.0)
