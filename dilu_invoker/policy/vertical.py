@@ -10,9 +10,10 @@ In the spirit of Dilu's RCKM (`gpu-sharing.md` §4.2):
   its limit. With no latency-critical demand (idle > 0.6 s) the budget is the whole GPU.
 * The budget follows the cycles of the latency-critical instances — their request spans (first launch to
   the next quiet sync, µs precision) where the shim reports them, else Dilu's 5 ms launch-window cycles —
-  judged by the median of their last few against their minimum (one merged-request cycle is not
-  interference): ≥ 1.6×
-  (1.3× for `llm`) is an **emergency** — the budget is divided by that ratio at once, down to a floor;
+  judged by the median of their last few against a baseline (the minimum cycle; for spans the fastest
+  period's median, never below 0.3 × SLO, reset by a quiet period with best-effort at its floor — one
+  merged-request cycle or one rare fast request is not the measure): ≥ 1.6× (1.3× for `llm`) is an
+  **emergency** — the budget is divided by that ratio at once, down to a floor;
   < 1.2× is **recovery** — each such cycle grows the budget ×1.3, up to a ceiling (`busy_ceiling`, the
   whole GPU unless a reserve is configured), and the first one after a burst cut undoes it;
   in between is **contention** — hold. A sudden jump of a latency-critical instance's launch rate (a
