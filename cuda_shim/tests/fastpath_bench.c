@@ -2,12 +2,14 @@
  * Cost of the shim's launch path, measured against the fake driver (whose
  * cuLaunchKernel only counts), so GPU and driver noise stay out of it.
  *
- *   fastpath_bench <label> [--limited] [calls]
+ *   fastpath_bench <label> [--limited] [--sync] [calls]
  *
  * Run it without LD_PRELOAD (baseline), with the shim and no control file
  * (pass-through), and with --limited (a control block whose rate is finite but
- * so high that nothing ever waits). Prints one JSON object: nanoseconds per
- * cuLaunchKernel call, min and median over 9 repetitions.
+ * so high that nothing ever waits). --sync follows every launch with a
+ * cuCtxSynchronize, the path where the shim opens and closes a request span
+ * each time. Prints one JSON object: nanoseconds per call (launch, or launch +
+ * sync), min and median over 9 repetitions.
  */
 #include <cuda.h>
 #include <fcntl.h>
@@ -53,9 +55,10 @@ static void make_limited_control(void) {
 int main(int argc, char **argv) {
     const char *label = argc > 1 ? argv[1] : "run";
     long calls = 5000000;
-    int limited = 0;
+    int limited = 0, sync = 0;
     for (int i = 2; i < argc; i++) {
         if (!strcmp(argv[i], "--limited")) limited = 1;
+        else if (!strcmp(argv[i], "--sync")) sync = 1;
         else calls = atol(argv[i]);
     }
     if (limited) make_limited_control();
@@ -66,12 +69,15 @@ int main(int argc, char **argv) {
     double per[REPS];
     for (int r = 0; r < REPS; r++) {
         double t0 = now_ns();
-        for (long i = 0; i < calls; i++) cuLaunchKernel(NULL, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        for (long i = 0; i < calls; i++) {
+            cuLaunchKernel(NULL, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+            if (sync) cuCtxSynchronize();
+        }
         per[r] = (now_ns() - t0) / (double)calls;
     }
     qsort(per, REPS, sizeof *per, cmp);
-    printf("{\"label\": \"%s\", \"limited\": %s, \"calls\": %ld, \"ns_per_call_min\": %.3f, "
+    printf("{\"label\": \"%s\", \"limited\": %s, \"sync\": %s, \"calls\": %ld, \"ns_per_call_min\": %.3f, "
            "\"ns_per_call_median\": %.3f}\n",
-           label, limited ? "true" : "false", calls, per[0], per[REPS / 2]);
+           label, limited ? "true" : "false", sync ? "true" : "false", calls, per[0], per[REPS / 2]);
     return 0;
 }
