@@ -24,6 +24,7 @@ from dilu_invoker.policy import (
     FeedbackMode,
     InstanceClass,
     VerticalConfig,
+    VerticalDecision,
     VerticalInstance,
     VerticalSnapshot,
     VerticalState,
@@ -59,8 +60,8 @@ CLOCKS = Machine(fast_ms=5.0, clock_penalty=0.7, clock_share=0.3, interference=0
 HARSH = Machine(fast_ms=5.0, clock_penalty=0.0, clock_share=0.0, interference=1.5, free=0.4)
 
 
-def run(machine: Machine, config: VerticalConfig, periods: int = 200, seed: int = 1) -> list[tuple[float, float]]:
-    """(training share, median span ms) per period, starting with training alone for one period."""
+def loop(machine: Machine, config: VerticalConfig, periods: int, seed: int) -> list[tuple[VerticalDecision, float]]:
+    """Each period's decision and the median span (ms) it was made on, starting with training alone."""
     rng = random.Random(seed)
     state, now, share = VerticalState(), 100.0, 1.0
     out = []
@@ -73,8 +74,13 @@ def run(machine: Machine, config: VerticalConfig, periods: int = 200, seed: int 
                                  last_active_at=now)
         d = decide_shares(VerticalSnapshot(now=now, instances=(inf, train), period_s=PERIOD), state, config)
         share, state, now = d.share_of("train"), d.state, now + PERIOD
-        out.append((share, sorted(spans)[2] * 1000))
+        out.append((d, sorted(spans)[2] * 1000))
     return out
+
+
+def run(machine: Machine, config: VerticalConfig, periods: int = 200, seed: int = 1) -> list[tuple[float, float]]:
+    """(training share, median span ms) per period."""
+    return [(d.share_of("train"), span) for d, span in loop(machine, config, periods, seed)]
 
 
 def settled(trace: list[tuple[float, float]]) -> tuple[float, float]:
@@ -116,20 +122,4 @@ def test_without_the_quiet_reset_the_clock_trap_holds_training_at_its_floor() ->
     cfg = VerticalConfig(span_quiet_baseline=False, span_slo_base=None)
     share, _ = settled(run(CLOCKS, cfg))
     assert share < 0.1
-    modes = {decide_mode for decide_mode in _modes(CLOCKS, cfg)}
-    assert FeedbackMode.EMERGENCY in modes
-
-
-def _modes(machine: Machine, config: VerticalConfig) -> list[FeedbackMode]:
-    rng = random.Random(2)
-    state, now, share, out = VerticalState(), 100.0, 1.0, []
-    for _ in range(60):
-        spans = tuple(machine.span_ms(share, rng) / 1000 for _ in range(5))
-        inf = VerticalInstance(id="inf", cls=InstanceClass.INFERENCE, request=0.5, limit=1.0, slo_ms=SLO_MS,
-                               blocks=2000, last_active_at=now, spans_s=spans, capacity_blocks_per_ms=CAPACITY)
-        train = VerticalInstance(id="train", cls=InstanceClass.TRAINING, request=0.2, limit=1.0, blocks=1000,
-                                 last_active_at=now)
-        d = decide_shares(VerticalSnapshot(now=now, instances=(inf, train), period_s=PERIOD), state, config)
-        share, state, now = d.share_of("train"), d.state, now + PERIOD
-        out.append(d.mode)
-    return out
+    assert FeedbackMode.EMERGENCY in {d.mode for d, _ in loop(CLOCKS, cfg, periods=60, seed=2)}
