@@ -705,8 +705,9 @@ async def step(name: str, o: Options, out: dict[str, Any], save: Callable[[], No
             dyn = [f"dynamic@{v}" if v != "default" else "dynamic" for v in o.variants]
             bursts = [f"burst@{v}" if v != "default" else "burst" for v in o.variants]
             caps = [f"static@{c:g}" for c in o.static_caps] if name == "mps" else []
-            plan = ["calibrate", *([] if ref.get("solo_inference") else ["solo_inference"]), "none", *caps, *dyn,
-                    *bursts]
+            # Inference alone as an MPS client (training's client idle) in every MPS step: how much of the
+            # co-located p99 is MPS itself, not training. The SLO stays 2 × the time-sliced solo p99.
+            plan = ["calibrate", "solo_inference", "none", *caps, *dyn, *bursts]
             await run_suite(o, out, save, "mps" if name == "mps" else "mpsc", plan, mps.env, ref, percentages=pct)
         elif name == "mps_static":
             # Static MPS splits (no shim limits): the (b); the first is also `static_mps_split`.

@@ -211,6 +211,12 @@ class Report:
                f"— | — | — | — | — |")
         self.w(f"| {alone} | training alone | — | — | — | — | {f(self.solo_it, 2)} | 100% | — | — |")
         for label, key in self.shared_steps():
+            own = (self.steps.get(key) or {}).get("solo_inference")
+            if isinstance(own, dict) and (self.steps.get(key) or {}) is not self.ref:
+                # The same inference alone under this step's sharing (MPS client): the floor of its p99.
+                self.w(f"| {label} | inference alone (this mode) | {f(own.get('p50_ms'), 2)} | "
+                       f"{f(own.get('p99_ms'), 2)} | {f(self.p99_ratio({'inference': own}), 2)} | — | — | — | — | — |")
+        for label, key in self.shared_steps():
             step = self.steps.get(key) or {}
             for name in ("none", *(k for k in step if k == "static" or k.startswith("static@"))):
                 if isinstance(step.get(name), dict):

@@ -104,6 +104,15 @@ def test_report_of_a_partial_run_is_honest() -> None:
     assert "* step `mps`: RuntimeError: MPS daemon did not start (rc 1)" in md
     assert "* `timeslice/static`: RuntimeError('worker died')" in md
     assert "DRY RUN" not in md and "GPU X" in md
+    assert "inference alone (this mode)" not in md  # the MPS step measured nothing
+
+
+def test_report_shows_inference_alone_under_mps_against_the_time_sliced_solo() -> None:
+    doc = {"steps": {"timeslice": {"solo_inference": {"p50_ms": 4.0, "p99_ms": 8.0}},
+                     "mps": {"solo_inference": {"p50_ms": 5.0, "p99_ms": 10.0}}}}
+    md = report.Report(doc).render()
+    assert "| MPS + shim | inference alone (this mode) | 5.00 | 10.00 | 1.25 | — |" in md
+    assert "| time-slicing | inference alone | 4.00 | 8.00 | 1.00 |" in md
 
 
 def test_report_marks_a_dry_run() -> None:
@@ -128,7 +137,7 @@ def test_dry_run_of_the_whole_pipeline(tmp_path: Path) -> None:
     ts, mps = doc["steps"]["timeslice"], doc["steps"]["mps"]
     for scenario in ("calibration", "solo_inference", "none", "static", "dynamic", "idle", "burst", "burst_solo"):
         assert scenario in ts, scenario
-    for scenario in ("none", "dynamic", "idle", "burst"):
+    for scenario in ("solo_inference", "none", "dynamic", "idle", "burst"):
         assert scenario in mps, scenario
     assert doc["steps"]["mps_static"]["static_mps_split"]["training"]["it_s"] > 0
     splits = doc["steps"]["mps_static"]["static_mps_splits"]
@@ -145,3 +154,4 @@ def test_dry_run_of_the_whole_pipeline(tmp_path: Path) -> None:
     assert "DRY RUN" in md and "| Time-slicing | default |" in md
     assert "| MPS (training ≤ 70% threads) + shim rates | default |" in md and "| MPS 30/70 |" in md
     assert "evenly spaced" in md
+    assert "| MPS + shim | inference alone (this mode) |" in md
