@@ -190,6 +190,19 @@ def rate(steps: list[float], t0: float, t1: float) -> float | None:
     return sum(t0 <= s < t1 for s in steps) / (t1 - t0)
 
 
+def requests(res: dict[str, Any], t0: float, t1: float) -> list[list[float]]:
+    """Every request of a window (arrival relative to its start, latency ms), to line the tail up with the
+    manager's ticks and the GPU's clock samples."""
+    return [[round(a - t0, 4), round((d - a) * 1000, 2)]
+            for a, d in zip(res["arrivals"], res["completions"], strict=False) if t0 <= a < t1]
+
+
+def unix(t: float) -> float:
+    """A monotonic instant (shared by every process on the machine) as wall-clock seconds, to line scenarios
+    up with nvidia-smi's timestamps (gpu_samples.csv)."""
+    return round(t + time.time() - time.monotonic(), 3)
+
+
 def window(res: dict[str, Any], tr: dict[str, Any], d: float) -> tuple[float, float]:
     """From the first arrival to the last completion, but not past training's last step."""
     t0 = res["start"]
@@ -461,7 +474,8 @@ class Suite:
         res = await self.open_loop([[secs(self.o.seconds), self.rps]], self.o.seed)
         lat = latency(res)
         lat["rate_rps"] = self.rps
-        self.out["solo_inference"] = lat
+        t1 = res["completions"][-1] if res["completions"] else res["start"]
+        self.out["solo_inference"] = {**lat, "requests": requests(res, res["start"], t1), "t0_unix": unix(res["start"])}
         self.save()
 
     def slo_ms(self, reference: dict[str, Any] | None) -> float | None:
@@ -486,6 +500,8 @@ class Suite:
             "inference": latency(res, slo_ms=slo),
             "training": {"it_s": it, "vs_solo": it / solo_it if it and solo_it else None},
             "manager": summarize(records, t0, t1),
+            "requests": requests(res, t0, t1),
+            "t0_unix": unix(t0),
         }
         self.save()
 
@@ -516,10 +532,8 @@ class Suite:
                          "before_inference_it_s": alone},
             "manager": summarize(records, t0, t1),
             "timeline": [compact(r, t0) for r in records if r.now >= t0 - 0.5 and r.now < t1 + 0.2],
-            # Every request of the steady window (arrival relative to its start, latency), to line the
-            # tail up with the manager's ticks.
-            "requests": [[round(a - t0, 4), round((d - a) * 1000, 2)]
-                         for a, d in zip(res["arrivals"], res["completions"], strict=False) if t0 <= a < t1],
+            "requests": requests(res, t0, t1),
+            "t0_unix": unix(t0),
         }
         idle_at = next((r.now for r in records if r.now >= stopped and r.mode is FeedbackMode.IDLE), None)
         w0 = (idle_at or stopped + cfg.idle_after_s) + 0.3
@@ -568,6 +582,7 @@ class Suite:
             "variant": variant if train else None,
             "rates_rps": {"base": base, "burst": peak, "multiplier": o.burst_mult},
             "phases_s": [pre, during, post],
+            "t0_unix": unix(res["start"]),
             "inference_burst": latency(res, slo_ms=slo, window=(b0, b1)),
             "inference_all": latency(res, slo_ms=slo),
             "training": {"it_s": rate(tr["steps"], res["start"], min(end, tr["steps"][-1] if tr["steps"] else end))}

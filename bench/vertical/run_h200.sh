@@ -15,6 +15,7 @@
 #   vertical.md            the report rendered from it (same as docs/benchmarks/vertical.md)
 #   vertical_log.txt       every step, its exit status, the manager's and workers' complaints
 #   machine.txt            GPU, driver, CPU, toolchain and library versions
+#   gpu_samples.csv        nvidia-smi every 100 ms: SM clock, power, temperature, utilisation, clock reasons
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 REPO=$PWD
@@ -78,6 +79,25 @@ if [ ! -f cuda_shim/build/libdilu_shim.so ]; then
     log "no cuda_shim/build/libdilu_shim.so: nothing can be measured"
 fi
 
+# ---- GPU samples --------------------------------------------------------------------------
+# SM clock, power, temperature, utilisation and why the clocks are held back, every 100 ms for the whole
+# run: a slowdown of inference that no share explains shows up here (scenarios carry t0_unix to line up).
+SMI=${DILU_BENCH_NVIDIA_SMI:-nvidia-smi}
+SMI_PID=
+if command -v "$SMI" >/dev/null 2>&1; then
+    FIELDS=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu
+    for reasons in clocks_event_reasons.active clocks_throttle_reasons.active; do
+        if timeout 20 "$SMI" --query-gpu="$FIELDS,$reasons" --format=csv >/dev/null 2>&1; then
+            FIELDS=$FIELDS,$reasons
+            break
+        fi
+    done
+    "$SMI" --query-gpu="$FIELDS" --format=csv -lms 100 >"$OUT/gpu_samples.csv" 2>>"$LOG" &
+    SMI_PID=$!
+    log "GPU samples every 100 ms: $FIELDS"
+fi
+trap '[ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null; mps_quit; rm -rf "$WORK"' EXIT
+
 # ---- steps (most important first) -------------------------------------------------------
 # Per-step extra arguments and limits: DILU_BENCH_ARGS_TIMESLICE / _MPS / _MPS_CAPPED / _MPS_STATIC and
 # DILU_BENCH_LIMIT_TIMESLICE / _MPS / _MPS_CAPPED / _MPS_STATIC (seconds).
@@ -106,4 +126,5 @@ timeout 60 "$PY" bench/vertical/h200.py merge --results "$RES" --out "$OUT/verti
 log "merge exit $?"
 timeout 60 "$PY" bench/vertical/report.py "$OUT/vertical_results.json" --out "$OUT/vertical.md" >>"$LOG" 2>&1
 log "report exit $?; total $((SECONDS - START))s"
+[ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null
 exit 0

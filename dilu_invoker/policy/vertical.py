@@ -106,6 +106,14 @@ class VerticalConfig:
     always ran beside inference is already a contended one (tests/policy/test_vertical_closed_loop.py). None
     (the default, the policy of the twelfth H200 run): no probes; 5.0 costs best-effort ~2 periods in 100.
     Not yet measured on the GPU."""
+    quiet_probe_held_s: float | None = 0.5
+    """While a cut is being held (the best-effort budget below its ceiling, latency-critical spans neither
+    recovering nor in emergency) and no quiet period has come for this long, probe: best-effort at its floor
+    for `quiet_periods` periods, so the next period says whether the cut still buys anything. Each probe that
+    leaves the budget held doubles the wait (up to 16×); the budget back at its ceiling resets it. Thirteenth
+    and fourteenth H200 runs: after one emergency cut, inference's spans sat 1.2-1.35× the SLO floor of the
+    baseline with training at 0.22 — and as fast with training at its floor — so the contention band held
+    training at 35% of solo for 6 s. None: only `quiet_probe_every_s` probes."""
     span_slo_base: float | None = 0.3
     """With spans and an SLO, a span is judged against the larger of the best span seen and this fraction
     of the SLO: a request well inside its SLO is not hurt however much slower than the best one seen. The
@@ -192,6 +200,9 @@ class VerticalConfig:
             raise ValueError("recovery_every, llm_history and cycle_smoothing must be >= 1")
         if self.quiet_periods < 1 or self.quiet_min_spans < 1:
             raise ValueError("quiet_periods and quiet_min_spans must be >= 1")
+        if self.quiet_probe_held_s is not None and not (
+                math.isfinite(self.quiet_probe_held_s) and self.quiet_probe_held_s > 0):
+            raise ValueError(f"quiet_probe_held_s must be > 0 or None, got {self.quiet_probe_held_s!r}")
         if self.quiet_probe_every_s is not None and not (
                 math.isfinite(self.quiet_probe_every_s) and self.quiet_probe_every_s > 0):
             raise ValueError(f"quiet_probe_every_s must be > 0 or None, got {self.quiet_probe_every_s!r}")
@@ -393,6 +404,8 @@ class VerticalState:
     """When the last quiet period was measured, or latency-critical and best-effort demand met (probes)."""
     probe_left: int = 0
     """Periods of the probe in progress still to hold best-effort at its floor."""
+    held_probes: int = 0
+    """Probes of a held cut since the budget was last at its ceiling (each doubles the next wait)."""
 
     def track(self, instance_id: str) -> CycleTrack | None:
         for t in self.tracks:
@@ -448,7 +461,7 @@ class _Feedback:
     demand: float | None = None  # this period's demand share (None: capacity unknown)
     jump: float = 0.0  # demand / its previous average when that is a burst (0: none)
     drain: bool = False  # its cycle in progress is eating into its SLO: a queue is building
-    rebased: bool = False  # a quiet period reset its span baseline: the cuts before it did not help
+    rebased: bool = False  # a quiet period's spans were still stretched: the cuts before it did not help
 
 
 def _classify(ratio: float, threshold: float, config: VerticalConfig) -> str:
@@ -497,29 +510,37 @@ def _feedback(
     notes: list[str] = []
     min_cycle, history, last_ratio = track.min_cycle_s, track.history, track.last_ratio
     recent = track.recent_ratios[-config.cycle_smoothing :]
-    quiet_s, rebased = track.quiet_s, False
+    # Spans against an SLO: never judge against less than this (config.span_slo_base says why).
+    slo_floor_s = (config.span_slo_base * inst.slo_ms / 1000.0
+                   if use_spans and config.span_slo_base is not None and inst.slo_ms
+                   and inst.cls.latency_critical else 0.0)
+    quiet_s, rebased, measured = track.quiet_s, False, False
     if (use_spans and config.span_quiet_baseline and inst.cls is not InstanceClass.LLM
             and len(cycles_s) >= config.quiet_min_spans):
         period_median = _median(cycles_s)
         if quiet:
-            # Best-effort has been at its floor: this is the instance's uncontended speed now.
-            quiet_s, rebased = period_median, True
+            # Best-effort has been at its floor: this is the instance's uncontended speed now. These spans
+            # measure the baseline; judged against it they would count as recovery for nothing.
+            old = _baseline(inst.cls, history, min_cycle, quiet_s, slo_floor_s)
+            quiet_s, measured = period_median, True
+            # Still stretched at the floor (by what counts as unhurt): the cuts before it did not help.
+            rebased = old is None or period_median >= config.recovery_ratio * old
             recent = ()  # ratios against the old baseline say nothing against the new one
-            notes.append(f"{inst.id} quiet period (best-effort at its floor): baseline {quiet_s * 1000:.1f} ms")
+            notes.append(f"{inst.id} quiet period (best-effort at its floor): baseline {quiet_s * 1000:.1f} ms"
+                         + (f", {period_median / old:.2f}× the last one: the cuts did not help"
+                            if rebased and old else ""))
         elif quiet_s is None or period_median < quiet_s:
             quiet_s = period_median  # a faster period: the instance can run that fast now
     smoothed = config.cycle_smoothing > 1
     already_cut = track.open_flagged
     safe_s = (config.slo_guard * inst.slo_ms / 1000.0
               if config.slo_guard is not None and inst.slo_ms and inst.cls.latency_critical else None)
-    # Spans against an SLO: never judge against less than this (config.span_slo_base says why).
-    slo_floor_s = (config.span_slo_base * inst.slo_ms / 1000.0
-                   if use_spans and config.span_slo_base is not None and inst.slo_ms
-                   and inst.cls.latency_critical else 0.0)
     for c in cycles_s:
         if c >= min_len:
             min_cycle = c if min_cycle is None else min(min_cycle, c)
             history = (history + (c,))[-config.llm_history :]
+        if measured:
+            continue
         base = _baseline(inst.cls, history, min_cycle, quiet_s, slo_floor_s)
         if base is None:
             continue
@@ -707,8 +728,20 @@ def _budget_step(
         FeedbackMode.STEADY,
         b,
         counted,
-        "latency-critical demand, no completed cycle this period: hold",
+        "latency-critical demand, no completed cycle judged this period: hold" + (f" ({notes})" if notes else ""),
     )
+
+
+def _probe_wait(config: VerticalConfig, *, held: bool, held_probes: int) -> tuple[float, int] | None:
+    """How long without a quiet period before the next probe, and whether it counts as a held probe (1) or a
+    periodic one (0); None: no probes. A held cut is probed after `quiet_probe_held_s`, doubling per probe
+    up to 16×, never later than the periodic probe."""
+    waits = []
+    if held and config.quiet_probe_held_s is not None:
+        waits.append((config.quiet_probe_held_s * 2 ** min(held_probes, 4), 1))
+    if config.quiet_probe_every_s is not None:
+        waits.append((config.quiet_probe_every_s, 0))
+    return min(waits) if waits else None
 
 
 def decide_shares(
@@ -762,7 +795,8 @@ def decide_shares(
     budget: float | None = None
     recovery_cycles = 0
     restore_to: float | None = None
-    quiet_at, probe_left = (state.quiet_at, state.probe_left) if state.mode is not FeedbackMode.IDLE else (None, 0)
+    quiet_at, probe_left, held_probes = ((state.quiet_at, state.probe_left, state.held_probes)
+                                         if state.mode is not FeedbackMode.IDLE else (None, 0, 0))
     if not lc_active:
         mode = FeedbackMode.IDLE
         be_total = 1.0
@@ -841,18 +875,23 @@ def decide_shares(
             summary = f"drain: best-effort at its floor until the cycle completes ({notes}); then {summary}"
         if be_active:
             quiet_at = now if quiet or quiet_at is None else quiet_at
-            every = config.quiet_probe_every_s
-            if (probe_left == 0 and every is not None and now - quiet_at >= every
-                    and any(f.track.spans for f in live)  # only a span baseline is measured by quiet
-                    and mode not in (FeedbackMode.EMERGENCY, FeedbackMode.BURST, FeedbackMode.DRAIN)):
-                probe_left = config.quiet_periods
+            held = b < ceiling - EPS
+            if not held:
+                held_probes = 0
+            if (probe_left == 0 and any(f.track.spans for f in live)  # only a span baseline is measured by quiet
+                    and mode in (FeedbackMode.CONTENTION, FeedbackMode.STEADY, FeedbackMode.RECOVERY)):
+                wait = _probe_wait(config, held=held and mode is not FeedbackMode.RECOVERY, held_probes=held_probes)
+                if wait is not None and now - quiet_at >= wait[0]:
+                    probe_left = config.quiet_periods
+                    held_probes += wait[1]
             if probe_left > 0:
                 # Like a drain, the budget is carried; only the shares drop, for the quiet measurement.
                 probe_left -= 1
                 mode = FeedbackMode.PROBE
                 be_total = floor_total
                 summary = (f"probe: best-effort at its floor to measure latency-critical spans without it "
-                           f"(no quiet period for {now - quiet_at:.1f} s); then {summary}")
+                           f"(no quiet period for {now - quiet_at:.1f} s"
+                           f"{', a cut held' if held else ''}); then {summary}")
         summary += (
             f"; budget {b:.2f} (fair {fair:.2f}, room {room:.2f}, floor {floor_total:.2f}, "
             f"ceiling {ceiling:.2f})"
@@ -915,6 +954,7 @@ def decide_shares(
         budget=budget, recovery_cycles=recovery_cycles, mode=mode, tracks=tracks, restore_to=restore_to,
         floor_periods=state.floor_periods + 1 if at_floor else 0,
         quiet_at=quiet_at if lc_active else None, probe_left=probe_left if lc_active else 0,
+        held_probes=held_probes if lc_active else 0,
     )
     active_total = sum(d.share for d in decisions if d.active)
     reason = f"{snapshot.gpu or 'gpu'} {mode.value}: {summary}; Σ active shares {active_total:.2f}"

@@ -7,6 +7,7 @@ judged against a minimum of 40 ms (the default `min_cycle_s` 35 ms keeps one-req
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import pytest
@@ -602,10 +603,14 @@ def test_a_quiet_period_resets_the_span_baseline_so_futile_cuts_stop() -> None:
     assert d.state.floor_periods == 2
     d = _decide(slow, d.state, cfg)  # the second period at the floor is quiet: 9 ms is its speed now
     assert d.state.track("inf").quiet_s == pytest.approx(1.8 * SPAN)
-    assert d.mode is FeedbackMode.RECOVERY and "quiet period" in d.reason
-    # The cuts did not help: the budget starts over from the room inference leaves (1 − 0.4 × 1.25), grown.
-    assert d.budget == pytest.approx((1 - 0.4 * 1.25) * cfg.recovery_growth)
+    # The quiet spans measure the baseline and are not judged; still 1.8× the old one, so the cuts did not
+    # help: the budget starts over from the room inference leaves (1 − 0.4 × 1.25) ...
+    assert d.mode is FeedbackMode.STEADY and "quiet period" in d.reason and "did not help" in d.reason
+    assert d.budget == pytest.approx(1 - 0.4 * 1.25)
     assert d.state.floor_periods == 0
+    # ... and the next period judges the same spans against the new baseline: unhurt, so it grows.
+    d = _decide(slow, d.state, cfg)
+    assert d.mode is FeedbackMode.RECOVERY and d.budget == pytest.approx((1 - 0.4 * 1.25) * cfg.recovery_growth)
     # Off: the same periods keep cutting.
     off = VerticalConfig(busy_ceiling=1.0, span_slo_base=None, span_quiet_baseline=False)
     d = _decide(slow, VerticalState(budget=floor, mode=FeedbackMode.EMERGENCY, tracks=(track,), floor_periods=5), off)
@@ -630,6 +635,65 @@ def test_a_probe_holds_best_effort_at_its_floor_then_gives_the_budget_back() -> 
     assert all(x == pytest.approx(floor) for x in shares[first:first + cfg.quiet_periods])
     assert shares[first + cfg.quiet_periods] == pytest.approx(1.0)  # the budget was carried through
     assert FeedbackMode.PROBE not in modes[first + cfg.quiet_periods:]  # the next one a second later
-    assert FeedbackMode.PROBE not in _steps(CFG, STEADY, VerticalState())  # off by default
+    assert FeedbackMode.PROBE not in _steps(CFG, STEADY, VerticalState())  # window cycles: nothing to probe
     with pytest.raises(ValueError, match="quiet_probe_every_s"):
         VerticalConfig(quiet_probe_every_s=0.0)
+
+
+def _held_run(cfg: VerticalConfig, spans: tuple[float, ...], periods: int, budget: float = 0.2):
+    """A cut held in contention from NOW on: (mode, training share) per period."""
+    track = CycleTrack("inf", SPAN, (SPAN,), recent_ratios=(1.3,) * 4, demand_ema=0.4, spans=True, quiet_s=SPAN)
+    st = VerticalState(budget=budget, mode=FeedbackMode.CONTENTION, tracks=(track,), quiet_at=NOW)
+    out, t = [], NOW
+    for _ in range(periods):
+        d = decide_shares(VerticalSnapshot(now=t, instances=(spanned(spans), train()), period_s=PERIOD), st, cfg)
+        out.append((d.mode, d.share_of("train"), d))
+        st, t = d.state, t + PERIOD
+    return out
+
+
+def test_a_held_cut_is_probed_and_given_up_when_it_buys_nothing() -> None:
+    cfg = VerticalConfig(busy_ceiling=1.0, span_slo_base=None)
+    floor = cfg.emergency_floor * 0.2
+    # Spans 1.3× the baseline whatever training runs at: contention holds the cut at 0.2 ...
+    run = _held_run(cfg, (1.3, 1.3, 1.3, 1.3, 1.3), periods=30)
+    modes = [m for m, _, _ in run]
+    first = modes.index(FeedbackMode.PROBE)
+    assert first in (10, 11)  # ... until quiet_probe_held_s (0.5 s) without a quiet period (float steps)
+    assert all(m is FeedbackMode.CONTENTION for m in modes[:first])
+    assert all(share == pytest.approx(0.2) for _, share, _ in run[:first])
+    assert [share for _, share, _ in run[first:first + 2]] == pytest.approx([floor, floor])
+    assert "a cut held" in run[first][2].reason
+    # The quiet period measured 1.3×: that is the speed now, so the cut is given up (the budget starts over
+    # from the room, 1 − 0.4 × 1.25) and training regrows.
+    after = run[first + 2]
+    assert after[0] is FeedbackMode.STEADY and "did not help" in after[2].reason
+    assert after[2].state.track("inf").quiet_s == pytest.approx(1.3 * SPAN)
+    assert after[1] == pytest.approx(0.5)
+    assert run[first + 3][0] is FeedbackMode.RECOVERY
+    assert run[-1][1] == pytest.approx(1.0) and run[-1][2].state.held_probes == 0  # back at the ceiling
+    # Off: the same spans hold training at 0.2 throughout.
+    off = _held_run(VerticalConfig(busy_ceiling=1.0, span_slo_base=None, quiet_probe_held_s=None),
+                    (1.3,) * 5, periods=30)
+    assert {m for m, _, _ in off} == {FeedbackMode.CONTENTION} and off[-1][1] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="quiet_probe_held_s"):
+        VerticalConfig(quiet_probe_held_s=-1.0)
+
+
+def test_a_cut_that_protects_is_probed_less_and_less_often() -> None:
+    # Spans 1.3× beside training at 0.2, 1.0× with training at its floor: the probes confirm the cut.
+    cfg = VerticalConfig(busy_ceiling=1.0, span_slo_base=None)
+    track = CycleTrack("inf", SPAN, (SPAN,), recent_ratios=(1.3,) * 4, demand_ema=0.4, spans=True, quiet_s=SPAN)
+    st, t, probes, held = VerticalState(budget=0.2, mode=FeedbackMode.CONTENTION, tracks=(track,), quiet_at=NOW), NOW, [], []
+    share = 0.2
+    for i in range(200):  # 10 s
+        x = 1.0 if share < 0.05 else 1.3
+        d = decide_shares(VerticalSnapshot(now=t, instances=(spanned((x,) * 5), train()), period_s=PERIOD), st, cfg)
+        if d.mode is FeedbackMode.PROBE and st.mode is not FeedbackMode.PROBE:
+            probes.append(i)
+        held.append(d.budget)
+        share, st, t = d.share_of("train"), d.state, t + PERIOD
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert len(probes) >= 3 and all(b > a for a, b in itertools.pairwise(gaps))  # backing off
+    assert gaps[0] >= 10 and max(gaps) <= 0.5 * 16 / PERIOD + 2 + 1
+    assert max(held) <= 0.2 + 1e-9  # the cut stayed: training never regrew into the interference
