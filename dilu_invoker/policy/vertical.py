@@ -35,6 +35,9 @@ from enum import StrEnum
 from dilu_invoker.policy.fill import water_fill
 from dilu_invoker.policy.types import EPS, InstanceClass, SharePair
 
+SATURATION_PERIODS = 3
+"""Periods whose mean busy fraction (Σ request spans / period) judges saturation (`saturation_busy`)."""
+
 
 class FeedbackMode(StrEnum):
     IDLE = "idle"
@@ -114,6 +117,13 @@ class VerticalConfig:
     and fourteenth H200 runs: after one emergency cut, inference's spans sat 1.2-1.35× the SLO floor of the
     baseline with training at 0.22 — and as fast with training at its floor — so the contention band held
     training at 35% of solo for 6 s. None: only `quiet_probe_every_s` probes."""
+    saturation_busy: float | None = 0.9
+    """A latency-critical instance whose request spans covered at least this fraction of the last periods
+    (mean of `SATURATION_PERIODS`) cannot keep up: every stretch becomes queueing, so a span in the
+    contention band counts as an emergency. Fifteenth H200 run (time-slicing, a 5× burst to 90
+    requests/s): spans 1.24× their baseline with training at 1.0 were 11.3 ms against 11.1 ms between
+    arrivals, and contention held while the queue grew to 28% SLO violations. Stretch that cutting cannot
+    remove (a quiet period measured it) is no contention, so this never cuts for it. None: off."""
     span_slo_base: float | None = 0.3
     """With spans and an SLO, a span is judged against the larger of the best span seen and this fraction
     of the SLO: a request well inside its SLO is not hurt however much slower than the best one seen. The
@@ -200,6 +210,9 @@ class VerticalConfig:
             raise ValueError("recovery_every, llm_history and cycle_smoothing must be >= 1")
         if self.quiet_periods < 1 or self.quiet_min_spans < 1:
             raise ValueError("quiet_periods and quiet_min_spans must be >= 1")
+        if self.saturation_busy is not None and not (
+                math.isfinite(self.saturation_busy) and self.saturation_busy > 0):
+            raise ValueError(f"saturation_busy must be > 0 or None, got {self.saturation_busy!r}")
         if self.quiet_probe_held_s is not None and not (
                 math.isfinite(self.quiet_probe_held_s) and self.quiet_probe_held_s > 0):
             raise ValueError(f"quiet_probe_held_s must be > 0 or None, got {self.quiet_probe_held_s!r}")
@@ -380,6 +393,8 @@ class CycleTrack:
     quiet_s: float | None = None
     """Span baseline (span_quiet_baseline): the median span of the last quiet period (best-effort at its
     floor), lowered by any later period whose median span is shorter; None: the minimum span."""
+    recent_busy: tuple[float, ...] = ()
+    """Σ request spans / period of the last few periods (`saturation_busy`), oldest first."""
 
     def baseline(self, cls: InstanceClass) -> float | None:
         if cls is InstanceClass.LLM and self.history:
@@ -577,6 +592,15 @@ def _feedback(
                 else f"{unit} {ratio:.2f}× {against}"
             )
             notes.append(f"{inst.id} {what} ({kind})")
+    recent_busy = track.recent_busy
+    if use_spans and config.saturation_busy is not None:
+        recent_busy = (recent_busy + (sum(cycles_s) / period_s,))[-SATURATION_PERIODS:]
+        busy = sum(recent_busy) / len(recent_busy)
+        if contention and len(recent_busy) == SATURATION_PERIODS and busy >= config.saturation_busy:
+            notes.append(f"{inst.id} request spans cover {busy:.0%} of its time (saturated): a queue builds, "
+                         f"so {contention:.2f}× its baseline is an emergency")
+            emergency, contention = max(emergency, contention), 0.0
+            recent_busy = ()  # fresh evidence before cutting for it again
     if cycles_s:
         # The cycle that was in progress has completed; whatever runs now is a new one.
         open_flagged = False
@@ -622,6 +646,7 @@ def _feedback(
         demand_ema=demand_ema,
         spans=use_spans,
         quiet_s=quiet_s,
+        recent_busy=recent_busy,
     )
     return _Feedback(
         new_track, emergency, contention, recovery, "; ".join(notes), demand, jump, drain, rebased

@@ -697,3 +697,31 @@ def test_a_cut_that_protects_is_probed_less_and_less_often() -> None:
     assert len(probes) >= 3 and all(b > a for a, b in itertools.pairwise(gaps))  # backing off
     assert gaps[0] >= 10 and max(gaps) <= 0.5 * 16 / PERIOD + 2 + 1
     assert max(held) <= 0.2 + 1e-9  # the cut stayed: training never regrew into the interference
+
+
+@pytest.mark.parametrize(("per_period", "ratio", "modes"), [
+    # 1.3× spans: 8 a period fill 8 × 6.5 ms = 104% of a 50 ms period: after three such periods, an emergency;
+    # then fresh evidence is needed before the next cut.
+    (8, 1.3, [FeedbackMode.CONTENTION, FeedbackMode.CONTENTION, FeedbackMode.EMERGENCY, FeedbackMode.CONTENTION]),
+    (4, 1.3, [FeedbackMode.CONTENTION] * 4),  # 52% of the time: room to absorb the stretch, hold
+    (9, 1.0, [FeedbackMode.RECOVERY] * 4),  # saturated but unstretched: cutting cannot help
+])
+def test_contention_while_saturated_is_an_emergency(per_period: int, ratio: float, modes: list[FeedbackMode]) -> None:
+    cfg = VerticalConfig(busy_ceiling=1.0, span_slo_base=None)
+    track = CycleTrack("inf", SPAN, (SPAN,), recent_ratios=(ratio,) * 4, demand_ema=0.4, spans=True, quiet_s=SPAN)
+    st, got = VerticalState(budget=0.6, mode=FeedbackMode.CONTENTION, tracks=(track,), quiet_at=NOW), []
+    for _ in modes:
+        d = _decide(spanned((ratio,) * per_period), st, cfg)
+        got.append(d.mode)
+        st = d.state
+        if d.mode is FeedbackMode.EMERGENCY:
+            assert "saturated" in d.reason and d.budget == pytest.approx(0.6 / ratio)
+    assert got == modes
+    off = VerticalConfig(busy_ceiling=1.0, span_slo_base=None, saturation_busy=None)
+    st = VerticalState(budget=0.6, mode=FeedbackMode.CONTENTION, tracks=(track,), quiet_at=NOW)
+    for _ in range(4):
+        d = _decide(spanned((1.3,) * 8), st, off)
+        assert d.mode is FeedbackMode.CONTENTION
+        st = d.state
+    with pytest.raises(ValueError, match="saturation_busy"):
+        VerticalConfig(saturation_busy=0.0)
