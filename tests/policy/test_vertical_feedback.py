@@ -704,6 +704,7 @@ def test_a_cut_that_protects_is_probed_less_and_less_often() -> None:
     # then fresh evidence is needed before the next cut.
     (8, 1.3, [FeedbackMode.CONTENTION, FeedbackMode.CONTENTION, FeedbackMode.EMERGENCY, FeedbackMode.CONTENTION]),
     (4, 1.3, [FeedbackMode.CONTENTION] * 4),  # 52% of the time: room to absorb the stretch, hold
+    (7, 1.3, [FeedbackMode.CONTENTION] * 4),  # 91%: busy, but not yet ≥ 95%
     (9, 1.0, [FeedbackMode.RECOVERY] * 4),  # saturated but unstretched: cutting cannot help
 ])
 def test_contention_while_saturated_is_an_emergency(per_period: int, ratio: float, modes: list[FeedbackMode]) -> None:
