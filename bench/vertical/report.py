@@ -2,6 +2,7 @@
 """Render docs/benchmarks/vertical.md from vertical_results.json (bench/vertical/h200.py merge).
 
     python3 bench/vertical/report.py vertical_results.json [--out docs/benchmarks/vertical.md]
+        [--gpu-samples gpu_samples.csv]
 
 Stdlib only. Every figure comes from the JSON; a missing step or scenario is shown as such, never invented.
 """
@@ -9,8 +10,11 @@ Stdlib only. Every figure comes from the JSON; a missing step or scenario is sho
 from __future__ import annotations
 
 import argparse
+import csv
+import datetime as dt
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,47 @@ def verdict(ok: bool | None) -> str:
     return "—" if ok is None else ("**met**" if ok else "**not met**")
 
 
+def second_p99s(sc: dict[str, Any]) -> list[float]:
+    """The p99 latency (ms) of each whole second of a scenario's requests (none when it kept no requests)."""
+    per: dict[int, list[float]] = {}
+    for arrival, latency in sc.get("requests") or []:
+        per.setdefault(int(arrival), []).append(latency)
+    full = [sorted(v) for k, v in sorted(per.items()) if len(v) >= 20]
+    return [v[min(len(v) - 1, int(0.99 * len(v)))] for v in full]
+
+
+def read_samples(path: Path, machine: str) -> list[tuple[float, dict[str, str]]]:
+    """nvidia-smi's CSV (run_h200.sh's gpu_samples.csv) as (unix time, field → value); its timestamps are
+    the machine's local time, whose offset the machine text's `date:` line gives."""
+    m = re.search(r"^date: \S+?([+-]\d\d:\d\d|Z)$", machine, re.M)
+    tz = dt.UTC
+    if m and m.group(1) != "Z":
+        sign = 1 if m.group(1)[0] == "+" else -1
+        hours, minutes = (int(x) for x in m.group(1)[1:].split(":"))
+        tz = dt.timezone(sign * dt.timedelta(hours=hours, minutes=minutes))
+    rows = list(csv.reader(path.read_text().splitlines()))
+    if not rows:
+        return []
+    head = [h.strip().split(" [")[0] for h in rows[0]]
+    out = []
+    for r in rows[1:]:
+        if len(r) != len(head):
+            continue  # an error line or a torn last line
+        try:
+            t = dt.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=tz).timestamp()
+        except ValueError:
+            continue
+        out.append((t, {h: v.strip() for h, v in zip(head, r, strict=True)}))
+    return out
+
+
+def number(text: str | None) -> float | None:
+    try:
+        return float((text or "").split()[0])
+    except (ValueError, IndexError):
+        return None
+
+
 def get(d: Any, *path: str) -> Any:
     for p in path:
         if not isinstance(d, dict):
@@ -71,8 +116,9 @@ def reaction_ms(burst: dict[str, Any]) -> float | None:
 
 
 class Report:
-    def __init__(self, doc: dict[str, Any]) -> None:
+    def __init__(self, doc: dict[str, Any], samples: list[tuple[float, dict[str, str]]] | None = None) -> None:
         self.doc = doc
+        self.samples = samples or []
         self.steps: dict[str, Any] = doc.get("steps") or {}
         self.ts: dict[str, Any] = self.steps.get("timeslice") or {}
         self.lines: list[str] = []
@@ -202,20 +248,21 @@ class Report:
     def steady_table(self) -> None:
         self.w("## Steady load")
         self.w()
-        self.w("| mode | scenario | inference p50 (ms) | p99 (ms) | p99 / solo | SLO violations | training it/s | "
-               "training / solo | manager modes (ticks) | mean training share |")
-        self.w("|---|---|---|---|---|---|---|---|---|---|")
+        self.w("| mode | scenario | inference p50 (ms) | p99 (ms) | p99 / solo | p99 of each second: median / worst "
+               "(ms) | SLO violations | training it/s | training / solo | manager modes (ticks) | mean training share |")
+        self.w("|---|---|---|---|---|---|---|---|---|---|---|")
         solo = self.ref.get("solo_inference") or {}
         alone = "time-slicing" if self.ref is self.ts else "MPS + shim"
         self.w(f"| {alone} | inference alone | {f(solo.get('p50_ms'), 2)} | {f(solo.get('p99_ms'), 2)} | 1.00 | "
-               f"— | — | — | — | — |")
-        self.w(f"| {alone} | training alone | — | — | — | — | {f(self.solo_it, 2)} | 100% | — | — |")
+               f"{self.seconds(solo)} | — | — | — | — | — |")
+        self.w(f"| {alone} | training alone | — | — | — | — | — | {f(self.solo_it, 2)} | 100% | — | — |")
         for label, key in self.shared_steps():
             own = (self.steps.get(key) or {}).get("solo_inference")
             if isinstance(own, dict) and (self.steps.get(key) or {}) is not self.ref:
                 # The same inference alone under this step's sharing (MPS client): the floor of its p99.
                 self.w(f"| {label} | inference alone (this mode) | {f(own.get('p50_ms'), 2)} | "
-                       f"{f(own.get('p99_ms'), 2)} | {f(self.p99_ratio({'inference': own}), 2)} | — | — | — | — | — |")
+                       f"{f(own.get('p99_ms'), 2)} | {f(self.p99_ratio({'inference': own}), 2)} | {self.seconds(own)} | "
+                       f"— | — | — | — | — |")
         for label, key in self.shared_steps():
             step = self.steps.get(key) or {}
             for name in ("none", *(k for k in step if k == "static" or k.startswith("static@"))):
@@ -244,8 +291,50 @@ class Report:
         modes = ", ".join(f"{k} {v}" for k, v in (mgr.get("modes") or {}).items())
         share = get(mgr, "mean_share", "training")
         self.w(f"| {mode} | {label} | {f(inf.get('p50_ms'), 2)} | {f(inf.get('p99_ms'), 2)} | "
-               f"{f(self.p99_ratio(sc), 2)} | {pctf(inf.get('violations'), 2)} | {f(tr.get('it_s'), 2)} | "
+               f"{f(self.p99_ratio(sc), 2)} | {self.seconds(sc)} | {pctf(inf.get('violations'), 2)} | "
+               f"{f(tr.get('it_s'), 2)} | "
                f"{pctf(tr.get('vs_solo'))} | {modes or '—'} | {f(share, 3)} |")
+
+    @staticmethod
+    def seconds(sc: dict[str, Any]) -> str:
+        p99s = second_p99s(sc)
+        return f"{statistics.median(p99s):.1f} / {max(p99s):.1f}" if p99s else "—"
+
+    def gpu_table(self) -> None:
+        """SM clock, power and clock-event reasons while each scenario ran (run_h200.sh's gpu_samples.csv)."""
+        if not self.samples:
+            return
+        rows = []
+        for label, key in [*self.shared_steps(), ("time-slicing", "timeslice")]:
+            step = self.steps.get(key) or {}
+            for name, sc in step.items():
+                if not isinstance(sc, dict) or sc.get("t0_unix") is None or (label, name) in {r[:2] for r in rows}:
+                    continue
+                reqs = sc.get("requests") or []
+                length = sum(sc["phases_s"]) if sc.get("phases_s") else (reqs[-1][0] if reqs else 0.0)
+                t0 = sc["t0_unix"]
+                got = [v for t, v in self.samples if t0 <= t <= t0 + length]
+                if not got:
+                    continue
+                clocks = [x for x in (number(v.get("clocks.current.sm")) for v in got) if x is not None]
+                watts = [x for x in (number(v.get("power.draw")) for v in got) if x is not None]
+                reasons = sorted({v.get("clocks_event_reasons.active") or v.get("clocks_throttle_reasons.active")
+                                  or "?" for v in got})
+                rows.append((label, name, len(got), clocks, watts, reasons))
+        if not rows:
+            return
+        self.w("## GPU during each scenario")
+        self.w()
+        self.w("From `gpu_samples.csv` (nvidia-smi every 100 ms, lined up by each scenario's start). A slow second that "
+               "the clocks, the power and the clock-event reasons do not explain came from elsewhere.")
+        self.w()
+        self.w("| mode | scenario | samples | SM clock min–max (MHz) | power mean / max (W) | clock-event reasons |")
+        self.w("|---|---|---|---|---|---|")
+        for label, name, n, clocks, watts, reasons in rows:
+            clock = f"{min(clocks):.0f}–{max(clocks):.0f}" if clocks else "—"
+            power = f"{statistics.fmean(watts):.0f} / {max(watts):.0f}" if watts else "—"
+            self.w(f"| {label} | {name} | {n} | {clock} | {power} | {', '.join(reasons)} |")
+        self.w()
 
     def burst_table(self) -> None:
         self.w("## Burst")
@@ -336,6 +425,7 @@ class Report:
         self.steady_table()
         self.burst_table()
         self.idle_table()
+        self.gpu_table()
         self.decisions()
         self.anchor()
         self.problems()
@@ -347,9 +437,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("results")
     ap.add_argument("--out", default="docs/benchmarks/vertical.md")
+    ap.add_argument("--gpu-samples", type=Path, help="run_h200.sh's gpu_samples.csv: adds the GPU's clocks per scenario")
     args = ap.parse_args()
     doc = json.loads(Path(args.results).read_text())
-    Path(args.out).write_text(Report(doc).render())
+    samples = read_samples(args.gpu_samples, str(doc.get("machine", ""))) if args.gpu_samples else None
+    Path(args.out).write_text(Report(doc, samples).render())
     return 0
 
 

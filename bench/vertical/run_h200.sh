@@ -124,7 +124,9 @@ done
 timeout 60 "$PY" bench/vertical/h200.py merge --results "$RES" --out "$OUT/vertical_results.json" \
     --machine "$OUT/machine.txt" --command "$CMD" --steps "$STEPS" >>"$LOG" 2>&1
 log "merge exit $?"
-timeout 60 "$PY" bench/vertical/report.py "$OUT/vertical_results.json" --out "$OUT/vertical.md" >>"$LOG" 2>&1
+[ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null && SMI_PID=
+SAMPLES=()
+[ -s "$OUT/gpu_samples.csv" ] && SAMPLES=(--gpu-samples "$OUT/gpu_samples.csv")
+timeout 60 "$PY" bench/vertical/report.py "$OUT/vertical_results.json" --out "$OUT/vertical.md" "${SAMPLES[@]}" >>"$LOG" 2>&1
 log "report exit $?; total $((SECONDS - START))s"
-[ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null
 exit 0

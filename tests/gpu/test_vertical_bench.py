@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import itertools
 import json
@@ -155,3 +156,29 @@ def test_dry_run_of_the_whole_pipeline(tmp_path: Path) -> None:
     assert "| MPS (training ≤ 70% threads) + shim rates | default |" in md and "| MPS 30/70 |" in md
     assert "evenly spaced" in md
     assert "| MPS + shim | inference alone (this mode) |" in md
+
+
+def test_report_shows_each_seconds_p99_and_the_gpu_clocks(tmp_path: Path) -> None:
+    # 3 s of 50 requests each; the second second has one 40 ms request in it.
+    reqs = [[i / 50, 40.0 if i == 60 else 8.0] for i in range(150)]
+    assert report.second_p99s({"requests": reqs}) == [8.0, 40.0, 8.0]
+    assert report.second_p99s({"requests": reqs[:10]}) == []  # under 20 requests: no second to judge
+    samples = tmp_path / "gpu_samples.csv"
+    samples.write_text(
+        "timestamp, clocks.current.sm [MHz], power.draw [W], clocks_event_reasons.active\n"
+        "2026/11/30 08:00:00.000, 1980 MHz, 500.00 W, 0x0000000000000000\n"
+        "2026/11/30 08:00:01.500, 1410 MHz, 700.00 W, 0x0000000000000080\n"
+        "2026/11/30 08:00:09.000, 345 MHz, 80.00 W, 0x0000000000000001\n"  # after the scenario: left out
+        "Unable to determine the device handle\n")
+    rows = report.read_samples(samples, "date: 2026-11-30T09:00:00+01:00\n")
+    t0 = rows[0][0]
+    # The machine's clock ran at +01:00: 08:00 there is 07:00 UTC.
+    utc = datetime.datetime(2026, 11, 30, 7, 0, tzinfo=datetime.UTC).timestamp()
+    assert len(rows) == 3 and t0 == pytest.approx(utc) and rows[1][0] == pytest.approx(utc + 1.5)
+    doc = {"machine": "date: 2026-11-30T09:00:00+01:00",
+           "steps": {"timeslice": {"solo_inference": {"p50_ms": 4.0, "p99_ms": 8.0},
+                                   "dynamic": {"inference": {"p99_ms": 9.0}, "requests": reqs, "t0_unix": t0}}}}
+    md = report.Report(doc, rows).render()
+    assert "| time-slicing | dynamic | 2 | 1410–1980 | 600 / 700 | 0x0000000000000000, 0x0000000000000080 |" in md
+    assert "| time-slicing | dynamic manager (default) | — | 9.00 | 1.12 | 8.0 / 40.0 |" in md
+    assert "## GPU during each scenario" not in report.Report(doc).render()
