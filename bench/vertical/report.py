@@ -4,6 +4,8 @@
     python3 bench/vertical/report.py vertical_results.json [--out docs/benchmarks/vertical.md]
         [--gpu-samples gpu_samples.csv]
 
+Either file may be gzipped (`.gz`), as the runs kept in docs/benchmarks/data are.
+
 Stdlib only. Every figure comes from the JSON; a missing step or scenario is shown as such, never invented.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import gzip
 import json
 import re
 import statistics
@@ -61,6 +64,11 @@ def second_p99s(sc: dict[str, Any]) -> list[float]:
     return [v[min(len(v) - 1, int(0.99 * len(v)))] for v in full]
 
 
+def read_text(path: Path) -> str:
+    """A file as text, gunzipped when its name ends in .gz (docs/benchmarks/data keeps runs compressed)."""
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
 def read_samples(path: Path, machine: str) -> list[tuple[float, dict[str, str]]]:
     """nvidia-smi's CSV (run_h200.sh's gpu_samples.csv) as (unix time, field → value); its timestamps are
     the machine's local time, whose offset the machine text's `date:` line gives."""
@@ -70,7 +78,7 @@ def read_samples(path: Path, machine: str) -> list[tuple[float, dict[str, str]]]
         sign = 1 if m.group(1)[0] == "+" else -1
         hours, minutes = (int(x) for x in m.group(1)[1:].split(":"))
         tz = dt.timezone(sign * dt.timedelta(hours=hours, minutes=minutes))
-    rows = list(csv.reader(path.read_text().splitlines()))
+    rows = list(csv.reader(read_text(path).splitlines()))
     if not rows:
         return []
     head = [h.strip().split(" [")[0] for h in rows[0]]
@@ -439,7 +447,7 @@ def main() -> int:
     ap.add_argument("--out", default="docs/benchmarks/vertical.md")
     ap.add_argument("--gpu-samples", type=Path, help="run_h200.sh's gpu_samples.csv: adds the GPU's clocks per scenario")
     args = ap.parse_args()
-    doc = json.loads(Path(args.results).read_text())
+    doc = json.loads(read_text(Path(args.results)))
     samples = read_samples(args.gpu_samples, str(doc.get("machine", ""))) if args.gpu_samples else None
     Path(args.out).write_text(Report(doc, samples).render())
     return 0

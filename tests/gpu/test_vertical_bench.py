@@ -182,3 +182,16 @@ def test_report_shows_each_seconds_p99_and_the_gpu_clocks(tmp_path: Path) -> Non
     assert "| time-slicing | dynamic | 2 | 1410–1980 | 600 / 700 | 0x0000000000000000, 0x0000000000000080 |" in md
     assert "| time-slicing | dynamic manager (default) | — | 9.00 | 1.12 | 8.0 / 40.0 |" in md
     assert "## GPU during each scenario" not in report.Report(doc).render()
+
+
+def test_report_reads_gzipped_runs(tmp_path: Path) -> None:
+    import gzip
+
+    doc = {"steps": {"timeslice": {"solo_inference": {"p50_ms": 4.0, "p99_ms": 8.0}}}}
+    src = tmp_path / "vertical_results_run99.json.gz"
+    src.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    out = tmp_path / "vertical.md"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "vertical" / "report.py"), str(src), "--out", str(out)],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "| time-slicing | inference alone | 4.00 | 8.00 | 1.00 |" in out.read_text()
