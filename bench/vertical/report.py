@@ -209,7 +209,9 @@ class Report:
             if name == "default":
                 continue
             diff = {k: v for k, v in cfg.items() if default.get(k) != v}
-            self.w(f"* policy variant `{name}`: the defaults with {', '.join(f'`{k}={v}`' for k, v in diff.items())};")
+            what = (f"the defaults with {', '.join(f'`{k}={v}`' for k, v in diff.items())}" if diff
+                    else "the defaults again (a repeat in the same run: how far two trials of one policy differ)")
+            self.w(f"* policy variant `{name}`: {what};")
         if "run1-default" in variants:
             self.w("  (`run1-default` is the policy of the first H200 run, `VerticalConfig.run1()`; docs/policies.md §1);")
         if "run3-default" in variants:

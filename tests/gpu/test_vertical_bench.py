@@ -125,7 +125,7 @@ def test_dry_run_of_the_whole_pipeline(tmp_path: Path) -> None:
     """run_h200.sh with stand-in workers on the fake driver, under the real shim and the real manager."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DILU_", "LD_PRELOAD"))}
     env.update(OUT=str(tmp_path), DILU_BENCH_SCALE="0.05", PYTHON=sys.executable,
-               DILU_BENCH_ARGS="--no-dilu-variant --mps-splits 50,50:30,70")
+               DILU_BENCH_ARGS="--no-dilu-variant --variant again: --mps-splits 50,50:30,70")
     out = subprocess.run(["bash", str(REPO / "bench" / "vertical" / "dry_run.sh")], env=env, capture_output=True,
                          text=True, timeout=400, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -156,6 +156,7 @@ def test_dry_run_of_the_whole_pipeline(tmp_path: Path) -> None:
     assert "| MPS (training ≤ 70% threads) + shim rates | default |" in md and "| MPS 30/70 |" in md
     assert "evenly spaced" in md
     assert "| MPS + shim | inference alone (this mode) |" in md
+    assert "* policy variant `again`: the defaults again (a repeat" in md
 
 
 def test_report_shows_each_seconds_p99_and_the_gpu_clocks(tmp_path: Path) -> None:
