@@ -16,8 +16,11 @@ In the spirit of Dilu's RCKM (`gpu-sharing.md` §4.2):
   **emergency** — the budget is divided by that ratio at once, down to a floor;
   < 1.2× is **recovery** — each such cycle grows the budget ×1.3, up to a ceiling (`busy_ceiling`, the
   whole GPU unless a reserve is configured), and the first one after a burst cut undoes it;
-  in between is **contention** — hold. A sudden jump of a latency-critical instance's launch rate (a
-  **burst**) divides the budget by the jump within one period, never below the room the burst leaves.
+  in between is **contention** — hold, unless the instance's spans fill ≥ 95% of its time (saturated: a
+  queue builds), which makes it an emergency. A cut held in contention is **probed** after 0.5 s
+  (best-effort at its floor for two periods) and given up when inference is no faster without it. A sudden
+  jump of a latency-critical instance's launch rate (a **burst**) divides the budget by the jump within one
+  period, never below the room the burst leaves.
 
 A cap only limits; protection comes from the feedback. So Σ active shares may exceed 1: the
 latency-critical caps cost nothing between requests, and the best-effort budget is wherever feedback
@@ -106,17 +109,18 @@ class VerticalConfig:
     """While latency-critical and best-effort demand run together and no quiet period has come for this
     long, hold best-effort at its floor for `quiet_periods` periods (a probe) so the next period measures the
     span baseline. Without probes the baseline is the fastest period seen, which on a GPU where training
-    always ran beside inference is already a contended one (tests/policy/test_vertical_closed_loop.py). None
-    (the default, the policy of the twelfth H200 run): no probes; 5.0 costs best-effort ~2 periods in 100.
-    Not yet measured on the GPU."""
+    always ran beside inference is already a contended one (tests/policy/test_vertical_closed_loop.py), a
+    gap that saturation (`saturation_busy`) already closes where it builds a queue. None (the default): no
+    periodic probes; 5.0 costs best-effort ~2 periods in 100 and on the H200 (thirteenth to fifteenth runs)
+    was neither better nor worse than none within the run-to-run noise."""
     quiet_probe_held_s: float | None = 0.5
     """While a cut is being held (the best-effort budget below its ceiling, latency-critical spans neither
     recovering nor in emergency) and no quiet period has come for this long, probe: best-effort at its floor
     for `quiet_periods` periods, so the next period says whether the cut still buys anything. Each probe that
-    leaves the budget held doubles the wait (up to 16×); the budget back at its ceiling resets it. Thirteenth
-    and fourteenth H200 runs: after one emergency cut, inference's spans sat 1.2-1.35× the SLO floor of the
-    baseline with training at 0.22 — and as fast with training at its floor — so the contention band held
-    training at 35% of solo for 6 s. None: only `quiet_probe_every_s` probes."""
+    leaves the budget held doubles the wait (up to 16×); the budget back at its ceiling resets it. Fourteenth
+    H200 run (MPS): after one emergency cut, inference's spans sat 1.2-1.35× the SLO floor of the baseline
+    with training at 0.22 — and no faster with training at its floor — so the contention band held training
+    at 35% of solo for 6 s; fifteenth run, with held probes: 87-91%. None: only `quiet_probe_every_s` probes."""
     saturation_busy: float | None = 0.95
     """A latency-critical instance whose request spans covered at least this fraction of the last periods
     (mean of `SATURATION_PERIODS`) cannot keep up: every stretch becomes queueing, so a span in the
