@@ -15,7 +15,6 @@ times. Writes DIR/spans_results.json; stdlib only here, torch only in the worker
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -30,17 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 SHIM = REPO / "cuda_shim" / "build" / "libdilu_shim.so"
 
 
-def _load_abi() -> Any:
-    spec = importlib.util.spec_from_file_location("dilu_shim_abi", REPO / "dilu_invoker" / "gpu" / "abi.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-abi = _load_abi()
-
+# The shim's stats ABI, loaded by the shim benchmark beside this script (run as a script, its folder is on
+# sys.path) without importing the dilu_invoker package.
+from h200 import abi
 
 # ---- the worker (under the shim, with torch) -------------------------------------------------------
 

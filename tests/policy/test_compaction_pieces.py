@@ -6,27 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from split_testlib import GIB, INF, LLM, SPLIT, inst
 
 from dilu_invoker.policy import (
     ClusterSnapshot,
     CompactionConfig,
     GpuRef,
     GpuState,
-    InstanceClass,
     PlacedInstance,
     PlacementConfig,
     PlacementRequest,
     compaction_plan,
     place,
 )
-
-GIB = 1024.0
-INF, LLM, TRAIN = InstanceClass.INFERENCE, InstanceClass.LLM, InstanceClass.TRAINING
-SPLIT = PlacementConfig(llm_max_parts=4)
-
-
-def inst(id: str, request: float, limit: float, mem_gib: float, cls: InstanceClass = TRAIN) -> PlacedInstance:
-    return PlacedInstance(id=id, function=id, cls=cls, request=request, limit=limit, memory_mib=mem_gib * GIB)
 
 
 def piece(index: int, mem_gib: float, of: str = "big", whole_gib: float = 25.0) -> PlacedInstance:

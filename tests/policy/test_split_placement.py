@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from split_testlib import GIB, INF, LLM, SPLIT, TRAIN, inst
 
 from dilu_invoker.policy import (
     FILTERS,
@@ -23,14 +24,6 @@ from dilu_invoker.policy import (
     part_id,
     place,
 )
-
-GIB = 1024.0
-INF, LLM, TRAIN = InstanceClass.INFERENCE, InstanceClass.LLM, InstanceClass.TRAINING
-SPLIT = PlacementConfig(llm_max_parts=4)
-
-
-def inst(id: str, request: float, limit: float, mem_gib: float, cls: InstanceClass = TRAIN) -> PlacedInstance:
-    return PlacedInstance(id=id, function=id, cls=cls, request=request, limit=limit, memory_mib=mem_gib * GIB)
 
 
 def gpu(invoker: str, index: int, *instances: PlacedInstance, mem_gib: float = 40.0) -> GpuState:
