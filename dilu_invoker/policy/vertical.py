@@ -34,9 +34,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
 
 from dilu_invoker.policy.fill import water_fill
 from dilu_invoker.policy.types import EPS, InstanceClass, SharePair
+
+if TYPE_CHECKING:
+    from dilu_invoker.policy.vertical_slo import SloState
 
 SATURATION_PERIODS = 3
 """Periods whose mean busy fraction (Σ request spans / period) judges saturation (`saturation_busy`)."""
@@ -61,6 +65,20 @@ class FeedbackMode(StrEnum):
     PROBE = "probe"
     """Best-effort held at its floor for a few periods to measure the latency-critical spans without it
     (`quiet_probe_every_s`); the budget is kept for afterwards."""
+    # The modes of the `slo` policy (vertical_slo.py) besides IDLE and EMERGENCY:
+    MEASURE = "measure"
+    """`slo`: best-effort at its floor to measure a latency-critical instance's solo latency."""
+    HOLD = "hold"
+    """`slo`: the SLO error is within the deadband, or the dwell since the last move has not passed."""
+    INCREASE = "increase"
+    """`slo`: the SLO error is below the deadband: the best-effort budget grows by one step."""
+    DECREASE = "decrease"
+    """`slo`: the SLO error is above 1: the best-effort budget shrinks by the decrease factor."""
+
+
+class _IdleAfter(Protocol):
+    @property
+    def idle_after_s(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -351,7 +369,7 @@ class VerticalInstance:
             return None
         return self.blocks / (self.capacity_blocks_per_ms * period_s * 1000.0)
 
-    def active(self, now: float, config: VerticalConfig) -> bool:
+    def active(self, now: float, config: _IdleAfter) -> bool:
         if self.blocks > 0:
             return True
         return (
@@ -445,6 +463,8 @@ class ShareDecision:
     saturated: bool
     """At its limit and throttled: vertical scaling has nothing more to give it."""
     reason: str
+    mps_threads: float | None = None
+    """The MPS active-thread fraction its client starts with (None: no cap); only the `slo` policy sets it."""
 
     @property
     def changed(self) -> bool:
@@ -459,7 +479,7 @@ class VerticalDecision:
     shares: tuple[ShareDecision, ...]
     budget: float | None
     reason: str
-    state: VerticalState
+    state: VerticalState | SloState
     active_total: float = field(default=0.0)
     """Σ shares of active instances."""
 

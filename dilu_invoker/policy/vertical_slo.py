@@ -1,0 +1,492 @@
+"""The `slo` vertical policy: a feedback controller that holds latency-critical instances to their SLO and
+gives best-effort instances the rest of the GPU. docs/policies.md §1.1 writes the law on one page.
+
+* **Objective**: every active latency-critical instance's p99 latency at or below its target T: the
+  `gpu-slo-ms` annotation (`slo_ms`), or else `slo_factor` × its solo latency at the current arrival rate.
+* **Measurement**: the request spans the shim reports (`spans_s`; window cycles where a shim reports no
+  spans), turned into a p99 latency estimate by Kingman's approximation (`p99_estimate`): the spans' median
+  plus ln(100) × the mean queueing wait their busy fraction and the arrivals' variability predict.
+* **Actuator**: the best-effort budget (Σ best-effort shares, launch-rate caps enforced by the shim), and
+  under MPS the best-effort clients' active-thread fraction, chosen once at their start
+  (`ShareDecision.mps_threads`).
+* **State machine** (`FeedbackMode`): idle → measure → {hold, increase, decrease, emergency}; multiplicative
+  decrease / additive increase of the budget on the SLO error e = estimate / T, a deadband in which nothing
+  moves, a dwell between moves, and an emergency clamp to the floor.
+
+Six knobs (`SloConfig`), each with a unit; everything else is a named constant below with the reason for
+its value. The policy is pure: a frozen snapshot (with `now`) and the state it returned last time in, a
+decision with reasons and the next state out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from dilu_invoker.policy.fill import water_fill
+from dilu_invoker.policy.types import EPS
+from dilu_invoker.policy.vertical import (
+    FeedbackMode,
+    ShareDecision,
+    VerticalConfig,
+    VerticalDecision,
+    VerticalInstance,
+    VerticalSnapshot,
+    VerticalState,
+    _latency_shares,
+    decide_shares,
+)
+
+VERTICAL_POLICIES = ("rckm", "slo")
+"""Names of the vertical policies (`--gpu-vertical-policy`): `rckm` the cycle-ratio policy of
+`vertical.py` (Dilu's RCKM), `slo` this controller."""
+
+# -- constants of the law (not knobs: each follows from what it measures) --------------------------
+
+IDLE_AFTER_S = 0.6
+"""A latency-critical instance that launched nothing for this long is idle (Dilu: 120 windows of 5 ms)."""
+FLOOR_FRACTION = 0.05
+"""A best-effort instance keeps 5% of its request even at the floor, so its work keeps progressing."""
+CLAMP_RATIO = 1.5
+"""An estimate this far above the target is an emergency: one multiplicative step would not fix it in time."""
+SATURATED_BUSY = 0.95
+"""Spans covering this much of the last `SATURATION_PERIODS` periods: requests arrive as fast as they are
+served, the queue grows whatever the stretch, so it is an emergency."""
+SATURATION_PERIODS = 4
+BUSY_TARGET = 0.9
+"""The busy fraction ρ a latency-critical instance is held below whatever its latency estimate: under
+evenly spaced arrivals Kingman's wait stays ~0 up to ρ = 1 and then a queue grows without bound, so the
+controller keeps a 10% margin for the next stretch (ρ / 0.9 is a second SLO error, judged like the first)."""
+RHO_CAP = 0.98
+"""The busy fraction fed to Kingman's formula is capped below 1 (the estimate is infinite at 1)."""
+BUSY_WINDOW = 20
+"""Periods whose spans give the busy fraction ρ (0.5 s at 50 ms: ~50 requests at 100 requests/s)."""
+COUNT_WINDOW = 40
+"""Periods whose span counts give the arrivals' variability (1 s at 50 ms)."""
+JUDGE_MAX_SPANS = 64
+"""Spans kept for one judgement (since the last budget move)."""
+MIN_SPANS = 3
+"""Spans a judgement or a solo measurement needs."""
+MEASURE_MAX_PERIODS = 20
+"""A solo measurement that collects fewer than `MIN_SPANS` in this many periods uses what it has."""
+SATURATED_THROTTLE_FRACTION = 0.1
+"""An instance at its limit that waited for tokens this fraction of the period is saturated (horizontal)."""
+
+QUIET_PERIODS = 2
+"""Decisions at the floor before a period's spans count as solo: the first still runs work admitted before."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SloConfig:
+    """The six knobs of the `slo` policy; units in the names' docstrings, reasons in docs/policies.md."""
+
+    slo_factor: float = 2.0
+    """×, dimensionless. Without a `gpu-slo-ms` annotation the target is this × the instance's solo latency
+    (measured with best-effort at its floor) at the current arrival rate: the benchmark's SLO of 2 × solo p99."""
+    deadband: float = 0.15
+    """Fraction of the target. While the estimate lies in [(1 − deadband) × T, T] the budget does not move."""
+    increase_per_s: float = 0.5
+    """Share of the GPU per second: the additive increase of the best-effort budget (one step per dwell)."""
+    decrease: float = 0.7
+    """×, in (0, 1): the multiplicative decrease of the budget when the estimate is above the target."""
+    dwell_s: float = 0.2
+    """Seconds between two moves of the budget (an emergency does not wait): the spans since the last move
+    are what the next one is judged on."""
+    mps_best_effort_threads: float = 0.7
+    """Fraction of the SMs (0, 1] a best-effort MPS client may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE / 100),
+    fixed when its process starts; latency-critical clients get no cap."""
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("slo_factor", self.slo_factor, lambda v: v >= 1.0, ">= 1"),
+            ("deadband", self.deadband, lambda v: 0.0 < v < 1.0, "in (0, 1)"),
+            ("increase_per_s", self.increase_per_s, lambda v: v > 0.0, "> 0"),
+            ("decrease", self.decrease, lambda v: 0.0 < v < 1.0, "in (0, 1)"),
+            ("dwell_s", self.dwell_s, lambda v: v > 0.0, "> 0"),
+            ("mps_best_effort_threads", self.mps_best_effort_threads, lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+        )
+        for name, value, ok, what in checks:
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
+                raise ValueError(f"{name} must be {what}, got {value!r}")
+
+    @property
+    def idle_after_s(self) -> float:
+        """What `VerticalInstance.active` asks of a config (a constant here, not a knob)."""
+        return IDLE_AFTER_S
+
+    @property
+    def step(self) -> float:
+        """The additive increase per move: increase_per_s × dwell_s."""
+        return self.increase_per_s * self.dwell_s
+
+
+# -- state -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SloTrack:
+    """What the controller remembers of one latency-critical instance."""
+
+    id: str
+    solo_s: float | None = None
+    """Solo span: the shortest per-period median span seen with best-effort at its floor (None: unmeasured)."""
+    counts: tuple[int, ...] = ()
+    """Spans completed per period, the last `COUNT_WINDOW` periods (arrival rate and variability)."""
+    busy: tuple[float, ...] = ()
+    """Σ spans / period, the last `BUSY_WINDOW` periods."""
+    judged: tuple[float, ...] = ()
+    """Spans completed since the last budget move (the first period after it excluded)."""
+    measured: tuple[float, ...] = ()
+    """Spans collected during a solo measurement in progress."""
+
+
+@dataclass(frozen=True, slots=True)
+class SloState:
+    """Carried from one call to the next for one GPU; start with `SloState()`."""
+
+    mode: FeedbackMode = FeedbackMode.IDLE
+    budget: float | None = None
+    """Best-effort budget while latency-critical demand exists (None: idle)."""
+    resume: float | None = None
+    """The budget when latency-critical demand last ended: where it starts next time."""
+    threshold: float | None = None
+    """After an emergency: `decrease` × the budget before it; below it the budget doubles per move."""
+    moved_at: float | None = None
+    """When the budget last moved (or latency-critical demand began)."""
+    floor_periods: int = 0
+    """Consecutive decisions that left best-effort at its floor."""
+    measuring: int = 0
+    """Periods of the solo measurement in progress (0: none)."""
+    tracks: tuple[SloTrack, ...] = ()
+
+    def track(self, instance_id: str) -> SloTrack:
+        for t in self.tracks:
+            if t.id == instance_id:
+                return t
+        return SloTrack(id=instance_id)
+
+
+# -- small helpers (each with its own table test) ---------------------------------------------------
+
+
+def median(xs: tuple[float, ...]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def arrival_scv(cd2: float, *, rho: float, cs2: float) -> float:
+    """The arrivals' squared coefficient of variation from the completions' (`cd2`): a server smooths what
+    it serves, c_d² = ρ² c_s² + (1 − ρ²) c_a² (Whitt's linking equation), inverted; within [0, 4]."""
+    r = min(max(rho, 0.0), RHO_CAP)
+    return min(4.0, max(0.0, (cd2 - r * r * cs2) / (1.0 - r * r)))
+
+
+def dispersion(counts: tuple[int, ...]) -> float:
+    """Index of dispersion of per-period counts, var / mean: ≈ the squared coefficient of variation of the
+    inter-event times (0 paced, 1 Poisson, > 1 bursty). 1 (Poisson) until three periods are known."""
+    if len(counts) < 3:
+        return 1.0
+    mean = sum(counts) / len(counts)
+    if mean <= 0:
+        return 1.0
+    var = sum((c - mean) ** 2 for c in counts) / (len(counts) - 1)
+    return var / mean
+
+
+def scv(spans: tuple[float, ...]) -> float:
+    """Squared coefficient of variation of the service times (0 when fewer than two)."""
+    if len(spans) < 2:
+        return 0.0
+    mean = sum(spans) / len(spans)
+    if mean <= 0:
+        return 0.0
+    var = sum((s - mean) ** 2 for s in spans) / (len(spans) - 1)
+    return var / (mean * mean)
+
+
+def p99_estimate(span_s: float, *, rho: float, ca2: float, cs2: float) -> float:
+    """A request's p99 latency from its service time. Kingman's G/G/1 mean wait is
+    W = ρ / (1 − ρ) × (ca² + cs²) / 2 × span; a request waits with probability ≈ ρ, and then about
+    exponentially with mean W / ρ, so the p99 wait is (W / ρ) × ln(100 ρ) (none when ρ ≤ 1%)."""
+    r = min(max(rho, 0.0), RHO_CAP)
+    if r <= 0.01:
+        return span_s
+    return span_s + (ca2 + cs2) / (2.0 * (1.0 - r)) * span_s * math.log(100.0 * r)
+
+
+def move_for(error: float, deadband: float) -> FeedbackMode:
+    """The move an SLO error (estimate / target) asks for: emergency ≥ `CLAMP_RATIO`, decrease above 1,
+    hold in [1 − deadband, 1], increase below."""
+    if error >= CLAMP_RATIO:
+        return FeedbackMode.EMERGENCY
+    if error > 1.0:
+        return FeedbackMode.DECREASE
+    if error >= 1.0 - deadband:
+        return FeedbackMode.HOLD
+    return FeedbackMode.INCREASE
+
+
+def next_budget(move: FeedbackMode, budget: float, *, floor: float, ceiling: float, threshold: float | None,
+                config: SloConfig) -> tuple[float, float | None]:
+    """(budget, threshold) after a move: emergency → the floor, remembering `decrease` × the budget as the
+    threshold; decrease → × `decrease`; increase → doubled while below the threshold (a fast return to
+    where the last emergency struck), else + `step`; always within [floor, ceiling]."""
+    if move is FeedbackMode.EMERGENCY:
+        return floor, max(floor, budget * config.decrease)
+    if move is FeedbackMode.DECREASE:
+        return max(floor, budget * config.decrease), None
+    if move is FeedbackMode.INCREASE:
+        if threshold is not None and budget < threshold - EPS:
+            return min(ceiling, threshold, max(2.0 * budget, budget + config.step)), threshold
+        return min(ceiling, budget + config.step), None
+    return min(max(budget, floor), ceiling), threshold
+
+
+# -- one instance's measurement ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One latency-critical instance this period: its estimate against its target."""
+
+    track: SloTrack
+    target_s: float | None
+    """T (None: not known yet: a solo measurement is needed)."""
+    error: float | None = None
+    """Estimate / T over the spans since the last move (None: too few spans)."""
+    period_error: float | None = None
+    """Estimate / T over this period's spans alone (None: fewer than `MIN_SPANS`)."""
+    saturated: bool = False
+    open_over: bool = False
+    """A span in progress is already longer than the target."""
+    note: str = ""
+
+
+def _samples(inst: VerticalInstance) -> tuple[tuple[float, ...], float]:
+    """Spans where the shim reports them, else its launch-window cycles (the old ABI, the simulator)."""
+    if inst.spans_s or inst.open_span_s:
+        return inst.spans_s, inst.open_span_s
+    return inst.cycles_s, inst.open_cycle_s
+
+
+def observe(inst: VerticalInstance, prev: SloTrack, *, period_s: float, settled: bool, quiet: bool) -> SloTrack:
+    """The track after this period's spans. `settled`: the budget did not move at the start of this period
+    (so its spans are judged); `quiet`: best-effort has been at its floor for a full period."""
+    spans, _ = _samples(inst)
+    counts = (prev.counts + (len(spans),))[-COUNT_WINDOW:]
+    busy = (prev.busy + (min(1.0, sum(spans) / period_s),))[-BUSY_WINDOW:]
+    judged = (prev.judged + spans)[-JUDGE_MAX_SPANS:] if settled else ()
+    solo, measured = prev.solo_s, (prev.measured + spans if quiet else ())
+    # A period's median where it has enough spans; at low rates the spans of consecutive quiet periods.
+    sample = spans if len(spans) >= MIN_SPANS else measured if len(measured) >= MIN_SPANS else ()
+    if quiet and sample:
+        m = median(sample)
+        solo, measured = (m if solo is None else min(solo, m)), ()
+    return SloTrack(id=inst.id, solo_s=solo, counts=counts, busy=busy, judged=judged, measured=measured)
+
+
+def target_s(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: SloConfig) -> float | None:
+    """T: the annotated SLO; else `slo_factor` × the solo latency at the current arrival rate (the solo span
+    put through the same queue estimate); None while the solo span is unmeasured."""
+    if inst.slo_ms:
+        return inst.slo_ms / 1000.0
+    if track.solo_s is None:
+        return None
+    rate = sum(track.counts) / (len(track.counts) * period_s) if track.counts else 0.0
+    rho = sum(track.busy) / len(track.busy) if track.busy else 0.0
+    cs2 = scv(track.judged)
+    solo = p99_estimate(track.solo_s, rho=rate * track.solo_s,
+                        ca2=arrival_scv(dispersion(track.counts), rho=rho, cs2=cs2), cs2=cs2)
+    return config.slo_factor * solo
+
+
+def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: SloConfig) -> Reading:
+    """Estimate / target for one instance, over the spans since the last move and over this period's."""
+    target = target_s(inst, track, period_s=period_s, config=config)
+    if target is None:
+        return Reading(track, None, note=f"{inst.id}: no SLO and no solo latency yet")
+    spans, open_s = _samples(inst)
+    rho = sum(track.busy) / len(track.busy) if track.busy else 0.0
+    ca2 = arrival_scv(dispersion(track.counts), rho=rho, cs2=scv(track.judged))
+
+    def error(xs: tuple[float, ...]) -> float | None:
+        if len(xs) < MIN_SPANS:
+            return None
+        return max(p99_estimate(median(xs), rho=rho, ca2=ca2, cs2=scv(xs)) / target, rho / BUSY_TARGET)
+
+    # One period alone clamps only once the arrivals' variability is known (before, ca² is a guess).
+    err, period_err = error(track.judged), error(spans) if len(track.counts) >= MIN_SPANS else None
+    recent = track.busy[-SATURATION_PERIODS:]
+    saturated = len(recent) == SATURATION_PERIODS and sum(recent) / SATURATION_PERIODS >= SATURATED_BUSY
+    open_over = open_s >= target
+    bits = [f"{inst.id}: target {target * 1000:.1f} ms" + ("" if inst.slo_ms else " (derived)"),
+            f"ρ {rho:.2f}", f"ca² {ca2:.2f}"]
+    if err is not None:
+        bits.append(f"error {err:.2f} over {len(track.judged)} spans")
+    if period_err is not None and period_err >= CLAMP_RATIO:
+        bits.append(f"this period {period_err:.2f}")
+    if saturated:
+        bits.append("saturated: spans fill its time")
+    if open_over:
+        bits.append(f"span in progress {open_s * 1000:.1f} ms past its target")
+    return Reading(track, target, err, period_err, saturated, open_over, ", ".join(bits))
+
+
+# -- the decision ------------------------------------------------------------------------------------
+
+
+def _plan(lc: list[VerticalInstance], readings: dict[str, Reading], state: SloState, *, now: float,
+          floor: float, ceiling: float, start: float, config: SloConfig) -> tuple[FeedbackMode, float, SloState, str]:
+    """The budget's state machine for one period with latency-critical and best-effort demand."""
+    budget = start if state.budget is None else state.budget
+    threshold = state.threshold
+    moved_at = now if state.moved_at is None or state.budget is None else state.moved_at
+    unknown = [i.id for i in lc if readings[i.id].target_s is None]
+    if unknown:
+        measuring = state.measuring + 1
+        ready = all(readings[i].track.solo_s is not None for i in unknown)
+        if not ready and measuring <= MEASURE_MAX_PERIODS:
+            why = f"measure: best-effort at its floor to measure the solo latency of {', '.join(unknown)}"
+            return FeedbackMode.MEASURE, budget, _with(state, budget=budget, moved_at=moved_at,
+                                                        measuring=measuring), why
+    if state.mode is FeedbackMode.MEASURE:
+        # Best-effort goes from its floor to the budget now: the spans after this are the ones to judge.
+        return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=now, measuring=0), \
+            f"hold: solo latency measured, best-effort back to its budget {budget:.2f}"
+    known = [readings[i.id] for i in lc if readings[i.id].target_s is not None]
+    if not known:
+        return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=moved_at, measuring=0), \
+            "hold: no latency-critical instance can be judged (no SLO, no spans)"
+    if any(r.saturated or r.open_over or (r.period_error or 0.0) >= CLAMP_RATIO for r in known) \
+            and budget > floor + EPS:
+        nb, threshold = next_budget(FeedbackMode.EMERGENCY, budget, floor=floor, ceiling=ceiling,
+                                    threshold=threshold, config=config)
+        return FeedbackMode.EMERGENCY, nb, _with(state, budget=nb, threshold=threshold, moved_at=now,
+                                                 measuring=0), f"emergency: best-effort to its floor {nb:.2f}"
+    errors = [r.error for r in known if r.error is not None]
+    if now - moved_at < config.dwell_s - EPS or not errors:
+        what = "dwell" if errors else "too few spans since the last move"
+        return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=moved_at, measuring=0), \
+            f"hold ({what}): budget {budget:.2f}"
+    worst = max(errors)
+    move = move_for(worst, config.deadband)
+    nb, threshold = next_budget(move, budget, floor=floor, ceiling=ceiling, threshold=threshold, config=config)
+    moved = abs(nb - budget) > EPS
+    mode = move if moved or move is FeedbackMode.HOLD else FeedbackMode.HOLD
+    why = {FeedbackMode.EMERGENCY: f"emergency: error {worst:.2f} ≥ {CLAMP_RATIO}, best-effort to its floor",
+           FeedbackMode.DECREASE: f"decrease: error {worst:.2f} > 1, budget ×{config.decrease} → {nb:.2f}",
+           FeedbackMode.INCREASE: f"increase: error {worst:.2f} < {1 - config.deadband:.2f}, budget → {nb:.2f}",
+           FeedbackMode.HOLD: f"hold: error {worst:.2f} within the deadband, budget {nb:.2f}"}[move]
+    if not moved and move is not FeedbackMode.HOLD:
+        why = f"hold: error {worst:.2f} asks to {move.value} but the budget is at its bound {nb:.2f}"
+    return mode, nb, _with(state, budget=nb, threshold=threshold, moved_at=now if moved else moved_at,
+                           measuring=0), why
+
+
+def _with(state: SloState, **changes: object) -> SloState:
+    return replace(state, **changes)  # type: ignore[arg-type]
+
+
+def _best_effort_shares(be: list[VerticalInstance], total: float) -> dict[str, float]:
+    alloc = water_fill(total, [i.request for i in be], [i.limit for i in be])
+    return {i.id: max(a, min(FLOOR_FRACTION * i.request, i.limit)) for i, a in zip(be, alloc, strict=True)}
+
+
+def decide_slo(snapshot: VerticalSnapshot, state: SloState, config: SloConfig) -> VerticalDecision:
+    """New shares for every instance on the GPU, with reasons, and the state for the next call."""
+    now, period = snapshot.now, snapshot.period_s
+    lc = [i for i in snapshot.instances if i.cls.latency_critical and i.active(now, config)]
+    be = [i for i in snapshot.instances if not i.cls.latency_critical and i.active(now, config)]
+    floor = min(1.0, sum(FLOOR_FRACTION * i.request for i in be))
+    ceiling = max(floor, min(1.0, sum(i.limit for i in be)))
+    quiet = state.floor_periods >= QUIET_PERIODS
+    settled = state.moved_at is not None and now - state.moved_at > 1.5 * period
+    tracks = {i.id: observe(i, state.track(i.id), period_s=period, settled=settled, quiet=quiet)
+              for i in snapshot.instances if i.cls.latency_critical}
+    lc_shares, lc_why = _latency_shares(lc, 1.0) if lc else ({}, "")
+
+    if not lc:
+        mode, total, why = FeedbackMode.IDLE, 1.0, "no latency-critical demand: best-effort may use the whole GPU"
+        resume = state.budget if state.budget is not None else state.resume
+        new = SloState(mode=mode, resume=resume, tracks=tuple(tracks.values()))
+    elif not be:
+        mode, total, why = FeedbackMode.HOLD, 0.0, "latency-critical demand, no best-effort demand"
+        new = _with(state, mode=mode, tracks=tuple(tracks.values()), floor_periods=0)
+    else:
+        readings = {i.id: read(i, tracks[i.id], period_s=period, config=config) for i in lc}
+        start = state.resume if state.resume is not None else 1.0 - sum(i.request for i in lc)
+        start = min(max(start, floor), ceiling)
+        mode, budget, new, why = _plan(lc, readings, _with(state, tracks=tuple(tracks.values())), now=now,
+                                       floor=floor, ceiling=ceiling, start=start, config=config)
+        if state.budget is None:
+            why = f"latency-critical demand began, best-effort start at {start:.2f}; {why}"
+        total = floor if mode is FeedbackMode.MEASURE else budget
+        notes = "; ".join(r.note for r in readings.values() if r.note)
+        why = f"{why} (floor {floor:.2f}, ceiling {ceiling:.2f}; {notes})"
+        new = _with(new, mode=mode, floor_periods=new.floor_periods + 1 if total <= floor + EPS else 0)
+    if lc_why:
+        why += f"; {lc_why}"
+    shares = {**lc_shares, **(_best_effort_shares(be, total) if be else {})}
+    decisions = tuple(_share_decision(i, shares, mode, total, period, config) for i in snapshot.instances)
+    active_total = sum(d.share for d in decisions if d.active)
+    return VerticalDecision(
+        now=now, gpu=snapshot.gpu, mode=mode, shares=decisions, budget=new.budget if be and lc else None,
+        reason=f"{snapshot.gpu or 'gpu'} {mode.value}: {why}; Σ active shares {active_total:.2f}", state=new,
+        active_total=active_total,
+    )
+
+
+def _share_decision(inst: VerticalInstance, shares: dict[str, float], mode: FeedbackMode, total: float,
+                    period_s: float, config: SloConfig) -> ShareDecision:
+    active = inst.id in shares
+    mps = None if inst.cls.latency_critical else config.mps_best_effort_threads
+    if inst.cls.latency_critical:
+        share = shares.get(inst.id, inst.limit)
+        why = (f"latency-critical with demand: {share:.2f} (limit {inst.limit:.2f})" if active
+               else f"latency-critical, idle: standing cap at its limit {inst.limit:.2f}")
+    elif active:
+        share = shares[inst.id]
+        why = f"best-effort: {share:.2f} of budget {total:.2f} split by request ({mode.value})"
+    else:
+        share = inst.request
+        why = f"best-effort, idle: standing cap at its request {inst.request:.2f}"
+    share = min(max(0.0, share), inst.limit)
+    saturated = active and share >= inst.limit - EPS and inst.throttled_s >= SATURATED_THROTTLE_FRACTION * period_s
+    return ShareDecision(id=inst.id, share=share, previous=inst.share, active=active, saturated=saturated,
+                         reason=why + ("; saturated (throttled at its limit)" if saturated else ""), mps_threads=mps)
+
+
+# -- selection ---------------------------------------------------------------------------------------
+
+AnyVerticalConfig = VerticalConfig | SloConfig
+AnyVerticalState = VerticalState | SloState
+
+
+def initial_state(config: AnyVerticalConfig) -> AnyVerticalState:
+    """The state a GPU starts with under `config`'s policy."""
+    return SloState() if isinstance(config, SloConfig) else VerticalState()
+
+
+def decide_vertical(snapshot: VerticalSnapshot, state: AnyVerticalState, config: AnyVerticalConfig) -> VerticalDecision:
+    """Run the policy `config` belongs to (`SloConfig`: `slo`, `VerticalConfig`: `rckm`); a state of the other
+    policy (the policy was switched) starts over."""
+    if isinstance(config, SloConfig):
+        return decide_slo(snapshot, state if isinstance(state, SloState) else SloState(), config)
+    return decide_shares(snapshot, state if isinstance(state, VerticalState) else VerticalState(), config)
+
+
+def policy_name(config: AnyVerticalConfig) -> str:
+    return "slo" if isinstance(config, SloConfig) else "rckm"
+
+
+__all__ = [
+    "VERTICAL_POLICIES",
+    "SloConfig",
+    "SloState",
+    "SloTrack",
+    "decide_slo",
+    "decide_vertical",
+    "initial_state",
+    "policy_name",
+]
