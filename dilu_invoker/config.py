@@ -111,6 +111,42 @@ class GpuConfig:
     shm_dir: str = _opt("/dev/shm/dilu", "directory of the per-instance control and stats blocks")
     shim_path: str | None = _opt(None, "libdilu_shim.so (default: the built one)")
     reservation_ttl_s: float = _opt(30.0, "lease of a GPU budget reservation; renewed while the instance lives")
+    vertical_policy: str = _opt("rckm", "vertical SM-share policy: rckm (cycle ratios, Dilu's RCKM) or slo "
+                                "(the SLO feedback controller; docs/policies.md §1.1)")
+    vertical_slo_factor: float = _opt(2.0, "slo policy: without a gpu-slo-ms annotation the target is this × "
+                                      "the instance's solo latency (×)")
+    vertical_deadband: float = _opt(0.15, "slo policy: no move while the p99 estimate is within this fraction "
+                                    "below the target")
+    vertical_increase_per_s: float = _opt(0.5, "slo policy: additive increase of the best-effort budget "
+                                          "(share of the GPU per second)")
+    vertical_decrease: float = _opt(0.7, "slo policy: multiplicative decrease of the best-effort budget above "
+                                    "the target (×, in (0, 1))")
+    vertical_dwell_s: float = _opt(0.2, "slo policy: seconds between two moves of the best-effort budget")
+    vertical_mps_best_effort_threads: float = _opt(0.7, "slo policy: fraction of the SMs a best-effort MPS "
+                                                   "client may use, fixed at its start")
+    vertical_rckm: str = _opt("", "rckm policy: overrides of its VerticalConfig fields, key=value,… "
+                                  "(experiments; docs/policies.md §1)")
+
+    def __post_init__(self) -> None:
+        try:
+            self.vertical()
+        except ValueError as exc:
+            raise ConfigError(f"--gpu-vertical-*: {exc}") from None
+
+    def vertical(self) -> Any:
+        """The vertical policy's configuration (`VerticalConfig` or `SloConfig`): its type selects the policy."""
+        from dilu_invoker.policy.vertical import VerticalConfig
+        from dilu_invoker.policy.vertical_slo import VERTICAL_POLICIES, SloConfig
+
+        if self.vertical_policy == "slo":
+            return SloConfig(slo_factor=self.vertical_slo_factor, deadband=self.vertical_deadband,
+                             increase_per_s=self.vertical_increase_per_s, decrease=self.vertical_decrease,
+                             dwell_s=self.vertical_dwell_s,
+                             mps_best_effort_threads=self.vertical_mps_best_effort_threads)
+        if self.vertical_policy == "rckm":
+            return VerticalConfig.parse(self.vertical_rckm)
+        raise ValueError(f"--gpu-vertical-policy must be one of {', '.join(VERTICAL_POLICIES)}, "
+                         f"not {self.vertical_policy!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,3 +45,33 @@ def test_secure_defaults() -> None:
     assert cfg.api.host == "127.0.0.1" and cfg.invoker.host == "127.0.0.1"
     assert cfg.invoker.password is None  # a random one is generated at start
     assert cfg.redis.url is None  # the embedded Redis gets a random password
+
+
+def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
+    from dilu_invoker.policy.vertical import VerticalConfig
+    from dilu_invoker.policy.vertical_slo import SloConfig
+
+    assert config.load(environ={}).gpu.vertical() == VerticalConfig()  # the current policy stays the default
+    env = {"DILU_GPU_VERTICAL_POLICY": "slo", "DILU_GPU_VERTICAL_DEADBAND": "0.2", "DILU_GPU_VERTICAL_DWELL_S": "0.3"}
+    args = cli.build_parser().parse_args(["invoker", "--gpu-vertical-decrease", "0.5",
+                                          "--gpu-vertical-mps-best-effort-threads", "0.6"])
+    got = config.load(args, environ=env).gpu.vertical()
+    assert got == SloConfig(deadband=0.2, dwell_s=0.3, decrease=0.5, mps_best_effort_threads=0.6)
+    rckm = config.load(environ={"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=0.8, quiet_probe_held_s=none"})
+    assert rckm.gpu.vertical() == VerticalConfig(busy_ceiling=0.8, quiet_probe_held_s=None)
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"DILU_GPU_VERTICAL_POLICY": "pid"}, "--gpu-vertical-policy must be one of rckm, slo"),
+        ({"DILU_GPU_VERTICAL_POLICY": "slo", "DILU_GPU_VERTICAL_DECREASE": "1.5"}, "decrease must be in"),
+        ({"DILU_GPU_VERTICAL_RCKM": "no_such_knob=1"}, "no_such_knob"),
+        ({"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=lots"}, "busy_ceiling"),
+        ({"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=1.5"}, "busy_ceiling must be within"),
+    ],
+    ids=["unknown-policy", "slo-knob-out-of-range", "unknown-rckm-field", "rckm-not-a-number", "rckm-invalid"],
+)
+def test_invalid_vertical_settings_fail_at_start_up(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(config.ConfigError, match=message):
+        config.load(environ=environ)

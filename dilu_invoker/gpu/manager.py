@@ -34,9 +34,8 @@ from dilu_invoker.policy.vertical import (
     VerticalDecision,
     VerticalInstance,
     VerticalSnapshot,
-    VerticalState,
-    decide_shares,
 )
+from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, AnyVerticalState, decide_vertical, initial_state, policy_name
 
 log = structlog.get_logger(__name__)
 
@@ -502,7 +501,7 @@ class GpuManager:
         uuid: str,
         index: int = 0,
         period_s: float = 0.05,
-        vertical: VerticalConfig | None = None,
+        vertical: AnyVerticalConfig | None = None,
         capacity: CapacityConfig | None = None,
         stale_after_s: float | None = None,
         publish: SharePublisher | None = None,
@@ -518,7 +517,7 @@ class GpuManager:
         self.index = index
         self.label = GpuLabel(index, uuid)
         self.period_s = period_s
-        self.vertical = vertical or VerticalConfig()
+        self.vertical: AnyVerticalConfig = vertical or VerticalConfig()  # its type selects the policy
         self.capacity_config = capacity or CapacityConfig()
         # Ten missed periods (and at least a second) mean the manager is gone: the shim fails static.
         stale = stale_after_s if stale_after_s is not None else max(1.0, 10 * period_s)
@@ -534,7 +533,7 @@ class GpuManager:
         self._observers = list(observers)
         self._clock_ns = clock_ns
         self._instances: dict[str, _Managed] = {}
-        self._state = VerticalState()
+        self._state: AnyVerticalState = initial_state(self.vertical)
         self._last_tick_ns: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._pub = _PublishState()
@@ -586,10 +585,10 @@ class GpuManager:
         m.spec = replace(m.spec, slo_ms=slo_ms)
         self._log.info("SLO set", instance=instance, slo_ms=slo_ms)
 
-    def set_vertical_config(self, config: VerticalConfig) -> None:
-        """Run the policy with ``config`` from the next tick on; its memory (cycle minima, budget) starts over."""
+    def set_vertical_config(self, config: AnyVerticalConfig) -> None:
+        """Run the policy with ``config`` (its type selects it) from the next tick on; its memory starts over."""
         self.vertical = config
-        self._state = VerticalState()
+        self._state = initial_state(config)
         self._log.info("vertical policy reconfigured", config=config)
 
     def set_capacity(self, instance: str, blocks_per_ms: float | None) -> None:
@@ -635,7 +634,7 @@ class GpuManager:
         self._pub.task = None
 
     async def _run(self) -> None:
-        self._log.info("manager started", period_ms=round(self.period_s * 1000, 3),
+        self._log.info("manager started", period_ms=round(self.period_s * 1000, 3), policy=policy_name(self.vertical),
                        stale_after_ms=self.stale_after_ns // 1_000_000)
         async for _ in ticks(self.period_s):
             try:
@@ -687,7 +686,7 @@ class GpuManager:
             snapshot = VerticalSnapshot(now=now, instances=tuple(inputs[m.spec.id] for m in free),
                                         period_s=elapsed_s, gpu=str(self.index))
             previous_mode = self._state.mode
-            decision = decide_shares(snapshot, self._state, self.vertical)
+            decision = decide_vertical(snapshot, self._state, self.vertical)
             self._state = decision.state
             if decision.mode is not previous_mode:
                 self._log.info("vertical mode changed", old=previous_mode.value, new=decision.mode.value,

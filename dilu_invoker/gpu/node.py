@@ -42,6 +42,7 @@ from dilu_invoker.policy.cluster import ClusterSnapshot
 from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
 from dilu_invoker.policy.vertical import VerticalConfig
+from dilu_invoker.policy.vertical_slo import SloConfig
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -125,7 +126,7 @@ class GpuNode:
         sync_period_s: float | None = None,
         redis_timeout_s: float = 2.0,
         period_s: float = 0.05,
-        vertical: VerticalConfig | None = None,
+        vertical: VerticalConfig | SloConfig | None = None,
         capacity: CapacityConfig | None = None,
         stale_after_s: float | None = None,
         metrics: ManagerMetrics | None = None,
@@ -209,6 +210,7 @@ class GpuNode:
             backend=backend, docker_gpu_mode=cfg.invoker.docker_gpu_mode, shim_library=g.shim_path,
             budgets=budgets, gamma=g.gamma, reservation_ttl_s=g.reservation_ttl_s,
             period_s=g.manager_period_ms / 1000, metrics=metrics, utilization=sm_utilization,
+            vertical=g.vertical(),
         )
 
     # -- state -------------------------------------------------------------------------------------

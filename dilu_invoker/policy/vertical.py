@@ -281,6 +281,22 @@ class VerticalConfig:
         """The defaults of the third H200 run: slow regrowth, no drain, burst cuts regrown."""
         return cls(**{**RUN3_OVERRIDES, **overrides})  # type: ignore[arg-type]
 
+    @classmethod
+    def parse(cls, text: str) -> VerticalConfig:
+        """A config from ``key=value,…`` overrides of the defaults, each typed by its field's default
+        (``none`` clears an optional one); an unknown key or a bad value raises ValueError."""
+        defaults = cls()
+        overrides: dict[str, object] = {}
+        for item in (p.strip() for p in text.split(",")):
+            if not item:
+                continue
+            key, sep, raw = item.partition("=")
+            key, raw = key.strip().replace("-", "_"), raw.strip()
+            if not sep or key not in cls.__dataclass_fields__:
+                raise ValueError(f"not a VerticalConfig override: {item!r}")
+            overrides[key] = _parse_value(key, raw, getattr(defaults, key))
+        return cls(**overrides)  # type: ignore[arg-type]
+
     @property
     def strict(self) -> bool:
         """The budget is tied to the fair budget (Σ active ≤ 1 outside recovery growth)."""
@@ -299,6 +315,23 @@ class VerticalConfig:
             if cls is InstanceClass.LLM
             else self.emergency_ratio
         )
+
+
+def _parse_value(key: str, raw: str, default: object) -> object:
+    if raw.lower() == "none":
+        return None
+    try:
+        if isinstance(default, bool):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if isinstance(default, int):
+            return int(raw)
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{key}: {raw!r} is not a valid {type(default).__name__ if default is not None else 'number'}") from None
 
 
 RUN3_OVERRIDES: dict[str, object] = {

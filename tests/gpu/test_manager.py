@@ -30,6 +30,7 @@ from dilu_invoker.gpu.manager import (
 from dilu_invoker.gpu.metrics import GpuMetrics
 from dilu_invoker.policy.types import InstanceClass
 from dilu_invoker.policy.vertical import FeedbackMode, VerticalConfig
+from dilu_invoker.policy.vertical_slo import SloConfig, SloState
 from tests.gpu.support import StatsWriter, snapshot
 
 # -- reading the stats block ---------------------------------------------------------------------
@@ -219,7 +220,7 @@ class Gpu:
     """A manager over instance files whose stats blocks the test writes."""
 
     def __init__(self, root: Path, *, metrics: GpuMetrics | None = None,
-                 vertical: VerticalConfig | None = None) -> None:
+                 vertical: VerticalConfig | SloConfig | None = None) -> None:
         self.clock = Clock()
         self.records: list[TickRecord] = []
         self.mgr = GpuManager(uuid="GPU-t", index=3, period_s=0.05, clock_ns=self.clock, metrics=metrics,
@@ -293,6 +294,46 @@ def test_reconfigured_policy_starts_over(gpu: Gpu) -> None:
     gpu.mgr.set_vertical_config(VerticalConfig(idle_after_s=0.01))
     record = gpu.tick(train=1000)
     assert record.mode is FeedbackMode.IDLE and gpu.control("train").share == pytest.approx(0.8)
+
+
+def test_the_slo_policy_runs_in_the_manager(tmp_path: Path) -> None:
+    g = Gpu(tmp_path, vertical=SloConfig())
+    g.add(replace(INF, slo_ms=20.0))
+    g.add(TRAIN)
+    try:
+        assert isinstance(g.mgr._state, SloState)
+        w = g.writers["inf"]
+        modes, shares = [], []
+        for _ in range(12):  # requests of 5 ms, well inside the 20 ms SLO: training grows
+            w.publish(pid=4242, spans_us=(5000, 5000, 5000), span_open_ns=0)
+            record = g.tick(inf=50, train=1000)
+            modes.append(record.mode)
+            shares.append(g.control("train").share)
+        assert modes[0] is FeedbackMode.HOLD and FeedbackMode.INCREASE in modes
+        assert shares[0] == pytest.approx(0.6) and shares[-1] > shares[0]  # 1 − inference's request 0.4
+        assert g.control("inf").share == pytest.approx(0.7)
+        w.publish(pid=4242, spans_us=(40000,), span_open_ns=time.monotonic_ns() - 30_000_000)
+        record = g.tick(inf=50, train=1000)  # a request already past its SLO: clamp at once
+        assert record.mode is FeedbackMode.EMERGENCY and g.control("train").share == pytest.approx(0.01)
+        g.mgr.set_vertical_config(VerticalConfig())  # switched back: the other policy, from scratch
+        assert not isinstance(g.mgr._state, SloState)
+    finally:
+        g.close()
+
+
+def test_the_node_builds_its_managers_with_the_configured_policy(tmp_path: Path) -> None:
+    from dilu_invoker.config import Config, GpuConfig
+    from dilu_invoker.gpu.node import GpuNode
+
+    inventory = tmp_path / "inv.json"
+    inventory.write_text('{"invokers": {"0": [{"uuid": "GPU-a"}]}}')
+    for policy, kind in (("rckm", VerticalConfig), ("slo", SloConfig)):
+        node = GpuNode.from_config(Config(gpu=GpuConfig(inventory=str(inventory), vertical_policy=policy,
+                                                        vertical_dwell_s=0.4, shm_dir=str(tmp_path / "shm"))))
+        vertical = node.manager(0).vertical
+        assert isinstance(vertical, kind)
+        if isinstance(vertical, SloConfig):
+            assert vertical.dwell_s == pytest.approx(0.4)
 
 
 def test_heartbeat_every_tick_without_rewriting_an_unchanged_quota(gpu: Gpu) -> None:
