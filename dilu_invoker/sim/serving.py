@@ -58,13 +58,12 @@ from dilu_invoker.policy import (
     VerticalConfig,
     VerticalInstance,
     VerticalSnapshot,
-    VerticalState,
     apply_placement,
     cluster_fragmentation,
     decide_scale,
-    decide_shares,
     place,
 )
+from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, AnyVerticalState, SloConfig, decide_vertical, initial_state
 from dilu_invoker.sim.events import GIB
 from dilu_invoker.sim.profiles import FunctionProfile, ProfileSet
 from dilu_invoker.sim.traces import ServingTrace, arrivals
@@ -136,7 +135,8 @@ class ServingSimConfig:
     tgs_opportunistic_share: float = 0.05
     tgs_production_slowdown: float = 0.03
     horizontal: HorizontalConfig = field(default_factory=HorizontalConfig)
-    vertical: VerticalConfig = field(default_factory=VerticalConfig)
+    vertical: AnyVerticalConfig = field(default_factory=VerticalConfig)
+    """The vertical policy's configuration; its type selects the policy (`SloConfig`: `slo`)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_SPEC:
@@ -298,7 +298,7 @@ class _Gpu:
         self.name = name
         self.insts: list[_Inst] = []
         self.busy: list[_Inst] = []
-        self.vstate = VerticalState()
+        self.vstate: AnyVerticalState | None = None  # the policy's state; None: its initial state
         self.memo: dict[tuple[str, ...], dict[str, float]] = {}
         self.last_v = -math.inf
         self.v_pending = False
@@ -708,7 +708,7 @@ class _Sim:
             )
             shares = g.memo.get(key)
             if shares is None:
-                shares = self._decide(g, VerticalState())[0]
+                shares = self._decide(g, None)[0]
                 g.memo[key] = shares
             else:
                 self.vertical_memo_hits += 1
@@ -734,9 +734,10 @@ class _Sim:
         elif not want_periodic:
             g.v_periodic = False
 
-    def _decide(self, g: _Gpu, state: VerticalState) -> tuple[dict[str, float], VerticalState]:
+    def _decide(self, g: _Gpu, state: AnyVerticalState | None) -> tuple[dict[str, float], AnyVerticalState]:
         now = self.now
         vis = []
+        slo_policy = isinstance(self.cfg.vertical, SloConfig)
         for inst in g.insts:
             busy = inst.state == "busy"
             last = now if busy else (inst.last_end if inst.last_end > -math.inf else None)
@@ -748,6 +749,8 @@ class _Sim:
                     cls=inst.cls,
                     request=inst.request,
                     limit=inst.limit,
+                    # The slo policy's objective; rckm's evaluation runs as before, without one.
+                    slo_ms=inst.fn.slo_ms if slo_policy and inst.cls.latency_critical else None,
                     blocks=1 if busy else 0,
                     last_active_at=last,
                     cycles_s=tuple(inst.cycles[-16:]),
@@ -755,9 +758,9 @@ class _Sim:
                 )
             )
             inst.cycles.clear()
-        d = decide_shares(
+        d = decide_vertical(
             VerticalSnapshot(now=now, instances=tuple(vis), period_s=self.cfg.vertical_period_s, gpu=g.name),
-            state,
+            state if state is not None else initial_state(self.cfg.vertical),
             self.cfg.vertical,
         )
         self.vertical_calls += 1

@@ -107,6 +107,19 @@ def test_serving_reads_an_azure_sample(tmp_path: Path) -> None:
     assert json.loads((out / "summary.json").read_text())["requests"] > 0
 
 
+def test_serving_runs_dilu_with_the_slo_vertical_policy(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["gen", "serving", "--pattern", "bursty", "--functions", "2", "--duration", "120", "--rate", "20",
+                 "--profiles", str(SYNTHETIC_PROFILES), "--training-jobs", "1", "--out", str(trace)]) == 0
+    out = tmp_path / "s"
+    rc = main(["serving", "--trace", str(trace), "--profiles", str(SYNTHETIC_PROFILES), "--policy", "dilu",
+               "--gpus", "2", "--out", str(out), "--quiet", "--no-plots", "--vertical-policy", "slo"])
+    assert rc == 0 and json.loads((out / "summary.json").read_text())["requests"] > 0
+    with pytest.raises(SystemExit):
+        main(["serving", "--trace", str(trace), "--profiles", str(SYNTHETIC_PROFILES), "--policy", "dilu",
+              "--gpus", "2", "--vertical-policy", "pid"])
+
+
 def test_serving_with_a_missing_profile_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.jsonl"
     assert main(["gen", "serving", "--pattern", "poisson", "--profile-names", "gpt", "--duration", "60", "--out", str(trace)]) == 0
