@@ -252,7 +252,7 @@ class GpuNeeds:
         if self.memory_mb <= 0:
             raise ValidationError("Annotation 'gpu-memory-mb' must be a positive integer.")
         if self.slo_ms is not None and self.slo_ms <= 0:
-            raise ValidationError("Annotation 'slo-ms' must be a positive number.")
+            raise ValidationError("Annotation 'gpu-slo-ms' (or 'slo-ms') must be a positive number.")
         if self.min_instances < 0 or self.max_instances < max(1, self.min_instances):
             raise ValidationError(
                 "Annotations 'min-instances'/'max-instances' must satisfy 0 <= min <= max and max >= 1."
@@ -267,6 +267,7 @@ class GpuNeeds:
         "gpu-sm-request",
         "gpu-sm-limit",
         "gpu-memory-mb",
+        "gpu-slo-ms",
         "slo-ms",
         "min-instances",
         "max-instances",
@@ -312,7 +313,8 @@ class GpuNeeds:
             sm_request=request,
             sm_limit=limit,
             memory_mb=integer("gpu-memory-mb", base.memory_mb),
-            slo_ms=number("slo-ms", base.slo_ms),
+            # gpu-slo-ms is the vertical controller's objective; slo-ms, its older name, still counts.
+            slo_ms=number("gpu-slo-ms", number("slo-ms", base.slo_ms)),
             min_instances=integer("min-instances", base.min_instances),
             max_instances=integer("max-instances", base.max_instances),
             capacity_blocks_per_ms=number("gpu-capacity-blocks-per-ms", base.capacity_blocks_per_ms),

@@ -321,6 +321,19 @@ def test_the_slo_policy_runs_in_the_manager(tmp_path: Path) -> None:
         g.close()
 
 
+@pytest.mark.parametrize(("annotations", "slo_ms"), [
+    ({"gpu-slo-ms": 30}, 30.0),
+    ({"slo-ms": 50}, 50.0),
+    ({"gpu-slo-ms": 30, "slo-ms": 50}, 30.0),
+    ({}, None),
+], ids=["gpu-slo-ms", "slo-ms", "both", "none"])
+def test_the_slo_annotation_is_gpu_slo_ms_with_slo_ms_its_older_name(annotations: dict[str, float],
+                                                                      slo_ms: float | None) -> None:
+    from dilu_invoker.model import GpuNeeds
+
+    assert GpuNeeds.from_annotations(annotations).slo_ms == slo_ms
+
+
 def test_the_node_builds_its_managers_with_the_configured_policy(tmp_path: Path) -> None:
     from dilu_invoker.config import Config, GpuConfig
     from dilu_invoker.gpu.node import GpuNode
