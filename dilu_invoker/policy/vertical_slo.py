@@ -287,18 +287,19 @@ def observe(inst: VerticalInstance, prev: SloTrack, *, period_s: float, settled:
 
 
 def target_s(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: SloConfig) -> float | None:
-    """T: the annotated SLO; else `slo_factor` × the solo latency at the current arrival rate (the solo span
-    put through the same queue estimate); None while the solo span is unmeasured."""
-    if inst.slo_ms:
-        return inst.slo_ms / 1000.0
+    """T: `slo_factor` × the solo latency at the current arrival rate (the solo span put through the same
+    queue estimate), and never above the annotated SLO; the SLO alone while the solo span is unmeasured;
+    None without either."""
+    slo = inst.slo_ms / 1000.0 if inst.slo_ms else None
     if track.solo_s is None:
-        return None
+        return slo
     rate = sum(track.counts) / (len(track.counts) * period_s) if track.counts else 0.0
     rho = sum(track.busy) / len(track.busy) if track.busy else 0.0
     cs2 = scv(track.judged)
     solo = p99_estimate(track.solo_s, rho=rate * track.solo_s,
                         ca2=arrival_scv(dispersion(track.counts), rho=rho, cs2=cs2), cs2=cs2)
-    return config.slo_factor * solo
+    derived = config.slo_factor * solo
+    return derived if slo is None else min(slo, derived)
 
 
 def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: SloConfig) -> Reading:
@@ -342,32 +343,33 @@ def _plan(lc: list[VerticalInstance], readings: dict[str, Reading], state: SloSt
     budget = start if state.budget is None else state.budget
     threshold = state.threshold
     moved_at = now if state.moved_at is None or state.budget is None else state.moved_at
-    unknown = [i.id for i in lc if readings[i.id].target_s is None]
-    if unknown:
-        measuring = state.measuring + 1
-        ready = all(readings[i].track.solo_s is not None for i in unknown)
-        if not ready and measuring <= MEASURE_MAX_PERIODS:
-            why = f"measure: best-effort at its floor to measure the solo latency of {', '.join(unknown)}"
-            return FeedbackMode.MEASURE, budget, _with(state, budget=budget, moved_at=moved_at,
-                                                        measuring=measuring), why
+    # Instances that report spans but whose solo span is not measured yet.
+    unknown = [i.id for i in lc if readings[i.id].track.solo_s is None and any(readings[i.id].track.counts)]
+    # Periods spent measuring while an instance's solo span is unknown; kept, so a measurement that cannot
+    # collect enough spans (a very low rate) is given up after MEASURE_MAX_PERIODS instead of repeated.
+    keep = state.measuring if unknown else 0
+    if unknown and keep < MEASURE_MAX_PERIODS:
+        why = f"measure: best-effort at its floor to measure the solo latency of {', '.join(unknown)}"
+        return FeedbackMode.MEASURE, budget, _with(state, budget=budget, moved_at=moved_at,
+                                                    measuring=keep + 1), why
     if state.mode is FeedbackMode.MEASURE:
         # Best-effort goes from its floor to the budget now: the spans after this are the ones to judge.
-        return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=now, measuring=0), \
+        return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=now, measuring=keep), \
             f"hold: solo latency measured, best-effort back to its budget {budget:.2f}"
     known = [readings[i.id] for i in lc if readings[i.id].target_s is not None]
     if not known:
-        return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=moved_at, measuring=0), \
+        return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=moved_at, measuring=keep), \
             "hold: no latency-critical instance can be judged (no SLO, no spans)"
     if any(r.saturated or r.open_over or (r.period_error or 0.0) >= CLAMP_RATIO for r in known) \
             and budget > floor + EPS:
         nb, threshold = next_budget(FeedbackMode.EMERGENCY, budget, floor=floor, ceiling=ceiling,
                                     threshold=threshold, config=config)
         return FeedbackMode.EMERGENCY, nb, _with(state, budget=nb, threshold=threshold, moved_at=now,
-                                                 measuring=0), f"emergency: best-effort to its floor {nb:.2f}"
+                                                 measuring=keep), f"emergency: best-effort to its floor {nb:.2f}"
     errors = [r.error for r in known if r.error is not None]
     if now - moved_at < config.dwell_s - EPS or not errors:
         what = "dwell" if errors else "too few spans since the last move"
-        return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=moved_at, measuring=0), \
+        return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=moved_at, measuring=keep), \
             f"hold ({what}): budget {budget:.2f}"
     worst = max(errors)
     move = move_for(worst, config.deadband)
@@ -381,7 +383,7 @@ def _plan(lc: list[VerticalInstance], readings: dict[str, Reading], state: SloSt
     if not moved and move is not FeedbackMode.HOLD:
         why = f"hold: error {worst:.2f} asks to {move.value} but the budget is at its bound {nb:.2f}"
     return mode, nb, _with(state, budget=nb, threshold=threshold, moved_at=now if moved else moved_at,
-                           measuring=0), why
+                           measuring=keep), why
 
 
 def _with(state: SloState, **changes: object) -> SloState:
@@ -409,7 +411,7 @@ def decide_slo(snapshot: VerticalSnapshot, state: SloState, config: SloConfig) -
     if not lc:
         mode, total, why = FeedbackMode.IDLE, 1.0, "no latency-critical demand: best-effort may use the whole GPU"
         resume = state.budget if state.budget is not None else state.resume
-        new = SloState(mode=mode, resume=resume, tracks=tuple(tracks.values()))
+        new = SloState(mode=mode, resume=resume, measuring=state.measuring, tracks=tuple(tracks.values()))
     elif not be:
         mode, total, why = FeedbackMode.HOLD, 0.0, "latency-critical demand, no best-effort demand"
         new = _with(state, mode=mode, tracks=tuple(tracks.values()), floor_periods=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -135,6 +136,13 @@ def test_derived_target_includes_the_solo_queue_at_the_current_rate() -> None:
     assert got is not None and got > 2 * 0.005 * 1.5
 
 
+def test_an_annotated_slo_looser_than_the_factor_times_solo_does_not_loosen_the_target() -> None:
+    inst = VerticalInstance(id="i", cls=InstanceClass.INFERENCE, request=0.5, limit=1.0, slo_ms=100.0)
+    paced = SloTrack(id="i", solo_s=0.005, counts=(5,) * 10, busy=(0.25,) * 10, judged=(0.005,) * 5)
+    assert target_s(inst, paced, period_s=P, config=CFG) == pytest.approx(0.010)
+    assert target_s(replace(inst, slo_ms=8.0), paced, period_s=P, config=CFG) == pytest.approx(0.008)
+
+
 @pytest.mark.parametrize("xs", [(1.0,), (1.0, 3.0), (3.0, 1.0, 2.0)], ids=["one", "even", "odd"])
 def test_median(xs: tuple[float, ...]) -> None:
     assert median(xs) == pytest.approx(2.0 if len(xs) > 1 else 1.0)
@@ -160,6 +168,10 @@ def inf(now: float, spans: tuple[float, ...] = (), *, slo_ms: float | None = 20.
                             open_span_s=open_s)
 
 
+KNOWN = SloTrack(id="inf", solo_s=0.02)
+"""A solo span measured so long ago that the annotated SLO, not slo_factor × solo, is the target."""
+
+
 def train(now: float) -> VerticalInstance:
     return VerticalInstance(id="train", cls=InstanceClass.TRAINING, request=0.2, limit=1.0, blocks=100,
                             last_active_at=now)
@@ -170,7 +182,7 @@ def step(now: float, state: SloState, *instances: VerticalInstance, config: SloC
 
 
 def test_idle_gives_best_effort_the_whole_gpu_and_remembers_the_budget() -> None:
-    d = step(10.0, SloState(budget=0.4), inf(10.0, active=False), train(10.0))
+    d = step(10.0, SloState(budget=0.4, tracks=(KNOWN,)), inf(10.0, active=False), train(10.0))
     assert d.mode is FeedbackMode.IDLE and d.share_of("train") == pytest.approx(1.0)
     assert d.state.budget is None and d.state.resume == pytest.approx(0.4)  # type: ignore[union-attr]
     again = step(10.05, d.state, inf(10.05, (0.005,) * 4), train(10.05))  # type: ignore[arg-type]
@@ -178,13 +190,13 @@ def test_idle_gives_best_effort_the_whole_gpu_and_remembers_the_budget() -> None
 
 
 def test_start_is_the_room_the_requests_leave_and_the_dwell_holds_it() -> None:
-    d = step(0.0, SloState(), inf(0.0), train(0.0))
+    d = step(0.0, SloState(tracks=(KNOWN,)), inf(0.0), train(0.0))
     assert d.mode is FeedbackMode.HOLD and d.share_of("train") == pytest.approx(0.5)
     assert "began" in d.reason
 
 
 def test_unhurt_spans_increase_after_the_dwell_and_not_before() -> None:
-    state = SloState()
+    state = SloState(tracks=(KNOWN,))
     modes, shares = [], []
     for k in range(12):
         now = k * P
@@ -201,7 +213,7 @@ def test_unhurt_spans_increase_after_the_dwell_and_not_before() -> None:
 
 
 def test_stretched_spans_decrease_multiplicatively() -> None:
-    state = SloState(budget=0.8, moved_at=0.0, mode=FeedbackMode.HOLD)
+    state = SloState(budget=0.8, moved_at=0.0, mode=FeedbackMode.HOLD, tracks=(KNOWN,))
     d = None
     for k in range(1, 8):
         now = k * P
@@ -220,7 +232,7 @@ def test_stretched_spans_decrease_multiplicatively() -> None:
 def test_emergency_clamps_at_once_without_waiting_for_the_dwell(spans: tuple[float, ...], open_s: float,
                                                                 what: str) -> None:
     state = SloState(budget=0.8, moved_at=1.0, mode=FeedbackMode.HOLD,
-                     tracks=(SloTrack(id="inf", counts=(1, 1, 1), busy=(0.5, 0.5, 0.5)),))
+                     tracks=(SloTrack(id="inf", solo_s=0.02, counts=(1, 1, 1), busy=(0.5, 0.5, 0.5)),))
     d = step(1.05, state, inf(1.05, spans, open_s=open_s), train(1.05))
     assert d.mode is FeedbackMode.EMERGENCY and what in d.reason
     assert d.share_of("train") == pytest.approx(0.01)
@@ -229,12 +241,12 @@ def test_emergency_clamps_at_once_without_waiting_for_the_dwell(spans: tuple[flo
 
 def test_saturation_is_an_emergency() -> None:
     state = SloState(budget=0.8, moved_at=0.0, mode=FeedbackMode.HOLD,
-                     tracks=(SloTrack(id="inf", busy=(0.97, 0.98, 0.99)),))
+                     tracks=(SloTrack(id="inf", solo_s=0.02, busy=(0.97, 0.98, 0.99)),))
     d = step(1.0, state, inf(1.0, (0.0099,) * 5), train(1.0))  # ~99% busy, spans within the SLO
     assert d.mode is FeedbackMode.EMERGENCY and "saturated" in d.reason
 
 
-def test_without_an_slo_the_solo_latency_is_measured_at_the_floor_first() -> None:
+def test_the_solo_latency_is_measured_at_the_floor_first() -> None:
     state, modes, shares = SloState(), [], []
     for k in range(8):
         now = k * P
@@ -251,7 +263,7 @@ def test_without_an_slo_the_solo_latency_is_measured_at_the_floor_first() -> Non
 
 
 def test_latency_critical_keeps_its_limit_and_best_effort_gets_the_mps_cap() -> None:
-    d = step(0.0, SloState(), inf(0.0), train(0.0))
+    d = step(0.0, SloState(tracks=(KNOWN,)), inf(0.0), train(0.0))
     assert d.share_of("inf") == pytest.approx(1.0)
     by_id = {s.id: s for s in d.shares}
     assert by_id["inf"].mps_threads is None
