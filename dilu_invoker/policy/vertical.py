@@ -32,7 +32,7 @@ says the latency-critical tenants are unhurt. `oversubscribe_in_recovery=False` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
@@ -829,227 +829,257 @@ def _probe_wait(config: VerticalConfig, *, held: bool, held_probes: int) -> tupl
     return min(waits) if waits else None
 
 
+@dataclass(frozen=True, slots=True)
+class _Signals:
+    """What the latency-critical instances with demand say this period, together."""
+
+    emergency: float = 0.0  # the largest emergency ratio (0: none)
+    contention: float = 0.0  # the largest contention ratio (0: none)
+    recovery: int = 0  # recovery cycles, summed
+    jump: float = 0.0  # the largest burst jump (0: none)
+    drain: bool = False
+    rebased: bool = False  # some quiet period's spans were still stretched
+    spans: bool = False  # some instance is judged by spans (only a span baseline is measured by probes)
+    notes: str = ""
+
+
+def _signals(live: list[_Feedback]) -> _Signals:
+    """Only instances with demand speak for the GPU; an idle one's late cycle says nothing about now."""
+    return _Signals(
+        emergency=max((f.emergency for f in live), default=0.0),
+        contention=max((f.contention for f in live), default=0.0),
+        recovery=sum(f.recovery for f in live),
+        jump=max((f.jump for f in live), default=0.0),
+        drain=any(f.drain for f in live),
+        rebased=any(f.rebased for f in live),
+        spans=any(f.track.spans for f in live),
+        notes="; ".join(f.note for f in live if f.note),
+    )
+
+
+def _lc_room(config: VerticalConfig, *, carried: float | None, be_requests: float, floor_total: float) -> float:
+    """What the active latency-critical instances may take together. Caps, not reservations: a
+    latency-critical cap costs nothing between its requests and any cap below its limit would stretch every
+    request, so only they contend here (1.0). A strict partition keeps best-effort requests as admitted
+    guarantees, except what feedback has already taken from best-effort."""
+    if not config.strict:
+        return 1.0
+    protected = be_requests if carried is None else min(be_requests, carried)
+    return 1.0 - min(1.0, max(protected, floor_total))
+
+
+def _references(
+    config: VerticalConfig,
+    lc_active: list[VerticalInstance],
+    be_active: list[VerticalInstance],
+    shares: dict[str, float],
+    feedback: dict[str, _Feedback],
+    floor_total: float,
+) -> tuple[float, float, float]:
+    """(fair, room, ceiling) of the best-effort budget: the fair budget 1 − Σ latency-critical shares; the
+    room their measured demand leaves (never less than the best-effort requests that fit beside their
+    requests); the ceiling recovery grows to."""
+    fair = max(floor_total, 1.0 - sum(shares[i.id] for i in lc_active))
+    be_requests = sum(i.request for i in be_active)
+    if config.strict:
+        room = fair
+    else:
+        lc_requests = sum(i.request for i in lc_active)
+        room = max(fair, _room_left(lc_active, shares, feedback, config), min(be_requests, 1.0 - lc_requests),
+                   floor_total)
+    if not config.oversubscribe_in_recovery:
+        return fair, room, fair
+    return fair, room, max(room, min(1.0, config.busy_ceiling, sum(i.limit for i in be_active)))
+
+
+def _restore_burst(mode: FeedbackMode, b: float, *, restore_to: float | None, before: float, ceiling: float,
+                   config: VerticalConfig) -> tuple[float, float | None, str]:
+    """(budget, budget to restore later, note): a burst cut remembers the budget before it; an emergency or
+    contention reading confirms the cut; the next recovery gives the remembered budget back."""
+    if not config.burst_restore:
+        return b, None, ""
+    if mode is FeedbackMode.BURST:
+        return b, max(restore_to or 0.0, before), ""
+    if mode in (FeedbackMode.EMERGENCY, FeedbackMode.CONTENTION):
+        return b, None, ""
+    if mode is FeedbackMode.RECOVERY and restore_to is not None:
+        if restore_to > b:
+            b = min(ceiling, restore_to)
+            return b, None, f"; the burst cut is undone: cycles unhurt, budget back to {b:.2f}"
+        return b, None, ""
+    return b, restore_to, ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    """The probe bookkeeping carried in `VerticalState`."""
+
+    quiet_at: float | None = None
+    left: int = 0
+    held: int = 0
+
+
+def _probe_step(config: VerticalConfig, probe: _Probe, *, now: float, quiet: bool, mode: FeedbackMode,
+                held: bool, spans: bool) -> tuple[_Probe, bool]:
+    """The probe state after this period, and whether best-effort sits at its floor for it. A probe starts
+    when the latency-critical instances are judged by spans, no probe is running, the mode holds or
+    grows, and no quiet period has come for the wait `_probe_wait` gives."""
+    quiet_at = now if quiet or probe.quiet_at is None else probe.quiet_at
+    left, held_probes = probe.left, probe.held if held else 0
+    if left == 0 and spans and mode in (FeedbackMode.CONTENTION, FeedbackMode.STEADY, FeedbackMode.RECOVERY):
+        wait = _probe_wait(config, held=held and mode is not FeedbackMode.RECOVERY, held_probes=held_probes)
+        if wait is not None and now - quiet_at >= wait[0]:
+            left = config.quiet_periods
+            held_probes += wait[1]
+    if left > 0:
+        return _Probe(quiet_at, left - 1, held_probes), True
+    return _Probe(quiet_at, left, held_probes), False
+
+
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    """The best-effort side of one decision with latency-critical demand."""
+
+    mode: FeedbackMode
+    budget: float
+    total: float  # what best-effort shares this period (the budget, or the floor in a drain or probe)
+    recovery_cycles: int
+    restore_to: float | None
+    probe: _Probe
+    summary: str
+
+
+def _budget(
+    state: VerticalState,
+    config: VerticalConfig,
+    sig: _Signals,
+    *,
+    now: float,
+    quiet: bool,
+    fair: float,
+    room: float,
+    ceiling: float,
+    floor_total: float,
+    be_active: bool,
+) -> _Budget:
+    """The budget's feedback step, burst restore, drain and probe, for a GPU with latency-critical demand."""
+    carried = state.budget if state.mode is not FeedbackMode.IDLE else None
+    start = carried is None
+    before = room if carried is None else carried
+    if sig.rebased and before < room:
+        # Cutting to the floor did not bring the spans back: they were not interference. Start over from
+        # the room latency-critical demand leaves instead of regrowing ×1.3 from the floor.
+        before = room
+    mode, b, recovery_cycles, summary = _budget_step(
+        before, fair=fair, room=room, floor=floor_total, ceiling=ceiling, emergency=sig.emergency,
+        contention=sig.contention, recovery=sig.recovery, jump=0.0 if start else sig.jump,
+        counted=state.recovery_cycles, notes=sig.notes, config=config,
+    )
+    b, restore_to, note = _restore_burst(mode, b, restore_to=None if start else state.restore_to, before=before,
+                                         ceiling=ceiling, config=config)
+    summary += note
+    if start and be_active:
+        what = "the fair budget" if config.strict else "the room latency-critical demand leaves"
+        summary = f"latency-critical demand began: best-effort start at {what} {room:.2f}; " + summary
+    b = min(max(b, floor_total), ceiling)
+    total = b
+    if sig.drain and be_active:
+        # The budget is kept (and carried) for when the cycle completes; only the shares drop.
+        mode, total = FeedbackMode.DRAIN, floor_total
+        summary = f"drain: best-effort at its floor until the cycle completes ({sig.notes}); then {summary}"
+    probe = (_Probe(state.quiet_at, state.probe_left, state.held_probes) if state.mode is not FeedbackMode.IDLE
+             else _Probe())
+    if be_active:
+        held = b < ceiling - EPS
+        probe, probing = _probe_step(config, probe, now=now, quiet=quiet, mode=mode, held=held, spans=sig.spans)
+        if probing:
+            # Like a drain, the budget is carried; only the shares drop, for the quiet measurement.
+            assert probe.quiet_at is not None
+            mode, total = FeedbackMode.PROBE, floor_total
+            summary = (f"probe: best-effort at its floor to measure latency-critical spans without it "
+                       f"(no quiet period for {now - probe.quiet_at:.1f} s{', a cut held' if held else ''}); "
+                       f"then {summary}")
+    summary += f"; budget {b:.2f} (fair {fair:.2f}, room {room:.2f}, floor {floor_total:.2f}, ceiling {ceiling:.2f})"
+    return _Budget(mode, b, total, recovery_cycles, restore_to, probe, summary)
+
+
+def _share_decision(inst: VerticalInstance, shares: dict[str, float], *, mode: FeedbackMode, be_total: float,
+                    lc_cut_why: str, period_s: float, config: VerticalConfig) -> ShareDecision:
+    """One instance's share and reason: an active one's from `shares`, an idle one's standing cap."""
+    active = inst.id in shares
+    if inst.cls.latency_critical:
+        share = shares[inst.id] if active else inst.limit
+        if not active:
+            why = f"latency-critical, idle: standing cap at its limit {inst.limit:.2f} so a burst starts unthrottled"
+        elif share >= inst.limit - EPS:
+            why = f"latency-critical with demand: its limit {inst.limit:.2f}"
+        else:
+            why = (f"latency-critical with demand: {share:.2f} (request {inst.request:.2f}, "
+                   f"limit {inst.limit:.2f}): {lc_cut_why}")
+    elif active:
+        share = shares[inst.id]
+        why = (f"best-effort: {share:.2f} of the whole GPU split by request (limit {inst.limit:.2f})"
+               if mode is FeedbackMode.IDLE
+               else f"best-effort: {share:.2f} of budget {be_total:.2f} split by request ({mode.value})")
+    else:
+        share = inst.request
+        why = f"best-effort, idle: standing cap at its request {inst.request:.2f}"
+    share = min(max(0.0, share), inst.limit)
+    saturated = (active and share >= inst.limit - EPS
+                 and inst.throttled_s >= config.saturated_throttle_fraction * period_s)
+    if saturated:
+        why += "; saturated (throttled at its limit)"
+    return ShareDecision(id=inst.id, share=share, previous=inst.share, active=active, saturated=saturated,
+                         reason=why)
+
+
 def decide_shares(
     snapshot: VerticalSnapshot, state: VerticalState, config: VerticalConfig
 ) -> VerticalDecision:
     """New shares for every instance on the GPU, with reasons, and the state for the next call."""
     now = snapshot.now
     lc = [i for i in snapshot.instances if i.cls.latency_critical]
-    be = [i for i in snapshot.instances if not i.cls.latency_critical]
     lc_active = [i for i in lc if i.active(now, config)]
-    be_active = [i for i in be if i.active(now, config)]
+    be_active = [i for i in snapshot.instances if not i.cls.latency_critical and i.active(now, config)]
 
     quiet = state.mode is not FeedbackMode.IDLE and state.floor_periods >= config.quiet_periods
-    feedback = {
-        i.id: _feedback(i, state.track(i.id), config, snapshot.period_s, quiet) for i in lc
-    }
-    tracks = tuple(f.track for f in feedback.values())
-    # Only instances with demand speak for the GPU; an idle one's late cycle says nothing about now.
-    live = [feedback[i.id] for i in lc_active]
-    emergency = max((f.emergency for f in live), default=0.0)
-    contention = max((f.contention for f in live), default=0.0)
-    recovery = sum(f.recovery for f in live)
-    jump = max((f.jump for f in live), default=0.0)
-    drain = any(f.drain for f in live)
-    notes = "; ".join(f.note for f in live if f.note)
-
+    feedback = {i.id: _feedback(i, state.track(i.id), config, snapshot.period_s, quiet) for i in lc}
+    sig = _signals([feedback[i.id] for i in lc_active])
     floors = {i.id: config.emergency_floor * i.request for i in be_active}
     floor_total = min(1.0, sum(floors.values()))
-    shares: dict[str, float] = {}
 
-    # The budget carried from the last period; None when best-effort demand beside
-    # latency-critical demand is just beginning (then it starts at the fair budget).
     carried = state.budget if state.mode is not FeedbackMode.IDLE else None
-    be_requests = sum(i.request for i in be_active)
-    if config.strict:
-        # A partition: best-effort requests are admitted guarantees, so latency-critical instances may
-        # not grow into them, except into what feedback has already taken away from best-effort.
-        protected = be_requests if carried is None else min(be_requests, carried)
-        lc_room = 1.0 - min(1.0, max(protected, floor_total))
-    else:
-        # Caps, not reservations: a latency-critical cap costs nothing between its requests, and any
-        # cap below its limit would stretch every request. Only latency-critical instances contend here.
-        lc_room = 1.0
-
-    lc_cut_why = ""
-    if lc_active:
-        lc_shares, lc_cut_why = _latency_shares(lc_active, lc_room)
-        shares.update(lc_shares)
-    lc_total = sum(shares.values())
-
-    budget: float | None = None
-    recovery_cycles = 0
-    restore_to: float | None = None
-    quiet_at, probe_left, held_probes = ((state.quiet_at, state.probe_left, state.held_probes)
-                                         if state.mode is not FeedbackMode.IDLE else (None, 0, 0))
+    shares, lc_cut_why = _latency_shares(lc_active, _lc_room(
+        config, carried=carried, be_requests=sum(i.request for i in be_active), floor_total=floor_total)) \
+        if lc_active else ({}, "")
     if not lc_active:
-        mode = FeedbackMode.IDLE
-        be_total = 1.0
-        summary = (
-            "no latency-critical demand: best-effort may use the whole GPU up to their limits"
-            if be_active
-            else "nothing active"
-        )
+        plan = _Budget(FeedbackMode.IDLE, 1.0, 1.0, 0, None, _Probe(),
+                       "no latency-critical demand: best-effort may use the whole GPU up to their limits"
+                       if be_active else "nothing active")
     else:
-        fair = max(floor_total, 1.0 - lc_total)
-        if config.strict:
-            room = fair
-        else:
-            # What the latency-critical instances leave by their measured demand, and never less than
-            # the best-effort requests that fit beside their requests (admitted guarantees).
-            lc_requests = sum(i.request for i in lc_active)
-            room = max(
-                fair,
-                _room_left(lc_active, shares, feedback, config),
-                min(be_requests, 1.0 - lc_requests),
-                floor_total,
-            )
-        ceiling = (
-            max(room, min(1.0, config.busy_ceiling, sum(i.limit for i in be_active)))
-            if config.oversubscribe_in_recovery
-            else fair
-        )
-        start = carried is None
-        before = room if carried is None else carried
-        rebased = [f.track.id for f in live if f.rebased]
-        if rebased and before < room:
-            # Cutting to the floor did not bring the spans back: they were not interference. Start over
-            # from the room latency-critical demand leaves instead of regrowing ×1.3 from the floor.
-            before = room
-        mode, b, recovery_cycles, summary = _budget_step(
-            before,
-            fair=fair,
-            room=room,
-            floor=floor_total,
-            ceiling=ceiling,
-            emergency=emergency,
-            contention=contention,
-            recovery=recovery,
-            jump=0.0 if start else jump,
-            counted=state.recovery_cycles,
-            notes=notes,
-            config=config,
-        )
-        restore_to = None if start else state.restore_to
-        if config.burst_restore:
-            if mode is FeedbackMode.BURST:
-                restore_to = max(restore_to or 0.0, before)
-            elif mode in (FeedbackMode.EMERGENCY, FeedbackMode.CONTENTION):
-                restore_to = None
-            elif mode is FeedbackMode.RECOVERY and restore_to is not None:
-                if restore_to > b:
-                    b = min(ceiling, restore_to)
-                    summary += f"; the burst cut is undone: cycles unhurt, budget back to {b:.2f}"
-                restore_to = None
-        else:
-            restore_to = None
-        if start and be_active:
-            what = "the fair budget" if config.strict else "the room latency-critical demand leaves"
-            summary = (
-                f"latency-critical demand began: best-effort start at {what} {room:.2f}; "
-                + summary
-            )
-        b = min(max(b, floor_total), ceiling)
-        if be_active:
-            budget = b
-        be_total = b
-        if drain and be_active:
-            # The budget is kept (and carried) for when the cycle completes; only the shares drop.
-            mode = FeedbackMode.DRAIN
-            be_total = floor_total
-            summary = f"drain: best-effort at its floor until the cycle completes ({notes}); then {summary}"
-        if be_active:
-            quiet_at = now if quiet or quiet_at is None else quiet_at
-            held = b < ceiling - EPS
-            if not held:
-                held_probes = 0
-            if (probe_left == 0 and any(f.track.spans for f in live)  # only a span baseline is measured by quiet
-                    and mode in (FeedbackMode.CONTENTION, FeedbackMode.STEADY, FeedbackMode.RECOVERY)):
-                wait = _probe_wait(config, held=held and mode is not FeedbackMode.RECOVERY, held_probes=held_probes)
-                if wait is not None and now - quiet_at >= wait[0]:
-                    probe_left = config.quiet_periods
-                    held_probes += wait[1]
-            if probe_left > 0:
-                # Like a drain, the budget is carried; only the shares drop, for the quiet measurement.
-                probe_left -= 1
-                mode = FeedbackMode.PROBE
-                be_total = floor_total
-                summary = (f"probe: best-effort at its floor to measure latency-critical spans without it "
-                           f"(no quiet period for {now - quiet_at:.1f} s"
-                           f"{', a cut held' if held else ''}); then {summary}")
-        summary += (
-            f"; budget {b:.2f} (fair {fair:.2f}, room {room:.2f}, floor {floor_total:.2f}, "
-            f"ceiling {ceiling:.2f})"
-        )
+        fair, room, ceiling = _references(config, lc_active, be_active, shares, feedback, floor_total)
+        plan = _budget(state, config, sig, now=now, quiet=quiet, fair=fair, room=room, ceiling=ceiling,
+                       floor_total=floor_total, be_active=bool(be_active))
         if lc_cut_why:
-            summary += f"; {lc_cut_why}"
+            plan = replace(plan, summary=f"{plan.summary}; {lc_cut_why}")
 
     if be_active:
-        alloc = water_fill(
-            be_total, [i.request for i in be_active], [i.limit for i in be_active]
-        )
+        alloc = water_fill(plan.total, [i.request for i in be_active], [i.limit for i in be_active])
         for inst, a in zip(be_active, alloc, strict=True):
             shares[inst.id] = max(a, min(floors[inst.id], inst.limit))
+    decisions = tuple(_share_decision(i, shares, mode=plan.mode, be_total=plan.total, lc_cut_why=lc_cut_why,
+                                      period_s=snapshot.period_s, config=config) for i in snapshot.instances)
 
-    decisions = []
-    for inst in snapshot.instances:
-        is_active = inst.id in shares
-        if inst.cls.latency_critical:
-            if is_active:
-                share = shares[inst.id]
-                if share >= inst.limit - EPS:
-                    why = f"latency-critical with demand: its limit {inst.limit:.2f}"
-                else:
-                    why = (f"latency-critical with demand: {share:.2f} (request {inst.request:.2f}, "
-                           f"limit {inst.limit:.2f}): {lc_cut_why}")
-            else:
-                share = inst.limit
-                why = f"latency-critical, idle: standing cap at its limit {inst.limit:.2f} so a burst starts unthrottled"
-        elif is_active:
-            share = shares[inst.id]
-            if mode is FeedbackMode.IDLE:
-                why = f"best-effort: {share:.2f} of the whole GPU split by request (limit {inst.limit:.2f})"
-            else:
-                why = f"best-effort: {share:.2f} of budget {be_total:.2f} split by request ({mode.value})"
-        else:
-            share = inst.request
-            why = f"best-effort, idle: standing cap at its request {inst.request:.2f}"
-        share = min(max(0.0, share), inst.limit)
-        saturated = (
-            is_active
-            and share >= inst.limit - EPS
-            and inst.throttled_s
-            >= config.saturated_throttle_fraction * snapshot.period_s
-        )
-        if saturated:
-            why += "; saturated (throttled at its limit)"
-        decisions.append(
-            ShareDecision(
-                id=inst.id,
-                share=share,
-                previous=inst.share,
-                active=is_active,
-                saturated=saturated,
-                reason=why,
-            )
-        )
-
-    at_floor = bool(lc_active) and bool(be_active) and be_total <= floor_total + EPS
+    at_floor = bool(lc_active) and bool(be_active) and plan.total <= floor_total + EPS
+    budget = plan.budget if lc_active and be_active else None
     new_state = VerticalState(
-        budget=budget, recovery_cycles=recovery_cycles, mode=mode, tracks=tracks, restore_to=restore_to,
+        budget=budget, recovery_cycles=plan.recovery_cycles, mode=plan.mode,
+        tracks=tuple(f.track for f in feedback.values()), restore_to=plan.restore_to,
         floor_periods=state.floor_periods + 1 if at_floor else 0,
-        quiet_at=quiet_at if lc_active else None, probe_left=probe_left if lc_active else 0,
-        held_probes=held_probes if lc_active else 0,
+        quiet_at=plan.probe.quiet_at if lc_active else None, probe_left=plan.probe.left if lc_active else 0,
+        held_probes=plan.probe.held if lc_active else 0,
     )
     active_total = sum(d.share for d in decisions if d.active)
-    reason = f"{snapshot.gpu or 'gpu'} {mode.value}: {summary}; Σ active shares {active_total:.2f}"
-    return VerticalDecision(
-        now=now,
-        gpu=snapshot.gpu,
-        mode=mode,
-        shares=tuple(decisions),
-        budget=budget,
-        reason=reason,
-        state=new_state,
-        active_total=active_total,
-    )
+    reason = f"{snapshot.gpu or 'gpu'} {plan.mode.value}: {plan.summary}; Σ active shares {active_total:.2f}"
+    return VerticalDecision(now=now, gpu=snapshot.gpu, mode=plan.mode, shares=decisions, budget=budget,
+                            reason=reason, state=new_state, active_total=active_total)
