@@ -563,64 +563,108 @@ def _baseline(cls: InstanceClass, history: tuple[float, ...], min_cycle: float |
     return max(base, floor_s) if base is not None and base > 0 else None
 
 
-def _feedback(
-    inst: VerticalInstance,
-    prev: CycleTrack | None,
-    config: VerticalConfig,
-    period_s: float,
-    quiet: bool = False,
-) -> _Feedback:
-    """`quiet`: best-effort instances ran at their floor through this period (see span_quiet_baseline)."""
+def _span_track(inst: VerticalInstance, prev: CycleTrack | None, config: VerticalConfig) -> CycleTrack:
+    """The track to judge this period with: spans once the shim reports any (spans and window cycles are
+    different units, so switching starts the baseline over; the demand average stays)."""
     track = prev or CycleTrack(id=inst.id)
     use_spans = config.span_feedback and (track.spans or bool(inst.spans_s))
     if use_spans and not track.spans:
-        # Spans and window cycles are different units: start the baseline over (the demand average stays).
-        track = CycleTrack(id=inst.id, demand_ema=track.demand_ema, spans=True)
-    cycles_s, open_s = (inst.spans_s, inst.open_span_s) if use_spans else (inst.cycles_s, inst.open_cycle_s)
-    min_len = config.min_span_s if use_spans else config.min_cycle_s
-    unit = "request span" if use_spans else "cycle"
-    threshold = config.emergency_threshold(inst.cls)
+        return CycleTrack(id=inst.id, demand_ema=track.demand_ema, spans=True)
+    return track if use_spans or not track.spans else replace(track, spans=False)
+
+
+def _slo_floor(inst: VerticalInstance, config: VerticalConfig, *, spans: bool) -> float:
+    """Spans against an SLO are never judged against less than this (`span_slo_base`); 0: no floor."""
+    if spans and config.span_slo_base is not None and inst.slo_ms and inst.cls.latency_critical:
+        return config.span_slo_base * inst.slo_ms / 1000.0
+    return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Quiet:
+    quiet_s: float | None  # the span baseline after this period
+    measured: bool = False  # this period's spans measured the baseline (they are not judged)
+    rebased: bool = False  # ... and were still stretched against the old one: the cuts did not help
+    note: str = ""
+
+
+def _quiet_baseline(inst: VerticalInstance, track: CycleTrack, cycles_s: tuple[float, ...], config: VerticalConfig,
+                    *, quiet: bool, floor_s: float) -> _Quiet:
+    """The span baseline (`span_quiet_baseline`): a quiet period's median resets it, a faster period's
+    median lowers it."""
+    if not (track.spans and config.span_quiet_baseline and inst.cls is not InstanceClass.LLM
+            and len(cycles_s) >= config.quiet_min_spans):
+        return _Quiet(track.quiet_s)
+    period_median = _median(cycles_s)
+    if not quiet:
+        faster = track.quiet_s is None or period_median < track.quiet_s
+        return _Quiet(period_median if faster else track.quiet_s)
+    # Best-effort has been at its floor: this is the instance's uncontended speed now. These spans measure
+    # the baseline; judged against it they would count as recovery for nothing.
+    old = _baseline(inst.cls, track.history, track.min_cycle_s, track.quiet_s, floor_s)
+    # Still stretched at the floor (by what counts as unhurt): the cuts before it did not help.
+    rebased = old is None or period_median >= config.recovery_ratio * old
+    note = (f"{inst.id} quiet period (best-effort at its floor): baseline {period_median * 1000:.1f} ms"
+            + (f", {period_median / old:.2f}× the last one: the cuts did not help" if rebased and old else ""))
+    return _Quiet(period_median, measured=True, rebased=rebased, note=note)
+
+
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    min_cycle_s: float | None
+    history: tuple[float, ...]
+    last_ratio: float | None
+    recent: tuple[float, ...]
+    emergency: float = 0.0
+    contention: float = 0.0
+    recovery: int = 0
+    notes: tuple[str, ...] = ()
+
+
+def _kind(judged: float, base: float, inst: VerticalInstance, config: VerticalConfig, *,
+          already_cut: bool) -> tuple[str, str]:
+    """(kind, note) of one judged ratio: `_classify`, then the SLO guard (a stretch within `slo_guard` of the
+    SLO is recovery) and a cycle already cut for while in progress (contention, not a second emergency)."""
+    kind = _classify(judged, config.emergency_threshold(inst.cls), config)
+    safe_s = _safe_s(inst, config)
+    if kind in ("emergency", "contention") and safe_s is not None and judged * base <= safe_s:
+        return "recovery", (f"but {judged * base * 1000:.1f} ms, within {config.slo_guard:.0%} of its "
+                            f"{inst.slo_ms:g} ms SLO (recovery)")
+    if kind == "emergency" and already_cut:
+        return "contention", ""
+    return kind, ""
+
+
+def _safe_s(inst: VerticalInstance, config: VerticalConfig) -> float | None:
+    """The cycle length within `slo_guard` of the SLO (None: no guard)."""
+    if config.slo_guard is not None and inst.slo_ms and inst.cls.latency_critical:
+        return config.slo_guard * inst.slo_ms / 1000.0
+    return None
+
+
+def _judge(inst: VerticalInstance, track: CycleTrack, cycles_s: tuple[float, ...], config: VerticalConfig, *,
+           quiet: _Quiet, floor_s: float, unit: str) -> _Judged:
+    """Every completed cycle updates the minimum and history; unless the period measured the baseline,
+    each is judged: the median ratio of the last `cycle_smoothing` against the baseline."""
+    min_len = config.min_span_s if track.spans else config.min_cycle_s
+    min_cycle, history, last_ratio = track.min_cycle_s, track.history, track.last_ratio
+    recent = () if quiet.measured else track.recent_ratios[-config.cycle_smoothing:]
     emergency = contention = 0.0
     recovery = 0
     notes: list[str] = []
-    min_cycle, history, last_ratio = track.min_cycle_s, track.history, track.last_ratio
-    recent = track.recent_ratios[-config.cycle_smoothing :]
-    # Spans against an SLO: never judge against less than this (config.span_slo_base says why).
-    slo_floor_s = (config.span_slo_base * inst.slo_ms / 1000.0
-                   if use_spans and config.span_slo_base is not None and inst.slo_ms
-                   and inst.cls.latency_critical else 0.0)
-    quiet_s, rebased, measured = track.quiet_s, False, False
-    if (use_spans and config.span_quiet_baseline and inst.cls is not InstanceClass.LLM
-            and len(cycles_s) >= config.quiet_min_spans):
-        period_median = _median(cycles_s)
-        if quiet:
-            # Best-effort has been at its floor: this is the instance's uncontended speed now. These spans
-            # measure the baseline; judged against it they would count as recovery for nothing.
-            old = _baseline(inst.cls, history, min_cycle, quiet_s, slo_floor_s)
-            quiet_s, measured = period_median, True
-            # Still stretched at the floor (by what counts as unhurt): the cuts before it did not help.
-            rebased = old is None or period_median >= config.recovery_ratio * old
-            recent = ()  # ratios against the old baseline say nothing against the new one
-            notes.append(f"{inst.id} quiet period (best-effort at its floor): baseline {quiet_s * 1000:.1f} ms"
-                         + (f", {period_median / old:.2f}× the last one: the cuts did not help"
-                            if rebased and old else ""))
-        elif quiet_s is None or period_median < quiet_s:
-            quiet_s = period_median  # a faster period: the instance can run that fast now
     smoothed = config.cycle_smoothing > 1
     already_cut = track.open_flagged
-    safe_s = (config.slo_guard * inst.slo_ms / 1000.0
-              if config.slo_guard is not None and inst.slo_ms and inst.cls.latency_critical else None)
     for c in cycles_s:
         if c >= min_len:
             min_cycle = c if min_cycle is None else min(min_cycle, c)
-            history = (history + (c,))[-config.llm_history :]
-        if measured:
+            history = (history + (c,))[-config.llm_history:]
+        if quiet.measured:
             continue
-        base = _baseline(inst.cls, history, min_cycle, quiet_s, slo_floor_s)
+        base = _baseline(inst.cls, history, min_cycle, quiet.quiet_s, floor_s)
         if base is None:
             continue
-        against = ("its quiet baseline" if quiet_s and base == quiet_s else "its minimum"
-                   if base > slo_floor_s else f"{config.span_slo_base:g} of its SLO")
+        against = ("its quiet baseline" if quiet.quiet_s and base == quiet.quiet_s else "its minimum"
+                   if base > floor_s else f"{config.span_slo_base:g} of its SLO")
         ratio = c / base
         last_ratio = ratio
         if ratio >= config.outlier_ratio:
@@ -628,17 +672,12 @@ def _feedback(
             notes.append(f"{inst.id} {unit} {ratio:.2f}× {against} (outlier)")
             already_cut = False
             continue
-        recent = (recent + (ratio,))[-config.cycle_smoothing :]
+        recent = (recent + (ratio,))[-config.cycle_smoothing:]
         judged = _median(recent) if smoothed else ratio
-        kind = _classify(judged, threshold, config)
-        if kind in ("emergency", "contention") and safe_s is not None and judged * base <= safe_s:
-            notes.append(f"{inst.id} {unit}s {judged:.2f}× {against} but {judged * base * 1000:.1f} ms, "
-                         f"within {config.slo_guard:.0%} of its {inst.slo_ms:g} ms SLO (recovery)")
-            kind = "recovery"
-        if kind == "emergency" and already_cut:
-            # This is the cycle that was in progress when we cut for it: count it once.
-            kind = "contention"
+        kind, guard = _kind(judged, base, inst, config, already_cut=already_cut)
         already_cut = False
+        if guard:
+            notes.append(f"{inst.id} {unit}s {judged:.2f}× {against} {guard}")
         if kind == "emergency":
             emergency = max(emergency, judged)
         elif kind == "contention":
@@ -646,71 +685,102 @@ def _feedback(
         elif kind == "recovery":
             recovery += 1
         if kind != "recovery":
-            what = (
-                f"median of its last {len(recent)} {unit}s {judged:.2f}× {against}"
-                if smoothed
-                else f"{unit} {ratio:.2f}× {against}"
-            )
+            what = (f"median of its last {len(recent)} {unit}s {judged:.2f}× {against}" if smoothed
+                    else f"{unit} {ratio:.2f}× {against}")
             notes.append(f"{inst.id} {what} ({kind})")
-    recent_busy = track.recent_busy
-    if use_spans and config.saturation_busy is not None:
-        recent_busy = (recent_busy + (sum(cycles_s) / period_s,))[-SATURATION_PERIODS:]
-        busy = sum(recent_busy) / len(recent_busy)
-        if contention and len(recent_busy) == SATURATION_PERIODS and busy >= config.saturation_busy:
-            notes.append(f"{inst.id} request spans cover {busy:.0%} of its time (saturated): a queue builds, "
-                         f"so {contention:.2f}× its baseline is an emergency")
-            emergency, contention = max(emergency, contention), 0.0
-            recent_busy = ()  # fresh evidence before cutting for it again
-    if cycles_s:
-        # The cycle that was in progress has completed; whatever runs now is a new one.
-        open_flagged = False
-    else:
-        open_flagged = track.open_flagged and 0 < open_s >= track.last_open_s
-    base = _baseline(inst.cls, history, min_cycle, quiet_s, slo_floor_s)
-    if open_s > 0 and base and not open_flagged and (safe_s is None or open_s > safe_s):
-        ratio = open_s / base
-        if config.open_threshold(inst.cls) <= ratio < config.outlier_ratio:
-            emergency = max(emergency, ratio)
-            open_flagged = True
-            notes.append(
-                f"{inst.id} {unit} in progress already {ratio:.2f}× its baseline {base * 1000:.1f} ms (emergency)"
-            )
+    return _Judged(min_cycle, history, last_ratio, recent, emergency, contention, recovery, tuple(notes))
 
-    drain = False
+
+def _saturation(inst: VerticalInstance, track: CycleTrack, cycles_s: tuple[float, ...], period_s: float,
+                config: VerticalConfig, *, contention: float) -> tuple[tuple[float, ...], bool, str]:
+    """(recent busy fractions, saturated?, note): contention while the spans fill ≥ `saturation_busy` of the
+    last `SATURATION_PERIODS` periods is an emergency (a queue builds); the evidence then starts over."""
+    if not (track.spans and config.saturation_busy is not None):
+        return track.recent_busy, False, ""
+    recent_busy = (track.recent_busy + (sum(cycles_s) / period_s,))[-SATURATION_PERIODS:]
+    busy = sum(recent_busy) / len(recent_busy)
+    if contention and len(recent_busy) == SATURATION_PERIODS and busy >= config.saturation_busy:
+        return (), True, (f"{inst.id} request spans cover {busy:.0%} of its time (saturated): a queue builds, "
+                          f"so {contention:.2f}× its baseline is an emergency")
+    return recent_busy, False, ""
+
+
+def _open_cycle(inst: VerticalInstance, track: CycleTrack, open_s: float, base: float | None,
+                config: VerticalConfig, *, completed: bool, unit: str) -> tuple[bool, float, str]:
+    """(flagged, emergency ratio, note) of the cycle in progress: at `open_threshold` × the baseline it cuts
+    at once, once (a completed cycle clears the flag; whatever runs now is a new one)."""
+    flagged = False if completed else track.open_flagged and 0 < open_s >= track.last_open_s
+    safe_s = _safe_s(inst, config)
+    if not (open_s > 0 and base and not flagged and (safe_s is None or open_s > safe_s)):
+        return flagged, 0.0, ""
+    ratio = open_s / base
+    if config.open_threshold(inst.cls) <= ratio < config.outlier_ratio:
+        return True, ratio, f"{inst.id} {unit} in progress already {ratio:.2f}× its baseline {base * 1000:.1f} ms (emergency)"
+    return flagged, 0.0, ""
+
+
+def _drain(inst: VerticalInstance, open_s: float, config: VerticalConfig, *, unit: str) -> tuple[bool, str]:
+    """A cycle in progress between `drain_slo_fraction` of the SLO and the SLO is building a queue."""
     if (config.drain_slo_fraction is not None and inst.slo_ms and inst.cls.latency_critical
             and config.drain_slo_fraction * inst.slo_ms <= open_s * 1000.0 < inst.slo_ms):
-        drain = True
-        notes.append(f"{inst.id} {unit} in progress {open_s * 1000:.0f} ms, "
-                     f"≥ {config.drain_slo_fraction:.0%} of its {inst.slo_ms:g} ms SLO (drain)")
+        return True, (f"{inst.id} {unit} in progress {open_s * 1000:.0f} ms, "
+                      f"≥ {config.drain_slo_fraction:.0%} of its {inst.slo_ms:g} ms SLO (drain)")
+    return False, ""
 
+
+def _demand(inst: VerticalInstance, track: CycleTrack, period_s: float,
+            config: VerticalConfig) -> tuple[float | None, float | None, float, str]:
+    """(demand share this period, its new average, burst jump (0: none), note)."""
     demand = inst.demand(period_s)
-    demand_ema, jump = track.demand_ema, 0.0
-    if demand is not None:
-        if demand_ema is not None and config.burst_ratio > 0:
-            j = demand / max(demand_ema, config.burst_min_demand)
-            if j >= config.burst_ratio:
-                jump = j
-                notes.append(
-                    f"{inst.id} launched {demand:.2f} of the GPU, {j:.1f}× its average {demand_ema:.2f} (burst)"
-                )
-        w = config.demand_ema_weight
-        demand_ema = demand if demand_ema is None else (1 - w) * demand_ema + w * demand
+    if demand is None:
+        return None, track.demand_ema, 0.0, ""
+    ema, jump, note = track.demand_ema, 0.0, ""
+    if ema is not None and config.burst_ratio > 0:
+        j = demand / max(ema, config.burst_min_demand)
+        if j >= config.burst_ratio:
+            jump, note = j, f"{inst.id} launched {demand:.2f} of the GPU, {j:.1f}× its average {ema:.2f} (burst)"
+    w = config.demand_ema_weight
+    return demand, demand if ema is None else (1 - w) * ema + w * demand, jump, note
+
+
+def _feedback(
+    inst: VerticalInstance,
+    prev: CycleTrack | None,
+    config: VerticalConfig,
+    period_s: float,
+    quiet: bool = False,
+) -> _Feedback:
+    """One latency-critical instance's reading this period. `quiet`: best-effort instances ran at their floor
+    through this period (see span_quiet_baseline)."""
+    track = _span_track(inst, prev, config)
+    cycles_s, open_s = (inst.spans_s, inst.open_span_s) if track.spans else (inst.cycles_s, inst.open_cycle_s)
+    unit = "request span" if track.spans else "cycle"
+    floor_s = _slo_floor(inst, config, spans=track.spans)
+    q = _quiet_baseline(inst, track, cycles_s, config, quiet=quiet, floor_s=floor_s)
+    j = _judge(inst, track, cycles_s, config, quiet=q, floor_s=floor_s, unit=unit)
+    notes = [q.note, *j.notes] if q.note else list(j.notes)
+    emergency, contention = j.emergency, j.contention
+    recent_busy, saturated, why = _saturation(inst, track, cycles_s, period_s, config, contention=contention)
+    if saturated:
+        notes.append(why)
+        emergency, contention = max(emergency, contention), 0.0
+    base = _baseline(inst.cls, j.history, j.min_cycle_s, q.quiet_s, floor_s)
+    open_flagged, open_ratio, why = _open_cycle(inst, track, open_s, base, config, completed=bool(cycles_s), unit=unit)
+    if open_ratio:
+        emergency = max(emergency, open_ratio)
+        notes.append(why)
+    drain, why = _drain(inst, open_s, config, unit=unit)
+    if drain:
+        notes.append(why)
+    demand, demand_ema, jump, why = _demand(inst, track, period_s, config)
+    if why:
+        notes.append(why)
     new_track = CycleTrack(
-        id=inst.id,
-        min_cycle_s=min_cycle,
-        history=history,
-        last_ratio=last_ratio,
-        open_flagged=open_flagged,
-        last_open_s=open_s,
-        recent_ratios=recent,
-        demand_ema=demand_ema,
-        spans=use_spans,
-        quiet_s=quiet_s,
-        recent_busy=recent_busy,
+        id=inst.id, min_cycle_s=j.min_cycle_s, history=j.history, last_ratio=j.last_ratio,
+        open_flagged=open_flagged, last_open_s=open_s, recent_ratios=j.recent, demand_ema=demand_ema,
+        spans=track.spans, quiet_s=q.quiet_s, recent_busy=recent_busy,
     )
-    return _Feedback(
-        new_track, emergency, contention, recovery, "; ".join(notes), demand, jump, drain, rebased
-    )
+    return _Feedback(new_track, emergency, contention, j.recovery, "; ".join(notes), demand, jump, drain, q.rebased)
 
 
 # -- shares --------------------------------------------------------------------------------------
