@@ -12,6 +12,7 @@ from dilu_invoker.policy import (
     FeedbackMode,
     InstanceClass,
     VerticalConfig,
+    VerticalDecision,
     VerticalInstance,
     VerticalSnapshot,
     VerticalState,
@@ -184,8 +185,8 @@ def step(now: float, state: SloState, *instances: VerticalInstance, config: SloC
 def test_idle_gives_best_effort_the_whole_gpu_and_remembers_the_budget() -> None:
     d = step(10.0, SloState(budget=0.4, tracks=(KNOWN,)), inf(10.0, active=False), train(10.0))
     assert d.mode is FeedbackMode.IDLE and d.share_of("train") == pytest.approx(1.0)
-    assert d.state.budget is None and d.state.resume == pytest.approx(0.4)  # type: ignore[union-attr]
-    again = step(10.05, d.state, inf(10.05, (0.005,) * 4), train(10.05))  # type: ignore[arg-type]
+    assert d.state.budget is None and d.state.resume == pytest.approx(0.4)
+    again = step(10.05, d.state, inf(10.05, (0.005,) * 4), train(10.05))
     assert again.share_of("train") == pytest.approx(0.4)
 
 
@@ -201,7 +202,7 @@ def test_unhurt_spans_increase_after_the_dwell_and_not_before() -> None:
     for k in range(12):
         now = k * P
         d = step(now, state, inf(now, (0.005,) * 5), train(now))
-        state = d.state  # type: ignore[assignment]
+        state = d.state
         modes.append(d.mode)
         shares.append(d.share_of("train"))
     assert FeedbackMode.INCREASE in modes
@@ -218,7 +219,7 @@ def test_stretched_spans_decrease_multiplicatively() -> None:
     for k in range(1, 8):
         now = k * P
         d = step(now, state, inf(now, (0.023,)), train(now))  # 1.15× a 20 ms SLO, one request a period
-        state = d.state  # type: ignore[assignment]
+        state = d.state
         if d.mode is FeedbackMode.DECREASE:
             break
     assert d is not None and d.mode is FeedbackMode.DECREASE
@@ -236,7 +237,7 @@ def test_emergency_clamps_at_once_without_waiting_for_the_dwell(spans: tuple[flo
     d = step(1.05, state, inf(1.05, spans, open_s=open_s), train(1.05))
     assert d.mode is FeedbackMode.EMERGENCY and what in d.reason
     assert d.share_of("train") == pytest.approx(0.01)
-    assert d.state.threshold == pytest.approx(0.8 * CFG.decrease)  # type: ignore[union-attr]
+    assert d.state.threshold == pytest.approx(0.8 * CFG.decrease)
 
 
 def test_saturation_is_an_emergency() -> None:
@@ -251,7 +252,7 @@ def test_the_solo_latency_is_measured_at_the_floor_first() -> None:
     for k in range(8):
         now = k * P
         d = step(now, state, inf(now, (0.005,) * 5, slo_ms=None), train(now))
-        state = d.state  # type: ignore[assignment]
+        state = d.state
         modes.append(d.mode)
         shares.append(d.share_of("train"))
     # Two periods at the floor (the first still runs work admitted before), then the solo span is known.
