@@ -178,15 +178,20 @@ def train(now: float) -> VerticalInstance:
                             last_active_at=now)
 
 
-def step(now: float, state: SloState, *instances: VerticalInstance, config: SloConfig = CFG):
+def step(now: float, state: SloState, *instances: VerticalInstance, config: SloConfig = CFG) -> VerticalDecision:
     return decide_slo(VerticalSnapshot(now=now, instances=instances, period_s=P), state, config)
+
+
+def state_of(d: VerticalDecision) -> SloState:
+    assert isinstance(d.state, SloState)
+    return d.state
 
 
 def test_idle_gives_best_effort_the_whole_gpu_and_remembers_the_budget() -> None:
     d = step(10.0, SloState(budget=0.4, tracks=(KNOWN,)), inf(10.0, active=False), train(10.0))
     assert d.mode is FeedbackMode.IDLE and d.share_of("train") == pytest.approx(1.0)
-    assert d.state.budget is None and d.state.resume == pytest.approx(0.4)
-    again = step(10.05, d.state, inf(10.05, (0.005,) * 4), train(10.05))
+    assert state_of(d).budget is None and state_of(d).resume == pytest.approx(0.4)
+    again = step(10.05, state_of(d), inf(10.05, (0.005,) * 4), train(10.05))
     assert again.share_of("train") == pytest.approx(0.4)
 
 
@@ -202,7 +207,7 @@ def test_unhurt_spans_increase_after_the_dwell_and_not_before() -> None:
     for k in range(12):
         now = k * P
         d = step(now, state, inf(now, (0.005,) * 5), train(now))
-        state = d.state
+        state = state_of(d)
         modes.append(d.mode)
         shares.append(d.share_of("train"))
     assert FeedbackMode.INCREASE in modes
@@ -219,7 +224,7 @@ def test_stretched_spans_decrease_multiplicatively() -> None:
     for k in range(1, 8):
         now = k * P
         d = step(now, state, inf(now, (0.023,)), train(now))  # 1.15× a 20 ms SLO, one request a period
-        state = d.state
+        state = state_of(d)
         if d.mode is FeedbackMode.DECREASE:
             break
     assert d is not None and d.mode is FeedbackMode.DECREASE
@@ -237,7 +242,7 @@ def test_emergency_clamps_at_once_without_waiting_for_the_dwell(spans: tuple[flo
     d = step(1.05, state, inf(1.05, spans, open_s=open_s), train(1.05))
     assert d.mode is FeedbackMode.EMERGENCY and what in d.reason
     assert d.share_of("train") == pytest.approx(0.01)
-    assert d.state.threshold == pytest.approx(0.8 * CFG.decrease)
+    assert state_of(d).threshold == pytest.approx(0.8 * CFG.decrease)
 
 
 def test_saturation_is_an_emergency() -> None:
@@ -252,7 +257,7 @@ def test_the_solo_latency_is_measured_at_the_floor_first() -> None:
     for k in range(8):
         now = k * P
         d = step(now, state, inf(now, (0.005,) * 5, slo_ms=None), train(now))
-        state = d.state
+        state = state_of(d)
         modes.append(d.mode)
         shares.append(d.share_of("train"))
     # Two periods at the floor (the first still runs work admitted before), then the solo span is known.
