@@ -1,6 +1,8 @@
 """Vertical scaling: each instance's SM share on one GPU, re-decided every manager period (~50 ms).
 
-In the spirit of Dilu's RCKM (`gpu-sharing.md` §4.2):
+This module holds the types every vertical policy shares and the `rckm` policy (`decide_shares`), the
+default until the `slo` controller (vertical_slo.py) has won the GPU workload matrix. `rckm` works in the
+spirit of Dilu's RCKM (`gpu-sharing.md` §4.2):
 
 * Latency-critical instances (`inference`, `llm`) get their limit while they have demand: a share is a
   cap on launch rate, and a latency-critical instance launches at full speed inside each request, so any
@@ -83,7 +85,8 @@ class _IdleAfter(Protocol):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VerticalConfig:
-    """Every constant of the vertical policy; docs/policies.md says why each default."""
+    """Every constant of the rckm vertical policy; docs/policies.md §1 says why each default, with the GPU runs
+    that chose it."""
 
     idle_after_s: float = 0.6
     """An instance that launched nothing for this long is idle (Dilu: 120 × 5 ms windows)."""
@@ -106,60 +109,36 @@ class VerticalConfig:
     """Completed cycles shorter than this never become an instance's minimum (Dilu: > 6 windows)."""
     span_feedback: bool = True
     """Judge a latency-critical instance by its request spans (the shim's first launch to the next quiet
-    application sync, in microseconds) instead of its 5 ms launch-window cycles, once its shim reports any.
-    Window cycles need idle windows between requests: at ~100 requests/s every window holds a launch and a
-    cycle never ends (ninth H200 run: no completed cycle in 154 of 160 ticks). False: windows only."""
+    application sync) instead of its 5 ms launch-window cycles, once its shim reports any. False: windows only."""
     min_span_s: float = 0.0005
     """Spans shorter than this never become an instance's minimum (a sync after a trivial kernel)."""
     span_quiet_baseline: bool = True
-    """Spans are judged against the shortest per-period median span (several spans, so not one rare fast
-    request) instead of the shortest span; and once the best-effort budget has sat at its floor for
-    `quiet_periods` periods, that period's median span — the instance's speed without best-effort
-    interference *now*, GPU clocks and power state included — resets the baseline, so cuts stop when cutting
-    no longer helps. Eleventh H200 run: with training at its floor the GPU clocked down and inference's
-    spans grew to 1.7× the best one seen, so the minimum-based ratios kept training at 3-14% of solo (five of six runs) for
-    nothing. False: the minimum span."""
+    """Judge spans against the shortest per-period median span, reset by a quiet period (best-effort at its
+    floor for `quiet_periods` periods: the instance's speed without best-effort now, clocks included), instead
+    of the shortest span; a quiet period still stretched restarts the budget from the room. False: the minimum span."""
     quiet_periods: int = 2
     """Periods at the floor before spans count as quiet (the first still runs work admitted before the cut)."""
     quiet_min_spans: int = 3
     """Spans a quiet period needs before their median becomes the baseline."""
     quiet_probe_every_s: float | None = None
-    """While latency-critical and best-effort demand run together and no quiet period has come for this
-    long, hold best-effort at its floor for `quiet_periods` periods (a probe) so the next period measures the
-    span baseline. Without probes the baseline is the fastest period seen, which on a GPU where training
-    always ran beside inference is already a contended one (tests/policy/test_vertical_closed_loop.py), a
-    gap that saturation (`saturation_busy`) already closes where it builds a queue. None (the default): no
-    periodic probes; 5.0 costs best-effort ~2 periods in 100 and on the H200 (thirteenth to fifteenth runs)
-    was neither better nor worse than none within the run-to-run noise."""
+    """Seconds without a quiet period, while latency-critical and best-effort demand run together, after which
+    best-effort is held at its floor for `quiet_periods` periods (a probe) to measure the span baseline.
+    None: no periodic probes."""
     quiet_probe_held_s: float | None = 0.5
-    """While a cut is being held (the best-effort budget below its ceiling, latency-critical spans neither
-    recovering nor in emergency) and no quiet period has come for this long, probe: best-effort at its floor
-    for `quiet_periods` periods, so the next period says whether the cut still buys anything. Each probe that
-    leaves the budget held doubles the wait (up to 16×); the budget back at its ceiling resets it. Fourteenth
-    H200 run (MPS): after one emergency cut, inference's spans sat 1.2-1.35× the SLO floor of the baseline
-    with training at 0.22 — and no faster with training at its floor — so the contention band held training
-    at 35% of solo for 6 s; fifteenth run, with held probes: 87-91%. None: only `quiet_probe_every_s` probes."""
+    """Seconds a cut may be held (the budget below its ceiling, spans neither recovering nor in emergency)
+    without a quiet period before it is probed; each probe that leaves it held doubles the wait (up to 16×),
+    the budget back at its ceiling resets it. None: only `quiet_probe_every_s` probes."""
     saturation_busy: float | None = 0.95
-    """A latency-critical instance whose request spans covered at least this fraction of the last periods
-    (mean of `SATURATION_PERIODS`) cannot keep up: every stretch becomes queueing, so a span in the
-    contention band counts as an emergency. Fifteenth H200 run (time-slicing, a 5× burst to 90
-    requests/s): spans 1.24× their baseline with training at 1.0 were 11.3 ms against 11.1 ms between
-    arrivals, and contention held while the queue grew to 28% SLO violations; 48% of its 3-period windows
-    were ≥ 0.95 busy, against ≤ 3% in the steady and burst runs without a queue (fifteenth and sixteenth
-    runs; 0.9 fired in up to 32% of those and, on the sixteenth, cut training to 67% of solo for nothing).
-    Stretch that cutting cannot remove (a quiet period measured it) is no contention, so this never cuts
-    for it. None: off."""
+    """Fraction of its time (mean of the last `SATURATION_PERIODS` periods) a latency-critical instance's
+    request spans may cover before a span in the contention band counts as an emergency: requests arrive as
+    fast as they complete, so every stretch becomes queueing. None: off."""
     span_slo_base: float | None = 0.3
-    """With spans and an SLO, a span is judged against the larger of the best span seen and this fraction
-    of the SLO: a request well inside its SLO is not hurt however much slower than the best one seen. The
-    best span is a rare one (tenth H200 run: best 3.9 ms, solo median 7.5 ms), so against it alone the
-    ratios read co-located requests faster than solo as emergencies and held training at 14-44% of solo.
-    With an SLO of 2 × solo p99, 0.3 means growth below ~0.72 × solo p99 and cuts from ~0.96 × solo p99.
-    None: the best span only (Dilu's minimum)."""
+    """Fraction of the SLO below which a span's baseline never goes (spans and an SLO only): a request well
+    inside its SLO is not hurt however much slower than the best one seen. None: the best span only."""
     llm_history: int = 20
     """An `llm` instance's minimum is over its last N cycles: decode length drifts (Dilu: 20)."""
     cycle_smoothing: int = 5
-    """Judge the median ratio of the last N cycles, not each cycle alone (1: each cycle, as run 1)."""
+    """Judge the median ratio of the last N cycles, not each cycle alone (1: each cycle)."""
     open_cycle_ratio: float | None = 3.0
     """A cycle still in progress at this ratio is an emergency now (None: at the emergency ratio)."""
     slo_guard: float | None = 0.25
@@ -168,22 +147,15 @@ class VerticalConfig:
     emergency. Dilu's ratios know nothing of the SLO; with one we know how much stretch is affordable.
     None: ratios only (Dilu)."""
     drain_slo_fraction: float | None = None
-    """A latency-critical instance with an SLO whose cycle in progress has run at least this fraction of
-    the SLO (and less than the whole SLO) is building a queue, where tail latency comes from: best-effort
-    instances drop to their floor until that cycle completes, then get their budget back. A cycle as long
-    as the SLO is no queue to drain but a continuously busy instance: the ratios judge it. None (the
-    default): off — on the H200 (fourth run) 0.25 flapped training between its floor and its budget every
-    period and lost throughput without protecting p99 (docs/benchmarks/vertical.md)."""
+    """Fraction of the SLO a latency-critical cycle in progress may run before best-effort instances drop
+    to their floor until it completes (a queue is building), their budget kept for afterwards; a cycle as long
+    as the SLO is left to the ratios. None (the default): off."""
     burst_restore: bool = True
     """A burst cut is provisional: when the next judged cycles are unhurt (recovery), the budget returns to
     what it was before the cut instead of regrowing ×`recovery_growth` at a time. False: regrow."""
     busy_ceiling: float = 1.0
-    """While latency-critical demand exists, best-effort instances together take at most this share (a
-    reserve the cycle feedback cannot see). 1.0 (the default): no reserve. On the H200 the answer depended
-    on the load: with Poisson arrivals (sixth run, MPS) 0.8 gave training 65% of solo at p99 0.63× and 1.0
-    only 21% at 1.14× (growth overshot into ÷3 emergency cuts); with the issue's evenly spaced arrivals
-    (eighth run) 0.8 held training at 8% / 41% of solo (time-slicing / MPS) where 1.0 gave 77% / 84% at
-    p99 0.90 / 0.85× solo."""
+    """Share of the GPU best-effort instances together may take while latency-critical demand exists (a
+    reserve the cycle feedback cannot see); 1.0: no reserve."""
     oversubscribe_in_recovery: bool = True
     """Let the budget exceed the fair budget (Σ active > 1); False keeps Σ active ≤ 1 always."""
     fair_budget_cap: bool = False
