@@ -52,11 +52,15 @@ CLAMP_RATIO = 1.5
 SATURATED_BUSY = 0.95
 """Spans covering this much of the last `SATURATION_PERIODS` periods: requests arrive as fast as they are
 served, the queue grows whatever the stretch, so it is an emergency."""
-SATURATION_PERIODS = 4
+SATURATION_PERIODS = 3
+SURGE = 3.0
+"""A period with this many times its usual spans is a surge (a burst beginning): the clamp then judges it at
+its own busy fraction. Under Poisson arrivals of ≥ 2 a period, three times the mean in one period is rare."""
 BUSY_TARGET = 0.9
-"""The busy fraction ρ a latency-critical instance is held below whatever its latency estimate: under
-evenly spaced arrivals Kingman's wait stays ~0 up to ρ = 1 and then a queue grows without bound, so the
-controller keeps a 10% margin for the next stretch (ρ / 0.9 is a second SLO error, judged like the first)."""
+REGULAR_CA2 = 0.5
+"""With regular arrivals (c_a² below 0.5) the busy fraction ρ is held below 0.9 whatever the latency
+estimate: Kingman's wait then stays ~0 right up to ρ = 1, where a queue grows without bound, so ρ / 0.9 is a
+second SLO error. With random arrivals the estimate itself rises steeply before that cliff."""
 RHO_CAP = 0.98
 """The busy fraction fed to Kingman's formula is capped below 1 (the estimate is infinite at 1)."""
 BUSY_WINDOW = 20
@@ -190,7 +194,9 @@ def dispersion(counts: tuple[int, ...]) -> float:
     mean = sum(counts) / len(counts)
     if mean <= 0:
         return 1.0
-    var = sum((c - mean) ** 2 for c in counts) / (len(counts) - 1)
+    # From successive differences (half their mean square), so a change of rate between periods — a burst
+    # beginning — does not read as variability within either rate.
+    var = sum((b - a) ** 2 for a, b in zip(counts, counts[1:], strict=False)) / (2 * (len(counts) - 1))  # noqa: RUF007 - stdlib imports are kept to the purity list
     return var / mean
 
 
@@ -311,13 +317,20 @@ def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: Sl
     rho = sum(track.busy) / len(track.busy) if track.busy else 0.0
     ca2 = arrival_scv(dispersion(track.counts), rho=rho, cs2=scv(track.judged))
 
-    def error(xs: tuple[float, ...]) -> float | None:
+    def error(xs: tuple[float, ...], busy: float) -> float | None:
         if len(xs) < MIN_SPANS:
             return None
-        return max(p99_estimate(median(xs), rho=rho, ca2=ca2, cs2=scv(xs)) / target, rho / BUSY_TARGET)
+        latency = p99_estimate(median(xs), rho=busy, ca2=ca2, cs2=scv(xs)) / target
+        return max(latency, busy / BUSY_TARGET) if ca2 < REGULAR_CA2 else latency
 
-    # One period alone clamps only once the arrivals' variability is known (before, ca² is a guess).
-    err, period_err = error(track.judged), error(spans) if len(track.counts) >= MIN_SPANS else None
+    # One period alone clamps only once the arrivals' variability is known (before, ca² is a guess); in a
+    # surge (SURGE × the usual spans in one period: a burst begins) at this period's busy fraction, which the
+    # one-second average has not caught up with yet.
+    before = track.counts[:-1]
+    surge = bool(before) and len(spans) >= max(MIN_SPANS, SURGE * sum(before) / len(before))
+    err = error(track.judged, rho)
+    period_err = (error(spans, max(rho, (rho + track.busy[-1]) / 2) if surge else rho)
+                  if len(track.counts) >= MIN_SPANS else None)
     recent = track.busy[-SATURATION_PERIODS:]
     saturated = len(recent) == SATURATION_PERIODS and sum(recent) / SATURATION_PERIODS >= SATURATED_BUSY
     open_over = open_s >= target
@@ -360,12 +373,16 @@ def _plan(lc: list[VerticalInstance], readings: dict[str, Reading], state: SloSt
     if not known:
         return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=moved_at, measuring=keep), \
             "hold: no latency-critical instance can be judged (no SLO, no spans)"
-    if any(r.saturated or r.open_over or (r.period_error or 0.0) >= CLAMP_RATIO for r in known) \
-            and budget > floor + EPS:
+    if any(_clamps(r, config) for r in known) and budget > floor + EPS:
         nb, threshold = next_budget(FeedbackMode.EMERGENCY, budget, floor=floor, ceiling=ceiling,
                                     threshold=threshold, config=config)
         return FeedbackMode.EMERGENCY, nb, _with(state, budget=nb, threshold=threshold, moved_at=now,
                                                  measuring=keep), f"emergency: best-effort to its floor {nb:.2f}"
+    if any(_queueing(r, config) for r in known) and budget > floor + EPS:
+        # Not worth the floor, but a queue is building now: decrease without waiting for the dwell.
+        nb = max(floor, budget * config.decrease)
+        return FeedbackMode.DECREASE, nb, _with(state, budget=nb, threshold=None, moved_at=now, measuring=keep), \
+            f"decrease: spans fill its time near the target, budget ×{config.decrease} → {nb:.2f}"
     errors = [r.error for r in known if r.error is not None]
     if now - moved_at < config.dwell_s - EPS or not errors:
         what = "dwell" if errors else "too few spans since the last move"
@@ -384,6 +401,17 @@ def _plan(lc: list[VerticalInstance], readings: dict[str, Reading], state: SloSt
         why = f"hold: error {worst:.2f} asks to {move.value} but the budget is at its bound {nb:.2f}"
     return mode, nb, _with(state, budget=nb, threshold=threshold, moved_at=now if moved else moved_at,
                            measuring=keep), why
+
+
+def _clamps(r: Reading, config: SloConfig) -> bool:
+    """An emergency: a span in progress past the target, or this period's estimate ≥ `CLAMP_RATIO` × T."""
+    return r.open_over or (r.period_error or 0.0) >= CLAMP_RATIO
+
+
+def _queueing(r: Reading, config: SloConfig) -> bool:
+    """Spans filling the instance's time while the estimate is already near the target: a queue that matters
+    (busy stretches alone are common under random arrivals at high load), answered by a decrease at once."""
+    return r.saturated and r.error is not None and r.error >= 1.0 - config.deadband
 
 
 def _with(state: SloState, **changes: object) -> SloState:

@@ -42,11 +42,12 @@ P = 0.05
 
 @pytest.mark.parametrize(("counts", "expected"), [
     ((5, 5, 5, 5), 0.0),
-    ((4, 6, 4, 6), 4 / 3 / 5),
-    ((0, 10, 0, 10), 100 / 3 / 5),
+    ((4, 6, 4, 6), 12 / 6 / 5),  # half the mean square of successive differences / the mean
+    ((0, 10, 0, 10), 300 / 6 / 5),
+    ((2, 2, 2, 10, 10, 10), 64 / 10 / 6),  # a change of rate counts once, not as variability throughout
     ((5, 5), 1.0),  # too few periods: assume Poisson
     ((0, 0, 0), 1.0),
-], ids=["paced", "alternating", "bursty", "too-few", "nothing"])
+], ids=["paced", "alternating", "bursty", "rate-change", "too-few", "nothing"])
 def test_dispersion(counts: tuple[int, ...], expected: float) -> None:
     assert dispersion(counts) == pytest.approx(expected)
 
@@ -245,11 +246,24 @@ def test_emergency_clamps_at_once_without_waiting_for_the_dwell(spans: tuple[flo
     assert state_of(d).threshold == pytest.approx(0.8 * CFG.decrease)
 
 
-def test_saturation_is_an_emergency() -> None:
-    state = SloState(budget=0.8, moved_at=0.0, mode=FeedbackMode.HOLD,
-                     tracks=(SloTrack(id="inf", solo_s=0.02, busy=(0.97, 0.98, 0.99)),))
-    d = step(1.0, state, inf(1.0, (0.0099,) * 5), train(1.0))  # ~99% busy, spans within the SLO
-    assert d.mode is FeedbackMode.EMERGENCY and "saturated" in d.reason
+def test_spans_filling_the_time_near_the_target_decrease_without_waiting_for_the_dwell() -> None:
+    track = SloTrack(id="inf", solo_s=0.02, counts=(5, 5, 5), busy=(0.97, 0.98), judged=(0.0099,) * 5)
+    # The last move 0.15 s ago: within the dwell, yet the queue decreases at once.
+    state = SloState(budget=0.8, moved_at=0.9, mode=FeedbackMode.HOLD, tracks=(track,))
+    d = step(1.05, state, inf(1.05, (0.0099,) * 5), train(1.05))  # 99% busy, evenly spaced: ρ / 0.9 > 1
+    assert d.mode is FeedbackMode.DECREASE and "fill its time" in d.reason
+    assert d.share_of("train") == pytest.approx(0.8 * CFG.decrease)
+
+
+def test_a_surge_is_judged_at_its_own_busy_fraction() -> None:
+    # One request a period for a second, then ten in one period: the one-second busy fraction lags, the
+    # surge's own does not, and its queue estimate clamps at once.
+    track = SloTrack(id="inf", solo_s=0.004, counts=(1,) * 20, busy=(0.08,) * 20)
+    state = SloState(budget=0.8, moved_at=0.0, mode=FeedbackMode.HOLD, tracks=(track,))
+    d = step(1.0, state, inf(1.0, (0.0048,) * 10, slo_ms=12.0), train(1.0))
+    assert d.mode is FeedbackMode.EMERGENCY and "this period" in d.reason
+    calm = step(1.0, state, inf(1.0, (0.0048,), slo_ms=12.0), train(1.0))
+    assert calm.mode is not FeedbackMode.EMERGENCY
 
 
 def test_the_solo_latency_is_measured_at_the_floor_first() -> None:
