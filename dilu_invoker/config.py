@@ -111,8 +111,9 @@ class GpuConfig:
     shm_dir: str = _opt("/dev/shm/dilu", "directory of the per-instance control and stats blocks")
     shim_path: str | None = _opt(None, "libdilu_shim.so (default: the built one)")
     reservation_ttl_s: float = _opt(30.0, "lease of a GPU budget reservation; renewed while the instance lives")
-    vertical_policy: str = _opt("rckm", "vertical SM-share policy: rckm (cycle ratios, Dilu's RCKM) or slo "
-                                "(the SLO feedback controller; docs/policies.md §1.1)")
+    vertical_policy: str = _opt("rckm", "vertical SM-share policy: rckm (cycle ratios, Dilu's RCKM), slo "
+                                "(the SLO feedback controller; docs/policies.md §1.1) or static (every "
+                                "instance at its limit: a baseline)")
     vertical_slo_factor: float = _opt(2.0, "slo policy: without a gpu-slo-ms annotation the target is this × "
                                       "the instance's solo latency (×)")
     vertical_deadband: float = _opt(0.15, "slo policy: no move while the p99 estimate is within this fraction "
@@ -136,7 +137,7 @@ class GpuConfig:
     def vertical(self) -> Any:
         """The vertical policy's configuration (`VerticalConfig` or `SloConfig`): its type selects the policy."""
         from dilu_invoker.policy.vertical import VerticalConfig
-        from dilu_invoker.policy.vertical_slo import VERTICAL_POLICIES, SloConfig
+        from dilu_invoker.policy.vertical_slo import VERTICAL_POLICIES, SloConfig, StaticConfig
 
         if self.vertical_policy == "slo":
             return SloConfig(slo_factor=self.vertical_slo_factor, deadband=self.vertical_deadband,
@@ -145,6 +146,8 @@ class GpuConfig:
                              mps_best_effort_threads=self.vertical_mps_best_effort_threads)
         if self.vertical_policy == "rckm":
             return VerticalConfig.parse(self.vertical_rckm)
+        if self.vertical_policy == "static":
+            return StaticConfig()
         raise ValueError(f"--gpu-vertical-policy must be one of {', '.join(VERTICAL_POLICIES)}, "
                          f"not {self.vertical_policy!r}")
 

@@ -57,6 +57,8 @@ def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
                                           "--gpu-vertical-mps-best-effort-threads", "0.6"])
     got = config.load(args, environ=env).gpu.vertical()
     assert got == SloConfig(deadband=0.2, dwell_s=0.3, decrease=0.5, mps_best_effort_threads=0.6)
+    static = config.load(environ={"DILU_GPU_VERTICAL_POLICY": "static"}).gpu.vertical()
+    assert type(static).__name__ == "StaticConfig"
     rckm = config.load(environ={"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=0.8, quiet_probe_held_s=none"})
     assert rckm.gpu.vertical() == VerticalConfig(busy_ceiling=0.8, quiet_probe_held_s=None)
 
@@ -64,7 +66,7 @@ def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        ({"DILU_GPU_VERTICAL_POLICY": "pid"}, "--gpu-vertical-policy must be one of rckm, slo"),
+        ({"DILU_GPU_VERTICAL_POLICY": "pid"}, "--gpu-vertical-policy must be one of rckm, slo, static"),
         ({"DILU_GPU_VERTICAL_POLICY": "slo", "DILU_GPU_VERTICAL_DECREASE": "1.5"}, "decrease must be in"),
         ({"DILU_GPU_VERTICAL_RCKM": "no_such_knob=1"}, "no_such_knob"),
         ({"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=lots"}, "busy_ceiling"),

@@ -42,7 +42,7 @@ from dilu_invoker.policy.cluster import ClusterSnapshot
 from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
 from dilu_invoker.policy.vertical import VerticalConfig
-from dilu_invoker.policy.vertical_slo import SloConfig
+from dilu_invoker.policy.vertical_slo import SloConfig, StaticConfig
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -126,7 +126,7 @@ class GpuNode:
         sync_period_s: float | None = None,
         redis_timeout_s: float = 2.0,
         period_s: float = 0.05,
-        vertical: VerticalConfig | SloConfig | None = None,
+        vertical: VerticalConfig | SloConfig | StaticConfig | None = None,
         capacity: CapacityConfig | None = None,
         stale_after_s: float | None = None,
         metrics: ManagerMetrics | None = None,

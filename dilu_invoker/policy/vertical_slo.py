@@ -37,9 +37,10 @@ from dilu_invoker.policy.vertical import (
     decide_shares,
 )
 
-VERTICAL_POLICIES = ("rckm", "slo")
+VERTICAL_POLICIES = ("rckm", "slo", "static")
 """Names of the vertical policies (`--gpu-vertical-policy`): `rckm` the cycle-ratio policy of
-`vertical.py` (Dilu's RCKM), `slo` this controller."""
+`vertical.py` (Dilu's RCKM), `slo` this controller, `static` every instance at its limit (the static-share
+baseline the controller is measured against)."""
 
 # -- constants of the law (not knobs: each follows from what it measures) --------------------------
 
@@ -487,27 +488,63 @@ def _share_decision(inst: VerticalInstance, shares: dict[str, float], mode: Feed
                          reason=why + ("; saturated (throttled at its limit)" if saturated else ""), mps_threads=mps)
 
 
+# -- the static baseline -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StaticConfig:
+    """The `static` policy: no knobs; each instance's annotated limit is its share."""
+
+    @property
+    def idle_after_s(self) -> float:
+        return IDLE_AFTER_S
+
+
+def decide_static(snapshot: VerticalSnapshot, state: SloState, config: StaticConfig) -> VerticalDecision:
+    """Every instance at its limit, whatever happens: a static split set by the annotations (e.g. training
+    at limit 0.3 beside inference), for comparison with the feedback policies."""
+    now = snapshot.now
+    active = {i.id for i in snapshot.instances if i.active(now, config)}
+    lc = any(i.cls.latency_critical and i.id in active for i in snapshot.instances)
+    mode = FeedbackMode.HOLD if lc else FeedbackMode.IDLE
+    shares = tuple(
+        ShareDecision(id=i.id, share=i.limit, previous=i.share, active=i.id in active,
+                      saturated=i.id in active and i.throttled_s >= SATURATED_THROTTLE_FRACTION * snapshot.period_s,
+                      reason=f"static: its limit {i.limit:.2f}")
+        for i in snapshot.instances
+    )
+    total = sum(d.share for d in shares if d.active)
+    return VerticalDecision(now=now, gpu=snapshot.gpu, mode=mode, shares=shares, budget=None,
+                            reason=f"{snapshot.gpu or 'gpu'} static: every instance at its limit; Σ active shares "
+                                   f"{total:.2f}", state=replace(state, mode=mode), active_total=total)
+
+
 # -- selection ---------------------------------------------------------------------------------------
 
-AnyVerticalConfig = VerticalConfig | SloConfig
+AnyVerticalConfig = VerticalConfig | SloConfig | StaticConfig
 AnyVerticalState = VerticalState | SloState
 
 
 def initial_state(config: AnyVerticalConfig) -> AnyVerticalState:
     """The state a GPU starts with under `config`'s policy."""
-    return SloState() if isinstance(config, SloConfig) else VerticalState()
+    return VerticalState() if isinstance(config, VerticalConfig) else SloState()
 
 
 def decide_vertical(snapshot: VerticalSnapshot, state: AnyVerticalState, config: AnyVerticalConfig) -> VerticalDecision:
-    """Run the policy `config` belongs to (`SloConfig`: `slo`, `VerticalConfig`: `rckm`); a state of the other
-    policy (the policy was switched) starts over."""
-    if isinstance(config, SloConfig):
-        return decide_slo(snapshot, state if isinstance(state, SloState) else SloState(), config)
-    return decide_shares(snapshot, state if isinstance(state, VerticalState) else VerticalState(), config)
+    """Run the policy `config` belongs to (`VerticalConfig`: `rckm`, `SloConfig`: `slo`, `StaticConfig`:
+    `static`); a state of another policy (the policy was switched) starts over."""
+    if isinstance(config, VerticalConfig):
+        return decide_shares(snapshot, state if isinstance(state, VerticalState) else VerticalState(), config)
+    slo_state = state if isinstance(state, SloState) else SloState()
+    if isinstance(config, StaticConfig):
+        return decide_static(snapshot, slo_state, config)
+    return decide_slo(snapshot, slo_state, config)
 
 
 def policy_name(config: AnyVerticalConfig) -> str:
-    return "slo" if isinstance(config, SloConfig) else "rckm"
+    if isinstance(config, VerticalConfig):
+        return "rckm"
+    return "static" if isinstance(config, StaticConfig) else "slo"
 
 
 __all__ = [
@@ -515,7 +552,9 @@ __all__ = [
     "SloConfig",
     "SloState",
     "SloTrack",
+    "StaticConfig",
     "decide_slo",
+    "decide_static",
     "decide_vertical",
     "initial_state",
     "policy_name",

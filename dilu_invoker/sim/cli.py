@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--interference", type=_nonneg_float, default=0.1, help="co-location slowdown κ (docs)")
     s.add_argument("--vertical-period", type=_positive(float), default=0.5, help="seconds between vertical re-decisions of a GPU with training")
     s.add_argument("--vertical-policy", choices=VERTICAL_POLICIES, default="rckm",
-                   help="dilu's vertical share policy: rckm (cycle ratios) or slo (the SLO controller, docs/policies.md)")
+                   help="dilu's vertical share policy: rckm (cycle ratios), slo (the SLO controller, docs/policies.md) "
+                        "or static (every instance at its limit)")
     s.add_argument("--sample-every", type=_positive(float), default=60.0, help="time-series resolution (s)")
     s.add_argument("--gamma", type=_positive(float), default=1.5, help="dilu's Σ-limit oversubscription γ")
     s.add_argument("--seed", type=int, default=1)
@@ -361,7 +362,7 @@ def _placement_plots(where: Path, results: dict[str, Any], report: Any) -> None:
 
 def _serving(args: argparse.Namespace) -> int:
     from dilu_invoker.policy.vertical import VerticalConfig
-    from dilu_invoker.policy.vertical_slo import SloConfig
+    from dilu_invoker.policy.vertical_slo import SloConfig, StaticConfig
     from dilu_invoker.sim import report
     from dilu_invoker.sim.profiles import load_profiles
     from dilu_invoker.sim.progress import Progress
@@ -403,7 +404,7 @@ def _serving(args: argparse.Namespace) -> int:
             sample_every_s=args.sample_every,
             seed=args.seed,
             gamma=args.gamma,
-            vertical=SloConfig() if args.vertical_policy == "slo" else VerticalConfig(),
+            vertical={"slo": SloConfig, "static": StaticConfig}.get(args.vertical_policy, VerticalConfig)(),
         )
 
     def run_serving(policy: str, bar: Progress | None) -> ServingResult:

@@ -22,6 +22,7 @@ from dilu_invoker.policy.vertical_slo import (
     SloConfig,
     SloState,
     SloTrack,
+    StaticConfig,
     arrival_scv,
     decide_slo,
     decide_vertical,
@@ -296,11 +297,24 @@ def test_latency_critical_keeps_its_limit_and_best_effort_gets_the_mps_cap() -> 
 @pytest.mark.parametrize(("config", "state_type", "name"), [
     (VerticalConfig(), VerticalState, "rckm"),
     (SloConfig(), SloState, "slo"),
-], ids=["rckm", "slo"])
-def test_the_config_selects_the_policy(config: VerticalConfig | SloConfig, state_type: type, name: str) -> None:
+    (StaticConfig(), SloState, "static"),
+], ids=["rckm", "slo", "static"])
+def test_the_config_selects_the_policy(config: VerticalConfig | SloConfig | StaticConfig, state_type: type,
+                                       name: str) -> None:
     assert isinstance(initial_state(config), state_type) and policy_name(config) == name
     snap = VerticalSnapshot(now=0.0, instances=(inf(0.0), train(0.0)), period_s=P)
     # A state of the other policy (the policy was switched) starts over instead of failing.
     other = SloState() if state_type is VerticalState else VerticalState()
     d = decide_vertical(snap, other, config)
     assert isinstance(d.state, state_type)
+
+
+@pytest.mark.parametrize(("inference_active", "mode"), [(True, FeedbackMode.HOLD), (False, FeedbackMode.IDLE)],
+                         ids=["beside-inference", "alone"])
+def test_static_puts_every_instance_at_its_limit(inference_active: bool, mode: FeedbackMode) -> None:
+    t = VerticalInstance(id="train", cls=InstanceClass.TRAINING, request=0.3, limit=0.3, blocks=100,
+                         last_active_at=1.0)
+    snap = VerticalSnapshot(now=1.0, instances=(inf(1.0, (0.05,) * 3, active=inference_active), t), period_s=P)
+    d = decide_vertical(snap, SloState(), StaticConfig())
+    assert d.mode is mode and d.share_of("inf") == pytest.approx(1.0) and d.share_of("train") == pytest.approx(0.3)
+    assert d.budget is None and all("static" in s.reason for s in d.shares)
