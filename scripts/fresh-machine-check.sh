@@ -16,6 +16,7 @@
 # run unpacks a fresh copy. Needs root (debootstrap, chroot, mounts; a normal user's run goes through
 # sudo), network access to Debian's and PyPI's package servers, and 127.0.0.1:3233 free.
 #
+# The last run's logs (first.log, second.log) are kept in the cache dir.
 # Environment: DILU_FRESH_CACHE (cache dir), DILU_DEBIAN_MIRROR (default http://deb.debian.org/debian),
 # DILU_FRESH_TIMEOUT_S (bound of each command, default 300), DILU_FRESH_REPORT (append a result line).
 # Usage: scripts/fresh-machine-check.sh [--tests "tests/test_cli.py ..."] [--rebuild-rootfs]
@@ -75,6 +76,8 @@ cleanup() {
   for ((i=${#mounted[@]}-1; i>=0; i--)); do
     umount -l "${mounted[$i]}" 2>/dev/null || true
   done
+  # the last run's logs stay beside the cache, for a look after a failure
+  mkdir -p "$cache" && cp "$work"/*.log "$cache/" 2>/dev/null || true
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -193,7 +196,8 @@ if [[ -n "$tests" ]]; then
   log "as $user: TESTS='$tests' $second"
   t1=$(now)
   if ! TESTS="$tests" timeout "$limit" chroot "$rootfs" runuser -u "$user" -w TESTS -- bash -lc \
-      "cd ~/dilu-invoker && $second" >"$work/second.log" 2>&1; then
+      "cd ~/dilu-invoker && $second" 2>&1 | while IFS= read -r line; do printf '%s %s\n' "$(date +%T)" "$line"; done \
+      >"$work/second.log"; then
     log "FAILED: the tests command's output:"
     tail -n 40 "$work/second.log" >&2
     exit 1

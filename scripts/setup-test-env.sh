@@ -10,7 +10,7 @@ if [[ $EUID -ne 0 ]]; then
 fi
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for pkg in redis-server podman runc debootstrap make gcc binutils; do
+for pkg in redis-server podman runc debootstrap make gcc libc6-dev binutils; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 # node and npm may come from another source (e.g. NodeSource's nodejs bundles npm): check the commands.
