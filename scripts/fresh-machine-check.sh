@@ -40,7 +40,8 @@ while (($#)); do
     *) echo "usage: $0 [--tests PATHS] [--rebuild-rootfs]" >&2; exit 2 ;;
   esac
 done
-log() { printf 'fresh-machine-check: %s\n' "$*" >&2; }
+t_start=$(date +%s.%N)
+log() { printf 'fresh-machine-check: [%6.1f s] %s\n' "$(python3 -c "import sys,time; print(time.time()-float(sys.argv[1]))" "$t_start")" "$*" >&2; }
 now() { date +%s.%N; }
 since() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$(now)"; }
 
@@ -74,11 +75,15 @@ cleanup() {
   stop_rootfs_processes
   local i
   for ((i=${#mounted[@]}-1; i>=0; i--)); do
-    umount -l "${mounted[$i]}" 2>/dev/null || true
+    umount "${mounted[$i]}" 2>/dev/null || umount -l "${mounted[$i]}" 2>/dev/null || true
   done
   # the last run's logs stay beside the cache, for a look after a failure
   mkdir -p "$cache" && cp "$work"/*.log "$cache/" 2>/dev/null || true
-  rm -rf "$work"
+  if grep -qF " $rootfs" /proc/mounts; then
+    log "left $work in place: something is still mounted under it"
+    return
+  fi
+  rm -rf --one-file-system "$work"
 }
 trap cleanup EXIT
 
@@ -99,6 +104,10 @@ if [[ ! -s "$tarball" ]]; then
   rm -rf "$work/bootstrap"
 fi
 mkdir -p "$rootfs"
+# in memory: unpacking and removing a few hundred MB of small files on a loaded disk took longer than the
+# check itself
+mount -t tmpfs -o size=6g,mode=0755 tmpfs "$rootfs"
+mounted+=("$rootfs")
 tar -C "$rootfs" --numeric-owner -xf "$tarball"
 # The host's network settings carry over (a machine on this network has them too): name resolution,
 # and where TLS goes through an inspecting proxy, the host's CA bundle and pip's `cert` setting.
