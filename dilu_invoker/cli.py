@@ -164,18 +164,23 @@ def _check_ports(cfg: config.Config) -> None:
             raise CommandError(f"{flag} {port} is not a port (0 to 65535)")
 
 
-def _check_standalone(cfg: config.Config) -> None:
-    """What can be found wrong before anything starts: ports, the API keys, a given Redis, the Docker
-    engine of the docker backend, a GPU inventory file."""
+def _check_service(cfg: config.Config) -> None:
+    """What every long-running command can find wrong before it starts: ports and a given Redis."""
     from dilu_invoker import doctor
-    from dilu_invoker.openwhisk.rest_auth import Authenticator
 
     _check_ports(cfg)
-    Authenticator.from_config(cfg.api)
     if cfg.redis.url:
         redis = doctor.check_redis(cfg)
         if redis.status == doctor.ERROR:
             raise CommandError(redis.detail)
+
+
+def _check_standalone(cfg: config.Config) -> None:
+    """And for standalone: the API keys, the Docker engine of the docker backend, a GPU inventory file."""
+    from dilu_invoker import doctor
+    from dilu_invoker.openwhisk.rest_auth import Authenticator
+
+    Authenticator.from_config(cfg.api)
     if cfg.invoker.backend == "docker":
         docker = doctor.check_docker(cfg)
         if docker.status == doctor.ERROR:
@@ -205,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = f"dilu-invoker {args.command}"
     try:
         cfg = config.load(args)
+        if args.command != "doctor":
+            _check_service(cfg)
         if args.command == "standalone":
             _check_standalone(cfg)
         return int(_resolve(_COMMANDS[args.command][0])(cfg, args) or 0)

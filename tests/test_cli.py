@@ -207,3 +207,12 @@ def test_doctor_finds_a_docker_api(tmp_path: Path, podman_socket: str) -> None:
                "--invoker-backend", "docker", "--invoker-docker-url", podman_socket)
     docker_line = next(line for line in out.stdout.splitlines() if line.split()[1] == "docker")
     assert docker_line.startswith("ok") and podman_socket in docker_line, out.stdout
+
+
+@pytest.mark.parametrize("command", ["balancer", "invoker"])
+def test_cluster_commands_refuse_a_bad_redis_url_in_one_line(command: str) -> None:
+    out = dilu(command, "--redis-url", "garbage://x", "--kafka-hosts", "127.0.0.1:1") if command == "invoker" \
+        else dilu(command, "--redis-url", "garbage://x")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dilu-invoker {command}: error: --redis-url"), out.stderr
