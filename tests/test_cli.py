@@ -216,3 +216,20 @@ def test_cluster_commands_refuse_a_bad_redis_url_in_one_line(command: str) -> No
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dilu-invoker {command}: error: --redis-url"), out.stderr
+
+
+def test_banner_with_an_auth_file_points_at_the_file_without_printing_its_key(tmp_path: Path) -> None:
+    from dilu_invoker import config
+    from dilu_invoker.banner import standalone_banner
+
+    keys = tmp_path / "my keys"
+    keys.write_text("# team keys\n\n0f7d3f34-1111-4a4e-9c3e-0123456789ab:s3cr3t alice\n")
+    cfg = config.load(environ={}, api=config.ApiConfig(auth_file=str(keys), guest_key=False, host="0.0.0.0"))
+    text = standalone_banner(cfg, "http://0.0.0.0:3233")
+    assert "s3cr3t" not in text and f"API keys: {keys}" in text and "guest key" not in text
+    wsk_line = next(line.strip() for line in text.splitlines() if line.strip().startswith("wsk property set"))
+    assert wsk_line.startswith("wsk property set --apihost http://127.0.0.1:3233 --auth ")
+    # the line, pasted into a shell, reads the file's first key
+    shown = subprocess.run(["bash", "-c", wsk_line.replace("wsk property set", "printf '%s\\n'", 1)],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert shown == ["--apihost", "http://127.0.0.1:3233", "--auth", "0f7d3f34-1111-4a4e-9c3e-0123456789ab:s3cr3t"]
