@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# `make test TESTS=tests/test_cli.py` runs a part of the suite
+TESTS ?=
 
 .PHONY: venv shim test lint clean
 
@@ -16,7 +18,7 @@ shim:
 	$(MAKE) -C cuda_shim
 
 test: venv shim
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(TESTS)
 
 lint: venv
 	$(PY) -m ruff check dilu_invoker tests bench

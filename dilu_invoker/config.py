@@ -48,7 +48,8 @@ class ApiConfig:
     host: str = _opt("127.0.0.1", "address the OpenWhisk REST API binds to")
     port: int = _opt(3233, "port of the OpenWhisk REST API")
     auth_file: str | None = _opt(
-        None, "extra API keys, one 'uuid:key namespace' per line (the guest key is always accepted)"
+        None, "API keys, one 'uuid:key namespace' per line (accepted besides the guest key, or instead of it "
+              "with --no-api-guest-key)"
     )
     guest_key: bool = _opt(True, "accept OpenWhisk's well-known guest key for namespace 'guest'")
     max_code_mb: int = _opt(48, "largest action code accepted (MB)")
@@ -360,22 +361,28 @@ def _size_mb(raw: str) -> int:
     return int(int(number) * _SIZE_FACTOR_MB[prefix.lower()])
 
 
+def argument_kwargs(s: Setting) -> dict[str, Any]:
+    """``add_argument`` keyword arguments of one setting (its default stays unset so the environment can
+    fill what the command line leaves out)."""
+    base, _ = _base_type(s.type)
+    kwargs: dict[str, Any] = {"dest": s.dest, "default": None}
+    if base is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["metavar"] = base.__name__.upper() if base is not str else "VALUE"
+        if base in (int, float):
+            kwargs["type"] = base
+    env_names = ", ".join((s.env, *s.env_aliases))
+    kwargs["help"] = f"{s.help} [env {env_names}; default {s.default!r}]"
+    return kwargs
+
+
 def add_arguments(parser: argparse.ArgumentParser, *, sections: Sequence[str] | None = None) -> None:
-    """Register the flags of the given sections (all of them by default); defaults stay unset so the
-    environment can fill what the command line leaves out."""
+    """Register the flags of the given sections (all of them by default)."""
     for s in settings():
         if sections is not None and s.section and s.section not in sections:
             continue
-        base, _ = _base_type(s.type)
-        kwargs: dict[str, Any] = {"dest": s.dest, "default": None}
-        if base is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["metavar"] = base.__name__.upper() if base is not str else "VALUE"
-            if base in (int, float):
-                kwargs["type"] = base
-        env_names = ", ".join((s.env, *s.env_aliases))
-        parser.add_argument(s.flag, help=f"{s.help} [env {env_names}; default {s.default!r}]", **kwargs)
+        parser.add_argument(s.flag, **argument_kwargs(s))
 
 
 T = TypeVar("T")

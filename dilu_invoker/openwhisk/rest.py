@@ -18,7 +18,7 @@ from dilu_invoker.config import ApiConfig
 from dilu_invoker.invoker.api import ActivationRunner
 from dilu_invoker.invoker.manifest import Manifest
 from dilu_invoker.model import LimitBounds
-from dilu_invoker.openwhisk import rest_actions, rest_activations
+from dilu_invoker.openwhisk import rest_actions, rest_activations, rest_entities
 from dilu_invoker.openwhisk.rest_auth import Authenticator
 from dilu_invoker.openwhisk.rest_common import (
     AUTH,
@@ -166,4 +166,5 @@ def build_api(
     _route(app, "GET", f"{ns}/activations/{{id}}", rest_activations.get_activation)
     _route(app, "GET", f"{ns}/activations/{{id}}/result", rest_activations.get_activation_result)
     _route(app, "GET", f"{ns}/activations/{{id}}/logs", rest_activations.get_activation_logs)
+    rest_entities.add_routes(app, API_PREFIX)
     return app

@@ -1,0 +1,3 @@
+def main(args):
+    print("hello from the GPU runtime")
+    return {"greeting": "Hello " + args.get("name", "world")}
