@@ -12,6 +12,7 @@ from dilu_invoker.policy.compaction import (
     CompactionConfig,
     CompactionMove,
     CompactionPlan,
+    CompactionState,
     compaction_plan,
 )
 from dilu_invoker.policy.fill import water_fill
@@ -100,6 +101,7 @@ __all__ = [
     "CompactionConfig",
     "CompactionMove",
     "CompactionPlan",
+    "CompactionState",
     "CycleTrack",
     "DemandTotals",
     "FeedbackMode",

@@ -15,12 +15,13 @@ looked at when no unlit GPU could outscore the best lit one.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot
+from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, request_bucket
 from dilu_invoker.policy.types import (
     EPS,
     GpuRef,
@@ -770,6 +771,30 @@ def _scan_lit(
             )
     gpus = cluster.gpus
     found: list[int] = []
+    memory = FILTERS["memory"]
+    if memory in filters:
+        # Within a bucket, GPUs with less free memory than the request needs fail `memory`: start
+        # where it fits (the index is by free memory), tightest fit first, and count the rest.
+        need = (request.memory_mib - cluster.max_memory_mib * EPS, -1)
+        rooms = cluster.lit_room
+        for k in range(kmax, -1, -1):
+            bucket = rooms[k]
+            if not bucket:
+                continue
+            start = bisect.bisect_left(bucket, need)
+            if start:
+                rejects.note(memory, gpus[bucket[0][1]], request, config, count=start)
+            for _, o in bucket[start:]:
+                g = gpus[o]
+                for f in filters:
+                    if not f.passes(g, request, config):
+                        rejects.note(f, g, request, config)
+                        break
+                else:
+                    found.append(o)
+                    if len(found) >= limit:
+                        return found
+        return found
     for k in range(kmax, -1, -1):
         for o in cluster.lit_buckets[k]:
             g = gpus[o]
@@ -1136,23 +1161,33 @@ def _place_split(
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
     by_invoker: dict[str, list[tuple[float, int]]] = {}
-    lit_buckets = cluster.lit_buckets
     # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ request
     # ≤ Σ limit, its limit) is never looked at: its bucket and the ones above are skipped.
     bound = math.inf
     for f in filters:
         if f.bound is not None:
             bound = min(bound, f.bound(_part_request(request, min_part, 0), config))
+    kmax = BUCKETS
     if bound < math.inf:
         kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
-        lit_buckets = lit_buckets[: kmax + 1]
     if request.only_invoker is not None:
-        lit_buckets = (tuple(o for o in cluster.invoker_ordinals.get(request.only_invoker, ()) if gpus[o].lit),)
+        invokers: list[tuple[int, ...]] = [cluster.invoker_ordinals.get(request.only_invoker, ())]
+    else:
+        # A piece never takes more than its GPU's free memory, so only invokers whose lit GPUs
+        # together have `total` free can hold the instance: a suffix of the index, not every GPU.
+        slack = EPS + 2 * max_parts * cluster.max_memory_mib * EPS
+        lo = bisect.bisect_left(cluster.node_room, (total - slack, -1))
+        invokers = [
+            cluster.invoker_ordinals[cluster.refs[first].invoker]
+            for _, first in cluster.node_room[lo:]
+        ]
     part_capacity = _part_capacity(request, config, filters)
-    for bucket in lit_buckets:
-        for o in bucket:
+    for ords in invokers:
+        for o in ords:
             g = gpus[o]
-            if g.memory_mib - g.used_memory < min_part:
+            if not g.lit or g.memory_mib - g.used_memory < min_part:
+                continue
+            if request.only_invoker is None and request_bucket(g.used_request) > kmax:
                 continue
             cap = part_capacity(g)
             if cap >= min_part:

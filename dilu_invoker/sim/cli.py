@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     gp = gsub.add_parser("placement", help="Dilu's instance mix as a placement event file")
     gp.add_argument("--instances", type=_positive(int), required=True)
     gp.add_argument("--train-fraction", type=_nonneg_float, default=0.2)
+    gp.add_argument("--llm-fraction", type=_nonneg_float, default=0.2)
     gp.add_argument("--seed", type=int, default=1)
     gp.add_argument("--out", type=Path, required=True)
     gs = gsub.add_parser("serving", help="a synthetic serving trace (dilu-serving-trace)")
@@ -502,7 +503,9 @@ def _gen(args: argparse.Namespace) -> int:
     from dilu_invoker.sim.events import write_events
 
     if args.kind == "placement":
-        events = generate.dilu_mix(args.instances, train_fraction=args.train_fraction, seed=args.seed)
+        events = generate.dilu_mix(
+            args.instances, train_fraction=args.train_fraction, llm_fraction=args.llm_fraction, seed=args.seed
+        )
         from dilu_invoker.sim.events import open_text
 
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from dilu_invoker.policy import (
     STRATEGIES,
     ClusterSnapshot,
     CompactionConfig,
+    CompactionState,
     InstanceClass,
     PlacementConfig,
     PlacementRequest,
@@ -245,6 +246,7 @@ def simulate_placement(
         )
 
     departed = False
+    compaction_state: CompactionState | None = None
     current = sample(t0)
     for i, ev in enumerate(events):
         if ev.t > last_t:
@@ -262,7 +264,8 @@ def simulate_placement(
             if ev.t >= next_compact and departed:
                 next_compact = ev.t + config.compact_every_s
                 departed = False
-                plan = compaction_plan(cluster.at(ev.t), pconf, config.compaction)
+                plan = compaction_plan(cluster.at(ev.t), pconf, config.compaction, compaction_state)
+                compaction_state = plan.state
                 compaction_runs += 1
                 if plan.moves:
                     cluster = plan.cluster
