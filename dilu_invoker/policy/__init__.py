@@ -23,6 +23,7 @@ from dilu_invoker.policy.fragmentation import (
     cluster_lower_bound,
     fragmentation_after,
     gpu_fragmentation,
+    integral_lit_gpu_lower_bound,
     lit_gpu_lower_bound,
 )
 from dilu_invoker.policy.horizontal import (
@@ -151,6 +152,7 @@ __all__ = [
     "grid_search",
     "hybrid_growth_search",
     "instances_for",
+    "integral_lit_gpu_lower_bound",
     "lit_gpu_lower_bound",
     "part_id",
     "place",

@@ -238,6 +238,10 @@ def _placement(args: argparse.Namespace) -> int:
         "gpus_mean",
         "bound_mean",
         "mean/bound",
+        "int_peak",
+        "peak/int",
+        "int_mean",
+        "mean/int",
         "sm_frag",
         "mem_frag",
         "rejected",
@@ -250,7 +254,9 @@ def _placement(args: argparse.Namespace) -> int:
         f"{len(events)} events, {first.summary['instances']} instances, "
         f"{first.details['cluster_gpus']} GPUs of {args.gpu_memory_gib:g} GiB, "
         f"lower bound on lit GPUs: peak {first.details['lower_bound_peak']}, "
-        f"time-mean {first.details['lower_bound_mean']:.1f}"
+        f"time-mean {first.details['lower_bound_mean']:.1f}; integral bound (a GPU per training slot "
+        f"over half a GPU): peak {first.details['integral_bound_peak']}, "
+        f"time-mean {first.details['integral_bound_mean']:.1f}"
     )
     print(report.plain_table(columns, rows))
     if len(policies) > 1:
@@ -316,6 +322,10 @@ def _placement_rows(results: dict[str, Any]) -> list[list[Any]]:
                 d["gpus_mean"],
                 d["lower_bound_mean"],
                 d["mean_vs_bound"] or math.nan,
+                d["integral_bound_peak"],
+                d["peak_vs_integral"] or math.nan,
+                d["integral_bound_mean"],
+                d["mean_vs_integral"] or math.nan,
                 s["sm_fragmentation_mean"],
                 s["mem_fragmentation_mean"],
                 s["rejected"],
