@@ -93,6 +93,9 @@ class ClusterSnapshot:
     lit_room: tuple[tuple[RoomEntry, ...], ...]
     """The same GPUs per bucket as (free MiB, ordinal), ascending: a scan for an instance needing m
     MiB starts where m fits (bisect) and meets the tightest memory fits first."""
+    lit_limits: tuple[tuple[RoomEntry, ...], ...]
+    """The same GPUs per bucket as (Σ limit, ordinal), ascending: those with room for a limit l
+    under a cap are a prefix (when limits bind before memory does)."""
     node_room: tuple[NodeRoom, ...]
     """(Σ free MiB over its lit GPUs, first ordinal) of every invoker with a lit GPU, ascending: the
     invokers whose lit GPUs together hold m MiB are a suffix (splitting an instance over lit GPUs)."""
@@ -136,6 +139,7 @@ class ClusterSnapshot:
             invoker_ordinals[ref.invoker] = invoker_ordinals.get(ref.invoker, ()) + (i,)
         buckets: list[list[int]] = [[] for _ in range(BUCKETS + 1)]
         rooms: list[list[RoomEntry]] = [[] for _ in range(BUCKETS + 1)]
+        limits: list[list[RoomEntry]] = [[] for _ in range(BUCKETS + 1)]
         unlit: dict[str, tuple[int, ...]] = {inv: () for inv in order}
         locations: dict[str, tuple[int, ...]] = {}
         seen: dict[str, PlacedInstance] = {}
@@ -148,6 +152,7 @@ class ClusterSnapshot:
                 lit += 1
                 buckets[request_bucket(g.used_request)].append(i)
                 rooms[request_bucket(g.used_request)].append((_free(g), i))
+                limits[request_bucket(g.used_request)].append((g.used_limit, i))
                 sum_frac += g.used_memory / g.memory_mib
             else:
                 unlit[g.ref.invoker] += (i,)
@@ -177,6 +182,7 @@ class ClusterSnapshot:
             invoker_ordinals=MappingProxyType(invoker_ordinals),
             lit_buckets=tuple(tuple(b) for b in buckets),
             lit_room=tuple(tuple(sorted(r)) for r in rooms),
+            lit_limits=tuple(tuple(sorted(r)) for r in limits),
             node_room=tuple(node_room),
             unlit=Map(unlit),
             locations=Map(locations),
@@ -321,6 +327,7 @@ class ClusterSnapshot:
         gpus = list(self.gpus)
         buckets = list(self.lit_buckets)
         rooms = list(self.lit_room)
+        limits = list(self.lit_limits)
         unlit = self.unlit
         lit = self.lit_count
         sum_req, sum_mem, sum_frac = (
@@ -336,6 +343,7 @@ class ClusterSnapshot:
                 k = request_bucket(old.used_request)
                 buckets[k] = _remove(buckets[k], o)
                 rooms[k] = _remove(rooms[k], (_free(old), o))
+                limits[k] = _remove(limits[k], (old.used_limit, o))
                 sum_frac -= old.used_memory / old.memory_mib
                 lit -= 1
             else:
@@ -344,6 +352,7 @@ class ClusterSnapshot:
                 k = request_bucket(new.used_request)
                 buckets[k] = _insert(buckets[k], o)
                 rooms[k] = _insert(rooms[k], (_free(new), o))
+                limits[k] = _insert(limits[k], (new.used_limit, o))
                 sum_frac += new.used_memory / new.memory_mib
                 lit += 1
             else:
@@ -383,6 +392,7 @@ class ClusterSnapshot:
             gpus=tuple(gpus),
             lit_buckets=tuple(buckets),
             lit_room=tuple(rooms),
+            lit_limits=tuple(limits),
             node_room=node_room,
             unlit=unlit,
             locations=locations,

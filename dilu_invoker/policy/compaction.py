@@ -26,6 +26,7 @@ from dilu_invoker.policy.placement import (
     PlacementPart,
     PlacementRequest,
     apply_placement,
+    lit_fits,
     place,
 )
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
@@ -215,6 +216,11 @@ class Need:
     split_request: float = 0.0
     split_limit: float = 0.0
     """The whole splittable instance's request and limit (a piece's are scaled down)."""
+    deficit: tuple[float, float, float] | None = None
+    """When each instance fits somewhere but the few GPUs that take any of them lack room for all
+    together: how much request, limit and memory was missing. `memory_mib`, `request`, `limit`
+    are then the least any of the instances needs, and a GPU helps only if it takes one of them
+    and offers the whole deficit."""
 
 
 def _need(
@@ -254,12 +260,21 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
     if not g.schedulable:
         return False
     free = g.memory_mib * (1.0 + EPS) - g.used_memory
-    if (
+    fits = (
         (need.invoker is None or need.invoker == g.ref.invoker)
         and free >= need.memory_mib
         and g.used_request + need.request <= placement.omega + EPS
         and g.used_limit + need.limit <= placement.gamma + EPS
-    ):
+    )
+    if need.deficit is not None:
+        request, limit, memory = need.deficit
+        return (
+            fits
+            and placement.omega + EPS - g.used_request >= request
+            and placement.gamma + EPS - g.used_limit >= limit
+            and free >= memory
+        )
+    if fits:
         return True
     whole = need.split_mib
     if whole is None or free < min(placement.min_part_mib, whole):
@@ -416,7 +431,7 @@ def compaction_plan(
         trial_moves, trial, trial_freed, stuck = _try_source(work, gpu, placement)
         if not trial_moves:
             assert stuck is not None
-            failures[o] = _need(work, gpu, stuck, placement)
+            failures[o] = stuck
             continue
         opened = {
             ref for m in trial_moves for pid in m.replaces for ref in work.instance_gpus(pid)
@@ -469,16 +484,67 @@ def compaction_plan(
     return replace(plan, reason=reason)
 
 
+def _cannot_all_fit(
+    work: ClusterSnapshot,
+    gpu: GpuState,
+    order: list[PlacedInstance],
+    placement: PlacementConfig,
+    splits: bool,
+) -> Need | None:
+    """A quick proof, without deriving a snapshot, that the instances of `gpu` cannot all move (what
+    would have to change for them to, as a `Need`), or None: one that may not be split finds no
+    lit GPU at all, or (when none of them may split) the few GPUs that can take any of them lack
+    the room for all of them together."""
+    k = len(order)
+    union: dict[GpuRef, None] = {}
+    complete = True
+    for inst in order:
+        if inst.part_of is not None or (splits and inst.cls is InstanceClass.LLM):
+            complete = False
+            continue
+        fits = lit_fits(work, _as_request(work, inst, gpu.ref), placement, limit=k)
+        if not fits:
+            return _need(work, gpu, inst, placement)
+        complete = complete and len(fits) < k
+        union.update(dict.fromkeys(fits))
+    if not complete or k < 2:
+        return None
+    # Every GPU that can take any of them is in `union`: their room must hold all of them.
+    room = [work.gpu(r) for r in union]
+    deficit = (
+        sum(i.request for i in order) - sum(placement.omega - g.used_request for g in room),
+        sum(i.limit for i in order) - sum(placement.gamma - g.used_limit for g in room),
+        sum(i.memory_mib for i in order) - sum(g.free_memory for g in room),
+    )
+    if max(deficit) <= EPS:
+        return None
+    return Need(
+        ids=frozenset(i.id for i in gpu.instances),
+        instance=order[-1].id,
+        memory_mib=min(i.memory_mib for i in order),
+        request=min(i.request for i in order),
+        limit=min(i.limit for i in order),
+        invoker=None,
+        split_mib=None,
+        deficit=(max(0.0, deficit[0]), max(0.0, deficit[1]), max(0.0, deficit[2])),
+    )
+
+
 def _try_source(
     work: ClusterSnapshot, gpu: GpuState, placement: PlacementConfig
-) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], PlacedInstance | None]:
-    """Move every instance off `gpu` onto other lit GPUs, or nothing (empty list, and the instance
-    that found no room)."""
+) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], Need | None]:
+    """Move every instance off `gpu` onto other lit GPUs, or nothing (empty list, and what would
+    have to change for them to move)."""
     trial = work
     trial_moves: list[CompactionMove] = []
     trial_freed: list[GpuRef] = []
     # Biggest first: they are the hardest to fit, so a hopeless source is abandoned early.
-    for inst in sorted(gpu.instances, key=lambda i: (-i.request, -i.memory_mib, i.id)):
+    order = sorted(gpu.instances, key=lambda i: (-i.request, -i.memory_mib, i.id))
+    splits = placement.strategy_spec().splits and placement.llm_max_parts > 1
+    hopeless = _cannot_all_fit(work, gpu, order, placement, splits)
+    if hopeless is not None:
+        return [], work, [], hopeless
+    for inst in order:
         trial = trial.without_instance(inst.id)
         request = _as_request(trial, inst, gpu.ref)
         decision = place(trial, request, placement)
@@ -491,7 +557,7 @@ def _try_source(
                 trial_freed.extend(dark)
                 continue
         if not decision.placed:
-            return [], work, [], inst
+            return [], work, [], _need(work, gpu, inst, placement)
         if decision.parts:
             trial = apply_placement(trial, request, decision)
         else:

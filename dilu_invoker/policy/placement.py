@@ -732,6 +732,16 @@ class _Rejects:
         )
 
 
+class _Uncounted(_Rejects):
+    """Rejections nobody will read (a feasibility check): noting them costs nothing."""
+
+    def note(self, f: Filter, g: GpuState, r: PlacementRequest, c: PlacementConfig, count: int = 1) -> None:
+        return None
+
+
+_NO_REJECTS = _Uncounted()
+
+
 def _first_failure(
     g: GpuState, filters: tuple[Filter, ...], r: PlacementRequest, c: PlacementConfig
 ) -> Filter | None:
@@ -749,7 +759,8 @@ def _scan_lit(
     limit: int,
     rejects: _Rejects,
 ) -> list[int]:
-    """Ordinals of lit GPUs passing every filter, tightest Σ request first, at most `limit`."""
+    """Ordinals of lit GPUs passing every filter, tightest Σ request first, at most `limit`
+    (`rejects` counts the others unless it is `_NO_REJECTS`)."""
     if request.only_invoker is not None:
         return _scan_invoker(cluster, filters, request, config, limit, rejects)
     bounded = [(f.bound(request, config), f) for f in filters if f.bound is not None]
@@ -760,7 +771,7 @@ def _scan_lit(
         kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
         # GPUs in buckets above the bound fail `tightest` without being looked at; count
         # them so a refusal still says why.
-        skipped = [b for b in cluster.lit_buckets[kmax + 1 :] if b]
+        skipped = [b for b in cluster.lit_buckets[kmax + 1 :] if b] if rejects is not _NO_REJECTS else []
         if skipped:
             rejects.note(
                 tightest,
@@ -773,18 +784,39 @@ def _scan_lit(
     found: list[int] = []
     memory = FILTERS["memory"]
     if memory in filters:
-        # Within a bucket, GPUs with less free memory than the request needs fail `memory`: start
-        # where it fits (the index is by free memory), tightest fit first, and count the rest.
+        # Within a bucket, GPUs with less free memory than the request needs fail `memory`, and
+        # those whose Σ limit leaves no room for its limit fail the limit filter: the indexes by
+        # free memory and by Σ limit give both sets by bisection; walk the smaller remainder.
         need = (request.memory_mib - cluster.max_memory_mib * EPS, -1)
+        cap = None
+        if FILTERS["sm-limit"] in filters:
+            cap = config.gamma
+        if FILTERS["sm-limit-static"] in filters:
+            cap = 1.0 if cap is None else min(cap, 1.0)
+        limit_filter = FILTERS["sm-limit" if cap is not None and cap > 1.0 else "sm-limit-static"]
+        room_limit = (cap - request.limit + 2 * EPS, math.inf) if cap is not None else None
         rooms = cluster.lit_room
+        limits = cluster.lit_limits
         for k in range(kmax, -1, -1):
             bucket = rooms[k]
             if not bucket:
                 continue
             start = bisect.bisect_left(bucket, need)
+            visit = bucket[start:]
+            if room_limit is not None:
+                by_limit = limits[k]
+                end = bisect.bisect_right(by_limit, room_limit)
+                if end < len(visit):
+                    if end < len(by_limit):
+                        rejects.note(
+                            limit_filter, gpus[by_limit[end][1]], request, config,
+                            count=len(by_limit) - end,
+                        )
+                    visit = by_limit[:end]
+                    start = 0
             if start:
                 rejects.note(memory, gpus[bucket[0][1]], request, config, count=start)
-            for _, o in bucket[start:]:
+            for _, o in visit:
                 g = gpus[o]
                 for f in filters:
                     if not f.passes(g, request, config):
@@ -940,6 +972,17 @@ def place(
         if split is not None:
             return split
     return decision
+
+
+def lit_fits(
+    cluster: ClusterSnapshot, request: PlacementRequest, config: PlacementConfig, limit: int = 1
+) -> tuple[GpuRef, ...]:
+    """Up to `limit` lit GPUs that pass every filter for a one-GPU `request`, whole (no split, no
+    scoring): the cheap necessary condition of a lit-only `place` of an instance that may not
+    split. Fewer than `limit` means these are all there are."""
+    strategy = config.strategy_spec()
+    filters = tuple(FILTERS[name] for name in strategy.filters)
+    return tuple(cluster.refs[o] for o in _scan_lit(cluster, filters, request, config, limit, _NO_REJECTS))
 
 
 # Candidates are ranked by (total, lit, -ordinal): best score, then an already-lit GPU, then the

@@ -46,6 +46,7 @@ def index_view(c: ClusterSnapshot) -> dict[str, object]:
     return {
         "buckets": c.lit_buckets,
         "rooms": c.lit_room,
+        "limits": c.lit_limits,
         "nodes": c.node_room,
         "unlit": dict(c.unlit),
         "locations": dict(c.locations),
