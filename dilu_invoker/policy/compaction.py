@@ -380,12 +380,15 @@ def compaction_plan(
     placement: PlacementConfig,
     config: CompactionConfig | None = None,
     state: CompactionState | None = None,
+    *,
+    pinned: frozenset[str] = frozenset(),
 ) -> CompactionPlan:
     """Moves that free the emptiest GPUs, found by re-running placement (lit GPUs only).
 
     Sources are tried lowest Σ request first (then in cluster order), at most `max_sources` per
     call. `state` (the previous plan's `state`) skips sources known to fail; the moves are those a
-    call without it would find among the sources it tries."""
+    call without it would find among the sources it tries. A GPU holding a `pinned` instance (one
+    that must not move now: starting, draining, its function in a burst) is not a source this time."""
     config = config or CompactionConfig()
     state = state or CompactionState()
     work = cluster
@@ -416,6 +419,9 @@ def compaction_plan(
             break
         gpu = work.gpus[o]
         if gpu.ref in targets or not _eligible(gpu, config):
+            continue
+        if pinned and any(i.id in pinned for i in gpu.instances):
+            pending.append(o)
             continue
         if len(moves) + len(gpu.instances) > config.max_moves:
             pending.append(o)
