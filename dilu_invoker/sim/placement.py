@@ -222,8 +222,13 @@ def simulate_placement(
     config: PlacementSimConfig,
     *,
     progress: ProgressFn | None = None,
+    log: list[tuple[Any, ...]] | None = None,
 ) -> PlacementResult:
-    """Replay `events` (ordered by t) under `config.policy`; deterministic for equal inputs."""
+    """Replay `events` (ordered by t) under `config.policy`; deterministic for equal inputs.
+
+    `log`, when given, receives every decision carried out: ("place", t, instance, GPUs),
+    ("reject", t, instance), ("compact", t) before a compaction run, ("move", t, instance, source,
+    target)."""
     wall0 = time.perf_counter()
     pconf = config.placement_config()
     capacity = config.gpu_memory_gib * GIB
@@ -289,6 +294,8 @@ def simulate_placement(
             if ev.t >= next_compact and departed:
                 next_compact = ev.t + config.compact_every_s
                 departed = False
+                if log is not None:
+                    log.append(("compact", ev.t))
                 plan = compaction_plan(cluster.at(ev.t), pconf, config.compaction, compaction_state)
                 compaction_state = plan.state
                 compaction_runs += 1
@@ -298,6 +305,8 @@ def simulate_placement(
                     compaction_cold_starts += plan.cold_starts
                     freed_by_compaction += len(plan.freed)
                     for mv in plan.moves:
+                        if log is not None:
+                            log.append(("move", ev.t, mv.instance_id, mv.source, mv.target))
                         if mv.parts:
                             placed_ids[mv.instance_id] = tuple(p.instance.id for p in mv.parts)
                             split_instances += not mv.replaces  # split once already
@@ -315,6 +324,9 @@ def simulate_placement(
             bound.add(spec, +1)
             req = _request(spec)
             decision = place(cluster.at(ev.t), req, pconf)
+            if log is not None:
+                log.append(("place", ev.t, ev.instance, decision.gpus) if decision.placed
+                           else ("reject", ev.t, ev.instance))
             if decision.placed:
                 cluster = apply_placement(cluster, req, decision)
                 if decision.split:
