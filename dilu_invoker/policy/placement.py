@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, request_bucket
+from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot
 from dilu_invoker.policy.types import (
     EPS,
     GpuRef,
@@ -1225,12 +1225,12 @@ def _place_split(
             for _, first in cluster.node_room[lo:]
         ]
     part_capacity = _part_capacity(request, config, filters)
+    # request_bucket(u) > kmax  ⇔  u·BUCKETS + EPS ≥ kmax + 1: one comparison per GPU.
+    too_full = (kmax + 1 - EPS) / BUCKETS if request.only_invoker is None and kmax < BUCKETS else math.inf
     for ords in invokers:
         for o in ords:
             g = gpus[o]
-            if not g.lit or g.memory_mib - g.used_memory < min_part:
-                continue
-            if request.only_invoker is None and request_bucket(g.used_request) > kmax:
+            if not g.lit or g.used_request >= too_full or g.memory_mib - g.used_memory < min_part:
                 continue
             cap = part_capacity(g)
             if cap >= min_part:
