@@ -3,7 +3,7 @@ serving simulation on the one-day trace (issue 7).
 
     PYTHONPATH=. python3 bench/sim_scale.py [--sizes 3200,32000] [--mixes 0:0,0.2:0.2,...]
         [--seeds 1,2] [--big-seeds 1] [--policies exclusive,infless-l,infless-r,fastgs,dilu]
-        [--out docs/benchmarks/sim-scale.md] [--serving]
+        [--out docs/benchmarks/sim-scale.md] [--serving [--profiles FILE]]
 
 For each size, each mix `train:llm` (training fraction : LLM fraction of `dilu_mix`, 40 GiB GPUs, one
 create per second) and each seed, every policy replays the same trace, one after another in this
@@ -12,7 +12,9 @@ sensitive than wall time to other load on a shared machine), events, CPU µs per
 time-mean lit GPUs against the fractional and the integral bound, compaction moves and cold starts
 per 100 instances. The load average before and after is printed: read wall times with it.
 Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
-integral bound on peak and mean. Nothing is asserted (speed belongs here, not in tests).
+integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
+100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
+Nothing is asserted (speed belongs here, not in tests).
 """
 
 from __future__ import annotations
@@ -101,6 +103,22 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join([head, sep, *("| " + " | ".join(f(r) for _, f in COLUMNS) + " |" for r in rows)])
 
 
+def serving(profiles_path: str) -> None:
+    from dilu_invoker.sim.profiles import load_profiles
+    from dilu_invoker.sim.serving import SERVING_POLICIES, ServingSimConfig, simulate_serving
+    from dilu_invoker.sim.traces import load_trace
+
+    profiles = load_profiles(ROOT / profiles_path)
+    trace = load_trace(ROOT / "examples/serving/azure-day.jsonl.gz", profiles)
+    print(f"serving, {len(trace.functions)} functions, {trace.requests:,} requests over 24 h, 64 GPUs"
+          f"{' (SYNTHETIC profiles)' if profiles.synthetic else ''}:")
+    for p in SERVING_POLICIES:
+        w0, c0 = time.perf_counter(), time.process_time()
+        r = simulate_serving(trace, profiles, ServingSimConfig(policy=p, gpus=64))
+        print(f"  {p:12s} wall {time.perf_counter() - w0:6.1f} s cpu {time.process_time() - c0:6.1f} s "
+              f"({r.summary['completed']:,} completed)", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="3200,32000")
@@ -111,6 +129,8 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(PLACEMENT_POLICIES))
     ap.add_argument("--big-policies", default=None, help="policies above 3,200 instances (default: --policies)")
     ap.add_argument("--out", type=Path, default=None, help="write the markdown report here")
+    ap.add_argument("--serving", action="store_true", help="also time the one-day serving trace per policy")
+    ap.add_argument("--profiles", default="tests/sim/data/synthetic_profiles.json")
     args = ap.parse_args()
 
     def mixes(spec: str) -> list[tuple[float, float]]:
@@ -119,7 +139,7 @@ def main() -> int:
     load_before = _load()
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
-    for n in (int(x) for x in args.sizes.split(",")):
+    for n in (int(x) for x in args.sizes.split(",") if x):
         big = n > 3200
         seeds = [int(x) for x in (args.big_seeds if big else args.seeds).split(",")]
         policies = (args.big_policies if big and args.big_policies else args.policies).split(",")
@@ -135,6 +155,8 @@ def main() -> int:
                         f"cold/100 {r['cold_per_100']:.1f} load {_load()}",
                         flush=True,
                     )
+    if args.serving:
+        serving(args.profiles)
     total = time.perf_counter() - t0
     load_after = _load()
     print(f"total {total:.0f} s; load average before {load_before}, after {load_after}")
