@@ -1,73 +1,191 @@
-"""Scale figures of the simulators (issue 7, part 5) on this machine.
+"""Scale of the placement simulation over mixes and sizes, baselines side by side (issue 19), and the
+serving simulation on the one-day trace (issue 7).
 
-    PYTHONPATH=. python3 bench/sim_scale.py [--profiles FILE] [--policies dilu,exclusive]
+    PYTHONPATH=. python3 bench/sim_scale.py [--sizes 3200,32000] [--mixes 0:0,0.2:0.2,...]
+        [--seeds 1,2] [--big-seeds 1] [--policies exclusive,infless-l,infless-r,fastgs,dilu]
+        [--out docs/benchmarks/sim-scale.md] [--serving [--profiles FILE]]
 
-1. The 3,200-instance placement trace (examples/placement/dilu-mix-3200.jsonl.gz), each policy, and
-   all five through the CLI (`--policy all`, with plots): target < 10 s.
-2. The one-day, 100-function serving trace on 64 GPUs (examples/serving/azure-day.jsonl.gz), per
-   policy: target < 5 minutes.
-Prints wall-clock seconds; nothing is asserted (speed belongs here, not in tests).
+For each size, each mix `train:llm` (training fraction : LLM fraction of `dilu_mix`, 40 GiB GPUs, one
+create per second) and each seed, every policy replays the same trace, one after another in this
+process. Reported per run: wall and CPU seconds (`time.process_time`: what this process used, less
+sensitive than wall time to other load on a shared machine), events, CPU µs per event, peak and
+time-mean lit GPUs against the fractional and the integral bound, compaction moves and cold starts
+per 100 instances. The load average before and after is printed: read wall times with it.
+Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
+integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
+100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
+Nothing is asserted (speed belongs here, not in tests).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
+import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dilu_invoker.sim.events import load_events
-from dilu_invoker.sim.placement import (
-    PLACEMENT_POLICIES,
-    PlacementSimConfig,
-    simulate_placement,
+from dilu_invoker.sim.generate import dilu_mix
+from dilu_invoker.sim.placement import PLACEMENT_POLICIES, PlacementSimConfig, simulate_placement
+
+DILU_COMPACT_EVERY_S = 2.0
+DEFAULT_MIXES = "0:0,0:0.2,0:0.4,0.2:0,0.2:0.2,0.2:0.4,0.4:0,0.4:0.2,0.4:0.4"
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_one(n: int, train: float, llm: float, seed: int, policy: str) -> dict[str, Any]:
+    events = dilu_mix(n, train_fraction=train, llm_fraction=llm, seed=seed)
+    cfg = PlacementSimConfig(
+        policy=policy,
+        gpu_memory_gib=40.0,
+        compact_every_s=DILU_COMPACT_EVERY_S if policy == "dilu" else 0.0,
+    )
+    w0, c0 = time.perf_counter(), time.process_time()
+    r = simulate_placement(events, cfg)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    s, d = r.summary, r.details
+    return {
+        "n": n, "train": train, "llm": llm, "seed": seed, "policy": policy,
+        "events": s["events"], "wall_s": wall, "cpu_s": cpu, "us_per_event": 1e6 * cpu / s["events"],
+        "peak": s["gpus_peak"], "mean": d["gpus_mean"],
+        "peak_int": d["peak_vs_integral"], "mean_int": d["mean_vs_integral"],
+        "peak_frac": d["peak_vs_bound"], "mean_frac": d["mean_vs_bound"],
+        "moves_per_100": 100.0 * d["compaction_moves"] / n,
+        "cold_per_100": 100.0 * d["compaction_cold_starts"] / n,
+        "splits": d["split_instances"], "rejected": s["rejected"],
+    }
+
+
+COLUMNS = (
+    ("size", lambda r: f"{r['n']:,}"),
+    ("train:llm", lambda r: f"{r['train']:g}:{r['llm']:g}"),
+    ("seed", lambda r: str(r["seed"])),
+    ("policy", lambda r: r["policy"]),
+    ("events", lambda r: str(r["events"])),
+    ("wall s", lambda r: f"{r['wall_s']:.2f}"),
+    ("CPU s", lambda r: f"{r['cpu_s']:.2f}"),
+    ("CPU µs/event", lambda r: f"{r['us_per_event']:.0f}"),
+    ("peak", lambda r: str(r["peak"])),
+    ("peak / integral", lambda r: f"{r['peak_int']:.3f}"),
+    ("mean / integral", lambda r: f"{r['mean_int']:.3f}"),
+    ("peak / fractional", lambda r: f"{r['peak_frac']:.3f}"),
+    ("mean / fractional", lambda r: f"{r['mean_frac']:.3f}"),
+    ("moves /100", lambda r: f"{r['moves_per_100']:.1f}"),
+    ("cold starts /100", lambda r: f"{r['cold_per_100']:.1f}"),
+    ("rejected", lambda r: str(r["rejected"])),
 )
-from dilu_invoker.sim.profiles import load_profiles
-from dilu_invoker.sim.serving import (
-    SERVING_POLICIES,
-    ServingSimConfig,
-    simulate_serving,
-)
-from dilu_invoker.sim.traces import load_trace
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(c for c, _ in COLUMNS) + " |"
+    sep = "| " + " | ".join("---" for _ in COLUMNS) + " |"
+    return "\n".join([head, sep, *("| " + " | ".join(f(r) for _, f in COLUMNS) + " |" for r in rows)])
+
+
+def serving(profiles_path: str) -> None:
+    from dilu_invoker.sim.profiles import load_profiles
+    from dilu_invoker.sim.serving import SERVING_POLICIES, ServingSimConfig, simulate_serving
+    from dilu_invoker.sim.traces import load_trace
+
+    profiles = load_profiles(ROOT / profiles_path)
+    trace = load_trace(ROOT / "examples/serving/azure-day.jsonl.gz", profiles)
+    print(f"serving, {len(trace.functions)} functions, {trace.requests:,} requests over 24 h, 64 GPUs"
+          f"{' (SYNTHETIC profiles)' if profiles.synthetic else ''}:")
+    for p in SERVING_POLICIES:
+        w0, c0 = time.perf_counter(), time.process_time()
+        r = simulate_serving(trace, profiles, ServingSimConfig(policy=p, gpus=64))
+        print(f"  {p:12s} wall {time.perf_counter() - w0:6.1f} s cpu {time.process_time() - c0:6.1f} s "
+              f"({r.summary['completed']:,} completed)", flush=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="3200,32000")
+    ap.add_argument("--mixes", default=DEFAULT_MIXES, help="train:llm fractions, comma-separated")
+    ap.add_argument("--big-mixes", default=None, help="mixes for sizes above 3,200 (default: --mixes)")
+    ap.add_argument("--seeds", default="1,2", help="seeds at 3,200 instances and below")
+    ap.add_argument("--big-seeds", default="1", help="seeds above 3,200 instances")
+    ap.add_argument("--policies", default=",".join(PLACEMENT_POLICIES))
+    ap.add_argument("--big-policies", default=None, help="policies above 3,200 instances (default: --policies)")
+    ap.add_argument("--out", type=Path, default=None, help="write the markdown report here")
+    ap.add_argument("--serving", action="store_true", help="also time the one-day serving trace per policy")
     ap.add_argument("--profiles", default="tests/sim/data/synthetic_profiles.json")
-    ap.add_argument("--policies", default=",".join(SERVING_POLICIES))
-    ap.add_argument("--skip-serving", action="store_true")
     args = ap.parse_args()
-    path = ROOT / "examples/placement/dilu-mix-3200.jsonl.gz"
-    events = load_events(path)
-    print(f"placement, {len(events)} events of 3,200 instances, 40 GiB GPUs:")
-    for p in PLACEMENT_POLICIES:
-        t0 = time.perf_counter()
-        cfg = PlacementSimConfig(policy=p, gpu_memory_gib=40.0, compact_every_s=10.0 if p == "dilu" else 0.0)
-        r = simulate_placement(events, cfg)
-        print(f"  {p:10s} {time.perf_counter() - t0:6.2f} s  (peak {r.summary['gpus_peak']})")
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "dilu_invoker", "simulate", "placement", "--events", str(path), "--policy", "all",
-             "--gpu-memory-gib", "40", "--out", tmp, "--quiet"],
-            check=True, cwd=ROOT, capture_output=True,
+
+    def mixes(spec: str) -> list[tuple[float, float]]:
+        return [(float(a), float(b)) for a, b in (m.split(":") for m in spec.split(","))]
+
+    load_before = _load()
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for n in (int(x) for x in args.sizes.split(",") if x):
+        big = n > 3200
+        seeds = [int(x) for x in (args.big_seeds if big else args.seeds).split(",")]
+        policies = (args.big_policies if big and args.big_policies else args.policies).split(",")
+        for train, llm in mixes(args.big_mixes if big and args.big_mixes else args.mixes):
+            for seed in seeds:
+                for policy in policies:
+                    r = run_one(n, train, llm, seed, policy)
+                    rows.append(r)
+                    print(
+                        f"{n:6d} {train:g}:{llm:g} seed {seed} {policy:10s} wall {r['wall_s']:6.2f} s "
+                        f"cpu {r['cpu_s']:6.2f} s {r['us_per_event']:6.0f} µs/ev peak {r['peak']:5d} "
+                        f"peak/int {r['peak_int']:.3f} mean/int {r['mean_int']:.3f} "
+                        f"cold/100 {r['cold_per_100']:.1f} load {_load()}",
+                        flush=True,
+                    )
+    if args.serving:
+        serving(args.profiles)
+    total = time.perf_counter() - t0
+    load_after = _load()
+    print(f"total {total:.0f} s; load average before {load_before}, after {load_after}")
+    if args.out is not None:
+        cmd = "PYTHONPATH=. python3 bench/sim_scale.py " + " ".join(sys.argv[1:])
+        text = "\n".join(
+            [
+                "# Placement simulation at scale",
+                "",
+                f"Generated by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
+                f"{os.cpu_count()} CPU(s), {_cpu_model()}, Python {platform.python_version()}; "
+                f"load average (1/5/15 min) {load_before} before, {load_after} after ({total:.0f} s in all). "
+                "The machine is shared: wall times include waiting for a core; CPU seconds are this "
+                "process's own (`time.process_time`).",
+                "",
+                "Traces: `dilu_mix(N, train_fraction, llm_fraction, seed)` (`dilu-invoker simulate gen "
+                "placement --instances N --train-fraction T --llm-fraction L --seed S`), 40 GiB GPUs, 4 per "
+                "node, the cluster sized by the simulator; `dilu` with splitting and compaction every 2 s "
+                "of trace time (the CLI's `auto`), the baselines without. Bounds: fractional "
+                "max(⌈Σ request⌉, ⌈Σ memory / 40 GiB⌉, widest) and integral (also at least one GPU per "
+                "training slot over half a GPU), docs/simulator.md.",
+                "",
+                markdown(rows),
+                "",
+            ]
         )
-        print(f"  CLI --policy all with plots: {time.perf_counter() - t0:.2f} s")
-    if args.skip_serving:
-        return 0
-    profiles = load_profiles(ROOT / args.profiles)
-    trace = load_trace(ROOT / "examples/serving/azure-day.jsonl.gz", profiles)
-    print(f"serving, {len(trace.functions)} functions, {trace.requests:,} requests over 24 h, 64 GPUs"
-          f"{' (SYNTHETIC profiles)' if profiles.synthetic else ''}:")
-    for p in args.policies.split(","):
-        t0 = time.perf_counter()
-        r = simulate_serving(trace, profiles, ServingSimConfig(policy=p, gpus=64))
-        print(f"  {p:12s} {time.perf_counter() - t0:6.1f} s  ({r.summary['completed']:,} completed)")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -205,8 +205,17 @@ class BalancerConfig:
     route_wait_s: float = _opt(30.0, "an activation waits this long for an instance before it runs in the "
                                      "receiving invoker's own pool")
     result_ttl_s: float = _opt(300.0, "results of forwarded activations kept in Redis (dedupe, redelivery)")
+    compaction: bool = _opt(False, "empty nearly idle GPUs by moving instances make-before-break (the "
+                                   "simulator's compaction; each move costs a cold start)")
+    compaction_period_s: float = _opt(30.0, "at most one compaction run this often (none while a move is in "
+                                            "flight)")
+    compaction_max_moves: int = _opt(2, "instances one compaction run may move")
 
     def __post_init__(self) -> None:
+        if not self.compaction_period_s > 0:
+            raise ConfigError("--balancer-compaction-period-s must be positive")
+        if self.compaction_max_moves < 1:
+            raise ConfigError("--balancer-compaction-max-moves must be at least 1")
         for name in ("tick_s", "lease_ttl_s", "report_ttl_s", "report_period_s", "start_timeout_s",
                      "route_wait_s", "result_ttl_s"):
             if not getattr(self, name) > 0:

@@ -63,6 +63,11 @@ class Keys:
         """Stream: every decision the leader carried out, with its reason (bounded)."""
         return f"{self.prefix}bal:decisions"
 
+    @property
+    def compaction(self) -> str:
+        """Hash ``totals`` → msgpack map of the leaders' compaction counts (runs, started, done, abandoned)."""
+        return f"{self.prefix}bal:compaction"
+
     # -- invokers ---------------------------------------------------------------------------------
     @property
     def invokers(self) -> str:
@@ -413,6 +418,9 @@ class InstanceRecord:
     """The invoker's boot id once it reported the instance; a different boot means it was lost."""
     missing: int = 0
     """Consecutive fresh reports of its invoker that did not list it."""
+    replaces: str = ""
+    """Set while this instance is the replacement a compaction move started for another instance of
+    the function (make-before-break): once it is ready, the original is drained and this is cleared."""
 
     @classmethod
     def from_wire(cls, data: Any) -> InstanceRecord:

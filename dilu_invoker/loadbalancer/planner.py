@@ -11,7 +11,11 @@
    (:func:`~dilu_invoker.policy.decide_scale`) how many instances it should have;
 3. places the instances to start (:func:`~dilu_invoker.policy.spread.place_spread` over a
    :class:`~dilu_invoker.policy.ClusterSnapshot` built from the GPU budgets) and picks the instances to stop;
-4. builds each function's routing table (its ready instances on live invokers).
+4. with compaction on (:class:`LiveCompaction`), at most every ``period_s``, runs the simulator's
+   :func:`~dilu_invoker.policy.compaction_plan` on the cluster and starts a replacement for each move
+   (make-before-break: the original keeps serving; once the replacement is ready it is routed to and the
+   original drained), never for an instance of a function in a burst or while a move is in flight;
+5. builds each function's routing table (its ready instances on live invokers).
 
 No I/O and no clock: ``now`` and everything else comes in :class:`TickInput`; the service applies the
 :class:`TickPlan` to Redis (reservations, fenced writes of the table, commands and routes).
@@ -27,17 +31,21 @@ from dataclasses import dataclass, field, replace
 from dilu_invoker.policy import (
     Affinity,
     ClusterSnapshot,
+    CompactionConfig,
+    CompactionState,
     FunctionLoad,
     GpuRef,
     HorizontalConfig,
     HorizontalState,
     InstanceClass,
+    PlacedInstance,
     PlacementConfig,
     PlacementRequest,
     Profile,
     ScaleAction,
     ScaleDecision,
     apply_placement,
+    compaction_plan,
     decide_scale,
 )
 from dilu_invoker.policy.spread import place_spread
@@ -54,6 +62,34 @@ from dilu_invoker.wire import (
     revision_generation,
 )
 
+#: Compaction as the live balancer runs it by default: only GPUs with Σ request ≤ 0.5 and at most 3
+#: instances are emptied, 32 per run, and stages of split instances never move.
+LIVE_COMPACTION = CompactionConfig(source_max_request=0.5, max_sources=32, max_moves=2)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LiveCompaction:
+    """Compaction on the live cluster: the same `compaction_plan` the simulator runs."""
+
+    config: CompactionConfig = LIVE_COMPACTION
+    """`max_moves` bounds the replacements one run starts (each is a cold start)."""
+    period_s: float = 30.0
+    """At most one run this often, and none while a move it started is still in flight."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.period_s) and self.period_s > 0):
+            raise ValueError(f"compaction period_s must be > 0, got {self.period_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionLoop:
+    """What the balancer carries for compaction between ticks."""
+
+    next_at: float = 0.0
+    """No run before this (the balancer's clock)."""
+    state: CompactionState | None = None
+    """The last plan's state (sources known to fail)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlannerConfig:
@@ -65,6 +101,8 @@ class PlannerConfig:
     """Ticks a ready instance may be absent from its live invoker's report before it counts as lost."""
     demand_hold_s: float = 2.0
     """A demand signal counts as one waiting activation for this long (reports lag by up to a period)."""
+    compaction: LiveCompaction | None = None
+    """None: no compaction (the default)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.start_timeout_s) and self.start_timeout_s > 0):
@@ -105,6 +143,7 @@ class TickInput:
     """The routing tables published last."""
     seq: int = 1
     """Sequence number of the next instance id (unique per epoch)."""
+    compaction: CompactionLoop = field(default_factory=CompactionLoop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +167,7 @@ class TickPlan:
     gone: frozenset[str]
     seq: int
     cluster: ClusterSnapshot | None
+    compaction: CompactionLoop = field(default_factory=CompactionLoop)
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -244,12 +284,13 @@ class _Work:
     def forget(self, r: InstanceRecord, reason: str, *, owed: bool, stop: bool, now: float, epoch: int) -> None:
         self.records.pop(r.id, None)
         self.forgotten.append(Order(r, reason))
-        if owed and r.state != RecordState.STOPPING:
+        # A compaction replacement that did not make it is owed nothing: its original still serves.
+        if owed and r.state != RecordState.STOPPING and not r.replaces:
             self.lost[r.function] = self.lost.get(r.function, 0) + 1
         if stop:
             self.stops.append(Order(r, reason))
-        self.decisions.append(Decision(now, epoch, "lost" if owed else "forget", r.function, reason,
-                                       r.id, r.invoker, r.gpu))
+        kind = "move-abandoned" if r.replaces else "lost" if owed else "forget"
+        self.decisions.append(Decision(now, epoch, kind, r.function, reason, r.id, r.invoker, r.gpu))
 
 
 def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work) -> None:
@@ -308,6 +349,95 @@ def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work) -> None:
                                    memory_mb=inst.memory_mb, slots=inst.slots, state=RecordState.STOPPING.value,
                                    since=now, epoch=epoch, boot=inp.reports[inv].boot)
             work.stops.append(Order(ghost, f"{inst.id}: unknown to the balancer"))
+    _finish_moves(now, epoch, work)
+
+
+def _finish_moves(now: float, epoch: int, work: _Work) -> None:
+    """Make-before-break: a compaction replacement that is ready takes over (the original is drained:
+    routers stop choosing it once the table is republished, what runs on it finishes)."""
+    forgotten = {o.record.id for o in work.forgotten}
+    for r in sorted(work.records.values(), key=lambda r: r.id):
+        if not r.replaces:
+            continue
+        orig = work.records.get(r.replaces)
+        if r.state == RecordState.READY:
+            if orig is not None and orig.state in (RecordState.READY, RecordState.STARTING):
+                reason = f"{orig.id}: moved to {r.invoker}/gpu{r.gpu} as {r.id}, which is ready (compaction)"
+                stopped = replace(orig, state=RecordState.STOPPING.value, since=now)
+                work.records[orig.id] = stopped
+                work.stops.append(Order(stopped, reason))
+                work.decisions.append(Decision(now, epoch, "move-done", r.function, reason, orig.id,
+                                               orig.invoker, orig.gpu))
+            work.records[r.id] = replace(r, replaces="")
+        elif orig is None or orig.state == RecordState.STOPPING:
+            # The original is gone (lost, stopped by a scale-in): the replacement is an ordinary
+            # instance now, and stands in for the lost one.
+            if r.replaces in forgotten and work.lost.get(r.function, 0) > 0:
+                work.lost[r.function] -= 1
+            work.records[r.id] = replace(r, replaces="")
+
+
+def _calm(decision: ScaleDecision, load: FunctionLoad, owed: int) -> bool:
+    """No compaction move touches a function unless it is calm: the scaler holds, nothing is owed,
+    starting or stopping, no activation waits, no instance is saturated, and its instances' capacity
+    covers the arrival rate (a burst the lazy scaler rides out is not calm)."""
+    if decision.action is not ScaleAction.HOLD or owed or load.waiting or load.instances_at_limit:
+        return False
+    if load.starting or load.stopping:
+        return False
+    cap = load.capacity_per_instance
+    return not (cap and load.arrival_rate > cap * load.instances)
+
+
+def _compact(
+    inp: TickInput,
+    cfg: PlannerConfig,
+    work: _Work,
+    cluster: ClusterSnapshot,
+    calm: set[str],
+    seq: int,
+) -> tuple[ClusterSnapshot, int, CompactionLoop]:
+    """One compaction run: replacements for the moves of `compaction_plan` (see the module doc)."""
+    live = cfg.compaction
+    loop = inp.compaction
+    assert live is not None
+    if inp.now < loop.next_at or any(r.replaces for r in work.records.values()):
+        return cluster, seq, loop
+    now, epoch = inp.now, inp.epoch
+    movable = {
+        r.id
+        for r in work.records.values()
+        if r.state == RecordState.READY and r.function in calm and r.function in inp.specs
+        and not outdated(r.rev, inp.specs[r.function].rev)
+    }
+    pinned = frozenset(i for i in cluster.locations if i not in movable)
+    # Stages of split instances are not moved live: placement for compaction never splits.
+    placement = replace(cfg.placement, llm_max_parts=1)
+    plan = compaction_plan(cluster, placement, live.config, loop.state, pinned=pinned)
+    for mv in plan.moves:
+        orig = work.records.get(mv.instance_id)
+        if orig is None or mv.parts or mv.replaces:
+            continue
+        iid = instance_id(orig.function, epoch, seq)
+        seq += 1
+        ref = mv.target
+        rep = inp.reports.get(ref.invoker)
+        record = replace(
+            orig, id=iid, invoker=ref.invoker, gpu=ref.gpu, gpu_uuid=cluster.gpu(ref).uuid or None,
+            state=RecordState.STARTING.value, since=now, epoch=epoch, boot=rep.boot if rep is not None else "",
+            missing=0, replaces=orig.id,
+        )
+        held = cluster.instance(orig.id)
+        cluster = cluster.with_instance(
+            PlacedInstance(id=iid, function=held.function, cls=held.cls, request=held.request, limit=held.limit,
+                           memory_mib=held.memory_mib, profile=held.profile),
+            (ref,),
+        )
+        reason = f"compaction: {mv.reason}; {iid} replaces {orig.id}"
+        work.records[iid] = record
+        work.starts.append(Order(record, reason))
+        work.decisions.append(Decision(now, epoch, "move", orig.function, reason, iid, ref.invoker, ref.gpu))
+    return cluster, seq, CompactionLoop(next_at=now + live.period_s, state=plan.state)
 
 
 def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
@@ -323,6 +453,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     seq = inp.seq
     states = dict(inp.states)
     scale: list[ScaleDecision] = []
+    calm: set[str] = set()
     # Every registered function, idle ones included: min-instances holds without traffic.
     functions = sorted(inp.specs)
     # Without any GPU there is nothing to place: routers run GPU functions in their own pools (on the CPU)
@@ -330,7 +461,9 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     for fqn in functions if cluster is not None else ():
         spec = inp.specs[fqn]
         state = states.get(fqn, FunctionState())
-        mine = [r for r in work.records.values() if r.function == fqn and not outdated(r.rev, spec.rev)]
+        # A compaction replacement is not one more instance: it takes over from its original.
+        mine = [r for r in work.records.values()
+                if r.function == fqn and not outdated(r.rev, spec.rev) and not r.replaces]
         load = function_load(spec, now=now, records=mine, reports=inp.reports, demand_at=inp.demand.get(fqn),
                              demand_hold_s=cfg.demand_hold_s)
         decision = decide_scale(load, state.horizontal, cfg.horizontal)
@@ -390,6 +523,11 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 work.decisions.append(Decision(now, epoch, "stop", fqn, decision.reason, victim.id, victim.invoker,
                                                victim.gpu))
         states[fqn] = FunctionState(horizontal=decision.state, owed=owed, blocked=blocked)
+        if _calm(decision, load, owed):
+            calm.add(fqn)
+    loop = inp.compaction
+    if cfg.compaction is not None and cluster is not None:
+        cluster, seq, loop = _compact(inp, cfg, work, cluster, calm, seq)
     routes = _routes(inp, work.records, states, cluster)
     gone = frozenset(inp.known_invokers - set(inp.reports))
     return TickPlan(
@@ -404,6 +542,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
         gone=gone,
         seq=seq,
         cluster=cluster,
+        compaction=loop,
     )
 
 

@@ -31,8 +31,10 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+import msgpack
 import redis.asyncio as aioredis
 import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
 from dilu_invoker import logs
@@ -41,7 +43,10 @@ from dilu_invoker.config import Config, ConfigError
 from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
 from dilu_invoker.loadbalancer.lease import LeaderLease, Leadership, Ops
 from dilu_invoker.loadbalancer.planner import (
+    LIVE_COMPACTION,
+    CompactionLoop,
     FunctionState,
+    LiveCompaction,
     PlannerConfig,
     TickInput,
     TickPlan,
@@ -102,8 +107,50 @@ def planner_config(cfg: Config) -> PlannerConfig:
         placement = PlacementConfig(strategy=b.strategy, gamma=cfg.gpu.gamma, affinity=Affinity(b.affinity))
     except ValueError as exc:
         raise ConfigError(f"--balancer-strategy / --gpu-gamma: {exc}") from None
+    compaction = None
+    if b.compaction:
+        compaction = LiveCompaction(config=replace(LIVE_COMPACTION, max_moves=b.compaction_max_moves),
+                                    period_s=b.compaction_period_s)
     return PlannerConfig(horizontal=horizontal, placement=placement, start_timeout_s=b.start_timeout_s,
-                         demand_hold_s=max(2.0, 2 * cfg.balancer.report_period_s))
+                         demand_hold_s=max(2.0, 2 * cfg.balancer.report_period_s), compaction=compaction)
+
+
+class BalancerMetrics:
+    """Prometheus metrics of one balancer (its own registry), and the compaction totals it also keeps in
+    Redis (``P bal:compaction``, msgpack map) so any process can read them."""
+
+    MOVES = ("move", "move-done", "move-abandoned")
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ticks = Counter("dilu_balancer_ticks", "Ticks this balancer ran as the leader", registry=r)
+        self.compaction_runs = Counter("dilu_balancer_compaction_runs", "Compaction runs", registry=r)
+        self.compaction_moves = Counter(
+            "dilu_balancer_compaction_moves",
+            "Compaction moves by outcome: started (a replacement, i.e. one cold start), done (original "
+            "drained), abandoned (the replacement failed; the original kept serving)",
+            ("outcome",), registry=r)
+        self.compaction_in_flight = Gauge("dilu_balancer_compaction_in_flight",
+                                          "Compaction replacements starting", registry=r)
+        self.totals: dict[str, int] = {"runs": 0, "started": 0, "done": 0, "abandoned": 0}
+
+    def observe(self, plan: TickPlan, before: CompactionLoop) -> bool:
+        """Count a tick's compaction; True when the totals changed."""
+        self.ticks.inc()
+        changed = False
+        if plan.compaction.next_at != before.next_at:
+            self.compaction_runs.inc()
+            self.totals["runs"] += 1
+            changed = True
+        for d in plan.decisions:
+            if d.kind in self.MOVES:
+                outcome = {"move": "started", "move-done": "done", "move-abandoned": "abandoned"}[d.kind]
+                self.compaction_moves.labels(outcome).inc()
+                self.totals[outcome] += 1
+                changed = True
+        self.compaction_in_flight.set(sum(1 for r in plan.records.values() if r.replaces))
+        return changed
 
 
 def _natural(name: str) -> tuple[str, int, str]:
@@ -137,6 +184,8 @@ class Balancer:
         self._demand: dict[str, float] = {}
         self._seq = 1
         self._bad_reports: set[str] = set()
+        self._compaction = CompactionLoop()
+        self.metrics = BalancerMetrics()
 
     # -- campaign --------------------------------------------------------------------------------
 
@@ -173,6 +222,12 @@ class Balancer:
         self._states = {}
         self._demand = {}
         self._seq = 1
+        self._compaction = CompactionLoop()
+        raw = await self.redis.hget(self.keys.compaction, "totals")
+        if raw:
+            with contextlib.suppress(ValueError, TypeError):
+                totals = msgpack.unpackb(raw)
+                self.metrics.totals.update({k: int(v) for k, v in totals.items() if k in self.metrics.totals})
         self._records = await self._load_records()
         self._routes = await self._load_routes()
         log.info("balancer leads", holder=self.holder, epoch=lead.epoch, instances=len(self._records))
@@ -255,7 +310,7 @@ class Balancer:
         plan = plan_tick(
             TickInput(now=now, epoch=lead.epoch, reports=reports, known_invokers=known, records=self._records,
                       specs=specs, cluster=cluster, demand=self._demand, states=self._states,
-                      routes=self._routes, seq=self._seq),
+                      routes=self._routes, seq=self._seq, compaction=self._compaction),
             self.planner,
         )
         ok = await self._apply(lead, plan)
@@ -403,8 +458,12 @@ class Balancer:
             ops.xadd(self.keys.decisions, pack(d), maxlen=DECISION_STREAM_MAXLEN)
         for name in plan.gone:
             ops.srem(self.keys.invokers, name)
+        before = dict(self.metrics.totals)
+        if self.metrics.observe(plan, self._compaction):
+            ops.hset(self.keys.compaction, "totals", msgpack.packb(self.metrics.totals))
 
         if ops.count and not await self.lease.apply(lead, ops):
+            self.metrics.totals = before
             for r in reserved:
                 with contextlib.suppress(RedisError):
                     await self.budgets.release(r.gpu_uuid or "", r.id)
@@ -417,6 +476,7 @@ class Balancer:
         self._routes = dict(plan.routes)
         self._states = states
         self._seq = plan.seq
+        self._compaction = plan.compaction
         return True
 
     # -- loading a predecessor's state -----------------------------------------------------------

@@ -12,6 +12,7 @@ from dilu_invoker.policy.compaction import (
     CompactionConfig,
     CompactionMove,
     CompactionPlan,
+    CompactionState,
     compaction_plan,
 )
 from dilu_invoker.policy.fill import water_fill
@@ -22,6 +23,7 @@ from dilu_invoker.policy.fragmentation import (
     cluster_lower_bound,
     fragmentation_after,
     gpu_fragmentation,
+    integral_lit_gpu_lower_bound,
     lit_gpu_lower_bound,
 )
 from dilu_invoker.policy.horizontal import (
@@ -100,6 +102,7 @@ __all__ = [
     "CompactionConfig",
     "CompactionMove",
     "CompactionPlan",
+    "CompactionState",
     "CycleTrack",
     "DemandTotals",
     "FeedbackMode",
@@ -149,6 +152,7 @@ __all__ = [
     "grid_search",
     "hybrid_growth_search",
     "instances_for",
+    "integral_lit_gpu_lower_bound",
     "lit_gpu_lower_bound",
     "part_id",
     "place",

@@ -1,11 +1,13 @@
 """The cluster as placement sees it: a frozen snapshot with indexes kept up to date incrementally.
 
-Placement must stay fast with ~1,500 GPUs and thousands of decisions (the simulator replays 3,200
-placements in seconds), so a snapshot carries indexes that a decision can use without walking every
-GPU: lit GPUs bucketed by their Σ request, unlit GPUs per invoker, where each instance sits, and how
-many instances of each function each invoker holds. `with_instance` / `without_instance` return a new
-snapshot in which only the touched entries were rebuilt (the rest is shared or copied at C speed), so
-the snapshot stays a value: an old one is never changed by a later placement.
+Placement must stay fast with ~15,000 GPUs and tens of thousands of decisions (the simulator replays
+32,000 placements in under a minute), so a snapshot carries indexes that a decision can use without
+walking every GPU: lit GPUs bucketed by their Σ request (by ordinal, and by free memory within a
+bucket), unlit GPUs per invoker, invokers by the free memory of their lit GPUs, where each instance
+sits, and how many instances of each function each invoker holds. `with_instance` / `without_instance`
+return a new snapshot in which only the touched entries were rebuilt: the maps are persistent (hash
+array mapped tries, `immutables.Map`, O(log n) per change, shared structure), the GPU tuple is copied
+at C speed, so the snapshot stays a value: an old one is never changed by a later placement.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TypeVar
+
+from immutables import Map
 
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, PlacedInstance
 
@@ -42,7 +47,29 @@ class DemandTotals:
     """Most GPUs any live instance spans (0 when nothing is placed)."""
 
 
-_EMPTY_MAP: Mapping[str, int] = MappingProxyType({})
+_EMPTY_MAP: Map[str, int] = Map()
+
+#: An entry of `ClusterSnapshot.lit_room`: (free MiB, ordinal), so a bucket sorts tightest first.
+RoomEntry = tuple[float, int]
+#: An entry of `ClusterSnapshot.node_room`: (Σ free MiB of the invoker's lit GPUs, its first ordinal).
+NodeRoom = tuple[float, int]
+
+
+def _free(g: GpuState) -> float:
+    return g.memory_mib - g.used_memory
+
+
+def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoom | None:
+    """The `node_room` entry of an invoker (None when none of its GPUs is lit); recomputed from its
+    few GPUs, never summed incrementally, so it always equals a fresh build's."""
+    free = 0.0
+    lit = False
+    for o in invoker_ords:
+        g = gpus[o]
+        if g.lit:
+            lit = True
+            free += _free(g)
+    return (free, invoker_ords[0]) if lit else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +90,20 @@ class ClusterSnapshot:
     invoker_ordinals: Mapping[str, tuple[int, ...]]
     lit_buckets: tuple[tuple[int, ...], ...]
     """For k in 0..BUCKETS: ordinals (ascending) of lit GPUs whose Σ request falls in bucket k."""
-    unlit: Mapping[str, tuple[int, ...]]
+    lit_room: tuple[tuple[RoomEntry, ...], ...]
+    """The same GPUs per bucket as (free MiB, ordinal), ascending: a scan for an instance needing m
+    MiB starts where m fits (bisect) and meets the tightest memory fits first."""
+    lit_limits: tuple[tuple[RoomEntry, ...], ...]
+    """The same GPUs per bucket as (Σ limit, ordinal), ascending: those with room for a limit l
+    under a cap are a prefix (when limits bind before memory does)."""
+    node_room: tuple[NodeRoom, ...]
+    """(Σ free MiB over its lit GPUs, first ordinal) of every invoker with a lit GPU, ascending: the
+    invokers whose lit GPUs together hold m MiB are a suffix (splitting an instance over lit GPUs)."""
+    unlit: Map[str, tuple[int, ...]]
     """Invoker → ordinals (ascending) of its GPUs with nothing placed."""
-    locations: Mapping[str, tuple[int, ...]]
+    locations: Map[str, tuple[int, ...]]
     """Instance id → ordinals of the GPUs it occupies."""
-    function_counts: Mapping[str, Mapping[str, int]]
+    function_counts: Map[str, Map[str, int]]
     """Function → invoker → number of its instances there."""
     width_counts: Mapping[int, int]
     """Instance width (GPUs) → number of live instances that wide."""
@@ -102,6 +138,8 @@ class ClusterSnapshot:
         for i, ref in enumerate(refs):
             invoker_ordinals[ref.invoker] = invoker_ordinals.get(ref.invoker, ()) + (i,)
         buckets: list[list[int]] = [[] for _ in range(BUCKETS + 1)]
+        rooms: list[list[RoomEntry]] = [[] for _ in range(BUCKETS + 1)]
+        limits: list[list[RoomEntry]] = [[] for _ in range(BUCKETS + 1)]
         unlit: dict[str, tuple[int, ...]] = {inv: () for inv in order}
         locations: dict[str, tuple[int, ...]] = {}
         seen: dict[str, PlacedInstance] = {}
@@ -113,6 +151,8 @@ class ClusterSnapshot:
             if g.lit:
                 lit += 1
                 buckets[request_bucket(g.used_request)].append(i)
+                rooms[request_bucket(g.used_request)].append((_free(g), i))
+                limits[request_bucket(g.used_request)].append((g.used_limit, i))
                 sum_frac += g.used_memory / g.memory_mib
             else:
                 unlit[g.ref.invoker] += (i,)
@@ -130,6 +170,9 @@ class ClusterSnapshot:
                         f"instance {inst.id} is described differently on two GPUs"
                     )
                 locations[inst.id] = locations.get(inst.id, ()) + (i,)
+        node_room = sorted(
+            e for ords in invoker_ordinals.values() if (e := _node_room(ords, ordered)) is not None
+        )
         return cls(
             now=now,
             invokers=tuple(order),
@@ -138,11 +181,12 @@ class ClusterSnapshot:
             ordinals=MappingProxyType(ordinals),
             invoker_ordinals=MappingProxyType(invoker_ordinals),
             lit_buckets=tuple(tuple(b) for b in buckets),
-            unlit=MappingProxyType(unlit),
-            locations=MappingProxyType(locations),
-            function_counts=MappingProxyType(
-                {f: MappingProxyType(c) for f, c in fn_counts.items()}
-            ),
+            lit_room=tuple(tuple(sorted(r)) for r in rooms),
+            lit_limits=tuple(tuple(sorted(r)) for r in limits),
+            node_room=tuple(node_room),
+            unlit=Map(unlit),
+            locations=Map(locations),
+            function_counts=Map({f: Map(c) for f, c in fn_counts.items()}),
             width_counts=MappingProxyType(widths),
             lit_count=lit,
             sum_request=sum_req,
@@ -243,9 +287,7 @@ class ClusterSnapshot:
             o: self.gpus[o].with_instances(self.gpus[o].instances + (instance,))
             for o in ords
         }
-        locations = dict(self.locations)
-        locations[instance.id] = ords
-        return self._rebuild(changed, locations, instance, +1)
+        return self._rebuild(changed, self.locations.set(instance.id, ords), instance, +1)
 
     def without_instance(self, instance_id: str) -> ClusterSnapshot:
         """A new snapshot with the instance gone from every GPU it occupied (KeyError if unknown)."""
@@ -257,9 +299,7 @@ class ClusterSnapshot:
             )
             for o in ords
         }
-        locations = dict(self.locations)
-        del locations[instance_id]
-        return self._rebuild(changed, locations, instance, -1)
+        return self._rebuild(changed, self.locations.delete(instance_id), instance, -1)
 
     def with_schedulable(self, ref: GpuRef, schedulable: bool) -> ClusterSnapshot:
         """Mark a GPU as draining (False) or open again (True)."""
@@ -280,13 +320,15 @@ class ClusterSnapshot:
     def _rebuild(
         self,
         changed: Mapping[int, GpuState],
-        locations: dict[str, tuple[int, ...]],
+        locations: Map[str, tuple[int, ...]],
         instance: PlacedInstance,
         sign: int,
     ) -> ClusterSnapshot:
         gpus = list(self.gpus)
         buckets = list(self.lit_buckets)
-        unlit = dict(self.unlit)
+        rooms = list(self.lit_room)
+        limits = list(self.lit_limits)
+        unlit = self.unlit
         lit = self.lit_count
         sum_req, sum_mem, sum_frac = (
             self.sum_request,
@@ -300,34 +342,47 @@ class ClusterSnapshot:
             if old.lit:
                 k = request_bucket(old.used_request)
                 buckets[k] = _remove(buckets[k], o)
+                rooms[k] = _remove(rooms[k], (_free(old), o))
+                limits[k] = _remove(limits[k], (old.used_limit, o))
                 sum_frac -= old.used_memory / old.memory_mib
                 lit -= 1
             else:
-                unlit[inv] = _remove(unlit[inv], o)
+                unlit = unlit.set(inv, _remove(unlit[inv], o))
             if new.lit:
                 k = request_bucket(new.used_request)
                 buckets[k] = _insert(buckets[k], o)
+                rooms[k] = _insert(rooms[k], (_free(new), o))
+                limits[k] = _insert(limits[k], (new.used_limit, o))
                 sum_frac += new.used_memory / new.memory_mib
                 lit += 1
             else:
-                unlit[inv] = _insert(unlit[inv], o)
+                unlit = unlit.set(inv, _insert(unlit[inv], o))
             sum_req += new.used_request - old.used_request
             sum_mem += new.used_memory - old.used_memory
         if lit == 0:
             # Float residue from many add/subtract pairs must not survive an empty cluster.
             sum_req = sum_mem = sum_frac = 0.0
         invoker = self.refs[next(iter(changed))].invoker
-        fn_counts = dict(self.function_counts)
-        per_inv = dict(fn_counts.get(instance.function, _EMPTY_MAP))
+        node_ords = self.invoker_ordinals[invoker]
+        node_room = self.node_room
+        before = _node_room(node_ords, self.gpus)
+        after = _node_room(node_ords, gpus)
+        if before != after:
+            if before is not None:
+                node_room = _remove(node_room, before)
+            if after is not None:
+                node_room = _insert(node_room, after)
+        fn_counts = self.function_counts
+        per_inv = fn_counts.get(instance.function, _EMPTY_MAP)
         count = per_inv.get(invoker, 0) + sign
         if count > 0:
-            per_inv[invoker] = count
-        else:
-            per_inv.pop(invoker, None)
+            per_inv = per_inv.set(invoker, count)
+        elif invoker in per_inv:
+            per_inv = per_inv.delete(invoker)
         if per_inv:
-            fn_counts[instance.function] = MappingProxyType(per_inv)
-        else:
-            fn_counts.pop(instance.function, None)
+            fn_counts = fn_counts.set(instance.function, per_inv)
+        elif instance.function in fn_counts:
+            fn_counts = fn_counts.delete(instance.function)
         widths = dict(self.width_counts)
         widths[instance.gpus] = widths.get(instance.gpus, 0) + sign
         if widths[instance.gpus] <= 0:
@@ -336,9 +391,12 @@ class ClusterSnapshot:
             self,
             gpus=tuple(gpus),
             lit_buckets=tuple(buckets),
-            unlit=MappingProxyType(unlit),
-            locations=MappingProxyType(locations),
-            function_counts=MappingProxyType(fn_counts),
+            lit_room=tuple(rooms),
+            lit_limits=tuple(limits),
+            node_room=node_room,
+            unlit=unlit,
+            locations=locations,
+            function_counts=fn_counts,
             width_counts=MappingProxyType(widths),
             lit_count=lit,
             sum_request=sum_req,
@@ -355,13 +413,16 @@ def _copy(snap: ClusterSnapshot, **changes: object) -> ClusterSnapshot:
     return ClusterSnapshot(**fields)
 
 
-def _insert(ordered: tuple[int, ...], value: int) -> tuple[int, ...]:
+_T = TypeVar("_T", int, RoomEntry, NodeRoom)
+
+
+def _insert(ordered: tuple[_T, ...], value: _T) -> tuple[_T, ...]:
     i = bisect.bisect_left(ordered, value)
     return ordered[:i] + (value,) + ordered[i:]
 
 
-def _remove(ordered: tuple[int, ...], value: int) -> tuple[int, ...]:
+def _remove(ordered: tuple[_T, ...], value: _T) -> tuple[_T, ...]:
     i = bisect.bisect_left(ordered, value)
     if i == len(ordered) or ordered[i] != value:
-        raise AssertionError(f"index out of sync: GPU ordinal {value} missing")
+        raise AssertionError(f"index out of sync: {value} missing")
     return ordered[:i] + ordered[i + 1 :]

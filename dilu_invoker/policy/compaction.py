@@ -12,7 +12,13 @@ one does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import heapq
+import math
+from dataclasses import dataclass, field, replace
+from itertools import compress
+from operator import is_not
+
+from immutables import Map
 
 from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, request_bucket
 from dilu_invoker.policy.placement import (
@@ -20,9 +26,10 @@ from dilu_invoker.policy.placement import (
     PlacementPart,
     PlacementRequest,
     apply_placement,
+    lit_fits,
     place,
 )
-from dilu_invoker.policy.types import GpuRef, PlacedInstance
+from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +85,8 @@ class CompactionPlan:
     cluster: ClusterSnapshot
     """The cluster once every move is done (equal to the input when there is nothing to do)."""
     reason: str
+    state: CompactionState | None = None
+    """Hand to the next call (after deriving the next cluster from `cluster`)."""
 
     @property
     def cold_starts(self) -> int:
@@ -166,86 +175,408 @@ def _move_whole(
     return after, move, dark
 
 
+@dataclass(frozen=True, slots=True)
+class CompactionState:
+    """What one plan hands the next (pass `plan.state` to the next call): the cluster the plan left
+    and the sources it tried in vain, so the next call tries only what may succeed now.
+
+    A source that failed is tried again when its own GPU changed, or when another GPU gained room
+    that the instance which found none could use (whole, or a piece of it where it may be split):
+    moves only ever *consume* room on lit GPUs, so without such a change it would fail again at the
+    same instance. (Room that would let an *earlier* instance of the source go elsewhere and leave
+    its target to the stuck one is not looked for: rare, and the next change retries it.) So a call
+    looks only at GPUs that changed since `seen`
+    (found by identity in O(GPUs) at C speed, plus O(changes)), at failed sources such a change may
+    help, and at sources a call left untried for its limits (`pending`). Without a state, or with a
+    cluster of another shape, every lit GPU is a candidate: the result is the same, only slower."""
+
+    seen: ClusterSnapshot | None = None
+    failed: Map[int, Need] = field(default_factory=Map)
+    """Source ordinal → what the instance that found no room there needs (see `Need`)."""
+    pending: frozenset[int] = frozenset()
+    """Candidates a call did not get to (max_sources, max_moves)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """What a GPU must offer to take the instance that stopped a source from being emptied.
+
+    `invoker`: a piece (pipeline stage) moves whole only within its node. `split_mib`: the memory
+    of an instance that may instead be split over lit GPUs of one node (a whole LLM, or the whole
+    instance a piece belongs to, which compaction may place anew); None when it may not."""
+
+    ids: frozenset[str]
+    """The instances on the source when it failed (`instance` among them)."""
+    instance: str
+    memory_mib: float
+    request: float
+    limit: float
+    invoker: str | None
+    split_mib: float | None
+    split_request: float = 0.0
+    split_limit: float = 0.0
+    """The whole splittable instance's request and limit (a piece's are scaled down)."""
+    deficit: tuple[float, float, float] | None = None
+    """When each instance fits somewhere but the few GPUs that take any of them lack room for all
+    together: how much request, limit and memory was missing. `memory_mib`, `request`, `limit`
+    are then the least any of the instances needs, and a GPU helps only if it takes one of them
+    and offers the whole deficit."""
+
+
+def _need(
+    cluster: ClusterSnapshot, gpu: GpuState, inst: PlacedInstance, placement: PlacementConfig
+) -> Need:
+    split: float | None = None
+    split_request = split_limit = 0.0
+    invoker = None
+    if inst.part_of is not None:
+        invoker = gpu.ref.invoker
+        stages = [p for _, p in _stages(cluster, inst.part_of, invoker)]
+        split = sum(p.memory_mib for p in stages)
+        split_request = sum(p.request for p in stages)
+        split_limit = sum(p.limit for p in stages)
+    elif (
+        inst.cls is InstanceClass.LLM
+        and placement.strategy_spec().splits
+        and placement.llm_max_parts > 1
+    ):
+        split, split_request, split_limit = inst.memory_mib, inst.request, inst.limit
+    return Need(
+        ids=frozenset(i.id for i in gpu.instances),
+        instance=inst.id,
+        memory_mib=inst.memory_mib,
+        request=inst.request,
+        limit=inst.limit,
+        invoker=invoker,
+        split_mib=split,
+        split_request=split_request,
+        split_limit=split_limit,
+    )
+
+
+def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: PlacementConfig) -> bool:
+    """Whether lit GPU `g`, having gained room, might take the instance `need` describes (whole, or
+    a piece of it with the rest on other GPUs of `g`'s node)."""
+    if not g.schedulable:
+        return False
+    free = g.memory_mib * (1.0 + EPS) - g.used_memory
+    fits = (
+        (need.invoker is None or need.invoker == g.ref.invoker)
+        and free >= need.memory_mib
+        and g.used_request + need.request <= placement.omega + EPS
+        and g.used_limit + need.limit <= placement.gamma + EPS
+    )
+    if need.deficit is not None:
+        request, limit, memory = need.deficit
+        return (
+            fits
+            and placement.omega + EPS - g.used_request >= request
+            and placement.gamma + EPS - g.used_limit >= limit
+            and free >= memory
+        )
+    if fits:
+        return True
+    whole = need.split_mib
+    if whole is None or free < min(placement.min_part_mib, whole):
+        return False
+    # A piece takes the instance's request and limit in proportion to its memory: what each lit
+    # GPU of the node can hold is bounded by its free memory and by its request and limit room.
+    per_request = whole / need.split_request if need.split_request > 0 else math.inf
+    per_limit = whole / need.split_limit if need.split_limit > 0 else math.inf
+    gpus = cluster.gpus
+    room = 0.0
+    for o in cluster.invoker_ordinals[g.ref.invoker]:
+        h = gpus[o]
+        if h.lit and h.schedulable:
+            room += max(
+                0.0,
+                min(
+                    h.memory_mib * (1.0 + EPS) - h.used_memory,
+                    (placement.omega + EPS - h.used_request) * per_request,
+                    (placement.gamma + EPS - h.used_limit) * per_limit,
+                ),
+            )
+    return room >= whole - EPS
+
+
+def _gained(old: GpuState, new: GpuState) -> bool:
+    """`new` is lit and offers more room than `old` in some dimension (or was dark)."""
+    if not new.lit:
+        return False
+    return (
+        not old.lit
+        or new.used_memory < old.used_memory - EPS
+        or new.used_request < old.used_request - EPS
+        or new.used_limit < old.used_limit - EPS
+        or (new.schedulable and not old.schedulable)
+    )
+
+
+def _eligible(gpu: GpuState, config: CompactionConfig) -> bool:
+    return (
+        bool(gpu.instances)
+        and len(gpu.instances) <= config.source_max_instances
+        and gpu.used_request <= config.source_max_request + EPS
+        and not any(
+            i.gpus > 1 or (i.part_of is not None and not config.move_pieces)
+            for i in gpu.instances
+        )
+    )
+
+
+def _candidates(
+    cluster: ClusterSnapshot,
+    placement: PlacementConfig,
+    config: CompactionConfig,
+    state: CompactionState,
+) -> tuple[list[int], Map[int, Need], dict[int, tuple[Need, list[int]]]]:
+    """Ordinals worth trying as sources (unordered), the failures still known to be hopeless, and
+    the failed sources retried because GPUs gained room (with those GPUs' ordinals)."""
+    gpus = cluster.gpus
+    seen = state.seen
+    if seen is None or seen.refs != cluster.refs:
+        top = request_bucket(config.source_max_request)
+        every = [o for k in range(min(top, BUCKETS) + 1) for o in cluster.lit_buckets[k]]
+        return [o for o in every if _eligible(gpus[o], config)], Map(), {}
+    old = seen.gpus
+    changed = [
+        o
+        for o in compress(range(len(gpus)), map(is_not, old, gpus))
+        if old[o] != gpus[o]
+    ]
+    failed = state.failed
+    out = set(state.pending)
+    gained: list[tuple[int, GpuState]] = []
+    if changed:
+        with failed.mutate() as m:
+            for o in changed:
+                g = gpus[o]
+                need = m.get(o)
+                # A failed source that only received instances still holds the one that found no
+                # room, and its own room is no matter (a source is never its own target).
+                if need is not None and not need.ids <= {i.id for i in g.instances}:
+                    del m[o]
+                    need = None
+                if need is None and _eligible(g, config):
+                    out.add(o)
+                if _gained(old[o], g):
+                    gained.append((o, g))
+            failed = m.finish()
+    helped: dict[int, tuple[Need, list[int]]] = {}
+    if gained and failed:
+        with failed.mutate() as m:
+            for o, need in failed.items():
+                helpers = [og for og, g in gained if og != o and _may_help(cluster, g, need, placement)]
+                if helpers:
+                    del m[o]
+                    out.add(o)
+                    helped[o] = (need, helpers)
+            failed = m.finish()
+    return [o for o in out if o not in failed and _eligible(gpus[o], config)], failed, helped
+
+
 def compaction_plan(
     cluster: ClusterSnapshot,
     placement: PlacementConfig,
     config: CompactionConfig | None = None,
+    state: CompactionState | None = None,
+    *,
+    pinned: frozenset[str] = frozenset(),
 ) -> CompactionPlan:
-    """Moves that free the emptiest GPUs, found by re-running placement (lit GPUs only)."""
+    """Moves that free the emptiest GPUs, found by re-running placement (lit GPUs only).
+
+    Sources are tried lowest Σ request first (then in cluster order), at most `max_sources` per
+    call. `state` (the previous plan's `state`) skips sources known to fail; the moves are those a
+    call without it would find among the sources it tries. A GPU holding a `pinned` instance (one
+    that must not move now: starting, draining, its function in a burst) is not a source this time."""
     config = config or CompactionConfig()
+    state = state or CompactionState()
     work = cluster
     moves: list[CompactionMove] = []
     freed: list[GpuRef] = []
     # GPUs this plan moved something onto: never emptied again by the same plan (no ping-pong).
     targets: set[GpuRef] = set()
     tried = 0
-    top = request_bucket(config.source_max_request)
-    # Sources: lowest Σ request first, straight from the index (no walk over every GPU).
-    sources = [o for k in range(min(top, BUCKETS) + 1) for o in cluster.lit_buckets[k]]
-    for o in sources:
+    candidates, failed, helped = _candidates(cluster, placement, config, state)
+    gpus0 = cluster.gpus
+
+    def key(o: int) -> tuple[int, int]:
+        return (request_bucket(gpus0[o].used_request), o)
+
+    heap = [key(o) for o in candidates]
+    heapq.heapify(heap)
+    queued = set(candidates)
+    pending: list[int] = []
+    # GPUs a move of this plan changed besides targets and sources: the other stages of an
+    # instance placed anew lose their piece (and gain room).
+    siblings: set[GpuRef] = set()
+    failures = failed.mutate()
+    while heap:
+        at, o = heapq.heappop(heap)
         if tried >= config.max_sources or len(moves) >= config.max_moves:
+            pending.append(o)
+            pending.extend(x for _, x in heap)
             break
         gpu = work.gpus[o]
-        if (
-            not gpu.instances
-            or gpu.ref in targets
-            or len(gpu.instances) > config.source_max_instances
-            or gpu.used_request > config.source_max_request
-            or any(
-                i.gpus > 1 or (i.part_of is not None and not config.move_pieces)
-                for i in gpu.instances
-            )
-            or len(moves) + len(gpu.instances) > config.max_moves
+        if gpu.ref in targets or not _eligible(gpu, config):
+            continue
+        if pinned and any(i.id in pinned for i in gpu.instances):
+            pending.append(o)
+            continue
+        if len(moves) + len(gpu.instances) > config.max_moves:
+            pending.append(o)
+            continue
+        retry = helped.get(o)
+        if retry is not None and not any(
+            _may_help(work, work.gpus[og], retry[0], placement) for og in retry[1]
         ):
+            # The room it was retried for went to sources tried before it in this plan.
+            failures[o] = retry[0]
             continue
         tried += 1
-        trial = work
-        trial_moves: list[CompactionMove] = []
-        trial_freed: list[GpuRef] = []
-        # Biggest first: they are the hardest to fit, so a hopeless source is abandoned early.
-        for inst in sorted(
-            gpu.instances, key=lambda i: (-i.request, -i.memory_mib, i.id)
-        ):
-            trial = trial.without_instance(inst.id)
-            request = _as_request(trial, inst, gpu.ref)
-            decision = place(trial, request, placement)
-            if not decision.placed and inst.part_of is not None:
-                # No other GPU of its node takes the stage: place the whole instance anew.
-                moved = _move_whole(trial.with_instance(inst, (gpu.ref,)), inst, gpu.ref, placement)
-                if moved is not None:
-                    trial, move, dark = moved
-                    trial_moves.append(move)
-                    trial_freed.extend(dark)
-                    continue
-            if not decision.placed:
-                trial_moves = []
-                break
-            if decision.parts:
-                trial = apply_placement(trial, request, decision)
-            else:
-                # The same instance on its new GPU (a piece keeps `part_of`).
-                trial = trial.with_instance(inst, decision.gpus)
-            trial_moves.append(
-                CompactionMove(
-                    instance_id=inst.id,
-                    function=inst.function,
-                    source=gpu.ref,
-                    target=decision.gpus[0],
-                    reason=f"empty {gpu.ref} (Σ request {gpu.used_request:.2f}): {decision.reason}",
-                    parts=decision.parts,
-                )
-            )
-        if trial_moves:
-            work = trial
-            moves.extend(trial_moves)
-            for m in trial_moves:
-                targets.add(m.target)
-                targets.update(p.gpu for p in m.parts)
-            freed.append(gpu.ref)
-            freed.extend(trial_freed)
-    plan = CompactionPlan(moves=tuple(moves), freed=tuple(freed), cluster=work, reason="")
+        trial_moves, trial, trial_freed, stuck = _try_source(work, gpu, placement)
+        if not trial_moves:
+            assert stuck is not None
+            failures[o] = stuck
+            continue
+        opened = {
+            ref for m in trial_moves for pid in m.replaces for ref in work.instance_gpus(pid)
+        } - {gpu.ref}
+        work = trial
+        moves.extend(trial_moves)
+        for m in trial_moves:
+            targets.add(m.target)
+            targets.update(p.gpu for p in m.parts)
+        freed.append(gpu.ref)
+        freed.extend(trial_freed)
+        if opened:
+            # Placing a split instance anew frees its other stages' GPUs: failed sources that
+            # room may help are tried later in this plan (as a plan without the state would),
+            # or next time when their turn has passed.
+            siblings |= opened
+            helped.clear()  # the room they were retried for is no longer all there is
+            gained = [(work.ordinals[r], work.gpu(r)) for r in opened if work.gpu(r).lit]
+            known = failures.finish()
+            failures = known.mutate()
+            retry_now = [og for og, _ in gained if og not in queued or og in known]
+            for f, need in known.items():
+                if any(og != f and _may_help(work, g, need, placement) for og, g in gained):
+                    retry_now.append(f)
+            for f in retry_now:
+                if f in failures:
+                    del failures[f]
+                if key(f) > (at, o) and f not in queued:
+                    heapq.heappush(heap, key(f))
+                    queued.add(f)
+                else:
+                    pending.append(f)
+    # A GPU a move of this plan touched (target, source, a stage's sibling) is not what a
+    # failure may have recorded: forget it, and look at it again next time.
+    touched = {work.ordinals[r] for r in targets | siblings} | {work.ordinals[r] for r in freed}
+    for o in touched:
+        if o in failures:
+            del failures[o]
+        if _eligible(work.gpus[o], config):
+            pending.append(o)
+    failed = failures.finish()
+    next_state = CompactionState(seen=work, failed=failed, pending=frozenset(pending))
+    plan = CompactionPlan(
+        moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state
+    )
     if not moves:
         reason = f"nothing to compact: tried {tried} GPU(s) with Σ request ≤ {config.source_max_request:.2f}"
     else:
         reason = f"{len(moves)} move(s) turn off {len(freed)} GPU(s) at {plan.cold_starts} cold start(s)"
     return replace(plan, reason=reason)
+
+
+def _cannot_all_fit(
+    work: ClusterSnapshot,
+    gpu: GpuState,
+    order: list[PlacedInstance],
+    placement: PlacementConfig,
+    splits: bool,
+) -> Need | None:
+    """A quick proof, without deriving a snapshot, that the instances of `gpu` cannot all move (what
+    would have to change for them to, as a `Need`), or None: one that may not be split finds no
+    lit GPU at all, or (when none of them may split) the few GPUs that can take any of them lack
+    the room for all of them together."""
+    k = len(order)
+    union: dict[GpuRef, None] = {}
+    complete = True
+    for inst in order:
+        if inst.part_of is not None or (splits and inst.cls is InstanceClass.LLM):
+            complete = False
+            continue
+        fits = lit_fits(work, _as_request(work, inst, gpu.ref), placement, limit=k)
+        if not fits:
+            return _need(work, gpu, inst, placement)
+        complete = complete and len(fits) < k
+        union.update(dict.fromkeys(fits))
+    if not complete or k < 2:
+        return None
+    # Every GPU that can take any of them is in `union`: their room must hold all of them.
+    room = [work.gpu(r) for r in union]
+    deficit = (
+        sum(i.request for i in order) - sum(placement.omega - g.used_request for g in room),
+        sum(i.limit for i in order) - sum(placement.gamma - g.used_limit for g in room),
+        sum(i.memory_mib for i in order) - sum(g.free_memory for g in room),
+    )
+    if max(deficit) <= EPS:
+        return None
+    return Need(
+        ids=frozenset(i.id for i in gpu.instances),
+        instance=order[-1].id,
+        memory_mib=min(i.memory_mib for i in order),
+        request=min(i.request for i in order),
+        limit=min(i.limit for i in order),
+        invoker=None,
+        split_mib=None,
+        deficit=(max(0.0, deficit[0]), max(0.0, deficit[1]), max(0.0, deficit[2])),
+    )
+
+
+def _try_source(
+    work: ClusterSnapshot, gpu: GpuState, placement: PlacementConfig
+) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], Need | None]:
+    """Move every instance off `gpu` onto other lit GPUs, or nothing (empty list, and what would
+    have to change for them to move)."""
+    trial = work
+    trial_moves: list[CompactionMove] = []
+    trial_freed: list[GpuRef] = []
+    # Biggest first: they are the hardest to fit, so a hopeless source is abandoned early.
+    order = sorted(gpu.instances, key=lambda i: (-i.request, -i.memory_mib, i.id))
+    splits = placement.strategy_spec().splits and placement.llm_max_parts > 1
+    hopeless = _cannot_all_fit(work, gpu, order, placement, splits)
+    if hopeless is not None:
+        return [], work, [], hopeless
+    for inst in order:
+        trial = trial.without_instance(inst.id)
+        request = _as_request(trial, inst, gpu.ref)
+        decision = place(trial, request, placement)
+        if not decision.placed and inst.part_of is not None:
+            # No other GPU of its node takes the stage: place the whole instance anew.
+            moved = _move_whole(trial.with_instance(inst, (gpu.ref,)), inst, gpu.ref, placement)
+            if moved is not None:
+                trial, move, dark = moved
+                trial_moves.append(move)
+                trial_freed.extend(dark)
+                continue
+        if not decision.placed:
+            return [], work, [], _need(work, gpu, inst, placement)
+        if decision.parts:
+            trial = apply_placement(trial, request, decision)
+        else:
+            # The same instance on its new GPU (a piece keeps `part_of`).
+            trial = trial.with_instance(inst, decision.gpus)
+        trial_moves.append(
+            CompactionMove(
+                instance_id=inst.id,
+                function=inst.function,
+                source=gpu.ref,
+                target=decision.gpus[0],
+                reason=f"empty {gpu.ref} (Σ request {gpu.used_request:.2f}): {decision.reason}",
+                parts=decision.parts,
+            )
+        )
+    return trial_moves, trial, trial_freed, None

@@ -106,6 +106,37 @@ def lit_gpu_lower_bound(
     return max(_ceil(sm_request), _ceil(memory_mib / memory_capacity_mib), widest)
 
 
+def integral_lit_gpu_lower_bound(
+    *,
+    sm_request: float,
+    memory_mib: float,
+    memory_capacity_mib: float,
+    widest: int,
+    large_memory_slots: int,
+    large_request_slots: int,
+) -> int:
+    """A tighter bound where training gangs hold large per-GPU slots (the integral bound).
+
+    A gang's slot never shares its GPU with another slot bigger than half a GPU in the same
+    dimension (two such would exceed the GPU), and a gang's slot is never split, so every such slot
+    needs a GPU of its own: at least max(large-memory slots, large-request slots) GPUs are lit. All
+    else is counted as divisible filler, which the fractional bound covers, so the bound is
+    max(that, `lit_gpu_lower_bound`). `large_memory_slots`: Σ gpus over live training instances
+    with more than half a GPU's memory per GPU; `large_request_slots`: likewise with SM request
+    above 0.5.
+    """
+    return max(
+        lit_gpu_lower_bound(
+            sm_request=sm_request,
+            memory_mib=memory_mib,
+            memory_capacity_mib=memory_capacity_mib,
+            widest=widest,
+        ),
+        large_memory_slots,
+        large_request_slots,
+    )
+
+
 def cluster_lower_bound(cluster: ClusterSnapshot) -> int:
     """The lower bound for what is placed in `cluster` now (largest GPU capacity as the divisor)."""
     totals = cluster.totals()
@@ -126,5 +157,6 @@ __all__ = [
     "cluster_lower_bound",
     "fragmentation_after",
     "gpu_fragmentation",
+    "integral_lit_gpu_lower_bound",
     "lit_gpu_lower_bound",
 ]

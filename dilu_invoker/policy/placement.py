@@ -15,6 +15,7 @@ looked at when no unlit GPU could outscore the best lit one.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -731,6 +732,16 @@ class _Rejects:
         )
 
 
+class _Uncounted(_Rejects):
+    """Rejections nobody will read (a feasibility check): noting them costs nothing."""
+
+    def note(self, f: Filter, g: GpuState, r: PlacementRequest, c: PlacementConfig, count: int = 1) -> None:
+        return None
+
+
+_NO_REJECTS = _Uncounted()
+
+
 def _first_failure(
     g: GpuState, filters: tuple[Filter, ...], r: PlacementRequest, c: PlacementConfig
 ) -> Filter | None:
@@ -748,7 +759,8 @@ def _scan_lit(
     limit: int,
     rejects: _Rejects,
 ) -> list[int]:
-    """Ordinals of lit GPUs passing every filter, tightest Σ request first, at most `limit`."""
+    """Ordinals of lit GPUs passing every filter, tightest Σ request first, at most `limit`
+    (`rejects` counts the others unless it is `_NO_REJECTS`)."""
     if request.only_invoker is not None:
         return _scan_invoker(cluster, filters, request, config, limit, rejects)
     bounded = [(f.bound(request, config), f) for f in filters if f.bound is not None]
@@ -759,7 +771,7 @@ def _scan_lit(
         kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
         # GPUs in buckets above the bound fail `tightest` without being looked at; count
         # them so a refusal still says why.
-        skipped = [b for b in cluster.lit_buckets[kmax + 1 :] if b]
+        skipped = [b for b in cluster.lit_buckets[kmax + 1 :] if b] if rejects is not _NO_REJECTS else []
         if skipped:
             rejects.note(
                 tightest,
@@ -770,6 +782,51 @@ def _scan_lit(
             )
     gpus = cluster.gpus
     found: list[int] = []
+    memory = FILTERS["memory"]
+    if memory in filters:
+        # Within a bucket, GPUs with less free memory than the request needs fail `memory`, and
+        # those whose Σ limit leaves no room for its limit fail the limit filter: the indexes by
+        # free memory and by Σ limit give both sets by bisection; walk the smaller remainder.
+        need = (request.memory_mib - cluster.max_memory_mib * EPS, -1)
+        cap = None
+        if FILTERS["sm-limit"] in filters:
+            cap = config.gamma
+        if FILTERS["sm-limit-static"] in filters:
+            cap = 1.0 if cap is None else min(cap, 1.0)
+        limit_filter = FILTERS["sm-limit" if cap is not None and cap > 1.0 else "sm-limit-static"]
+        room_limit = (cap - request.limit + 2 * EPS, math.inf) if cap is not None else None
+        rooms = cluster.lit_room
+        limits = cluster.lit_limits
+        for k in range(kmax, -1, -1):
+            bucket = rooms[k]
+            if not bucket:
+                continue
+            start = bisect.bisect_left(bucket, need)
+            visit = bucket[start:]
+            if room_limit is not None:
+                by_limit = limits[k]
+                end = bisect.bisect_right(by_limit, room_limit)
+                if end < len(visit):
+                    if end < len(by_limit):
+                        rejects.note(
+                            limit_filter, gpus[by_limit[end][1]], request, config,
+                            count=len(by_limit) - end,
+                        )
+                    visit = by_limit[:end]
+                    start = 0
+            if start:
+                rejects.note(memory, gpus[bucket[0][1]], request, config, count=start)
+            for _, o in visit:
+                g = gpus[o]
+                for f in filters:
+                    if not f.passes(g, request, config):
+                        rejects.note(f, g, request, config)
+                        break
+                else:
+                    found.append(o)
+                    if len(found) >= limit:
+                        return found
+        return found
     for k in range(kmax, -1, -1):
         for o in cluster.lit_buckets[k]:
             g = gpus[o]
@@ -915,6 +972,17 @@ def place(
         if split is not None:
             return split
     return decision
+
+
+def lit_fits(
+    cluster: ClusterSnapshot, request: PlacementRequest, config: PlacementConfig, limit: int = 1
+) -> tuple[GpuRef, ...]:
+    """Up to `limit` lit GPUs that pass every filter for a one-GPU `request`, whole (no split, no
+    scoring): the cheap necessary condition of a lit-only `place` of an instance that may not
+    split. Fewer than `limit` means these are all there are."""
+    strategy = config.strategy_spec()
+    filters = tuple(FILTERS[name] for name in strategy.filters)
+    return tuple(cluster.refs[o] for o in _scan_lit(cluster, filters, request, config, limit, _NO_REJECTS))
 
 
 # Candidates are ranked by (total, lit, -ordinal): best score, then an already-lit GPU, then the
@@ -1136,23 +1204,33 @@ def _place_split(
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
     by_invoker: dict[str, list[tuple[float, int]]] = {}
-    lit_buckets = cluster.lit_buckets
     # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ request
     # ≤ Σ limit, its limit) is never looked at: its bucket and the ones above are skipped.
     bound = math.inf
     for f in filters:
         if f.bound is not None:
             bound = min(bound, f.bound(_part_request(request, min_part, 0), config))
+    kmax = BUCKETS
     if bound < math.inf:
         kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
-        lit_buckets = lit_buckets[: kmax + 1]
     if request.only_invoker is not None:
-        lit_buckets = (tuple(o for o in cluster.invoker_ordinals.get(request.only_invoker, ()) if gpus[o].lit),)
+        invokers: list[tuple[int, ...]] = [cluster.invoker_ordinals.get(request.only_invoker, ())]
+    else:
+        # A piece never takes more than its GPU's free memory, so only invokers whose lit GPUs
+        # together have `total` free can hold the instance: a suffix of the index, not every GPU.
+        slack = EPS + 2 * max_parts * cluster.max_memory_mib * EPS
+        lo = bisect.bisect_left(cluster.node_room, (total - slack, -1))
+        invokers = [
+            cluster.invoker_ordinals[cluster.refs[first].invoker]
+            for _, first in cluster.node_room[lo:]
+        ]
     part_capacity = _part_capacity(request, config, filters)
-    for bucket in lit_buckets:
-        for o in bucket:
+    # request_bucket(u) > kmax  ⇔  u·BUCKETS + EPS ≥ kmax + 1: one comparison per GPU.
+    too_full = (kmax + 1 - EPS) / BUCKETS if request.only_invoker is None and kmax < BUCKETS else math.inf
+    for ords in invokers:
+        for o in ords:
             g = gpus[o]
-            if g.memory_mib - g.used_memory < min_part:
+            if not g.lit or g.used_request >= too_full or g.memory_mib - g.used_memory < min_part:
                 continue
             cap = part_capacity(g)
             if cap >= min_part:

@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     gp = gsub.add_parser("placement", help="Dilu's instance mix as a placement event file")
     gp.add_argument("--instances", type=_positive(int), required=True)
     gp.add_argument("--train-fraction", type=_nonneg_float, default=0.2)
+    gp.add_argument("--llm-fraction", type=_nonneg_float, default=0.2)
     gp.add_argument("--seed", type=int, default=1)
     gp.add_argument("--out", type=Path, required=True)
     gs = gsub.add_parser("serving", help="a synthetic serving trace (dilu-serving-trace)")
@@ -241,6 +242,10 @@ def _placement(args: argparse.Namespace) -> int:
         "gpus_mean",
         "bound_mean",
         "mean/bound",
+        "int_peak",
+        "peak/int",
+        "int_mean",
+        "mean/int",
         "sm_frag",
         "mem_frag",
         "rejected",
@@ -253,7 +258,9 @@ def _placement(args: argparse.Namespace) -> int:
         f"{len(events)} events, {first.summary['instances']} instances, "
         f"{first.details['cluster_gpus']} GPUs of {args.gpu_memory_gib:g} GiB, "
         f"lower bound on lit GPUs: peak {first.details['lower_bound_peak']}, "
-        f"time-mean {first.details['lower_bound_mean']:.1f}"
+        f"time-mean {first.details['lower_bound_mean']:.1f}; integral bound (a GPU per training slot "
+        f"over half a GPU): peak {first.details['integral_bound_peak']}, "
+        f"time-mean {first.details['integral_bound_mean']:.1f}"
     )
     print(report.plain_table(columns, rows))
     if len(policies) > 1:
@@ -319,6 +326,10 @@ def _placement_rows(results: dict[str, Any]) -> list[list[Any]]:
                 d["gpus_mean"],
                 d["lower_bound_mean"],
                 d["mean_vs_bound"] or math.nan,
+                d["integral_bound_peak"],
+                d["peak_vs_integral"] or math.nan,
+                d["integral_bound_mean"],
+                d["mean_vs_integral"] or math.nan,
                 s["sm_fragmentation_mean"],
                 s["mem_fragmentation_mean"],
                 s["rejected"],
@@ -509,7 +520,9 @@ def _gen(args: argparse.Namespace) -> int:
     from dilu_invoker.sim.events import write_events
 
     if args.kind == "placement":
-        events = generate.dilu_mix(args.instances, train_fraction=args.train_fraction, seed=args.seed)
+        events = generate.dilu_mix(
+            args.instances, train_fraction=args.train_fraction, llm_fraction=args.llm_fraction, seed=args.seed
+        )
         from dilu_invoker.sim.events import open_text
 
         args.out.parent.mkdir(parents=True, exist_ok=True)

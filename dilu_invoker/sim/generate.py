@@ -3,7 +3,7 @@
 All generators are deterministic for a given seed (numpy's PCG64 / Python's Mersenne twister).
 
 * `dilu_mix` — the instance mix of Dilu's large-scale simulation (prior-art.md §1.2): 20% LLM
-  inference (1 GPU, 20–30 GiB, request 0.4–0.6, limit U(request+0.2, 0.8)); `train_fraction` of
+  inference (`llm_fraction`) (1 GPU, 20–30 GiB, request 0.4–0.6, limit U(request+0.2, 0.8)); `train_fraction` of
   the instances training jobs (2 or 4 GPUs, 25/30/35/40 GiB per GPU, request 0.4–0.8, limit
   max(request+0.2, U(0.6, 1.0))); the rest inference (1 GPU, 3–10 GiB, request 0.2–0.4, limit
   max(request+0.2, U(0.3, 0.6))). One create per second in random order; 60% of all instances
@@ -41,13 +41,17 @@ PATTERNS = ("poisson", "gamma", "bursty", "periodic", "azure")
 # -- placement -----------------------------------------------------------------------------------
 
 
-def dilu_mix(n: int, *, train_fraction: float = 0.2, seed: int = 1) -> list[PlacementEvent]:
+def dilu_mix(
+    n: int, *, train_fraction: float = 0.2, seed: int = 1, llm_fraction: float = 0.2
+) -> list[PlacementEvent]:
     if n < 1:
         raise ValueError("need at least one instance")
     if not 0 <= train_fraction <= 0.8:
         raise ValueError("train_fraction must be between 0 and 0.8")
+    if not 0 <= llm_fraction <= 0.8 or train_fraction + llm_fraction > 1.0:
+        raise ValueError("llm_fraction must be between 0 and 0.8, and train + llm fractions at most 1")
     rng = random.Random(seed)
-    n_llm = int(n * 0.2)
+    n_llm = int(n * llm_fraction)
     n_train = int(n * train_fraction)
     n_inf = n - n_llm - n_train
     specs: list[InstanceSpec] = []

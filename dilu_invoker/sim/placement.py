@@ -18,15 +18,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from dilu_invoker.policy import (
+    EPS,
     STRATEGIES,
     ClusterSnapshot,
     CompactionConfig,
+    CompactionState,
     InstanceClass,
     PlacementConfig,
     PlacementRequest,
     apply_placement,
     cluster_fragmentation,
     compaction_plan,
+    integral_lit_gpu_lower_bound,
     lit_gpu_lower_bound,
     part_id,
     place,
@@ -61,6 +64,7 @@ TIMESERIES_COLUMNS: tuple[str, ...] = (
     "lower_bound",
     "sm_fragmentation",
     "mem_fragmentation",
+    "integral_bound",
 )
 
 
@@ -110,6 +114,7 @@ class Sample:
     lower_bound: int
     sm_fragmentation: float
     mem_fragmentation: float
+    integral_bound: int = 0
 
     def row(self) -> tuple[float | int, ...]:
         return (
@@ -119,6 +124,7 @@ class Sample:
             self.lower_bound,
             self.sm_fragmentation,
             self.mem_fragmentation,
+            self.integral_bound,
         )
 
 
@@ -142,10 +148,17 @@ class _Bound:
         self.mem = 0.0
         self.widths: dict[int, int] = {}
         self.live = 0
+        self.large_memory = 0
+        self.large_request = 0
 
     def add(self, s: InstanceSpec, sign: int) -> None:
         self.sm += sign * s.gpus * s.sm_request
         self.mem += sign * s.gpus * s.memory_mib
+        if s.cls is InstanceClass.TRAINING:
+            if s.memory_mib > self.capacity / 2 + EPS:
+                self.large_memory += sign * s.gpus
+            if s.sm_request > 0.5 + EPS:
+                self.large_request += sign * s.gpus
         self.widths[s.gpus] = self.widths.get(s.gpus, 0) + sign
         if self.widths[s.gpus] == 0:
             del self.widths[s.gpus]
@@ -159,6 +172,16 @@ class _Bound:
             memory_mib=self.mem,
             memory_capacity_mib=self.capacity,
             widest=max(self.widths, default=0),
+        )
+
+    def integral(self) -> int:
+        return integral_lit_gpu_lower_bound(
+            sm_request=self.sm,
+            memory_mib=self.mem,
+            memory_capacity_mib=self.capacity,
+            widest=max(self.widths, default=0),
+            large_memory_slots=self.large_memory,
+            large_request_slots=self.large_request,
         )
 
 
@@ -199,8 +222,13 @@ def simulate_placement(
     config: PlacementSimConfig,
     *,
     progress: ProgressFn | None = None,
+    log: list[tuple[Any, ...]] | None = None,
 ) -> PlacementResult:
-    """Replay `events` (ordered by t) under `config.policy`; deterministic for equal inputs."""
+    """Replay `events` (ordered by t) under `config.policy`; deterministic for equal inputs.
+
+    `log`, when given, receives every decision carried out: ("place", t, instance, GPUs),
+    ("reject", t, instance), ("compact", t) before a compaction run, ("move", t, instance, source,
+    target)."""
     wall0 = time.perf_counter()
     pconf = config.placement_config()
     capacity = config.gpu_memory_gib * GIB
@@ -226,7 +254,8 @@ def simulate_placement(
 
     samples: list[Sample] = []
     peak = peak_bound = 0
-    lit_area = bound_area = 0.0
+    lit_area = bound_area = integral_area = 0.0
+    peak_integral = 0
     sm_area = mem_area = frag_time = 0.0
     t0 = events[0].t if events else 0.0
     last_t = t0
@@ -242,15 +271,18 @@ def simulate_placement(
             lower_bound=bound.value(),
             sm_fragmentation=frag.sm_mean,
             mem_fragmentation=frag.memory_mean,
+            integral_bound=bound.integral(),
         )
 
     departed = False
+    compaction_state: CompactionState | None = None
     current = sample(t0)
     for i, ev in enumerate(events):
         if ev.t > last_t:
             dt = ev.t - last_t
             lit_area += dt * current.lit_gpus
             bound_area += dt * current.lower_bound
+            integral_area += dt * current.integral_bound
             if current.lit_gpus:
                 sm_area += dt * current.sm_fragmentation
                 mem_area += dt * current.mem_fragmentation
@@ -262,7 +294,10 @@ def simulate_placement(
             if ev.t >= next_compact and departed:
                 next_compact = ev.t + config.compact_every_s
                 departed = False
-                plan = compaction_plan(cluster.at(ev.t), pconf, config.compaction)
+                if log is not None:
+                    log.append(("compact", ev.t))
+                plan = compaction_plan(cluster.at(ev.t), pconf, config.compaction, compaction_state)
+                compaction_state = plan.state
                 compaction_runs += 1
                 if plan.moves:
                     cluster = plan.cluster
@@ -270,6 +305,8 @@ def simulate_placement(
                     compaction_cold_starts += plan.cold_starts
                     freed_by_compaction += len(plan.freed)
                     for mv in plan.moves:
+                        if log is not None:
+                            log.append(("move", ev.t, mv.instance_id, mv.source, mv.target))
                         if mv.parts:
                             placed_ids[mv.instance_id] = tuple(p.instance.id for p in mv.parts)
                             split_instances += not mv.replaces  # split once already
@@ -287,6 +324,9 @@ def simulate_placement(
             bound.add(spec, +1)
             req = _request(spec)
             decision = place(cluster.at(ev.t), req, pconf)
+            if log is not None:
+                log.append(("place", ev.t, ev.instance, decision.gpus) if decision.placed
+                           else ("reject", ev.t, ev.instance))
             if decision.placed:
                 cluster = apply_placement(cluster, req, decision)
                 if decision.split:
@@ -310,6 +350,7 @@ def simulate_placement(
         current = sample(ev.t)
         peak = max(peak, current.lit_gpus)
         peak_bound = max(peak_bound, current.lower_bound)
+        peak_integral = max(peak_integral, current.integral_bound)
         if progress is not None and (i & 255) == 0:
             progress(i + 1, total)
     samples.append(current)
@@ -320,6 +361,7 @@ def simulate_placement(
     gpu_seconds = lit_area
     mean_lit = lit_area / span if span > 0 else float(current.lit_gpus)
     mean_bound = bound_area / span if span > 0 else float(current.lower_bound)
+    mean_integral = integral_area / span if span > 0 else float(current.integral_bound)
     summary: dict[str, Any] = {
         "policy": config.policy,
         "events": len(events),
@@ -343,6 +385,10 @@ def simulate_placement(
         "lower_bound_mean": round(mean_bound, 3),
         "peak_vs_bound": round(peak / peak_bound, 4) if peak_bound else None,
         "mean_vs_bound": round(mean_lit / mean_bound, 4) if mean_bound else None,
+        "integral_bound_peak": peak_integral,
+        "integral_bound_mean": round(mean_integral, 3),
+        "peak_vs_integral": round(peak / peak_integral, 4) if peak_integral else None,
+        "mean_vs_integral": round(mean_lit / mean_integral, 4) if mean_integral else None,
         "llm_split_parts": pconf.llm_max_parts if pconf.strategy_spec().splits else 1,
         "split_instances": split_instances,
         "compact_every_s": config.compact_every_s,

@@ -45,6 +45,9 @@ def inst(
 def index_view(c: ClusterSnapshot) -> dict[str, object]:
     return {
         "buckets": c.lit_buckets,
+        "rooms": c.lit_room,
+        "limits": c.lit_limits,
+        "nodes": c.node_room,
         "unlit": dict(c.unlit),
         "locations": dict(c.locations),
         "functions": {f: dict(v) for f, v in c.function_counts.items()},

@@ -16,6 +16,11 @@ ALLOWED = {
     "collections",
     "dataclasses",
     "enum",
+    "heapq",
+    "itertools",
+    "operator",
+    # Persistent maps (values, no I/O, no clock): snapshots derive in O(log n) instead of copying.
+    "immutables",
     "math",
     "types",
     "typing",

@@ -137,7 +137,8 @@ def test_the_lower_bound_bounds_every_policy_at_every_moment(policy: str) -> Non
     events = dilu_mix(200, seed=3)
     r = simulate_placement(events, PlacementSimConfig(policy=policy, gpu_memory_gib=40.0, compact_every_s=10.0))
     assert r.summary["rejected"] == 0
-    assert all(x.lower_bound <= x.lit_gpus for x in r.samples)
+    assert all(x.lower_bound <= x.integral_bound <= x.lit_gpus for x in r.samples)
+    assert any(x.integral_bound > x.lower_bound for x in r.samples)  # tighter on this mix
     # The bound at each moment, recomputed from the live instances of the trace alone.
     live: dict[str, tuple[int, float, float]] = {}
     expected: dict[float, int] = {}
@@ -203,3 +204,49 @@ def test_compaction_runs_only_after_a_departure(lines: list[str], runs: int) -> 
     lines = sorted(lines, key=lambda line: json.loads(line)["t"])
     _, d, _ = run(lines, "dilu", compact_every_s=1.0)
     assert d["compaction_runs"] == runs
+
+
+@pytest.mark.parametrize(
+    ("lines", "fractional", "integral"),
+    [
+        # Two 2-GPU gangs of 30 GiB per GPU on 40 GiB GPUs: 120 GiB fit 3 GPUs by memory, but no two
+        # 30 GiB slots share a GPU: 4.
+        (
+            [ev(0, "create", "t1", cls="training", gpus=2, mem=30, req=0.3, lim=0.5),
+             ev(1, "create", "t2", cls="training", gpus=2, mem=30, req=0.3, lim=0.5)],
+            3,
+            4,
+        ),
+        # Slots of 20 GiB are not over half a GPU; requests of 0.6 are: 4 GPUs by request.
+        (
+            [ev(0, "create", "t1", cls="training", gpus=2, mem=20, req=0.6, lim=0.8),
+             ev(1, "create", "t2", cls="training", gpus=2, mem=20, req=0.6, lim=0.8)],
+            3,
+            4,
+        ),
+        # Inference (and LLMs) are filler even when large: the bounds agree.
+        (
+            [ev(0, "create", "a", mem=30, req=0.3), ev(1, "create", "b", mem=30, req=0.3),
+             ev(2, "create", "c", cls="llm", mem=30, req=0.3)],
+            3,
+            3,
+        ),
+        # Filler beyond the large slots' holes: 2 slots of 30 GiB + 3 × 20 GiB = 120 GiB → 3 by
+        # memory, 2 large slots: the fractional bound binds.
+        (
+            [ev(0, "create", "t", cls="training", gpus=2, mem=30, req=0.3, lim=0.5),
+             ev(1, "create", "a", mem=20), ev(2, "create", "b", mem=20), ev(3, "create", "c", mem=20)],
+            3,
+            3,
+        ),
+    ],
+    ids=["large-memory-slots", "large-request-slots", "filler-only", "filler-binds"],
+)
+def test_integral_bound(lines: list[str], fractional: int, integral: int) -> None:
+    for policy in PLACEMENT_POLICIES:
+        s, d, samples = run(lines, policy)
+        assert d["lower_bound_peak"] == fractional
+        assert d["integral_bound_peak"] == integral
+        assert s["gpus_peak"] >= integral  # a true bound for every policy
+        assert d["peak_vs_integral"] == pytest.approx(s["gpus_peak"] / integral, abs=1e-4)
+        assert all(x.integral_bound >= x.lower_bound for x in samples)

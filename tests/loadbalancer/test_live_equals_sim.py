@@ -1,0 +1,162 @@
+"""One set of decisions: the live planner, driven tick by tick with a placement trace on simulated time,
+makes the placements and the compaction moves the placement simulator makes on the same trace.
+
+Each create becomes a function with min-instances 1 (the scaler starts its instance, placement puts it);
+each delete sets min-instances to 0 (the idle function scales to zero). The invokers are simulated by
+the harness: they report a started instance ready at the next tick and a stopped one gone, and their GPU
+budgets hold what the non-stopping records hold. The simulator compacts at the start of a time step when
+an instance left since its last run (at most every `compact_every_s`); the harness lets the planner run
+compaction at exactly those moments (its `CompactionLoop` input), and the planner's make-before-break
+then completes in two further ticks before the step's events are applied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from dilu_invoker.loadbalancer.planner import (
+    LIVE_COMPACTION,
+    CompactionLoop,
+    LiveCompaction,
+    PlannerConfig,
+    TickInput,
+    plan_tick,
+)
+from dilu_invoker.policy import (
+    ClusterSnapshot,
+    GpuRef,
+    GpuState,
+    HorizontalConfig,
+    InstanceClass,
+    PlacedInstance,
+    PlacementConfig,
+)
+from dilu_invoker.sim.events import CREATE
+from dilu_invoker.sim.generate import dilu_mix
+from dilu_invoker.sim.placement import PlacementSimConfig, cluster_size, simulate_placement
+from dilu_invoker.wire import FunctionSpec, GpuReport, InstanceRecord, InstanceReport, LoadReport, RecordState
+
+GPU_MIB = 40 * 1024
+PERIOD_S = 2.0
+COMPACTION = replace(LIVE_COMPACTION, max_moves=64)
+
+
+class LiveHarness:
+    def __init__(self, nodes: int, cfg: PlannerConfig) -> None:
+        self.invokers = [f"node{i:04d}" for i in range(nodes)]
+        self.cfg = cfg
+        self.records: dict[str, InstanceRecord] = {}
+        self.specs: dict[str, FunctionSpec] = {}
+        self.states: dict[str, Any] = {}
+        self.routes: dict[str, Any] = {}
+        self.seq = 1
+        self.loop = CompactionLoop(next_at=math.inf)
+        self.log: list[tuple[Any, ...]] = []
+
+    def _reports(self) -> dict[str, LoadReport]:
+        by_inv: dict[str, list[InstanceReport]] = {inv: [] for inv in self.invokers}
+        for r in self.records.values():
+            if r.state != RecordState.STOPPING:
+                by_inv[r.invoker].append(InstanceReport(
+                    id=r.id, function=r.function, rev=r.rev, state="ready", gpu=r.gpu, request=r.request,
+                    limit=r.limit, memory_mb=r.memory_mb))
+        return {inv: LoadReport(invoker=inv, boot="b", at_ms=0,
+                                gpus=tuple(GpuReport(index=i, uuid=f"{inv}-g{i}", memory_mb=GPU_MIB) for i in range(4)),
+                                instances=tuple(insts)) for inv, insts in by_inv.items()}
+
+    def _cluster(self, now: float) -> ClusterSnapshot:
+        placed: dict[GpuRef, list[PlacedInstance]] = {}
+        # In the order they were placed (the simulator appends to a GPU's instances likewise).
+        for r in sorted(self.records.values(), key=lambda r: int(r.id.rsplit("-", 1)[1])):
+            if r.state != RecordState.STOPPING and r.gpu is not None:
+                placed.setdefault(GpuRef(r.invoker, r.gpu), []).append(PlacedInstance(
+                    id=r.id, function=r.function, cls=InstanceClass.parse(r.cls), request=r.request,
+                    limit=r.limit, memory_mib=float(r.memory_mb)))
+        return ClusterSnapshot.build(now=now, gpus=[
+            GpuState(ref=GpuRef(inv, i), memory_mib=float(GPU_MIB), uuid=f"{inv}-g{i}",
+                     instances=tuple(placed.get(GpuRef(inv, i), ())))
+            for inv in self.invokers for i in range(4)])
+
+    def tick(self, now: float, *, compact: bool = False) -> None:
+        before = dict(self.records)
+        plan = plan_tick(TickInput(
+            now=now, epoch=1, reports=self._reports(), known_invokers=frozenset(self.invokers),
+            records=self.records, specs=self.specs, cluster=self._cluster(now), states=self.states,
+            routes=self.routes, seq=self.seq, compaction=replace(self.loop, next_at=0.0 if compact else math.inf)),
+            self.cfg)
+        for d in plan.decisions:
+            if d.kind == "place":
+                self.log.append(("place", d.function, (GpuRef(d.invoker, d.gpu or 0),)))
+            elif d.kind == "move":
+                orig = before[plan.records[d.instance].replaces]
+                self.log.append(("move", orig.function, GpuRef(orig.invoker, orig.gpu or 0),
+                                 GpuRef(d.invoker, d.gpu or 0)))
+            elif d.kind in ("blocked", "move-abandoned", "lost"):
+                self.log.append((d.kind, d.function))
+        self.records, self.states, self.routes, self.seq = dict(plan.records), dict(plan.states), dict(plan.routes), plan.seq
+        self.loop = plan.compaction
+
+
+def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    for entry in log:
+        if entry[0] == "place":
+            out.append(("place", entry[2], tuple(entry[3])))
+        elif entry[0] == "move":
+            out.append(("move", entry[2], entry[3], entry[4]))
+        elif entry[0] == "reject":
+            out.append(("blocked", entry[2]))
+    return out
+
+
+@pytest.mark.parametrize(("n", "llm", "seed"), [(100, 0.2, 4), (100, 0.4, 9)], ids=["llm-20%", "llm-40%"])
+def test_the_live_planner_places_and_moves_as_the_simulator(n: int, llm: float, seed: int) -> None:
+    events = dilu_mix(n, train_fraction=0.0, llm_fraction=llm, seed=seed)
+    sim_log: list[tuple[Any, ...]] = []
+    simulate_placement(events, PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, llm_split_parts=1,
+                                                  compact_every_s=PERIOD_S, compaction=COMPACTION), log=sim_log)
+    nodes = cluster_size(events, 4) // 4
+    cfg = PlannerConfig(
+        horizontal=HorizontalConfig(window=4, scale_out_samples=2, scale_in_samples=2, sample_period_s=0.1,
+                                    stale_after_s=1e9, cooldown_s=1e-6, scale_to_zero_after_s=1e-6),
+        placement=PlacementConfig(),
+        compaction=LiveCompaction(config=COMPACTION, period_s=PERIOD_S),
+    )
+    live = LiveHarness(nodes, cfg)
+    by_time: dict[float, list[Any]] = {}
+    for ev in events:
+        by_time.setdefault(ev.t, []).append(ev)
+    next_compact, departed = events[0].t + PERIOD_S, False
+    for t in sorted(by_time):
+        if t >= next_compact and departed:
+            next_compact, departed = t + PERIOD_S, False
+            live.tick(t, compact=True)  # replacements start beside their originals
+            live.tick(t + 0.1)  # ready: the originals drain
+            live.tick(t + 0.2)  # the originals are gone
+        evs = by_time[t]
+        gone = [ev for ev in evs if ev.op != CREATE and ev.instance in live.specs]
+        for ev in gone:
+            live.specs[ev.instance] = replace(live.specs[ev.instance], min_instances=0)
+            departed = True
+        if gone:
+            live.tick(t + 0.3)  # idle at min-instances 0: scaled in, stopped
+            live.tick(t + 0.4)  # gone
+            for ev in gone:
+                del live.specs[ev.instance]
+        for ev in evs:
+            if ev.op == CREATE:
+                s = ev.spec
+                live.specs[ev.instance] = FunctionSpec(
+                    fqn=ev.instance, rev="1-a", kind="python:3-gpu", cls=s.cls.value, request=s.sm_request,
+                    limit=s.sm_limit, memory_mb=int(s.memory_mib), min_instances=1, max_instances=1,
+                    capacity_rps=1.0)
+        if any(ev.op == CREATE for ev in evs):
+            live.tick(t + 0.5)  # placed
+            live.tick(t + 0.6)  # ready
+    expected = sim_decisions(sim_log)
+    assert sum(1 for e in expected if e[0] == "move") > 0, "the trace must exercise compaction"
+    assert live.log == expected

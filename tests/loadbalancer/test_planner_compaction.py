@@ -1,0 +1,136 @@
+"""Live compaction in the balancer's tick, as tables: the simulator's `compaction_plan`, carried out
+make-before-break (start a replacement, route to it once ready, drain the original), rate-limited, never
+for a function in a burst, off unless configured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from dilu_invoker.loadbalancer.planner import (
+    LIVE_COMPACTION,
+    CompactionLoop,
+    LiveCompaction,
+    PlannerConfig,
+    TickInput,
+    TickPlan,
+    plan_tick,
+)
+from dilu_invoker.wire import FunctionReport, RecordState
+from tests.loadbalancer.test_planner import CFG, NOW, cluster, inst, record, report, spec, tick
+
+ON = replace(CFG, compaction=LiveCompaction(period_s=10.0))
+F, G = "guest/f", "guest/g"
+SPECS = (spec(F), spec(G))
+
+
+def two_gpus(**reports_kw: object) -> tuple[dict, dict]:
+    """f's instance a alone on invoker0's GPU, g's instance b alone on invoker1's: one GPU can go dark."""
+    records = {"a": record("a", fn=F, inv="invoker0"), "b": record("b", fn=G, inv="invoker1")}
+    reports = {
+        "invoker0": report("invoker0", instances=(inst("a", fn=F),), **reports_kw),  # type: ignore[arg-type]
+        "invoker1": report("invoker1", instances=(inst("b", fn=G),)),
+    }
+    return reports, records
+
+
+def moves(plan: TickPlan) -> list[tuple[str, str, str]]:
+    """(replacement's function, the instance it replaces, its invoker) of each move started."""
+    return [(o.record.function, o.record.replaces, o.record.invoker) for o in plan.starts if o.record.replaces]
+
+
+@dataclass(frozen=True)
+class Case:
+    cfg: PlannerConfig
+    waiting: tuple[str, ...] = ()
+    """Functions with activations waiting at a router (a burst)."""
+    loop: CompactionLoop = field(default_factory=CompactionLoop)
+    expect: tuple[tuple[str, str, str], ...] = ()
+
+
+CASES = {
+    "off by default": Case(CFG),
+    # Sources lowest Σ request first, then cluster order: invoker0's GPU empties into invoker1's.
+    "calm: a moves beside b": Case(ON, expect=((F, "a", "invoker1"),)),
+    # f waits for a slot: its instance stays; g's moves beside it instead.
+    "f in a burst: b moves instead": Case(ON, waiting=(F,), expect=((G, "b", "invoker0"),)),
+    "both in a burst: nothing moves": Case(ON, waiting=(F, G)),
+    "within the period of the last run": Case(ON, loop=CompactionLoop(next_at=NOW + 5)),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_compaction_decides_moves(case: Case) -> None:
+    reports, records = two_gpus()
+    reports = {
+        inv: replace(rep, functions=tuple(FunctionReport(function=f, waiting=1) for f in case.waiting
+                                          if any(i.function == f for i in rep.instances)))
+        for inv, rep in reports.items()
+    }
+    plan = _tick(reports, records, cfg=case.cfg, loop=case.loop)
+    assert tuple(moves(plan)) == case.expect
+    # Make-before-break: the originals still serve, the replacement is not routed to yet.
+    assert plan.records["a"].state == RecordState.READY and plan.records["b"].state == RecordState.READY
+    assert [e.id for e in plan.routes[F].instances] == ["a"]
+    assert plan.stops == ()
+    if case.expect:
+        assert [d.kind for d in plan.decisions] == ["move"]
+        assert plan.compaction.next_at == NOW + 10.0
+        # A replacement is not one more instance of the function: nothing scales in.
+        again = _tick(reports, plan.records, cfg=case.cfg, loop=replace(plan.compaction, next_at=0.0),
+                      states=dict(plan.states))
+        assert "scale-in" not in [d.kind for d in again.decisions]
+        assert moves(again) == []  # one move in flight: no new run
+
+
+def _tick(reports: dict, records: dict, *, cfg: PlannerConfig, loop: CompactionLoop | None = None,
+          states: dict | None = None, now: float = NOW) -> TickPlan:
+
+
+    return plan_tick(TickInput(
+        now=now, epoch=7, reports=reports, known_invokers=frozenset(reports), records=records,
+        specs={s.fqn: s for s in SPECS}, cluster=cluster(reports, records), states=states or {}, seq=1,
+        compaction=loop or CompactionLoop()), cfg)
+
+
+def started() -> tuple[dict, dict, TickPlan]:
+    reports, records = two_gpus()
+    plan = _tick(reports, records, cfg=ON)
+    assert moves(plan) == [(F, "a", "invoker1")]
+    return reports, dict(plan.records), plan
+
+
+def test_a_ready_replacement_takes_over_and_the_original_drains() -> None:
+    reports, records, first = started()
+    rid = next(o.record.id for o in first.starts)
+    reports["invoker1"] = replace(reports["invoker1"], instances=(*reports["invoker1"].instances, inst(rid, fn=F)))
+    plan = _tick(reports, records, cfg=ON, loop=first.compaction, now=NOW + 1)
+    assert plan.records[rid].state == RecordState.READY and plan.records[rid].replaces == ""
+    assert plan.records["a"].state == RecordState.STOPPING
+    assert [(o.record.id, o.record.invoker) for o in plan.stops] == [("a", "invoker0")]
+    assert [e.id for e in plan.routes[F].instances] == [rid]
+    assert "move-done" in [d.kind for d in plan.decisions]
+    assert plan.starts == ()
+
+
+def test_a_failed_replacement_is_abandoned_and_owes_nothing() -> None:
+    reports, records, first = started()
+    rid = next(o.record.id for o in first.starts)
+    reports["invoker1"] = replace(reports["invoker1"],
+                                  instances=(*reports["invoker1"].instances, inst(rid, fn=F, state="failed")))
+    plan = _tick(reports, records, cfg=ON, loop=first.compaction, now=NOW + 1)
+    assert rid not in plan.records
+    assert plan.records["a"].state == RecordState.READY
+    assert [e.id for e in plan.routes[F].instances] == ["a"]
+    assert "move-abandoned" in [d.kind for d in plan.decisions]
+    assert plan.starts == ()  # no replacement for a replacement
+    assert plan.states[F].owed == 0
+
+
+def test_live_defaults() -> None:
+    assert (LIVE_COMPACTION.source_max_request, LIVE_COMPACTION.max_sources, LIVE_COMPACTION.max_moves,
+            LIVE_COMPACTION.move_pieces) == (0.5, 32, 2, False)
+    with pytest.raises(ValueError, match="period_s"):
+        LiveCompaction(period_s=0)
+    assert tick({"invoker0": report("invoker0")}).compaction == CompactionLoop()
