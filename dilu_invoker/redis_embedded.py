@@ -30,7 +30,7 @@ from urllib.parse import quote
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 
 from dilu_invoker.config import RedisConfig
 
@@ -280,9 +280,26 @@ class EmbeddedRedis:
 # --------------------------------------------------------------------------------------------
 
 
-def redis_client(url: str, **kwargs: object) -> aioredis.Redis:
+#: connections per client and the wait for a free one (``RedisConfig.pool_size`` / ``pool_timeout_s``)
+DEFAULT_POOL_SIZE: int = RedisConfig().pool_size
+DEFAULT_POOL_TIMEOUT_S: float = RedisConfig().pool_timeout_s
+
+
+def redis_client(
+    url: str,
+    *,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+    **kwargs: object,
+) -> aioredis.Redis:
     """An asyncio Redis client for ``redis://``, ``rediss://`` (TLS), ``unix:///path.sock`` or a bare
-    socket path; ``user:password@`` (ACL) and ``:password@`` credentials and ``/db`` are honoured."""
+    socket path; ``user:password@`` (ACL) and ``:password@`` credentials and ``/db`` are honoured.
+
+    The pool is explicit and blocking: at most ``pool_size`` connections, and a command that finds them
+    all busy waits up to ``pool_timeout_s`` for one (back-pressure), then raises
+    ``redis.exceptions.ConnectionError("No connection available.")``, which the REST API answers 503.
+    redis-py's own default differs by version (unbounded before 8, 100 connections and an immediate
+    ``MaxConnectionsError`` in 8), so it is never left to the library."""
     if not url:
         raise ValueError("empty Redis URL")
     if url.startswith("/"):
@@ -290,16 +307,33 @@ def redis_client(url: str, **kwargs: object) -> aioredis.Redis:
     scheme = url.split(":", 1)[0].lower()
     if scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"unsupported Redis URL scheme {scheme!r}: use redis://, rediss:// or unix://")
-    options: dict[str, object] = {"health_check_interval": 30}
+    if pool_size < 1:
+        raise ValueError("pool_size must be at least 1")
+    options: dict[str, object] = {
+        "health_check_interval": 30,
+        # Explicit for the same reason: redis-py 8 retries 3 times with backoff up to seconds by default,
+        # which would hold a request long after Redis is known to be gone.
+        "retry": Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+    }
     options.update(kwargs)
-    return aioredis.from_url(url, **options)
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=pool_size, timeout=pool_timeout_s,
+                                                    **options)
+    client = aioredis.Redis(connection_pool=pool)
+    # The client owns its pool and closes it with itself (what ``Redis.from_pool`` does since 5.0.1).
+    client.auto_close_connection_pool = True
+    return client
+
+
+def configured_client(url: str, cfg: RedisConfig) -> aioredis.Redis:
+    """:func:`redis_client` with the configured pool (``--redis-pool-size``, ``--redis-pool-timeout-s``)."""
+    return redis_client(url, pool_size=cfg.pool_size, pool_timeout_s=cfg.pool_timeout_s)
 
 
 @contextlib.asynccontextmanager
 async def open_redis(cfg: RedisConfig, *, data_dir: str | Path) -> AsyncIterator[aioredis.Redis]:
     """The configured Redis (``--redis-url``), or an embedded one keeping its data in ``data_dir/redis``."""
     if cfg.url:
-        client = redis_client(cfg.url)
+        client = configured_client(cfg.url, cfg)
         try:
             await client.ping()
             yield client
@@ -307,7 +341,7 @@ async def open_redis(cfg: RedisConfig, *, data_dir: str | Path) -> AsyncIterator
             await client.aclose()
         return
     async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary) as server:
-        client = redis_client(server.url)
+        client = configured_client(server.url, cfg)
         try:
             yield client
         finally:

@@ -72,7 +72,10 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
     manifest = Manifest.load(cfg.invoker.runtimes_manifest)
     async with contextlib.AsyncExitStack() as stack:
         redis = await stack.enter_async_context(open_redis(cfg.redis, data_dir=cfg.data_path))
-        store = EntityStore.from_config(redis, cfg.redis)
+        # Records Redis could not take by shutdown are saved here and written back at the next start.
+        store = EntityStore.from_config(redis, cfg.redis, spill_path=cfg.data_path / "unstored-activations.jsonl")
+        await store.replay_spilled()
+        stack.push_async_callback(store.close)
         n = cfg.standalone.invokers
         invokers: list[Invoker] = []
         urls: list[str] = []

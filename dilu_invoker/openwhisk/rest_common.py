@@ -25,7 +25,7 @@ from dilu_invoker.model import (
     new_transid,
 )
 from dilu_invoker.openwhisk.rest_auth import Authenticator
-from dilu_invoker.store import EntityStore
+from dilu_invoker.store import STORE_UNAVAILABLE, EntityStore
 
 log = structlog.get_logger(__name__)
 
@@ -177,6 +177,11 @@ async def openwhisk_middleware(request: web.Request, handler: Handler) -> web.St
             response = _from_http_exception(exc)
         except asyncio.CancelledError:
             raise
+        except STORE_UNAVAILABLE as exc:
+            # Redis is down, restarting, or every pooled connection stayed busy past the pool timeout:
+            # the client may retry, so this is OpenWhisk's overload answer, never a 500.
+            _store_unavailable_log.note(exc, method=request.method, path=request.path)
+            response = error_response(503, Msg.OVERLOADED)
         except Exception:
             log.exception("request failed", method=request.method, path=request.path)
             response = error_response(500, Msg.INTERNAL)
@@ -184,6 +189,29 @@ async def openwhisk_middleware(request: web.Request, handler: Handler) -> web.St
     for k, v in _CORS.items():
         response.headers.setdefault(k, v)
     return response
+
+
+class _RateLimitedWarning:
+    """One warning per ``period_s`` with the count of the ones left out: a dead Redis under load would
+    otherwise write hundreds of identical lines a second."""
+
+    def __init__(self, event: str, period_s: float = 1.0) -> None:
+        self.event = event
+        self.period_s = period_s
+        self._last = float("-inf")
+        self._suppressed = 0
+
+    def note(self, exc: BaseException, **fields: object) -> None:
+        now = asyncio.get_running_loop().time()
+        if now - self._last < self.period_s:
+            self._suppressed += 1
+            return
+        log.warning(self.event, error=f"{type(exc).__name__}: {exc}", suppressed=self._suppressed, **fields)
+        self._last = now
+        self._suppressed = 0
+
+
+_store_unavailable_log = _RateLimitedWarning("redis unavailable, answered 503")
 
 
 def _from_http_exception(exc: web.HTTPException) -> web.StreamResponse:
