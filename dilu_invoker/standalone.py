@@ -38,6 +38,7 @@ from dilu_invoker.loadbalancer.service import Balancer, open_balancer
 from dilu_invoker.model import Activation, ActivationRequest
 from dilu_invoker.openwhisk.rest import build_api
 from dilu_invoker.openwhisk.rest_auth import Authenticator
+from dilu_invoker.openwhisk.rest_common import serve_api
 from dilu_invoker.redis_embedded import open_redis
 from dilu_invoker.store import EntityStore
 
@@ -104,7 +105,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
             balancer = await stack.enter_async_context(open_balancer(cfg, redis))
         front: ActivationRunner = runners[0] if n == 1 else RoundRobin(runners)
         api = build_api(cfg.api, store=store, runner=front, manifest=manifest, auth=Authenticator.from_config(cfg.api))
-        api_runner, api_port = await serve_app(api, cfg.api.host, cfg.api.port)
+        api_runner, api_port = await serve_api(api, cfg.api.host, cfg.api.port)
         stack.push_async_callback(api_runner.cleanup)
         assert first_credentials is not None
         running = Running(f"http://{cfg.api.host}:{api_port}", urls[0], invokers[0], first_credentials,

@@ -7,11 +7,13 @@ import asyncio
 import contextvars
 import io
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from dilu_invoker import jsonutil
 from dilu_invoker.config import ApiConfig
@@ -230,6 +232,58 @@ def _from_http_exception(exc: web.HTTPException) -> web.StreamResponse:
 
 
 # --------------------------------------------------------------------------------------------
+# aiohttp's own error answers (requests that never reach a handler or the middleware)
+# --------------------------------------------------------------------------------------------
+
+
+class _OpenWhiskErrorsRequestHandler(RequestHandler):
+    """aiohttp answers a request it cannot parse (header line too long, bad method token, broken
+    framing) itself, in plain text and before any middleware runs. This handler gives those answers
+    OpenWhisk's JSON error shape, keeping aiohttp's status, logging and connection handling."""
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)
+        if status == 500:
+            text = Msg.INTERNAL
+        else:
+            reason = (str(exc) if exc is not None and str(exc) else message or "").strip().splitlines()
+            text = "The request could not be parsed" + (f": {reason[0]}" if reason else ".")
+        body = jsonutil.dumps({"error": text, "code": str(new_transid()[0])})
+        response = web.Response(body=body, status=plain.status, content_type="application/json")
+        response.force_close()
+        return response
+
+
+class _OpenWhiskErrorsServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _OpenWhiskErrorsRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class ApiAppRunner(web.AppRunner):
+    """:class:`aiohttp.web.AppRunner` whose connections answer aiohttp's own errors in OpenWhisk's shape."""
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()
+        return _OpenWhiskErrorsServer(plain.request_handler, request_factory=plain.request_factory,
+                                      handler_cancellation=plain.handler_cancellation, loop=plain._loop,
+                                      **plain._kwargs)
+
+
+async def serve_api(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve the REST app on ``host:port`` (0: a free port); returns the runner and the bound port."""
+    runner = ApiAppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = port
+    for sock in getattr(site._server, "sockets", None) or ():
+        bound = int(sock.getsockname()[1])
+        break
+    return runner, bound
+
+
+# --------------------------------------------------------------------------------------------
 # Authentication and namespaces
 # --------------------------------------------------------------------------------------------
 
@@ -340,13 +394,46 @@ async def read_body(request: web.Request, limit: int) -> bytes | bytearray:
     return bytes(body) if len(body) <= _CHUNK else body
 
 
-async def parse_json_body(body: bytes | bytearray) -> JsonValue:
-    """``None`` for an empty body; 400 in OpenWhisk's wording for anything that is not JSON."""
+#: deepest nesting of arrays and objects a request body may have (``docs/rest-api.md``, "Errors")
+MAX_JSON_DEPTH = 100
+
+
+def nesting_exceeds(value: JsonValue, limit: int) -> bool:
+    """True when arrays and objects in ``value`` nest deeper than ``limit`` (iterative: no recursion).
+
+    The cost follows the number of containers, not the bytes: a 48 MB code string is one leaf."""
+    stack: list[tuple[JsonValue, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[JsonValue] = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+async def parse_json_body(body: bytes | bytearray, *, max_depth: int = MAX_JSON_DEPTH) -> JsonValue:
+    """``None`` for an empty body; 400 in OpenWhisk's wording for anything that is not JSON, or that nests
+    arrays and objects deeper than ``max_depth``."""
     if not body or body.isspace():
         return None
+    too_deep = ApiError(400, f"The request content was malformed: JSON nested deeper than {max_depth} levels.")
     try:
-        return await jsonutil.aloads(body)
+        value = await jsonutil.aloads(body)
     except UnicodeDecodeError:
         raise ApiError(400, "The request content was malformed: the body is not UTF-8 text.") from None
+    except RecursionError:
+        # Far deeper than the bound: the parser's own recursion guard gave up.
+        raise too_deep from None
     except ValueError as exc:
         raise ApiError(400, f"The request content was malformed: {exc}") from None
+    deep = (await asyncio.to_thread(nesting_exceeds, value, max_depth) if len(body) > jsonutil.OFFLOAD_BYTES
+            else nesting_exceeds(value, max_depth))
+    if deep:
+        raise too_deep
+    return value
