@@ -170,7 +170,7 @@ class EmbeddedRedis:
     async def start(self) -> None:
         if self.running:
             return
-        await asyncio.to_thread(self.data_dir.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(self.data_dir.mkdir, mode=0o700, parents=True, exist_ok=True)
         attempts = 1 if self._requested_port else 5
         last_error: Exception | None = None
         for _ in range(attempts):
@@ -204,6 +204,8 @@ class EmbeddedRedis:
             stderr=asyncio.subprocess.PIPE,
             # Own session: a Ctrl-C in the terminal reaches us, and we stop Redis after our own shutdown.
             start_new_session=True,
+            # What redis-server creates (the AOF, its log, the append-only dir) is private to this user.
+            umask=0o077,
             preexec_fn=_parent_death_hook(os.getpid()),
         )
         # No retries inside ping: this loop is the retry, and it must notice a dead process at once.

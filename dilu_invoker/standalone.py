@@ -19,10 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import itertools
+import os
 import signal
-from collections.abc import AsyncIterator, Sequence
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import structlog
 
@@ -67,11 +71,69 @@ class RoundRobin:
         return await next(self._next).run(req)
 
 
+# --------------------------------------------------------------------------------------------
+# The data directory: one standalone at a time, private to its user
+# --------------------------------------------------------------------------------------------
+
+LOCK_FILE = "standalone.lock"
+
+
+class DataDirInUse(OSError):
+    """Another standalone holds the data directory's lock."""
+
+
+def _holder_pid(lock_path: Path) -> str:
+    try:
+        return lock_path.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def secure_data_dir(path: Path) -> None:
+    """Make the data directory 0700 and what the standalone keeps in it 0600 (dirs 0700), including what
+    an older version left with looser modes: it holds all action code, parameters, results and the
+    Redis and invoker passwords."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    redis_dir = path / "redis"
+    ours = [p for p in path.iterdir() if p.is_file() and not p.is_symlink()
+            and (p.name.endswith("-credentials") or p.suffix in (".jsonl", ".lock"))]
+    if redis_dir.is_dir() and not redis_dir.is_symlink():
+        os.chmod(redis_dir, 0o700)
+        for root, dirs, files in os.walk(redis_dir):
+            for d in dirs:
+                os.chmod(Path(root) / d, 0o700)
+            ours += [Path(root) / f for f in files]
+    for file in ours:
+        if not file.is_symlink():
+            os.chmod(file, 0o600)
+
+
+@contextlib.contextmanager
+def lock_data_dir(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` for the block (``flock``: released by the kernel however the
+    process ends); raise :class:`DataDirInUse` naming the holder's pid when another process has it."""
+    secure_data_dir(path)
+    lock_path = path / LOCK_FILE
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataDirInUse(f"data dir {path} is in use by another dilu-invoker standalone "
+                               f"(pid {_holder_pid(lock_path)})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
 @contextlib.asynccontextmanager
 async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
-    cfg.data_path.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.load(cfg.invoker.runtimes_manifest)
     async with contextlib.AsyncExitStack() as stack:
+        stack.enter_context(lock_data_dir(cfg.data_path))
         redis = await stack.enter_async_context(open_redis(cfg.redis, data_dir=cfg.data_path))
         # Records Redis could not take by shutdown are saved here and written back at the next start.
         store = EntityStore.from_config(redis, cfg.redis, spill_path=cfg.data_path / "unstored-activations.jsonl")
@@ -131,6 +193,9 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     logs.configure(cfg.log)
     try:
         return asyncio.run(_main(cfg))
+    except DataDirInUse as exc:
+        print(f"dilu-invoker standalone: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         log.error("standalone could not start", error=str(exc))
         return 1
