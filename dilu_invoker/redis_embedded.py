@@ -128,6 +128,11 @@ class EmbeddedRedis:
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self._proc: asyncio.subprocess.Process | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        #: times the server was started again after it died (see :meth:`supervise`)
+        self.restarts = 0
+        #: why the server is not serving now (``None`` while it runs)
+        self.down_reason: str | None = None
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -171,6 +176,9 @@ class EmbeddedRedis:
         if self.running:
             return
         await asyncio.to_thread(self.data_dir.mkdir, mode=0o700, parents=True, exist_ok=True)
+        if self.port:
+            # A restart: clients hold the URL, so the port (and password) stay what they were.
+            self._requested_port = self.port
         attempts = 1 if self._requested_port else 5
         last_error: Exception | None = None
         for _ in range(attempts):
@@ -247,7 +255,45 @@ class EmbeddedRedis:
 
         return (stderr.decode(errors="replace").strip() or await asyncio.to_thread(tail)) or "no output"
 
+    def supervise(self, *, max_backoff_s: float = 2.0) -> None:
+        """Restart the server whenever it dies (same data dir, port and password), until :meth:`stop`.
+
+        Restarts back off from 0.1 s to ``max_backoff_s`` while starting keeps failing."""
+        if self._supervisor is None or self._supervisor.done():
+            self._supervisor = asyncio.create_task(self._supervise(max_backoff_s), name="embedded-redis-supervisor")
+
+    async def _supervise(self, max_backoff_s: float) -> None:
+        while True:
+            proc = self._proc
+            if proc is None:
+                return
+            code = await proc.wait()
+            if self._proc is not proc:  # stopped or replaced on purpose
+                return
+            self.down_reason = f"redis-server exited with {code}"
+            log.error("embedded redis died; restarting it", pid=proc.pid, returncode=code, port=self.port,
+                      detail=await self._failure_detail())
+            self._proc = None
+            delay = 0.1
+            while self._proc is None:
+                try:
+                    await self._spawn_and_wait()
+                except EmbeddedRedisError as exc:
+                    self.down_reason = f"redis-server does not start again: {exc}"
+                    log.error("embedded redis restart failed", error=str(exc), retry_in_s=delay)
+                    await self._terminate()
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, max_backoff_s)
+            self.restarts += 1
+            self.down_reason = None
+            log.warning("embedded redis restarted", pid=self.pid, port=self.port, restarts=self.restarts)
+
     async def stop(self) -> None:
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await supervisor
         if self._proc is None:
             return
         await self._terminate()
@@ -343,8 +389,106 @@ async def open_redis(cfg: RedisConfig, *, data_dir: str | Path) -> AsyncIterator
             await client.aclose()
         return
     async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary) as server:
+        server.supervise()
         client = configured_client(server.url, cfg)
         try:
             yield client
+        finally:
+            await client.aclose()
+
+
+# --------------------------------------------------------------------------------------------
+# Health
+# --------------------------------------------------------------------------------------------
+
+
+class RedisHealth:
+    """Whether Redis answers, for the health endpoints: a PING every ``period_s`` on a connection of its
+    own (a pool exhausted by load is back-pressure, not ill health).
+
+    ``server`` (the embedded one, if any) adds why it is down and how often it was restarted."""
+
+    def __init__(self, url: str, *, server: EmbeddedRedis | None = None, period_s: float = 0.5,
+                 timeout_s: float = 1.0) -> None:
+        self._client = redis_client(url, pool_size=1, pool_timeout_s=timeout_s, socket_timeout=timeout_s,
+                                    socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                                    health_check_interval=0)
+        self.server = server
+        self.period_s = period_s
+        self.healthy = True
+        self.error: str | None = None
+        self._since = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def reason(self) -> str | None:
+        """Why Redis is unhealthy, in words (``None`` when healthy)."""
+        if self.healthy:
+            return None
+        down = time.monotonic() - self._since
+        why = (self.server.down_reason if self.server is not None else None) or self.error or "no answer"
+        restarting = "; the embedded redis-server is being restarted" if self.server is not None else ""
+        return f"redis unavailable for {down:.1f} s ({why}){restarting}"
+
+    def snapshot(self) -> dict[str, object]:
+        out: dict[str, object] = {"healthy": self.healthy, "for_s": round(time.monotonic() - self._since, 3)}
+        if not self.healthy:
+            out["reason"] = self.reason
+        if self.server is not None:
+            out["embedded"] = {"pid": self.server.pid, "port": self.server.port, "restarts": self.server.restarts}
+        return out
+
+    async def check(self) -> bool:
+        try:
+            ok = bool(await self._client.ping())
+            error = None
+        except (aioredis.RedisError, OSError) as exc:  # anything but a PONG is ill health
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+        if ok != self.healthy:
+            self._since = time.monotonic()
+            if ok:
+                log.info("redis healthy again")
+            else:
+                log.warning("redis unhealthy", error=error)
+        self.healthy, self.error = ok, error
+        return ok
+
+    async def _run(self) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(self.period_s)
+
+    async def __aenter__(self) -> Self:
+        await self.check()
+        self._task = asyncio.create_task(self._run(), name="redis-health")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def open_redis_with_health(cfg: RedisConfig, *, data_dir: str | Path
+                                 ) -> AsyncIterator[tuple[aioredis.Redis, RedisHealth]]:
+    """:func:`open_redis` plus a :class:`RedisHealth` watching it."""
+    if cfg.url:
+        client = configured_client(cfg.url, cfg)
+        try:
+            await client.ping()
+            async with RedisHealth(cfg.url) as health:
+                yield client, health
+        finally:
+            await client.aclose()
+        return
+    async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary) as server:
+        server.supervise()
+        client = configured_client(server.url, cfg)
+        try:
+            async with RedisHealth(server.url, server=server) as health:
+                yield client, health
         finally:
             await client.aclose()

@@ -26,12 +26,14 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import structlog
 
 from dilu_invoker import logs
 from dilu_invoker.config import Config
+from dilu_invoker.health import HEALTH, add_invoker_health
 from dilu_invoker.invoker.api import ActivationRunner
 from dilu_invoker.invoker.core import Invoker, open_invoker
 from dilu_invoker.invoker.manifest import Manifest
@@ -43,7 +45,7 @@ from dilu_invoker.model import Activation, ActivationRequest
 from dilu_invoker.openwhisk.rest import build_api
 from dilu_invoker.openwhisk.rest_auth import Authenticator
 from dilu_invoker.openwhisk.rest_common import serve_api
-from dilu_invoker.redis_embedded import open_redis
+from dilu_invoker.redis_embedded import open_redis_with_health
 from dilu_invoker.store import EntityStore
 
 log = structlog.get_logger(__name__)
@@ -59,6 +61,10 @@ class Running:
     invoker_urls: tuple[str, ...] = ()
     runners: tuple[ActivationRunner, ...] = ()
     balancer: Balancer | None = None
+
+
+def _is_enabled(invoker: Invoker) -> bool:
+    return invoker.enabled
 
 
 class RoundRobin:
@@ -134,7 +140,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
     manifest = Manifest.load(cfg.invoker.runtimes_manifest)
     async with contextlib.AsyncExitStack() as stack:
         stack.enter_context(lock_data_dir(cfg.data_path))
-        redis = await stack.enter_async_context(open_redis(cfg.redis, data_dir=cfg.data_path))
+        redis, health = await stack.enter_async_context(open_redis_with_health(cfg.redis, data_dir=cfg.data_path))
         # Records Redis could not take by shutdown are saved here and written back at the next start.
         store = EntityStore.from_config(redis, cfg.redis, spill_path=cfg.data_path / "unstored-activations.jsonl")
         await store.replay_spilled()
@@ -150,9 +156,9 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
             invoker = await stack.enter_async_context(open_invoker(icfg, manifest=manifest, redis=redis))
             credentials = invoker_credentials(icfg)
             first_credentials = first_credentials or credentials
-            inv_runner, inv_port = await serve_app(
-                build_invoker_app(invoker, user=credentials[0], password=credentials[1]),
-                icfg.invoker.host, icfg.invoker.port)
+            inv_app = build_invoker_app(invoker, user=credentials[0], password=credentials[1])
+            add_invoker_health(inv_app, health, enabled=partial(_is_enabled, invoker))
+            inv_runner, inv_port = await serve_app(inv_app, icfg.invoker.host, icfg.invoker.port)
             stack.push_async_callback(inv_runner.cleanup)
             runner: ActivationRunner = invoker
             if cfg.balancer.routing:
@@ -167,6 +173,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
             balancer = await stack.enter_async_context(open_balancer(cfg, redis))
         front: ActivationRunner = runners[0] if n == 1 else RoundRobin(runners)
         api = build_api(cfg.api, store=store, runner=front, manifest=manifest, auth=Authenticator.from_config(cfg.api))
+        api[HEALTH] = health
         api_runner, api_port = await serve_api(api, cfg.api.host, cfg.api.port)
         stack.push_async_callback(api_runner.cleanup)
         assert first_credentials is not None

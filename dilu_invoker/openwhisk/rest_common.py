@@ -17,6 +17,7 @@ from aiohttp.web_request import BaseRequest
 
 from dilu_invoker import jsonutil
 from dilu_invoker.config import ApiConfig
+from dilu_invoker.health import unhealthy_reason
 from dilu_invoker.invoker.api import ActivationRunner
 from dilu_invoker.invoker.manifest import Manifest
 from dilu_invoker.model import (
@@ -171,8 +172,17 @@ async def openwhisk_middleware(request: web.Request, handler: Handler) -> web.St
     TRANSID.set(tid)
     with structlog.contextvars.bound_contextvars(transid=tid[0]):
         try:
+            unhealthy = unhealthy_reason(request.app)
+            response: web.StreamResponse
             # CORS preflight for any path, as OpenWhisk answers it
-            response = web.Response() if request.method == "OPTIONS" else await handler(request)
+            if request.method == "OPTIONS":
+                response = web.Response()
+            elif unhealthy is not None:
+                # Redis is down: answer at once instead of waiting on it, and say so at the root.
+                message = f"System is unhealthy: {unhealthy}." if request.path == "/" else Msg.OVERLOADED
+                response = error_response(503, message)
+            else:
+                response = await handler(request)
         except ApiError as exc:
             response = error_response(exc.status, exc.message, headers=exc.headers)
         except web.HTTPException as exc:
