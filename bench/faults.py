@@ -1,0 +1,192 @@
+"""Faults under a bounded load of concurrent loopback clients, against a real `dilu-invoker standalone`.
+
+    python bench/faults.py [--clients 200] [--seconds 10] [--fault-at 3] [--only baseline,redis,...] [--write]
+
+Scenarios (each on a fresh standalone: process backend, embedded Redis, a warm no-op `python:3` action):
+
+* ``baseline``: no fault;
+* ``redis``: SIGKILL of the embedded redis-server (the standalone restarts it);
+* ``runtime``: SIGKILL of one warm runtime process;
+* ``sigterm``: SIGTERM of the standalone (drain), then a restart on the same data dir to check the records.
+
+For each: requests answered by status (0 = no HTTP answer: refused or reset), served per second, activations
+answered 200/202 whose record `GET /activations/{id}` does not return ("answered but unrecorded"), and the
+recovery time (fault → first success after the last failed request). With --write the tables go to
+docs/benchmarks/faults.md. Loopback only; every process is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from ow_support.faults import Run, Standalone, find_unrecorded, load, put_action  # noqa: E402
+
+import aiohttp  # noqa: E402
+
+DOC = ROOT / "docs" / "benchmarks" / "faults.md"
+SCENARIOS = ("baseline", "redis", "runtime", "sigterm")
+
+
+async def _warm(server: Standalone, clients: int) -> None:
+    # One round of invokes at the load's concurrency: the pool has its containers before measuring.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        url = f"{server.url}/api/v1/namespaces/_/actions/noop?blocking=true"
+        from ow_support.faults import AUTH
+
+        async def one() -> None:
+            async with s.post(url, json={}, headers=AUTH) as r:
+                await r.read()
+
+        for _ in range(3):
+            await asyncio.gather(*(one() for _ in range(clients)))
+
+
+async def scenario(name: str, *, clients: int, seconds: float, fault_at: float, workdir: Path) -> dict[str, object]:
+    server = Standalone(workdir / name)
+    await server.start()
+    try:
+        await put_action(server.url)
+        await _warm(server, clients)
+        fault: Callable[[], Awaitable[None]] | None = None
+        note = ""
+        if name == "redis":
+            pid = server.redis_pid()
+
+            async def fault() -> None:
+                os.kill(pid, signal.SIGKILL)
+        elif name == "runtime":
+            async def fault() -> None:
+                nonlocal note
+                pids = server.runtime_pids()
+                os.kill(pids[0], signal.SIGKILL)
+                note = f"1 of {len(pids)} runtime processes killed"
+        elif name == "sigterm":
+            async def fault() -> None:
+                nonlocal note
+                t = time.monotonic()
+                code = await server.stop()
+                note = f"exit code {code}, drained and stopped in {time.monotonic() - t:.2f} s"
+        run: Run = await load(server.url, clients=clients, seconds=seconds,
+                              fault_at=fault_at if fault else None, fault=fault)
+        restart_s = None
+        if name == "sigterm":
+            t = time.monotonic()
+            await server.start()
+            restart_s = time.monotonic() - t
+        unrecorded = await find_unrecorded(server.url, run, timeout_s=60)
+        if name == "redis":
+            note = f"redis-server pid {pid} killed; restarted as pid {server.redis_pid()}"
+        return {
+            "name": name, "statuses": dict(sorted(run.statuses().items())), "served": run.served(),
+            "rate": run.rate(), "unrecorded": len(unrecorded),
+            # A stopped standalone recovers only when started again: that time is restart_s.
+            "recovery_s": None if name == "sigterm" else run.recovery_s(),
+            "seconds": run.seconds, "note": note, "restart_s": restart_s,
+        }
+    finally:
+        await server.kill()
+
+
+def _machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()}: {os.cpu_count()} cores ({cpu}), Linux {platform.release()}, Python {platform.python_version()}"
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout.strip() or "unknown"
+
+
+def render(results: list[dict[str, object]], args: argparse.Namespace, command: str) -> str:
+    rows = ["| scenario | requests | by status (0 = no answer) | served/s | answered but unrecorded | "
+            "recovery | note |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        statuses = r["statuses"]
+        assert isinstance(statuses, dict)
+        rec = r["recovery_s"]
+        recovery = "–" if rec is None else f"{rec:.2f} s"
+        note = str(r["note"])
+        if r["restart_s"] is not None:
+            note += f"; restart on the same data dir {r['restart_s']:.2f} s"
+        rows.append(f"| {r['name']} | {sum(statuses.values())} | "
+                    + ", ".join(f"{k}: {v}" for k, v in statuses.items())
+                    + f" | {r['rate']:.0f} | {r['unrecorded']} | {recovery} | {note} |")
+    return "\n".join([
+        "# Faults under load (`bench/faults.py`)",
+        "",
+        f"Machine: {_machine()}. Commit {_commit()}. Generated by `{command}`.",
+        "",
+        f"Load: {args.clients} concurrent loopback clients, each a loop of blocking invokes of a warm no-op "
+        f"`python:3` action for {args.seconds:g} s; the fault at {args.fault_at:g} s. One fresh "
+        "`dilu-invoker standalone` per scenario (process backend, embedded Redis). The machine may be shared: "
+        "compare scenarios of one run with each other rather than across runs.",
+        "",
+        *rows,
+        "",
+        "* *served/s*: answers 200 or 202 per second of the whole load (fault included).",
+        "* *answered but unrecorded*: activations answered 200/202 whose record `GET …/activations/{id}` did not "
+        "return within 60 s after the load (for `sigterm`: after the restart).",
+        "* *recovery*: from the fault to the first success that started after the last failed request "
+        "(0 when no request failed).",
+        "* The runtime scenario's 502s are the activations that ran in the killed process: a developer error "
+        "record; the next invoke of that container's slot cold-starts.",
+        "* `sigterm`: the standalone stops listening, drains the activations in flight and exits; clients "
+        "then get no answer (0; each client retries every 50 ms, so these count attempts) until it is started "
+        "again.",
+        "",
+        "Not run here: killing one invoker of `standalone --invokers 2` (both invokers share one process and "
+        "event loop, so no signal reaches one alone), and restarting Tansu / pouchdb-server under this load in "
+        "cluster mode; their outage behaviour without load is covered by `tests/openwhisk/test_cluster_resilience.py`.",
+        "",
+    ])
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--fault-at", type=float, default=3.0)
+    parser.add_argument("--only", default=",".join(SCENARIOS))
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    names = [n for n in args.only.split(",") if n]
+    unknown = set(names) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios: {sorted(unknown)}")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dilu-faults-") as tmp:
+        for name in names:
+            result = await scenario(name, clients=args.clients, seconds=args.seconds, fault_at=args.fault_at,
+                                    workdir=Path(tmp))
+            print(result, flush=True)
+            results.append(result)
+    command = "python bench/faults.py " + " ".join(sys.argv[1:])
+    text = render(results, args, command.strip())
+    print(text)
+    if args.write:
+        DOC.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
