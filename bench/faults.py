@@ -29,12 +29,12 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from ow_support.faults import Run, Standalone, find_unrecorded, load, put_action  # noqa: E402
-
-import aiohttp  # noqa: E402
+from ow_support.faults import AUTH, Run, Standalone, find_unrecorded, load, put_action
 
 DOC = ROOT / "docs" / "benchmarks" / "faults.md"
 SCENARIOS = ("baseline", "redis", "runtime", "sigterm")
@@ -44,7 +44,6 @@ async def _warm(server: Standalone, clients: int) -> None:
     # One round of invokes at the load's concurrency: the pool has its containers before measuring.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         url = f"{server.url}/api/v1/namespaces/_/actions/noop?blocking=true"
-        from ow_support.faults import AUTH
 
         async def one() -> None:
             async with s.post(url, json={}, headers=AUTH) as r:
