@@ -171,15 +171,18 @@ class Run:
         return self.served() / self.seconds if self.seconds else 0.0
 
     def recovery_s(self) -> float | None:
-        """From the fault to the first success after the last failed request (0 when none failed)."""
+        """From the fault to the last failed answer (0 when none failed); ``inf`` when nothing succeeded
+        after it. Measured on answers rather than on a success started afterwards, whose own latency under
+        load (about clients / rate) would be counted otherwise."""
         if self.fault_at is None:
             return None
         failed = [a.ended for a in self.answers if a.status not in (200, 202) and a.ended >= self.fault_at]
         if not failed:
             return 0.0
         last_failure = max(failed)
-        after = [a.ended for a in self.answers if a.status in (200, 202) and a.started >= last_failure]
-        return (min(after) if after else float("inf")) - self.fault_at
+        if not any(a.status in (200, 202) and a.ended > last_failure for a in self.answers):
+            return float("inf")
+        return last_failure - self.fault_at
 
 
 async def load(url: str, *, clients: int, seconds: float, action: str = "noop",
