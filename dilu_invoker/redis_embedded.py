@@ -28,6 +28,7 @@ from typing import Self
 from urllib.parse import quote
 
 import redis.asyncio as aioredis
+import redis.exceptions
 import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -362,6 +363,8 @@ def redis_client(
         # Explicit for the same reason: redis-py 8 retries 3 times with backoff up to seconds by default,
         # which would hold a request long after Redis is known to be gone.
         "retry": Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+        # redis-py 5 applies ``retry`` only to the errors listed here (8 lists these by default).
+        "retry_on_error": [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
     }
     options.update(kwargs)
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=pool_size, timeout=pool_timeout_s,
