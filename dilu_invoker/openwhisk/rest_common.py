@@ -369,6 +369,10 @@ def query_limit(request: web.Request, collection: str) -> int:
     return n
 
 
+#: OpenWhisk reads ``skip`` as a 32-bit integer; anything larger is "not an integer" there too
+MAX_SKIP = 2**31 - 1
+
+
 def query_skip(request: web.Request, collection: str) -> int:
     raw = request.query.get("skip")
     if raw is None:
@@ -377,6 +381,8 @@ def query_skip(request: web.Request, collection: str) -> int:
         n = int(raw)
     except ValueError:
         raise ApiError(400, Msg.not_integer(collection, raw)) from None
+    if n > MAX_SKIP:
+        raise ApiError(400, Msg.not_integer(collection, raw))
     if n < 0:
         raise ApiError(400, Msg.skip_out_of_range(collection, n))
     return n

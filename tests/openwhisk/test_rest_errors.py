@@ -118,3 +118,26 @@ async def test_unknown_routes_and_methods_are_answered_in_openwhisk_shape(served
             body = await resp.json()
             assert body["error"].startswith("HTTP method not allowed") and body["code"]
             assert "PUT" in resp.headers["Allow"]
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("actions?skip=" + "9" * 30, "The value '" + "9" * 30 + "' is not an integer for actions."),
+        ("actions?skip=2147483648", "The value '2147483648' is not an integer for actions."),
+        ("activations?skip=" + "9" * 30, "The value '" + "9" * 30 + "' is not an integer for activations."),
+        ("activations?upto=" + "9" * 30, "Parameter is not a valid value for epoch seconds: " + "9" * 30),
+        ("activations?since=-" + "9" * 30, "Parameter is not a valid value for epoch seconds: -" + "9" * 30),
+    ],
+    ids=["huge-skip", "skip-past-int32", "activations-huge-skip", "huge-upto", "huge-negative-since"],
+)
+async def test_integers_past_openwhisks_ranges_are_400_not_500(api: Api, path: str, message: str) -> None:
+    # Found by schemathesis: a skip past Redis's integer range was a 500.
+    status, body, _ = await api.call("GET", path)
+    assert (status, body["error"]) == (400, message)
+
+
+async def test_integers_at_the_ranges_are_served(api: Api) -> None:
+    for path in ("actions?skip=2147483647", "activations?upto=9223372036854775807&since=-9223372036854775808"):
+        status, body, _ = await api.call("GET", path)
+        assert (status, body) == (200, [])
