@@ -132,6 +132,27 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
+def _targets(results: list[dict[str, object]]) -> list[str]:
+    """The issue's targets against this run, stated either way."""
+    out = []
+    for r in results:
+        statuses = r["statuses"]
+        assert isinstance(statuses, dict)
+        allowed = {"baseline": {200, 202, 503}, "redis": {200, 202, 503}, "runtime": {200, 202, 502, 503},
+                   "sigterm": {0, 200, 202, 503}}[str(r["name"])]
+        outside = sum(n for s, n in statuses.items() if s not in allowed)
+        line = (f"* {r['name']}: {outside} answers outside {sorted(allowed)} (target 0), {r['unrecorded']} "
+                "answered but unrecorded (target 0)")
+        if r["name"] == "baseline":
+            rate = float(str(r["rate"]))
+            line += f", {rate:.0f} served/s (target ≥ 500: {'met' if rate >= 500 else 'NOT met'})"
+        if r["name"] == "redis" and r["recovery_s"] is not None:
+            rec = float(str(r["recovery_s"]))
+            line += f", recovery {rec:.2f} s (target ≤ 5 s: {'met' if rec <= 5 else 'NOT met'})"
+        out.append(line)
+    return ["Against the targets:", "", *out] if out else []
+
+
 def render(results: list[dict[str, object]], args: argparse.Namespace, command: str,
            cluster: list[str] | None = None) -> str:
     rows = ["| scenario | requests | by status (0 = no answer) | served/s | answered but unrecorded | "
@@ -158,6 +179,8 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, command: 
         "compare scenarios of one run with each other rather than across runs.",
         "",
         *rows,
+        "",
+        *_targets(results),
         "",
         "* *served/s*: answers 200 or 202 per second of the whole load (fault included).",
         "* *answered but unrecorded*: activations answered 200/202 whose record `GET …/activations/{id}` did not "
