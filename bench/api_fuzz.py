@@ -49,7 +49,7 @@ async def main() -> int:
                                           timeout_s=1800))
                 print(f"seed {seed}: {results[-1].requests} requests, exit {results[-1].returncode}", flush=True)
             seconds = time.monotonic() - started
-            failures = [e for e in server.events() if e.get("event") == "request failed"]
+            failures = [e for e in await asyncio.to_thread(server.events) if e.get("event") == "request failed"]
             alive = server.proc is not None and server.proc.returncode is None
         finally:
             await server.kill()

@@ -64,14 +64,14 @@ async def scenario(name: str, *, clients: int, seconds: float, fault_at: float, 
         fault: Callable[[], Awaitable[None]] | None = None
         note = ""
         if name == "redis":
-            pid = server.redis_pid()
+            pid = await server.redis_pid()
 
             async def fault() -> None:
                 os.kill(pid, signal.SIGKILL)
         elif name == "runtime":
             async def fault() -> None:
                 nonlocal note
-                pids = server.runtime_pids()
+                pids = await server.runtime_pids()
                 os.kill(pids[0], signal.SIGKILL)
                 note = f"1 of {len(pids)} runtime processes killed"
         elif name == "sigterm":
@@ -89,7 +89,7 @@ async def scenario(name: str, *, clients: int, seconds: float, fault_at: float, 
             restart_s = time.monotonic() - t
         unrecorded = await find_unrecorded(server.url, run, timeout_s=60)
         if name == "redis":
-            note = f"redis-server pid {pid} killed; restarted as pid {server.redis_pid()}"
+            note = f"redis-server pid {pid} killed; restarted as pid {await server.redis_pid()}"
         return {
             "name": name, "statuses": dict(sorted(run.statuses().items())), "served": run.served(),
             "rate": run.rate(), "unrecorded": len(unrecorded),
@@ -190,7 +190,7 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, command: 
         "* The runtime scenario's 502s are the activations that ran in the killed process: a developer error "
         "record; the next invoke of that container's slot cold-starts.",
         "* `sigterm`: the standalone stops listening, drains the activations in flight and exits; clients "
-        "then get no answer (0; each client retries every 50 ms, so these count attempts) until it is started "
+        "then get no answer (0; each client retries every 100 ms, so these count attempts) until it is started "
         "again.",
         "",
         "## Cluster mode: the broker and the database restart with 200 activations in flight",

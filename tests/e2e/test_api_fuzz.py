@@ -3,6 +3,7 @@ real standalone: no 500, no crash, every answer as documented (status, content t
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -44,6 +45,6 @@ async def test_schemathesis_finds_no_server_error(standalone: Standalone, tmp_pa
     assert result.returncode == 0, result.output[-6000:]
     assert result.requests >= 300, result.statuses
     assert not [s for s in result.statuses if s >= 500 and s not in (502, 503)], result.statuses
-    failures = [e for e in standalone.events() if e.get("event") == "request failed"]
+    failures = [e for e in await asyncio.to_thread(standalone.events) if e.get("event") == "request failed"]
     assert failures == []
     assert standalone.proc is not None and standalone.proc.returncode is None  # still serving

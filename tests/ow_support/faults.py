@@ -89,7 +89,7 @@ class Standalone:
                 env=env, stdout=out, stderr=asyncio.subprocess.STDOUT, cwd=str(self.data_dir.parent))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for event in self.events(offset):
+            for event in await asyncio.to_thread(self.events, offset):
                 if event.get("event") == "standalone ready":
                     self.ready = event
                     return
@@ -113,17 +113,19 @@ class Standalone:
     def invoker_urls(self) -> list[str]:
         return list(self.ready.get("invokers", []))
 
-    def processes(self, needle: str) -> list[int]:
+    async def processes(self, needle: str) -> list[int]:
+        """Descendants whose command line contains ``needle`` (/proc is read off the event loop)."""
         assert self.proc is not None
-        return [pid for pid, cmd in children(self.proc.pid) if needle in cmd]
+        found = await asyncio.to_thread(children, self.proc.pid)
+        return [pid for pid, cmd in found if needle in cmd]
 
-    def redis_pid(self) -> int:
-        pids = self.processes("redis-server")
+    async def redis_pid(self) -> int:
+        pids = await self.processes("redis-server")
         assert len(pids) == 1, pids
         return pids[0]
 
-    def runtime_pids(self) -> list[int]:
-        return self.processes("dilu_invoker.actions.runtime")
+    async def runtime_pids(self) -> list[int]:
+        return await self.processes("dilu_invoker.actions.runtime")
 
     async def stop(self, timeout_s: float = 60.0) -> int:
         assert self.proc is not None
@@ -207,7 +209,7 @@ async def load(url: str, *, clients: int, seconds: float, action: str = "noop",
                         await r.read()
                         status, aid = r.status, r.headers.get("x-openwhisk-activation-id")
                 except (aiohttp.ClientError, TimeoutError, OSError):
-                    await asyncio.sleep(0.05)  # the server is gone: do not spin
+                    await asyncio.sleep(0.1)  # the server is gone: do not spin
                 run.answers.append(Answer(t0 - start, time.monotonic() - start, status, aid))
 
         async def inject() -> None:
