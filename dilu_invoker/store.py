@@ -12,23 +12,45 @@ The keyspace is documented in ``docs/redis-keyspace.md``. In short, under the co
 Writes that touch several keys run as Lua scripts, so a reader never sees half an update, an action update
 with a stale revision is refused (:class:`RevisionConflict`), and retention trims documents and indexes
 together. The scripts name keys they compute, so the store needs a single Redis instance (not a cluster).
+
+**An answered activation always gets its record.** When Redis cannot take an activation record (it died,
+is restarting, or the pool stayed busy), :meth:`EntityStore.store_activation` does not fail: the record is
+held in memory (bounded by ``max_unstored``) and a background task writes the held records, oldest first,
+as soon as Redis answers again. Held records are served by :meth:`EntityStore.get_activation` meanwhile.
+At :meth:`EntityStore.close` whatever is still held is appended to ``spill_path`` (one JSON record per
+line, mode 0600) when one is configured, and :meth:`EntityStore.replay_spilled` writes that file back at the
+next start. ``docs/rest-api.md`` ("Errors and faults") states the guarantee.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+import redis.exceptions
+import structlog
 
 from dilu_invoker import jsonutil
 from dilu_invoker.config import RedisConfig
 from dilu_invoker.model import Action, Activation
 
+log = structlog.get_logger(__name__)
+
 DEFAULT_MAX_ACTIVATIONS = 10_000
+#: activation records held in memory while Redis cannot take them
+DEFAULT_MAX_UNSTORED = 10_000
+
+#: what redis-py raises while Redis cannot serve: down, restarting (``BusyLoadingError``), or no pooled
+#: connection free within the pool timeout (``MaxConnectionsError``, "No connection available.")
+STORE_UNAVAILABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 class StoreError(RuntimeError):
@@ -135,9 +157,20 @@ class EntityStore:
         max_activations_per_namespace: int = DEFAULT_MAX_ACTIVATIONS,
         action_cache_size: int = 256,
         action_cache_max_code: int = 4 * 1024 * 1024,
+        max_unstored: int = DEFAULT_MAX_UNSTORED,
+        spill_path: str | Path | None = None,
+        retry_period_s: float = 0.2,
     ) -> None:
         if max_activations_per_namespace < 1:
             raise ValueError("max_activations_per_namespace must be at least 1")
+        # Records Redis could not take yet, oldest first, keyed (namespace, activation id).
+        self._unstored: OrderedDict[tuple[str, str], Activation] = OrderedDict()
+        self.max_unstored = max_unstored
+        self.spill_path = Path(spill_path) if spill_path is not None else None
+        self.retry_period_s = retry_period_s
+        self._flusher: asyncio.Task[None] | None = None
+        #: records dropped because more than ``max_unstored`` were held (logged as errors; should stay 0)
+        self.dropped = 0
         self.redis = redis
         self.prefix = prefix
         self.max_activations = max_activations_per_namespace
@@ -150,8 +183,10 @@ class EntityStore:
         self._cache_max_code = action_cache_max_code
 
     @classmethod
-    def from_config(cls, redis: aioredis.Redis, cfg: RedisConfig) -> EntityStore:
-        return cls(redis, prefix=cfg.prefix, max_activations_per_namespace=cfg.max_activations)
+    def from_config(cls, redis: aioredis.Redis, cfg: RedisConfig, *,
+                    spill_path: str | Path | None = None) -> EntityStore:
+        return cls(redis, prefix=cfg.prefix, max_activations_per_namespace=cfg.max_activations,
+                   spill_path=spill_path)
 
     # ----------------------------------------------------------------------------------------
     # Keys
@@ -253,6 +288,105 @@ class EntityStore:
     # Activations
     # ----------------------------------------------------------------------------------------
     async def store_activation(self, activation: Activation) -> None:
+        """Write the record; while Redis cannot take it, hold it and write it when Redis is back (this
+        method then returns at once: the caller may answer its client)."""
+        key = (activation.namespace, activation.activation_id)
+        if not self._unstored:
+            try:
+                await self._write_activation(activation)
+                return
+            except STORE_UNAVAILABLE as exc:
+                log.warning("redis cannot take activation records; holding them until it is back",
+                            error=f"{type(exc).__name__}: {exc}")
+        self._hold(key, activation)
+
+    @property
+    def unstored(self) -> int:
+        """Activation records answered to clients but not yet in Redis."""
+        return len(self._unstored)
+
+    def _hold(self, key: tuple[str, str], activation: Activation) -> None:
+        self._unstored[key] = activation
+        while len(self._unstored) > self.max_unstored:
+            (ns, aid), _ = self._unstored.popitem(last=False)
+            self.dropped += 1
+            log.error("activation record dropped: too many held while redis is unavailable",
+                      namespace=ns, activation_id=aid, max_unstored=self.max_unstored)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_loop(), name="store-unstored-flush")
+
+    async def _flush_loop(self) -> None:
+        delay = self.retry_period_s
+        while self._unstored:
+            key, activation = next(iter(self._unstored.items()))
+            try:
+                await self._write_activation(activation)
+            except STORE_UNAVAILABLE:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            except Exception:
+                # Not a Redis outage (the record cannot be encoded, a script error): retrying cannot help.
+                log.exception("activation record could not be stored", activation_id=key[1])
+                self._unstored.pop(key, None)
+                continue
+            delay = self.retry_period_s
+            # Compare by identity: a newer record of the same id may have replaced it meanwhile.
+            if self._unstored.get(key) is activation:
+                del self._unstored[key]
+        log.info("held activation records written to redis")
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the held records to be written; True when none is left."""
+        task = self._flusher
+        if task is not None and not task.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        return not self._unstored
+
+    async def close(self, *, flush_timeout_s: float = 2.0) -> None:
+        """Stop the background writer; records still held go to ``spill_path`` (or are logged as lost)."""
+        await self.flush(flush_timeout_s)
+        task, self._flusher = self._flusher, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if not self._unstored:
+            return
+        held = list(self._unstored.values())
+        if self.spill_path is None:
+            log.error("activation records lost: redis unavailable at shutdown", count=len(held))
+            return
+        lines = [jsonutil.dumps(a.to_json()) + b"\n" for a in held]
+        await asyncio.to_thread(_append_private, self.spill_path, lines)
+        self._unstored.clear()
+        log.warning("activation records saved for the next start: redis unavailable at shutdown",
+                    count=len(held), path=str(self.spill_path))
+
+    async def replay_spilled(self) -> int:
+        """Write the records a previous run saved at ``spill_path``; returns how many. The file is removed
+        only after every record is in Redis."""
+        path = self.spill_path
+        if path is None or not await asyncio.to_thread(path.exists):
+            return 0
+        raw = await asyncio.to_thread(path.read_bytes)
+        count = 0
+        for line in raw.splitlines():
+            if not line.strip():
+                continue
+            try:
+                activation = Activation.from_json(jsonutil.loads(line))
+            except (ValueError, KeyError, TypeError):
+                log.error("unreadable saved activation record skipped", path=str(path))
+                continue
+            await self._write_activation(activation)
+            count += 1
+        await asyncio.to_thread(path.unlink)
+        log.info("saved activation records written to redis", count=count, path=str(path))
+        return count
+
+    async def _write_activation(self, activation: Activation) -> None:
         ns = activation.namespace
         log_bytes = sum(len(line) for line in activation.logs)
         doc = await jsonutil.adumps(activation.to_json(), size_hint=log_bytes)
@@ -268,6 +402,9 @@ class EntityStore:
         )
 
     async def get_activation(self, namespace: str, activation_id: str) -> Activation | None:
+        held = self._unstored.get((namespace, activation_id))
+        if held is not None:
+            return held
         doc = await self.redis.hget(self.activation_key(namespace, activation_id), "doc")
         if doc is None:
             return None
@@ -323,3 +460,11 @@ class EntityStore:
             "+inf" if upto is None else upto,
         )
         return max(0, int(n) - skip)
+
+
+def _append_private(path: Path, lines: Sequence[bytes]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())

@@ -192,3 +192,40 @@ async def test_open_redis(tmp_path: Path, redis_server_factory: RedisFactory) ->
     async with open_redis(RedisConfig(url=external.url), data_dir=tmp_path / "unused") as client:
         assert await client.ping() is True
     assert not (tmp_path / "unused").exists()
+
+
+# -- supervision and health (the standalone's embedded Redis) ----------------------------------------
+
+
+async def test_a_killed_embedded_redis_is_restarted_with_its_data_port_and_password(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from dilu_invoker.redis_embedded import RedisHealth, redis_client
+
+    server = EmbeddedRedis(tmp_path / "redis", persistent=True)
+    await server.start()
+    server.supervise()
+    client = redis_client(server.url, pool_timeout_s=1.0)
+    try:
+        async with RedisHealth(server.url, server=server, period_s=0.05) as health:
+            await client.set("kept", "yes")
+            first_pid, url = server.pid, server.url
+            assert first_pid is not None and health.healthy and health.reason is None
+            os.kill(first_pid, signal.SIGKILL)
+            async with asyncio.timeout(5):
+                while health.healthy:
+                    await asyncio.sleep(0.01)
+            assert health.reason is not None and "redis unavailable" in health.reason
+            async with asyncio.timeout(5):
+                while not health.healthy:
+                    await asyncio.sleep(0.01)
+            assert server.pid not in (None, first_pid) and server.url == url and server.restarts == 1
+            assert await client.get("kept") == b"yes"
+            snap = health.snapshot()
+            assert snap["healthy"] is True and snap["embedded"] == {"pid": server.pid, "port": server.port,
+                                                                    "restarts": 1}
+    finally:
+        await client.aclose()
+        await server.stop()
+    assert not server.running

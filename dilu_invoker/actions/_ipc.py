@@ -12,6 +12,9 @@ import struct
 
 SENTINEL = "XXX_THE_END_OF_A_WHISK_ACTIVATION_XXX"
 SENTINEL_LINE = (SENTINEL + "\n").encode()
+#: how the sentinel reads when the action itself prints it: a line that ends with it no longer ends the
+#: activation's logs (the invoker ends them only at a line ending with the sentinel)
+ESCAPED_SENTINEL = SENTINEL + " [escaped]"
 
 HEADER = struct.Struct(">BQQ")
 

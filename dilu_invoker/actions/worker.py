@@ -27,7 +27,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
-from dilu_invoker.actions._ipc import HEADER, SENTINEL_LINE, Kind, pack
+from dilu_invoker.actions._ipc import ESCAPED_SENTINEL, HEADER, SENTINEL, SENTINEL_LINE, Kind, pack
 
 MODULE_NAME = "main__"
 _PR_SET_PDEATHSIG = 1
@@ -250,7 +250,62 @@ def _write_all(fd: int, data: bytes) -> None:
             data = data[os.write(fd, data) :]
 
 
+class SentinelEscapingStream:
+    """``sys.stdout``/``sys.stderr`` of the action: the activation sentinel in the action's own output is
+    written as :data:`ESCAPED_SENTINEL`, so printing it cannot end this activation's logs early nor move
+    the rest into the next activation's record. A write that ends with the start of the sentinel keeps that
+    part back until the next write shows whether the sentinel is completed (or until the activation ends).
+
+    Only Python-level writes pass through here; bytes written to the file descriptors directly
+    (``os.write(1, ...)``, C extensions, ``sys.stdout.buffer``) are not escaped."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._held = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            data = self._held + text
+            self._held = ""
+            if SENTINEL in data:
+                data = data.replace(SENTINEL, ESCAPED_SENTINEL)
+            # Keep back the longest tail that could still grow into the sentinel.
+            for k in range(min(len(SENTINEL) - 1, len(data)), 0, -1):
+                if SENTINEL.startswith(data[-k:]):
+                    self._held, data = data[-k:], data[:-k]
+                    break
+            if data:
+                self._stream.write(data)
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def release(self) -> None:
+        """End of the activation's output: what was kept back is plain text after all."""
+        with self._lock:
+            held, self._held = self._held, ""
+            if held:
+                self._stream.write(held)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _install_sentinel_escaping() -> None:
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, SentinelEscapingStream):
+            setattr(sys, name, SentinelEscapingStream(stream))
+
+
 def _end_activation_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, SentinelEscapingStream):
+            with contextlib.suppress(Exception):
+                stream.release()
     _flush_streams()
     _write_all(1, SENTINEL_LINE)
     _write_all(2, SENTINEL_LINE)
@@ -282,5 +337,6 @@ def main(argv: list[str]) -> int:
     fd, action_dir, concurrent, parent = int(argv[0]), argv[1], argv[2] == "1", int(argv[3])
     _die_with_parent(parent)
     sock = socket.socket(fileno=fd)
+    _install_sentinel_escaping()
     Worker(sock, action_dir=action_dir, concurrent=concurrent).serve()
     return 0

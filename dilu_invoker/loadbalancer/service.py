@@ -523,14 +523,14 @@ async def open_balancer(cfg: Config, redis: aioredis.Redis, *, holder: str | Non
 
 
 async def _main(cfg: Config) -> int:
-    from dilu_invoker.redis_embedded import redis_client
+    from dilu_invoker.redis_embedded import configured_client
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     assert cfg.redis.url is not None
-    redis = redis_client(cfg.redis.url)
+    redis = configured_client(cfg.redis.url, cfg.redis)
     try:
         await redis.ping()
         async with open_balancer(cfg, redis) as balancer:

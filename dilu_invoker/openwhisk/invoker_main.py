@@ -129,9 +129,9 @@ async def _main(cfg: Config) -> int:
         # GPU budgets live in Redis when one is configured; without it the node admits against its own view.
         redis = None
         if cfg.redis.url:
-            from dilu_invoker.redis_embedded import redis_client
+            from dilu_invoker.redis_embedded import configured_client
 
-            redis = redis_client(cfg.redis.url)
+            redis = configured_client(cfg.redis.url, cfg.redis)
             stack.push_async_callback(redis.aclose)
         invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest, redis=redis))
         user, password = invoker_credentials(cfg)

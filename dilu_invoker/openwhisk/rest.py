@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = ["AUTH", "CONFIG", "MANIFEST", "RUNNER", "STORE", "TASKS", "build_api"
 log = structlog.get_logger(__name__)
 
 API_PREFIX = "/api/v1"
+OPENAPI: web.AppKey[bytes] = web.AppKey("openapi", bytes)
 
 
 def runtimes_json(manifest: Manifest) -> dict[str, list[dict[str, Any]]]:
@@ -96,6 +98,15 @@ async def root_info(request: web.Request) -> web.Response:
     })
 
 
+#: the OpenAPI 3 document of the served subset, in the package; served at ``GET /api/v1/api-docs``
+OPENAPI_PATH = "openapi.json"
+
+
+async def api_docs(request: web.Request) -> web.Response:
+    """``GET /api/v1/api-docs``: the OpenAPI document (no authentication; OpenWhisk's path for its own)."""
+    return json_response(None, encoded=request.app[OPENAPI])
+
+
 async def list_namespaces(request: web.Request) -> web.Response:
     identity = authenticate(request)
     return json_response([identity.namespace])
@@ -150,6 +161,8 @@ def build_api(
     app.router.add_get("/", root_info)
     app.router.add_get(API_PREFIX, api_info)
     app.router.add_get(API_PREFIX + "/", api_info)
+    app[OPENAPI] = importlib.resources.files("dilu_invoker.openwhisk").joinpath(OPENAPI_PATH).read_bytes()
+    _route(app, "GET", f"{API_PREFIX}/api-docs", api_docs)
     _route(app, "GET", f"{API_PREFIX}/namespaces", list_namespaces)
 
     ns = f"{API_PREFIX}/namespaces/{{namespace}}"

@@ -57,7 +57,7 @@ from dilu_invoker.openwhisk.rest_common import (
     read_body,
     resolve_namespace,
 )
-from dilu_invoker.store import RevisionConflict, action_summary_json
+from dilu_invoker.store import STORE_UNAVAILABLE, RevisionConflict, action_summary_json
 
 log = structlog.get_logger(__name__)
 
@@ -66,6 +66,8 @@ _SEMVER_RE = re.compile(r"\A\d+\.\d+\.\d+\Z")
 #: JSON framing around code and parameters in a PUT body that the size limits do not count
 _PUT_SLACK = 64 * 1024
 ACTIVATION_ID_HEADER = "x-openwhisk-activation-id"
+#: failures before an activation ran that the caller is told to retry (503)
+_OVERLOAD: tuple[type[Exception], ...] = (InvokerOverloaded, *STORE_UNAVAILABLE)
 
 
 def put_body_limit(cfg: ApiConfig) -> int:
@@ -305,7 +307,8 @@ class _Invocation:
         req = self.req
         try:
             activation = await self.app[RUNNER].run(req)
-        except InvokerOverloaded:
+        except _OVERLOAD:
+            # Redis unavailable to the invoker's routing counts as overload: answered 503 (retry).
             if not self.detached:
                 raise
             activation = fallback_activation(req, ActivationResponse.whisk_error(Msg.OVERLOADED))
@@ -414,7 +417,7 @@ async def invoke_action(request: web.Request) -> web.Response:
         # One turn of the loop lets the runner refuse at once (queue full) so the caller gets 503, not
         # an id that will only ever show an overload record.
         await asyncio.sleep(0)
-        if task.done() and isinstance(task.exception(), InvokerOverloaded):
+        if task.done() and isinstance(task.exception(), _OVERLOAD):
             raise ApiError(503, Msg.OVERLOADED)
         invocation.detached = True
         return accepted

@@ -58,9 +58,13 @@ def _epoch_ms(request: web.Request, name: str) -> int | None:
     if raw is None:
         return None
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ApiError(400, Msg.bad_epoch(raw)) from None
+    # OpenWhisk reads epochs as 64-bit integers; Redis refuses scores beyond that range too.
+    if not -(2**63) <= value < 2**63:
+        raise ApiError(400, Msg.bad_epoch(raw))
+    return value
 
 
 def _activation_id(request: web.Request) -> str:

@@ -7,14 +7,17 @@ import asyncio
 import contextvars
 import io
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from dilu_invoker import jsonutil
 from dilu_invoker.config import ApiConfig
+from dilu_invoker.health import unhealthy_reason
 from dilu_invoker.invoker.api import ActivationRunner
 from dilu_invoker.invoker.manifest import Manifest
 from dilu_invoker.model import (
@@ -25,7 +28,7 @@ from dilu_invoker.model import (
     new_transid,
 )
 from dilu_invoker.openwhisk.rest_auth import Authenticator
-from dilu_invoker.store import EntityStore
+from dilu_invoker.store import STORE_UNAVAILABLE, EntityStore
 
 log = structlog.get_logger(__name__)
 
@@ -169,14 +172,28 @@ async def openwhisk_middleware(request: web.Request, handler: Handler) -> web.St
     TRANSID.set(tid)
     with structlog.contextvars.bound_contextvars(transid=tid[0]):
         try:
+            unhealthy = unhealthy_reason(request.app)
+            response: web.StreamResponse
             # CORS preflight for any path, as OpenWhisk answers it
-            response = web.Response() if request.method == "OPTIONS" else await handler(request)
+            if request.method == "OPTIONS":
+                response = web.Response()
+            elif unhealthy is not None:
+                # Redis is down: answer at once instead of waiting on it, and say so at the root.
+                message = f"System is unhealthy: {unhealthy}." if request.path == "/" else Msg.OVERLOADED
+                response = error_response(503, message)
+            else:
+                response = await handler(request)
         except ApiError as exc:
             response = error_response(exc.status, exc.message, headers=exc.headers)
         except web.HTTPException as exc:
             response = _from_http_exception(exc)
         except asyncio.CancelledError:
             raise
+        except STORE_UNAVAILABLE as exc:
+            # Redis is down, restarting, or every pooled connection stayed busy past the pool timeout:
+            # the client may retry, so this is OpenWhisk's overload answer, never a 500.
+            _store_unavailable_log.note(exc, method=request.method, path=request.path)
+            response = error_response(503, Msg.OVERLOADED)
         except Exception:
             log.exception("request failed", method=request.method, path=request.path)
             response = error_response(500, Msg.INTERNAL)
@@ -184,6 +201,29 @@ async def openwhisk_middleware(request: web.Request, handler: Handler) -> web.St
     for k, v in _CORS.items():
         response.headers.setdefault(k, v)
     return response
+
+
+class _RateLimitedWarning:
+    """One warning per ``period_s`` with the count of the ones left out: a dead Redis under load would
+    otherwise write hundreds of identical lines a second."""
+
+    def __init__(self, event: str, period_s: float = 1.0) -> None:
+        self.event = event
+        self.period_s = period_s
+        self._last = float("-inf")
+        self._suppressed = 0
+
+    def note(self, exc: BaseException, **fields: object) -> None:
+        now = asyncio.get_running_loop().time()
+        if now - self._last < self.period_s:
+            self._suppressed += 1
+            return
+        log.warning(self.event, error=f"{type(exc).__name__}: {exc}", suppressed=self._suppressed, **fields)
+        self._last = now
+        self._suppressed = 0
+
+
+_store_unavailable_log = _RateLimitedWarning("redis unavailable, answered 503")
 
 
 def _from_http_exception(exc: web.HTTPException) -> web.StreamResponse:
@@ -199,6 +239,58 @@ def _from_http_exception(exc: web.HTTPException) -> web.StreamResponse:
         message = exc.reason
     headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
     return error_response(exc.status, message, headers=headers)
+
+
+# --------------------------------------------------------------------------------------------
+# aiohttp's own error answers (requests that never reach a handler or the middleware)
+# --------------------------------------------------------------------------------------------
+
+
+class _OpenWhiskErrorsRequestHandler(RequestHandler):
+    """aiohttp answers a request it cannot parse (header line too long, bad method token, broken
+    framing) itself, in plain text and before any middleware runs. This handler gives those answers
+    OpenWhisk's JSON error shape, keeping aiohttp's status, logging and connection handling."""
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)
+        if status == 500:
+            text = Msg.INTERNAL
+        else:
+            reason = (str(exc) if exc is not None and str(exc) else message or "").strip().splitlines()
+            text = "The request could not be parsed" + (f": {reason[0]}" if reason else ".")
+        body = jsonutil.dumps({"error": text, "code": str(new_transid()[0])})
+        response = web.Response(body=body, status=plain.status, content_type="application/json")
+        response.force_close()
+        return response
+
+
+class _OpenWhiskErrorsServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _OpenWhiskErrorsRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class ApiAppRunner(web.AppRunner):
+    """:class:`aiohttp.web.AppRunner` whose connections answer aiohttp's own errors in OpenWhisk's shape."""
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()
+        return _OpenWhiskErrorsServer(plain.request_handler, request_factory=plain.request_factory,
+                                      handler_cancellation=plain.handler_cancellation, loop=plain._loop,
+                                      **plain._kwargs)
+
+
+async def serve_api(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve the REST app on ``host:port`` (0: a free port); returns the runner and the bound port."""
+    runner = ApiAppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = port
+    for sock in getattr(site._server, "sockets", None) or ():
+        bound = int(sock.getsockname()[1])
+        break
+    return runner, bound
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,6 +369,10 @@ def query_limit(request: web.Request, collection: str) -> int:
     return n
 
 
+#: OpenWhisk reads ``skip`` as a 32-bit integer; anything larger is "not an integer" there too
+MAX_SKIP = 2**31 - 1
+
+
 def query_skip(request: web.Request, collection: str) -> int:
     raw = request.query.get("skip")
     if raw is None:
@@ -285,6 +381,8 @@ def query_skip(request: web.Request, collection: str) -> int:
         n = int(raw)
     except ValueError:
         raise ApiError(400, Msg.not_integer(collection, raw)) from None
+    if n > MAX_SKIP:
+        raise ApiError(400, Msg.not_integer(collection, raw))
     if n < 0:
         raise ApiError(400, Msg.skip_out_of_range(collection, n))
     return n
@@ -312,13 +410,46 @@ async def read_body(request: web.Request, limit: int) -> bytes | bytearray:
     return bytes(body) if len(body) <= _CHUNK else body
 
 
-async def parse_json_body(body: bytes | bytearray) -> JsonValue:
-    """``None`` for an empty body; 400 in OpenWhisk's wording for anything that is not JSON."""
+#: deepest nesting of arrays and objects a request body may have (``docs/rest-api.md``, "Errors")
+MAX_JSON_DEPTH = 100
+
+
+def nesting_exceeds(value: JsonValue, limit: int) -> bool:
+    """True when arrays and objects in ``value`` nest deeper than ``limit`` (iterative: no recursion).
+
+    The cost follows the number of containers, not the bytes: a 48 MB code string is one leaf."""
+    stack: list[tuple[JsonValue, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[JsonValue] = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+async def parse_json_body(body: bytes | bytearray, *, max_depth: int = MAX_JSON_DEPTH) -> JsonValue:
+    """``None`` for an empty body; 400 in OpenWhisk's wording for anything that is not JSON, or that nests
+    arrays and objects deeper than ``max_depth``."""
     if not body or body.isspace():
         return None
+    too_deep = ApiError(400, f"The request content was malformed: JSON nested deeper than {max_depth} levels.")
     try:
-        return await jsonutil.aloads(body)
+        value = await jsonutil.aloads(body)
     except UnicodeDecodeError:
         raise ApiError(400, "The request content was malformed: the body is not UTF-8 text.") from None
+    except RecursionError:
+        # Far deeper than the bound: the parser's own recursion guard gave up.
+        raise too_deep from None
     except ValueError as exc:
         raise ApiError(400, f"The request content was malformed: {exc}") from None
+    deep = (await asyncio.to_thread(nesting_exceeds, value, max_depth) if len(body) > jsonutil.OFFLOAD_BYTES
+            else nesting_exceeds(value, max_depth))
+    if deep:
+        raise too_deep
+    return value

@@ -1,0 +1,64 @@
+"""A runtime that dies in the middle of an activation: the record blames the action (developer error)
+and the next invoke of the action gets a fresh container (a cold start)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dilu_invoker import config
+from dilu_invoker.invoker.core import Invoker, open_invoker
+from dilu_invoker.model import GUEST_IDENTITY, Action, ActivationRequest, ActivationStatus, Exec, new_activation_id
+
+CODE = """
+import os, time
+
+def main(args):
+    if args.get("pidfile"):
+        with open(args["pidfile"], "w") as f:
+            f.write(f"{os.getppid()} {os.getpid()}")
+        time.sleep(30)
+    return {"pid": os.getpid()}
+"""
+
+
+@pytest.fixture
+async def invoker() -> AsyncIterator[Invoker]:
+    base = config.load(environ={})
+    cfg = replace(base, invoker=replace(base.invoker, user_memory_mb=1024, idle_timeout_s=60))
+    async with open_invoker(cfg) as inv:
+        yield inv
+
+
+def _req(content: dict[str, object]) -> ActivationRequest:
+    action = Action(namespace="guest", name="dies", exec=Exec(kind="python:3", code=CODE), revision="1-a")
+    return ActivationRequest(activation_id=new_activation_id(), action=action, identity=GUEST_IDENTITY,
+                             content=content)
+
+
+@pytest.mark.parametrize("victim", ["proxy", "worker"])
+async def test_runtime_killed_mid_activation_is_a_developer_error_then_a_cold_start(
+    invoker: Invoker, tmp_path: Path, victim: str
+) -> None:
+    first = await invoker.run(_req({}))
+    assert first.response.status is ActivationStatus.SUCCESS
+    pidfile = tmp_path / "pids"
+    running = asyncio.create_task(invoker.run(_req({"pidfile": str(pidfile)})))
+    async with asyncio.timeout(20):
+        while not pidfile.exists() or not pidfile.read_text():
+            await asyncio.sleep(0.02)
+    proxy, worker = (int(p) for p in pidfile.read_text().split())
+    os.kill(proxy if victim == "proxy" else worker, signal.SIGKILL)
+    died = await asyncio.wait_for(running, 20)
+    assert died.response.status is ActivationStatus.DEVELOPER_ERROR
+    assert isinstance(died.response.result, dict) and died.response.result.get("error")
+    again = await invoker.run(_req({}))
+    assert again.response.status is ActivationStatus.SUCCESS
+    assert again.annotation("initTime") is not None  # a cold start: a new container was initialized
+    assert again.response.result != first.response.result  # another worker process
