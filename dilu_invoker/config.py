@@ -111,6 +111,14 @@ class GpuConfig:
     shm_dir: str = _opt("/dev/shm/dilu", "directory of the per-instance control and stats blocks")
     shim_path: str | None = _opt(None, "libdilu_shim.so (default: the built one)")
     reservation_ttl_s: float = _opt(30.0, "lease of a GPU budget reservation; renewed while the instance lives")
+    mps: str = _opt("auto", "run GPU containers as MPS clients of a daemon the invoker starts per GPU: auto (where "
+                            "nvidia-cuda-mps-control exists and the compute mode allows it), on, off (time-slicing)")
+    mps_control: str = _opt("nvidia-cuda-mps-control", "the MPS control binary (a name on PATH or a path)")
+    mps_dir: str | None = _opt(None, "directory (0700) of the MPS pipe and log directories (default: DATA_DIR/mps)")
+
+    def __post_init__(self) -> None:
+        if self.mps.strip().lower() not in ("auto", "on", "off"):
+            raise ConfigError(f"--gpu-mps must be auto, on or off, not {self.mps!r}")
 
 
 @dataclass(frozen=True, slots=True)
