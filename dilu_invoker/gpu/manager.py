@@ -41,6 +41,10 @@ from dilu_invoker.policy.vertical import (
 log = structlog.get_logger(__name__)
 
 _DEFAULT_WINDOW_NS = abi.WINDOW_TICKS * abi.TICK_NS
+#: modes in which the policy cuts best-effort instances below their limits now
+CUT_MODES = frozenset({FeedbackMode.EMERGENCY, FeedbackMode.BURST, FeedbackMode.DRAIN})
+#: a GPU whose policy cuts again and again logs the cut at info at most this often
+CUT_LOG_EVERY_S = 10.0
 
 
 async def ticks(period_s: float) -> AsyncIterator[int]:
@@ -615,6 +619,9 @@ class GpuManager:
         self._pub = _PublishState()
         self._log = log.bind(gpu=index, uuid=uuid)
         self.last: TickRecord | None = None
+        self._cut_logged_at = -math.inf
+        self._cuts_unlogged = 0
+        self._cut_open = False
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -765,8 +772,7 @@ class GpuManager:
             decision = decide_shares(snapshot, self._state, self.vertical)
             self._state = decision.state
             if decision.mode is not previous_mode:
-                self._log.info("vertical mode changed", old=previous_mode.value, new=decision.mode.value,
-                               reason=decision.reason)
+                self._log_mode_change(previous_mode, decision, now)
             self._log.debug("vertical decision", mode=decision.mode.value, budget=decision.budget,
                             reason=decision.reason)
 
@@ -784,6 +790,26 @@ class GpuManager:
         for observer in self._observers:
             observer(record)
         return record
+
+    def _log_mode_change(self, old: FeedbackMode, decision: VerticalDecision, now: float) -> None:
+        """Info only when it matters: best-effort cut (entering emergency, burst or drain; at most once per
+        ``CUT_LOG_EVERY_S``, with how many cuts were not logged) and best-effort back at its limits (idle
+        after a cut). Every other change is debug; /metrics counts them all."""
+        new = decision.mode
+        if new in CUT_MODES and old not in CUT_MODES:
+            self._cuts_unlogged += 1
+            if now - self._cut_logged_at >= CUT_LOG_EVERY_S:
+                self._log.info("best-effort cut", old=old.value, new=new.value, reason=decision.reason,
+                               cuts_since_last_line=self._cuts_unlogged)
+                self._cut_logged_at, self._cuts_unlogged = now, 0
+                self._cut_open = True
+                return
+            self._cut_open = True
+        elif new is FeedbackMode.IDLE and self._cut_open:
+            self._cut_open = False
+            self._log.info("best-effort back at its limits", old=old.value, reason=decision.reason)
+            return
+        self._log.debug("vertical mode changed", old=old.value, new=new.value, reason=decision.reason)
 
     def _apply(self, m: _Managed, decision: VerticalDecision | None, inst: VerticalInstance,
                lc_active: set[str], elapsed_s: float, now: float) -> InstanceStatus:

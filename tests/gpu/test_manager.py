@@ -488,3 +488,39 @@ async def test_publisher_never_blocks_the_tick(gpu: Gpu) -> None:
         await mgr.stop()
         ctl.close()
         st.close()
+
+
+def test_mode_changes_log_at_info_only_for_cuts_and_returns(tmp_path: Path) -> None:
+    """Alternating modes every period (as one instance's spans come and go) stay at debug; a cut is info at
+    most once per CUT_LOG_EVERY_S, and so is the return to the limits after it; /metrics counts them all."""
+    from types import SimpleNamespace
+
+    import structlog
+
+    from dilu_invoker.gpu.manager import CUT_LOG_EVERY_S
+    from dilu_invoker.gpu.manager import GpuLabel as Label
+
+    registry = CollectorRegistry()
+    metrics = GpuMetrics(registry)
+    g = Gpu(tmp_path, metrics=metrics)
+    seq = [FeedbackMode.STEADY, FeedbackMode.RECOVERY] * 20 + [FeedbackMode.EMERGENCY, FeedbackMode.RECOVERY] * 5 \
+        + [FeedbackMode.IDLE, FeedbackMode.STEADY] * 3
+    try:
+        with structlog.testing.capture_logs() as logs:
+            now, old = 0.0, FeedbackMode.IDLE
+            for mode in seq:
+                now += 0.25
+                g.mgr._log_mode_change(old, SimpleNamespace(mode=mode, reason="r"), now)  # type: ignore[arg-type]
+                metrics.observe_gpu(Label(3, "GPU-t"), fragmentation=0.0, utilization=None, mode=mode, decided=True)
+                old = mode
+        info = [e for e in logs if e["log_level"] == "info"]
+        assert [e["event"] for e in info] == ["best-effort cut", "best-effort back at its limits"]
+        assert info[0]["cuts_since_last_line"] == 1
+        assert sum(1 for e in logs if e["log_level"] == "debug") == len(seq) - 2
+        assert CUT_LOG_EVERY_S > 5 * 0.5  # the five cuts fell inside one interval
+        changes = registry.get_sample_value("dilu_gpu_vertical_mode_changes_total",
+                                            {"gpu": "3", "uuid": "GPU-t", "from_mode": "steady",
+                                             "to_mode": "recovery"})
+        assert changes == 20
+    finally:
+        g.close()
