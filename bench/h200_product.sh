@@ -20,7 +20,7 @@ if [ "$what" = smoke ]; then  timeout 300 python3 -W ignore::DeprecationWarning 
 elif [ "$what" = full ]; then
   timeout "${5:-480}" python3 -W ignore::DeprecationWarning bench/gpu_product.py --modes "${4:-noshim,shim,mps50}" \
     --pairs "${3:-resnet50+train,bert+train}" --seconds "${SECONDS_PER:-5}" --loads 0.5,0.7 \
-    --out "$out/gpu_product.json" --report "$out/gpu-product.md" 2>&1 | tail -80
+    --out "$out/${NAME:-gpu_product}.json" --report "$out/${NAME:-gpu_product}.md" 2>&1 | tail -80
 fi
 gzip -f "$out"/trace_*.json 2>/dev/null || true
 ls -la "$out"
