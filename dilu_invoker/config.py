@@ -142,8 +142,14 @@ class GpuConfig:
                                                    "client may use, fixed at its start")
     vertical_rckm: str = _opt("", "rckm policy: overrides of its VerticalConfig fields, key=value,… "
                                   "(experiments; docs/policies.md §1)")
+    mps: str = _opt("auto", "run GPU containers as MPS clients of a daemon the invoker starts per GPU: auto (where "
+                            "nvidia-cuda-mps-control exists and the compute mode allows it), on, off (time-slicing)")
+    mps_control: str = _opt("nvidia-cuda-mps-control", "the MPS control binary (a name on PATH or a path)")
+    mps_dir: str | None = _opt(None, "directory (0700) of the MPS pipe and log directories (default: DATA_DIR/mps)")
 
     def __post_init__(self) -> None:
+        if self.mps.strip().lower() not in ("auto", "on", "off"):
+            raise ConfigError(f"--gpu-mps must be auto, on or off, not {self.mps!r}")
         try:
             self.vertical()
         except ValueError as exc:

@@ -44,6 +44,7 @@ from dilu_invoker.invoker.server import invoker_credentials, serve_app
 from dilu_invoker.loadbalancer.service import Balancer, open_balancer
 from dilu_invoker.model import Activation, ActivationRequest
 from dilu_invoker.openwhisk.rest import build_api
+from dilu_invoker.openwhisk.rest_actions import ActionFit
 from dilu_invoker.openwhisk.rest_auth import Authenticator
 from dilu_invoker.openwhisk.rest_common import serve_api
 from dilu_invoker.redis_embedded import open_redis_with_health
@@ -134,6 +135,13 @@ def lock_data_dir(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+def _action_fit(cfg: Config, invokers: Sequence[Invoker]) -> ActionFit:
+    """What the invokers of this standalone can ever run: PUT refuses actions whose limits exceed it."""
+    gpus = [d for inv in invokers if inv.gpu is not None for d in getattr(inv.gpu, "devices", ())]
+    largest = max(gpus, key=lambda d: d.memory_mb, default=None)
+    return ActionFit(user_memory_mb=cfg.invoker.user_memory_mb,
+                     gpu_memory_mb=largest.memory_mb if largest is not None else None,
+                     gpu_name=f"GPU {largest.index} {largest.name}" if largest is not None else "")
 
 
 @contextlib.asynccontextmanager
@@ -173,7 +181,8 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
         if cfg.standalone.balancer:
             balancer = await stack.enter_async_context(open_balancer(cfg, redis))
         front: ActivationRunner = runners[0] if n == 1 else RoundRobin(runners)
-        api = build_api(cfg.api, store=store, runner=front, manifest=manifest, auth=Authenticator.from_config(cfg.api))
+        api = build_api(cfg.api, store=store, runner=front, manifest=manifest, auth=Authenticator.from_config(cfg.api),
+                        action_fit=_action_fit(cfg, invokers))
         api[HEALTH] = health
         api_runner, api_port = await serve_api(api, cfg.api.host, cfg.api.port)
         stack.push_async_callback(api_runner.cleanup)

@@ -215,6 +215,8 @@ class FunctionSpec:
     capacity_rps: float | None = None
     profile: str | None = None
     affinity: str | None = None
+    user_memory_mb: int = 0
+    """The action's memory limit (``limits.memory``): what an instance holds of its invoker's user memory."""
 
     @classmethod
     def of(cls, action: Action) -> FunctionSpec:
@@ -252,6 +254,7 @@ class FunctionSpec:
             capacity_rps=capacity,
             profile=profile,
             affinity=affinity,
+            user_memory_mb=action.limits.memory_mb,
         )
 
     @classmethod
@@ -310,6 +313,8 @@ class InstanceReport:
     """Mean run time of the activations completed in the period."""
     queue_delay_ms: float = 0.0
     """90th percentile of the time activations waited for a slot of this instance."""
+    error: str = ""
+    """Why the instance failed (state ``failed``): the balancer tells the waiting callers."""
 
     @classmethod
     def from_wire(cls, data: Any) -> InstanceReport:
@@ -421,6 +426,8 @@ class InstanceRecord:
     replaces: str = ""
     """Set while this instance is the replacement a compaction move started for another instance of
     the function (make-before-break): once it is ready, the original is drained and this is cleared."""
+    user_memory_mb: int = 0
+    """Of its invoker's user memory, what it holds (its action's memory limit)."""
 
     @classmethod
     def from_wire(cls, data: Any) -> InstanceRecord:

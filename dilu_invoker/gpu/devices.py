@@ -149,3 +149,16 @@ def sm_utilization(device: GpuDevice) -> float | None:
         return float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu) / 100.0
     except Exception:  # noqa: BLE001 - metrics must not fail the manager
         return None
+
+
+def compute_mode(index: int) -> int | None:
+    """The GPU's NVML compute mode (0 Default, 1 Exclusive_Thread, 2 Prohibited, 3 Exclusive_Process);
+    None when NVML cannot tell (no NVML, a simulated GPU)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return int(pynvml.nvmlDeviceGetComputeMode(h))
+    except Exception:  # noqa: BLE001 - unknown is an answer
+        return None

@@ -40,6 +40,10 @@ from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, AnyVerticalState
 log = structlog.get_logger(__name__)
 
 _DEFAULT_WINDOW_NS = abi.WINDOW_TICKS * abi.TICK_NS
+#: modes in which the policy cuts best-effort instances below their limits now
+CUT_MODES = frozenset({FeedbackMode.EMERGENCY, FeedbackMode.BURST, FeedbackMode.DRAIN})
+#: a GPU whose policy cuts again and again logs the cut at info at most this often
+CUT_LOG_EVERY_S = 10.0
 
 
 async def ticks(period_s: float) -> AsyncIterator[int]:
@@ -120,6 +124,7 @@ class Counters:
     cycles: int
     cycle_current_windows: int
     spans: int = 0
+    mem_peak_bytes: int = 0
 
     @classmethod
     def of(cls, s: abi.StatsSnapshot) -> Counters:
@@ -132,6 +137,7 @@ class Counters:
             cycles=s.cycles,
             cycle_current_windows=s.cycle_current_windows,
             spans=s.spans,
+            mem_peak_bytes=s.mem_peak_bytes,
         )
 
 
@@ -162,6 +168,8 @@ class Reading:
     """Their lengths in seconds, oldest first; the newest ``abi.SPAN_RING`` when more completed."""
     open_span_s: float = 0.0
     """Age of the span in progress when read (0: none)."""
+    mem_grown_bytes: int = 0
+    """Growth of the device-memory high-water mark in between (allocations: loading, warm-up)."""
 
     @property
     def busy_s(self) -> float:
@@ -232,6 +240,7 @@ def read_delta(prev: Counters | None, snap: abi.StatsSnapshot, *,
         spans=new_spans,
         spans_s=tuple(us / 1e6 for us in spans_us),
         open_span_s=open_span_s,
+        mem_grown_bytes=max(0, now.mem_peak_bytes - (base.mem_peak_bytes if base else 0)),
     )
     return reading, now
 
@@ -271,15 +280,29 @@ def vertical_instance(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CapacityConfig:
-    """How the manager learns an instance's capacity (blocks/ms with the whole GPU); docs/gpu-manager.md."""
+    """How the manager learns an instance's capacity (blocks/ms with the whole GPU); docs/gpu-manager.md.
+
+    The estimate is a lower bound that only trustworthy periods raise: an instance runs unlimited until
+    ``trust_periods`` of them have been seen, and a low estimate is found out by probing while the
+    instance waits for tokens at its limit.
+    """
 
     half_life_s: float = 600.0
     """An estimate decays toward newer observations with this half-life. Slow on purpose: an
     over-estimate is corrected by the cycle feedback, an under-estimate starves the instance."""
-    probe_growth: float = 1.25
-    """Per period, while an instance is throttled at its limit with no other latency-critical demand."""
-    max_probe_ratio: float = 4.0
-    """Probing never goes beyond this multiple of the highest rate ever observed."""
+    trust_periods: int = 3
+    """Consecutive trustworthy periods (unthrottled, busy-dominated, no new device memory) before the
+    first estimate is used; until then the instance runs unlimited."""
+    min_busy_fraction: float = 0.5
+    """A period whose 5 ms launch windows are busy less than this fraction is idle-dominated: its
+    launches were paced by the host (loading, a request now and then), not by the GPU."""
+    probe_growth: float = 2.0
+    """Per period, while an instance waits for tokens at its limit with no other latency-critical demand."""
+    max_probe_ratio: float = 64.0
+    """Probing never goes beyond this multiple of the highest trustworthy rate ever observed."""
+    probe_backoff_s: float = 1.0
+    """After a probe that found no faster rate, the next waits this long, doubling up to ``max_probe_backoff_s``."""
+    max_probe_backoff_s: float = 30.0
     throttled_fraction: float = 0.1
     """Waiting for tokens at least this fraction of the period counts as throttled."""
     clean_fraction: float = 0.02
@@ -290,10 +313,16 @@ class CapacityConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.half_life_s) and self.half_life_s > 0):
             raise ValueError(f"half_life_s must be > 0, got {self.half_life_s!r}")
+        if self.trust_periods < 1:
+            raise ValueError("trust_periods must be >= 1")
+        if not 0.0 <= self.min_busy_fraction <= 1.0:
+            raise ValueError(f"min_busy_fraction must be within [0, 1], got {self.min_busy_fraction!r}")
         if not (math.isfinite(self.probe_growth) and self.probe_growth > 1.0):
             raise ValueError(f"probe_growth must be > 1, got {self.probe_growth!r}")
         if not (math.isfinite(self.max_probe_ratio) and self.max_probe_ratio >= 1.0):
             raise ValueError(f"max_probe_ratio must be >= 1, got {self.max_probe_ratio!r}")
+        if not (0 <= self.probe_backoff_s <= self.max_probe_backoff_s and math.isfinite(self.max_probe_backoff_s)):
+            raise ValueError("need 0 <= probe_backoff_s <= max_probe_backoff_s < inf")
         if not 0.0 <= self.clean_fraction <= self.throttled_fraction <= 1.0:
             raise ValueError("need 0 <= clean_fraction <= throttled_fraction <= 1")
         if self.min_busy_windows < 1:
@@ -305,11 +334,18 @@ class CapacityEstimate:
     """An instance's capacity as far as the manager knows it."""
 
     blocks_per_ms: float | None = None
-    """None: unknown (the instance runs unlimited until its first observation)."""
+    """In force; None: unknown (the instance runs unlimited until ``trust_periods`` trustworthy periods)."""
     peak_blocks_per_ms: float = 0.0
-    """Highest clean busy rate ever observed (bounds probing)."""
+    """Highest trustworthy rate ever observed (bounds probing)."""
     override: float | None = None
     """Measured by the profiler; never changed by observations."""
+    trusted_periods: int = 0
+    """While unknown: trustworthy periods in a row so far."""
+    learnt_blocks_per_ms: float | None = None
+    """The estimate observations support (``blocks_per_ms`` is above it while a probe runs)."""
+    probing: bool = False
+    next_probe_at: float = -math.inf
+    probe_backoff_s: float = 0.0
 
     @property
     def value(self) -> float | None:
@@ -331,6 +367,11 @@ class CapacityObservation:
     """Its share in force is its limit."""
     others_latency_active: bool
     """Another latency-critical instance on this GPU has demand."""
+    windows: int | None = None
+    """5 ms launch windows completed in the period (None: as many as busy)."""
+    mem_grown_bytes: int = 0
+    """Growth of the process's device-memory high-water mark in the period (loading, warm-up)."""
+    now: float = 0.0
 
     @property
     def busy_rate(self) -> float:
@@ -338,17 +379,29 @@ class CapacityObservation:
         busy_ms = self.busy_windows * self.window_s * 1000.0
         return self.blocks / busy_ms if busy_ms > 0 else 0.0
 
+    @property
+    def busy_fraction(self) -> float:
+        windows = self.windows if self.windows is not None else self.busy_windows
+        return self.busy_windows / windows if windows > 0 else 0.0
+
 
 def estimate_capacity(
     est: CapacityEstimate, obs: CapacityObservation, config: CapacityConfig
 ) -> tuple[CapacityEstimate, str]:
     """The next estimate and why (pure).
 
-    * A period in which the instance waited for tokens (almost) never shows its own speed: the busy
-      rate is a lower bound of its capacity. The estimate is the highest such rate, decaying slowly
-      (half-life ``half_life_s``) toward newer ones.
-    * Throttled at its limit while no other latency-critical instance has demand: the GPU has room, so
-      perhaps the estimate is low; probe upward ×``probe_growth`` (at most ``max_probe_ratio`` × the peak).
+    * Only a *trustworthy* period teaches: the instance (almost) never waited for tokens, most of its
+      launch windows were busy, at least ``min_busy_windows`` of them, and its device memory did not grow
+      (model loading and warm-up allocate; their launches are paced by copies and the host). Its busy
+      rate is a lower bound of the capacity.
+    * Unknown capacity means unlimited; the first estimate is the highest rate of ``trust_periods``
+      trustworthy periods in a row. After that the estimate is the highest trustworthy rate, decaying
+      slowly (half-life ``half_life_s``) toward newer ones.
+    * Throttled at its limit while no other latency-critical instance has demand: the estimate may be
+      low (the instance would run faster than share x estimate allows). Probe upward x``probe_growth``
+      per period (at most ``max_probe_ratio`` x the peak) until the quota no longer binds; the rate then
+      observed is the instance's own. A probe that found nothing faster backs off (``probe_backoff_s``
+      doubling), so an estimate that is right costs one short probe now and then.
     * Throttled otherwise: no information.
     """
     if est.override is not None:
@@ -356,27 +409,53 @@ def estimate_capacity(
     period = max(obs.elapsed_s, 1e-9)
     waited = obs.throttled_s / period if obs.limited else 0.0
     if waited >= config.throttled_fraction:
-        if est.blocks_per_ms is not None and obs.at_limit and not obs.others_latency_active:
-            ceiling = est.peak_blocks_per_ms * config.max_probe_ratio
-            grown = min(est.blocks_per_ms * config.probe_growth, ceiling)
-            if grown > est.blocks_per_ms * (1 + 1e-9):
-                why = (f"throttled {waited:.0%} at its limit with no other latency-critical demand: "
-                       f"probe {est.blocks_per_ms:.1f} -> {grown:.1f} blocks/ms")
-                return replace(est, blocks_per_ms=grown), why
+        if est.blocks_per_ms is None:
+            return est, f"throttled {waited:.0%} with no estimate in force"
+        if not obs.at_limit or obs.others_latency_active:
+            return est, f"throttled {waited:.0%}: its rate is the quota's, not its own"
+        if not est.probing and obs.now < est.next_probe_at:
+            return est, f"throttled at its limit; next probe in {est.next_probe_at - obs.now:.1f} s"
+        ceiling = max(est.peak_blocks_per_ms, est.learnt_blocks_per_ms or 0.0) * config.max_probe_ratio
+        grown = min(est.blocks_per_ms * config.probe_growth, ceiling)
+        if grown <= est.blocks_per_ms * (1 + 1e-9):
             return est, f"throttled at its limit; probing stopped at {config.max_probe_ratio}x the peak"
-        return est, f"throttled {waited:.0%}: its rate is the quota's, not its own"
+        why = (f"throttled {waited:.0%} at its limit with no other latency-critical demand: "
+               f"probe {est.blocks_per_ms:.1f} -> {grown:.1f} blocks/ms")
+        return replace(est, blocks_per_ms=grown, probing=True), why
+    if obs.mem_grown_bytes > 0:
+        why = f"loading: device memory grew {obs.mem_grown_bytes / 2**20:.1f} MiB; not learnt"
+        return (replace(est, trusted_periods=0) if est.blocks_per_ms is None else est), why
     if waited >= config.clean_fraction or obs.busy_windows < config.min_busy_windows or obs.blocks <= 0:
         return est, "no clean busy period to learn from"
+    if obs.busy_fraction < config.min_busy_fraction:
+        return est, f"idle-dominated ({obs.busy_fraction:.0%} of windows busy): not learnt"
     rate = obs.busy_rate
-    if est.blocks_per_ms is None:
-        return (CapacityEstimate(blocks_per_ms=rate, peak_blocks_per_ms=rate),
-                f"first observation {rate:.1f} blocks/ms")
-    decayed = est.blocks_per_ms * 0.5 ** (obs.elapsed_s / config.half_life_s)
-    new = max(rate, decayed)
     peak = max(est.peak_blocks_per_ms, rate)
+    if est.blocks_per_ms is None:
+        n = est.trusted_periods + 1
+        if n < config.trust_periods:
+            return (replace(est, trusted_periods=n, peak_blocks_per_ms=peak),
+                    f"trustworthy period {n}/{config.trust_periods} at {rate:.1f} blocks/ms: unlimited meanwhile")
+        return (CapacityEstimate(blocks_per_ms=peak, peak_blocks_per_ms=peak, learnt_blocks_per_ms=peak,
+                                 trusted_periods=n, probe_backoff_s=config.probe_backoff_s),
+                f"learnt {peak:.1f} blocks/ms from {n} trustworthy periods")
+    learnt = est.learnt_blocks_per_ms if est.learnt_blocks_per_ms is not None else est.blocks_per_ms
+    decayed = learnt * 0.5 ** (obs.elapsed_s / config.half_life_s)
+    new = max(rate, decayed)
+    if est.probing:
+        # The quota stopped binding: the rate seen now is the instance's own.
+        if rate > learnt * 1.1:
+            return (replace(est, blocks_per_ms=new, learnt_blocks_per_ms=new, peak_blocks_per_ms=peak,
+                            probing=False, next_probe_at=obs.now, probe_backoff_s=config.probe_backoff_s),
+                    f"probe found {rate:.1f} blocks/ms (was {learnt:.1f}): raised")
+        backoff = min(max(est.probe_backoff_s, config.probe_backoff_s) * 2, config.max_probe_backoff_s)
+        return (replace(est, blocks_per_ms=new, learnt_blocks_per_ms=new, peak_blocks_per_ms=peak,
+                        probing=False, next_probe_at=obs.now + est.probe_backoff_s, probe_backoff_s=backoff),
+                f"probe found nothing faster ({rate:.1f} blocks/ms): back to {new:.1f}, next probe in "
+                f"{est.probe_backoff_s:.1f} s")
     why = (f"observed {rate:.1f} blocks/ms unthrottled: raised" if rate >= decayed
            else f"observed {rate:.1f} blocks/ms: decayed to {new:.1f}")
-    return CapacityEstimate(blocks_per_ms=new, peak_blocks_per_ms=peak), why
+    return replace(est, blocks_per_ms=new, learnt_blocks_per_ms=new, peak_blocks_per_ms=peak), why
 
 
 def quota_for(
@@ -539,6 +618,9 @@ class GpuManager:
         self._pub = _PublishState()
         self._log = log.bind(gpu=index, uuid=uuid)
         self.last: TickRecord | None = None
+        self._cut_logged_at = -math.inf
+        self._cuts_unlogged = 0
+        self._cut_open = False
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -689,8 +771,7 @@ class GpuManager:
             decision = decide_vertical(snapshot, self._state, self.vertical)
             self._state = decision.state
             if decision.mode is not previous_mode:
-                self._log.info("vertical mode changed", old=previous_mode.value, new=decision.mode.value,
-                               reason=decision.reason)
+                self._log_mode_change(previous_mode, decision, now)
             self._log.debug("vertical decision", mode=decision.mode.value, budget=decision.budget,
                             reason=decision.reason)
 
@@ -709,6 +790,26 @@ class GpuManager:
             observer(record)
         return record
 
+    def _log_mode_change(self, old: FeedbackMode, decision: VerticalDecision, now: float) -> None:
+        """Info only when it matters: best-effort cut (entering emergency, burst or drain; at most once per
+        ``CUT_LOG_EVERY_S``, with how many cuts were not logged) and best-effort back at its limits (idle
+        after a cut). Every other change is debug; /metrics counts them all."""
+        new = decision.mode
+        if new in CUT_MODES and old not in CUT_MODES:
+            self._cuts_unlogged += 1
+            if now - self._cut_logged_at >= CUT_LOG_EVERY_S:
+                self._log.info("best-effort cut", old=old.value, new=new.value, reason=decision.reason,
+                               cuts_since_last_line=self._cuts_unlogged)
+                self._cut_logged_at, self._cuts_unlogged = now, 0
+                self._cut_open = True
+                return
+            self._cut_open = True
+        elif new is FeedbackMode.IDLE and self._cut_open:
+            self._cut_open = False
+            self._log.info("best-effort back at its limits", old=old.value, reason=decision.reason)
+            return
+        self._log.debug("vertical mode changed", old=old.value, new=new.value, reason=decision.reason)
+
     def _apply(self, m: _Managed, decision: VerticalDecision | None, inst: VerticalInstance,
                lc_active: set[str], elapsed_s: float, now: float) -> InstanceStatus:
         spec, reading = m.spec, m.last_reading
@@ -722,12 +823,15 @@ class GpuManager:
             blocks=reading.blocks, busy_windows=reading.busy_windows, window_s=reading.window_s,
             elapsed_s=elapsed_s, throttled_s=reading.throttled_s, limited=m.quota.limited,
             at_limit=m.share >= spec.limit - EPS, others_latency_active=bool(lc_active - {spec.id}),
+            windows=reading.windows, mem_grown_bytes=reading.mem_grown_bytes, now=now,
         )
         before = m.capacity.value
         m.capacity, cap_why = estimate_capacity(m.capacity, obs, self.capacity_config)
         if before is None and m.capacity.value is not None:
             self._log.info("capacity learnt", instance=spec.id, blocks_per_ms=round(m.capacity.value, 1),
                            reason=cap_why)
+        elif before != m.capacity.value:
+            self._log.debug("capacity changed", instance=spec.id, blocks_per_ms=m.capacity.value, reason=cap_why)
         quota = quota_for(share, m.capacity.value, mem_cap_bytes=spec.mem_cap_bytes,
                           stale_after_ns=self.stale_after_ns)
         if _differs(quota, m.quota):

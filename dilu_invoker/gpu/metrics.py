@@ -60,6 +60,10 @@ class GpuMetrics:
                           registry=r)
         self.decisions = Counter("dilu_gpu_vertical_decisions", "Vertical policy decisions by mode",
                                  (*_GPU, "mode"), registry=r)
+        self.mode_changes = Counter("dilu_gpu_vertical_mode_changes", "Changes of the vertical policy's mode "
+                                    "(logged at info only for a cut and a return to the limits)",
+                                    (*_GPU, "from_mode", "to_mode"), registry=r)
+        self._last_mode: dict[tuple[str, str], FeedbackMode] = {}
 
     def observe_instance(self, spec: InstanceSpec, gpu: GpuLabel, status: InstanceStatus, reading: Reading) -> None:
         labels = _instance_labels(spec, gpu)
@@ -88,6 +92,10 @@ class GpuMetrics:
             self.mode.labels(*labels, m.value).set(1 if m is mode else 0)
         if decided:
             self.decisions.labels(*labels, mode.value).inc()
+        last = self._last_mode.get(labels)
+        if last is not None and last is not mode:
+            self.mode_changes.labels(*labels, last.value, mode.value).inc()
+        self._last_mode[labels] = mode
 
     def forget_instance(self, spec: InstanceSpec, gpu: GpuLabel) -> None:
         labels = _instance_labels(spec, gpu)

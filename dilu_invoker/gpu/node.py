@@ -37,6 +37,7 @@ from dilu_invoker.gpu.manager import (
     ManagerMetrics,
     TickRecord,
 )
+from dilu_invoker.gpu.mps import MpsSupervisor
 from dilu_invoker.model import GpuNeeds
 from dilu_invoker.policy.cluster import ClusterSnapshot
 from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
@@ -132,6 +133,7 @@ class GpuNode:
         metrics: ManagerMetrics | None = None,
         utilization: Callable[[GpuDevice], float | None] | None = None,
         observers: tuple[Callable[[TickRecord], None], ...] = (),
+        mps: MpsSupervisor | None = None,
     ) -> None:
         if backend == "docker" and docker_gpu_mode not in DOCKER_GPU_MODES:
             raise ValueError(f"docker GPU mode must be one of {DOCKER_GPU_MODES}, not {docker_gpu_mode!r}")
@@ -174,6 +176,7 @@ class GpuNode:
         self._sync_task: asyncio.Task[None] | None = None
         self._wake_sync = asyncio.Event()
         self._started = False
+        self.mps = mps
 
     # -- construction from the configuration ------------------------------------------------------
 
@@ -205,8 +208,18 @@ class GpuNode:
             from dilu_invoker.gpu.metrics import GpuMetrics
 
             metrics = GpuMetrics(registry)
+        mps = None
+        if devices:
+            from dilu_invoker.gpu.devices import compute_mode
+            from dilu_invoker.gpu.mps import MpsMetrics, MpsMode
+
+
+            mps = MpsSupervisor(
+                mode=MpsMode.parse(g.mps), root=Path(g.mps_dir or cfg.data_path / "mps") / f"invoker{cfg.invoker.id}",
+                gpus=tuple((d.index, d.uuid) for d in devices),
+                control=g.mps_control, compute_mode=compute_mode, metrics=MpsMetrics(registry))
         return cls(
-            node=f"invoker{cfg.invoker.id}", devices=devices, no_gpu_reason=reason, shm_dir=g.shm_dir,
+            node=f"invoker{cfg.invoker.id}", devices=devices, no_gpu_reason=reason, shm_dir=g.shm_dir, mps=mps,
             backend=backend, docker_gpu_mode=cfg.invoker.docker_gpu_mode, shim_library=g.shim_path,
             budgets=budgets, gamma=g.gamma, reservation_ttl_s=g.reservation_ttl_s,
             period_s=g.manager_period_ms / 1000, metrics=metrics, utilization=sm_utilization,
@@ -263,6 +276,8 @@ class GpuNode:
         if self._shim is None:
             log.error("libdilu_shim.so not found: GPU actions get their GPU but shares are NOT enforced",
                       problem=self._shim_problem)
+        if self.mps is not None:
+            await self.mps.start()
         for mgr in self._managers.values():
             mgr.start()
         log.info("GPU node started", node=self.node, gpus=[d.index for d in self.devices], backend=self.backend,
@@ -290,6 +305,8 @@ class GpuNode:
                 await self.detach(instance)
         for mgr in self._managers.values():
             await mgr.stop()
+        if self.mps is not None:
+            await self.mps.stop()
 
     # -- attach / detach ---------------------------------------------------------------------------
 
@@ -326,7 +343,7 @@ class GpuNode:
             await self._release(device, instance)
             return None
         files = abi.instance_files(self.root, instance)
-        attachment = self._attachment(device, files)
+        attachment = self._attachment(device, files, spec)
         mgr.add(spec, control, stats)
         self._attached[instance] = _Attached(spec, device, files, control, stats, attachment, reserved)
         log.info("GPU attached", instance=instance, function=function, gpu=device.index, uuid=device.uuid,
@@ -361,15 +378,21 @@ class GpuNode:
         a = self._attached[instance]
         self._managers[a.device.uuid].set_capacity(instance, blocks_per_ms)
 
-    def _attachment(self, device: GpuDevice, files: abi.InstanceFiles) -> GpuAttachment:
+    def _attachment(self, device: GpuDevice, files: abi.InstanceFiles, spec: InstanceSpec) -> GpuAttachment:
         env: dict[str, str] = {"DILU_GPU_UUID": device.uuid}
         mounts: tuple[GpuMount, ...] = ()
+        client = self.mps.client(device.index, spec.limit, backend=self.backend) if self.mps is not None else None
+        if client is not None:
+            # An MPS client of the GPU's daemon; its spatial cap (active threads) is its SM limit, fixed
+            # when it connects. The docker backend shares the host's IPC namespace for it.
+            env.update(client.env)
+            mounts += tuple(GpuMount(src, dst, ro) for src, dst, ro in client.mounts)
         devices: tuple[str, ...] = ()
         if self.backend == "docker":
             if self._shim is not None:
                 cc = shim.container_config(control_path=files.control, stats_path=files.stats, library=self._shim)
                 env.update(cc.env)
-                mounts = tuple(GpuMount(str(m.source), m.target, m.read_only) for m in cc.mounts)
+                mounts += tuple(GpuMount(str(m.source), m.target, m.read_only) for m in cc.mounts)
             if self.docker_gpu_mode == "devices":
                 devices = device.device_nodes
                 env["CUDA_VISIBLE_DEVICES"] = device.uuid

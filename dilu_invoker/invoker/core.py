@@ -503,6 +503,10 @@ class Invoker:
                  duration_ms=activation.duration, cold=init_ms is not None)
         return activation
 
+    def refuse(self, req: ActivationRequest, message: str) -> Activation:
+        """The record of an activation refused before it reached a container (a whisk internal error)."""
+        return self._failed(req, ActivationResponse.whisk_error(message))
+
     def _failed(self, req: ActivationRequest, response: ActivationResponse) -> Activation:
         """A fallback record for an activation that never reached a container (§1.4)."""
         t = now_ms()

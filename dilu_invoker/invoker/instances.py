@@ -325,7 +325,7 @@ class InstanceManager:
                 state=inst.state.value, cls=cmd.cls, gpu=cmd.gpu, request=cmd.request, limit=cmd.limit,
                 memory_mb=cmd.memory_mb, slots=inst.slots, share=share, saturated=saturated, throttled_s=throttled,
                 waiting=inst.waiting, in_flight=inst.in_flight, arrival_rate=arrivals, completion_rate=completions,
-                latency_ms=latency, queue_delay_ms=delay))
+                latency_ms=latency, queue_delay_ms=delay, error=inst.failure))
         return out
 
     async def renew_reservations(self) -> None:

@@ -224,6 +224,7 @@ class BalancedRunner:
         self.local_runs = 0
         self.forwarded_runs = 0
         self.fallback_runs = 0
+        self.refused_runs = 0
 
     async def route(self, req: ActivationRequest) -> ActivationRunner:
         """The cluster front's ``Router``: every activation goes through this runner."""
@@ -277,6 +278,13 @@ class BalancedRunner:
                         gone_invokers.add(entry.invoker)  # died before running it
                     self.routes.invalidate(fqn)
                     continue
+                if table is not None and table.blocked and revision_generation(table.rev) >= generation:
+                    # The balancer could not place or start an instance: say why now rather than after the
+                    # wait (docs/balancer.md, "Refusals").
+                    log.warning("activation refused: no instance can be placed", function=fqn, reason=table.blocked)
+                    self.refused_runs += 1
+                    await self._signal_demand(fqn)  # the balancer keeps trying for the next caller
+                    return self.invoker.refuse(req, f"The action cannot run: {table.blocked}")
                 if time.monotonic() >= deadline:
                     log.warning("no instance of the function in time; running it here", function=fqn,
                                 waited_s=self.route_wait_s, blocked=table.blocked if table else None)

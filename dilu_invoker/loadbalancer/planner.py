@@ -103,6 +103,9 @@ class PlannerConfig:
     """A demand signal counts as one waiting activation for this long (reports lag by up to a period)."""
     compaction: LiveCompaction | None = None
     """None: no compaction (the default)."""
+    failed_retry_s: float = 5.0
+    """After an instance failed to start, the function's next placement waits this long; meanwhile its
+    routing table carries the failure, and routers answer waiting activations with it at once."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.start_timeout_s) and self.start_timeout_s > 0):
@@ -122,6 +125,8 @@ class FunctionState:
     """Instances decided (scale-out, or replacing lost ones) but not placed yet."""
     blocked: str = ""
     """Why the last placement attempt failed ("" when it did not)."""
+    retry_at: float = 0.0
+    """No placement before this time (an instance of the function failed to start)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -280,6 +285,8 @@ class _Work:
     forgotten: list[Order] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     lost: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    """Function → why an instance of it failed on its invoker this tick."""
 
     def forget(self, r: InstanceRecord, reason: str, *, owed: bool, stop: bool, now: float, epoch: int) -> None:
         self.records.pop(r.id, None)
@@ -323,7 +330,10 @@ def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work) -> None:
                 work.records[r.id] = replace(r, missing=r.missing + 1)
             continue
         if inst.state == InstanceState.FAILED:
-            work.forget(r, f"{r.id}: failed on {r.invoker}", owed=True, stop=True, now=now, epoch=epoch)
+            why = f"{r.id}: failed on {r.invoker}" + (f": {inst.error}" if inst.error else "")
+            work.forget(r, why, owed=True, stop=True, now=now, epoch=epoch)
+            if r.state == RecordState.STARTING:  # it could not start: tell the callers, retry later
+                work.failed[r.function] = why
             continue
         new = replace(r, missing=0, boot=r.boot or rep.boot)
         if r.state == RecordState.STARTING:
@@ -483,16 +493,23 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
             work.decisions.append(Decision(now, epoch, "replace", fqn,
                                            f"{fqn}: {work.lost[fqn]} instance(s) lost or outdated: replace them"))
         blocked = state.blocked
-        if owed and cluster is not None:
+        retry_at = state.retry_at
+        if fqn in work.failed:
+            blocked, retry_at = work.failed[fqn], now + cfg.failed_retry_s
+        elif not owed and now >= retry_at:
+            blocked = ""  # nothing to place: an old reason would refuse the next caller without a new try
+        if owed and cluster is not None and now >= retry_at:
             placed = 0
             for _ in range(owed):
                 iid = instance_id(fqn, epoch, seq)
                 request = placement_request(spec, iid)
-                where = place_spread(cluster, request, cfg.placement)
-                if not where.placed:
-                    if where.reason != blocked:
-                        work.decisions.append(Decision(now, epoch, "blocked", fqn, where.reason))
-                    blocked = where.reason
+                fits, short = _user_memory(cluster, spec, inp.reports, work.records)
+                where = place_spread(fits, request, cfg.placement) if fits is not None else None
+                if where is None or not where.placed:
+                    reason = short if where is None else (f"{where.reason}; {short}" if short else where.reason)
+                    if reason != blocked:
+                        work.decisions.append(Decision(now, epoch, "blocked", fqn, reason))
+                    blocked = reason
                     break
                 seq += 1
                 placed += 1
@@ -504,7 +521,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                     id=iid, function=fqn, rev=spec.rev, invoker=ref.invoker, gpu=ref.gpu,
                     gpu_uuid=cluster.gpu(ref).uuid or None, cls=spec.cls, request=spec.request, limit=spec.limit,
                     memory_mb=spec.memory_mb, slots=spec.slots, state=RecordState.STARTING.value, since=now,
-                    epoch=epoch, boot=rep.boot if rep is not None else "",
+                    epoch=epoch, boot=rep.boot if rep is not None else "", user_memory_mb=spec.user_memory_mb,
                 )
                 work.records[iid] = record
                 work.starts.append(Order(record, where.reason))
@@ -522,7 +539,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 work.stops.append(Order(stopped, decision.reason))
                 work.decisions.append(Decision(now, epoch, "stop", fqn, decision.reason, victim.id, victim.invoker,
                                                victim.gpu))
-        states[fqn] = FunctionState(horizontal=decision.state, owed=owed, blocked=blocked)
+        states[fqn] = FunctionState(horizontal=decision.state, owed=owed, blocked=blocked, retry_at=retry_at)
         if _calm(decision, load, owed):
             calm.add(fqn)
     loop = inp.compaction
@@ -544,6 +561,47 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
         cluster=cluster,
         compaction=loop,
     )
+
+
+def _user_memory(cluster: ClusterSnapshot, spec: FunctionSpec, reports: Mapping[str, LoadReport],
+                 records: Mapping[str, InstanceRecord]) -> tuple[ClusterSnapshot | None, str]:
+    """The cluster without the GPUs of invokers whose user memory cannot hold one more instance of ``spec``.
+
+    The rule (docs/balancer.md, "User memory"): a placed instance holds its action's memory on its
+    invoker for as long as it lives (its container is pinned, never evicted), so the balancer places an
+    instance only where user memory minus what placed instances hold fits it; one function's pinned
+    instances can never leave another's placed instance waiting for memory. Pool containers (not placed)
+    are evictable and do not count. Returns None (and why) when no invoker has room."""
+    if not spec.user_memory_mb:
+        return cluster, ""
+    held: dict[str, int] = {}
+    for r in records.values():
+        if r.state != RecordState.STOPPING:
+            held[r.invoker] = held.get(r.invoker, 0) + r.user_memory_mb
+    short: list[str] = []
+    out = cluster
+    candidates = 0
+    for inv, rep in sorted(reports.items()):
+        if not rep.user_memory_mb:  # an invoker that does not say: not judged here
+            candidates += 1
+            continue
+        free = rep.user_memory_mb - held.get(inv, 0)
+        if free >= spec.user_memory_mb:
+            candidates += 1
+            continue
+        short.append(f"invoker {inv}: {held.get(inv, 0)} of {rep.user_memory_mb} MB user memory held by placed "
+                     f"instances, {free} MB free")
+        out = _unschedulable(out, inv)
+    why = (f"invoker user memory: {spec.fqn} needs {spec.user_memory_mb} MB; " + "; ".join(short)) if short else ""
+    if not candidates:
+        return None, why
+    return out, why
+
+
+def _unschedulable(cluster: ClusterSnapshot, invoker: str) -> ClusterSnapshot:
+    for ref in [r for r in cluster.ordinals if r.invoker == invoker]:
+        cluster = cluster.with_schedulable(ref, False)
+    return cluster
 
 
 def _routes(

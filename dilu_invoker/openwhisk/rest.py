@@ -126,6 +126,7 @@ def build_api(
     manifest: Manifest,
     auth: Authenticator,
     drain_timeout_s: float = 10.0,
+    action_fit: rest_actions.ActionFit | None = None,
 ) -> web.Application:
     """The REST application. On cleanup, activations still running for answered requests get
     ``drain_timeout_s`` to finish (and be stored) before they are cancelled."""
@@ -139,6 +140,8 @@ def build_api(
     app[RUNNER] = runner
     app[MANIFEST] = manifest
     app[AUTH] = auth
+    if action_fit is not None:
+        app[rest_actions.ACTION_FIT] = action_fit
     running: set[asyncio.Task[Any]] = set()
     app[TASKS] = running
 

@@ -62,6 +62,34 @@ from dilu_invoker.store import STORE_UNAVAILABLE, RevisionConflict, action_summa
 log = structlog.get_logger(__name__)
 
 MB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ActionFit:
+    """What this system can ever run (standalone knows it): an action whose own limits exceed it is refused
+    at PUT with 400 and the reason, instead of being stored and then never running."""
+
+    user_memory_mb: int
+    """The largest invoker user memory (``--invoker-user-memory-mb``)."""
+    gpu_memory_mb: int | None = None
+    """Memory of the largest GPU; None: no GPU (GPU kinds then run on the CPU, nothing to judge)."""
+    gpu_name: str = ""
+
+    def refusal(self, action: Action, *, gpu: bool) -> str | None:
+        mem = action.limits.memory_mb
+        if mem > self.user_memory_mb:
+            return (f"The action's memory limit of {mem} MB exceeds the invoker user memory of "
+                    f"{self.user_memory_mb} MB: it could never run.")
+        if gpu and self.gpu_memory_mb is not None:
+            needs = GpuNeeds.from_annotations(action.annotation_map)
+            if needs.memory_mb > self.gpu_memory_mb:
+                return (f"Annotation 'gpu-memory-mb' of {needs.memory_mb} MB exceeds the largest GPU here "
+                        f"({self.gpu_memory_mb} MB{', ' + self.gpu_name if self.gpu_name else ''}): "
+                        "it could never be placed.")
+        return None
+
+
+ACTION_FIT: web.AppKey[ActionFit] = web.AppKey("action_fit", ActionFit)
 _SEMVER_RE = re.compile(r"\A\d+\.\d+\.\d+\Z")
 #: JSON framing around code and parameters in a PUT body that the size limits do not count
 _PUT_SLACK = 64 * 1024
@@ -250,6 +278,12 @@ async def put_action(request: web.Request) -> web.Response:
     if existing is not None and not overwrite:
         raise ApiError(409, Msg.EXISTS)
     action = merge_action(put, namespace=ns, name=name, existing=existing, manifest=app[MANIFEST])
+    fit = app.get(ACTION_FIT)
+    if fit is not None:
+        runtime = app[MANIFEST].resolve(action.exec.kind)
+        refusal = fit.refusal(action, gpu=runtime is not None and runtime.gpu)
+        if refusal:
+            raise ApiError(400, refusal)
     try:
         stored = await store.put_action(action, expected_revision=existing.revision if existing else None)
     except RevisionConflict:

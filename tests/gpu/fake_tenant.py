@@ -2,6 +2,8 @@
 shim when LD_PRELOAD says so), in a pattern set by commands on stdin:
 
     run <blocks> <gap_us>                              launch continuously (a training loop)
+    load <blocks> <gap_us> <bytes>                     a launch and a device allocation of <bytes> per step (a
+                                                       model being loaded and moved to the GPU)
     burst <blocks> <launches> <gap_us> <pause_ms>      bursts of launches, then a pause (inference requests)
     requests <blocks> <launches> <pause_ms>            launches back to back, cuCtxSynchronize, a pause (requests
                                                        as PyTorch serves them: enqueue, then wait for the GPU)
@@ -43,6 +45,9 @@ def main() -> int:
     synchronize = cuda.cuCtxSynchronize
     synchronize.argtypes = []
     synchronize.restype = ctypes.c_int
+    mem_alloc = cuda.cuMemAlloc_v2
+    mem_alloc.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    mem_alloc.restype = ctypes.c_int
     if cuda.cuInit(0) != 0:
         print("cuInit failed", flush=True)
         return 1
@@ -78,6 +83,13 @@ def main() -> int:
                 if synchronize() != 0:
                     raise SystemExit("cuCtxSynchronize failed")
                 time.sleep(pause_ms / 1000)
+            elif current[0] == "load":  # type: ignore[index]
+                _, blocks, gap_us, size = current  # type: ignore[misc]
+                one(blocks)
+                ptr = ctypes.c_uint64()
+                if mem_alloc(ctypes.byref(ptr), size) != 0:
+                    raise SystemExit("cuMemAlloc_v2 failed")
+                time.sleep(gap_us / 1e6)
             elif current[0] == "run":  # type: ignore[index]
                 _, blocks, gap_us = current  # type: ignore[misc]
                 one(blocks)
@@ -99,6 +111,8 @@ def main() -> int:
         with lock:
             if cmd == "run":
                 mode[0] = ("run", int(words[1]), float(words[2]))
+            elif cmd == "load":
+                mode[0] = ("load", int(words[1]), float(words[2]), int(words[3]))
             elif cmd == "burst":
                 mode[0] = ("burst", int(words[1]), int(words[2]), float(words[3]), float(words[4]))
             elif cmd == "requests":

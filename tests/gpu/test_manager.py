@@ -136,33 +136,52 @@ def test_vertical_instance_carries_the_capacity_as_a_demand_share() -> None:
 # -- capacity --------------------------------------------------------------------------------------
 
 BASE = CapacityObservation(blocks=1000, busy_windows=10, window_s=0.005, elapsed_s=0.05, throttled_s=0.0,
-                           limited=True, at_limit=False, others_latency_active=False)  # busy rate 20 blocks/ms
+                           limited=True, at_limit=False, others_latency_active=False, windows=10,
+                           now=100.0)  # busy rate 20 blocks/ms
+THROTTLED = replace(BASE, throttled_s=0.01, at_limit=True)
+KNOWN20 = CapacityEstimate(20.0, 20.0, learnt_blocks_per_ms=20.0)
+TRUSTED_TWICE = CapacityEstimate(trusted_periods=2, peak_blocks_per_ms=15.0)
 
 
 @pytest.mark.parametrize(
     ("est", "obs", "value", "peak", "why"),
     [
         (CapacityEstimate(override=50.0), BASE, 50.0, 0.0, "measured"),
-        (CapacityEstimate(), BASE, 20.0, 20.0, "first observation"),
+        (CapacityEstimate(), BASE, None, 20.0, "trustworthy period 1/3"),
+        (TRUSTED_TWICE, BASE, 20.0, 20.0, "learnt 20.0 blocks/ms from 3"),
+        (TRUSTED_TWICE, replace(BASE, blocks=500), 15.0, 15.0, "learnt 15.0"),
         (CapacityEstimate(10.0, 10.0), BASE, 20.0, 20.0, "raised"),
         (CapacityEstimate(100.0, 100.0), replace(BASE, elapsed_s=600.0), 50.0, 100.0, "decayed"),
         (CapacityEstimate(100.0, 100.0), replace(BASE, elapsed_s=6000.0), 20.0, 100.0, "raised"),
-        (CapacityEstimate(20.0, 20.0), replace(BASE, throttled_s=0.01, at_limit=True), 25.0, 20.0, "probe"),
-        (CapacityEstimate(20.0, 20.0), replace(BASE, throttled_s=0.01, at_limit=True, others_latency_active=True),
-         20.0, 20.0, "not its own"),
-        (CapacityEstimate(20.0, 20.0), replace(BASE, throttled_s=0.01), 20.0, 20.0, "not its own"),
-        (CapacityEstimate(78.0, 20.0), replace(BASE, throttled_s=0.01, at_limit=True), 80.0, 20.0, "probe"),
-        (CapacityEstimate(80.0, 20.0), replace(BASE, throttled_s=0.01, at_limit=True), 80.0, 20.0, "stopped"),
+        (KNOWN20, THROTTLED, 40.0, 20.0, "probe"),
+        (KNOWN20, replace(THROTTLED, others_latency_active=True), 20.0, 20.0, "not its own"),
+        (KNOWN20, replace(BASE, throttled_s=0.01), 20.0, 20.0, "not its own"),
+        (CapacityEstimate(1270.0, 20.0, learnt_blocks_per_ms=20.0, probing=True), THROTTLED, 1280.0, 20.0, "probe"),
+        (CapacityEstimate(1280.0, 20.0, learnt_blocks_per_ms=20.0, probing=True), THROTTLED, 1280.0, 20.0,
+         "stopped"),
+        (replace(KNOWN20, next_probe_at=101.0), THROTTLED, 20.0, 20.0, "next probe in 1.0 s"),
+        (CapacityEstimate(80.0, 20.0, learnt_blocks_per_ms=20.0, probing=True), replace(BASE, blocks=3000), 60.0, 60.0,
+         "probe found 60.0"),
+        (CapacityEstimate(80.0, 20.0, learnt_blocks_per_ms=20.0, probing=True, probe_backoff_s=1.0), BASE, 20.0,
+         20.0, "next probe in 1.0 s"),
+        (CapacityEstimate(), replace(BASE, throttled_s=0.02), None, 0.0, "no estimate"),
         (CapacityEstimate(5.0, 5.0), replace(BASE, busy_windows=1), 5.0, 5.0, "no clean"),
         (CapacityEstimate(5.0, 5.0), replace(BASE, throttled_s=0.002), 5.0, 5.0, "no clean"),
-        (CapacityEstimate(), replace(BASE, limited=False, throttled_s=0.02), 20.0, 20.0, "first"),
+        (CapacityEstimate(), replace(BASE, limited=False, throttled_s=0.02), None, 20.0, "trustworthy period 1"),
         (CapacityEstimate(), replace(BASE, blocks=0), None, 0.0, "no clean"),
+        (CapacityEstimate(), replace(BASE, windows=40), None, 0.0, "idle-dominated (25%"),
+        (TRUSTED_TWICE, replace(BASE, mem_grown_bytes=64 << 20), None, 15.0, "loading: device memory grew 64.0 MiB"),
+        (KNOWN20, replace(BASE, blocks=100_000, mem_grown_bytes=1 << 20), 20.0, 20.0, "loading"),
     ],
-    ids=["override-wins", "first-observation", "higher-rate-raises", "decays-over-a-half-life",
+    ids=["override-wins", "first-trustworthy-period-keeps-unlimited", "third-period-adopts-the-highest",
+         "adopts-the-highest-of-the-streak", "higher-rate-raises", "decays-over-a-half-life",
          "decays-down-to-the-observation", "probe-when-throttled-at-limit-alone",
-         "no-probe-beside-latency-critical-demand", "no-probe-below-the-limit", "probe-capped-at-4x-peak",
-         "probe-stops-at-the-cap", "too-few-busy-windows", "partly-throttled-teaches-nothing",
-         "unlimited-has-no-token-waits", "idle-teaches-nothing"],
+         "no-probe-beside-latency-critical-demand", "no-probe-below-the-limit", "probe-capped-at-64x-peak",
+         "probe-stops-at-the-cap", "probe-waits-for-its-backoff", "probe-that-finds-a-faster-rate-raises",
+         "fruitless-probe-falls-back-and-backs-off", "throttled-without-estimate-teaches-nothing",
+         "too-few-busy-windows", "partly-throttled-teaches-nothing", "unlimited-has-no-token-waits",
+         "idle-teaches-nothing", "idle-dominated-teaches-nothing", "loading-restarts-the-streak",
+         "loading-never-teaches"],
 )
 def test_estimate_capacity(est: CapacityEstimate, obs: CapacityObservation, value: float | None, peak: float,
                            why: str) -> None:
@@ -170,6 +189,28 @@ def test_estimate_capacity(est: CapacityEstimate, obs: CapacityObservation, valu
     assert new.value == (pytest.approx(value) if value is not None else None)
     assert new.peak_blocks_per_ms == pytest.approx(peak)
     assert why in reason
+    if "loading-restarts" in why or "restarts the streak" in reason:
+        assert new.trusted_periods == 0
+
+
+def test_capacity_streak_restarts_after_loading() -> None:
+    new, _ = estimate_capacity(TRUSTED_TWICE, replace(BASE, mem_grown_bytes=1), CapacityConfig())
+    assert new.trusted_periods == 0 and new.value is None
+
+
+def test_fruitless_probes_back_off_doubling_to_the_cap() -> None:
+    cfg = CapacityConfig(probe_backoff_s=1.0, max_probe_backoff_s=4.0)
+    est = CapacityEstimate(20.0, 20.0, learnt_blocks_per_ms=20.0, probe_backoff_s=1.0)
+    waits = []
+    now = 0.0
+    for _ in range(4):
+        est, why = estimate_capacity(est, replace(THROTTLED, now=now), cfg)
+        assert est.probing and "probe" in why
+        est, why = estimate_capacity(est, replace(BASE, now=now), cfg)  # quota no longer binds: same rate
+        assert not est.probing and est.value == pytest.approx(20.0)
+        waits.append(est.next_probe_at - now)
+        now = est.next_probe_at
+    assert waits == [1.0, 2.0, 4.0, 4.0]
 
 
 @pytest.mark.parametrize(
@@ -405,16 +446,22 @@ def test_unknown_capacity_runs_unlimited_until_measured(tmp_path: Path) -> None:
         assert not g.control("train").limited  # nothing measured yet
         g.tick()
         w = g.writers["train"]
-        # 10 windows of 5 ms, all busy (one open cycle of 10 windows): 1000 blocks in 50 ms = 20 blocks/ms.
-        g.clock.advance(0.05)
-        w.publish(blocks=1000, launches=10, windows=10, cycle_current_windows=10, pid=7)
-        record = g.mgr.tick()
+        # 10 windows of 5 ms, all busy (one open cycle): 1000 blocks in 50 ms = 20 blocks/ms, three periods in a
+        # row (the first also allocates: loading, not learnt) before the estimate is used.
+        for n in range(1, 5):
+            g.clock.advance(0.05)
+            w.publish(blocks=1000 * n, launches=10 * n, windows=10 * n, cycle_current_windows=10 * n, pid=7,
+                      mem_peak_bytes=1 << 30)
+            record = g.mgr.tick()
+            if n < 4:
+                assert record.status("train").capacity_blocks_per_ms is None, n
+                assert not g.control("train").limited
         assert record.status("train").capacity_blocks_per_ms == pytest.approx(20.0)
         assert g.control("train").share == pytest.approx(0.8)
         assert g.control("train").rate_blocks_per_ms == pytest.approx(16.0)
         g.mgr.set_capacity("train", 50.0)  # measured later by the profiler: it wins over the estimate
         g.clock.advance(0.05)
-        w.publish(blocks=5000, launches=20, windows=20, cycle_current_windows=20)
+        w.publish(blocks=9000, launches=60, windows=60, cycle_current_windows=60)
         assert g.mgr.tick().status("train").capacity_blocks_per_ms == pytest.approx(50.0)
         assert g.control("train").rate_blocks_per_ms == pytest.approx(40.0)
         with pytest.raises(ValueError):
@@ -497,3 +544,39 @@ async def test_publisher_never_blocks_the_tick(gpu: Gpu) -> None:
         await mgr.stop()
         ctl.close()
         st.close()
+
+
+def test_mode_changes_log_at_info_only_for_cuts_and_returns(tmp_path: Path) -> None:
+    """Alternating modes every period (as one instance's spans come and go) stay at debug; a cut is info at
+    most once per CUT_LOG_EVERY_S, and so is the return to the limits after it; /metrics counts them all."""
+    from types import SimpleNamespace
+
+    import structlog
+
+    from dilu_invoker.gpu.manager import CUT_LOG_EVERY_S
+    from dilu_invoker.gpu.manager import GpuLabel as Label
+
+    registry = CollectorRegistry()
+    metrics = GpuMetrics(registry)
+    g = Gpu(tmp_path, metrics=metrics)
+    seq = [FeedbackMode.STEADY, FeedbackMode.RECOVERY] * 20 + [FeedbackMode.EMERGENCY, FeedbackMode.RECOVERY] * 5 \
+        + [FeedbackMode.IDLE, FeedbackMode.STEADY] * 3
+    try:
+        with structlog.testing.capture_logs() as logs:
+            now, old = 0.0, FeedbackMode.IDLE
+            for mode in seq:
+                now += 0.25
+                g.mgr._log_mode_change(old, SimpleNamespace(mode=mode, reason="r"), now)  # type: ignore[arg-type]
+                metrics.observe_gpu(Label(3, "GPU-t"), fragmentation=0.0, utilization=None, mode=mode, decided=True)
+                old = mode
+        info = [e for e in logs if e["log_level"] == "info"]
+        assert [e["event"] for e in info] == ["best-effort cut", "best-effort back at its limits"]
+        assert info[0]["cuts_since_last_line"] == 1
+        assert sum(1 for e in logs if e["log_level"] == "debug") == len(seq) - 2
+        assert CUT_LOG_EVERY_S > 5 * 0.5  # the five cuts fell inside one interval
+        changes = registry.get_sample_value("dilu_gpu_vertical_mode_changes_total",
+                                            {"gpu": "3", "uuid": "GPU-t", "from_mode": "steady",
+                                             "to_mode": "recovery"})
+        assert changes == 20
+    finally:
+        g.close()

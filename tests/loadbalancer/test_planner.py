@@ -62,8 +62,8 @@ def inst(iid: str, *, fn: str = "guest/f", state: str = "ready", gpu: int = 0, *
 
 
 def report(inv: str, *, boot: str = "b0", gpus: int = 1, instances: tuple[InstanceReport, ...] = (),
-           functions: tuple[FunctionReport, ...] = (), enabled: bool = True) -> LoadReport:
-    return LoadReport(invoker=inv, boot=boot, at_ms=0, enabled=enabled,
+           functions: tuple[FunctionReport, ...] = (), enabled: bool = True, user_memory_mb: int = 0) -> LoadReport:
+    return LoadReport(invoker=inv, boot=boot, at_ms=0, enabled=enabled, user_memory_mb=user_memory_mb,
                       gpus=tuple(GpuReport(index=i, uuid=f"{inv}-g{i}", memory_mb=16000) for i in range(gpus)),
                       instances=instances, functions=functions)
 
@@ -133,7 +133,8 @@ def test_no_gpu_anywhere_routes_to_the_local_pools() -> None:
 ], ids=["not-yet-seen", "never-started", "starting", "ready", "failed"])
 def test_a_starting_instance(reported: str | None, age: float, expect: str) -> None:
     rec = record("i1", state="starting", since=NOW - age)
-    rep = report("invoker0", instances=(inst("i1", state=reported),) if reported else ())
+    extra = {"error": "start failed: no memory"} if reported == "failed" else {}
+    rep = report("invoker0", instances=(inst("i1", state=reported, **extra),) if reported else ())
     plan = tick({"invoker0": rep}, {"i1": rec})
     if expect == "kept":
         assert plan.records["i1"].state == RecordState.STARTING and plan.stops == ()
@@ -145,7 +146,19 @@ def test_a_starting_instance(reported: str | None, age: float, expect: str) -> N
         assert "not started" in plan.forgotten[0].reason
     else:
         assert "i1" not in plan.records and [o.record.id for o in plan.stops] == ["i1"]
-        assert "lost" in kinds(plan) and len(plan.starts) == 1  # replaced at once
+        # It could not start: no new start for failed_retry_s; the routing table says why meanwhile.
+        assert "lost" in kinds(plan) and plan.starts == ()
+        assert "i1: failed on invoker0: start failed: no memory" in plan.routes["guest/f"].blocked
+        later = tick({"invoker0": report("invoker0")}, {}, states=plan.states, now=NOW + 1.0)
+        assert later.starts == () and later.routes["guest/f"].blocked == plan.routes["guest/f"].blocked
+        retry = tick({"invoker0": report("invoker0")}, {}, states=plan.states, now=NOW + 6.0)
+        assert len(retry.starts) == 1 and retry.routes["guest/f"].blocked == ""
+
+
+def test_a_ready_instance_that_fails_is_replaced_at_once() -> None:
+    rec = record("i1", state="ready", since=NOW - 50)
+    plan = tick({"invoker0": report("invoker0", instances=(inst("i1", state="failed"),))}, {"i1": rec})
+    assert "lost" in kinds(plan) and len(plan.starts) == 1
 
 
 def test_route_version_changes_only_with_the_routes() -> None:
@@ -324,3 +337,31 @@ def test_planner_config_rejects_nonsense() -> None:
         PlannerConfig(start_timeout_s=0)
     with pytest.raises(ValueError, match="missing_ticks"):
         PlannerConfig(missing_ticks=0)
+
+
+@pytest.mark.parametrize(("user_memory", "held", "placed_on"), [
+    (8000, 4000, "invoker0"),  # room for one more (2000 MB each)
+    (4000, 4000, "invoker1"),  # invoker0 is full of placed instances: the other one
+    (0, 4000, "invoker0"),  # an invoker that does not say is not judged
+], ids=["fits", "full-goes-elsewhere", "unknown-user-memory"])
+def test_placed_instances_hold_user_memory(user_memory: int, held: int, placed_on: str) -> None:
+    other = spec(fqn="guest/g", min_instances=2, user_memory_mb=2000)
+    recs = {f"g{i}": replace(record(f"g{i}", fn="guest/g"), user_memory_mb=2000) for i in range(held // 2000)}
+    reps = {"invoker0": report("invoker0", user_memory_mb=user_memory,
+                               instances=tuple(inst(f"g{i}", fn="guest/g") for i in range(held // 2000))),
+            "invoker1": report("invoker1", user_memory_mb=8000)}
+    plan = tick(reps, recs, specs=(spec(user_memory_mb=2000), other), demand={"guest/f": NOW})
+    assert [o.record.invoker for o in plan.starts] == [placed_on]
+
+
+def test_no_user_memory_anywhere_blocks_with_the_numbers() -> None:
+    recs = {"g0": replace(record("g0", fn="guest/g"), user_memory_mb=2048)}
+    reps = {"invoker0": report("invoker0", user_memory_mb=2048, instances=(inst("g0", fn="guest/g"),))}
+    plan = tick(reps, recs, specs=(spec(user_memory_mb=2048), spec(fqn="guest/g", min_instances=1,
+                                                                   user_memory_mb=2048)),
+                demand={"guest/f": NOW})
+    assert plan.starts == ()
+    blocked = plan.routes["guest/f"].blocked
+    assert blocked == ("invoker user memory: guest/f needs 2048 MB; invoker invoker0: 2048 of 2048 MB user memory "
+                       "held by placed instances, 0 MB free"), blocked
+    assert "blocked" in kinds(plan)

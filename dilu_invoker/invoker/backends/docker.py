@@ -168,6 +168,8 @@ class DockerBackend:
             devices += [f"nvidia.com/gpu={g}" for g in gpus.split(",")]
         if devices:
             kwargs["devices"] = devices
+        if spec.env.get("CUDA_MPS_PIPE_DIRECTORY"):  # an MPS client: MPS shares memory with its daemon
+            kwargs["ipc_mode"] = "host"
         return kwargs
 
     def _start_sync(self, spec: ContainerSpec) -> tuple[Any, str, Iterator[tuple[bytes | None, bytes | None]]]:

@@ -1,0 +1,177 @@
+"""MPS daemons run by the node, against a fake ``nvidia-cuda-mps-control`` (tests/gpu/fakes): the mode each
+GPU runs in and why, start / adopt / supervise / stop, and what GPU containers are given."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from dilu_invoker.config import ConfigError, GpuConfig
+from dilu_invoker.gpu.devices import GpuDevice
+from dilu_invoker.gpu.mps import (
+    CONTAINER_PIPE_DIR,
+    MpsDecision,
+    MpsError,
+    MpsMetrics,
+    MpsMode,
+    MpsSupervisor,
+    active_thread_percentage,
+    decide_mps,
+)
+from dilu_invoker.gpu.node import GpuNode
+from dilu_invoker.model import GpuClass, GpuNeeds
+
+FAKE = str(Path(__file__).resolve().parent / "fakes" / "nvidia-cuda-mps-control")
+GPU = GpuDevice(index=0, uuid="GPU-mps-0", name="inventory GPU", memory_mb=80_000, sm_count=132, simulated=True)
+NEEDS = GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.4, sm_limit=0.7, memory_mb=1000)
+
+
+@pytest.mark.parametrize(
+    ("mode", "control", "compute_mode", "enabled", "why"),
+    [
+        (MpsMode.OFF, "/bin/x", 0, False, "--gpu-mps off"),
+        (MpsMode.AUTO, None, 0, False, "not found: time-slicing"),
+        (MpsMode.AUTO, "/bin/x", 2, False, "compute mode Prohibited does not allow MPS"),
+        (MpsMode.AUTO, "/bin/x", None, False, "compute mode is unknown"),
+        (MpsMode.AUTO, "/bin/x", 0, True, "found, compute mode Default"),
+        (MpsMode.AUTO, "/bin/x", 3, True, "compute mode Exclusive_Process"),
+        (MpsMode.ON, "/bin/x", None, True, "--gpu-mps on"),
+        (MpsMode.ON, "/bin/x", 2, True, "although the compute mode is Prohibited"),
+        (MpsMode.ON, None, 0, True, "not found"),
+    ],
+    ids=["off", "auto-no-binary", "auto-prohibited", "auto-unknown-mode", "auto-default", "auto-exclusive-process",
+         "on-unknown-mode", "on-prohibited", "on-no-binary"],
+)
+def test_decide_mps(mode: MpsMode, control: str | None, compute_mode: int | None, enabled: bool, why: str) -> None:
+    d = decide_mps(mode, control=control, compute_mode=compute_mode)
+    assert d.enabled is enabled
+    assert why in d.reason
+
+
+@pytest.mark.parametrize(("limit", "pct"), [(1.0, 100), (0.5, 50), (0.704, 70), (0.001, 1), (1.5, 100)])
+def test_active_thread_percentage_follows_the_limit(limit: float, pct: int) -> None:
+    assert active_thread_percentage(limit) == pct
+
+
+def test_mode_flag_is_validated() -> None:
+    assert MpsMode.parse(" ON ") is MpsMode.ON
+    with pytest.raises(ValueError, match="auto, on or off"):
+        MpsMode.parse("sometimes")
+    with pytest.raises(ConfigError, match="--gpu-mps"):
+        GpuConfig(mps="always")
+
+
+def _log(root: Path) -> list[str]:
+    return (root / "gpu0" / "log" / "control.log").read_text().splitlines()
+
+
+def _pid(root: Path) -> int:
+    return int((root / "gpu0" / "pipe" / "fake-daemon.pid").read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # the fake's daemon is double-forked: init reaps it, no zombie answers here
+    except OSError:
+        return False
+    return True
+
+
+async def test_start_adopt_supervise_stop(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    root = tmp_path / "mps"
+    sup = MpsSupervisor(mode=MpsMode.ON, root=root, gpus=((0, "GPU-mps-0"),), control=FAKE,
+                        metrics=MpsMetrics(registry), check_every_s=3600)
+    await sup.start()
+    try:
+        assert sup.enabled(0) and sup.daemons[0].started
+        assert "started" in sup.decisions[0].reason
+        for d in (root / "gpu0", root / "gpu0" / "pipe", root / "gpu0" / "log"):
+            assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+        assert _log(root) == [f"start pid={_pid(root)} CUDA_VISIBLE_DEVICES=GPU-mps-0"]
+        labels = {"gpu": "0", "uuid": "GPU-mps-0", "reason": sup.decisions[0].reason}
+        assert registry.get_sample_value("dilu_gpu_mps_enabled", labels) == 1
+
+        # Another supervisor on the same directories (an invoker restarted) adopts the running daemon and
+        # leaves it running when it stops.
+        other = MpsSupervisor(mode=MpsMode.ON, root=root, gpus=((0, "GPU-mps-0"),), control=FAKE, check_every_s=3600)
+        await other.start()
+        assert other.daemons[0].adopted and not other.daemons[0].started
+        assert "adopted" in other.decisions[0].reason
+        await other.stop()
+        first = _pid(root)
+        assert _alive(first)
+
+        # The daemon dies: the supervisor starts it again and counts it.
+        os.kill(first, signal.SIGKILL)
+        for _ in range(100):
+            if not await sup.daemons[0].alive():
+                break
+        await sup.check_once()
+        second = _pid(root)
+        assert second != first and await sup.daemons[0].alive()
+        assert sup.daemons[0].restarts == 1
+        assert registry.get_sample_value("dilu_gpu_mps_restarts_total", {"gpu": "0", "uuid": "GPU-mps-0"}) == 1
+        await sup.check_once()  # alive: nothing to do
+        assert sup.daemons[0].restarts == 1
+    finally:
+        await sup.stop()
+    assert _log(root)[-1] == f"quit pid={second}"
+    assert not await sup.daemons[0].alive()
+
+
+async def test_auto_falls_back_to_time_slicing_and_on_fails_loudly(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = MpsSupervisor(mode=MpsMode.AUTO, root=tmp_path / "a", gpus=((0, "G"),), control="no-such-mps-control")
+    await missing.start()
+    assert not missing.enabled(0) and "not found" in missing.decisions[0].reason
+    unknown = MpsSupervisor(mode=MpsMode.AUTO, root=tmp_path / "b", gpus=((0, "G"),), control=FAKE)
+    await unknown.start()  # no NVML here: the compute mode is unknown, auto does not guess
+    assert not unknown.enabled(0) and "unknown" in unknown.decisions[0].reason
+    assert unknown.client(0, 0.5, backend="process") is None
+
+    monkeypatch.setenv("FAKE_MPS_FAIL_START", "1")
+    broken = MpsSupervisor(mode=MpsMode.AUTO, root=tmp_path / "c", gpus=((0, "G"),), control=FAKE,
+                           compute_mode=lambda _i: 0)
+    await broken.start()
+    assert broken.decisions[0] == MpsDecision(False, broken.decisions[0].reason)
+    assert "did not start" in broken.decisions[0].reason and "refusing" in broken.decisions[0].reason
+    with pytest.raises(MpsError, match="refusing"):
+        await MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "d", gpus=((0, "G"),), control=FAKE).start()
+    with pytest.raises(MpsError, match="not found"):
+        await MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "e", gpus=((0, "G"),), control="no-such").start()
+
+
+@pytest.mark.parametrize("backend", ["process", "docker"])
+async def test_gpu_containers_are_mps_clients_capped_by_their_limit(tmp_path: Path, backend: str) -> None:
+    sup = MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE,
+                        check_every_s=3600)
+    node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend=backend,
+                   docker_gpu_mode="devices", mps=sup)
+    await node.start()
+    try:
+        a = await node.attach("i1", "guest/classify", NEEDS)
+        assert a is not None
+        assert a.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "70"
+        pipe = tmp_path / "mps" / "gpu0" / "pipe"
+        if backend == "process":
+            assert a.env["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
+            assert a.env["CUDA_MPS_LOG_DIRECTORY"] == str(tmp_path / "mps" / "gpu0" / "log")
+        else:
+            assert a.env["CUDA_MPS_PIPE_DIRECTORY"] == CONTAINER_PIPE_DIR
+            mounts = {(m.source, m.target, m.read_only) for m in a.mounts}
+            assert (str(pipe), CONTAINER_PIPE_DIR, False) in mounts
+            from dilu_invoker.invoker.backends.base import ContainerSpec
+            from dilu_invoker.invoker.backends.docker import DockerBackend
+
+            spec = ContainerSpec(name="c", kind="python:3-gpu", image="img", memory_mb=256, env=a.env)
+            backend_obj = DockerBackend(url="unix:///nonexistent.sock", gpu_mode="devices")  # connects lazily
+            assert backend_obj._create_kwargs(spec)["ipc_mode"] == "host"
+    finally:
+        await node.close()
+    assert not await sup.daemons[0].alive(), "the node stops the daemon it started"
