@@ -151,10 +151,13 @@ GpuExplain = Callable[[GpuState, PlacementRequest, "PlacementConfig"], str]
 ScanBound = Callable[[PlacementRequest, "PlacementConfig"], float]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Filter:
     """A yes/no test of one GPU. `bound`, when given, is the largest Σ request a passing lit GPU can
-    have: placement skips index buckets above it without looking at their GPUs."""
+    have: placement skips index buckets above it without looking at their GPUs.
+
+    Filters are the registered singletons of `FILTERS`, compared by identity (`f in filters` on the
+    per-decision path stays at C speed)."""
 
     name: str
     description: str
@@ -1224,10 +1227,13 @@ def _place_split(
             if mem - used < min_part:
                 continue
             c = mem * grow - used
+            # `x if x < c else c` is `min(c, x)`, without the call.
             if per_request:
-                c = min(c, (omega - g.used_request) * per_request)
+                x = (omega - g.used_request) * per_request
+                c = x if x < c else c
             if per_limit:
-                c = min(c, (limit_cap - g.used_limit) * per_limit)
+                x = (limit_cap - g.used_limit) * per_limit
+                c = x if x < c else c
             if c >= min_part:
                 cands.append((c, o))
         if len(cands) >= 2:
