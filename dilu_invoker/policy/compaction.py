@@ -496,11 +496,13 @@ def _cannot_all_fit(
     order: list[PlacedInstance],
     placement: PlacementConfig,
     splits: bool,
+    requests: dict[str, PlacementRequest],
 ) -> Need | None:
     """A quick proof, without deriving a snapshot, that the instances of `gpu` cannot all move (what
     would have to change for them to, as a `Need`), or None: one that may not be split finds no
     lit GPU at all, or (when none of them may split) the few GPUs that can take any of them lack
-    the room for all of them together."""
+    the room for all of them together. The move requests it builds are left in `requests` (an
+    instance that is not a piece asks the same whatever the cluster)."""
     k = len(order)
     union: dict[GpuRef, None] = {}
     complete = True
@@ -508,7 +510,8 @@ def _cannot_all_fit(
         if inst.part_of is not None or (splits and inst.cls is InstanceClass.LLM):
             complete = False
             continue
-        fits = lit_fits(work, _as_request(work, inst, gpu.ref), placement, limit=k)
+        request = requests[inst.id] = _as_request(work, inst, gpu.ref)
+        fits = lit_fits(work, request, placement, limit=k)
         if not fits:
             return _need(work, gpu, inst, placement)
         complete = complete and len(fits) < k
@@ -547,12 +550,13 @@ def _try_source(
     # Biggest first: they are the hardest to fit, so a hopeless source is abandoned early.
     order = sorted(gpu.instances, key=lambda i: (-i.request, -i.memory_mib, i.id))
     splits = placement.strategy_spec().splits and placement.llm_max_parts > 1
-    hopeless = _cannot_all_fit(work, gpu, order, placement, splits)
+    requests: dict[str, PlacementRequest] = {}
+    hopeless = _cannot_all_fit(work, gpu, order, placement, splits, requests)
     if hopeless is not None:
         return [], work, [], hopeless
     for inst in order:
         trial = trial.without_instance(inst.id)
-        request = _as_request(trial, inst, gpu.ref)
+        request = requests.get(inst.id) or _as_request(trial, inst, gpu.ref)
         decision = place(trial, request, placement)
         if not decision.placed and inst.part_of is not None:
             # No other GPU of its node takes the stage: place the whole instance anew.

@@ -151,10 +151,13 @@ GpuExplain = Callable[[GpuState, PlacementRequest, "PlacementConfig"], str]
 ScanBound = Callable[[PlacementRequest, "PlacementConfig"], float]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Filter:
     """A yes/no test of one GPU. `bound`, when given, is the largest Σ request a passing lit GPU can
-    have: placement skips index buckets above it without looking at their GPUs."""
+    have: placement skips index buckets above it without looking at their GPUs.
+
+    Filters are the registered singletons of `FILTERS`, compared by identity (`f in filters` on the
+    per-decision path stays at C speed)."""
 
     name: str
     description: str
@@ -1133,36 +1136,6 @@ def describe_strategies() -> Mapping[str, str]:
 # -- splitting one instance's memory across GPUs of one invoker ----------------------------------
 
 
-def _part_capacity(
-    request: PlacementRequest, config: PlacementConfig, filters: tuple[Filter, ...]
-) -> Callable[[GpuState], float]:
-    """The most memory (MiB) of `request` one piece on a GPU may take, given that a piece's request
-    and limit are the instance's scaled by its share of the memory (built once per decision: it is
-    asked of every lit GPU)."""
-    total = request.memory_mib
-    names = {f.name for f in filters}
-    per_request = total / request.request if "sm-request" in names and request.request > 0 else 0.0
-    limit_cap = 0.0
-    if request.limit > 0:
-        if "sm-limit" in names:
-            limit_cap = config.gamma
-        if "sm-limit-static" in names:
-            limit_cap = min(limit_cap, 1.0) if limit_cap else 1.0
-    per_limit = total / request.limit if limit_cap else 0.0
-    omega = config.omega + EPS
-    limit_cap += EPS
-
-    def cap(g: GpuState) -> float:
-        c = g.memory_mib * (1.0 + EPS) - g.used_memory
-        if per_request:
-            c = min(c, (omega - g.used_request) * per_request)
-        if per_limit:
-            c = min(c, (limit_cap - g.used_limit) * per_limit)
-        return c
-
-    return cap
-
-
 def _part_request(request: PlacementRequest, memory_mib: float, index: int) -> PlacementRequest:
     f = memory_mib / request.memory_mib
     return PlacementRequest(
@@ -1203,7 +1176,6 @@ def _place_split(
         return None
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
-    by_invoker: dict[str, list[tuple[float, int]]] = {}
     # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ request
     # ≤ Σ limit, its limit) is never looked at: its bucket and the ones above are skipped.
     bound = math.inf
@@ -1224,25 +1196,52 @@ def _place_split(
             cluster.invoker_ordinals[cluster.refs[first].invoker]
             for _, first in cluster.node_room[lo:]
         ]
-    part_capacity = _part_capacity(request, config, filters)
+    # The most memory (MiB) one piece on a GPU may take, given that a piece's request and limit are
+    # the instance's scaled by its share of the memory; computed inline: this loop visits every lit
+    # GPU of every invoker that could hold the instance.
+    names = {f.name for f in filters}
+    per_request = total / request.request if "sm-request" in names and request.request > 0 else 0.0
+    limit_cap = 0.0
+    if request.limit > 0:
+        if "sm-limit" in names:
+            limit_cap = config.gamma
+        if "sm-limit-static" in names:
+            limit_cap = min(limit_cap, 1.0) if limit_cap else 1.0
+    per_limit = total / request.limit if limit_cap else 0.0
+    omega = config.omega + EPS
+    limit_cap += EPS
+    grow = 1.0 + EPS
     # request_bucket(u) > kmax  ⇔  u·BUCKETS + EPS ≥ kmax + 1: one comparison per GPU.
     too_full = (kmax + 1 - EPS) / BUCKETS if request.only_invoker is None and kmax < BUCKETS else math.inf
+    # (first ordinal, invoker, [(capacity, ordinal)]) of invokers with room for two pieces or more;
+    # each invoker appears once in `invokers` and its ordinals are grouped and ascending.
+    order: list[tuple[int, str, list[tuple[float, int]]]] = []
     for ords in invokers:
+        cands: list[tuple[float, int]] = []
         for o in ords:
             g = gpus[o]
-            if not g.lit or g.used_request >= too_full or g.memory_mib - g.used_memory < min_part:
+            if not g.instances or g.used_request >= too_full:
                 continue
-            cap = part_capacity(g)
-            if cap >= min_part:
-                by_invoker.setdefault(g.ref.invoker, []).append((cap, o))
+            used = g.used_memory
+            mem = g.memory_mib
+            if mem - used < min_part:
+                continue
+            c = mem * grow - used
+            # `x if x < c else c` is `min(c, x)`, without the call.
+            if per_request:
+                x = (omega - g.used_request) * per_request
+                c = x if x < c else c
+            if per_limit:
+                x = (limit_cap - g.used_limit) * per_limit
+                c = x if x < c else c
+            if c >= min_part:
+                cands.append((c, o))
+        if len(cands) >= 2:
+            order.append((ords[0], cluster.refs[ords[0]].invoker, cands))
     best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
-    # Invokers in cluster order (their GPUs' ordinals are grouped and ascending), only those with
-    # room for two pieces or more.
-    order = sorted(
-        (cluster.invoker_ordinals[inv][0], inv) for inv, c in by_invoker.items() if len(c) >= 2
-    )
-    for rank, inv in order:
-        cands = by_invoker[inv]
+    # Invokers in cluster order.
+    order.sort(key=lambda e: e[0])
+    for rank, _inv, cands in order:
         if sum(min(c, total) for c, _ in cands) < total - EPS:
             continue
         cands.sort(key=lambda c: (-c[0], c[1]))
