@@ -30,7 +30,7 @@ _RAW_COMMANDS: dict[str, tuple[str, str]] = {
 
 def _resolve(target: str) -> Callable[..., int]:
     module, _, func = target.partition(":")
-    return getattr(importlib.import_module(module), func)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), func)
 
 
 def build_parser() -> argparse.ArgumentParser:

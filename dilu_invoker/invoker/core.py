@@ -154,7 +154,7 @@ class Invoker:
         finally:
             clear_activation()
 
-    async def _run(self, req: ActivationRequest, *, key: PoolKey | None = None, start: bool = True) -> Activation:
+    async def _run(self, req: ActivationRequest, *, key: PoolKey | None = None, may_start: bool = True) -> Activation:
         arrived = req.transid_start_ms or now_ms()
         action = req.action
         runtime = self._runtime_of(action)
@@ -163,7 +163,7 @@ class Invoker:
                 "Action version is not compatible and cannot be invoked."))
         key = key or PoolKey.of(req.identity.namespace, action)
         for _attempt in range(3):
-            activation = await self._attempt(req, runtime, key, arrived, start=start)
+            activation = await self._attempt(req, runtime, key, arrived, may_start=may_start)
             if activation is not None:
                 return activation
             log.info("container shutting down; rescheduling the activation")
@@ -171,7 +171,7 @@ class Invoker:
             "The action did not produce a valid response and exited unexpectedly."))
 
     async def _attempt(self, req: ActivationRequest, runtime: RuntimeKind, key: PoolKey,
-                       arrived: int, *, start: bool = True) -> Activation | None:
+                       arrived: int, *, may_start: bool = True) -> Activation | None:
         """One try on one container; None when the runtime asked for the activation to be rescheduled."""
         action = req.action
         memory = action.limits.memory_mb
@@ -179,7 +179,7 @@ class Invoker:
         try:
             lease = await self.pool.acquire(
                 key, action, memory_mb=memory, slots=action.limits.concurrency,
-                make_spec=lambda name: self._container_spec(name, action, runtime), start=start,
+                make_spec=lambda name: self._container_spec(name, action, runtime), start=may_start,
             )
         finally:
             self.metrics.queue_length.set(self.pool.queue_length)
@@ -442,7 +442,7 @@ class Invoker:
         """Run on the instance's container; None when the instance has no container (any more)."""
         bind_activation(activation_id=req.activation_id, transid=req.transid_id, instance=instance_id)
         try:
-            return await self._run(req, key=self.instance_key(instance_id, req.action), start=False)
+            return await self._run(req, key=self.instance_key(instance_id, req.action), may_start=False)
         except NoContainer:
             return None
         finally:
@@ -572,7 +572,7 @@ async def open_invoker(
                 await step()
             except Exception as exc:  # noqa: BLE001 - finish the teardown, then report
                 errors.append(exc)
-        for exc in errors:
-            log.warning("error during invoker shutdown", error=repr(exc))
+        for error in errors:
+            log.warning("error during invoker shutdown", error=repr(error))
 
 

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import redis.asyncio as aioredis
 import structlog
@@ -31,12 +31,18 @@ from dilu_invoker.wire import FunctionReport, GpuReport, Keys, LoadReport, pack
 log = structlog.get_logger(__name__)
 
 
+@runtime_checkable
 class GpuView(Protocol):
     """The node GPU manager as the report sees it: per GPU ``(index, uuid, memory_mb, sm_count, instances)``
     with per instance ``(id, function, cls, request, limit, share, memory_mb, active, saturated,
     throttled_s)`` — named fields or positions, either works."""
 
     def view(self) -> Iterable[Any]: ...
+
+
+def gpu_view_of(gpu: object) -> GpuView | None:
+    """``gpu`` when it can show a view of its GPUs (the node's GPU manager), else None."""
+    return gpu if isinstance(gpu, GpuView) else None
 
 
 _GPU_FIELDS = ("index", "uuid", "memory_mb", "sm_count", "instances")

@@ -143,11 +143,12 @@ async def _main(cfg: Config) -> int:
         if cfg.redis.url and cfg.balancer.routing:
             # GPU routing mode (a), "all-dilu": GPU activations go to the instances the balancer placed,
             # wherever they run; this invoker still acks to the controller itself.
+            from dilu_invoker.invoker.reports import gpu_view_of
             from dilu_invoker.invoker.routing import enable_balancer_routing
 
             assert redis is not None
             routed = await stack.enter_async_context(enable_balancer_routing(
-                invoker, cfg, redis=redis, gpu_view=invoker.gpu if hasattr(invoker.gpu, "view") else None))
+                invoker, cfg, redis=redis, gpu_view=gpu_view_of(invoker.gpu)))
             log.info("invoker.balancer_routing", redis=cfg.redis.url.rsplit("@", 1)[-1])
             await serve(cfg, runner=routed, manifest=manifest, stop=stop, control=invoker, router=routed)
         else:
