@@ -292,7 +292,8 @@ class Invoker:
             collection = reader.start(limit_bytes=limit)
         proxy.transition(State.INITIALIZING, "container started")
         init_start = time.monotonic()
-        client = RuntimeClient(self._session, container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES)
+        client = RuntimeClient(self._session, container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
+                               secret=container.secret)
         context = self._context(req)
         init_env = {k: v for k, v in (req.content or {}).items() if k in req.init_args} \
             if isinstance(req.content, dict) else {}
@@ -362,7 +363,8 @@ class Invoker:
     async def _run_once(self, proxy: ContainerProxy, req: ActivationRequest) -> tuple[RuntimeOutcome, tuple[str, ...]]:
         assert proxy.container is not None
         action = req.action
-        client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES)
+        client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
+                               secret=proxy.container.secret)
         value = req.content
         if isinstance(value, dict) and req.init_args:
             value = {k: v for k, v in value.items() if k not in req.init_args}
@@ -531,7 +533,9 @@ def make_backend(cfg: Config) -> ContainerBackend:
                              ulimits=cfg.invoker.docker_ulimits, gpu_mode=cfg.invoker.docker_gpu_mode)
     from dilu_invoker.invoker.backends.process import ProcessBackend
 
-    return ProcessBackend()
+    ic = cfg.invoker
+    return ProcessBackend(isolation=ic.process_isolation, uid_range=ic.process_uid_range,
+                          work_dir=ic.process_work_dir, hide=(str(cfg.data_path),))
 
 
 @contextlib.asynccontextmanager

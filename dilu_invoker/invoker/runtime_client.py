@@ -306,8 +306,11 @@ class RuntimeClient:
         *,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
         retry_interval_s: float = INIT_RETRY_INTERVAL_S,
+        secret: str | None = None,
     ) -> None:
         self._session = session
+        #: the container's runtime secret, sent with every request (X-Dilu-Runtime-Secret)
+        self._secret = secret
         self._base_url = base_url.rstrip("/")
         self._max_result_bytes = max_result_bytes
         self._retry_interval_s = retry_interval_s
@@ -348,6 +351,8 @@ class RuntimeClient:
         data = payload if isinstance(payload, bytes) else encode_body(payload)
         url = self._base_url + path
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self._secret:
+            headers["X-Dilu-Runtime-Secret"] = self._secret
         start = time.monotonic()
         while True:
             remaining = timeout_s - (time.monotonic() - start)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import docker
@@ -31,11 +33,12 @@ RUNTIME_PORT = "8080/tcp"
 
 
 class DockerContainer:
-    def __init__(self, backend: DockerBackend, container: Any, name: str, url: str) -> None:
+    def __init__(self, backend: DockerBackend, container: Any, name: str, url: str, secret: str | None) -> None:
         self._backend = backend
         self._container = container
         self.name = name
         self.url = url
+        self.secret = secret
         loop = asyncio.get_running_loop()
         self.stdout = asyncio.StreamReader(limit=1 << 20, loop=loop)
         self.stderr = asyncio.StreamReader(limit=1 << 20, loop=loop)
@@ -136,8 +139,12 @@ class DockerBackend:
 
     async def start(self, spec: ContainerSpec) -> DockerContainer:
         loop = asyncio.get_running_loop()
+        # Our runtime answers only callers with the container's secret; an upstream image ignores it.
+        secret = secrets.token_urlsafe(24) if spec.own_runtime else None
+        if secret is not None:
+            spec = replace(spec, env={**spec.env, "DILU_RUNTIME_SECRET": secret})
         container, port, stream = await asyncio.to_thread(self._start_sync, spec)
-        wrapped = DockerContainer(self, container, spec.name, f"http://127.0.0.1:{port}")
+        wrapped = DockerContainer(self, container, spec.name, f"http://127.0.0.1:{port}", secret)
         threading.Thread(target=wrapped._pump_logs, args=(stream, loop), name=f"logs-{spec.name}",
                          daemon=True).start()
         log.debug("docker container started", container=spec.name, image=spec.image, port=port)
