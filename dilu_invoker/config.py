@@ -78,6 +78,7 @@ class InvokerConfig:
                                   env=("DOCKER_HOST",))
     docker_network: str | None = _opt(None, "network for action containers (default: the engine's default)")
     docker_ulimits: str = _opt("nofile=1024:1024", "ulimits of action containers, name=soft:hard,… (OpenWhisk's)")
+    docker_user: str = _opt("65534:65534", "user:group action containers run as (empty: the image's own user)")
     docker_gpu_mode: str = _opt("device-requests", "how containers get GPUs: device-requests (NVIDIA container "
                                 "toolkit), cdi (podman), devices (explicit /dev/nvidia* nodes)")
     process_isolation: str = _opt("auto", "process backend: auto (as root, each container its own uid, "

@@ -377,6 +377,11 @@ class GpuNode:
             if self._shim is not None:
                 env.update(shim.process_env(control_path=files.control, stats_path=files.stats,
                                             library=self._shim, base_env={}))
+                # No bind mounts for a host process: these tell its sandbox what it may read (the control
+                # block, the shim) and write (its stats block).
+                mounts = (GpuMount(str(files.control), str(files.control), True),
+                          GpuMount(str(files.stats), str(files.stats), False),
+                          GpuMount(str(self._shim), str(self._shim), True))
         return GpuAttachment(env=env, mounts=mounts, devices=devices, gpu_index=device.index, uuid=device.uuid)
 
     # -- admission ---------------------------------------------------------------------------------

@@ -530,7 +530,8 @@ def make_backend(cfg: Config) -> ContainerBackend:
         from dilu_invoker.invoker.backends.docker import DockerBackend
 
         return DockerBackend(url=cfg.invoker.docker_url, network=cfg.invoker.docker_network,
-                             ulimits=cfg.invoker.docker_ulimits, gpu_mode=cfg.invoker.docker_gpu_mode)
+                             ulimits=cfg.invoker.docker_ulimits, gpu_mode=cfg.invoker.docker_gpu_mode,
+                             user=cfg.invoker.docker_user)
     from dilu_invoker.invoker.backends.process import ProcessBackend
 
     ic = cfg.invoker

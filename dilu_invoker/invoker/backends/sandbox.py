@@ -50,7 +50,6 @@ _PR_SET_NO_NEW_PRIVS = 38
 _CLONE_NEWNS = 0x00020000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
-_MNT_DETACH = 2
 #: world-writable places where a uid can leave files behind
 _SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 
@@ -189,7 +188,7 @@ def _own_cgroups() -> dict[str, str]:
 
 
 def pids_of_uid(uids: Iterable[int]) -> dict[int, list[int]]:
-    """uid → pids of the processes whose real uid it is (a scan of /proc)."""
+    """uid → pids of the live processes whose real uid it is (a scan of /proc; zombies don't count)."""
     wanted = set(uids)
     out: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
@@ -198,6 +197,8 @@ def pids_of_uid(uids: Iterable[int]) -> dict[int, list[int]]:
         try:
             with open(f"/proc/{entry.name}/status", "rb") as f:
                 for line in f:
+                    if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
+                        break  # dead, waiting for a parent to reap it
                     if line.startswith(b"Uid:"):
                         uid = int(line.split()[1])
                         if uid in wanted:
@@ -303,7 +304,7 @@ class Sandbox:
             if cgroup is not None:
                 _write(cgroup / "cgroup.procs", str(os.getpid()))
             if uid is not None:
-                _private_mounts(libc, plan, hide, Path(home) / ".stage")
+                _private_mounts(libc, plan, hide)
                 libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
                 os.setgroups([])
                 os.setgid(gid if gid is not None else uid)
@@ -326,8 +327,7 @@ class Sandbox:
         return self.cgroup is not None and cgroups is not None and cgroups.oom_killed(self.cgroup)
 
 
-def _private_mounts(libc: ctypes.CDLL, plan: dict[str, tuple[str, ...]], hide: tuple[str, ...],
-                    stage: Path) -> None:
+def _private_mounts(libc: ctypes.CDLL, plan: dict[str, tuple[str, ...]], hide: tuple[str, ...]) -> None:
     def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
         if libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
                       data.encode() if data else None) != 0:
@@ -339,17 +339,17 @@ def _private_mounts(libc: ctypes.CDLL, plan: dict[str, tuple[str, ...]], hide: t
         raise OSError(err, f"unshare(CLONE_NEWNS): {os.strerror(err)}")
     mount("none", "/", None, _MS_REC | _MS_PRIVATE)
     for covered, keep in plan.items():
-        staged: list[tuple[str, Path]] = []
-        for i, path in enumerate(keep):
-            s = stage / str(len(staged)) / str(i)
-            s.mkdir(parents=True, exist_ok=True)
-            mount(path, str(s), None, _MS_BIND | _MS_REC)
-            staged.append((path, s))
+        # Held open across the cover, then bound back through /proc/self/fd: no staging place needed.
+        held = [(path, os.open(path, os.O_PATH)) for path in keep]
         mount("tmpfs", covered, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
-        for path, s in staged:
-            os.makedirs(path, exist_ok=True)
-            mount(str(s), path, None, _MS_BIND | _MS_REC)
-            libc.umount2(str(s).encode(), _MNT_DETACH)
+        for path, fd in held:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o444))
+            mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+            os.close(fd)
     for path in hide:
         mount("tmpfs", path, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0555,size=4k")
 
@@ -375,7 +375,7 @@ class Sandboxes:
         (self.work_root / "uids").mkdir(mode=0o700, exist_ok=True)
         if self.isolating:
             self.cgroups, self.cgroup_note = Cgroups.probe(f"dilu-{os.getpid()}")
-            self.plan = mount_plan(interpreter_paths())
+            self.plan = mount_plan([*interpreter_paths(), str(self.work_root)])
             self.hide = tuple(p for p in (os.path.realpath(h) for h in hide) if self._may_hide(p))
             log.info("process containers are isolated", uids=f"{uid_range.start}-{uid_range.stop - 1}",
                      work_dir=str(self.work_root), memory=self.cgroup_note, hidden=sorted(self.plan) + list(self.hide))
