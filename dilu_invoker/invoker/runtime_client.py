@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import aiohttp
 import structlog
 
+from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN
 from dilu_invoker.model import ActivationStatus
 
 log = structlog.get_logger(__name__)
@@ -31,7 +32,7 @@ DEFAULT_MAX_RESULT_BYTES = 1024 * 1024  # OpenWhisk's default action result (pay
 INIT_RETRY_INTERVAL_S = 0.05
 
 MSG_ABNORMAL_INIT = "The action did not initialize and exited unexpectedly."
-MSG_ABNORMAL_RUN = "The action did not produce a valid response and exited unexpectedly."
+
 MSG_SHUTTING_DOWN = "The action container is shutting down; the activation must be rescheduled."
 MSG_LOG_FAILURE = "There was an issue while collecting your logs. Data might be missing."
 MSG_LOG_DEVELOPER_ERROR = "The action did not initialize or run as expected. Log data might be missing."
