@@ -43,7 +43,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dilu_invoker.invoker.backends.sandbox import pids_of_uid
+from dilu_invoker.invoker.dataplane.backends.sandbox import pids_of_uid
 
 GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFqm12CdAsMgRU4VrNZ9lyGVCGuMDGIwP"
 NOOP = "def main(args):\n    return {}\n"

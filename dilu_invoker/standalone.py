@@ -29,10 +29,10 @@ import structlog
 from dilu_invoker import logs
 from dilu_invoker.config import Config
 from dilu_invoker.invoker.api import ActivationRunner
-from dilu_invoker.invoker.core import Invoker, open_invoker
+from dilu_invoker.invoker.cluster.reports import gpu_view_of
+from dilu_invoker.invoker.cluster.routing import devices_for, enable_balancer_routing
+from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.invoker.manifest import Manifest
-from dilu_invoker.invoker.reports import gpu_view_of
-from dilu_invoker.invoker.routing import devices_for, enable_balancer_routing
 from dilu_invoker.invoker.server import build_app as build_invoker_app
 from dilu_invoker.invoker.server import invoker_credentials, serve_app
 from dilu_invoker.loadbalancer.service import Balancer, open_balancer

@@ -42,7 +42,7 @@ ROOTS = {"standalone", "cli", "__main__"}
 
 
 def _layer(module: str) -> str:
-    """``dilu_invoker.invoker.routing`` → ``invoker.agent``; ``dilu_invoker.gpu.node`` → ``gpu``."""
+    """``dilu_invoker.invoker.cluster.routing`` → ``invoker.agent``; ``dilu_invoker.gpu.node`` → ``gpu``."""
     parts = module.split(".")[1:]
     if not parts:
         return "dilu_invoker"

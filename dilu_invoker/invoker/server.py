@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dilu_invoker.config import Config
-from dilu_invoker.invoker.core import Invoker
+from dilu_invoker.invoker.dataplane.core import Invoker
 
 INVOKER: web.AppKey[Invoker] = web.AppKey("invoker", Invoker)
 CREDENTIALS: web.AppKey[tuple[str, str]] = web.AppKey("credentials", tuple)

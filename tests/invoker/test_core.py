@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 
 from dilu_invoker import config
-from dilu_invoker.invoker.container import State, Transition
-from dilu_invoker.invoker.core import Invoker, open_invoker
+from dilu_invoker.invoker.dataplane.container import State, Transition
+from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.model import (
     GUEST_IDENTITY,
     Action,

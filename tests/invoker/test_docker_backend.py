@@ -11,10 +11,10 @@ import docker
 import pytest
 
 from dilu_invoker import config
-from dilu_invoker.invoker.backends.base import ContainerSpec, Mount
-from dilu_invoker.invoker.backends.docker import DockerBackend
-from dilu_invoker.invoker.container import State
-from dilu_invoker.invoker.core import Invoker, open_invoker
+from dilu_invoker.invoker.dataplane.backends.base import ContainerSpec, Mount
+from dilu_invoker.invoker.dataplane.backends.docker import DockerBackend
+from dilu_invoker.invoker.dataplane.container import State
+from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.model import (
     GUEST_IDENTITY,
     Action,

@@ -91,7 +91,7 @@ def _alive(pid: int) -> bool:
 
 
 def _uid_processes() -> list[int]:
-    from dilu_invoker.invoker.backends.sandbox import pids_of_uid
+    from dilu_invoker.invoker.dataplane.backends.sandbox import pids_of_uid
 
     return [pid for pids in pids_of_uid(UID_RANGE).values() for pid in pids]
 

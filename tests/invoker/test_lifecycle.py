@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from dilu_invoker.invoker.backends.base import ContainerSpec
-from dilu_invoker.invoker.container import (
+from dilu_invoker.invoker.dataplane.backends.base import ContainerSpec
+from dilu_invoker.invoker.dataplane.container import (
     ContainerProxy,
     IllegalTransition,
     Initializing,
@@ -22,7 +22,7 @@ from dilu_invoker.invoker.container import (
     State,
     Transition,
 )
-from dilu_invoker.invoker.pool import View, evict_for, fits, pick_warm
+from dilu_invoker.invoker.dataplane.pool import View, evict_for, fits, pick_warm
 from dilu_invoker.model import Action, Exec
 
 R, P, N, S, X = State.READY, State.PAUSED, State.INITIALIZING, State.STARTING, State.REMOVING

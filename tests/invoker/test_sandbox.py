@@ -10,10 +10,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from dilu_invoker.invoker.backends.base import ContainerSpec
-from dilu_invoker.invoker.backends.process import ProcessBackend
-from dilu_invoker.invoker.backends.sandbox import Sandboxes, mount_plan, parse_uid_range
-from dilu_invoker.invoker.runtime_client import RuntimeClient
+from dilu_invoker.invoker.dataplane.backends.base import ContainerSpec
+from dilu_invoker.invoker.dataplane.backends.process import ProcessBackend
+from dilu_invoker.invoker.dataplane.backends.sandbox import Sandboxes, mount_plan, parse_uid_range
+from dilu_invoker.invoker.dataplane.runtime_client import RuntimeClient
 from tests.invoker import isolation_actions as attacks
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")

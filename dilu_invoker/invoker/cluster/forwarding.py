@@ -38,10 +38,10 @@ import structlog
 from redis.exceptions import RedisError
 
 from dilu_invoker.aiotasks import cancel_and_wait
-from dilu_invoker.invoker.agent import Agent
 from dilu_invoker.invoker.api import InvokerOverloaded, never_ran
-from dilu_invoker.invoker.instances import InstanceManager
-from dilu_invoker.invoker.streams import ensure_group, read_group
+from dilu_invoker.invoker.cluster.agent import Agent
+from dilu_invoker.invoker.cluster.instances import InstanceManager
+from dilu_invoker.invoker.cluster.streams import ensure_group, read_group
 from dilu_invoker.model import (
     Action,
     Activation,

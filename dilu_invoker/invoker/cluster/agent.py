@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from dilu_invoker.gpu.budgets import GpuBudgets
-from dilu_invoker.invoker.core import Invoker
-from dilu_invoker.invoker.registry import FunctionRegistry
+from dilu_invoker.invoker.cluster.registry import FunctionRegistry
+from dilu_invoker.invoker.dataplane.core import Invoker
 from dilu_invoker.wire import Keys
 
 

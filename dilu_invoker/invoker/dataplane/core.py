@@ -23,18 +23,17 @@ from dilu_invoker.config import Config
 from dilu_invoker.gpu.attachment import GpuAttachment
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, never_ran_for
-from dilu_invoker.invoker.backends.base import (
+from dilu_invoker.invoker.dataplane.backends.base import (
     BackendError,
     ContainerBackend,
     ContainerSpec,
     ImageError,
     Mount,
 )
-from dilu_invoker.invoker.container import ContainerProxy, Output, PoolKey, State, Transition
-from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
-from dilu_invoker.invoker.metrics import InvokerMetrics
-from dilu_invoker.invoker.pool import ContainerPool, NoContainer
-from dilu_invoker.invoker.runtime_client import (
+from dilu_invoker.invoker.dataplane.container import ContainerProxy, Output, PoolKey, State, Transition
+from dilu_invoker.invoker.dataplane.metrics import InvokerMetrics
+from dilu_invoker.invoker.dataplane.pool import ContainerPool, NoContainer
+from dilu_invoker.invoker.dataplane.runtime_client import (
     ActivationContext,
     ActivationLogReader,
     ActivationLogs,
@@ -44,6 +43,7 @@ from dilu_invoker.invoker.runtime_client import (
     build_init_body,
     build_run_body,
 )
+from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
 from dilu_invoker.logs import bind_activation, clear_activation
 from dilu_invoker.model import (
     Action,
@@ -518,12 +518,12 @@ class Invoker:
 
 def make_backend(cfg: Config) -> ContainerBackend:
     if cfg.invoker.backend == "docker":
-        from dilu_invoker.invoker.backends.docker import DockerBackend
+        from dilu_invoker.invoker.dataplane.backends.docker import DockerBackend
 
         return DockerBackend(url=cfg.invoker.docker_url, network=cfg.invoker.docker_network,
                              ulimits=cfg.invoker.docker_ulimits, gpu_mode=cfg.invoker.docker_gpu_mode,
                              user=cfg.invoker.docker_user)
-    from dilu_invoker.invoker.backends.process import ProcessBackend
+    from dilu_invoker.invoker.dataplane.backends.process import ProcessBackend
 
     ic = cfg.invoker
     return ProcessBackend(isolation=ic.process_isolation, uid_range=ic.process_uid_range,

@@ -27,7 +27,7 @@ import docker.errors
 import structlog
 from docker.types import DeviceRequest, Ulimit
 
-from dilu_invoker.invoker.backends.base import BackendError, ContainerSpec, ImageError
+from dilu_invoker.invoker.dataplane.backends.base import BackendError, ContainerSpec, ImageError
 
 log = structlog.get_logger(__name__)
 

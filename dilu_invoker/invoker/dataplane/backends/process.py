@@ -1,6 +1,6 @@
 """Runs each action runtime as a child process on a free loopback port (the embedded default).
 
-Each container is confined by a :class:`~dilu_invoker.invoker.backends.sandbox.Sandbox`: as root, its own
+Each container is confined by a :class:`~dilu_invoker.invoker.dataplane.backends.sandbox.Sandbox`: as root, its own
 uid, private directory, memory cgroup and mount view; without root, a private directory and the kill of
 every descendant only (the backend logs what is not enforced). Its runtime answers only requests that carry
 the container's secret (``X-Dilu-Runtime-Secret``), so code of another container cannot call its ``/run``.
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import structlog
 
-from dilu_invoker.invoker.backends.base import BackendError, ContainerSpec
-from dilu_invoker.invoker.backends.sandbox import Sandbox, SandboxError, Sandboxes, parse_uid_range
+from dilu_invoker.invoker.dataplane.backends.base import BackendError, ContainerSpec
+from dilu_invoker.invoker.dataplane.backends.sandbox import Sandbox, SandboxError, Sandboxes, parse_uid_range
 
 log = structlog.get_logger(__name__)
 
-_PACKAGE_PARENT = str(Path(__file__).resolve().parents[3])
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[4])
 #: environment a runtime process inherits from the invoker; everything else comes from the spec
 _INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "SYSTEMROOT", "CUDA_HOME", "LD_LIBRARY_PATH", "NVIDIA_DRIVER_CAPABILITIES")
 

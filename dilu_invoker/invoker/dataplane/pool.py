@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import structlog
 
 from dilu_invoker.invoker.api import InvokerOverloaded
-from dilu_invoker.invoker.backends.base import ContainerSpec
-from dilu_invoker.invoker.container import ContainerProxy, Placement, PoolKey, State, Transition
+from dilu_invoker.invoker.dataplane.backends.base import ContainerSpec
+from dilu_invoker.invoker.dataplane.container import ContainerProxy, Placement, PoolKey, State, Transition
 from dilu_invoker.model import Action
 
 log = structlog.get_logger(__name__)

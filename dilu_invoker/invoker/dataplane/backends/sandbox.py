@@ -268,7 +268,7 @@ def interpreter_paths() -> list[str]:
     with contextlib.suppress(Exception):
         paths += site.getsitepackages()
     paths += [p for p in sys.path if p and os.path.isdir(p)]
-    paths.append(str(Path(__file__).resolve().parents[3]))  # the package itself
+    paths.append(str(Path(__file__).resolve().parents[4]))  # the package itself
     return paths
 
 

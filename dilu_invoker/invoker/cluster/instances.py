@@ -33,10 +33,10 @@ import structlog
 from redis.exceptions import RedisError
 
 from dilu_invoker.aiotasks import cancel_and_wait
-from dilu_invoker.invoker.agent import Agent
 from dilu_invoker.invoker.api import InvokerOverloaded
-from dilu_invoker.invoker.container import ContainerProxy, State, Transition
-from dilu_invoker.invoker.streams import read_group
+from dilu_invoker.invoker.cluster.agent import Agent
+from dilu_invoker.invoker.cluster.streams import read_group
+from dilu_invoker.invoker.dataplane.container import ContainerProxy, State, Transition
 from dilu_invoker.model import Action, Activation, ActivationRequest
 from dilu_invoker.wire import (
     COMMAND_GROUP,

@@ -31,12 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dilu_invoker.invoker.backends.base import Container, ContainerSpec
+from dilu_invoker.invoker.dataplane.backends.base import Container, ContainerSpec
 from dilu_invoker.model import Action
 
 if TYPE_CHECKING:
     from dilu_invoker.gpu.attachment import GpuAttachment
-    from dilu_invoker.invoker.runtime_client import ActivationLogReader, LogCollection
+    from dilu_invoker.invoker.dataplane.runtime_client import ActivationLogReader, LogCollection
 
 
 class State(enum.Enum):

@@ -4,13 +4,13 @@ An activation of a GPU kind that reaches any invoker goes to an instance of its 
 function's routing table (``{prefix}route:{fqn}``, written by the balancer): least outstanding work among
 the instances with a free slot, by the power of two random choices (:func:`pick_instance`). An instance
 on this invoker runs it directly; one on another invoker gets it through that invoker's activation stream
-(:mod:`~dilu_invoker.invoker.forwarding`), and the result comes back here, where the caller is answered.
+(:mod:`~dilu_invoker.invoker.cluster.forwarding`), and the result comes back here, where the caller is answered.
 With no instance yet, the router signals demand on ``{prefix}bal:demand`` (the balancer starts one at
 once, without waiting for its next tick) and waits for the table to change (pub/sub
 ``{prefix}routes``). Activations of other kinds run in this invoker's own pool, as before.
 
 :func:`enable_balancer_routing` is the one call a front needs: it starts the load reports, the command
-consumer, the forwarding consumer and the route cache around an open :class:`~dilu_invoker.invoker.core.Invoker`
+consumer, the forwarding consumer and the route cache around an open :class:`~dilu_invoker.invoker.dataplane.core.Invoker`
 and yields the :class:`BalancedRunner` to hand activations to (it is an ``ActivationRunner``, and also a
 ``Router`` of the cluster front: ``route(req)`` returns itself).
 """
@@ -35,12 +35,12 @@ from redis.exceptions import RedisError
 from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import Config
 from dilu_invoker.gpu.devices import GpuDevice, discover
-from dilu_invoker.invoker.agent import Agent
 from dilu_invoker.invoker.api import ActivationRunner
-from dilu_invoker.invoker.core import Invoker
-from dilu_invoker.invoker.forwarding import Forwarder
-from dilu_invoker.invoker.instances import InstanceManager
-from dilu_invoker.invoker.reports import GpuView, Reporter
+from dilu_invoker.invoker.cluster.agent import Agent
+from dilu_invoker.invoker.cluster.forwarding import Forwarder
+from dilu_invoker.invoker.cluster.instances import InstanceManager
+from dilu_invoker.invoker.cluster.reports import GpuView, Reporter
+from dilu_invoker.invoker.dataplane.core import Invoker
 from dilu_invoker.model import Activation, ActivationRequest, ValidationError
 from dilu_invoker.wire import (
     FunctionReport,

@@ -23,8 +23,8 @@ from redis.exceptions import RedisError
 
 from dilu_invoker.gpu.budgets import GpuCapacity
 from dilu_invoker.gpu.devices import GpuDevice
-from dilu_invoker.invoker.agent import Agent
-from dilu_invoker.invoker.instances import InstanceManager
+from dilu_invoker.invoker.cluster.agent import Agent
+from dilu_invoker.invoker.cluster.instances import InstanceManager
 from dilu_invoker.wire import FunctionReport, GpuReport, LoadReport, pack
 
 log = structlog.get_logger(__name__)
