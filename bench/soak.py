@@ -87,7 +87,8 @@ async def standalone(isolation: str, *, idle_timeout_s: float = 600, user_memory
          "--invoker-process-isolation", isolation, "--invoker-process-work-dir", str(work),
          "--invoker-idle-timeout-s", str(idle_timeout_s), "--invoker-user-memory-mb", str(user_memory_mb),
          "--invoker-pause-grace-s", "0"],
-        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=open(os.environ["DILU_SOAK_LOG"], "ab") if os.environ.get("DILU_SOAK_LOG") else subprocess.DEVNULL)
     server = Server(proc, f"http://127.0.0.1:{port}", work, data)
     try:
         async with aiohttp.ClientSession() as s:
@@ -115,12 +116,14 @@ async def standalone(isolation: str, *, idle_timeout_s: float = 600, user_memory
 
 def _auth() -> dict[str, str]:
     user, key = GUEST.split(":")
-    return {"Authorization": aiohttp.BasicAuth(user, key).encode()}
+    return {"Authorization": aiohttp.encode_basic_auth(user, key)}
 
 
 async def warm_p50(rounds: int, requests: int) -> dict[str, list[float]]:
-    """p50 (ms) of sequential blocking warm invokes per round, arms alternated."""
-    out: dict[str, list[float]] = {"isolated": [], "not isolated": []}
+    """p50 (ms) of sequential blocking warm invokes per round, arms alternated; ``failed``: invokes per arm
+    that did not answer 200 (counted, not timed)."""
+    out: dict[str, list[float]] = {"isolated": [], "not isolated": [], "failed isolated": [0.0],
+                                   "failed not isolated": [0.0]}
     async with standalone("auto") as iso, standalone("off") as plain, aiohttp.ClientSession(
             headers=_auth(), connector=aiohttp.TCPConnector(limit=0)) as s:
         arms = {"isolated": iso, "not isolated": plain}
@@ -129,22 +132,24 @@ async def warm_p50(rounds: int, requests: int) -> dict[str, list[float]]:
                              json={"exec": {"kind": "python:3", "code": NOOP}}) as r:
                 assert r.status == 200, await r.text()
 
-        async def timed(server: Server, n: int) -> list[float]:
+        async def timed(server: Server, n: int, arm: str = "") -> list[float]:
             lat = []
             for _ in range(n):
                 t = time.perf_counter()
                 async with s.post(server.action_url("noop") + "?blocking=true&result=true", json={}) as r:
-                    await r.read()
-                    if r.status != 200:
-                        raise RuntimeError(f"invoke answered {r.status}")
+                    body = await r.read()
+                if r.status != 200:
+                    out[f"failed {arm}"][0] += 1
+                    print(f"{arm}: invoke answered {r.status}: {body[:300]!r}", file=sys.stderr)
+                    continue
                 lat.append((time.perf_counter() - t) * 1000)
             return lat
 
-        for server in arms.values():
-            await timed(server, 200)  # cold start, connection pools
+        for name, server in arms.items():
+            await timed(server, 200, name)  # cold start, connection pools
         for _ in range(rounds):
             for name, server in arms.items():
-                out[name].append(statistics.median(await timed(server, requests)))
+                out[name].append(statistics.median(await timed(server, requests, name)))
     return out
 
 
@@ -287,7 +292,8 @@ mount view). Command: `{cmd}`.
 
 Two standalone servers in one run, `--invoker-process-isolation auto` and `off`, a warm no-op `python:3`
 action on each, {args.requests} sequential blocking invokes per round (`?blocking=true&result=true`), arms
-alternated over {args.rounds} rounds.
+alternated over {args.rounds} rounds. Invokes that did not answer 200: {p50["failed isolated"][0]:.0f}
+isolated, {p50["failed not isolated"][0]:.0f} not isolated.
 
 | arm | p50 per round (ms) | p50 (median) |
 | --- | --- | --- |
