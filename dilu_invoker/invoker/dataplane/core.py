@@ -390,6 +390,7 @@ class Invoker:
     async def _destroy_container(self, proxy: ContainerProxy) -> None:
         """Everything the container owns goes: its output readers, its processes and files (the backend),
         its GPU share."""
+        log.debug("destroying container", container=proxy.name, handle=proxy.container is not None)
         if proxy.output is not None:
             await proxy.output.close()
         if proxy.container is not None:

@@ -83,9 +83,11 @@ class ProcessContainer:
         with contextlib.suppress(ProcessLookupError):
             self._proc.kill()
         try:
-            await self._backend.sandboxes.destroy(self.sandbox)
+            clean = await self._backend.sandboxes.destroy(self.sandbox)
         except Exception as exc:  # noqa: BLE001 - destroy never raises
             log.warning("sandbox removal failed", container=self.name, error=repr(exc))
+        else:
+            log.debug("process container destroyed", container=self.name, clean=clean)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._proc.wait(), 5)
         self._backend._live.discard(self)
