@@ -105,7 +105,7 @@ async def kafka_path(requests: int, burst: int, fetch_wait_ms: int, workdir: Pat
         async with contextlib.AsyncExitStack() as stack:
             runner: Any = InstantRunner()
             if core:
-                from dilu_invoker.invoker.core import open_invoker
+                from dilu_invoker.invoker.dataplane.core import open_invoker
 
                 runner = await stack.enter_async_context(open_invoker(cfg, manifest=manifest))
             harness = await stack.enter_async_context(

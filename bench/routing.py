@@ -34,8 +34,8 @@ from pathlib import Path
 import structlog
 
 from dilu_invoker import config
-from dilu_invoker.invoker.core import open_invoker
-from dilu_invoker.invoker.routing import enable_balancer_routing
+from dilu_invoker.invoker.cluster.routing import enable_balancer_routing
+from dilu_invoker.invoker.dataplane.core import open_invoker
 from dilu_invoker.model import (
     GUEST_IDENTITY,
     Action,

@@ -79,8 +79,14 @@ class InvokerConfig:
                                   env=("DOCKER_HOST",))
     docker_network: str | None = _opt(None, "network for action containers (default: the engine's default)")
     docker_ulimits: str = _opt("nofile=1024:1024", "ulimits of action containers, name=soft:hard,… (OpenWhisk's)")
+    docker_user: str = _opt("65534:65534", "user:group action containers run as (empty: the image's own user)")
     docker_gpu_mode: str = _opt("device-requests", "how containers get GPUs: device-requests (NVIDIA container "
                                 "toolkit), cdi (podman), devices (explicit /dev/nvidia* nodes)")
+    process_isolation: str = _opt("auto", "process backend: auto (as root, each container its own uid, "
+                                  "private dir, memory cgroup and mount view) or off (the invoker's user)")
+    process_uid_range: str = _opt("200000-200999", "process backend: uids (and gids) of containers, FIRST-LAST")
+    process_work_dir: str | None = _opt(None, "process backend: where private container dirs live "
+                                        "(default: /tmp/dilu-work)")
     container_prefix: str = _opt("wsk", "name prefix of action containers (OpenWhisk's 'wsk{id}_…')")
     log_chunk_kb: int = _opt(64, "read size for action logs (KB)")
     max_queue: int = _opt(10_000, "activations waiting for capacity before new ones are rejected")

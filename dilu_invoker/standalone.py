@@ -36,9 +36,10 @@ from dilu_invoker.banner import standalone_banner
 from dilu_invoker.config import Config
 from dilu_invoker.health import HEALTH, add_invoker_health
 from dilu_invoker.invoker.api import ActivationRunner
-from dilu_invoker.invoker.core import Invoker, open_invoker
+from dilu_invoker.invoker.cluster.reports import gpu_view_of
+from dilu_invoker.invoker.cluster.routing import devices_for, enable_balancer_routing
+from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.invoker.manifest import Manifest
-from dilu_invoker.invoker.routing import devices_for, enable_balancer_routing
 from dilu_invoker.invoker.server import build_app as build_invoker_app
 from dilu_invoker.invoker.server import invoker_credentials, serve_app
 from dilu_invoker.loadbalancer.service import Balancer, open_balancer
@@ -173,7 +174,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
             if cfg.balancer.routing:
                 runner = await stack.enter_async_context(enable_balancer_routing(
                     invoker, icfg, redis=redis, devices=devices_for(icfg, invoker_id=icfg.invoker.id, invokers=n),
-                    gpu_view=invoker.gpu if hasattr(invoker.gpu, "view") else None))
+                    gpu_view=gpu_view_of(invoker.gpu)))
             invokers.append(invoker)
             urls.append(f"http://{icfg.invoker.host}:{inv_port}")
             runners.append(runner)

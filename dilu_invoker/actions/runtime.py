@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import enum
+import hmac
 import json
 import os
 import shutil
@@ -45,6 +46,9 @@ MSG_EXITED = "command exited"
 MSG_NOT_DICT = "The action did not return a dictionary or array."
 MSG_DEADLINE = "The action did not finish by its deadline and was stopped."
 MSG_SHUTTING_DOWN = "The action runtime is shutting down."
+MSG_FORBIDDEN = "This runtime answers only the invoker that started it."
+SECRET_HEADER = "X-Dilu-Runtime-Secret"
+SECRET_ENV = "DILU_RUNTIME_SECRET"
 
 _BOOTSTRAP = (
     "import sys\n"
@@ -88,6 +92,8 @@ class RuntimeOptions:
     allow_concurrent: bool = False
     deadline_grace_s: float | None = DEFAULT_DEADLINE_GRACE_MS / 1000
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    #: when set, every request but /ping must carry it in SECRET_HEADER (the invoker's own calls do)
+    secret: str | None = None
 
 
 def _json_response(status: int, error: str) -> web.Response:
@@ -490,8 +496,22 @@ async def _root(request: web.Request) -> web.Response:
     return web.Response(text="dilu-invoker action runtime\n")
 
 
+def _secret_middleware(secret: str) -> Any:
+    expected = secret.encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.headers.get(SECRET_HEADER, "").encode()
+        if request.path != "/ping" and not hmac.compare_digest(given, expected):
+            return _json_response(403, MSG_FORBIDDEN)
+        return await handler(request)
+
+    return check
+
+
 def build_app(runtime: Runtime) -> web.Application:
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    middlewares = [_secret_middleware(runtime.options.secret)] if runtime.options.secret else []
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=middlewares)
     app.router.add_post("/init", runtime.handle_init)
     app.router.add_post("/run", runtime.handle_run)
     app.router.add_get("/ping", _ping)
@@ -556,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"dilu-runtime: invalid port {args.port}\n")
         return 2
     options = RuntimeOptions(
+        # Taken out of the environment before the action's worker starts: its code never sees it.
+        secret=os.environ.pop(SECRET_ENV, None) or None,
         allow_concurrent=_env_flag("__OW_ALLOW_CONCURRENT"),
         deadline_grace_s=None if args.deadline_grace_ms < 0 else args.deadline_grace_ms / 1000,
         shutdown_grace_s=max(args.shutdown_grace_s, 0.0),

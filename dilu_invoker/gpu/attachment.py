@@ -1,7 +1,7 @@
 """What a GPU container is given by the node's GPU manager (the invoker core merges it into the spec).
 
 Defined here, in the GPU package, because the GPU package produces it and the invoker may import the GPU
-package but not the other way round; ``dilu_invoker.invoker.core`` re-exports it.
+package but not the other way round; ``dilu_invoker.invoker.dataplane.core`` re-exports it.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import redis.asyncio as aioredis
@@ -209,7 +209,7 @@ class GpuBudgets:
             await self._r.hset(self.gpu_key(uuid), mapping={f"s:{k}": _pack(float(v)) for k, v in shares.items()})
 
     async def get(self, uuid: str, *, include_expired: bool = False) -> GpuBudget | None:
-        raw = await self._r.hgetall(self.gpu_key(uuid))
+        raw = cast("dict[bytes, bytes]", await self._r.hgetall(self.gpu_key(uuid)))
         if not raw or b"cap" not in raw:
             return None
         now_ms = await self._now_ms()
@@ -227,7 +227,7 @@ class GpuBudgets:
         return GpuBudget(uuid, cap, reservations, {k: v for k, v in shares.items() if k in reservations})
 
     async def node_gpus(self, node: str) -> list[str]:
-        return sorted(m.decode() for m in await self._r.smembers(self.node_key(node)))
+        return sorted(m.decode() for m in cast("set[bytes]", await self._r.smembers(self.node_key(node))))
 
     async def reconcile(self, uuid: str, *, invoker: str, live: Mapping[str, Reservation], ttl_s: float) -> tuple[int, int]:
         """Make Redis agree with what runs: drop this invoker's reservations of containers that are gone,

@@ -67,11 +67,19 @@ class MpsDecision:
     reason: str
 
 
-def decide_mps(mode: MpsMode, *, control: str | None, compute_mode: int | None) -> MpsDecision:
-    """Pure: the mode a GPU runs in given the flag, the control binary found (None: not found) and the
-    GPU's NVML compute mode (None: unknown, e.g. no NVML)."""
+def decide_mps(mode: MpsMode, *, control: str | None, compute_mode: int | None,
+               separate_uids: str | None = None) -> MpsDecision:
+    """Pure: the mode a GPU runs in given the flag, the control binary found (None: not found), the
+    GPU's NVML compute mode (None: unknown, e.g. no NVML) and why containers run as separate uids (None:
+    they share one). An MPS control daemon runs one uid's server at a time and queues the clients of any
+    other uid until that server exits, so instances of separate uids cannot share a GPU through MPS."""
     if mode is MpsMode.OFF:
         return MpsDecision(False, "--gpu-mps off: time-slicing")
+    if separate_uids is not None:
+        why = f"{separate_uids}, and an MPS daemon serves one uid at a time"
+        if mode is MpsMode.ON:
+            raise MpsError(f"--gpu-mps on: {why}; pass --invoker-process-isolation off to use MPS")
+        return MpsDecision(False, f"--gpu-mps auto: {why}: time-slicing")
     if control is None:
         why = f"{CONTROL} not found"
         if mode is MpsMode.ON:
@@ -246,8 +254,10 @@ class MpsSupervisor:
         compute_mode: Callable[[int], int | None] | None = None,
         check_every_s: float = 5.0,
         metrics: MpsMetrics | None = None,
+        separate_uids: str | None = None,
     ) -> None:
         self.mode = mode
+        self.separate_uids = separate_uids
         self.root = root
         self.gpus = gpus
         resolved = shutil.which(control) if os.sep not in control else (control if Path(control).is_file() else None)
@@ -267,7 +277,7 @@ class MpsSupervisor:
             except Exception as exc:  # noqa: BLE001 - NVML trouble means "unknown", not a crash
                 log.debug("compute mode unknown", gpu=index, error=repr(exc))
                 cm = None
-            decision = decide_mps(self.mode, control=self.control, compute_mode=cm)
+            decision = decide_mps(self.mode, control=self.control, compute_mode=cm, separate_uids=self.separate_uids)
             if decision.enabled:
                 if self.control is None:
                     raise MpsError(f"--gpu-mps on: {self._control_name} not found")

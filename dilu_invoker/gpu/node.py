@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import shutil
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -213,11 +214,14 @@ class GpuNode:
             from dilu_invoker.gpu.devices import compute_mode
             from dilu_invoker.gpu.mps import MpsMetrics, MpsMode
 
-
+            separate = None
+            if backend == "process" and cfg.invoker.process_isolation == "auto" and os.geteuid() == 0:
+                separate = "process isolation runs every container as its own uid"
             mps = MpsSupervisor(
                 mode=MpsMode.parse(g.mps), root=Path(g.mps_dir or cfg.data_path / "mps") / f"invoker{cfg.invoker.id}",
                 gpus=tuple((d.index, d.uuid) for d in devices),
-                control=g.mps_control, compute_mode=compute_mode, metrics=MpsMetrics(registry))
+                control=g.mps_control, compute_mode=compute_mode, metrics=MpsMetrics(registry),
+                separate_uids=separate)
         return cls(
             node=f"invoker{cfg.invoker.id}", devices=devices, no_gpu_reason=reason, shm_dir=g.shm_dir, mps=mps,
             backend=backend, docker_gpu_mode=cfg.invoker.docker_gpu_mode, shim_library=g.shim_path,
@@ -402,6 +406,11 @@ class GpuNode:
             if self._shim is not None:
                 env.update(shim.process_env(control_path=files.control, stats_path=files.stats,
                                             library=self._shim, base_env={}))
+                # No bind mounts for a host process: these tell its sandbox what it may read (the control
+                # block, the shim) and write (its stats block).
+                mounts = (GpuMount(str(files.control), str(files.control), True),
+                          GpuMount(str(files.stats), str(files.stats), False),
+                          GpuMount(str(self._shim), str(self._shim), True))
         return GpuAttachment(env=env, mounts=mounts, devices=devices, gpu_index=device.index, uuid=device.uuid)
 
     # -- admission ---------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ import hmac
 import json
 import os
 import secrets
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dilu_invoker.config import Config
-from dilu_invoker.invoker.core import Invoker
+from dilu_invoker.invoker.dataplane.core import Invoker
 
 INVOKER: web.AppKey[Invoker] = web.AppKey("invoker", Invoker)
 CREDENTIALS: web.AppKey[tuple[str, str]] = web.AppKey("credentials", tuple)
@@ -37,7 +38,8 @@ def _authorized(request: web.Request) -> bool:
 
 
 @web.middleware
-async def _auth_middleware(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+async def _auth_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     if request.path in ("/ping", "/metrics") or _authorized(request):
         return await handler(request)
     return web.Response(status=401, text="The supplied authentication is invalid",
@@ -109,7 +111,7 @@ async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.App
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
     bound = port
-    server = site._server
-    if server is not None and getattr(server, "sockets", None):
-        bound = int(server.sockets[0].getsockname()[1])
+    sockets = getattr(site._server, "sockets", None)
+    if sockets:
+        bound = int(sockets[0].getsockname()[1])
     return runner, bound

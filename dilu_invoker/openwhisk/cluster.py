@@ -30,7 +30,7 @@ from typing import Any, Protocol, Self
 import structlog
 from aiokafka import ConsumerRecord, TopicPartition
 
-from dilu_invoker.invoker.api import InvokerOverloaded
+from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, InvokerOverloaded
 from dilu_invoker.model import Activation, ActivationRequest, ActivationResponse
 from dilu_invoker.openwhisk.backoff import Backoff
 from dilu_invoker.openwhisk.couchdb import (
@@ -73,7 +73,7 @@ _NO_GPU_IMAGES = GpuImages()
 _ACK_BACKOFF = Backoff(initial_s=0.05, maximum_s=2.0)
 
 #: ``Messages.abnormalRun``: what OpenWhisk says when the platform failed while running an action.
-ABNORMAL_RUN = "The action did not produce a valid response and exited unexpectedly."
+ABNORMAL_RUN = MSG_ABNORMAL_RUN
 
 
 class EnabledControl(Protocol):

@@ -119,7 +119,7 @@ async def _main(cfg: Config) -> int:
 
     # Imported here so that the front (and its tests) do not need the container backends. The control
     # endpoints are served and secured exactly as in standalone mode.
-    from dilu_invoker.invoker.core import open_invoker
+    from dilu_invoker.invoker.dataplane.core import open_invoker
     from dilu_invoker.invoker.server import build_app, invoker_credentials, serve_app
 
     stop = stop_on_signals()
@@ -143,11 +143,12 @@ async def _main(cfg: Config) -> int:
         if cfg.redis.url and cfg.balancer.routing:
             # GPU routing mode (a), "all-dilu": GPU activations go to the instances the balancer placed,
             # wherever they run; this invoker still acks to the controller itself.
-            from dilu_invoker.invoker.routing import enable_balancer_routing
+            from dilu_invoker.invoker.cluster.reports import gpu_view_of
+            from dilu_invoker.invoker.cluster.routing import enable_balancer_routing
 
             assert redis is not None
             routed = await stack.enter_async_context(enable_balancer_routing(
-                invoker, cfg, redis=redis, gpu_view=invoker.gpu if hasattr(invoker.gpu, "view") else None))
+                invoker, cfg, redis=redis, gpu_view=gpu_view_of(invoker.gpu)))
             log.info("invoker.balancer_routing", redis=cfg.redis.url.rsplit("@", 1)[-1])
             await serve(cfg, runner=routed, manifest=manifest, stop=stop, control=invoker, router=routed)
         else:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dilu_invoker.invoker.api import never_ran
 from dilu_invoker.model import (
     Action,
     Activation,
@@ -503,10 +504,6 @@ def acks_without_container(
 # Activations built by the front itself
 # --------------------------------------------------------------------------------------------
 
-KIND_UNKNOWN = "unknown"
-CAUSED_BY_SEQUENCE = "sequence"
-
-
 def fallback_activation(
     *,
     activation_id: str,
@@ -519,23 +516,9 @@ def fallback_activation(
     cause: str | None = None,
     now: int | None = None,
 ) -> Activation:
-    """``InvokerReactive.generateFallbackActivation``: zero duration, ``kind: unknown``."""
-    at = now_ms() if now is None else now
-    annotations = [Parameter("path", f"{action_path}/{action_name}"), Parameter("kind", KIND_UNKNOWN)]
-    if cause is not None:
-        annotations.append(Parameter("causedBy", CAUSED_BY_SEQUENCE))
-    return Activation(
-        namespace=namespace,
-        name=action_name,
-        subject=subject,
-        activation_id=activation_id,
-        start=at,
-        end=at,
-        response=response,
-        version=version or "0.0.1",
-        annotations=tuple(annotations),
-        cause=cause,
-    )
+    """``InvokerReactive.generateFallbackActivation``: zero duration, ``kind: unknown`` (:func:`never_ran`)."""
+    return never_ran(activation_id=activation_id, namespace=namespace, subject=subject,
+                     path=f"{action_path}/{action_name}", response=response, version=version, cause=cause, now=now)
 
 
 def fallback_for(msg: ActivationMessage, response: ActivationResponse, *, now: int | None = None) -> Activation:

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from dilu_invoker import jsonutil
 from dilu_invoker.config import ApiConfig
-from dilu_invoker.invoker.api import InvokerOverloaded
+from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, InvokerOverloaded, never_ran_for
 from dilu_invoker.invoker.manifest import Manifest
 from dilu_invoker.model import (
     DEFAULT_VERSION,
@@ -30,7 +30,6 @@ from dilu_invoker.model import (
     LimitBounds,
     Parameter,
     ValidationError,
-    annotations_of,
     bump_version,
     json_size,
     merge_params,
@@ -350,8 +349,7 @@ class _Invocation:
             raise
         except Exception:
             log.exception("the activation runner failed", activation_id=req.activation_id)
-            activation = fallback_activation(req, ActivationResponse.whisk_error(
-                "The action did not produce a valid response and exited unexpectedly."))
+            activation = fallback_activation(req, ActivationResponse.whisk_error(MSG_ABNORMAL_RUN))
         if req.identity.store_activations:
             try:
                 await self.app[STORE].store_activation(activation)
@@ -364,23 +362,7 @@ class _Invocation:
 
 def fallback_activation(req: ActivationRequest, response: ActivationResponse) -> Activation:
     """The record of an activation that never ran (OpenWhisk's invoker writes the same shape)."""
-    now = now_ms()
-    action = req.action
-    return Activation(
-        namespace=req.identity.namespace,
-        name=action.name,
-        subject=req.identity.subject,
-        activation_id=req.activation_id,
-        start=now,
-        end=now,
-        response=response,
-        version=action.version,
-        annotations=annotations_of([
-            ("path", action.fqn),
-            ("kind", action.exec.kind),
-            ("limits", action.limits.to_json()),
-        ]),
-    )
+    return never_ran_for(req, response)
 
 
 def _blocking_wait_s(request: web.Request, cfg: ApiConfig) -> float:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from dilu_invoker.invoker.runtime_client import (
+from dilu_invoker.invoker.dataplane.runtime_client import (
     ActivationContext,
     ActivationLogReader,
     ActivationStatus,

@@ -534,3 +534,35 @@ def test_sentinel_is_openwhisks() -> None:
     from dilu_invoker.actions._ipc import SENTINEL_LINE
 
     assert SENTINEL_LINE == (SENTINEL + "\n").encode()
+
+
+# -- the runtime secret -----------------------------------------------------------------------------------
+
+
+async def test_runtime_secret_guards_every_endpoint_but_ping(http: aiohttp.ClientSession) -> None:
+    secret = "s3cret-for-this-container"
+    echo = code(
+        """
+        import os
+
+        def main(args):
+            return {"seen": os.environ.get("DILU_RUNTIME_SECRET")}
+        """
+    )
+    async with running_runtime(env={"DILU_RUNTIME_SECRET": secret}) as rt:
+        # Without the secret (another container's code): refused, and nothing is initialized.
+        assert (await post(http, f"{rt.url}/init", init_body(echo)))[0] == 403
+        assert (await post(http, f"{rt.url}/run", run_body()))[0] == 403
+        async with http.get(f"{rt.url}/health") as r:
+            assert r.status == 403
+        async with http.post(f"{rt.url}/run", json=run_body(),
+                             headers={"X-Dilu-Runtime-Secret": "wrong"}) as r:
+            assert r.status == 403
+        async with http.get(f"{rt.url}/ping") as r:
+            assert r.status == 200
+        headers = {"X-Dilu-Runtime-Secret": secret}
+        async with http.post(f"{rt.url}/init", json=init_body(echo), headers=headers) as r:
+            assert r.status == 200
+        async with http.post(f"{rt.url}/run", json=run_body(), headers=headers) as r:
+            # The action's code never sees the secret.
+            assert r.status == 200 and await r.json() == {"seen": None}

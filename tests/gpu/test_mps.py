@@ -53,6 +53,29 @@ def test_decide_mps(mode: MpsMode, control: str | None, compute_mode: int | None
     assert why in d.reason
 
 
+def test_separate_uids_keep_mps_off() -> None:
+    """An MPS daemon serves one uid at a time: isolated containers (a uid each) must not be MPS clients."""
+    why = "process isolation runs every container as its own uid"
+    d = decide_mps(MpsMode.AUTO, control="/bin/x", compute_mode=0, separate_uids=why)
+    assert d.enabled is False
+    assert why in d.reason and "one uid at a time" in d.reason and d.reason.endswith("time-slicing")
+    with pytest.raises(MpsError, match="--invoker-process-isolation off"):
+        decide_mps(MpsMode.ON, control="/bin/x", compute_mode=0, separate_uids=why)
+    assert decide_mps(MpsMode.OFF, control="/bin/x", compute_mode=0, separate_uids=why).enabled is False
+
+
+async def test_supervisor_with_separate_uids_starts_no_daemon(tmp_path: Path) -> None:
+    sup = MpsSupervisor(mode=MpsMode.AUTO, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE,
+                        compute_mode=lambda _i: 0, check_every_s=3600, separate_uids="a uid per container")
+    await sup.start()
+    try:
+        assert not sup.daemons and not sup.enabled(0)
+        assert "a uid per container" in sup.decisions[0].reason
+        assert not (tmp_path / "mps" / "gpu0").exists()
+    finally:
+        await sup.stop()
+
+
 @pytest.mark.parametrize(("limit", "pct"), [(1.0, 100), (0.5, 50), (0.704, 70), (0.001, 1), (1.5, 100)])
 def test_active_thread_percentage_follows_the_limit(limit: float, pct: int) -> None:
     assert active_thread_percentage(limit) == pct
@@ -166,8 +189,8 @@ async def test_gpu_containers_are_mps_clients_capped_by_their_limit(tmp_path: Pa
             assert a.env["CUDA_MPS_PIPE_DIRECTORY"] == CONTAINER_PIPE_DIR
             mounts = {(m.source, m.target, m.read_only) for m in a.mounts}
             assert (str(pipe), CONTAINER_PIPE_DIR, False) in mounts
-            from dilu_invoker.invoker.backends.base import ContainerSpec
-            from dilu_invoker.invoker.backends.docker import DockerBackend
+            from dilu_invoker.invoker.dataplane.backends.base import ContainerSpec
+            from dilu_invoker.invoker.dataplane.backends.docker import DockerBackend
 
             spec = ContainerSpec(name="c", kind="python:3-gpu", image="img", memory_mb=256, env=a.env)
             backend_obj = DockerBackend(url="unix:///nonexistent.sock", gpu_mode="devices")  # connects lazily

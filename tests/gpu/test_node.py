@@ -80,8 +80,13 @@ async def test_unreadable_inventory_means_no_gpus(tmp_path: Path) -> None:
 async def test_process_attachment(make_node: NodeFactory, shim_build: ShimBuild) -> None:
     node = await make_node()
     a = await node.attach("wsk0_1_f", "guest/f", needs("inference", 0.3, 0.6, memory_mb=2048))
-    assert a is not None and a.mounts == () and a.devices == ()
+    assert a is not None and a.devices == ()
     env = dict(a.env)
+    # No bind mounts for a host process: the mounts tell its sandbox what it may read and write.
+    assert {(m.source, m.target, m.read_only) for m in a.mounts} == {
+        (env["DILU_SHIM_CONTROL"], env["DILU_SHIM_CONTROL"], True),
+        (env["DILU_SHIM_STATS"], env["DILU_SHIM_STATS"], False),
+        (str(shim_build.library), str(shim_build.library), True)}
     assert env["CUDA_VISIBLE_DEVICES"] == str(a.gpu_index) and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["LD_PRELOAD"] == str(shim_build.library) and env["DILU_GPU_UUID"] == a.uuid
     control = abi.ControlFile.open(env["DILU_SHIM_CONTROL"])

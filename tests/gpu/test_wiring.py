@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from dilu_invoker import config
 from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.gpu.node import GpuNode
-from dilu_invoker.invoker.core import open_invoker
+from dilu_invoker.invoker.dataplane.core import open_invoker
 from dilu_invoker.model import GUEST_IDENTITY, Action, ActivationRequest, Exec, Parameter, new_activation_id
 from tests.gpu.support import ShimBuild
 

@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 
 from dilu_invoker import config
-from dilu_invoker.invoker.container import State, Transition
-from dilu_invoker.invoker.core import Invoker, open_invoker
+from dilu_invoker.invoker.dataplane.container import State, Transition
+from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.model import (
     GUEST_IDENTITY,
     Action,
@@ -117,12 +117,12 @@ async def test_user_code_failures(invoker: Invoker, code: str, status: Activatio
 
 
 async def test_timeout_replaces_the_container(invoker: Invoker) -> None:
-    hang = _action("import time\ndef main(a):\n    time.sleep(30)\n    return {}\n", name="hang", timeout_ms=500)
+    hang = _action("import time\ndef main(a):\n    time.sleep(30)\n    return {}\n", name="hang", timeout_ms=2000)
     started = time.monotonic()
     result = await invoker.run(_req(hang))
     assert time.monotonic() - started < 5
     assert result.response.status is ActivationStatus.DEVELOPER_ERROR
-    assert result.response.result == {"error": "The action exceeded its time limits of 500 milliseconds."}
+    assert result.response.result == {"error": "The action exceeded its time limits of 2000 milliseconds."}
     assert result.annotation("timeout") is True
     await asyncio.sleep(0.3)
     assert not invoker.pool.containers

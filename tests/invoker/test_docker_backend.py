@@ -11,10 +11,10 @@ import docker
 import pytest
 
 from dilu_invoker import config
-from dilu_invoker.invoker.backends.base import ContainerSpec, Mount
-from dilu_invoker.invoker.backends.docker import DockerBackend
-from dilu_invoker.invoker.container import State
-from dilu_invoker.invoker.core import Invoker, open_invoker
+from dilu_invoker.invoker.dataplane.backends.base import ContainerSpec, Mount
+from dilu_invoker.invoker.dataplane.backends.docker import DockerBackend
+from dilu_invoker.invoker.dataplane.container import State
+from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.model import (
     GUEST_IDENTITY,
     Action,
@@ -61,6 +61,15 @@ async def test_actions_run_in_containers(invoker: Invoker, podman_socket: str) -
         inspected = client.containers.get(proxy.name).attrs
         host = inspected["HostConfig"]
         assert host["Memory"] == 256 * 1024 * 1024
+        # The same guarantees as the process backend: no root, no new privileges, bounded pids, and
+        # nothing of the host mounted (no data dir) unless the spec names it.
+        assert inspected["Config"]["User"] == "65534:65534"
+        assert any("no-new-privileges" in opt for opt in host.get("SecurityOpt") or [])
+        assert host["PidsLimit"] == 1024
+        assert not inspected.get("Mounts")
+        who = await invoker.run(_req("import os\ndef main(a):\n    return {'uid': os.getuid(), 'gid': os.getgid()}\n",
+                                     name="who"))
+        assert who.response.result == {"uid": 65534, "gid": 65534}
         caps_code = ("def main(a):\n    line = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0]\n"
                      "    return {'capeff': int(line.split()[1], 16)}\n")
         caps = await invoker.run(_req(caps_code, name="caps"))

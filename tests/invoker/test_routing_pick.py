@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dilu_invoker.invoker.routing import instance_load, pick_instance
+from dilu_invoker.invoker.cluster.routing import instance_load, pick_instance
 from dilu_invoker.wire import RouteEntry
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 import pytest
 
 from dilu_invoker import config
-from dilu_invoker.invoker.core import Invoker, open_invoker
-from dilu_invoker.invoker.routing import BalancedRunner, enable_balancer_routing
+from dilu_invoker.invoker.cluster.routing import BalancedRunner, enable_balancer_routing
+from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.model import (
     GUEST_IDENTITY,
     Action,

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dilu_invoker.invoker.runtime_client import (
+from dilu_invoker.invoker.dataplane.runtime_client import (
     DEFAULT_MAX_RESULT_BYTES,
     MSG_ABNORMAL_INIT,
     MSG_ABNORMAL_RUN,

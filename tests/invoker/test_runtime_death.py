@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dilu_invoker import config
-from dilu_invoker.invoker.core import Invoker, open_invoker
+from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.model import GUEST_IDENTITY, Action, ActivationRequest, ActivationStatus, Exec, new_activation_id
 
 CODE = """

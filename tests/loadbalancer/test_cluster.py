@@ -181,7 +181,10 @@ async def test_invoker_killed_mid_load_loses_nothing(tmp_path: Path, redis_serve
     # invoker0 has no GPU (it only receives); invoker1 and invoker2 hold the instances. Small GPUs force
     # the two instances onto different invokers and the replacement onto invoker2's second GPU.
     inventory = {"0": [], "1": [gpu("GPU-b", 3000)], "2": [gpu("GPU-c", 3000), gpu("GPU-d", 3000)]}
-    async with ProcessCluster(tmp_path, redis_server.url, inventory=inventory) as c:
+    # The action records each run in one host file shared by all its containers, which container
+    # isolation exists to forbid: this test runs them as the invokers' user.
+    async with ProcessCluster(tmp_path, redis_server.url, inventory=inventory,
+                              env={"DILU_INVOKER_PROCESS_ISOLATION": "off"}) as c:
         inv0, inv1 = await c.invoker(0), await c.invoker(1)
         await c.invoker(2)
         await c.balancer("balancer")

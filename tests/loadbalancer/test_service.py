@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from dilu_invoker import config
 from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity
-from dilu_invoker.invoker.registry import FunctionRegistry
+from dilu_invoker.invoker.cluster.registry import FunctionRegistry
 from dilu_invoker.loadbalancer.service import Balancer, open_balancer
 from dilu_invoker.model import Action, Exec, Parameter
 from dilu_invoker.wire import (

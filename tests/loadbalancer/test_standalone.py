@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 
 from dilu_invoker import config
-from dilu_invoker.invoker.routing import BalancedRunner, devices_for
+from dilu_invoker.invoker.cluster.routing import BalancedRunner, devices_for
 from dilu_invoker.model import GUEST_IDENTITY
 from dilu_invoker.standalone import run_standalone
 

@@ -38,7 +38,7 @@ def _importable(module: str) -> bool:
     return True
 
 
-needs_core = pytest.mark.skipif(not _importable("dilu_invoker.invoker.core"),
+needs_core = pytest.mark.skipif(not _importable("dilu_invoker.invoker.dataplane.core"),
                                 reason="the invoker core cannot be imported in this checkout")
 
 

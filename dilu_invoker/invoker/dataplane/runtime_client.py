@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import aiohttp
 import structlog
 
+from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN
 from dilu_invoker.model import ActivationStatus
 
 log = structlog.get_logger(__name__)
@@ -31,7 +32,7 @@ DEFAULT_MAX_RESULT_BYTES = 1024 * 1024  # OpenWhisk's default action result (pay
 INIT_RETRY_INTERVAL_S = 0.05
 
 MSG_ABNORMAL_INIT = "The action did not initialize and exited unexpectedly."
-MSG_ABNORMAL_RUN = "The action did not produce a valid response and exited unexpectedly."
+
 MSG_SHUTTING_DOWN = "The action container is shutting down; the activation must be rescheduled."
 MSG_LOG_FAILURE = "There was an issue while collecting your logs. Data might be missing."
 MSG_LOG_DEVELOPER_ERROR = "The action did not initialize or run as expected. Log data might be missing."
@@ -306,8 +307,11 @@ class RuntimeClient:
         *,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
         retry_interval_s: float = INIT_RETRY_INTERVAL_S,
+        secret: str | None = None,
     ) -> None:
         self._session = session
+        #: the container's runtime secret, sent with every request (X-Dilu-Runtime-Secret)
+        self._secret = secret
         self._base_url = base_url.rstrip("/")
         self._max_result_bytes = max_result_bytes
         self._retry_interval_s = retry_interval_s
@@ -348,6 +352,8 @@ class RuntimeClient:
         data = payload if isinstance(payload, bytes) else encode_body(payload)
         url = self._base_url + path
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self._secret:
+            headers["X-Dilu-Runtime-Secret"] = self._secret
         start = time.monotonic()
         while True:
             remaining = timeout_s - (time.monotonic() - start)

@@ -34,28 +34,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
 from dilu_invoker.aiotasks import cancel_and_wait
-from dilu_invoker.invoker.api import InvokerOverloaded
-from dilu_invoker.invoker.core import Invoker
-from dilu_invoker.invoker.instances import InstanceManager
-from dilu_invoker.invoker.registry import FunctionRegistry
-from dilu_invoker.invoker.streams import ensure_group, read_group
+from dilu_invoker.invoker.api import InvokerOverloaded, never_ran
+from dilu_invoker.invoker.cluster.agent import Agent
+from dilu_invoker.invoker.cluster.instances import InstanceManager
+from dilu_invoker.invoker.cluster.streams import ensure_group, read_group
 from dilu_invoker.model import (
     Action,
     Activation,
     ActivationRequest,
     ActivationResponse,
     Identity,
-    Parameter,
     now_ms,
 )
 from dilu_invoker.wire import (
     ACTIVATION_GROUP,
-    Keys,
     RouteEntry,
     WireError,
     pack,
@@ -183,12 +179,9 @@ class Forwarded:
 def failed_activation(*, aid: str, function: str, identity: Mapping[str, Any], message: str,
                       cause: str | None = None) -> Activation:
     """The record of an activation that could not run (a whisk internal error)."""
-    t = now_ms()
     namespace = str(identity.get("namespace", ""))
-    return Activation(namespace=namespace, name=function.rsplit("/", 1)[-1],
-                      subject=str(identity.get("subject", namespace)), activation_id=aid, start=t, end=t,
-                      response=ActivationResponse.whisk_error(message),
-                      annotations=(Parameter("path", function), Parameter("kind", "unknown")), cause=cause)
+    return never_ran(activation_id=aid, namespace=namespace, subject=str(identity.get("subject", namespace)),
+                     path=function, response=ActivationResponse.whisk_error(message), cause=cause)
 
 
 def encode_activation(activation: Activation) -> bytes:
@@ -222,23 +215,18 @@ class Forwarder:
 
     def __init__(
         self,
+        agent: Agent,
         *,
-        redis: aioredis.Redis,
-        keys: Keys,
-        name: str,
-        boot: str,
-        invoker: Invoker,
         instances: InstanceManager,
-        registry: FunctionRegistry,
         result_ttl_s: float = 300.0,
     ) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.name = name
-        self.boot = boot
-        self.invoker = invoker
+        self.redis = redis = agent.redis
+        self.keys = agent.keys
+        self.name = agent.name
+        self.boot = agent.boot
+        self.invoker = agent.invoker
         self.instances = instances
-        self.registry = registry
+        self.registry = agent.registry
         self.result_ttl_ms = int(result_ttl_s * 1000)
         self.stats = ForwardStats()
         self._send = redis.register_script(SEND)

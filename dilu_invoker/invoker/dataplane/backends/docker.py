@@ -3,6 +3,8 @@
 One image per kind (from the runtimes manifest) or the action's own image for docker actions; the runtime
 listens on 8080 inside, published on a random 127.0.0.1 port. Containers get OpenWhisk's hardening
 (``--cap-drop NET_RAW --cap-drop NET_ADMIN``, a pids limit, a nofile limit), a memory limit with no swap,
+an unprivileged user (``--invoker-docker-user``, nobody by default) with ``no-new-privileges``, no mount of
+anything of the host but what the spec names (the shim, its read-only control block, its stats block),
 labels, and for GPU actions the GPU (by ``device_requests`` for the NVIDIA container toolkit, by CDI name
 under podman, or by explicit ``/dev/nvidia*`` nodes), the shim and its control files as bind mounts.
 Logs come from the attach stream, demultiplexed into stdout and stderr.
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import docker
@@ -23,7 +27,7 @@ import docker.errors
 import structlog
 from docker.types import DeviceRequest, Ulimit
 
-from dilu_invoker.invoker.backends.base import BackendError, ContainerSpec, ImageError
+from dilu_invoker.invoker.dataplane.backends.base import BackendError, ContainerSpec, ImageError
 
 log = structlog.get_logger(__name__)
 
@@ -31,11 +35,12 @@ RUNTIME_PORT = "8080/tcp"
 
 
 class DockerContainer:
-    def __init__(self, backend: DockerBackend, container: Any, name: str, url: str) -> None:
+    def __init__(self, backend: DockerBackend, container: Any, name: str, url: str, secret: str | None) -> None:
         self._backend = backend
         self._container = container
         self.name = name
         self.url = url
+        self.secret = secret
         loop = asyncio.get_running_loop()
         self.stdout = asyncio.StreamReader(limit=1 << 20, loop=loop)
         self.stderr = asyncio.StreamReader(limit=1 << 20, loop=loop)
@@ -121,12 +126,14 @@ class DockerBackend:
         gpu_mode: str = "device-requests",
         pids_limit: int = 1024,
         ulimits: str = "nofile=1024:1024",
+        user: str = "65534:65534",
     ) -> None:
         self._url = url
         self._network = network
         self._gpu_mode = gpu_mode
         self._pids_limit = pids_limit
         self._ulimits = parse_ulimits(ulimits)
+        self._user = user
         self._client: docker.DockerClient | None = None
 
     def _docker(self) -> docker.DockerClient:
@@ -136,8 +143,12 @@ class DockerBackend:
 
     async def start(self, spec: ContainerSpec) -> DockerContainer:
         loop = asyncio.get_running_loop()
+        # Our runtime answers only callers with the container's secret; an upstream image ignores it.
+        secret = secrets.token_urlsafe(24) if spec.own_runtime else None
+        if secret is not None:
+            spec = replace(spec, env={**spec.env, "DILU_RUNTIME_SECRET": secret})
         container, port, stream = await asyncio.to_thread(self._start_sync, spec)
-        wrapped = DockerContainer(self, container, spec.name, f"http://127.0.0.1:{port}")
+        wrapped = DockerContainer(self, container, spec.name, f"http://127.0.0.1:{port}", secret)
         threading.Thread(target=wrapped._pump_logs, args=(stream, loop), name=f"logs-{spec.name}",
                          daemon=True).start()
         log.debug("docker container started", container=spec.name, image=spec.image, port=port)
@@ -153,11 +164,14 @@ class DockerBackend:
             "mem_limit": memory,
             "memswap_limit": memory,
             "cap_drop": ["NET_RAW", "NET_ADMIN"],
+            "security_opt": ["no-new-privileges"],
             "pids_limit": self._pids_limit,
             "ulimits": list(self._ulimits),
             "ports": {RUNTIME_PORT: ("127.0.0.1", None)},
             "volumes": {m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
         }
+        if self._user:
+            kwargs["user"] = self._user
         if self._network:
             kwargs["network"] = self._network
         devices = [f"{d}:{d}:rwm" for d in spec.devices]

@@ -22,18 +22,18 @@ import structlog
 from dilu_invoker.config import Config
 from dilu_invoker.gpu.attachment import GpuAttachment
 from dilu_invoker.gpu.node import GpuNode
-from dilu_invoker.invoker.backends.base import (
+from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, never_ran_for
+from dilu_invoker.invoker.dataplane.backends.base import (
     BackendError,
     ContainerBackend,
     ContainerSpec,
     ImageError,
     Mount,
 )
-from dilu_invoker.invoker.container import ContainerProxy, PoolKey, State, Transition
-from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
-from dilu_invoker.invoker.metrics import InvokerMetrics
-from dilu_invoker.invoker.pool import ContainerPool, NoContainer
-from dilu_invoker.invoker.runtime_client import (
+from dilu_invoker.invoker.dataplane.container import ContainerProxy, Output, PoolKey, State, Transition
+from dilu_invoker.invoker.dataplane.metrics import InvokerMetrics
+from dilu_invoker.invoker.dataplane.pool import ContainerPool, NoContainer
+from dilu_invoker.invoker.dataplane.runtime_client import (
     ActivationContext,
     ActivationLogReader,
     ActivationLogs,
@@ -43,6 +43,7 @@ from dilu_invoker.invoker.runtime_client import (
     build_init_body,
     build_run_body,
 )
+from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
 from dilu_invoker.logs import bind_activation, clear_activation
 from dilu_invoker.model import (
     Action,
@@ -110,11 +111,6 @@ class Invoker:
             name_prefix=f"{ic.container_prefix}{self.instance_id}",
             observers=(self._count_states,),
         )
-        self._logs: dict[str, ActivationLogReader] = {}
-        self._pending_logs: dict[str, LogCollection] = {}
-        self._drains: dict[str, asyncio.Task[None]] = {}
-        #: container name -> the name its GPU share was attached under (an instance id for placed instances)
-        self._gpu_keys: dict[str, str] = {}
         self.metrics.user_memory.set(ic.user_memory_mb)
         self.metrics.enabled.set(1)
 
@@ -154,7 +150,8 @@ class Invoker:
         finally:
             clear_activation()
 
-    async def _run(self, req: ActivationRequest, *, key: PoolKey | None = None, start: bool = True) -> Activation:
+    async def _run(self, req: ActivationRequest, *, key: PoolKey | None = None, may_start: bool = True,
+                   on_lease: Callable[[], None] | None = None) -> Activation:
         arrived = req.transid_start_ms or now_ms()
         action = req.action
         runtime = self._runtime_of(action)
@@ -163,15 +160,16 @@ class Invoker:
                 "Action version is not compatible and cannot be invoked."))
         key = key or PoolKey.of(req.identity.namespace, action)
         for _attempt in range(3):
-            activation = await self._attempt(req, runtime, key, arrived, start=start)
+            activation = await self._attempt(req, runtime, key, arrived, may_start=may_start, on_lease=on_lease)
             if activation is not None:
                 return activation
             log.info("container shutting down; rescheduling the activation")
         return self._failed(req, ActivationResponse.whisk_error(
-            "The action did not produce a valid response and exited unexpectedly."))
+            MSG_ABNORMAL_RUN))
 
     async def _attempt(self, req: ActivationRequest, runtime: RuntimeKind, key: PoolKey,
-                       arrived: int, *, start: bool = True) -> Activation | None:
+                       arrived: int, *, may_start: bool = True,
+                       on_lease: Callable[[], None] | None = None) -> Activation | None:
         """One try on one container; None when the runtime asked for the activation to be rescheduled."""
         action = req.action
         memory = action.limits.memory_mb
@@ -179,10 +177,12 @@ class Invoker:
         try:
             lease = await self.pool.acquire(
                 key, action, memory_mb=memory, slots=action.limits.concurrency,
-                make_spec=lambda name: self._container_spec(name, action, runtime), start=start,
+                make_spec=lambda name: self._container_spec(name, action, runtime), start=may_start,
             )
         finally:
             self.metrics.queue_length.set(self.pool.queue_length)
+        if on_lease is not None:
+            on_lease()
         proxy = lease.proxy
         healthy = False
         release_reason = ""
@@ -199,14 +199,14 @@ class Invoker:
                 failure = await asyncio.shield(proxy.ready)
                 if failure is not None:
                     response = failure if isinstance(failure, ActivationResponse) else ActivationResponse.whisk_error(
-                        "The action did not produce a valid response and exited unexpectedly.")
+                        MSG_ABNORMAL_RUN)
                     release_reason = "container failed before this activation ran"
                     return self._finish(req, runtime, now_ms(), now_ms(), response, (), arrived=arrived,
                                         start_ms=now_ms(), init_ms=None)
                 if not await self.pool.resume(proxy):
                     release_reason = "resume failed"
                     return self._finish(req, runtime, now_ms(), now_ms(), ActivationResponse.whisk_error(
-                        "The action did not produce a valid response and exited unexpectedly."), (),
+                        MSG_ABNORMAL_RUN), (),
                         arrived=arrived, start_ms=now_ms(), init_ms=None)
                 start = now_ms()
             run_start = now_ms()
@@ -228,7 +228,7 @@ class Invoker:
             log.exception("activation failed inside the invoker")
             release_reason = f"internal error: {exc!r}"
             return self._failed(req, ActivationResponse.whisk_error(
-                "The action did not produce a valid response and exited unexpectedly."))
+                MSG_ABNORMAL_RUN))
         finally:
             self.pool.release(proxy, healthy=healthy, reason=release_reason)
 
@@ -272,27 +272,32 @@ class Invoker:
         try:
             container = await self.backend.start(spec)
         except ImageError as exc:
-            self.pool.remove(proxy, f"image error: {exc}")
-            return ActivationResponse.developer_error(str(exc)), None, ()
+            failure = ActivationResponse.developer_error(str(exc))
+            self.pool.remove(proxy, f"image error: {exc}", failure=failure)
+            return failure, None, ()
         except BackendError as exc:
             log.warning("container start failed", container=proxy.name, error=str(exc))
-            self.pool.remove(proxy, f"start failed: {exc}")
+            failure = ActivationResponse.whisk_error("Failed to provision resources to run the action.")
+            self.pool.remove(proxy, f"start failed: {exc}", failure=failure)
+            return failure, None, ()
+        if proxy.state is not State.STARTING:  # removed while the backend started it (shutdown)
+            await container.destroy()
             return ActivationResponse.whisk_error("Failed to provision resources to run the action."), None, ()
-        proxy.container = container
         reader = ActivationLogReader(container.stdout, container.stderr,
                                      chunk_bytes=self.cfg.invoker.log_chunk_kb * 1024)
-        self._logs[proxy.name] = reader
         limit = action.limits.logs_mb * 1024 * 1024
         collection: LogCollection | None = None
+        proxy.output = Output(reader)
         if proxy.slots > 1:
             # Activations sharing a container share its output streams: drain them, attribute nothing.
-            self._drains[proxy.name] = asyncio.create_task(self._drain_logs(reader, limit))
+            proxy.output.drain = asyncio.create_task(self._drain_logs(reader, limit))
         else:
             # The init's output belongs to the first run's logs (a successful /init writes no sentinel).
             collection = reader.start(limit_bytes=limit)
-        proxy.transition(State.INITIALIZING, "container started")
+        proxy.started(container)
         init_start = time.monotonic()
-        client = RuntimeClient(self._session, container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES)
+        client = RuntimeClient(self._session, container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
+                               secret=container.secret)
         context = self._context(req)
         init_env = {k: v for k, v in (req.content or {}).items() if k in req.init_args} \
             if isinstance(req.content, dict) else {}
@@ -300,21 +305,19 @@ class Invoker:
                                main=action.exec.main, env=init_env, context=context)
         outcome = await client.init(body, action.limits.timeout_ms / 1000)
         init_ms = int((time.monotonic() - init_start) * 1000)
-        proxy.init_ms = init_ms
         if outcome.status_code != ActivationStatus.SUCCESS:
             logs: tuple[str, ...] = ()
             if collection is not None:
                 logs = (await collection.finish(developer_error=True)).lines
             failure = ActivationResponse(ActivationStatus(outcome.status_code), outcome.result, outcome.size)
-            self.pool.remove(proxy, "initialization failed")
-            if not proxy.ready.done():
-                proxy.ready.set_result(failure)
+            self.pool.remove(proxy, "initialization failed", failure=failure)
             return failure, init_ms, logs
-        if collection is not None:
-            self._pending_logs[proxy.name] = collection
-        if not proxy.ready.done():
-            proxy.ready.set_result(None)
-        self.pool.mark_ready(proxy, "initialized")
+        if proxy.state is not State.INITIALIZING:  # removed meanwhile (shutdown, a stopped instance)
+            if collection is not None:
+                await collection.finish(developer_error=True)
+            return ActivationResponse.whisk_error("Failed to provision resources to run the action."), init_ms, ()
+        proxy.output.pending = collection
+        self.pool.mark_ready(proxy, "initialized", init_ms=init_ms)
         return None, init_ms, ()
 
     @staticmethod
@@ -352,8 +355,7 @@ class Invoker:
                 log.warning("GPU action runs on the CPU: this node has no GPU available for it",
                             action=action.fqn, reason="no GPU manager" if self.gpu is None else "no GPU capacity")
             return spec
-        proxy.attachments.append(attachment)
-        self._gpu_keys[proxy.name] = key
+        proxy.placement = replace(proxy.placement, gpu=attachment, gpu_key=key)
         env = dict(spec.env)
         env.update(attachment.env)
         mounts = tuple(Mount(m.source, m.target, m.read_only) for m in attachment.mounts)
@@ -362,16 +364,17 @@ class Invoker:
     async def _run_once(self, proxy: ContainerProxy, req: ActivationRequest) -> tuple[RuntimeOutcome, tuple[str, ...]]:
         assert proxy.container is not None
         action = req.action
-        client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES)
+        client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
+                               secret=proxy.container.secret)
         value = req.content
         if isinstance(value, dict) and req.init_args:
             value = {k: v for k, v in value.items() if k not in req.init_args}
         body = build_run_body(value, self._context(req))
-        reader = self._logs.get(proxy.name)
         collection: LogCollection | None = None
-        if reader is not None and proxy.slots == 1:
-            collection = self._pending_logs.pop(proxy.name, None) or reader.start(
-                limit_bytes=action.limits.logs_mb * 1024 * 1024)
+        output = proxy.output
+        if output is not None and proxy.slots == 1:
+            collection, output.pending = output.pending, None
+            collection = collection or output.reader.start(limit_bytes=action.limits.logs_mb * 1024 * 1024)
         try:
             outcome = await client.run(body, action.limits.timeout_ms / 1000)
         except BaseException:
@@ -385,20 +388,17 @@ class Invoker:
         return outcome, logs.lines
 
     async def _destroy_container(self, proxy: ContainerProxy) -> None:
-        drain = self._drains.pop(proxy.name, None)
-        if drain is not None:
-            drain.cancel()
-        pending = self._pending_logs.pop(proxy.name, None)
-        if pending is not None:
-            with contextlib.suppress(Exception):
-                await pending.finish(developer_error=True)
-        self._logs.pop(proxy.name, None)
+        """Everything the container owns goes: its output readers, its processes and files (the backend),
+        its GPU share."""
+        log.debug("destroying container", container=proxy.name, handle=proxy.container is not None)
+        if proxy.output is not None:
+            await proxy.output.close()
         if proxy.container is not None:
             await proxy.container.destroy()
-        gpu_key = self._gpu_keys.pop(proxy.name, proxy.name)
-        if proxy.attachments and self.gpu is not None:
+        placement = proxy.placement
+        if placement.gpu is not None and self.gpu is not None:
             with contextlib.suppress(Exception):
-                await self.gpu.detach(gpu_key)
+                await self.gpu.detach(placement.gpu_key or proxy.name)
 
     # -- balancer-placed instances -------------------------------------------------------------
     #
@@ -419,7 +419,7 @@ class Invoker:
         lease = await self.pool.acquire(
             self.instance_key(instance_id, action), action, memory_mb=action.limits.memory_mb,
             slots=action.limits.concurrency, make_spec=lambda name: self._container_spec(name, action, runtime),
-            pinned=True,
+            instance=instance_id,
         )
         proxy = lease.proxy
         if not lease.cold:  # the instance already has a container (a repeated command)
@@ -438,11 +438,14 @@ class Invoker:
         self.pool.release(proxy, healthy=failure is None, reason="" if failure is None else "instance start failed")
         return proxy.name, failure
 
-    async def run_on_instance(self, instance_id: str, req: ActivationRequest) -> Activation | None:
-        """Run on the instance's container; None when the instance has no container (any more)."""
+    async def run_on_instance(self, instance_id: str, req: ActivationRequest, *,
+                              on_lease: Callable[[], None] | None = None) -> Activation | None:
+        """Run on the instance's container (waiting for one of its slots; ``on_lease`` is called when the
+        activation gets one); None when the instance has no container (any more)."""
         bind_activation(activation_id=req.activation_id, transid=req.transid_id, instance=instance_id)
         try:
-            return await self._run(req, key=self.instance_key(instance_id, req.action), start=False)
+            return await self._run(req, key=self.instance_key(instance_id, req.action), may_start=False,
+                                   on_lease=on_lease)
         except NoContainer:
             return None
         finally:
@@ -509,16 +512,7 @@ class Invoker:
 
     def _failed(self, req: ActivationRequest, response: ActivationResponse) -> Activation:
         """A fallback record for an activation that never reached a container (§1.4)."""
-        t = now_ms()
-        action = req.action
-        annotations = [Parameter("path", action.fqn), Parameter("kind", "unknown")]
-        if req.cause is not None:
-            annotations.append(Parameter("causedBy", "sequence"))
-        return Activation(
-            namespace=req.identity.namespace, name=action.name, subject=req.identity.subject,
-            activation_id=req.activation_id, start=t, end=t, response=response, version=action.version,
-            annotations=tuple(annotations), cause=req.cause,
-        )
+        return never_ran_for(req, response)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -529,13 +523,16 @@ class Invoker:
 
 def make_backend(cfg: Config) -> ContainerBackend:
     if cfg.invoker.backend == "docker":
-        from dilu_invoker.invoker.backends.docker import DockerBackend
+        from dilu_invoker.invoker.dataplane.backends.docker import DockerBackend
 
         return DockerBackend(url=cfg.invoker.docker_url, network=cfg.invoker.docker_network,
-                             ulimits=cfg.invoker.docker_ulimits, gpu_mode=cfg.invoker.docker_gpu_mode)
-    from dilu_invoker.invoker.backends.process import ProcessBackend
+                             ulimits=cfg.invoker.docker_ulimits, gpu_mode=cfg.invoker.docker_gpu_mode,
+                             user=cfg.invoker.docker_user)
+    from dilu_invoker.invoker.dataplane.backends.process import ProcessBackend
 
-    return ProcessBackend()
+    ic = cfg.invoker
+    return ProcessBackend(isolation=ic.process_isolation, uid_range=ic.process_uid_range,
+                          work_dir=ic.process_work_dir, hide=(str(cfg.data_path),))
 
 
 @contextlib.asynccontextmanager
@@ -576,7 +573,7 @@ async def open_invoker(
                 await step()
             except Exception as exc:  # noqa: BLE001 - finish the teardown, then report
                 errors.append(exc)
-        for exc in errors:
-            log.warning("error during invoker shutdown", error=repr(exc))
+        for error in errors:
+            log.warning("error during invoker shutdown", error=repr(error))
 
 

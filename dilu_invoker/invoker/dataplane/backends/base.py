@@ -44,6 +44,8 @@ class Container(Protocol):
 
     name: str
     url: str
+    #: sent with every request to the runtime (None: the runtime takes any caller, e.g. an upstream image)
+    secret: str | None
     stdout: asyncio.StreamReader
     stderr: asyncio.StreamReader
 

@@ -10,7 +10,9 @@ Scheduling follows OpenWhisk's ContainerPool (reference/openwhisk.md §9):
    frees; among waiters that need a new container only the oldest may start one, so large actions are
    not starved by a stream of small ones.
 
-All bookkeeping is synchronous on the event loop (no awaits between a decision and its effect), so no
+The choices themselves are pure functions of frozen views of the containers — :func:`pick_warm` (step 1),
+:func:`fits` (step 2) and :func:`evict_for` (step 3) — tested as tables; :class:`ContainerPool` applies
+them. All bookkeeping is synchronous on the event loop (no awaits between a decision and its effect), so no
 locks are needed. Starting, initializing and removing containers is done by the caller (``core``) and by
 the pool's own removal tasks.
 """
@@ -21,17 +23,78 @@ import asyncio
 import collections
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from dilu_invoker.invoker.api import InvokerOverloaded
-from dilu_invoker.invoker.backends.base import ContainerSpec
-from dilu_invoker.invoker.container import ContainerProxy, PoolKey, State, Transition
+from dilu_invoker.invoker.dataplane.backends.base import ContainerSpec
+from dilu_invoker.invoker.dataplane.container import ContainerProxy, Placement, PoolKey, State, Transition
 from dilu_invoker.model import Action
 
 log = structlog.get_logger(__name__)
+
+
+# -- the choices, as pure functions -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """What the choices see of one container."""
+
+    name: str
+    state: State
+    active: int
+    slots: int
+    memory_mb: int
+    last_used: float
+    placed: bool = False
+
+    @classmethod
+    def of(cls, p: ContainerProxy) -> View:
+        return cls(p.name, p.state, p.active, p.slots, p.memory_mb, p.last_used, p.placed)
+
+    @property
+    def has_capacity(self) -> bool:
+        return self.state in _WARM_RANK and self.active < self.slots
+
+    @property
+    def evictable(self) -> bool:
+        return self.active == 0 and self.state in (State.READY, State.PAUSED) and not self.placed
+
+
+#: a ready container first, then a paused one (resumed first), then one still starting
+_WARM_RANK = {State.READY: 0, State.PAUSED: 1, State.INITIALIZING: 2, State.STARTING: 3}
+
+
+def pick_warm(same_key: Iterable[View]) -> str | None:
+    """Step 1: the container of the activation's key to run on — ready before paused before starting,
+    least busy first; None when none has a free slot."""
+    best = min((v for v in same_key if v.has_capacity), key=lambda v: (_WARM_RANK[v.state], v.active), default=None)
+    return best.name if best is not None else None
+
+
+def fits(*, in_use_mb: int, need_mb: int, user_memory_mb: int) -> bool:
+    """Step 2: a new container fits beside the others."""
+    return in_use_mb + need_mb <= user_memory_mb
+
+
+def evict_for(containers: Sequence[View], *, need_mb: int, in_use_mb: int, user_memory_mb: int
+              ) -> tuple[str, ...] | None:
+    """Step 3: the least-recently-used idle pooled containers whose removal makes ``need_mb`` fit (in
+    eviction order; empty when it already fits); None when even all of them would not do."""
+    free = user_memory_mb - in_use_mb
+    victims: list[str] = []
+    for v in sorted((v for v in containers if v.evictable), key=lambda v: v.last_used):
+        if free >= need_mb:
+            break
+        victims.append(v.name)
+        free += v.memory_mb
+    return tuple(victims) if free >= need_mb else None
+
+
+# -- the pool --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +117,7 @@ class _Waiter:
     make_spec: Callable[[str], ContainerSpec]
     future: asyncio.Future[Lease]
     start: bool = True
-    pinned: bool = False
+    instance: str | None = None
 
 
 class ContainerPool:
@@ -108,11 +171,11 @@ class ContainerPool:
 
     async def acquire(
         self, key: PoolKey, action: Action, *, memory_mb: int, slots: int, make_spec: Callable[[str], ContainerSpec],
-        start: bool = True, pinned: bool = False,
+        start: bool = True, instance: str | None = None,
     ) -> Lease:
         """A slot of a container of ``key``. ``start=False``: only an existing container of the key will do
-        (wait for a slot of one; :class:`NoContainer` when there is none). ``pinned``: a container started
-        for this call is a balancer-placed instance (no idle or pause timers, never evicted)."""
+        (wait for a slot of one; :class:`NoContainer` when there is none). ``instance``: a container started
+        for this call serves that balancer-placed instance (no idle or pause timers, never evicted)."""
         if self._closed:
             raise InvokerOverloaded("the invoker is shutting down")
         if memory_mb > self.user_memory_mb:
@@ -122,13 +185,13 @@ class ContainerPool:
         if not start and not self._live(key):
             raise NoContainer(f"no container of {key.namespace}/{key.fqn}")
         lease = self._try_assign(key, action, memory_mb, slots, make_spec,
-                                 may_start=start and not self._queue_needs_memory(), pinned=pinned)
+                                 may_start=start and not self._queue_needs_memory(), instance=instance)
         if lease is not None:
             return lease
         if len(self._queue) >= self.max_queue:
             raise InvokerOverloaded("too many activations are waiting for a container")
         waiter = _Waiter(key, action, memory_mb, slots, make_spec, asyncio.get_running_loop().create_future(),
-                         start=start, pinned=pinned)
+                         start=start, instance=instance)
         self._queue.append(waiter)
         try:
             return await waiter.future
@@ -146,20 +209,6 @@ class ContainerPool:
     def _live(self, key: PoolKey) -> bool:
         return any(p.state not in (State.REMOVING, State.REMOVED) for p in self._by_key.get(key, ()))
 
-    def _warm_slot(self, key: PoolKey) -> ContainerProxy | None:
-        best: ContainerProxy | None = None
-        for proxy in self._by_key.get(key, ()):
-            if not proxy.has_capacity:
-                continue
-            # Prefer a ready container, then a paused one, then one still starting; least busy first.
-            rank = {State.READY: 0, State.PAUSED: 1, State.INITIALIZING: 2, State.STARTING: 3}[proxy.state]
-            if best is None or (rank, proxy.active) < (
-                {State.READY: 0, State.PAUSED: 1, State.INITIALIZING: 2, State.STARTING: 3}[best.state],
-                best.active,
-            ):
-                best = proxy
-        return best
-
     def _try_assign(
         self,
         key: PoolKey,
@@ -169,18 +218,26 @@ class ContainerPool:
         make_spec: Callable[[str], ContainerSpec],
         *,
         may_start: bool,
-        pinned: bool = False,
+        instance: str | None = None,
     ) -> Lease | None:
-        proxy = self._warm_slot(key)
-        if proxy is not None:
+        same_key = self._by_key.get(key, ())
+        warm = pick_warm(View.of(p) for p in same_key)
+        if warm is not None:
+            proxy = next(p for p in same_key if p.name == warm)
             proxy.active += 1
             proxy.last_used = time.monotonic()
             proxy.cancel_timers()
             return Lease(proxy, cold=False)
         if not may_start:
             return None
-        if self.memory_in_use_mb + memory_mb > self.user_memory_mb and not self._evict_for(memory_mb):
-            return None
+        in_use = self.memory_in_use_mb
+        if not fits(in_use_mb=in_use, need_mb=memory_mb, user_memory_mb=self.user_memory_mb):
+            victims = evict_for([View.of(p) for p in self.containers.values()], need_mb=memory_mb,
+                                in_use_mb=in_use, user_memory_mb=self.user_memory_mb)
+            if victims is None:
+                return None
+            for victim in victims:
+                self.remove(self.containers[victim], "evicted to make room")
         name = f"{self._prefix}_{next(self._counter)}_{_slug(key.namespace)}_{_slug(action.name)}"
         proxy = ContainerProxy(
             name=name,
@@ -190,29 +247,13 @@ class ContainerPool:
             memory_mb=memory_mb,
             slots=max(1, slots),
             on_transition=self._on_transition,
+            placement=Placement(instance=instance),
             active=1,
-            pinned=pinned,
         )
         self.containers[name] = proxy
         self._by_key[key].append(proxy)
         self._on_transition(Transition(name, State.STARTING, State.STARTING, "cold start", time.monotonic()))
         return Lease(proxy, cold=True)
-
-    def _evict_for(self, memory_mb: int) -> bool:
-        """Remove least-recently-used idle containers until ``memory_mb`` fits; False if it cannot."""
-        idle = sorted((p for p in self.containers.values() if p.is_idle and not p.pinned), key=lambda p: p.last_used)
-        free = self.user_memory_mb - self.memory_in_use_mb
-        victims: list[ContainerProxy] = []
-        for p in idle:
-            if free >= memory_mb:
-                break
-            victims.append(p)
-            free += p.memory_mb
-        if free < memory_mb:
-            return False
-        for p in victims:
-            self.remove(p, "evicted to make room")
-        return True
 
     # -- releasing and removing ---------------------------------------------------------------
 
@@ -227,7 +268,7 @@ class ContainerPool:
         self._drain_queue()
 
     def _arm_idle(self, proxy: ContainerProxy) -> None:
-        if proxy.pinned:
+        if proxy.placed:
             return  # an instance lives until the balancer stops it
         if self.pause_grace_s is not None and self.pause_grace_s < self.idle_timeout_s:
             proxy.arm(self.pause_grace_s, lambda: self._spawn(self._pause(proxy)))
@@ -236,7 +277,7 @@ class ContainerPool:
     async def _pause(self, proxy: ContainerProxy) -> None:
         if not proxy.is_idle or proxy.state is not State.READY or proxy.container is None:
             return
-        proxy.transition(State.PAUSED, "pause grace elapsed")
+        proxy.paused("pause grace elapsed")
         # idle timer continues in PAUSED
         proxy.arm(max(0.0, self.idle_timeout_s - (self.pause_grace_s or 0.0)),
                   lambda: self.remove(proxy, "idle timeout") if proxy.is_idle else None)
@@ -250,7 +291,7 @@ class ContainerPool:
         """Bring a paused container back before running on it; False if it is gone."""
         if proxy.state is not State.PAUSED or proxy.container is None:
             return proxy.state is State.READY
-        proxy.transition(State.READY, "resumed for an activation")
+        proxy.resumed("resumed for an activation")
         try:
             await proxy.container.resume()
         except Exception as exc:  # noqa: BLE001
@@ -259,26 +300,26 @@ class ContainerPool:
             return False
         return True
 
-    def mark_ready(self, proxy: ContainerProxy, reason: str) -> None:
+    def mark_ready(self, proxy: ContainerProxy, reason: str, *, init_ms: int | None = None) -> None:
         if proxy.state is State.INITIALIZING:
-            proxy.transition(State.READY, reason)
+            proxy.initialized(reason, init_ms=init_ms)
             if proxy.active == 0:
                 self._arm_idle(proxy)
         self._drain_queue()
 
-    def remove(self, proxy: ContainerProxy, reason: str) -> None:
+    def remove(self, proxy: ContainerProxy, reason: str, *, failure: object = None) -> None:
+        """Start removing ``proxy``; ``failure`` (an activation response) is what activations waiting for
+        it to become ready get, else the reason."""
         if proxy.state in (State.REMOVING, State.REMOVED):
             return
-        proxy.transition(State.REMOVING, reason)
-        if not proxy.ready.done():
-            proxy.ready.set_result(reason)
+        proxy.removing(reason, failure=failure)
         self._spawn(self._finish_removal(proxy))
 
     async def _finish_removal(self, proxy: ContainerProxy) -> None:
         try:
             await self._destroy(proxy)
         finally:
-            proxy.transition(State.REMOVED, "destroyed")
+            proxy.removed()
             self.containers.pop(proxy.name, None)
             siblings = self._by_key.get(proxy.key)
             if siblings is not None:
@@ -306,7 +347,7 @@ class ContainerPool:
                 waiter.future.set_exception(NoContainer(f"no container of {waiter.key.namespace}/{waiter.key.fqn}"))
                 continue
             lease = self._try_assign(waiter.key, waiter.action, waiter.memory_mb, waiter.slots, waiter.make_spec,
-                                     may_start=may_start and waiter.start, pinned=waiter.pinned)
+                                     may_start=may_start and waiter.start, instance=waiter.instance)
             if lease is not None:
                 self._queue.remove(waiter)
                 waiter.future.set_result(lease)

@@ -1,11 +1,18 @@
 """Balancer-placed instances on this invoker: the command stream, their lifecycle, running on them.
 
 An *instance* is one container of a GPU action, started ahead of its activations on the GPU the balancer
-chose, with the action's ``<request, limit>``; it lives until the balancer stops it. Its lifecycle::
+chose, with the action's ``<request, limit>``; it lives until the balancer stops it. Its state is not kept
+here but derived (:attr:`LocalInstance.state`) from its container's lifecycle (``container.py``) and what
+happened to the instance — a stop ordered, a failure::
 
     STARTING ──► READY ──► DRAINING ──► (removed)
         │          │
         └──────────┴──► FAILED ──► (removed when the balancer stops it, or after a while)
+
+STARTING until its start finished (the container is then READY or PAUSED: the instance is READY);
+DRAINING once a stop is ordered and the start is over; FAILED when the start failed or its container went
+away without a stop. Its activations wait for one of the container's slots in the container pool (the one
+slot count), which reports when each gets one (queueing delay, in-flight count).
 
 Commands arrive on ``{prefix}inv:{name}:cmd`` (consumer group ``invoker``). A command of an older epoch
 than one already obeyed is refused (a deposed leader); one meant for an earlier boot of this invoker is
@@ -22,16 +29,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
 from dilu_invoker.aiotasks import cancel_and_wait
-from dilu_invoker.gpu.budgets import GpuBudgets
-from dilu_invoker.invoker.container import State, Transition
-from dilu_invoker.invoker.core import Invoker
-from dilu_invoker.invoker.registry import FunctionRegistry
-from dilu_invoker.invoker.streams import read_group
+from dilu_invoker.invoker.api import InvokerOverloaded
+from dilu_invoker.invoker.cluster.agent import Agent
+from dilu_invoker.invoker.cluster.streams import read_group
+from dilu_invoker.invoker.dataplane.container import ContainerProxy, State, Transition
 from dilu_invoker.model import Action, Activation, ActivationRequest
 from dilu_invoker.wire import (
     COMMAND_GROUP,
@@ -39,7 +44,6 @@ from dilu_invoker.wire import (
     InstanceCommand,
     InstanceReport,
     InstanceState,
-    Keys,
     WireError,
     from_stream,
     text,
@@ -87,20 +91,26 @@ class PeriodStats:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Failure:
+    reason: str
+    at: float
+
+
 @dataclass(slots=True, eq=False)
 class LocalInstance:
     cmd: InstanceCommand
-    state: InstanceState = InstanceState.STARTING
     action: Action | None = None
-    container: str | None = None
+    #: its container (once the start got one); the pool owns it
+    proxy: ContainerProxy | None = None
+    #: the start, owned by the manager; the instance is STARTING until it is done
+    starting: asyncio.Task[None] | None = None
     slots: int = 1
-    sem: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     waiting: int = 0
     in_flight: int = 0
     stats: PeriodStats = field(default_factory=PeriodStats)
     stop_reason: str | None = None
-    failure: str = ""
-    since: float = field(default_factory=time.monotonic)
+    failure: Failure | None = None
 
     @property
     def id(self) -> str:
@@ -111,34 +121,42 @@ class LocalInstance:
         return self.cmd.function
 
     @property
+    def container(self) -> str | None:
+        return self.proxy.name if self.proxy is not None else None
+
+    @property
+    def started(self) -> bool:
+        return self.starting is not None and self.starting.done()
+
+    @property
+    def state(self) -> InstanceState:
+        if self.failure is not None:
+            return InstanceState.FAILED
+        if not self.started:
+            return InstanceState.STARTING
+        if self.stop_reason is not None:
+            return InstanceState.DRAINING
+        if self.proxy is not None and self.proxy.state in (State.READY, State.PAUSED):
+            return InstanceState.READY
+        return InstanceState.STARTING
+
+    @property
     def load(self) -> float:
         return (self.in_flight + self.waiting) / max(1, self.slots)
 
 
 class InstanceManager:
-    def __init__(
-        self,
-        invoker: Invoker,
-        *,
-        redis: aioredis.Redis,
-        keys: Keys,
-        name: str,
-        boot: str,
-        registry: FunctionRegistry,
-        budgets: GpuBudgets | None = None,
-        reservation_ttl_s: float = 30.0,
-    ) -> None:
-        self.invoker = invoker
-        self.redis = redis
-        self.keys = keys
-        self.name = name
-        self.boot = boot
-        self.registry = registry
-        self.budgets = budgets
+    def __init__(self, agent: Agent, *, reservation_ttl_s: float = 30.0) -> None:
+        self.invoker = invoker = agent.invoker
+        self.redis = agent.redis
+        self.keys = agent.keys
+        self.name = agent.name
+        self.boot = agent.boot
+        self.registry = agent.registry
+        self.budgets = agent.budgets
         self.reservation_ttl_s = reservation_ttl_s
         self.instances: dict[str, LocalInstance] = {}
         self.max_epoch = 0
-        self._by_container: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: called when an instance becomes ready, fails or is gone (the report goes out at once)
         self.on_change: Callable[[], None] = lambda: None
@@ -178,7 +196,7 @@ class InstanceManager:
             self.instances[cmd.instance] = inst
             log.info("instance starting", instance=cmd.instance, function=cmd.function, gpu=cmd.gpu,
                      request=cmd.request, limit=cmd.limit, reason=cmd.reason)
-            self._spawn(self._start(inst))
+            inst.starting = self._spawn(self._start(inst))
             return "start"
         if cmd.op == CommandOp.STOP:
             if inst is None:
@@ -186,16 +204,17 @@ class InstanceManager:
             if inst.stop_reason is not None:
                 return "duplicate"
             inst.stop_reason = cmd.reason or "stopped by the balancer"
-            if inst.state is not InstanceState.STARTING:
+            if inst.started:  # else the start stops it when it is over
                 self._spawn(self._stop(inst))
             return "stop"
         log.warning("unknown instance command", op=cmd.op)
         return "unknown-op"
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -207,53 +226,48 @@ class InstanceManager:
                 return
             inst.action = action
             inst.slots = max(1, action.limits.concurrency)
-            inst.sem = asyncio.Semaphore(inst.slots)
             container, failure = await self.invoker.start_instance(inst.id, action, gpu_index=inst.cmd.gpu)
             if container is not None:
-                inst.container = container
-                self._by_container[container] = inst.id
+                inst.proxy = self.invoker.pool.containers.get(container)
             if failure is not None:
                 self._fail(inst, f"start failed: {failure.result}")
-            elif inst.state is InstanceState.STARTING:
-                inst.state = InstanceState.READY
-                inst.since = time.monotonic()
+            elif inst.failure is None:
                 log.info("instance ready", instance=inst.id, function=inst.function, container=container)
-                self.on_change()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the instance fails, the invoker goes on
             log.exception("instance start failed", instance=inst.id)
             self._fail(inst, f"start failed: {exc!r}")
+        finally:
+            if inst.stop_reason is None:
+                self.on_change()  # ready or failed: the report goes out at once
         if inst.stop_reason is not None:
             await self._stop(inst)
 
     def _fail(self, inst: LocalInstance, reason: str) -> None:
-        if inst.state in (InstanceState.FAILED, InstanceState.DRAINING):
+        if inst.failure is not None or (inst.stop_reason is not None and inst.started):
             return
         log.warning("instance failed", instance=inst.id, function=inst.function, reason=reason)
-        inst.state = InstanceState.FAILED
-        inst.failure = reason
-        inst.since = time.monotonic()
-        self.on_change()
+        inst.failure = Failure(reason, time.monotonic())
+        if inst.started:
+            self.on_change()
 
     def _on_transition(self, t: Transition) -> None:
-        iid = self._by_container.get(t.container)
-        if iid is None or t.new is not State.REMOVING or self._closing:
+        if t.new is not State.REMOVING or self._closing:
             return
-        inst = self.instances.get(iid)
-        if inst is not None and inst.stop_reason is None:
+        proxy = self.invoker.pool.containers.get(t.container)
+        iid = proxy.placement.instance if proxy is not None else None
+        inst = self.instances.get(iid) if iid is not None else None
+        if inst is not None and inst.stop_reason is None and inst.proxy is proxy:
             self._fail(inst, f"container removed: {t.reason}")
 
     async def _stop(self, inst: LocalInstance) -> None:
-        if inst.state is not InstanceState.FAILED:
-            inst.state = InstanceState.DRAINING
         timeout_s = (inst.action.limits.timeout_ms / 1000 if inst.action else 60.0) + 5.0
         deadline = time.monotonic() + timeout_s
         while (inst.in_flight or inst.waiting) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if inst.container is not None:
             self.invoker.stop_instance(inst.container, inst.stop_reason or "stopped")
-            self._by_container.pop(inst.container, None)
         await self._release(inst)
         self.instances.pop(inst.id, None)
         log.info("instance stopped", instance=inst.id, function=inst.function, reason=inst.stop_reason)
@@ -272,27 +286,31 @@ class InstanceManager:
         if inst is None or inst.action is None or inst.state not in (InstanceState.READY, InstanceState.DRAINING):
             return None
         arrived = time.monotonic()
+        started: float | None = None
         inst.stats.arrival()
         inst.waiting += 1
+
+        def got_slot() -> None:  # the pool gave it one of the container's slots
+            nonlocal started
+            if started is None:
+                started = time.monotonic()
+                inst.stats.queued((started - arrived) * 1000)
+                inst.waiting -= 1
+                inst.in_flight += 1
+
         try:
-            await inst.sem.acquire()
+            activation = await self.invoker.run_on_instance(instance_id, replace(req, action=inst.action),
+                                                            on_lease=got_slot)
+        except InvokerOverloaded:
+            return None
         finally:
-            inst.waiting -= 1
-        try:
-            if inst.state is InstanceState.FAILED:
-                return None
-            started = time.monotonic()
-            inst.stats.queued((started - arrived) * 1000)
-            inst.in_flight += 1
-            try:
-                activation = await self.invoker.run_on_instance(instance_id, replace(req, action=inst.action))
-            finally:
+            if started is None:
+                inst.waiting -= 1
+            else:
                 inst.in_flight -= 1
-            if activation is not None:
-                inst.stats.completed((time.monotonic() - started) * 1000)
-            return activation
-        finally:
-            inst.sem.release()
+        if activation is not None and started is not None:
+            inst.stats.completed((time.monotonic() - started) * 1000)
+        return activation
 
     def pick_local(self, function: str, *, exclude: frozenset[str] = frozenset()) -> str | None:
         """The least busy ready instance of the function here, if any."""
@@ -313,7 +331,7 @@ class InstanceManager:
         now = time.monotonic()
         out: list[InstanceReport] = []
         for inst in list(self.instances.values()):
-            if inst.state is InstanceState.FAILED and inst.stop_reason is None and now - inst.since > FAILED_KEEP_S:
+            if inst.failure is not None and inst.stop_reason is None and now - inst.failure.at > FAILED_KEEP_S:
                 self.instances.pop(inst.id, None)
                 self._spawn(self._release(inst))
                 continue
@@ -325,7 +343,8 @@ class InstanceManager:
                 state=inst.state.value, cls=cmd.cls, gpu=cmd.gpu, request=cmd.request, limit=cmd.limit,
                 memory_mb=cmd.memory_mb, slots=inst.slots, share=share, saturated=saturated, throttled_s=throttled,
                 waiting=inst.waiting, in_flight=inst.in_flight, arrival_rate=arrivals, completion_rate=completions,
-                latency_ms=latency, queue_delay_ms=delay, error=inst.failure))
+                latency_ms=latency, queue_delay_ms=delay,
+                error=inst.failure.reason if inst.failure is not None else ""))
         return out
 
     async def renew_reservations(self) -> None:

@@ -16,27 +16,32 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity
+from dilu_invoker.gpu.budgets import GpuCapacity
 from dilu_invoker.gpu.devices import GpuDevice
-from dilu_invoker.invoker.core import Invoker
-from dilu_invoker.invoker.instances import InstanceManager
-from dilu_invoker.wire import FunctionReport, GpuReport, Keys, LoadReport, pack
+from dilu_invoker.invoker.cluster.agent import Agent
+from dilu_invoker.invoker.cluster.instances import InstanceManager
+from dilu_invoker.wire import FunctionReport, GpuReport, LoadReport, pack
 
 log = structlog.get_logger(__name__)
 
 
+@runtime_checkable
 class GpuView(Protocol):
     """The node GPU manager as the report sees it: per GPU ``(index, uuid, memory_mb, sm_count, instances)``
     with per instance ``(id, function, cls, request, limit, share, memory_mb, active, saturated,
     throttled_s)`` — named fields or positions, either works."""
 
     def view(self) -> Iterable[Any]: ...
+
+
+def gpu_view_of(gpu: object) -> GpuView | None:
+    """``gpu`` when it can show a view of its GPUs (the node's GPU manager), else None."""
+    return gpu if isinstance(gpu, GpuView) else None
 
 
 _GPU_FIELDS = ("index", "uuid", "memory_mb", "sm_count", "instances")
@@ -75,30 +80,25 @@ def shares_from_view(rows: Iterable[Any]) -> dict[str, tuple[float | None, bool 
 class Reporter:
     def __init__(
         self,
+        agent: Agent,
         *,
-        redis: aioredis.Redis,
-        keys: Keys,
-        name: str,
-        boot: str,
-        invoker: Invoker,
         instances: InstanceManager,
         functions: Callable[[], list[FunctionReport]],
         devices: Sequence[GpuDevice] = (),
-        budgets: GpuBudgets | None = None,
         gpu_view: GpuView | None = None,
         period_s: float = 1.0,
         ttl_s: float = 3.0,
         gamma: float = 1.5,
     ) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.name = name
-        self.boot = boot
-        self.invoker = invoker
+        self.redis = agent.redis
+        self.keys = agent.keys
+        self.name = agent.name
+        self.boot = agent.boot
+        self.invoker = agent.invoker
         self.instances = instances
         self.functions = functions
         self.devices = tuple(devices)
-        self.budgets = budgets
+        self.budgets = agent.budgets
         self.gpu_view = gpu_view
         self.period_s = period_s
         self.ttl_ms = int(ttl_s * 1000)

@@ -4,13 +4,13 @@ An activation of a GPU kind that reaches any invoker goes to an instance of its 
 function's routing table (``{prefix}route:{fqn}``, written by the balancer): least outstanding work among
 the instances with a free slot, by the power of two random choices (:func:`pick_instance`). An instance
 on this invoker runs it directly; one on another invoker gets it through that invoker's activation stream
-(:mod:`~dilu_invoker.invoker.forwarding`), and the result comes back here, where the caller is answered.
+(:mod:`~dilu_invoker.invoker.cluster.forwarding`), and the result comes back here, where the caller is answered.
 With no instance yet, the router signals demand on ``{prefix}bal:demand`` (the balancer starts one at
 once, without waiting for its next tick) and waits for the table to change (pub/sub
 ``{prefix}routes``). Activations of other kinds run in this invoker's own pool, as before.
 
 :func:`enable_balancer_routing` is the one call a front needs: it starts the load reports, the command
-consumer, the forwarding consumer and the route cache around an open :class:`~dilu_invoker.invoker.core.Invoker`
+consumer, the forwarding consumer and the route cache around an open :class:`~dilu_invoker.invoker.dataplane.core.Invoker`
 and yields the :class:`BalancedRunner` to hand activations to (it is an ``ActivationRunner``, and also a
 ``Router`` of the cluster front: ``route(req)`` returns itself).
 """
@@ -34,14 +34,13 @@ from redis.exceptions import RedisError
 
 from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import Config
-from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.gpu.devices import GpuDevice, discover
 from dilu_invoker.invoker.api import ActivationRunner
-from dilu_invoker.invoker.core import Invoker
-from dilu_invoker.invoker.forwarding import Forwarder
-from dilu_invoker.invoker.instances import InstanceManager
-from dilu_invoker.invoker.registry import FunctionRegistry
-from dilu_invoker.invoker.reports import GpuView, Reporter
+from dilu_invoker.invoker.cluster.agent import Agent
+from dilu_invoker.invoker.cluster.forwarding import Forwarder
+from dilu_invoker.invoker.cluster.instances import InstanceManager
+from dilu_invoker.invoker.cluster.reports import GpuView, Reporter
+from dilu_invoker.invoker.dataplane.core import Invoker
 from dilu_invoker.model import Activation, ActivationRequest, ValidationError
 from dilu_invoker.wire import (
     FunctionReport,
@@ -195,12 +194,8 @@ class BalancedRunner:
 
     def __init__(
         self,
-        invoker: Invoker,
+        agent: Agent,
         *,
-        redis: aioredis.Redis,
-        keys: Keys,
-        name: str,
-        registry: FunctionRegistry,
         instances: InstanceManager,
         forwarder: Forwarder,
         routes: RouteCache,
@@ -208,11 +203,11 @@ class BalancedRunner:
         route_wait_s: float = 30.0,
         rng: random.Random | None = None,
     ) -> None:
-        self.invoker = invoker
-        self.redis = redis
-        self.keys = keys
-        self.name = name
-        self.registry = registry
+        self.invoker = agent.invoker
+        self.redis = agent.redis
+        self.keys = agent.keys
+        self.name = agent.name
+        self.registry = agent.registry
         self.instances = instances
         self.forwarder = forwarder
         self.routes = routes
@@ -376,26 +371,19 @@ async def enable_balancer_routing(
     withdraws its report (the balancer re-places its instances at once), and stops the rest; the invoker
     itself (its containers) is closed by its owner afterwards.
     """
-    keys = Keys(cfg.redis.prefix)
-    name = invoker.name
-    boot = secrets.token_hex(8)
+    agent = Agent.of(invoker, redis, prefix=cfg.redis.prefix, boot=secrets.token_hex(8))
+    name, boot = agent.name, agent.boot
     if devices is None:
         devices = devices_for(cfg, invoker_id=cfg.invoker.id)
-    budgets = GpuBudgets(redis, cfg.redis.prefix)
-    registry = FunctionRegistry(redis, keys)
-    instances = InstanceManager(invoker, redis=redis, keys=keys, name=name, boot=boot, registry=registry,
-                                budgets=budgets, reservation_ttl_s=cfg.gpu.reservation_ttl_s)
-    forwarder = Forwarder(redis=redis, keys=keys, name=name, boot=boot, invoker=invoker, instances=instances,
-                          registry=registry, result_ttl_s=cfg.balancer.result_ttl_s)
-    routes = RouteCache(redis, keys)
+    instances = InstanceManager(agent, reservation_ttl_s=cfg.gpu.reservation_ttl_s)
+    forwarder = Forwarder(agent, instances=instances, result_ttl_s=cfg.balancer.result_ttl_s)
+    routes = RouteCache(redis, agent.keys)
     stats = RouterStats()
-    reporter = Reporter(redis=redis, keys=keys, name=name, boot=boot, invoker=invoker, instances=instances,
-                        functions=stats.take, devices=devices, budgets=budgets, gpu_view=gpu_view,
+    reporter = Reporter(agent, instances=instances, functions=stats.take, devices=devices, gpu_view=gpu_view,
                         period_s=cfg.balancer.report_period_s, ttl_s=cfg.balancer.report_ttl_s,
                         gamma=cfg.gpu.gamma)
-    runner = BalancedRunner(invoker, redis=redis, keys=keys, name=name, registry=registry, instances=instances,
-                            forwarder=forwarder, routes=routes, stats=stats, route_wait_s=cfg.balancer.route_wait_s,
-                            rng=rng)
+    runner = BalancedRunner(agent, instances=instances, forwarder=forwarder, routes=routes, stats=stats,
+                            route_wait_s=cfg.balancer.route_wait_s, rng=rng)
     instances.on_change = reporter.nudge
     await reporter.register_gpus()
     tasks: dict[str, asyncio.Task[Any]] = {

@@ -1,40 +1,35 @@
 """Runs each action runtime as a child process on a free loopback port (the embedded default).
 
-This backend isolates nothing but the process: no file-system, network or memory isolation. It is meant
-for development, tests and single-tenant machines; use the docker backend for untrusted code. The child
-is its own process group so pausing (SIGSTOP) and killing reach the runtime's worker and whatever the
-user's code forked, and it dies with the invoker (PR_SET_PDEATHSIG).
+Each container is confined by a :class:`~dilu_invoker.invoker.dataplane.backends.sandbox.Sandbox`: as root, its own
+uid, private directory, memory cgroup and mount view; without root, a private directory and the kill of
+every descendant only (the backend logs what is not enforced). Its runtime answers only requests that carry
+the container's secret (``X-Dilu-Runtime-Secret``), so code of another container cannot call its ``/run``.
+The runtime dies with the invoker (PR_SET_PDEATHSIG); destroy kills every process the container started,
+in its own session or not, and removes every file it left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
+import secrets
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import structlog
 
-from dilu_invoker.invoker.backends.base import BackendError, ContainerSpec
+from dilu_invoker.invoker.dataplane.backends.base import BackendError, ContainerSpec
+from dilu_invoker.invoker.dataplane.backends.sandbox import Sandbox, SandboxError, Sandboxes, parse_uid_range
 
 log = structlog.get_logger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-_PACKAGE_PARENT = str(Path(__file__).resolve().parents[3])
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[4])
 #: environment a runtime process inherits from the invoker; everything else comes from the spec
 _INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "SYSTEMROOT", "CUDA_HOME", "LD_LIBRARY_PATH", "NVIDIA_DRIVER_CAPABILITIES")
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception:  # noqa: BLE001 - best effort; never fail the exec
-        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -44,15 +39,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ProcessContainer:
-    def __init__(self, name: str, proc: asyncio.subprocess.Process, port: int) -> None:
+    def __init__(self, backend: ProcessBackend, name: str, proc: asyncio.subprocess.Process, port: int,
+                 sandbox: Sandbox, secret: str) -> None:
         self.name = name
         self.url = f"http://127.0.0.1:{port}"
         self.port = port
+        self.secret: str | None = secret
+        self.sandbox = sandbox
+        self._backend = backend
         self._proc = proc
         assert proc.stdout is not None and proc.stderr is not None
         self.stdout: asyncio.StreamReader = proc.stdout
         self.stderr: asyncio.StreamReader = proc.stderr
         self._destroyed = False
+        self._oom = False
 
     @property
     def pid(self) -> int:
@@ -62,27 +62,40 @@ class ProcessContainer:
     def alive(self) -> bool:
         return not self._destroyed and self._proc.returncode is None
 
-    def _signal_group(self, sig: int) -> None:
+    async def _signal_all(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, sig)
+        await self._backend.sandboxes.signal(self.sandbox, sig)
 
     async def pause(self) -> None:
-        self._signal_group(signal.SIGSTOP)
+        await self._signal_all(signal.SIGSTOP)
 
     async def resume(self) -> None:
-        self._signal_group(signal.SIGCONT)
+        await self._signal_all(signal.SIGCONT)
 
     async def destroy(self) -> None:
         if self._destroyed:
             return
         self._destroyed = True
-        self._signal_group(signal.SIGKILL)
+        self._oom = self.sandbox.oom_killed(self._backend.sandboxes.cgroups)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             self._proc.kill()
+        try:
+            clean = await self._backend.sandboxes.destroy(self.sandbox)
+        except Exception as exc:  # noqa: BLE001 - destroy never raises
+            log.warning("sandbox removal failed", container=self.name, error=repr(exc))
+        else:
+            log.debug("process container destroyed", container=self.name, clean=clean)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._proc.wait(), 5)
+        self._backend._live.discard(self)
 
     def exit_reason(self) -> str | None:
+        # The kernel's OOM killer takes the largest process (the action's worker), not the runtime.
+        if self._oom or self.sandbox.oom_killed(self._backend.sandboxes.cgroups):
+            return "oom"
         rc = self._proc.returncode
         if rc is None:
             return None
@@ -97,15 +110,28 @@ class ProcessContainer:
 class ProcessBackend:
     name = "process"
 
-    def __init__(self, *, python: str | None = None) -> None:
+    def __init__(self, *, python: str | None = None, isolation: str = "auto", uid_range: str = "200000-200999",
+                 work_dir: str | None = None, hide: tuple[str, ...] = ()) -> None:
         self._python = python or sys.executable
         self._live: set[ProcessContainer] = set()
+        self.sandboxes = Sandboxes(mode=isolation, uid_range=parse_uid_range(uid_range), work_dir=work_dir,
+                                   hide=hide)
 
     async def start(self, spec: ContainerSpec) -> ProcessContainer:
+        try:
+            box = await self.sandboxes.create(
+                spec.name, spec.memory_mb,
+                writable=[m.source for m in spec.mounts if not m.read_only],
+                readable=[m.source for m in spec.mounts if m.read_only])
+        except (OSError, SandboxError) as exc:
+            raise BackendError(f"could not prepare the container's sandbox: {exc}") from exc
         env = {k: os.environ[k] for k in _INHERITED_ENV if k in os.environ}
         env.update(spec.env)
+        env.update(box.env())
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        secret = secrets.token_urlsafe(24)
+        env["DILU_RUNTIME_SECRET"] = secret
         last_error: Exception | None = None
         for _ in range(3):  # a port taken between probing and binding is retried with another
             port = free_port()
@@ -116,24 +142,27 @@ class ProcessBackend:
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
                     env=env,
+                    cwd=str(box.dir),
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=box.preexec(),
                     limit=1 << 20,
                 )
-            except OSError as exc:
+            except (OSError, subprocess.SubprocessError) as exc:
                 last_error = exc
                 continue
-            container = ProcessContainer(spec.name, proc, port)
+            container = ProcessContainer(self, spec.name, proc, port, box, secret)
             self._live.add(container)
-            log.debug("process container started", container=spec.name, pid=proc.pid, port=port)
+            log.debug("process container started", container=spec.name, pid=proc.pid, port=port, uid=box.uid)
             return container
+        await self.sandboxes.destroy(box)
         raise BackendError(f"could not start a runtime process: {last_error}")
 
     async def remove_leftovers(self, prefix: str) -> int:
-        # Children die with the invoker (PDEATHSIG); nothing survives a restart.
-        return 0
+        # Runtimes die with the invoker (PDEATHSIG); what their actions started is swept by uid or marker.
+        return await self.sandboxes.remove_leftovers()
 
     async def close(self) -> None:
         live = list(self._live)
         self._live.clear()
         await asyncio.gather(*(c.destroy() for c in live), return_exceptions=True)
+        self.sandboxes.close()

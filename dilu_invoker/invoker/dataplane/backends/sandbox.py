@@ -1,0 +1,581 @@
+"""What keeps a process-backend container to itself: its own uid, directory, memory cgroup and mount view.
+
+When the invoker runs as root (``--invoker-process-isolation auto``, the default) every container gets
+
+* an **unprivileged uid/gid** of its own from ``--invoker-process-uid-range``, held by an exclusive lock
+  file so two invokers on one host never share one, with no supplementary groups and ``no_new_privs``;
+* a **private directory** ``<work dir>/u<uid>`` (0700, owned by that uid; ``HOME`` and ``TMPDIR`` point
+  there), removed on destroy;
+* a **memory cgroup** with the action's ``limits.memory`` (cgroup v2 ``memory.max`` where the machine has
+  it, else the v1 memory controller), nested under the invoker's own cgroup;
+* a **private mount namespace** in which the invoker's data directory is an empty read-only tmpfs, and
+  any directory the uid could not traverse on the way to the interpreter (``/root`` for a pyenv or a
+  venv under ``/root``) is replaced by a tmpfs holding only bind mounts of what Python needs;
+* on destroy, **every process of the uid** is killed (``kill(-1)`` from a helper running as that uid,
+  which no fork can outrun, then the cgroup is checked empty), files it left in ``/tmp``, ``/var/tmp`` and
+  ``/dev/shm`` are removed, and only then is the uid handed out again.
+
+Without root (or with ``--invoker-process-isolation off``) containers run as the invoker's user: the
+private directory, the runtime secret and the kill of every descendant (found by a per-container marker
+in their environment) remain; uid, file, memory and mount isolation do not, and the backend says so in
+its log at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+import signal
+import site
+import stat
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+MARKER_ENV = "DILU_SANDBOX"
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_CLONE_NEWNS = 0x00020000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+#: world-writable places where a uid can leave files behind
+_SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+class SandboxError(RuntimeError):
+    pass
+
+
+def parse_uid_range(text: str) -> range:
+    """``"200000-200999"`` → ``range(200000, 201000)``."""
+    lo, sep, hi = text.partition("-")
+    try:
+        first, last = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise ValueError(f"bad uid range {text!r}: expected FIRST-LAST") from None
+    if not 0 < first <= last < 2**32 - 1:
+        raise ValueError(f"bad uid range {text!r}: need 0 < FIRST <= LAST")
+    return range(first, last + 1)
+
+
+# -- cgroups --------------------------------------------------------------------------------------------
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+class Cgroups:
+    """One memory cgroup per container under ``root``: v2 (``memory.max``) or v1 (memory controller)."""
+
+    def __init__(self, version: int, root: Path) -> None:
+        self.version = version
+        self.root = root
+
+    @classmethod
+    def probe(cls, name: str) -> tuple[Cgroups | None, str]:
+        """The cgroup hierarchy this machine lets us use, and a sentence saying what was found."""
+        base = Path("/sys/fs/cgroup")
+        own = _own_cgroups()
+        if (base / "cgroup.controllers").exists():
+            if "memory" not in (base / "cgroup.controllers").read_text().split():
+                return None, "cgroup v2 without the memory controller"
+            for parent in (base / own.get("", "/").lstrip("/"), base):
+                root = parent / name
+                try:
+                    _write(parent / "cgroup.subtree_control", "+memory +pids")
+                    root.mkdir(exist_ok=True)
+                    _write(root / "cgroup.subtree_control", "+memory +pids")
+                    return cls(2, root), f"cgroup v2 memory.max under {root}"
+                except OSError as exc:
+                    last = exc
+            return None, f"cgroup v2 present but not usable: {last}"
+        mem = base / "memory"
+        if (mem / "memory.limit_in_bytes").exists():
+            parent = mem / own.get("memory", "/").lstrip("/")
+            root = parent / name
+            try:
+                root.mkdir(exist_ok=True)
+            except OSError as exc:
+                return None, f"cgroup v1 memory controller not writable: {exc}"
+            return cls(1, root), f"cgroup v1 memory.limit_in_bytes under {root}"
+        return None, "no cgroup memory controller mounted"
+
+    def create(self, leaf: str, memory_bytes: int) -> Path:
+        path = self.root / leaf
+        self.remove(path)  # a leftover of an earlier holder of this uid
+        path.mkdir()
+        if self.version == 2:
+            _write(path / "memory.max", str(memory_bytes))
+            with contextlib.suppress(OSError):
+                _write(path / "memory.swap.max", "0")
+        else:
+            _write(path / "memory.limit_in_bytes", str(memory_bytes))
+            with contextlib.suppress(OSError):  # only with swap accounting
+                _write(path / "memory.memsw.limit_in_bytes", str(memory_bytes))
+        return path
+
+    @staticmethod
+    def procs(path: Path) -> list[int]:
+        try:
+            return [int(p) for p in (path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    def kill(self, path: Path) -> None:
+        if self.version == 2:
+            with contextlib.suppress(OSError):
+                _write(path / "cgroup.kill", "1")
+        for pid in self.procs(path):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    def oom_killed(self, path: Path) -> bool:
+        try:
+            if self.version == 2:
+                text = (path / "memory.events").read_text()
+                return any(line.split()[0] == "oom_kill" and int(line.split()[1]) > 0 for line in text.splitlines())
+            text = (path / "memory.oom_control").read_text()
+            kills = [int(line.split()[1]) for line in text.splitlines() if line.startswith("oom_kill ")]
+            if kills:
+                return kills[0] > 0
+            return int((path / "memory.failcnt").read_text()) > 0
+        except (OSError, ValueError, IndexError):
+            return False
+
+    def remove(self, path: Path) -> bool:
+        if not path.exists():
+            return True
+        for _ in range(100):
+            try:
+                path.rmdir()
+                return True
+            except FileNotFoundError:
+                return True
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    return False
+                self.kill(path)
+                time.sleep(0.01)
+        return False
+
+
+def _own_cgroups() -> dict[str, str]:
+    """Controller → this process's cgroup path (``""`` for the v2 hierarchy)."""
+    out: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                out[c] = path
+    return out
+
+
+# -- the host's processes ---------------------------------------------------------------------------------
+
+
+def pids_of_uid(uids: Iterable[int]) -> dict[int, list[int]]:
+    """uid → pids of the live processes whose real uid it is (a scan of /proc; zombies don't count)."""
+    wanted = set(uids)
+    out: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
+                        break  # dead, waiting for a parent to reap it
+                    if line.startswith(b"Uid:"):
+                        uid = int(line.split()[1])
+                        if uid in wanted:
+                            out.setdefault(uid, []).append(int(entry.name))
+                        break
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def pids_with_marker(marker: str) -> list[int]:
+    """Processes whose environment carries ``DILU_SANDBOX=<marker>`` (readable for our own uid only)."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    out.append(int(entry.name))
+        except OSError:
+            continue
+    return out
+
+
+def _kill_all(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+# -- the mount view ---------------------------------------------------------------------------------------
+
+
+def _traversable_by_others(path: Path) -> bool:
+    try:
+        return bool(os.stat(path).st_mode & stat.S_IXOTH)
+    except OSError:
+        return False
+
+
+def mount_plan(needed: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """For paths an unprivileged uid must reach: the highest directory on the way to each that it cannot
+    traverse → the paths below it to bind back in (nested ones folded into their parents)."""
+    plan: dict[str, set[str]] = {}
+    for raw in needed:
+        if not raw or not os.path.exists(raw):
+            continue
+        path = Path(os.path.realpath(raw))
+        for ancestor in list(reversed(path.parents))[1:] + [path]:
+            if ancestor == path:
+                break
+            if not _traversable_by_others(ancestor):
+                plan.setdefault(str(ancestor), set()).add(str(path))
+                break
+    out: dict[str, tuple[str, ...]] = {}
+    for hide, paths in plan.items():
+        kept = sorted(p for p in paths if not any(p != q and p.startswith(q + "/") for q in paths))
+        out[hide] = tuple(kept)
+    return out
+
+
+def interpreter_paths() -> list[str]:
+    """What the runtime's Python needs to read: its prefixes, site-packages and ``sys.path``."""
+    paths = [sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+    with contextlib.suppress(Exception):
+        paths += site.getsitepackages()
+    paths += [p for p in sys.path if p and os.path.isdir(p)]
+    paths.append(str(Path(__file__).resolve().parents[4]))  # the package itself
+    return paths
+
+
+# -- one container's sandbox ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class Sandbox:
+    """One container's confinement; :meth:`preexec` runs in the forked child before ``exec``."""
+
+    name: str
+    dir: Path
+    marker: str
+    uid: int | None = None
+    gid: int | None = None
+    cgroup: Path | None = None
+    hide: tuple[str, ...] = ()
+    plan: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    _lock_fd: int | None = None
+
+    @property
+    def isolated(self) -> bool:
+        return self.uid is not None
+
+    def env(self) -> dict[str, str]:
+        return {"HOME": str(self.dir), "TMPDIR": str(self.dir), MARKER_ENV: self.marker}
+
+    def preexec(self) -> Callable[[], None]:
+        uid, gid, cgroup, plan, hide, home = self.uid, self.gid, self.cgroup, self.plan, self.hide, str(self.dir)
+
+        def run() -> None:  # in the child, between fork and exec: only what must happen there
+            libc = ctypes.CDLL(None, use_errno=True)
+            if cgroup is not None:
+                _write(cgroup / "cgroup.procs", str(os.getpid()))
+            if uid is not None:
+                _private_mounts(libc, plan, hide)
+                libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+                os.setgroups([])
+                os.setgid(gid if gid is not None else uid)
+                os.setuid(uid)
+            # after the uid change: a change of credentials clears the parent-death signal
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            os.chdir(home)
+            os.umask(0o077)
+
+        return run
+
+    def members(self, cgroups: Cgroups | None) -> list[int]:
+        if self.cgroup is not None and cgroups is not None:
+            return Cgroups.procs(self.cgroup)
+        if self.uid is not None:
+            return pids_of_uid([self.uid]).get(self.uid, [])
+        return pids_with_marker(self.marker)
+
+    def oom_killed(self, cgroups: Cgroups | None) -> bool:
+        return self.cgroup is not None and cgroups is not None and cgroups.oom_killed(self.cgroup)
+
+
+def _private_mounts(libc: ctypes.CDLL, plan: dict[str, tuple[str, ...]], hide: tuple[str, ...]) -> None:
+    def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+        if libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+                      data.encode() if data else None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNS): {os.strerror(err)}")
+    mount("none", "/", None, _MS_REC | _MS_PRIVATE)
+    for covered, keep in plan.items():
+        # Held open across the cover, then bound back through /proc/self/fd: no staging place needed.
+        held = [(path, os.open(path, os.O_PATH)) for path in keep]
+        mount("tmpfs", covered, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
+        for path, fd in held:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o444))
+            mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+            os.close(fd)
+    for path in hide:
+        mount("tmpfs", path, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0555,size=4k")
+
+
+class Sandboxes:
+    """Makes and removes the sandboxes of one backend; decides once what this host lets it enforce."""
+
+    def __init__(self, *, mode: str = "auto", uid_range: range = range(200000, 201000),
+                 work_dir: str | None = None, hide: Sequence[str] = ()) -> None:
+        if mode not in ("auto", "off"):
+            raise ValueError(f"process isolation must be auto or off, not {mode!r}")
+        root = os.geteuid() == 0
+        self.isolating = mode == "auto" and root
+        default_dir = "/tmp/dilu-work" if root else f"/tmp/dilu-work-{os.geteuid()}"
+        self.work_root = Path(work_dir or default_dir)
+        self.uid_range = uid_range
+        self._next = secrets.randbelow(len(uid_range))
+        self._kill = shutil.which("kill") or "/bin/kill"
+        self.cgroups: Cgroups | None = None
+        self.cgroup_note = "not used"
+        self.work_root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.work_root, 0o711 if self.isolating else 0o700)
+        (self.work_root / "uids").mkdir(mode=0o700, exist_ok=True)
+        if self.isolating:
+            self.cgroups, self.cgroup_note = Cgroups.probe(f"dilu-{os.getpid()}")
+            self.plan = mount_plan([*interpreter_paths(), str(self.work_root)])
+            self.hide = tuple(p for p in (os.path.realpath(h) for h in hide) if self._may_hide(p))
+            log.info("process containers are isolated", uids=f"{uid_range.start}-{uid_range.stop - 1}",
+                     work_dir=str(self.work_root), memory=self.cgroup_note, hidden=sorted(self.plan) + list(self.hide))
+            if self.cgroups is None:
+                log.warning("process containers: memory limits are NOT enforced", reason=self.cgroup_note)
+        else:
+            self.plan, self.hide = {}, ()
+            log.warning("process containers are NOT isolated: they run as the invoker's user and can read "
+                        "what it can read (data dir, Redis config, credentials, other actions' files); memory "
+                        "limits are not enforced. Still enforced: a private work dir removed on destroy, the "
+                        "runtime secret, killing every descendant on destroy",
+                        reason="not running as root" if not root else "--invoker-process-isolation off")
+
+    def _may_hide(self, path: str) -> bool:
+        """A directory can be covered unless that would cover the work dir or what Python needs (one
+        already inside a covered directory needs nothing more)."""
+        if not os.path.isdir(path) or path == "/":
+            return False
+        needed = [os.path.realpath(p) for p in (str(self.work_root), *interpreter_paths()) if p]
+        if any(n == path or n.startswith(path + "/") for n in needed):
+            return False
+        return not any(path.startswith(k + "/") for k in self.plan)
+
+    # -- uids ---------------------------------------------------------------------------------------
+
+    def _lock_uid(self) -> tuple[int, int]:
+        n = len(self.uid_range)
+        for i in range(n):
+            uid = self.uid_range[(self._next + i) % n]
+            fd = os.open(self.work_root / "uids" / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._next = (self._next + i + 1) % n
+            return uid, fd
+        raise SandboxError(f"all {n} uids of the process uid range are in use")
+
+    async def _kill_uid(self, uid: int) -> None:
+        """SIGKILL every process of ``uid``: ``kill(-1)`` as that uid is atomic against its forks."""
+        proc = await asyncio.create_subprocess_exec(
+            self._kill, "-9", "-1", user=uid, group=uid, extra_groups=[],
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        await proc.wait()
+
+    # -- make and remove ------------------------------------------------------------------------------
+
+    async def create(self, name: str, memory_mb: int, *, writable: Sequence[str] = (),
+                     readable: Sequence[str] = ()) -> Sandbox:
+        marker = secrets.token_hex(8)
+        if not self.isolating:
+            d = self.work_root / f"p{os.getpid()}-{marker}"
+            d.mkdir(mode=0o700)
+            return Sandbox(name=name, dir=d, marker=marker)
+        uid, fd = self._lock_uid()
+        box = Sandbox(name=name, dir=self.work_root / f"u{uid}", marker=marker, uid=uid, gid=uid, _lock_fd=fd)
+        try:
+            await self._kill_uid(uid)  # whatever an earlier holder (a crashed invoker) left running
+            await asyncio.to_thread(self._prepare, box, memory_mb, writable, readable)
+        except BaseException:
+            self._unlock(box)
+            raise
+        return box
+
+    def _prepare(self, box: Sandbox, memory_mb: int, writable: Sequence[str], readable: Sequence[str]) -> None:
+        assert box.uid is not None
+        self._sweep_files(box.uid)
+        shutil.rmtree(box.dir, ignore_errors=True)
+        box.dir.mkdir(mode=0o700)
+        os.chown(box.dir, box.uid, box.uid)
+        if self.cgroups is not None:
+            box.cgroup = self.cgroups.create(f"u{box.uid}", memory_mb * 1024 * 1024)
+        extra = mount_plan(readable)
+        box.plan = {**self.plan, **{k: tuple(sorted(set(v) | set(self.plan.get(k, ())))) for k, v in extra.items()}}
+        box.hide = self.hide
+        for path in writable:  # its own stats block: its uid alone may write it
+            with contextlib.suppress(OSError):
+                os.chown(path, box.uid, box.uid)
+                os.chmod(path, 0o600)
+        for path in readable:  # its control block: readable, never writable by it
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                if st.st_uid == box.uid or st.st_mode & 0o022:
+                    os.chown(path, 0, 0)
+                    os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+
+    async def signal(self, box: Sandbox, sig: int) -> None:
+        pids = await asyncio.to_thread(box.members, self.cgroups)
+        _kill_all(pids, sig)
+
+    async def destroy(self, box: Sandbox) -> bool:
+        """Kill every process of the sandbox and remove its files; True when nothing is left."""
+        clean = True
+        if box.uid is not None:
+            for _ in range(5):
+                if box.cgroup is not None and self.cgroups is not None:
+                    self.cgroups.kill(box.cgroup)
+                await self._kill_uid(box.uid)
+                if not await asyncio.to_thread(box.members, self.cgroups):
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                clean = False
+        else:
+            for _ in range(5):
+                pids = await asyncio.to_thread(pids_with_marker, box.marker)
+                if not pids:
+                    break
+                _kill_all(pids, signal.SIGKILL)
+                await asyncio.sleep(0.02)
+            else:
+                clean = False
+        clean = await asyncio.to_thread(self._remove_files, box) and clean
+        if clean:
+            self._unlock(box)
+        else:
+            # a process that would not die keeps its uid out of circulation until the invoker restarts
+            log.warning("sandbox not fully cleaned; its uid is not reused", container=box.name, uid=box.uid)
+        return clean
+
+    def _remove_files(self, box: Sandbox) -> bool:
+        ok = True
+        if box.cgroup is not None and self.cgroups is not None:
+            ok = self.cgroups.remove(box.cgroup)
+        shutil.rmtree(box.dir, ignore_errors=True)
+        if box.uid is not None:
+            self._sweep_files(box.uid)
+        return ok and not box.dir.exists()
+
+    @staticmethod
+    def _sweep_files(uid: int) -> None:
+        for top in _SHARED_TMP:
+            with contextlib.suppress(OSError), os.scandir(top) as entries:
+                for entry in entries:
+                    try:
+                        if entry.stat(follow_symlinks=False).st_uid != uid:
+                            continue
+                        if entry.is_dir(follow_symlinks=False):
+                            shutil.rmtree(entry.path, ignore_errors=True)
+                        else:
+                            os.unlink(entry.path)
+                    except OSError:
+                        continue
+
+    def _unlock(self, box: Sandbox) -> None:
+        if box._lock_fd is not None:
+            os.close(box._lock_fd)
+            box._lock_fd = None
+
+    async def remove_leftovers(self) -> int:
+        """Kill what earlier runs left under uids of the range that nobody holds now; remove stale dirs."""
+        removed = 0
+        if self.isolating:
+            found = await asyncio.to_thread(pids_of_uid, self.uid_range)
+            for uid in found:
+                fd = os.open(self.work_root / "uids" / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live invoker holds it
+                else:
+                    await self._kill_uid(uid)
+                    await asyncio.to_thread(self._sweep_files, uid)
+                    removed += 1
+                finally:
+                    os.close(fd)
+        removed += await asyncio.to_thread(self._remove_stale_dirs)
+        return removed
+
+    def _remove_stale_dirs(self) -> int:
+        removed = 0
+        for entry in list(os.scandir(self.work_root)):
+            if entry.name.startswith("u") and entry.name[1:].isdigit() and self.isolating:
+                fd = os.open(self.work_root / "uids" / entry.name[1:], os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed += 1
+                except BlockingIOError:
+                    pass  # a live invoker holds it
+                finally:
+                    os.close(fd)
+            elif entry.name.startswith("p") and "-" in entry.name:
+                pid = entry.name[1:].split("-", 1)[0]
+                if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed += 1
+        if self.cgroups is not None:  # cgroups of invokers that are gone, beside ours
+            for sibling in self.cgroups.root.parent.glob("dilu-*"):
+                pid = sibling.name[5:]
+                if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                    for leaf in sibling.iterdir():
+                        if leaf.is_dir():
+                            self.cgroups.remove(leaf)
+                    with contextlib.suppress(OSError):
+                        sibling.rmdir()
+        return removed
+
+    def close(self) -> None:
+        if self.cgroups is not None:
+            with contextlib.suppress(OSError):
+                self.cgroups.root.rmdir()

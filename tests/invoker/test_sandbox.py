@@ -1,0 +1,91 @@
+"""The process backend's sandboxes on their own: uid leases, the mount plan, the degraded mode."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from dilu_invoker.invoker.dataplane.backends.base import ContainerSpec
+from dilu_invoker.invoker.dataplane.backends.process import ProcessBackend
+from dilu_invoker.invoker.dataplane.backends.sandbox import Sandboxes, mount_plan, parse_uid_range
+from dilu_invoker.invoker.dataplane.runtime_client import RuntimeClient
+from tests.invoker import isolation_actions as attacks
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("200000-200999", range(200000, 201000)),
+    ("300000", range(300000, 300001)),
+], ids=["range", "single"])
+def test_uid_range(text: str, expected: range) -> None:
+    assert parse_uid_range(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0-10", "10-5", "a-b", ""], ids=["root", "reversed", "words", "empty"])
+def test_bad_uid_range(text: str) -> None:
+    with pytest.raises(ValueError, match="uid range"):
+        parse_uid_range(text)
+
+
+def test_mount_plan_covers_the_first_closed_directory() -> None:
+    base = Path(tempfile.mkdtemp(prefix="dilu-plan-"))  # /tmp itself is open to everyone
+    try:
+        closed = base / "closed"
+        (closed / "a" / "lib").mkdir(parents=True)
+        (closed / "b").mkdir()
+        (base / "open").mkdir()
+        os.chmod(base, 0o755)
+        os.chmod(closed, 0o700)
+        plan = mount_plan([str(closed / "a"), str(closed / "a" / "lib"), str(closed / "b"), str(base / "open"),
+                           str(base / "missing")])
+        # the nested path folds into its parent; what is reachable needs nothing
+        assert plan == {str(closed): (str(closed / "a"), str(closed / "b"))}
+    finally:
+        shutil.rmtree(base)
+
+
+@root_only
+async def test_two_backends_never_share_a_uid(tmp_path: Path) -> None:
+    a = Sandboxes(uid_range=range(250000, 250002), work_dir=str(tmp_path / "w"))
+    b = Sandboxes(uid_range=range(250000, 250002), work_dir=str(tmp_path / "w"))
+    first = await a.create("c1", 64)
+    second = await b.create("c2", 64)
+    assert {first.uid, second.uid} == {250000, 250001}
+    with pytest.raises(Exception, match="in use"):
+        await a.create("c3", 64)
+    assert (first.dir.stat().st_mode & 0o777) == 0o700 and first.dir.stat().st_uid == first.uid
+    assert await a.destroy(first) and not first.dir.exists()
+    third = await b.create("c3", 64)  # the uid is free again once its sandbox is gone
+    assert third.uid == first.uid
+    assert await b.destroy(second) and await b.destroy(third)
+    a.close()
+    b.close()
+
+
+async def test_without_isolation_descendants_and_files_still_go(tmp_path: Path) -> None:
+    backend = ProcessBackend(isolation="off", work_dir=str(tmp_path / "w"))
+    assert not backend.sandboxes.isolating
+    container = await backend.start(ContainerSpec(name="c", kind="python:3", image="", memory_mb=256))
+    async with aiohttp.ClientSession() as http:
+        client = RuntimeClient(http, container.url, secret=container.secret)
+        init = {"value": {"name": "d", "code": attacks.DAEMON, "main": "main", "binary": False}}
+        assert (await client.init(init, 30)).status_code == 0
+        pids = (await client.run({"value": {}}, 30)).result["pids"]
+    assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
+    box_dir = container.sandbox.dir
+    assert box_dir.is_dir() and (box_dir.stat().st_mode & 0o777) == 0o700
+    await container.destroy()
+    for pid in pids:
+        try:
+            state = next(line for line in open(f"/proc/{pid}/status") if line.startswith("State:")).split()[1]
+        except OSError:
+            continue
+        assert state in ("Z", "X"), f"{pid} survived its container"
+    assert not box_dir.exists()
+    await backend.close()
