@@ -216,7 +216,9 @@ class EntityStore:
                 self._cache.pop((namespace, name), None)
                 return None
             if rev == cached.revision:
-                self._cache.move_to_end((namespace, name))
+                # the hget awaited: a delete or update may have dropped the entry meanwhile
+                if (namespace, name) in self._cache:
+                    self._cache.move_to_end((namespace, name))
                 return cached
         raw_rev, raw_doc = await self.redis.hmget(key, ["rev", "doc"])
         if raw_rev is None or raw_doc is None:

@@ -63,6 +63,21 @@ async def test_cache_follows_writes_of_other_stores(redis: aioredis.Redis) -> No
     assert await reader.get_action("guest", "hello") is None
 
 
+async def test_cached_reads_racing_a_delete_answer_without_error(redis: aioredis.Redis) -> None:
+    """A cached read awaits Redis for the revision; a delete in the same store meanwhile drops the cache
+    entry. The read must still answer (the action it saw, or None), never raise."""
+    store = EntityStore(redis)
+    for round_ in range(20):
+        stored = await store.put_action(action(code=f"v{round_}"), expected_revision=None)
+        assert await store.get_action("guest", "hello") == stored  # now cached
+        results = await asyncio.gather(*(store.get_action("guest", "hello") for _ in range(8)),
+                                       store.delete_action("guest", "hello"),
+                                       *(store.get_action("guest", "hello") for _ in range(8)))
+        assert all(r is None or r == stored for r in results[:8] + results[9:])
+        assert results[8] == stored
+        assert await store.get_action("guest", "hello") is None
+
+
 async def test_delete_returns_the_action(redis: aioredis.Redis) -> None:
     store = EntityStore(redis)
     stored = await store.put_action(action(), expected_revision=None)
