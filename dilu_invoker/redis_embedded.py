@@ -387,13 +387,14 @@ def configured_client(url: str, cfg: RedisConfig) -> aioredis.Redis:
 
 
 @contextlib.asynccontextmanager
-async def open_redis(cfg: RedisConfig, *, data_dir: str | Path) -> AsyncIterator[aioredis.Redis]:
-    """The configured Redis (``--redis-url``), or an embedded one keeping its data in ``data_dir/redis``."""
+async def _redis_link(cfg: RedisConfig, *, data_dir: str | Path
+                      ) -> AsyncIterator[tuple[aioredis.Redis, str, EmbeddedRedis | None]]:
+    """(client, URL, the embedded server or None): ``--redis-url`` pinged, or an embedded, supervised one."""
     if cfg.url:
         client = configured_client(cfg.url, cfg)
         try:
             await client.ping()
-            yield client
+            yield client, cfg.url, None
         finally:
             await client.aclose()
         return
@@ -402,9 +403,16 @@ async def open_redis(cfg: RedisConfig, *, data_dir: str | Path) -> AsyncIterator
         server.supervise()
         client = configured_client(server.url, cfg)
         try:
-            yield client
+            yield client, server.url, server
         finally:
             await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def open_redis(cfg: RedisConfig, *, data_dir: str | Path) -> AsyncIterator[aioredis.Redis]:
+    """The configured Redis (``--redis-url``), or an embedded one keeping its data in ``data_dir/redis``."""
+    async with _redis_link(cfg, data_dir=data_dir) as (client, _url, _server):
+        yield client
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,21 +493,6 @@ class RedisHealth:
 async def open_redis_with_health(cfg: RedisConfig, *, data_dir: str | Path
                                  ) -> AsyncIterator[tuple[aioredis.Redis, RedisHealth]]:
     """:func:`open_redis` plus a :class:`RedisHealth` watching it."""
-    if cfg.url:
-        client = configured_client(cfg.url, cfg)
-        try:
-            await client.ping()
-            async with RedisHealth(cfg.url) as health:
-                yield client, health
-        finally:
-            await client.aclose()
-        return
-    async with EmbeddedRedis(Path(data_dir) / "redis", binary=cfg.server_binary,
-                             appendfsync=cfg.appendfsync) as server:
-        server.supervise()
-        client = configured_client(server.url, cfg)
-        try:
-            async with RedisHealth(server.url, server=server) as health:
-                yield client, health
-        finally:
-            await client.aclose()
+    async with _redis_link(cfg, data_dir=data_dir) as (client, url, server), \
+            RedisHealth(url, server=server) as health:
+        yield client, health
