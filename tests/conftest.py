@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
+import structlog
 
 from dilu_invoker.redis_embedded import EmbeddedRedis, redis_client
 
@@ -31,6 +32,16 @@ LOOP_BLOCK_LIMIT_S = float(os.environ.get("DILU_TEST_LOOP_BLOCK_S", "0.5"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # structlog's default console renderer draws tracebacks with rich (locals included) when rich is
+    # installed, which takes long enough to trip the loop guard; tests log plain tracebacks instead.
+    structlog.configure(processors=[
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.StackInfoRenderer(),
+        structlog.dev.set_exc_info,
+        structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False),
+        structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback),
+    ])
     config.addinivalue_line(
         "markers", "allow_loop_block: this async test may block its event loop (the guard does not fail it)"
     )

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -44,11 +46,15 @@ def _req(content: dict[str, object]) -> ActivationRequest:
 
 @pytest.mark.parametrize("victim", ["proxy", "worker"])
 async def test_runtime_killed_mid_activation_is_a_developer_error_then_a_cold_start(
-    invoker: Invoker, tmp_path: Path, victim: str
+    invoker: Invoker, request: pytest.FixtureRequest, victim: str
 ) -> None:
     first = await invoker.run(_req({}))
     assert first.response.status is ActivationStatus.SUCCESS
-    pidfile = tmp_path / "pids"
+    # The action runs as its own uid (process isolation), so it writes into a directory open to it.
+    shared = Path(tempfile.mkdtemp(prefix="dilu-death-"))
+    request.addfinalizer(lambda: shutil.rmtree(shared, ignore_errors=True))
+    shared.chmod(0o777)
+    pidfile = shared / "pids"
     running = asyncio.create_task(invoker.run(_req({"pidfile": str(pidfile)})))
     async with asyncio.timeout(20):
         while not pidfile.exists() or not pidfile.read_text():
@@ -56,6 +62,7 @@ async def test_runtime_killed_mid_activation_is_a_developer_error_then_a_cold_st
     proxy, worker = (int(p) for p in pidfile.read_text().split())
     os.kill(proxy if victim == "proxy" else worker, signal.SIGKILL)
     died = await asyncio.wait_for(running, 20)
+    assert "pid" not in (died.response.result or {}), died.response
     assert died.response.status is ActivationStatus.DEVELOPER_ERROR
     assert isinstance(died.response.result, dict) and died.response.result.get("error")
     again = await invoker.run(_req({}))
