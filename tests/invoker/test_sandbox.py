@@ -89,3 +89,38 @@ async def test_without_isolation_descendants_and_files_still_go(tmp_path: Path) 
         assert state in ("Z", "X"), f"{pid} survived its container"
     assert not box_dir.exists()
     await backend.close()
+
+
+@root_only
+async def test_invokers_with_other_work_dirs_share_the_host_uid_leases() -> None:
+    """Two invokers on one host with their own work dirs: neither hands out a uid the other holds, and one
+    starting up (its sweep of leftovers) or destroying a container never kills the other's containers."""
+    scratch = Path(tempfile.mkdtemp(prefix="dilu-leases-"))
+    os.chmod(scratch, 0o755)
+    uids = "250010-250011"
+    a = ProcessBackend(uid_range=uids, work_dir=str(scratch / "a"))
+    b = ProcessBackend(uid_range=uids, work_dir=str(scratch / "b"))
+    try:
+        assert a.sandboxes.lock_dir == b.sandboxes.lock_dir == Path("/run/dilu-invoker/uids")
+        spec = ContainerSpec(name="c", kind="python:3", image="", memory_mb=128)
+        first = await a.start(spec)
+        second = await b.start(spec)
+        assert {first.sandbox.uid, second.sandbox.uid} == {250010, 250011}
+        with pytest.raises(Exception, match="in use"):
+            await a.start(spec)
+        # A third invoker starting on this host sweeps leftovers of the range: both containers are live.
+        c = ProcessBackend(uid_range=uids, work_dir=str(scratch / "c"))
+        assert await c.remove_leftovers("wsk") == 0
+        c.sandboxes.close()
+        await b.close()  # kill -1 as the other uid
+        async with aiohttp.ClientSession() as http:
+            client = RuntimeClient(http, first.url, secret=first.secret)
+            init = {"value": {"name": "n", "code": "def main(a):\n    return {'ok': 1}\n", "main": "main",
+                              "binary": False}}
+            assert (await client.init(init, 30)).status_code == 0
+            assert (await client.run({"value": {}}, 30)).result == {"ok": 1}
+        assert first.alive
+    finally:
+        await a.close()
+        await b.close()
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -52,6 +52,8 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 #: world-writable places where a uid can leave files behind
 _SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+#: the host's uid leases: one lock file per uid, shared by every invoker on the host whatever its work dir
+UID_LOCK_DIR = "/run/dilu-invoker/uids"
 
 
 class SandboxError(RuntimeError):
@@ -358,7 +360,7 @@ class Sandboxes:
     """Makes and removes the sandboxes of one backend; decides once what this host lets it enforce."""
 
     def __init__(self, *, mode: str = "auto", uid_range: range = range(200000, 201000),
-                 work_dir: str | None = None, hide: Sequence[str] = ()) -> None:
+                 work_dir: str | None = None, hide: Sequence[str] = (), lock_dir: str | None = None) -> None:
         if mode not in ("auto", "off"):
             raise ValueError(f"process isolation must be auto or off, not {mode!r}")
         root = os.geteuid() == 0
@@ -372,8 +374,9 @@ class Sandboxes:
         self.cgroup_note = "not used"
         self.work_root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.work_root, 0o711 if self.isolating else 0o700)
-        (self.work_root / "uids").mkdir(mode=0o700, exist_ok=True)
+        self.lock_dir = self.work_root / "uids"
         if self.isolating:
+            self.lock_dir = self._host_lock_dir(lock_dir or UID_LOCK_DIR)
             self.cgroups, self.cgroup_note = Cgroups.probe(f"dilu-{os.getpid()}")
             self.plan = mount_plan([*interpreter_paths(), str(self.work_root)])
             self.hide = tuple(p for p in (os.path.realpath(h) for h in hide) if self._may_hide(p))
@@ -401,11 +404,28 @@ class Sandboxes:
 
     # -- uids ---------------------------------------------------------------------------------------
 
+    def _host_lock_dir(self, wanted: str) -> Path:
+        """The uid leases live where every invoker of the host sees them, not in the work dir: two invokers
+        with different work dirs would otherwise hand out the same uid, and each would kill the other's
+        containers (at start, as leftovers; on destroy, ``kill -1`` as the uid)."""
+        path = Path(wanted)
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
+            if path.stat().st_uid != os.geteuid():
+                raise OSError(f"{path} is owned by uid {path.stat().st_uid}")
+            return path
+        except OSError as exc:
+            log.warning("process containers: uid leases kept in the work dir; invokers with other work dirs "
+                        "may hand out the same uids", lock_dir=wanted, error=str(exc))
+            (self.work_root / "uids").mkdir(mode=0o700, exist_ok=True)
+            return self.work_root / "uids"
+
     def _lock_uid(self) -> tuple[int, int]:
         n = len(self.uid_range)
         for i in range(n):
             uid = self.uid_range[(self._next + i) % n]
-            fd = os.open(self.work_root / "uids" / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.lock_dir / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -532,7 +552,7 @@ class Sandboxes:
         if self.isolating:
             found = await asyncio.to_thread(pids_of_uid, self.uid_range)
             for uid in found:
-                fd = os.open(self.work_root / "uids" / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(self.lock_dir / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -550,7 +570,7 @@ class Sandboxes:
         removed = 0
         for entry in list(os.scandir(self.work_root)):
             if entry.name.startswith("u") and entry.name[1:].isdigit() and self.isolating:
-                fd = os.open(self.work_root / "uids" / entry.name[1:], os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(self.lock_dir / entry.name[1:], os.O_RDWR | os.O_CREAT, 0o600)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     shutil.rmtree(entry.path, ignore_errors=True)
