@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import textwrap
 import time
 import tracemalloc
@@ -686,3 +687,21 @@ async def test_a_flood_is_truncated_in_bounded_memory(http: aiohttp.ClientSessio
         assert (await client.run(build_run_body({"mib": 0}, context()), 30)).ok
         nxt = await collection.finish(timeout_s=30)
         assert [text_of(line) for line in nxt.lines] == ["stderr: tail"]
+
+
+async def test_init_stops_retrying_once_the_runtime_has_exited(http: aiohttp.ClientSession) -> None:
+    """A runtime that exits before it listens (here: its port is taken) is not waited for until the
+    action's timeout: /init answers at once that it exited."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()  # nothing accepts: connects are queued, then refused once this closes
+        port = taken.getsockname()[1]
+        process = await spawn(OURS, port=port)
+        rc = await asyncio.wait_for(process.wait(), 30)
+    assert rc == 1  # "cannot listen"
+    client = RuntimeClient(http, f"http://127.0.0.1:{port}")
+    outcome = await client.init(init_payload("def main(a):\n    return {}\n"), 20,
+                                alive=lambda: process.returncode is None)
+    assert not outcome.timed_out
+    assert outcome.result == {"error": MSG_ABNORMAL_INIT}
+    assert outcome.elapsed_s < 20

@@ -69,3 +69,24 @@ async def test_runtime_killed_mid_activation_is_a_developer_error_then_a_cold_st
     assert again.response.status is ActivationStatus.SUCCESS
     assert again.annotation("initTime") is not None  # a cold start: a new container was initialized
     assert again.response.result != first.response.result  # another worker process
+
+
+async def test_runtime_dead_before_it_listens_fails_the_cold_start_at_once(invoker: Invoker) -> None:
+    """A runtime killed before it listened (another invoker's sweep, the OOM killer, a taken port): its
+    /init is not retried until the action's 60 s timeout, the activation says it exited, and the
+    next invoke starts a new container."""
+    start = invoker.backend.start
+
+    async def start_then_kill(spec):  # noqa: ANN001, ANN202 - stands in for the backend method
+        container = await start(spec)
+        os.kill(container.pid, signal.SIGKILL)
+        return container
+
+    invoker.backend.start = start_then_kill  # type: ignore[method-assign]
+    died = await asyncio.wait_for(invoker.run(_req({})), 15)
+    assert died.response.status is ActivationStatus.DEVELOPER_ERROR
+    assert died.response.result == {"error": "The action did not initialize and exited unexpectedly."}
+    assert died.annotation("timeout") is False
+    invoker.backend.start = start  # type: ignore[method-assign]
+    again = await invoker.run(_req({}))
+    assert again.response.status is ActivationStatus.SUCCESS

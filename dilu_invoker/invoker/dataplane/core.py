@@ -303,7 +303,7 @@ class Invoker:
             if isinstance(req.content, dict) else {}
         body = build_init_body(name=action.name, code=action.exec.code, binary=action.exec.binary,
                                main=action.exec.main, env=init_env, context=context)
-        outcome = await client.init(body, action.limits.timeout_ms / 1000)
+        outcome = await client.init(body, action.limits.timeout_ms / 1000, alive=lambda: container.alive)
         init_ms = int((time.monotonic() - init_start) * 1000)
         if outcome.status_code != ActivationStatus.SUCCESS:
             logs: tuple[str, ...] = ()

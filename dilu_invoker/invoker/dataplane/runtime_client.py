@@ -320,17 +320,22 @@ class RuntimeClient:
     def base_url(self) -> str:
         return self._base_url
 
-    async def init(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
-        """POST /init, retrying a refused connection every 50 ms until `timeout_s` is used up."""
-        return await self._call("/init", payload, timeout_s, retry=True, mapping=init_outcome)
+    async def init(self, payload: Mapping[str, Any] | bytes, timeout_s: float, *,
+                   alive: Callable[[], bool] | None = None) -> RuntimeOutcome:
+        """POST /init, retrying a refused connection every 50 ms until `timeout_s` is used up, or until
+        `alive` (the container's liveness, when the caller knows it) says the runtime is gone: a runtime
+        that exited never listens, and waiting out the action's whole timeout for it holds a slot and the
+        activation for nothing."""
+        return await self._call("/init", payload, timeout_s, retry=True, mapping=init_outcome, alive=alive)
 
     async def run(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
         """POST /run once (never retried: the action may have started)."""
         return await self._call("/run", payload, timeout_s, retry=False, mapping=run_outcome)
 
     async def _call(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool,
-                    mapping: Callable[..., RuntimeOutcome]) -> RuntimeOutcome:
-        exchange = await self._post(path, payload, timeout_s, retry=retry)
+                    mapping: Callable[..., RuntimeOutcome], alive: Callable[[], bool] | None = None
+                    ) -> RuntimeOutcome:
+        exchange = await self._post(path, payload, timeout_s, retry=retry, alive=alive)
         outcome = mapping(
             http_status=exchange.http_status,
             body=exchange.body,
@@ -348,7 +353,8 @@ class RuntimeClient:
         )
         return outcome
 
-    async def _post(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool) -> _Exchange:
+    async def _post(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool,
+                    alive: Callable[[], bool] | None = None) -> _Exchange:
         data = payload if isinstance(payload, bytes) else encode_body(payload)
         url = self._base_url + path
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -376,7 +382,7 @@ class RuntimeClient:
             except TimeoutError:
                 return _Exchange(None, b"", None, max(time.monotonic() - start, timeout_s))
             except aiohttp.ClientConnectorError as exc:
-                if not retry:
+                if not retry or (alive is not None and not alive()):
                     log.debug("runtime.connect_failed", url=url, error=str(exc))
                     return _Exchange(None, b"", None, time.monotonic() - start)
                 # Not listening yet (container still starting): OpenWhisk retries every 50 ms.
