@@ -77,7 +77,7 @@ async def test_runtime_dead_before_it_listens_fails_the_cold_start_at_once(invok
     next invoke starts a new container."""
     start = invoker.backend.start
 
-    async def start_then_kill(spec):  # noqa: ANN001, ANN202 - stands in for the backend method
+    async def start_then_kill(spec):
         container = await start(spec)
         os.kill(container.pid, signal.SIGKILL)
         return container
