@@ -22,7 +22,7 @@ from dilu_invoker.invoker.dataplane.container import (
     State,
     Transition,
 )
-from dilu_invoker.invoker.dataplane.pool import View, evict_for, fits, pick_warm
+from dilu_invoker.invoker.dataplane.pool import ContainerPool, Lease, View, evict_for, fits, pick_warm, starting
 from dilu_invoker.model import Action, Exec
 
 R, P, N, S, X = State.READY, State.PAUSED, State.INITIALIZING, State.STARTING, State.REMOVING
@@ -135,3 +135,83 @@ async def test_timers_belong_to_the_state_they_were_armed_in() -> None:
     p.arm(0.01, lambda: fired.append("paused idle"))
     await asyncio.sleep(0.05)
     assert fired == ["paused idle"]
+
+
+@pytest.mark.parametrize(("same_key", "expected"), [
+    ((), False),
+    ((v("a"), v("b", P)), False),
+    ((v("a", S, active=1),), True),
+    ((v("a"), v("b", N, active=1)), True),
+    ((v("a", X),), False),
+], ids=["none", "warm-only", "starting", "initializing", "removing"])
+def test_starting(same_key: tuple[View, ...], expected: bool) -> None:
+    assert starting(same_key) is expected
+
+
+class _Pool:
+    """A pool of 2 × 256 MB driven by hand: leases, starts and releases, removals recorded."""
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+
+        async def destroy(proxy: ContainerProxy) -> None:
+            self.removed.append(proxy.key.fqn)
+
+        self.pool = ContainerPool(user_memory_mb=512, idle_timeout_s=600, pause_grace_s=None, max_queue=100,
+                                  destroy=destroy)
+
+    def acquire(self, name: str) -> asyncio.Task[Lease]:
+        action = Action(namespace="guest", name=name, exec=Exec(kind="python:3", code=""), revision="1-a")
+        return asyncio.ensure_future(self.pool.acquire(
+            PoolKey.of("guest", action), action, memory_mb=256, slots=1,
+            make_spec=lambda n: ContainerSpec(name=n, kind="python:3", image="", memory_mb=256)))
+
+    def ready(self, lease: Lease) -> None:
+        lease.proxy.started(_Handle())  # type: ignore[arg-type]
+        self.pool.mark_ready(lease.proxy, "initialized")
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_freed_container_serves_its_own_waiters_before_it_is_evicted_for_another_action() -> None:
+    p = _Pool()
+    x, y = p.acquire("x"), p.acquire("y")
+    await _settle()
+    p.ready(x.result())
+    p.ready(y.result())
+    need_new, wants_x = p.acquire("a"), p.acquire("x")  # the pool is full and busy: both queue, "a" first
+    await _settle()
+    assert not need_new.done() and not wants_x.done()
+    p.pool.release(x.result().proxy, healthy=True)
+    await _settle()
+    # x's own waiter takes it; evicting x for "a" would cost two cold starts instead of none
+    assert wants_x.done() and wants_x.result().proxy is x.result().proxy and not wants_x.result().cold
+    assert not need_new.done() and p.removed == []
+    p.pool.release(y.result().proxy, healthy=True)  # nobody waits for y: "a" may evict it
+    await _settle()
+    assert need_new.done() and need_new.result().cold and p.removed == ["guest/y"]
+
+
+async def test_no_warm_container_is_evicted_for_a_second_start_of_a_key_that_is_starting() -> None:
+    p = _Pool()
+    other, first = p.acquire("b"), p.acquire("a")
+    await _settle()
+    p.ready(other.result())
+    p.pool.release(other.result().proxy, healthy=True)  # b: warm and idle, evictable
+    second = p.acquire("a")  # a's first container is still starting
+    await _settle()
+    assert not second.done() and p.removed == []
+    p.ready(first.result())
+    await _settle()
+    assert not second.done()  # its one slot is the first activation's
+    p.pool.release(first.result().proxy, healthy=True)
+    await _settle()
+    assert second.done() and second.result().proxy is first.result().proxy and not second.result().cold
+    assert p.removed == []
+    # A waiter of a key that has nothing starting still evicts: here c takes b's memory.
+    third = p.acquire("c")
+    await _settle()
+    assert third.done() and third.result().cold and p.removed == ["guest/b"]

@@ -10,6 +10,12 @@ Scheduling follows OpenWhisk's ContainerPool (reference/openwhisk.md §9):
    frees; among waiters that need a new container only the oldest may start one, so large actions are
    not starved by a stream of small ones.
 
+Two rules keep churn from turning into cold starts: a freed slot goes to the waiters that it can serve
+before any waiter may evict its container for another action; and a second container for a key whose
+first one is still starting is started only where it fits — evicting another action's warm container
+for it would cost a cold start and win nothing (the waiter gets the starting one's slot no later than a
+new container could be ready), so the waiter waits for that slot.
+
 The choices themselves are pure functions of frozen views of the containers — :func:`pick_warm` (step 1),
 :func:`fits` (step 2) and :func:`evict_for` (step 3) — tested as tables; :class:`ContainerPool` applies
 them. All bookkeeping is synchronous on the event loop (no awaits between a decision and its effect), so no
@@ -73,6 +79,11 @@ def pick_warm(same_key: Iterable[View]) -> str | None:
     least busy first; None when none has a free slot."""
     best = min((v for v in same_key if v.has_capacity), key=lambda v: (_WARM_RANK[v.state], v.active), default=None)
     return best.name if best is not None else None
+
+
+def starting(same_key: Iterable[View]) -> bool:
+    """A container of the key is still starting or initializing (its slot will free soon)."""
+    return any(v.state in (State.STARTING, State.INITIALIZING) for v in same_key)
 
 
 def fits(*, in_use_mb: int, need_mb: int, user_memory_mb: int) -> bool:
@@ -204,7 +215,11 @@ class ContainerPool:
             raise
 
     def _queue_needs_memory(self) -> bool:
-        return any(w.start for w in self._queue)
+        return any(self._needs_container(w) for w in self._queue)
+
+    def _needs_container(self, waiter: _Waiter) -> bool:
+        """The waiter can only be served by a new container (none of its key is warm or starting)."""
+        return waiter.start and not starting(View.of(p) for p in self._by_key.get(waiter.key, ()))
 
     def _live(self, key: PoolKey) -> bool:
         return any(p.state not in (State.REMOVING, State.REMOVED) for p in self._by_key.get(key, ()))
@@ -234,7 +249,7 @@ class ContainerPool:
         if not fits(in_use_mb=in_use, need_mb=memory_mb, user_memory_mb=self.user_memory_mb):
             victims = evict_for([View.of(p) for p in self.containers.values()], need_mb=memory_mb,
                                 in_use_mb=in_use, user_memory_mb=self.user_memory_mb)
-            if victims is None:
+            if victims is None or starting(View.of(p) for p in same_key):
                 return None
             for victim in victims:
                 self.remove(self.containers[victim], "evicted to make room")
@@ -305,7 +320,7 @@ class ContainerPool:
             proxy.initialized(reason, init_ms=init_ms)
             if proxy.active == 0:
                 self._arm_idle(proxy)
-        self._drain_queue()
+        self._drain_queue(starts=False)  # readiness frees slots, not memory
 
     def remove(self, proxy: ContainerProxy, reason: str, *, failure: object = None) -> None:
         """Start removing ``proxy``; ``failure`` (an activation response) is what activations waiting for
@@ -334,25 +349,28 @@ class ContainerPool:
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
 
-    def _drain_queue(self) -> None:
-        if not self._queue:
-            return
-        may_start = True
-        for waiter in list(self._queue):
-            if waiter.future.done():
-                self._queue.remove(waiter)
-                continue
-            if not waiter.start and not self._live(waiter.key):
-                self._queue.remove(waiter)
-                waiter.future.set_exception(NoContainer(f"no container of {waiter.key.namespace}/{waiter.key.fqn}"))
-                continue
-            lease = self._try_assign(waiter.key, waiter.action, waiter.memory_mb, waiter.slots, waiter.make_spec,
-                                     may_start=may_start and waiter.start, instance=waiter.instance)
-            if lease is not None:
-                self._queue.remove(waiter)
-                waiter.future.set_result(lease)
-            elif waiter.start:
-                may_start = False  # only the oldest waiter that needs a new container may start one
+    def _drain_queue(self, *, starts: bool = True) -> None:
+        # First every waiter a free slot can serve, then the starts: a container freed with waiters of its
+        # own key is never evicted for another key's cold start.
+        for pass_starts in (False, True) if starts else (False,):
+            may_start = pass_starts
+            for waiter in list(self._queue):
+                if waiter.future.done():
+                    self._queue.remove(waiter)
+                    continue
+                if not waiter.start and not self._live(waiter.key):
+                    self._queue.remove(waiter)
+                    waiter.future.set_exception(NoContainer(
+                        f"no container of {waiter.key.namespace}/{waiter.key.fqn}"))
+                    continue
+                lease = self._try_assign(waiter.key, waiter.action, waiter.memory_mb, waiter.slots,
+                                         waiter.make_spec, may_start=may_start and waiter.start,
+                                         instance=waiter.instance)
+                if lease is not None:
+                    self._queue.remove(waiter)
+                    waiter.future.set_result(lease)
+                elif pass_starts and self._needs_container(waiter):
+                    may_start = False  # only the oldest waiter that needs a new container may start one
 
     # -- shutdown ------------------------------------------------------------------------------
 
