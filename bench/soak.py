@@ -47,7 +47,10 @@ from dilu_invoker.invoker.dataplane.backends.sandbox import pids_of_uid
 
 GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFqm12CdAsMgRU4VrNZ9lyGVCGuMDGIwP"
 NOOP = "def main(args):\n    return {}\n"
-UIDS = range(200000, 201000)
+#: the soak's containers get uids of their own range: other invokers on the host (test suites) that use the
+#: default range never see them, and every process counted as left is one of the soak's
+UID_RANGE = "240000-240999"
+UIDS = range(240000, 241000)
 
 
 def free_port() -> int:
@@ -85,6 +88,7 @@ async def standalone(isolation: str, *, idle_timeout_s: float = 600, user_memory
     proc = subprocess.Popen(
         [sys.executable, "-m", "dilu_invoker", "standalone", "--data-dir", str(data), "--api-port", str(port),
          "--invoker-process-isolation", isolation, "--invoker-process-work-dir", str(work),
+         "--invoker-process-uid-range", UID_RANGE,
          "--invoker-idle-timeout-s", str(idle_timeout_s), "--invoker-user-memory-mb", str(user_memory_mb),
          "--invoker-pause-grace-s", "0"],
         env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
