@@ -194,6 +194,36 @@ def _parse_json(text: str) -> Any:
     return json.loads(text, parse_constant=reject_constant)
 
 
+_UNPARSED = object()
+
+
+def _decoded(body: bytes) -> tuple[str, int, Any]:
+    """The response text, its recorded size and its JSON value (``_UNPARSED`` when it is not JSON)."""
+    text = body.decode("utf-8", "replace")
+    try:
+        parsed = _parse_json(text)
+    except ValueError:
+        parsed = _UNPARSED
+    return text, _jvm_length(text), parsed
+
+
+def _shared_failure(*, init: bool, http_status: int | None, body: bytes, length: int, elapsed_s: float,
+                    timeout_s: float, max_result_bytes: int, truncation: ActivationStatus,
+                    meta: dict[str, Any]) -> RuntimeOutcome | None:
+    """The failures `/init` and `/run` map alike, in OpenWhisk's order: the time limit, no usable
+    response, a response over the result limit (``truncation``: its status differs between the two)."""
+    if elapsed_s >= timeout_s:
+        return _error(ActivationStatus.DEVELOPER_ERROR, timed_out_message(timeout_s, init=init), timed_out=True,
+                      **meta)
+    if http_status is None or length == 0:
+        return _error(ActivationStatus.DEVELOPER_ERROR, MSG_ABNORMAL_INIT if init else MSG_ABNORMAL_RUN, **meta)
+    if length > max_result_bytes:
+        prefix = body[:max_result_bytes].decode("utf-8", "replace")
+        return _error(truncation, truncated_response_message(prefix, length, max_result_bytes), size=length,
+                      **meta)
+    return None
+
+
 def run_outcome(
     *,
     http_status: int | None,
@@ -212,22 +242,12 @@ def run_outcome(
     meta: dict[str, Any] = {"http_status": http_status, "elapsed_s": elapsed_s}
     if http_status == 503:
         return _error(ActivationStatus.WHISK_ERROR, MSG_SHUTTING_DOWN, reschedule=True, **meta)
-    if elapsed_s >= timeout_s:
-        return _error(
-            ActivationStatus.DEVELOPER_ERROR, timed_out_message(timeout_s, init=False), timed_out=True, **meta
-        )
-    if http_status is None or length == 0:
-        return _error(ActivationStatus.DEVELOPER_ERROR, MSG_ABNORMAL_RUN, **meta)
-    if length > max_result_bytes:
-        prefix = body[:max_result_bytes].decode("utf-8", "replace")
-        message = truncated_response_message(prefix, length, max_result_bytes)
-        return _error(ActivationStatus.APPLICATION_ERROR, message, size=length, **meta)
-    text = body.decode("utf-8", "replace")
-    size = _jvm_length(text)
-    try:
-        parsed = _parse_json(text)
-    except ValueError:
-        return _error(ActivationStatus.DEVELOPER_ERROR, invalid_run_response_message(text), size=size, **meta)
+    failure = _shared_failure(init=False, http_status=http_status, body=body, length=length, elapsed_s=elapsed_s,
+                              timeout_s=timeout_s, max_result_bytes=max_result_bytes,
+                              truncation=ActivationStatus.APPLICATION_ERROR, meta=meta)
+    if failure is not None:
+        return failure
+    text, size, parsed = _decoded(body)
     if isinstance(parsed, dict):
         if http_status == 200:
             if "error" in parsed:
@@ -257,23 +277,14 @@ def init_outcome(
     meta: dict[str, Any] = {"http_status": http_status, "elapsed_s": elapsed_s}
     if http_status == 503:
         return _error(ActivationStatus.WHISK_ERROR, MSG_SHUTTING_DOWN, reschedule=True, **meta)
-    truncated = http_status is not None and length > max_result_bytes
-    if http_status == 200 and not truncated:
+    if http_status == 200 and length <= max_result_bytes:
         return RuntimeOutcome(status_code=ActivationStatus.SUCCESS, result=None, size=None, **meta)
-    if elapsed_s >= timeout_s:
-        return _error(ActivationStatus.DEVELOPER_ERROR, timed_out_message(timeout_s, init=True), timed_out=True, **meta)
-    if http_status is None or length == 0:
-        return _error(ActivationStatus.DEVELOPER_ERROR, MSG_ABNORMAL_INIT, **meta)
-    if truncated:
-        prefix = body[:max_result_bytes].decode("utf-8", "replace")
-        message = truncated_response_message(prefix, length, max_result_bytes)
-        return _error(ActivationStatus.DEVELOPER_ERROR, message, size=length, **meta)
-    text = body.decode("utf-8", "replace")
-    size = _jvm_length(text)
-    try:
-        parsed = _parse_json(text)
-    except ValueError:
-        parsed = None
+    failure = _shared_failure(init=True, http_status=http_status, body=body, length=length, elapsed_s=elapsed_s,
+                              timeout_s=timeout_s, max_result_bytes=max_result_bytes,
+                              truncation=ActivationStatus.DEVELOPER_ERROR, meta=meta)
+    if failure is not None:
+        return failure
+    text, size, parsed = _decoded(body)
     if isinstance(parsed, dict) and "error" in parsed:
         return _error(ActivationStatus.DEVELOPER_ERROR, parsed["error"], size=size, **meta)
     return _error(ActivationStatus.DEVELOPER_ERROR, invalid_init_response_message(text), size=size, **meta)
