@@ -14,7 +14,9 @@ Two rules keep churn from turning into cold starts: a freed slot goes to the wai
 before any waiter may evict its container for another action; and a second container for a key whose
 first one is still starting is started only where it fits — evicting another action's warm container
 for it would cost a cold start and win nothing (the waiter gets the starting one's slot no later than a
-new container could be ready), so the waiter waits for that slot.
+new container could be ready), so the waiter waits for that slot. The first rule favours throughput over
+strict arrival order: under sustained overload, when every container has waiters of its own, a key
+without a container waits until one frees without waiters.
 
 The choices themselves are pure functions of frozen views of the containers — :func:`pick_warm` (step 1),
 :func:`fits` (step 2) and :func:`evict_for` (step 3) — tested as tables; :class:`ContainerPool` applies
