@@ -360,13 +360,14 @@ RSS by 43.8 MB and counted 8 directories and 13 processes as left. Three faults 
    (`pool.py`; the same 30 s run after all three fixes: 119 cold starts, 684 invokes answered 200, none
    202, RSS +3.7 MB).
 
-After the fixes, at load 6–10: 120 s of the same mix (`run_soak(120, 25)`, commit of this page's
-first rerun) answered all 2,804 invokes (2,757 × 200, 47 × 404 for just-deleted actions), none 202, RSS
-+8.1 MB, nothing left. What remains when the machine is loaded harder is capacity: the mix needs about
-1.3 cold starts a second (updates and re-creates, each a new runtime and worker process), and with the
-two cores shared at load 13 and more the queue outgrows the 60 s blocking wait — held requests are then
-what the RSS growth is. Under such overload the pool favours throughput: a freed container serves its
-own action's waiters first, so an action without a container waits until one frees without waiters.
+After the fixes, other runs of the same code: 120 s of the same mix (`run_soak(120, 25)`, load 6–10)
+answered all 2,804 invokes (2,757 × 200, 47 × 404 for just-deleted actions), none 202, RSS +8.1 MB,
+nothing left; a 5-minute run at load 12.9–14 left nothing either and answered no 502, but 1,716 of
+7,008 invokes 202 and RSS +29.6 MB. That is capacity: the mix needs about 1.3 cold starts a second
+(updates and re-creates, each a new runtime and worker process), and with the two cores shared at load
+13 and more the queue outgrows the 60 s blocking wait — the held requests are the RSS growth. Under such
+overload the pool favours throughput: a freed container serves its own action's waiters first, so an
+action without a container waits until one frees without waiters.
 
 The soak's containers use a uid range of their own (`240000-240999`), so that invokers on the host
 still running code from before the host-wide leases cannot touch them and every process counted as
