@@ -347,7 +347,7 @@ class GpuNode:
             await self._release(device, instance)
             return None
         files = abi.instance_files(self.root, instance)
-        attachment = self._attachment(device, files, spec)
+        attachment = self._attachment(device, files, spec, mps_threads=mgr.mps_threads(spec))
         mgr.add(spec, control, stats)
         self._attached[instance] = _Attached(spec, device, files, control, stats, attachment, reserved)
         log.info("GPU attached", instance=instance, function=function, gpu=device.index, uuid=device.uuid,
@@ -382,12 +382,15 @@ class GpuNode:
         a = self._attached[instance]
         self._managers[a.device.uuid].set_capacity(instance, blocks_per_ms)
 
-    def _attachment(self, device: GpuDevice, files: abi.InstanceFiles, spec: InstanceSpec) -> GpuAttachment:
+    def _attachment(self, device: GpuDevice, files: abi.InstanceFiles, spec: InstanceSpec, *,
+                    mps_threads: float | None = None) -> GpuAttachment:
         env: dict[str, str] = {"DILU_GPU_UUID": device.uuid}
         mounts: tuple[GpuMount, ...] = ()
-        client = self.mps.client(device.index, spec.limit, backend=self.backend) if self.mps is not None else None
+        threads = spec.limit if mps_threads is None else mps_threads
+        client = self.mps.client(device.index, threads, backend=self.backend) if self.mps is not None else None
         if client is not None:
-            # An MPS client of the GPU's daemon; its spatial cap (active threads) is its SM limit, fixed
+            # An MPS client of the GPU's daemon; its spatial cap (active threads) is what the policy chose for
+            # its start (`GpuManager.mps_threads`: its SM limit, a best-effort one lower under `slo`), fixed
             # when it connects. The docker backend shares the host's IPC namespace for it.
             env.update(client.env)
             mounts += tuple(GpuMount(src, dst, ro) for src, dst, ro in client.mounts)
