@@ -52,7 +52,7 @@ elif [ "$what" = matrix ]; then
   # Budget: the device call's 600 s, less this script's setup (wheels, shim; measured above) and ~30 s for
   # the report and the copy back. Scenarios of 1.5 s: paced 50% (issue 17's target cell), Poisson at the
   # three loads, bursty (a modulated Poisson process) at 70%, the 5x burst, idle; 3 trials.
-  budget=${BUDGET_S:-$(( 560 - ( $(date +%s) - start ) ))}
+  budget=${BUDGET_S:-$(( 540 - ( $(date +%s) - start ) ))}
   [ "$budget" -gt 500 ] && budget=500
   besides=paced@0.5,poisson@0.3,poisson@0.5,poisson@0.7,bursty@0.7,burst
   case "${3:-1}" in
@@ -63,10 +63,10 @@ elif [ "$what" = matrix ]; then
     *) echo "PLAN is 1 or 2"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
-  timeout $(( budget + 40 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
+  timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
     --pairs resnet50+train,bert+train --pair-modes "bert+train=$bert" --priority "$prio" \
     --besides "$besides" --scenarios cold,solo,idle --seconds "${SECONDS_PER:-1.5}" --trials "${TRIALS:-3}" \
-    --budget-s "$budget" --deadline-s "$budget" --out "$out/$name.json" --report "$out/$name.md" \
+    --budget-s "$budget" --deadline-s "$budget" --isolation-fallback --out "$out/$name.json" --report "$out/$name.md" \
     --matrix "$out/gpu-product-matrix.md" 2>&1 | grep -v '^|' | tail -60
 fi
 gzip -f "$out"/trace_*.json "$out"/gpu_product_matrix*.json 2>/dev/null || true

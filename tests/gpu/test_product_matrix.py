@@ -112,3 +112,30 @@ def test_the_matrix_names_the_strongest_baseline_and_what_dominates(gp: ModuleTy
     assert "hand-written" in text and "after" in text and "\nold\n" not in text
     assert "| paced@0.5 | slo-ts | 12.5 / 12.5 |" in text and "| mps50 |" in text
     assert "**strongest baseline**" in text and "| none |" not in text.split("| paced@0.5 | slo-ts |")[1].split("\n")[0]
+
+
+def test_isolation_fallback_keeps_the_run(gp: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU action that cannot cold-start under process isolation costs one stack, not the run: that stack
+    and every later one run with isolation off, and the results say so."""
+    import asyncio
+
+    calls: list[tuple[str, list[str]]] = []
+
+    async def fake_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, ref: dict[str, object]) -> dict[str, object]:
+        calls.append((mode, list(args.extra_flags)))
+        if not args.extra_flags:
+            raise RuntimeError(f"{mode}: training cold start answered 502")
+        return {"mode": mode, "pair": pair, "trial": trial, "scenarios": {}, "solo": {"p50_ms": 1.0, "p99_ms": 2.0},
+                "effective": {"mps": False, "policy": "slo", "shim": True}, "solo_train_it_s": 1.0,
+                "cold_start_ms": {}, "wall_s": 1.0}
+
+    monkeypatch.setattr(gp, "run_cell", fake_cell)
+    monkeypatch.setattr(gp, "machine", lambda: {})
+    args = _args(modes=["noshim", "slo-ts"], pairs=["resnet50+train"], pair_modes={}, trials=1, deadline_s=0.0,
+                 dry_run=True, out=None, isolation_fallback=True, extra_flags=[])
+    doc = asyncio.run(gp.main_async(args))
+    off = ["--invoker-process-isolation", "off"]
+    assert calls == [("noshim", []), ("noshim", off), ("slo-ts", off)]
+    assert [c["mode"] for c in doc["cells"]] == ["noshim", "slo-ts"]
+    assert "noshim resnet50+train trial 0" == doc["isolation_fallback"]["after"]
+    assert "process isolation turned off" in gp.matrix_report([doc])
