@@ -111,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cold-start-s", type=_nonneg_float, default=5.0)
     s.add_argument("--timeout-s", type=_positive(float), default=30.0, help="drop requests waiting longer")
     s.add_argument("--interference", type=_nonneg_float, default=0.1, help="co-location slowdown κ (docs)")
-    s.add_argument("--vertical-period", type=_positive(float), default=0.5, help="seconds between vertical re-decisions of a GPU with training")
+    s.add_argument("--vertical-period", type=_positive(float), default=0.5,
+                   help="seconds between vertical re-decisions of a GPU with training (the slo policy counts its windows "
+                        "in these periods and is calibrated at the live manager's 0.05 s: docs/benchmarks/vertical-sim.md)")
     s.add_argument("--vertical-policy", choices=VERTICAL_POLICIES, default="rckm",
                    help="dilu's vertical share policy: rckm (cycle ratios), slo (the SLO controller, docs/policies.md) "
                         "or static (every instance at its limit)")
