@@ -370,17 +370,24 @@ def plain_read(path: str, device: str | None = None) -> Weights:
     infos, data_start = read_header(path)
     device = _resolve_device(device)
     t0 = time.perf_counter()
-    with open(path, "rb") as handle:
+    data = bytearray(os.path.getsize(path) - data_start)
+    with open(path, "rb", buffering=0) as handle:
         handle.seek(data_start)
-        data = handle.read()
+        got = 0
+        view = memoryview(data)
+        while got < len(data):
+            n = handle.readinto(view[got:])
+            if not n:
+                raise ModelsError(f"{path}: short read")
+            got += n
     torch = _torch()
     if device.startswith("cuda") and torch is not None:
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        flat = torch.frombuffer(data, dtype=torch.uint8).to(device)
         torch.cuda.synchronize(flat.device)
         tensors = {i.name: flat[i.start:i.end].view(getattr(torch, _TORCH_DTYPES[i.dtype])).view(i.shape)
                    for i in infos}
     else:
-        flat = bytearray(data)
+        flat = data
         tensors = _host_views(flat, infos)
     return Weights(tensors, flat, len(data), time.perf_counter() - t0, device, "file", 1)
 
@@ -413,6 +420,12 @@ class _CudaDriver:
         ptr = ctypes.c_uint64()
         self._check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(max(1, nbytes))), "cuMemAlloc")
         return int(ptr.value)
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)),
+                    "cuMemGetAddressRange")
+        return int(base.value), int(size.value)
 
     def export(self, ptr: int) -> bytes:
         handle = (ctypes.c_char * 64)()
@@ -451,6 +464,7 @@ class _Shared:
     flat: Any  # uint8 tensor (cuda) or memoryview/numpy (memfd)
     handle: bytes = b""  # cuda-ipc: the 64-byte handle
     fd: int = -1  # memfd: the file descriptor (holder and mapper)
+    offset: int = 0  # cuda-ipc: where the buffer starts in the exported segment
     keep: list[Any] = field(default_factory=list)  # objects that must outlive the mapping
 
 
@@ -458,20 +472,22 @@ def _alloc_shared(nbytes: int, device: str) -> _Shared:
     if device.startswith("cuda"):
         torch = _torch()
         assert torch is not None
+        # Through torch's allocator (and so through the shim, which counts it against this instance's
+        # memory cap); the handle covers the allocation's whole segment, the offset finds the buffer in it.
+        flat = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)[:nbytes]
         driver = _driver()
         torch.cuda.synchronize()  # makes torch's context current in this thread
         driver.ensure_context(torch.cuda.current_device())
-        ptr = driver.alloc(nbytes)
-        buf = _DeviceBuffer(ptr, nbytes, readonly=False)
-        flat = torch.as_tensor(buf, device=device)
-        return _Shared("cuda-ipc", nbytes, flat, handle=driver.export(ptr), keep=[buf])
+        base, _size = driver.address_range(flat.data_ptr())
+        handle = driver.export(base)
+        return _Shared("cuda-ipc", nbytes, flat, handle=handle, offset=flat.data_ptr() - base)
     fd = os.memfd_create("dilu-model", os.MFD_CLOEXEC)
     os.ftruncate(fd, max(1, nbytes))
     mem = mmap.mmap(fd, max(1, nbytes), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     return _Shared("memfd", nbytes, memoryview(mem)[:nbytes], fd=fd, keep=[mem])
 
 
-def _map_shared(kind: str, nbytes: int, handle: bytes, fd: int, device: str) -> _Shared:
+def _map_shared(kind: str, nbytes: int, handle: bytes, fd: int, device: str, offset: int = 0) -> _Shared:
     if kind == "cuda-ipc":
         torch = _torch()
         if torch is None or not device.startswith("cuda"):
@@ -479,9 +495,10 @@ def _map_shared(kind: str, nbytes: int, handle: bytes, fd: int, device: str) -> 
         driver = _driver()
         torch.cuda.synchronize()
         driver.ensure_context(torch.cuda.current_device())
-        ptr = driver.open(handle)
+        ptr = driver.open(handle) + offset
         buf = _DeviceBuffer(ptr, nbytes, readonly=True)
-        return _Shared(kind, nbytes, torch.as_tensor(buf, device=device), handle=handle, keep=[buf])
+        return _Shared(kind, nbytes, torch.as_tensor(buf, device=device), handle=handle, keep=[buf],
+                       offset=offset)
     if kind == "memfd":
         if os.fstat(fd).st_size < nbytes:
             raise ModelsError("the shared memory is smaller than its layout says")
@@ -557,7 +574,7 @@ class Holder:
                 self.refused += 1
                 conn.close()
                 return
-            body = json.dumps({"kind": self.shared.kind, "nbytes": self.shared.nbytes,
+            body = json.dumps({"kind": self.shared.kind, "nbytes": self.shared.nbytes, "offset": self.shared.offset,
                                "handle": self.shared.handle.hex(), "layout": self.layout}).encode()
             msg = _proof(self.key, b"server", their_nonce) + struct.pack(">I", len(body)) + body
             if self.shared.kind == "memfd":
@@ -704,7 +721,7 @@ def _load_new(name: str, loader: Callable[[], Any] | str, device: str, key: byte
     else:
         try:
             shared = _map_shared(layout_info["kind"], int(layout_info["nbytes"]), bytes.fromhex(
-                layout_info["handle"]), fd, device)
+                layout_info["handle"]), fd, device, int(layout_info.get("offset", 0)))
             value = _materialize(loader, layout_info["layout"], shared.flat, device)
         except (ModelsError, OSError) as exc:
             link.close()

@@ -117,7 +117,7 @@ def instances():
 
 
 def test_second_instance_maps_the_holders_memory(tmp_path: Path, instances) -> None:
-    path, tensors = _weights(tmp_path)
+    path, _ = _weights(tmp_path)
     first = instances(path, "key-of-fn-a")
     a = first.state()
     assert a["role"] == "holder"
@@ -201,3 +201,10 @@ def test_derived_keys_differ_per_function_and_revision() -> None:
     assert a == models.derive_key(secret, "ns", "a", "1")
     assert len({a, models.derive_key(secret, "ns", "b", "1"), models.derive_key(secret, "ns", "a", "2"),
                 models.derive_key(b"t" * 32, "ns", "a", "1")}) == 4
+
+
+def test_the_invokers_key_is_the_one_the_runtime_expects() -> None:
+    from dilu_invoker.invoker.dataplane.runtime_client import MODELS_KEY_ENV, models_key
+
+    assert MODELS_KEY_ENV == models.ENV_KEY
+    assert models_key(b"k" * 32, "guest", "fn", "3") == models.derive_key(b"k" * 32, "guest", "fn", "3")
