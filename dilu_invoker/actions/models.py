@@ -220,11 +220,11 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 
 def default_threads() -> int:
-    return max(2, min(16, os.cpu_count() or 2))
+    return max(2, min(8, os.cpu_count() or 2))
 
 
 def read_weights(path: str, *, device: str | None = None, threads: int | None = None,
-                 chunk_bytes: int = 64 << 20, host_cache: bool = False, out: Any = None) -> Weights:
+                 chunk_bytes: int = 32 << 20, host_cache: bool = False, out: Any = None) -> Weights:
     """Read a safetensors file with parallel reads; on CUDA through pinned buffers and async copies.
 
     ``out``: an existing flat uint8 buffer (device or host) of at least the data size to fill (the shared
