@@ -135,7 +135,7 @@ def save_file(path: str, tensors: dict[str, Any], *, chunk_bytes: int = 256 << 2
         for _, arr in arrays:
             flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
             for i in range(0, flat.size, chunk_bytes):
-                out.write(memoryview(flat[i:i + chunk_bytes]))
+                out.write(flat[i:i + chunk_bytes].data)
     return 8 + len(header) + offset
 
 
@@ -428,22 +428,26 @@ class _CudaDriver:
         return int(base.value), int(size.value)
 
     def export(self, ptr: int) -> bytes:
-        handle = (ctypes.c_char * 64)()
-        self._check(self.lib.cuIpcGetMemHandle(handle, ctypes.c_uint64(ptr)), "cuIpcGetMemHandle")
-        return bytes(handle)
+        handle = _IpcHandle()
+        self._check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(ptr)), "cuIpcGetMemHandle")
+        return ctypes.string_at(ctypes.addressof(handle), 64)  # all 64 bytes (.reserved stops at a NUL)
 
     def open(self, handle: bytes) -> int:
         if len(handle) != 64:
             raise ModelsError("a CUDA IPC handle has 64 bytes")
         ptr = ctypes.c_uint64()
-        raw = (ctypes.c_char * 64).from_buffer_copy(handle)
-        self.lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_char * 64,
-                                                   ctypes.c_uint]
-        self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, 1), "cuIpcOpenMemHandle")
+        fn = self.lib.cuIpcOpenMemHandle_v2
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]  # the handle by value
+        raw = _IpcHandle.from_buffer_copy(handle)
+        self._check(fn(ctypes.byref(ptr), raw, 1), "cuIpcOpenMemHandle")  # 1: lazy peer access
         return int(ptr.value)
 
     def close(self, ptr: int) -> None:
         self._check(self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
 class _DeviceBuffer:

@@ -35,13 +35,13 @@ from dilu_invoker.invoker.dataplane.container import ContainerProxy, Output, Poo
 from dilu_invoker.invoker.dataplane.metrics import InvokerMetrics
 from dilu_invoker.invoker.dataplane.pool import ContainerPool, NoContainer
 from dilu_invoker.invoker.dataplane.runtime_client import (
+    MODELS_KEY_ENV,
     ActivationContext,
     ActivationLogReader,
     ActivationLogs,
     LogCollection,
     RuntimeClient,
     RuntimeOutcome,
-    MODELS_KEY_ENV,
     build_init_body,
     build_run_body,
     models_key,
