@@ -399,18 +399,37 @@ class Stack:
         return [line for line in (await self.metrics_text()).splitlines()
                 if "preload" in line and not line.startswith("#")]
 
-    async def wait_preloaded(self, seconds: float) -> dict[str, Any]:
-        """Until a pre-load gauge reads ready/idle ≥ 1 (the first such metric line), at most ``seconds``."""
+    async def wait_preloaded(self, least: float, most: float) -> dict[str, Any]:
+        """At least ``least`` s (importing torch in a pre-loaded process takes seconds), then until a
+        pre-loading gauge (not a counter, hit/miss or budget) is positive and unchanged for 1 s, at most
+        ``most`` s in all."""
         t = time.perf_counter()
         seen: list[str] = []
-        while time.perf_counter() - t < seconds:
+        last: tuple[str, ...] | None = None
+        stable_since = 0.0
+        while time.perf_counter() - t < most:
             seen = await self.preload_lines()
-            ready = [ln for ln in seen if any(w in ln for w in ("idle", "ready", "available"))
-                     and not ln.split()[-1].startswith(("0", "-"))]
-            if ready:
-                return {"waited_s": rnd(time.perf_counter() - t), "ready_line": ready[0]}
+            gauges = tuple(ln for ln in seen if not any(w in ln.split()[0] for w in ("_total", "_created", "hit",
+                                                                                      "miss", "budget")))
+            positive = [ln for ln in gauges if _value(ln) > 0]
+            now = time.perf_counter() - t
+            ready = [ln for ln in positive if ln.startswith("dilu_invoker_preload_containers")
+                     and 'state="ready"' in ln and "gpu" in ln]
+            if ready and now >= least:
+                return {"waited_s": rnd(now), "ready": ready}
+            if gauges != last:
+                last, stable_since = gauges, now
+            if positive and now >= least and now - stable_since >= 1.0:
+                return {"waited_s": rnd(now), "ready": list(positive)[:5]}
             await asyncio.sleep(0.25)
-        return {"waited_s": rnd(time.perf_counter() - t), "ready_line": None, "preload_lines": seen[:20]}
+        return {"waited_s": rnd(time.perf_counter() - t), "ready": None, "preload_lines": seen[:20]}
+
+
+def _value(line: str) -> float:
+    try:
+        return float(line.split()[-1])
+    except (ValueError, IndexError):
+        return 0.0
 
 
 def preload_flags(args: argparse.Namespace, has_flag: bool) -> list[str]:
@@ -438,8 +457,9 @@ async def step_cold(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             await st.create(n, MODEL_CODE)
         for i, n in enumerate(names):
             if args.preload and has:
-                res.setdefault("preload_wait", []).append(await st.wait_preloaded(args.preload_wait_s if i == 0
-                                                                                  else args.refill_wait_s))
+                least = args.preload_min_wait_s if i == 0 else args.refill_min_wait_s
+                most = args.preload_wait_s if i == 0 else args.refill_wait_s
+                res.setdefault("preload_wait", []).append(await st.wait_preloaded(least, most))
             r = await st.invoke(n, {"model": args.model, "batch": 8, **dry})
             res["cold"].append(r)
             save(args.out, args.name, res)
@@ -529,18 +549,30 @@ t = time.perf_counter()
 torch.empty(1, device="cuda"); torch.cuda.synchronize()
 ctx = time.perf_counter() - t
 before = torch.cuda.mem_get_info()[0]
-w = models.load("ipc", sys.argv[1], device="cuda")
-m = models.info("ipc")
-probe = next(iter(w.values()))
+if sys.argv[1] == "module":
+    def build():
+        import torchvision
+        return torchvision.models.resnet50(weights=None).half().eval()
+    net = models.load("ipc-module", build, device="cuda")
+    m = models.info("ipc-module")
+    with torch.inference_mode():
+        y = net(torch.ones(2, 3, 224, 224, dtype=torch.half, device="cuda"))
+    check = float(y.float().sum())
+else:
+    w = models.load("ipc", sys.argv[2], device="cuda")
+    m = models.info("ipc")
+    check = float(next(iter(w.values())).reshape(-1)[:1024].float().sum())
+torch.cuda.synchronize()
 print(json.dumps({"role": m.role, "reason": m.reason, "load_s": m.seconds, "context_s": ctx, "pid": os.getpid(),
-                  "free_drop_mib": (before - torch.cuda.mem_get_info()[0]) / 2**20,
-                  "check": float(probe.reshape(-1)[:1024].float().sum())}), flush=True)
+                  "gib": m.nbytes / 2**30, "free_drop_mib": (before - torch.cuda.mem_get_info()[0]) / 2**20,
+                  "check": check}), flush=True)
 sys.stdin.readline()
 '''
 
 
 async def step_ipc(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Two processes of one uid outside the product: the first holds, the second maps."""
+    """Two processes of one uid outside the product: the first holds, the second maps (a 1 GiB file, then
+    ResNet-50 as an nn.Module built on ``meta`` by the second)."""
     res: dict[str, Any] = {"step": "ipc"}
     if args.dry_run:
         try:
@@ -549,23 +581,24 @@ async def step_ipc(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             return {"step": "ipc", "skipped": "no torch (dry run)"}
     wf = make_weights_file(work / "ipc.safetensors", args.ipc_gib, args.dry_run)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = []
-    try:
-        res["gpu_before"] = gpu_memory()
-        for label in ("first", "second"):
-            p = subprocess.Popen([sys.executable, "-c", IPC_CHILD, wf["path"]], env=env, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
-            procs.append(p)
-            assert p.stdout is not None
-            line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 60)
-            res[label] = json.loads(line) if line else {"error": f"exit {p.poll()}"}
-            res[f"gpu_after_{label}"] = gpu_memory()
-            save(args.out, args.name, res)
-    finally:
-        for p in procs:
-            with contextlib.suppress(OSError):
-                p.kill()
-            p.wait()
+    for case in ("file", "module"):
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            res[f"{case}_gpu_before"] = gpu_memory()
+            for label in ("first", "second"):
+                p = subprocess.Popen([sys.executable, "-c", IPC_CHILD, case, wf["path"]], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                procs.append(p)
+                assert p.stdout is not None
+                line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 60)
+                res[f"{case}_{label}"] = json.loads(line) if line else {"error": f"exit {p.poll()}"}
+                res[f"{case}_gpu_after_{label}"] = gpu_memory()
+                save(args.out, args.name, res)
+        finally:
+            for p in procs:
+                with contextlib.suppress(OSError):
+                    p.kill()
+                p.wait()
     return res
 
 
@@ -709,12 +742,13 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
     ipc = data.get("ipc")
     if ipc and not ipc.get("skipped"):
         out += ["", "## The same exchange outside the product (two processes of one uid)", ""]
-        for label in ("first", "second"):
-            if ipc.get(label):
-                out.append(f"* {label}: {json.dumps(ipc[label])}")
-        for label in ("gpu_before", "gpu_after_first", "gpu_after_second"):
-            if ipc.get(label):
-                out.append(f"* {label}: {ipc[label]['used_mib']:.0f} MiB used")
+        for case in ("file", "module"):
+            for label in ("first", "second"):
+                if ipc.get(f"{case}_{label}"):
+                    out.append(f"* {case}, {label}: {json.dumps(ipc[f'{case}_{label}'])}")
+            for label in ("gpu_before", "gpu_after_first", "gpu_after_second"):
+                if ipc.get(f"{case}_{label}"):
+                    out.append(f"* {case}, {label}: {ipc[f'{case}_{label}']['used_mib']:.0f} MiB used")
         if not ipc.get("ok"):
             out.append(f"\nThe step stopped early: {ipc.get('error')}")
     return "\n".join(out) + "\n"
@@ -731,6 +765,8 @@ def main() -> int:
     s.add_argument("--preload", type=int, default=0)
     s.add_argument("--preload-wait-s", type=float, default=40.0)
     s.add_argument("--refill-wait-s", type=float, default=15.0)
+    s.add_argument("--preload-min-wait-s", type=float, default=8.0)
+    s.add_argument("--refill-min-wait-s", type=float, default=5.0)
     s.add_argument("--count", type=int, default=3)
     s.add_argument("--warm", type=int, default=20)
     s.add_argument("--weights-file", default="/var/tmp/dilu-coldstart/weights-7b.safetensors")

@@ -45,6 +45,7 @@ import socket
 import struct
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -453,9 +454,10 @@ class _IpcHandle(ctypes.Structure):
 class _DeviceBuffer:
     """A raw device allocation as a CUDA array (``torch.as_tensor`` wraps it without copying)."""
 
-    def __init__(self, ptr: int, nbytes: int, readonly: bool) -> None:
+    def __init__(self, ptr: int, nbytes: int) -> None:
         self.ptr, self.nbytes = ptr, nbytes
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, readonly),
+        # torch refuses the read-only flag; a mapper's tensors are read-only by contract, not by the flag
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None}
 
 
@@ -500,7 +502,7 @@ def _map_shared(kind: str, nbytes: int, handle: bytes, fd: int, device: str, off
         torch.cuda.synchronize()
         driver.ensure_context(torch.cuda.current_device())
         ptr = driver.open(handle) + offset
-        buf = _DeviceBuffer(ptr, nbytes, readonly=True)
+        buf = _DeviceBuffer(ptr, nbytes)
         return _Shared(kind, nbytes, torch.as_tensor(buf, device=device), handle=handle, keep=[buf],
                        offset=offset)
     if kind == "memfd":
@@ -875,6 +877,10 @@ def _torch_view(flat: Any, slot: list[Any]) -> Any:
     torch = _torch()
     assert torch is not None
     dtype, shape, off, nbytes = slot
+    if not isinstance(flat, torch.Tensor):  # a memfd mapping (CPU sharing)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a mapper's mapping is read-only
+            flat = torch.frombuffer(flat, dtype=torch.uint8) if len(flat) else torch.empty(0, dtype=torch.uint8)
     tdt = getattr(torch, dtype if dtype in _TORCH_DTYPES.values() else _TORCH_DTYPES[dtype])
     return flat[off:off + nbytes].view(tdt).view(tuple(shape))
 
