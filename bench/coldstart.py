@@ -354,7 +354,7 @@ class Stack:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                await asyncio.to_thread(self.proc.wait, 20)
+                await asyncio.to_thread(self.proc.wait, 8)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 await asyncio.to_thread(self.proc.wait, 10)
@@ -435,7 +435,7 @@ def _value(line: str) -> float:
 def preload_flags(args: argparse.Namespace, has_flag: bool) -> list[str]:
     if not has_flag:
         return []
-    return ["--preload", str(args.preload)]
+    return ["--preload", str(args.preload), *(args.extra.split() if args.preload else [])]
 
 
 # -- steps ---------------------------------------------------------------------------------------------------
@@ -766,6 +766,7 @@ def main() -> int:
     s.add_argument("--preload-wait-s", type=float, default=40.0)
     s.add_argument("--refill-wait-s", type=float, default=15.0)
     s.add_argument("--preload-min-wait-s", type=float, default=8.0)
+    s.add_argument("--extra", default="", help="more standalone flags where pre-loading is on")
     s.add_argument("--refill-min-wait-s", type=float, default=5.0)
     s.add_argument("--count", type=int, default=3)
     s.add_argument("--warm", type=int, default=20)
