@@ -542,7 +542,9 @@ async def step_share(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 IPC_CHILD = r'''
 import json, os, sys, time
+t0 = time.perf_counter()
 import torch
+print(f"torch imported in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
 from dilu_invoker.actions import models
 os.environ[models.ENV_KEY] = "bench-ipc-key"
 t = time.perf_counter()
@@ -563,6 +565,7 @@ else:
     m = models.info("ipc")
     check = float(next(iter(w.values())).reshape(-1)[:1024].float().sum())
 torch.cuda.synchronize()
+print(f"loaded ({m.role}) after {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
 print(json.dumps({"role": m.role, "reason": m.reason, "load_s": m.seconds, "context_s": ctx, "pid": os.getpid(),
                   "gib": m.nbytes / 2**30, "free_drop_mib": (before - torch.cuda.mem_get_info()[0]) / 2**20,
                   "check": check}), flush=True)
@@ -586,8 +589,9 @@ async def step_ipc(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         try:
             res[f"{case}_gpu_before"] = gpu_memory()
             for label in ("first", "second"):
-                p = subprocess.Popen([sys.executable, "-c", IPC_CHILD, case, wf["path"]], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                with open(args.out / f"{args.name}_{case}_{label}.stderr", "w") as err:
+                    p = subprocess.Popen([sys.executable, "-c", IPC_CHILD, case, wf["path"]], env=env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
                 procs.append(p)
                 assert p.stdout is not None
                 line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 60)
