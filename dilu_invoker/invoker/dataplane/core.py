@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -34,6 +35,7 @@ from dilu_invoker.invoker.dataplane.container import ContainerProxy, Output, Poo
 from dilu_invoker.invoker.dataplane.metrics import InvokerMetrics
 from dilu_invoker.invoker.dataplane.pool import ContainerPool, NoContainer
 from dilu_invoker.invoker.dataplane.runtime_client import (
+    MODELS_KEY_ENV,
     ActivationContext,
     ActivationLogReader,
     ActivationLogs,
@@ -42,6 +44,7 @@ from dilu_invoker.invoker.dataplane.runtime_client import (
     RuntimeOutcome,
     build_init_body,
     build_run_body,
+    models_key,
 )
 from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
 from dilu_invoker.logs import bind_activation, clear_activation
@@ -101,6 +104,7 @@ class Invoker:
         self._enabled = True
         self._enabled_callbacks: list[Callable[[bool], None]] = []
         self._cpu_fallback_logged = False
+        self._models_secret = secrets.token_bytes(32)  # per invoker: derives each function's models key
         ic = cfg.invoker
         self.pool = ContainerPool(
             user_memory_mb=ic.user_memory_mb,
@@ -301,6 +305,8 @@ class Invoker:
         context = self._context(req)
         init_env = {k: v for k, v in (req.content or {}).items() if k in req.init_args} \
             if isinstance(req.content, dict) else {}
+        init_env[MODELS_KEY_ENV] = models_key(self._models_secret, action.namespace, action.name,
+                                              action.revision or action.version)
         body = build_init_body(name=action.name, code=action.exec.code, binary=action.exec.binary,
                                main=action.exec.main, env=init_env, context=context)
         outcome = await client.init(body, action.limits.timeout_ms / 1000)

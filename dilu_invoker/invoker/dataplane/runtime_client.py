@@ -13,6 +13,8 @@ Three parts:
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -106,6 +108,16 @@ def env_string(value: Any) -> str:
     if value is None:
         return ""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+#: the init env entry holding a function's models key (dilu_invoker/actions/models.py, docs/runtime.md "models")
+MODELS_KEY_ENV = "DILU_MODELS_KEY"
+
+
+def models_key(secret: bytes, namespace: str, action: str, revision: str) -> str:
+    """The key every instance of one function (namespace/action@revision) gets at /init: instances holding
+    it may share read-only weights; other functions' instances cannot derive it (the secret is the invoker's)."""
+    return hmac.new(secret, f"{namespace}\0{action}\0{revision}".encode(), hashlib.sha256).hexdigest()
 
 
 def build_init_body(
