@@ -294,7 +294,12 @@ class Sandbox:
         return self.uid is not None
 
     def env(self) -> dict[str, str]:
-        return {"HOME": str(self.dir), "TMPDIR": str(self.dir), MARKER_ENV: self.marker}
+        env = {"HOME": str(self.dir), "TMPDIR": str(self.dir), MARKER_ENV: self.marker}
+        if self.uid is not None:
+            # A leased uid has no passwd entry: getpass.getuser() (torch's and triton's cache paths ask it)
+            # reads these before it falls back to getpwuid(), which would fail.
+            env["USER"] = env["LOGNAME"] = f"dilu{self.uid}"
+        return env
 
     def preexec(self) -> Callable[[], None]:
         uid, gid, cgroup, plan, hide, home = self.uid, self.gid, self.cgroup, self.plan, self.hide, str(self.dir)
