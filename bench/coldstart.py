@@ -363,11 +363,16 @@ class Stack:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         self.log.close()
 
-    async def create(self, name: str, code: str, *, memory_mb: int = 8192, gpu_memory_mb: int = 16384) -> None:
+    async def create(self, name: str, code: str, *, memory_mb: int = 8192, gpu_memory_mb: int = 16384,
+                     sm_limit: float = 0.5, min_instances: int = 0) -> None:
+        """A GPU action; its SM limit is small enough that the step's actions (and a pre-loaded container's
+        placeholder share) fit on one GPU together (Σ limit ≤ γ 1.5), else the later ones are refused."""
         assert self.session is not None
-        body = {"exec": {"kind": "python:3-gpu", "code": code},
-                "annotations": [{"key": "gpu-class", "value": "inference"}, {"key": "gpu-sm-request", "value": 0.5},
-                                {"key": "gpu-sm-limit", "value": 1.0}, {"key": "gpu-memory-mb", "value": gpu_memory_mb}],
+        annotations = [{"key": "gpu-class", "value": "inference"}, {"key": "gpu-sm-request", "value": sm_limit / 2},
+                       {"key": "gpu-sm-limit", "value": sm_limit}, {"key": "gpu-memory-mb", "value": gpu_memory_mb}]
+        if min_instances:
+            annotations.append({"key": "min-instances", "value": min_instances})
+        body = {"exec": {"kind": "python:3-gpu", "code": code}, "annotations": annotations,
                 "limits": {"timeout": 300000, "memory": memory_mb}}
         async with self.session.put(f"{self.api}/{name}?overwrite=true", headers=self.auth, json=body) as r:
             if r.status != 200:
@@ -453,8 +458,11 @@ async def step_cold(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         res["standalone_start_s"] = rnd(st.started_s)
         res["command"] = " ".join(st.command()[1:])
         names = [f"{args.model}-{i}" for i in range(args.count)]
+        # every action and the pre-loaded placeholder (limit 0.5) on one GPU: Σ limit ≤ γ 1.5
+        sm_limit = round(min(1.0, (1.5 - (0.5 if args.preload else 0.0)) / len(names)) - 0.005, 2)
+        res["sm_limit"] = sm_limit
         for n in names:
-            await st.create(n, MODEL_CODE)
+            await st.create(n, MODEL_CODE, sm_limit=sm_limit)
         for i, n in enumerate(names):
             if args.preload and has:
                 least = args.preload_min_wait_s if i == 0 else args.refill_min_wait_s
@@ -487,6 +495,8 @@ async def step_weights(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         gmem = int(args.weights_gib * 1024 * 1.2) + 2048
         await st.create("w-plain", WEIGHTS_CODE, memory_mb=mem, gpu_memory_mb=gmem)
         await st.create("w-fast", WEIGHTS_CODE, memory_mb=mem, gpu_memory_mb=gmem)
+        # a cold read in a process of its own: w-fast's process keeps the pinned host cache it filled
+        await st.create("w-cold", WEIGHTS_CODE, memory_mb=mem, gpu_memory_mb=gmem)
 
         async def run(label: str, action: str, params: dict[str, Any]) -> None:
             r = await st.invoke(action, {"path": path, **params})
@@ -504,7 +514,7 @@ async def step_weights(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         await run("fast, pinned host cache", "w-fast", {"how": "hostcache"})
         await run("fast, pinned host cache, again", "w-fast", {"how": "hostcache"})
         res["drop_fast"] = drop_cache(path)
-        await run("fast, cold read (page cache dropped)", "w-fast", {"how": "fast"})
+        await run("fast, cold read (page cache dropped)", "w-cold", {"how": "fast"})
         res["drop_plain"] = drop_cache(path)
         await run("plain, cold read (page cache dropped)", "w-plain", {"how": "plain"})
     return res
@@ -519,20 +529,26 @@ async def step_share(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         res["command"] = " ".join(st.command()[1:])
         res["gpu_before"] = gpu_memory()
         gmem = int(args.weights_gib * 1024 * 1.2) + 2048
-        await st.create("shared", SHARE_CODE, memory_mb=8192, gpu_memory_mb=gmem)
+        # min-instances 2: the balancer keeps two instances of the function, both on the one GPU
+        await st.create("shared", SHARE_CODE, memory_mb=8192, gpu_memory_mb=gmem, min_instances=2)
         res["first"] = await st.invoke("shared", {"path": wf["path"]})
         await asyncio.sleep(0.5)
         res["gpu_after_first"] = gpu_memory()
         save(args.out, args.name, res)
-        # The first instance is kept busy; the second request needs a second instance on the same GPU.
-        busy = asyncio.create_task(st.invoke("shared", {"path": wf["path"], "hold_s": args.hold_s}))
-        await asyncio.sleep(0.5)
-        res["second"] = await st.invoke("shared", {"path": wf["path"], "hold_s": 2.0})
+        first_pid = (res["first"].get("result") or {}).get("pid")
+        # Two held invokes at once: one of them lands on the instance that has not loaded yet.
+        for _attempt in range(3):
+            both = await asyncio.gather(*(st.invoke("shared", {"path": wf["path"], "hold_s": args.hold_s})
+                                          for _ in range(2)))
+            other = [r for r in both if (r.get("result") or {}).get("pid") not in (None, first_pid)]
+            res.setdefault("attempts", []).append(both)
+            if other:
+                res["second"] = other[0]
+                break
         res["gpu_after_second"] = gpu_memory()
-        res["first_again"] = await busy
         save(args.out, args.name, res)
     b, a1, a2 = res["gpu_before"], res["gpu_after_first"], res["gpu_after_second"]
-    if b and a1 and a2:
+    if b and a1 and a2 and res.get("second"):
         weights_mib = wf["bytes"] / 2**20
         res["summary"] = {"weights_mib": rnd(weights_mib, 1), "first_added_mib": a1["used_mib"] - b["used_mib"],
                           "second_added_mib": a2["used_mib"] - a1["used_mib"],
@@ -687,6 +703,7 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
     out += ["## Cold invoke (client)", "",
             "| step | model | pre-loading | cold invokes (ms) | median | warm median (ms) | in-action stages of the first cold (s) |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
+    failures: list[str] = []
     for name, d in data.items():
         if d.get("step") != "cold":
             continue
@@ -708,6 +725,12 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
         statuses = ", ".join(f"{c['client_ms']:.0f}" if c["status"] == 200 else f"{c['status']}" for c in cold)
         out.append(f"| {name} | {d.get('model')} | {pre} | {statuses} | {fmt(s.get('cold_median_ms'), 0)} | "
                    f"{fmt(s.get('warm_median_ms'), 2)} | {json.dumps(stages)} |")
+        for c in cold:
+            if c["status"] != 200:
+                err = (c.get("result") or {}).get("error", c.get("result"))
+                failures.append(f"* {name}: HTTP {c['status']}: {str(err)[:300]}")
+    if failures:
+        out += ["", "Cold invokes that did not answer 200:", "", *failures]
     w = data.get("weights")
     if w:
         f = w.get("file") or {}
@@ -718,14 +741,17 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
                 "| run | client (ms) | load (s) | GiB/s | source | threads |", "| --- | --- | --- | --- | --- | --- |"]
         for r in w.get("runs", []):
             res = r.get("result") or {}
+            source = res.get("source", res.get("error", r["status"]))
+            if "cold read" in r["label"] and res.get("source") not in (None, "file"):
+                source = f"{source} (NOT a cold read: served from the process's pinned host cache)"
             out.append(f"| {r['label']} | {fmt(r['client_ms'], 0)} | {fmt(res.get('seconds'), 3)} | "
-                       f"{fmt(res.get('gib_s'), 1)} | {res.get('source', res.get('error', r['status']))} | "
-                       f"{res.get('threads', '')} |")
+                       f"{fmt(res.get('gib_s'), 1)} | {source} | {res.get('threads', '')} |")
         if not w.get("ok"):
             out.append(f"\nThe step stopped early: {w.get('error')}")
     sh = data.get("share")
     if sh:
         out += ["", "## A second instance with shared weights", ""]
+        pids = {label: ((sh.get(label) or {}).get("result") or {}).get("pid") for label in ("first", "second", "first_again")}
         for label in ("first", "second", "first_again"):
             r = sh.get(label)
             if r:
@@ -736,7 +762,11 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
         for label in ("gpu_before", "gpu_after_first", "gpu_after_second"):
             if sh.get(label):
                 out.append(f"* {label}: {sh[label]['used_mib']:.0f} MiB used; per process {sh[label]['processes_mib']}")
-        if sh.get("summary"):
+        if pids["first"] is not None and pids["first"] in (pids["second"], pids["first_again"]) \
+                and pids["second"] in (None, pids["first"]):
+            out.append(f"\n**Not measured**: every invoke ran in the first instance's process (pid {pids['first']}): "
+                       "no second instance of the function was started, so nothing was shared.")
+        elif sh.get("summary"):
             s = sh["summary"]
             out.append(f"\n**Second instance added {s['second_added_mib']:.0f} MiB = "
                        f"{100 * s['second_added_fraction_of_weights']:.1f}% of the weights' {s['weights_mib']:.0f} MiB** "
@@ -753,6 +783,13 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
             for label in ("gpu_before", "gpu_after_first", "gpu_after_second"):
                 if ipc.get(f"{case}_{label}"):
                     out.append(f"* {case}, {label}: {ipc[f'{case}_{label}']['used_mib']:.0f} MiB used")
+            first, second = ipc.get(f"{case}_first") or {}, ipc.get(f"{case}_second") or {}
+            a1, a2 = ipc.get(f"{case}_gpu_after_first") or {}, ipc.get(f"{case}_gpu_after_second") or {}
+            if second.get("role") == "mapped" and a1 and a2 and first.get("gib"):
+                own = (a2.get("processes_mib") or {}).get(str(second.get("pid")))
+                out.append(f"* {case}: the second process mapped {first['gib'] * 1024:.0f} MiB of weights and added "
+                           f"{a2['used_mib'] - a1['used_mib']:.0f} MiB of GPU memory in all (its own: {fmt(own, 0)} MiB, "
+                           "which is its CUDA context and workspace; a copy would have added the weights' size too)")
         if not ipc.get("ok"):
             out.append(f"\nThe step stopped early: {ipc.get('error')}")
     return "\n".join(out) + "\n"
@@ -787,6 +824,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.cmd == "report":
         text = report(load_data(args.data), args.command)
+        reading = args.data / "READING.md"  # a person's reading of the run, kept beside its raw data
+        if reading.exists():
+            text += "\n## Reading this run\n\n" + reading.read_text()
         if args.report:
             args.report.write_text(text)
         else:
