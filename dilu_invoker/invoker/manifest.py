@@ -2,7 +2,9 @@
 
 Format: OpenWhisk's ``ExecManifest`` (``{"runtimes": {family: [runtime, …]}, "blackboxes": [image, …]}``).
 A runtime is a GPU kind when it says ``"gpu": true`` or its kind ends in ``-gpu`` (the controller ignores
-fields it does not know, so the same file serves both).
+fields it does not know, so the same file serves both). A runtime's optional ``"preload"`` list names the
+modules the invoker's pre-loaded containers of that kind import ahead of any request (docs/invoker.md,
+"Pre-loaded containers"); a kind without the key gets no pre-loaded containers.
 """
 
 from __future__ import annotations
@@ -48,6 +50,20 @@ class RuntimeKind:
     require_main: bool = False
     sentinelled_logs: bool = True
     gpu: bool = False
+    #: modules pre-loaded containers of this kind import ahead (None: the kind is not pre-loaded)
+    preload: tuple[str, ...] | None = None
+
+
+def _preload_list(m: Mapping[str, Any]) -> tuple[str, ...] | None:
+    raw = m.get("preload")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(x, str) and x for x in raw):
+        raise ManifestError(f"runtime '{m.get('kind')}': 'preload' must be a list of module names")
+    bad = [x for x in raw if not all(part.isidentifier() for part in x.split("."))]
+    if bad:
+        raise ManifestError(f"runtime '{m.get('kind')}': 'preload' has names that are not modules: {bad}")
+    return tuple(raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +112,7 @@ class Manifest:
                         require_main=bool(m.get("requireMain", False)),
                         sentinelled_logs=bool(m.get("sentinelledLogs", True)),
                         gpu=bool(m.get("gpu", kind.endswith("-gpu"))),
+                        preload=_preload_list(m),
                     )
             blackboxes = tuple(ImageName.from_json(b) for b in obj.get("blackboxes", ()))
         except (KeyError, TypeError, AttributeError) as exc:
