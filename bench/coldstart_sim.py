@@ -21,14 +21,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dilu_invoker.sim.profiles import load_profiles  # noqa: E402
-from dilu_invoker.sim.serving import (  # noqa: E402
+from dilu_invoker.sim.profiles import load_profiles
+from dilu_invoker.sim.serving import (
     MEASURED_COLD_START_S,
     MEASURED_PRELOADED_START_S,
     ServingSimConfig,
     simulate_serving,
 )
-from dilu_invoker.sim.traces import FunctionTrace, ServingTrace, load_trace  # noqa: E402
+from dilu_invoker.sim.traces import FunctionTrace, ServingTrace, load_trace
 
 TRACE = "examples/serving/azure-day.jsonl.gz"
 PROFILES = "examples/profiles.json"
