@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import types
 from collections.abc import AsyncIterator
@@ -202,3 +204,20 @@ def test_worker_preload_tolerates_missing_modules_and_reports_cuda_errors(monkey
     monkeypatch.setitem(sys.modules, "torch", fake)
     info = worker.preload([], cuda=True)
     assert info["cuda"] is False and "no CUDA-capable device" in info["cuda_error"]
+
+
+async def test_a_crashed_preloaded_container_is_discarded_and_a_plain_start_follows(invoker: Invoker) -> None:
+    await _ready(invoker)
+    assert invoker.preload is not None
+    (standby,) = invoker.preload.standbys["python:3"]
+    assert standby.container is not None
+    os.killpg(standby.container.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    for _ in range(100):
+        if not standby.container.alive:
+            break
+        await asyncio.sleep(0.02)
+    result = await invoker.run(_req(_action(SEES_PRELOAD, "after-crash")))
+    assert result.response.result == {"pre": False} and result.annotation("preloaded") is None
+    assert _metric(invoker, "dilu_invoker_preload_discarded_total", kind="python:3",
+                   reason="failed while handed over") == 1
+    await _ready(invoker)  # and the kind is refilled

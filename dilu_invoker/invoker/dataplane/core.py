@@ -143,6 +143,7 @@ class Invoker:
                 name_prefix=f"{ic.container_prefix}{self.instance_id}",
                 attach_gpu=self._attach_preload_gpu if gpu is not None else None,
                 detach_gpu=self._detach_gpu, check_importable=backend.name == "process",
+                has_gpus=bool(getattr(gpu, "has_gpus", gpu is not None)),
             )
             if pool.enabled:
                 self.preload = pool
@@ -433,13 +434,10 @@ class Invoker:
                     log.info("pre-loaded GPU container not usable for the action", action=req.action.fqn,
                              error=repr(exc))
             if not ok:
-                preload.metrics.misses.labels(runtime.kind, "GPU share does not fit").inc()
-                await taken.container.destroy()
-                if taken.gpu_key is not None:
-                    with contextlib.suppress(Exception):
-                        await self.gpu.detach(taken.gpu_key)
+                await preload.lost(runtime.kind, taken.standby, "GPU share does not fit")
                 return None
             proxy.placement = replace(proxy.placement, gpu=taken.gpu, gpu_key=taken.gpu_key)
+        preload.hit(runtime.kind)
         proxy.preloaded = True
         log.info("cold start on a pre-loaded container", container=proxy.name, kind=runtime.kind,
                  modules=list(taken.modules))

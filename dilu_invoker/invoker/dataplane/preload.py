@@ -11,7 +11,9 @@ loads the action into a fresh module; only the imported libraries were there bef
 pre-load failed (it died, or its CUDA context could not be made) is discarded, never handed out.
 
 Which kinds: those whose runtimes manifest entry has a ``"preload"`` list, when at least one module of
-the list can be imported on this node (an empty list pre-starts the interpreter and the runtime only);
+the list can be imported on this node (process backend; with the docker backend the image's libraries
+cannot be checked from the invoker, so there a GPU kind is pre-loaded only on a node with GPUs). An empty
+list pre-starts the interpreter and the runtime only;
 besides the list, up to ``--invoker-preload-learn`` installed modules that recent actions of the kind
 imported (their ``/init`` reports them) are pre-loaded too, the most frequent first.
 
@@ -102,6 +104,7 @@ class Standby:
 class Taken:
     """A pre-loaded container handed to an action's cold start."""
 
+    standby: Standby
     container: Container
     kind: str
     modules: tuple[str, ...]
@@ -129,6 +132,7 @@ class PreloadPool:
         attach_gpu: Callable[[str, RuntimeKind], Awaitable[tuple[GpuAttachment | None, int]]] | None = None,
         detach_gpu: Callable[[str], Awaitable[None]] | None = None,
         check_importable: bool = True,
+        has_gpus: bool = False,
     ) -> None:
         self.manifest = manifest
         self.backend = backend
@@ -154,6 +158,10 @@ class PreloadPool:
         if per_kind > 0:
             for kind, runtime in manifest.runtimes.items():
                 if runtime.preload is None or runtime.deprecated:
+                    continue
+                if runtime.gpu and not has_gpus and not check_importable:
+                    # An image's libraries cannot be checked from here: a GPU kind waits for a GPU node.
+                    log.info("pre-loading skipped: a GPU kind on a node without GPUs", kind=kind)
                     continue
                 usable = [m for m in runtime.preload if not check_importable or _importable(m)]
                 if runtime.preload and not usable:
@@ -314,7 +322,6 @@ class PreloadPool:
         standby = usable[0]
         self.standbys[kind].remove(standby)
         standby.state = "taken"
-        self.metrics.hits.labels(kind).inc()
         self._update_gauges()
         self._spawn_refill(kind)
         return standby
@@ -329,7 +336,7 @@ class PreloadPool:
                 await asyncio.shield(task)
         container = standby.container
         if container is None or standby.info.get("state") != "done" or not container.alive:
-            await self._destroy(standby, "failed while handed over")
+            await self.lost(standby.kind, standby, "failed while handed over")
             return None
         await standby.stop_draining()
         set_limit = getattr(container, "set_memory_limit", None)
@@ -339,10 +346,22 @@ class PreloadPool:
             except Exception as exc:  # noqa: BLE001 - the action's limit cannot be applied: not usable
                 log.warning("pre-loaded container refused the action's memory limit", container=standby.name,
                             error=repr(exc))
-                await self._destroy(standby, "memory limit not applicable")
+                await self.lost(standby.kind, standby, "memory limit not applicable")
                 return None
-        return Taken(container=container, kind=standby.kind, modules=tuple(standby.info.get("modules") or ()),
-                     gpu=standby.gpu, gpu_key=standby.gpu_key, waited_loading=waited)
+        return Taken(standby=standby, container=container, kind=standby.kind,
+                     modules=tuple(standby.info.get("modules") or ()), gpu=standby.gpu, gpu_key=standby.gpu_key,
+                     waited_loading=waited)
+
+    async def lost(self, kind: str, standby: Standby, reason: str) -> None:
+        """A taken container turned out unusable for the cold start: a miss, and it is destroyed."""
+        self.metrics.misses.labels(kind, reason).inc()
+        self.metrics.discarded.labels(kind, reason).inc()
+        log.info("pre-loaded container not usable; a plain cold start follows", container=standby.name,
+                 reason=reason)
+        await self._destroy(standby, reason)
+
+    def hit(self, kind: str) -> None:
+        self.metrics.hits.labels(kind).inc()
 
     def learn(self, kind: str, imports: Iterable[str]) -> None:
         """An action of ``kind`` imported these installed modules at /init."""
