@@ -124,7 +124,7 @@ async def test_preload_zero_turns_it_off() -> None:
     async with open_invoker(_cfg(preload=0, user_memory_mb=1024)) as inv:
         assert inv.preload is None
         result = await inv.run(_req(_action(SEES_PRELOAD, "plain")))
-        assert result.response.result == {"pre": False}
+        assert result.response.result == {"pre": False}, result.logs
         assert result.annotation("initTime") is not None and result.annotation("preloaded") is None
 
 
@@ -140,17 +140,19 @@ async def test_memory_pressure_sheds_preloaded_before_warm_containers() -> None:
         inv.add_exit_hook(exits.append)
         await _ready(inv)
         warm = await inv.run(_req(_action(PROBE, "warm", memory_mb=256)))
-        assert warm.annotation("preloaded") is True
+        assert warm.annotation("preloaded") is True and "leak" in warm.response.result, warm.logs
         # 256 MB of warm container + 256 MB for the replacement: full.
         await _ready(inv)
         warm_proxy = next(p for p in inv.pool.containers.values() if p.action.name == "warm")
-        other = await inv.run(_req(_action(PROBE, "other", memory_mb=256)))
+        # A concurrent action cannot take a pre-loaded container (its runtime is not in concurrent mode),
+        # so the pre-loaded one is released for it, not the warm container.
+        other = await inv.run(_req(_action(PROBE, "other", memory_mb=256, concurrency=2)))
         assert other.response.result["leak"] is None
-        assert other.annotation("preloaded") is None  # the pre-loaded one was released for it
+        assert other.annotation("preloaded") is None
         assert warm_proxy.state is State.READY and warm_proxy.name in inv.pool.containers
         assert _metric(inv, "dilu_invoker_preload_discarded_total", kind="python:3",
                        reason="memory needed by an action") == 1
-        assert _metric(inv, "dilu_invoker_preload_misses_total", kind="python:3", reason="none available") == 1
+        assert _metric(inv, "dilu_invoker_preload_misses_total", kind="python:3", reason="concurrent action") == 1
         assert inv.preload is not None and inv.preload.memory_in_use_mb == 0  # no room to refill
         inv.stop_instance(warm_proxy.name, "test")
         for _ in range(100):
@@ -158,6 +160,21 @@ async def test_memory_pressure_sheds_preloaded_before_warm_containers() -> None:
                 break
             await asyncio.sleep(0.05)
         assert [e.action for e in exits] == ["guest/warm"] and exits[0].reason == "test"
+
+
+async def test_a_cold_start_that_takes_the_preloaded_container_needs_no_room_for_it() -> None:
+    # 256 MB warm + 256 MB pre-loaded = the whole user memory; the next cold start of the kind takes the
+    # pre-loaded container (it becomes that container) instead of evicting anything.
+    async with open_invoker(_cfg(user_memory_mb=512, preload_memory_mb=256, idle_timeout_s=60)) as inv:
+        await _ready(inv)
+        await inv.run(_req(_action(PROBE, "warm", memory_mb=256)))
+        await _ready(inv)
+        warm_proxy = next(p for p in inv.pool.containers.values() if p.action.name == "warm")
+        second = await inv.run(_req(_action(PROBE, "second", memory_mb=256)))
+        assert second.annotation("preloaded") is True
+        assert warm_proxy.state is State.READY
+        assert _metric(inv, "dilu_invoker_preload_discarded_total", kind="python:3",
+                       reason="memory needed by an action") == 0
 
 
 async def test_learns_installed_modules_actions_import(invoker: Invoker) -> None:

@@ -110,11 +110,14 @@ class Reserve(Protocol):
     """Memory held outside the pool that counts against its user memory and is released first: the
     pre-loaded containers (``preload.PreloadPool``)."""
 
-    @property
-    def memory_in_use_mb(self) -> int: ...
+    def memory_for(self, action: Action) -> int:
+        """The memory it holds that counts beside a new container of ``action`` (one pre-loaded container
+        that this very cold start will take does not: it becomes that container)."""
+        ...
 
-    def shed(self, need_mb: int) -> int:
-        """Release at least ``need_mb`` if it can; returns what was released (MB)."""
+    def shed(self, need_mb: int, action: Action) -> int:
+        """Release at least ``need_mb`` if it can, sparing the container ``action`` would take unless
+        nothing else is left; returns what was released (MB)."""
         ...
 
 
@@ -249,10 +252,11 @@ class ContainerPool:
         in_use = self.memory_in_use_mb
         reserve = self.reserve
         if reserve is not None:
-            in_use += reserve.memory_in_use_mb
+            held = reserve.memory_for(action)
+            in_use += held
             short = in_use + memory_mb - self.user_memory_mb
-            if short > 0 and reserve.memory_in_use_mb > 0:
-                in_use -= reserve.shed(short)
+            if short > 0 and held > 0:
+                in_use -= min(held, reserve.shed(short, action))
         if not fits(in_use_mb=in_use, need_mb=memory_mb, user_memory_mb=self.user_memory_mb):
             victims = evict_for([View.of(p) for p in self.containers.values()], need_mb=memory_mb,
                                 in_use_mb=in_use, user_memory_mb=self.user_memory_mb)

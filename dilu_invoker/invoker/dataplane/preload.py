@@ -377,11 +377,25 @@ class PreloadPool:
 
     # -- shedding and removal ------------------------------------------------------------------------
 
-    def shed(self, need_mb: int) -> int:
-        """Remove pre-loaded containers (those still loading first) until ``need_mb`` is freed or none is
-        left; returns what was freed (MB). Called when an action needs the memory."""
+    def _would_take(self, action: Action) -> Standby | None:
+        runtime = self.manifest.resolve(action.exec.kind)
+        if runtime is None or runtime.kind not in self.kinds or action.limits.concurrency > 1:
+            return None
+        items = self.standbys.get(runtime.kind, [])
+        usable = [s for s in items if s.state == "ready"] or items
+        return usable[0] if usable else None
+
+    def memory_for(self, action: Action) -> int:
+        spared = self._would_take(action)
+        return self.memory_in_use_mb - (spared.memory_mb if spared is not None else 0)
+
+    def shed(self, need_mb: int, action: Action | None = None) -> int:
+        """Remove pre-loaded containers (those still loading first; never the one ``action``'s cold start
+        is about to take) until ``need_mb`` is freed or none is left; returns what was freed (MB). Called
+        when an action needs the memory."""
         freed = 0
-        candidates = sorted((s for items in self.standbys.values() for s in items),
+        spared = self._would_take(action) if action is not None else None
+        candidates = sorted((s for items in self.standbys.values() for s in items if s is not spared),
                             key=lambda s: (s.state == "ready", -s.since))
         for standby in candidates:
             if freed >= need_mb:
