@@ -100,8 +100,9 @@ class InvokerConfig:
                            "list (libraries imported, CUDA context made, ahead of any request); 0: off, "
                            "pre-warming only", flag="--preload")
     preload_memory_mb: int = _opt(256, "memory limit of a pre-loaded container until an action takes it (then "
-                                       "the action's limits.memory)")
-    preload_budget_mb: int = _opt(1024, "host memory all pre-loaded containers may hold together; they are "
+                                       "the action's limits.memory), unless its kind's manifest entry sets "
+                                       "preloadMemoryMB")
+    preload_budget_mb: int = _opt(4096, "host memory all pre-loaded containers may hold together; they are "
                                         "released first when actions need the memory")
     preload_gpu_budget_mb: int = _opt(4096, "GPU memory pre-loaded containers of GPU kinds may reserve together "
                                             "(their CUDA contexts)")

@@ -52,6 +52,9 @@ class RuntimeKind:
     gpu: bool = False
     #: modules pre-loaded containers of this kind import ahead (None: the kind is not pre-loaded)
     preload: tuple[str, ...] | None = None
+    #: memory limit of a pre-loaded container of this kind until an action takes it (None: the invoker's
+    #: ``--invoker-preload-memory-mb``); heavy libraries need more than the default
+    preload_memory_mb: int | None = None
 
 
 def _preload_list(m: Mapping[str, Any]) -> tuple[str, ...] | None:
@@ -64,6 +67,15 @@ def _preload_list(m: Mapping[str, Any]) -> tuple[str, ...] | None:
     if bad:
         raise ManifestError(f"runtime '{m.get('kind')}': 'preload' has names that are not modules: {bad}")
     return tuple(raw)
+
+
+def _preload_memory(m: Mapping[str, Any]) -> int | None:
+    raw = m.get("preloadMemoryMB")
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+        raise ManifestError(f"runtime '{m.get('kind')}': 'preloadMemoryMB' must be a positive integer")
+    return raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +125,7 @@ class Manifest:
                         sentinelled_logs=bool(m.get("sentinelledLogs", True)),
                         gpu=bool(m.get("gpu", kind.endswith("-gpu"))),
                         preload=_preload_list(m),
+                        preload_memory_mb=_preload_memory(m),
                     )
             blackboxes = tuple(ImageName.from_json(b) for b in obj.get("blackboxes", ()))
         except (KeyError, TypeError, AttributeError) as exc:

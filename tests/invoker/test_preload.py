@@ -128,6 +128,14 @@ async def test_preload_zero_turns_it_off() -> None:
         assert result.annotation("initTime") is not None and result.annotation("preloaded") is None
 
 
+async def test_the_budget_bounds_preloaded_containers() -> None:
+    async with open_invoker(_cfg(preload=3, preload_memory_mb=256, preload_budget_mb=600,
+                                 user_memory_mb=2048)) as inv:
+        await _ready(inv, n=2)
+        assert inv.preload is not None and len(inv.preload.standbys["python:3"]) == 2
+        assert _metric(inv, "dilu_invoker_preload_memory_mb") == 512
+
+
 async def test_a_kind_without_a_preload_list_is_not_preloaded() -> None:
     async with open_invoker(_cfg(modules=None, user_memory_mb=1024, runtimes_manifest=_manifest(None))) as inv:
         assert inv.preload is None
@@ -194,8 +202,12 @@ def test_manifest_preload_lists_are_checked() -> None:
     assert Manifest.load(_manifest(None)).runtimes["python:3"].preload is None
     with pytest.raises(ManifestError, match="not modules"):
         Manifest.load(_manifest(["os; rm"]))
+    with pytest.raises(ManifestError, match="preloadMemoryMB"):
+        Manifest.from_json({"runtimes": {"python": [{"kind": "python:3", "image": {"name": "x"}, "preload": [],
+                                                     "preloadMemoryMB": 0}]}})
     bundled = Manifest.load()
     assert bundled.runtimes["python:3-gpu"].preload == ("torch", "torchvision")
+    assert bundled.runtimes["python:3-gpu"].preload_memory_mb == 3072
     assert bundled.runtimes["python:3"].preload is None
 
 

@@ -168,7 +168,8 @@ class Invoker:
             "__OW_ALLOW_CONCURRENT": "false",
         }
         return ContainerSpec(
-            name=name, kind=runtime.kind, image=str(runtime.image), memory_mb=self.cfg.invoker.preload_memory_mb,
+            name=name, kind=runtime.kind, image=str(runtime.image),
+            memory_mb=runtime.preload_memory_mb or self.cfg.invoker.preload_memory_mb,
             env={**base, **env},
             labels={"dilu.invoker": str(self.instance_id), "dilu.action": "", "dilu.kind": runtime.kind,
                     "dilu.preload": "true"},

@@ -155,6 +155,7 @@ class PreloadPool:
         self._closed = False
         self.kinds: dict[str, RuntimeKind] = {}
         self._check = check_importable
+        self._no_room_logged: set[str] = set()
         if per_kind > 0:
             for kind, runtime in manifest.runtimes.items():
                 if runtime.preload is None or runtime.deprecated:
@@ -215,13 +216,16 @@ class PreloadPool:
         if self._closed or kind not in self.kinds:
             return
         runtime = self.kinds[kind]
+        memory_mb = runtime.preload_memory_mb or self.memory_mb
         while len(self.standbys[kind]) < self.per_kind:
-            if self.memory_in_use_mb + self.memory_mb > self.budget_mb:
-                break
-            if self._room_mb() < self.memory_mb:
+            if self.memory_in_use_mb + memory_mb > self.budget_mb or self._room_mb() < memory_mb:
+                if kind not in self._no_room_logged:
+                    self._no_room_logged.add(kind)
+                    log.info("no room for a pre-loaded container now", kind=kind, memory_mb=memory_mb,
+                             budget_mb=self.budget_mb, preloaded_mb=self.memory_in_use_mb, room_mb=self._room_mb())
                 break
             name = f"{self._prefix}_{next(self._counter)}_preload_{_slug(kind)}"
-            standby = Standby(name=name, kind=kind, memory_mb=self.memory_mb, modules=self.modules_for(kind))
+            standby = Standby(name=name, kind=kind, memory_mb=memory_mb, modules=self.modules_for(kind))
             self.standbys[kind].append(standby)
             standby.task = self._spawn(self._start(standby, runtime))
         self._update_gauges()

@@ -130,12 +130,11 @@ class Cgroups:
 
     def set_limit(self, path: Path, memory_bytes: int) -> None:
         """Change a container's limit (a pre-loaded container taken by an action); refuses, changing
-        nothing, when the cgroup already uses more than 90% of the new limit."""
-        current = path / ("memory.current" if self.version == 2 else "memory.usage_in_bytes")
-        with contextlib.suppress(OSError, ValueError):
-            used = int(current.read_text())
-            if used > memory_bytes * 0.9:
-                raise SandboxError(f"the container already uses {used >> 20} MB, more than the new limit allows")
+        nothing, when its processes' anonymous memory (page cache is reclaimable and does not count)
+        already exceeds 90% of the new limit."""
+        used = self.anon_bytes(path)
+        if used is not None and used > memory_bytes * 0.9:
+            raise SandboxError(f"the container already uses {used >> 20} MB, more than the new limit allows")
         if self.version == 2:
             _write(path / "memory.max", str(memory_bytes))
             return
@@ -150,6 +149,15 @@ class Cgroups:
                 continue
             with contextlib.suppress(OSError) if name.startswith("memory.memsw") else contextlib.nullcontext():
                 _write(path / name, str(value))
+
+    def anon_bytes(self, path: Path) -> int | None:
+        """Anonymous memory of the cgroup (``anon`` in v2's, ``total_rss`` or ``rss`` in v1's memory.stat)."""
+        keys = ("anon",) if self.version == 2 else ("total_rss", "rss")
+        try:
+            stat = dict(line.split()[:2] for line in (path / "memory.stat").read_text().splitlines() if " " in line)
+            return next(int(stat[k]) for k in keys if k in stat)
+        except (OSError, ValueError, StopIteration):
+            return None
 
     @staticmethod
     def procs(path: Path) -> list[int]:
