@@ -195,6 +195,10 @@ async def test_learns_installed_modules_actions_import(invoker: Invoker) -> None
             break
         await asyncio.sleep(0.05)
     assert invoker.preload.modules_for("python:3") == ("decimal", "msgpack")
+    # The report comes from the action's process: the standard library, unknown names and the action's
+    # own modules are never learnt.
+    invoker.preload.learn("python:3", ["json", "antigravity", "no_such_package", "main__", "os.path"])
+    assert invoker.preload.modules_for("python:3") == ("decimal", "msgpack")
 
 
 def test_manifest_preload_lists_are_checked() -> None:

@@ -29,6 +29,9 @@ import collections
 import contextlib
 import importlib.util
 import itertools
+import os
+import site
+import sysconfig
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from dilu_invoker.gpu.attachment import GpuAttachment
-from dilu_invoker.invoker.dataplane.backends.base import Container, ContainerBackend, ContainerSpec
+from dilu_invoker.invoker.dataplane.backends.base import Container, ContainerBackend, ContainerSpec, Mount
 from dilu_invoker.invoker.manifest import Manifest, RuntimeKind
 from dilu_invoker.model import Action
 
@@ -245,8 +248,6 @@ class PreloadPool:
                         raise _Skip("GPU budget of pre-loading is used up")
                     standby.gpu, standby.gpu_key, standby.gpu_memory_mb = attachment, standby.name, gpu_mb
                     env = {**dict(spec.env), **attachment.env, PRELOAD_CUDA_ENV: "1"}
-                    from dilu_invoker.invoker.dataplane.backends.base import Mount
-
                     spec = ContainerSpec(
                         name=spec.name, kind=spec.kind, image=spec.image, memory_mb=spec.memory_mb, env=env,
                         mounts=spec.mounts + tuple(Mount(m.source, m.target, m.read_only) for m in attachment.mounts),
@@ -283,6 +284,7 @@ class PreloadPool:
     async def _wait_loaded(self, container: Container) -> dict[str, Any]:
         headers = {"X-Dilu-Runtime-Secret": container.secret} if container.secret else {}
         deadline = time.monotonic() + LOAD_TIMEOUT_S
+        pause = _POLL_S
         while time.monotonic() < deadline:
             if not container.alive:
                 return {"state": "failed", "error": f"container exited ({container.exit_reason()})"}
@@ -296,7 +298,8 @@ class PreloadPool:
                             return dict(body["preload"])
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 pass  # not listening yet
-            await asyncio.sleep(_POLL_S)
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, 0.5)  # heavy imports take seconds: no need to ask 20 times a second
         return {"state": "failed", "error": "pre-loading timed out"}
 
     # -- taking ----------------------------------------------------------------------------------------
@@ -373,7 +376,9 @@ class PreloadPool:
             return
         counter = self._learnt[kind]
         for name in imports:
-            if isinstance(name, str) and name.isidentifier():
+            # The report comes from the action's own process: only names of installed packages that this
+            # node has in site-packages are believed (never the standard library, never the action's files).
+            if isinstance(name, str) and name.isidentifier() and (not self._check or _installed_package(name)):
                 counter[name] += 1
         # Bounded: keep the most frequent few times the limit, so an endless stream of names stays small.
         if len(counter) > 4 * self.learn_limit:
@@ -475,6 +480,30 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module.partition(".")[0]) is not None
     except (ImportError, ValueError):
         return False
+
+
+def _site_roots() -> tuple[str, ...]:
+    roots: list[str] = []
+    with contextlib.suppress(Exception):
+        roots += site.getsitepackages()
+    with contextlib.suppress(Exception):
+        roots.append(site.getusersitepackages())
+    for name in ("purelib", "platlib"):
+        with contextlib.suppress(Exception):
+            roots.append(sysconfig.get_path(name))
+    return tuple(sorted({os.path.realpath(r) + os.sep for r in roots if r}))
+
+
+def _installed_package(name: str) -> bool:
+    """``name`` is a top-level module of an installed package (its file lies in a site-packages dir)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    places = [spec.origin] if spec.origin else list(spec.submodule_search_locations or ())
+    return bool(places) and all(os.path.realpath(p).startswith(_site_roots()) for p in places if p)
 
 
 def _slug(text: str) -> str:
