@@ -5,14 +5,18 @@ containers before warm ones, learning, and the worker's pre-load hook."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import types
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
+import aiohttp
 import pytest
 
 from dilu_invoker import cli, config
@@ -21,6 +25,8 @@ from dilu_invoker.invoker.dataplane.container import State
 from dilu_invoker.invoker.dataplane.core import ContainerExit, Invoker, open_invoker
 from dilu_invoker.invoker.manifest import Manifest, ManifestError
 from dilu_invoker.model import GUEST_IDENTITY, Action, ActionLimits, ActivationRequest, Exec, new_activation_id
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _manifest(preload: list[str] | None) -> str:
@@ -254,3 +260,44 @@ async def test_a_crashed_preloaded_container_is_discarded_and_a_plain_start_foll
     assert _metric(invoker, "dilu_invoker_preload_discarded_total", kind="python:3",
                    reason="failed while handed over") == 1
     await _ready(invoker)  # and the kind is refilled
+
+
+async def test_standalone_serves_preloaded_cold_starts_and_metrics(tmp_path: Path) -> None:
+    """Through the product: `dilu-invoker standalone --preload 1`, an action created and invoked over REST."""
+    api, inv_port = _free_port(), _free_port()
+    data = tmp_path / "data"
+    env = {**os.environ, "RUNTIMES_MANIFEST": _manifest(["decimal"]), "PYTHONPATH": str(ROOT)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dilu_invoker", "standalone", "--data-dir", str(data), "--api-port", str(api),
+        "--invoker-port", str(inv_port), "--preload", "1", "--log-level", "warning",
+        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    auth = {"Authorization": aiohttp.encode_basic_auth(GUEST_IDENTITY.uuid, GUEST_IDENTITY.key)}
+    base = f"http://127.0.0.1:{api}/api/v1/namespaces/_/actions/sees"
+    try:
+        async with aiohttp.ClientSession(headers=auth) as s:
+            for _ in range(400):
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with s.get(f"http://127.0.0.1:{inv_port}/metrics") as r:
+                        if 'state="ready"} 1.0' in await r.text():
+                            break
+                assert proc.returncode is None
+                await asyncio.sleep(0.05)
+            async with s.put(base, json={"exec": {"kind": "python:3", "code": SEES_PRELOAD}}) as r:
+                assert r.status == 200, await r.text()
+            async with s.post(f"{base}?blocking=true") as r:
+                record = await r.json()
+            assert record["response"]["result"] == {"pre": True}
+            annotations = {a["key"]: a["value"] for a in record["annotations"]}
+            assert annotations["preloaded"] is True and "initTime" in annotations
+            async with s.get(f"http://127.0.0.1:{inv_port}/metrics") as r:
+                metrics = await r.text()
+            assert 'dilu_invoker_preload_hits_total{kind="python:3"} 1.0' in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
