@@ -355,6 +355,46 @@ class GpuNode:
                  budget="redis" if reserved else "local", reason=why)
         return attachment
 
+    async def retarget(self, instance: str, function: str, needs: GpuNeeds) -> bool:
+        """Hand an attached instance — a pre-loaded container's GPU share, made before its function was
+        known — to ``function`` with ``needs``, on the same GPU: its shim blocks, environment and CUDA
+        context stay; its spec, budget reservation and quota become the function's. False, changing
+        nothing, when that GPU has no room for the new needs, or when an MPS client's thread cap (fixed
+        when it connected) would have to change."""
+        a = self._attached.get(instance)
+        if a is None:
+            return False
+        try:
+            spec = InstanceSpec(
+                id=instance, function=function, cls=InstanceClass(needs.gpu_class.value), request=needs.sm_request,
+                limit=needs.sm_limit, memory_mb=needs.memory_mb, slo_ms=needs.slo_ms,
+                capacity_blocks_per_ms=needs.capacity_blocks_per_ms,
+            )
+        except ValueError:
+            return False
+        if spec.limit != a.spec.limit and "CUDA_MPS_PIPE_DIRECTORY" in a.attachment.env:
+            return False
+        mgr = self._managers[a.device.uuid]
+        async with self._admit_lock:
+            del self._attached[instance]  # its old needs must not count against its new ones
+            await self._release(a.device, instance)
+            ok, reserved, why = await self._reserve(a.device, spec)
+            if not ok:
+                _ok, old_reserved, _why = await self._reserve(a.device, a.spec)
+                a.reserved = old_reserved
+                self._attached[instance] = a
+                log.info("GPU share not retargeted: no room for the function's needs", instance=instance,
+                         function=function, gpu=a.device.index, reason=why)
+                return False
+            mgr.remove(instance)
+            a.control.write(mgr.initial_quota(spec))
+            mgr.add(spec, a.control, a.stats)
+            a.spec, a.reserved = spec, reserved
+            self._attached[instance] = a
+        log.info("GPU share retargeted", instance=instance, function=function, gpu=a.device.index,
+                 request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb)
+        return True
+
     async def detach(self, instance: str) -> None:
         a = self._attached.pop(instance, None)
         if a is None:

@@ -5,7 +5,8 @@ Scheduling follows OpenWhisk's ContainerPool (reference/openwhisk.md §9):
 1. a container of the same action revision and invoking namespace with a free slot (warm, or still
    starting: it will be ready sooner than a new one);
 2. a new container if ``Σ memory + need ≤ user_memory``;
-3. otherwise evict least-recently-used idle containers of other actions and start one;
+3. otherwise release pre-loaded containers (``preload.py``: they go first under memory pressure), then
+   evict least-recently-used idle containers of other actions and start one;
 4. otherwise wait in a FIFO queue. A waiter that a warm container can serve is served as soon as a slot
    frees; among waiters that need a new container only the oldest may start one, so large actions are
    not starved by a stream of small ones.
@@ -25,6 +26,7 @@ import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
@@ -104,6 +106,21 @@ class Lease:
     cold: bool
 
 
+class Reserve(Protocol):
+    """Memory held outside the pool that counts against its user memory and is released first: the
+    pre-loaded containers (``preload.PreloadPool``)."""
+
+    def memory_for(self, action: Action) -> int:
+        """The memory it holds that counts beside a new container of ``action`` (one pre-loaded container
+        that this very cold start will take does not: it becomes that container)."""
+        ...
+
+    def shed(self, need_mb: int, action: Action) -> int:
+        """Release at least ``need_mb`` if it can, sparing the container ``action`` would take unless
+        nothing else is left; returns what was released (MB)."""
+        ...
+
+
 class NoContainer(RuntimeError):
     """``acquire(start=False)`` found no live container of the key (a pinned instance that is gone)."""
 
@@ -145,6 +162,8 @@ class ContainerPool:
         self._queue: collections.deque[_Waiter] = collections.deque()
         self._removals: set[asyncio.Task[None]] = set()
         self._closed = False
+        #: pre-loaded containers: counted in the memory in use, shed before any warm container is evicted
+        self.reserve: Reserve | None = None
 
     # -- observation --------------------------------------------------------------------------
 
@@ -231,6 +250,13 @@ class ContainerPool:
         if not may_start:
             return None
         in_use = self.memory_in_use_mb
+        reserve = self.reserve
+        if reserve is not None:
+            held = reserve.memory_for(action)
+            in_use += held
+            short = in_use + memory_mb - self.user_memory_mb
+            if short > 0 and held > 0:
+                in_use -= min(held, reserve.shed(short, action))
         if not fits(in_use_mb=in_use, need_mb=memory_mb, user_memory_mb=self.user_memory_mb):
             victims = evict_for([View.of(p) for p in self.containers.values()], need_mb=memory_mb,
                                 in_use_mb=in_use, user_memory_mb=self.user_memory_mb)
