@@ -355,18 +355,20 @@ class GpuNode:
                  budget="redis" if reserved else "local", reason=why)
         return attachment
 
-    async def retarget(self, instance: str, function: str, needs: GpuNeeds) -> bool:
+    async def retarget(self, instance: str, function: str, needs: GpuNeeds, *, new_id: str | None = None) -> bool:
         """Hand an attached instance — a pre-loaded container's GPU share, made before its function was
         known — to ``function`` with ``needs``, on the same GPU: its shim blocks, environment and CUDA
-        context stay; its spec, budget reservation and quota become the function's. False, changing
-        nothing, when that GPU has no room for the new needs, or when an MPS client's thread cap (fixed
-        when it connected) would have to change."""
+        context stay; its spec, budget reservation and quota become the function's, under ``new_id`` when
+        given (a balancer-placed instance keeps its share under the instance's id). False, changing
+        nothing, when that GPU has no room for the new needs, when ``new_id`` is attached already, or when
+        an MPS client's thread cap (fixed when it connected) would have to change."""
         a = self._attached.get(instance)
-        if a is None:
+        target = new_id or instance
+        if a is None or (target != instance and target in self._attached):
             return False
         try:
             spec = InstanceSpec(
-                id=instance, function=function, cls=InstanceClass(needs.gpu_class.value), request=needs.sm_request,
+                id=target, function=function, cls=InstanceClass(needs.gpu_class.value), request=needs.sm_request,
                 limit=needs.sm_limit, memory_mb=needs.memory_mb, slo_ms=needs.slo_ms,
                 capacity_blocks_per_ms=needs.capacity_blocks_per_ms,
             )
@@ -390,8 +392,8 @@ class GpuNode:
             a.control.write(mgr.initial_quota(spec))
             mgr.add(spec, a.control, a.stats)
             a.spec, a.reserved = spec, reserved
-            self._attached[instance] = a
-        log.info("GPU share retargeted", instance=instance, function=function, gpu=a.device.index,
+            self._attached[target] = a
+        log.info("GPU share retargeted", instance=target, was=instance, function=function, gpu=a.device.index,
                  request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb)
         return True
 

@@ -265,3 +265,12 @@ async def test_retarget_hands_a_preloaded_share_to_a_function(make_node: NodeFac
     assert budget is not None and budget.reservations["pre"].function == "guest/resnet"
     assert {i.id: i.function for i in node.view()[0].instances}["pre"] == "guest/resnet"
     assert not await node.retarget("missing", "guest/x", needs())
+    # under a new id (a balancer-placed instance keeps its share under its own id)
+    assert not await node.retarget("pre", "guest/resnet", needs("inference", 0.3, 0.6), new_id="other")
+    assert await node.retarget("pre", "guest/resnet", needs("inference", 0.3, 0.6, memory_mb=2000), new_id="inst-1")
+    budget = await budgets.get("GPU-only")
+    assert budget is not None and "pre" not in budget.reservations
+    assert budget.reservations["inst-1"].function == "guest/resnet"
+    assert {i.id for i in node.view()[0].instances} == {"inst-1", "other"}
+    await node.detach("inst-1")
+    assert control.parent.exists() is False or not control.exists()

@@ -98,6 +98,10 @@ class GpuAllocator(Protocol):
     async def detach(self, instance: str) -> None: ...
 
 
+#: the GPU share of a pre-loaded container before a function takes it
+PRELOAD_GPU_NEEDS = GpuNeeds(sm_request=0.01, sm_limit=0.05, memory_mb=1024)
+
+
 class Invoker:
     """One invoker: a container pool over a backend, plus what the fronts need to see of it."""
 
@@ -181,7 +185,9 @@ class Invoker:
         )
 
     async def _attach_preload_gpu(self, key: str, runtime: RuntimeKind) -> tuple[GpuAttachment | None, int]:
-        needs = GpuNeeds()
+        # A placeholder: the process only holds a CUDA context until a function takes it (then the share
+        # becomes the function's), so it must not take SM share from the instances placed beside it.
+        needs = PRELOAD_GPU_NEEDS
         if self.gpu is None:
             return None, 0
         attachment = await self.gpu.attach(key, f"preload:{runtime.kind}", needs)
@@ -422,8 +428,6 @@ class Invoker:
         preload = self.preload
         if preload is None or not preload.covers(runtime.kind):
             return None
-        if runtime.gpu and gpu_key is not None:
-            return None  # a balancer-placed GPU instance keeps its share under its own id
         standby = preload.take(runtime, req.action, gpu_index=gpu_index if runtime.gpu else None)
         if standby is None:
             return None
@@ -436,14 +440,15 @@ class Invoker:
             if taken.gpu is not None and taken.gpu_key is not None and retarget is not None:
                 try:
                     needs = GpuNeeds.from_annotations(req.action.annotation_map)
-                    ok = bool(await retarget(taken.gpu_key, req.action.fqn, needs))
+                    # a balancer-placed instance keeps its share under its own id (gpu_key)
+                    ok = bool(await retarget(taken.gpu_key, req.action.fqn, needs, new_id=gpu_key))
                 except (ValidationError, Exception) as exc:  # noqa: BLE001 - the plain path decides then
                     log.info("pre-loaded GPU container not usable for the action", action=req.action.fqn,
                              error=repr(exc))
             if not ok:
                 await preload.lost(runtime.kind, taken.standby, "GPU share does not fit")
                 return None
-            proxy.placement = replace(proxy.placement, gpu=taken.gpu, gpu_key=taken.gpu_key)
+            proxy.placement = replace(proxy.placement, gpu=taken.gpu, gpu_key=gpu_key or taken.gpu_key)
         preload.hit(runtime.kind)
         proxy.preloaded = True
         log.info("cold start on a pre-loaded container", container=proxy.name, kind=runtime.kind,
