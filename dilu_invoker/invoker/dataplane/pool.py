@@ -203,6 +203,11 @@ class ContainerPool:
                 self._queue.remove(waiter)
             raise
 
+    @property
+    def closed(self) -> bool:
+        """The pool is shutting down: it takes no more activations."""
+        return self._closed
+
     def _queue_needs_memory(self) -> bool:
         return any(w.start for w in self._queue)
 
