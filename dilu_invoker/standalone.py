@@ -8,7 +8,8 @@ balancer (unless ``--no-standalone-balancer``) → OpenWhisk REST API on 127.0.0
 activations to the invokers in turn, as a controller would.
 Shutdown: stop listening → drain in-flight activations (bounded) → remove containers → stop Redis.
 
-The N invokers share one process and event loop (each with its own pool, endpoints, id and routing):
+The REST API hands activations to the N invokers in turn, skipping disabled or stopped ones
+(:class:`RoundRobin`). They share one process and event loop (each with its own pool, endpoints, id and routing):
 action containers are child processes either way, and one loop keeps a demo on a small machine cheap.
 Several ``dilu-invoker standalone --invokers 1 --id K --redis-url …`` processes sharing one Redis form the
 same cluster with real process boundaries (the integration tests run it that way).
