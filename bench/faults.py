@@ -248,10 +248,14 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, command: 
         "phase only) found the container pool's queue pass: every release re-examined every queued activation "
         "against every container of its key (about 6.6 ms a release with 192 queued, 200 µs after the fix, "
         "`ContainerPool._drain_queue`); and 32 `secrets.choice` calls per transaction id (5% of the server's "
-        "CPU). With both fixed, A/B on this machine (200 clients, 6 s, alternated, load average 6.5): 65 and "
-        "96 served/s before, 220 and 286 after. The rest of the standalone's CPU is aiohttp (the client's "
+        "CPU). A/B of the queue fix on this machine (this page's load, `ow_support.faults.load`, 200 clients "
+        "for 6 s on a fresh standalone, the code before and after alternated twice, load average 6.5): 65 "
+        "and 96 served/s before, 220 and 286 after. The rest of the standalone's CPU is aiohttp (the client's "
         "request, the runtime call), two Redis commands and the kernel's loopback sends; the runtime proxy "
-        "and its worker cost about 1 ms more, the load generator about 0.4 ms.",
+        "and its worker cost about 1 ms more, the load generator about 0.4 ms. The first scenario of a run "
+        "is served slower than the same scenario later in the run (`--only runtime,baseline --seconds 6` at "
+        "load average 8.3: runtime first 153/s, baseline second 201/s; in the table above baseline ran "
+        "first); the cause is not found yet.",
         "",
         "## Still missing",
         "",
