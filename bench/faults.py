@@ -252,10 +252,10 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, command: 
         "for 6 s on a fresh standalone, the code before and after alternated twice, load average 6.5): 65 "
         "and 96 served/s before, 220 and 286 after. The rest of the standalone's CPU is aiohttp (the client's "
         "request, the runtime call), two Redis commands and the kernel's loopback sends; the runtime proxy "
-        "and its worker cost about 1 ms more, the load generator about 0.4 ms. The first scenario of a run "
-        "is served slower than the same scenario later in the run (`--only runtime,baseline --seconds 6` at "
-        "load average 8.3: runtime first 153/s, baseline second 201/s; in the table above baseline ran "
-        "first); the cause is not found yet.",
+        "and its worker cost about 1 ms more, the load generator about 0.4 ms. The rate follows what else "
+        "the machine runs: right after the table above, `python bench/faults.py --only baseline,baseline "
+        "--seconds 5` (load average 6.7) served 370 and 394/s, `--only runtime,baseline --seconds 6` (load "
+        "average 8.3) 153/s with the runtime fault and 201/s without.",
         "",
         "## Still missing",
         "",
