@@ -259,9 +259,10 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, command: 
         "",
         "## Still missing",
         "",
-        "* ≥ 500 served/s with 200 clients on 2 cores: not reached on this shared machine (other work keeps "
-        "the load average far above 2; the CPU per invoke above puts two idle cores near the target, not "
-        "safely over it). A run on an idle 2-core machine is still to do.",
+        "* ≥ 500 served/s with 200 clients on 2 cores: not reached (best 394/s on this shared machine, whose "
+        "other work keeps the load average far above 2). By the CPU per invoke above, two idle cores would "
+        "still fall short with the load generator on them; the standalone's own share (aiohttp on both sides, "
+        "two Redis commands) is the next place to cut. A run on an idle 2-core machine is still to do.",
         "* Fault (d) is in-process: the invokers of one standalone cannot die separately; separate "
         "`dilu-invoker standalone --invokers 1 --id K --redis-url …` processes are the real process "
         "boundary. A container that goes before its activation ran can still end that activation with a "
