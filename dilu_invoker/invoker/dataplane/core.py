@@ -3,7 +3,7 @@
 The fronts (the standalone REST API, the Kafka consumer of cluster mode) hand it
 :class:`~dilu_invoker.model.ActivationRequest`\\ s through :meth:`Invoker.run`; it never raises for what an
 action or its container did — every outcome is an :class:`~dilu_invoker.model.Activation` with OpenWhisk's
-status code — and raises :class:`InvokerOverloaded` only when it cannot queue the work.
+status code — and raises :class:`InvokerOverloaded` only when it cannot queue the work or stops before the work ran.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import structlog
 from dilu_invoker.config import Config
 from dilu_invoker.gpu.attachment import GpuAttachment
 from dilu_invoker.gpu.node import GpuNode
-from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, never_ran_for
+from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, InvokerOverloaded, never_ran_for
 from dilu_invoker.invoker.dataplane.backends.base import (
     BackendError,
     Container,
@@ -276,14 +276,16 @@ class Invoker:
                 failure, init_ms, init_logs = await self._start_and_init(proxy, req, runtime)
                 if failure is not None:
                     release_reason = "initialization failed"
+                    self._refuse_if_closing()
                     return self._finish(req, runtime, start, now_ms(), failure, init_logs, arrived=arrived,
                                         start_ms=start, init_ms=init_ms, preloaded=proxy.preloaded)
             else:
                 failure = await asyncio.shield(proxy.ready)
                 if failure is not None:
+                    release_reason = "container failed before this activation ran"
+                    self._refuse_if_closing()
                     response = failure if isinstance(failure, ActivationResponse) else ActivationResponse.whisk_error(
                         MSG_ABNORMAL_RUN)
-                    release_reason = "container failed before this activation ran"
                     return self._finish(req, runtime, now_ms(), now_ms(), response, (), arrived=arrived,
                                         start_ms=now_ms(), init_ms=None)
                 if not await self.pool.resume(proxy):
@@ -307,6 +309,8 @@ class Invoker:
             return self._finish(req, runtime, start, end, response, logs, arrived=arrived,
                                 start_ms=start if init_ms is not None else run_start, init_ms=init_ms,
                                 timed_out=outcome.timed_out, preloaded=proxy.preloaded)
+        except InvokerOverloaded:
+            raise
         except Exception as exc:
             log.exception("activation failed inside the invoker")
             release_reason = f"internal error: {exc!r}"
@@ -314,6 +318,13 @@ class Invoker:
                 MSG_ABNORMAL_RUN))
         finally:
             self.pool.release(proxy, healthy=healthy, reason=release_reason)
+
+    def _refuse_if_closing(self) -> None:
+        """An activation whose container went away before it ran, because this invoker is stopping, has
+        not run: it is refused like the queue's waiters (another invoker takes it, or the client gets 503
+        to retry) rather than recorded as failed."""
+        if self.pool.closed:
+            raise InvokerOverloaded("the invoker is shutting down")
 
     def runtime_for(self, action: Action) -> RuntimeKind | None:
         """The runtime an action runs in (None: its kind is not in the manifest)."""
@@ -391,7 +402,7 @@ class Invoker:
         proxy.started(container)
         init_start = time.monotonic()
         client = RuntimeClient(self._session, container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
-                               secret=container.secret)
+                               secret=container.secret, alive=lambda: container.alive)
         body: dict[str, object] | bytes = await encoding if encoding is not None else self._init_body(req)
         outcome = await client.init(body, action.limits.timeout_ms / 1000)
         init_ms = int((time.monotonic() - init_start) * 1000)

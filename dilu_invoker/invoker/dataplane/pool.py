@@ -222,6 +222,11 @@ class ContainerPool:
                 self._queue.remove(waiter)
             raise
 
+    @property
+    def closed(self) -> bool:
+        """The pool is shutting down: it takes no more activations."""
+        return self._closed
+
     def _queue_needs_memory(self) -> bool:
         return any(w.start for w in self._queue)
 
@@ -364,21 +369,31 @@ class ContainerPool:
         if not self._queue:
             return
         may_start = True
-        for waiter in list(self._queue):
+        # A key whose waiter found no slot has none for the waiters behind it in this pass either (one
+        # pass sees one pool state): they are not asked again, so a pass costs O(queue), not
+        # O(queue × containers of the key) — under a deep queue this scan was the invoker's hot spot.
+        stuck: set[PoolKey] = set()
+        keep: list[_Waiter] = []
+        for waiter in self._queue:
             if waiter.future.done():
-                self._queue.remove(waiter)
+                continue
+            if waiter.key in stuck and not (may_start and waiter.start):
+                keep.append(waiter)
                 continue
             if not waiter.start and not self._live(waiter.key):
-                self._queue.remove(waiter)
                 waiter.future.set_exception(NoContainer(f"no container of {waiter.key.namespace}/{waiter.key.fqn}"))
                 continue
             lease = self._try_assign(waiter.key, waiter.action, waiter.memory_mb, waiter.slots, waiter.make_spec,
                                      may_start=may_start and waiter.start, instance=waiter.instance)
             if lease is not None:
-                self._queue.remove(waiter)
                 waiter.future.set_result(lease)
-            elif waiter.start:
+                continue
+            keep.append(waiter)
+            stuck.add(waiter.key)
+            if waiter.start:
                 may_start = False  # only the oldest waiter that needs a new container may start one
+        self._queue.clear()
+        self._queue.extend(keep)
 
     # -- shutdown ------------------------------------------------------------------------------
 

@@ -320,8 +320,11 @@ class RuntimeClient:
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
         retry_interval_s: float = INIT_RETRY_INTERVAL_S,
         secret: str | None = None,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
         self._session = session
+        #: whether the container still runs: /init stops retrying a connection to one that died
+        self._alive = alive
         #: the container's runtime secret, sent with every request (X-Dilu-Runtime-Secret)
         self._secret = secret
         self._base_url = base_url.rstrip("/")
@@ -388,7 +391,7 @@ class RuntimeClient:
             except TimeoutError:
                 return _Exchange(None, b"", None, max(time.monotonic() - start, timeout_s))
             except aiohttp.ClientConnectorError as exc:
-                if not retry:
+                if not retry or (self._alive is not None and not self._alive()):
                     log.debug("runtime.connect_failed", url=url, error=str(exc))
                     return _Exchange(None, b"", None, time.monotonic() - start)
                 # Not listening yet (container still starting): OpenWhisk retries every 50 ms.
