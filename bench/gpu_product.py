@@ -3,35 +3,54 @@
 
     python3 bench/gpu_product.py [--modes noshim,shim,mps50] [--pairs resnet50+train,bert+train]
         [--scenarios cold,solo,share,paced,poisson,burst,idle] [--loads 0.5,0.7] [--seconds 6] [--trials 1]
-        [--out docs/benchmarks/data/gpu_product.json] [--report docs/benchmarks/gpu-product.md] [--dry-run]
+        [--besides paced@0.5,poisson@0.3,bursty@0.7,burst] [--pair-modes 'bert+train=noshim,slo-ts']
+        [--priority 'resnet50+train:noshim,slo-ts;...'] [--budget-s 500] [--deadline-s 500] [--plan-only]
+        [--out docs/benchmarks/data/gpu_product.json] [--report R.md] [--matrix docs/benchmarks/gpu-product.md]
+        [--from-json A.json.gz,B.json.gz] [--dry-run]
 
-Modes (each a fresh standalone per model pair and trial, side by side in one run):
+Modes (each a fresh standalone per model pair and trial, side by side in one run; `MODES` below has the
+flags). Simple baselines: ``noshim`` (no shim, time-slicing: no control), ``mps50`` / ``mps70`` (static MPS
+splits 50/50 and inference 70 / training 30 active threads, no shim), ``static30`` (the shim with the
+``static`` policy: inference at 0.7, training at 0.3, time-slicing). Controllers: ``shim`` (the defaults as
+they are: rckm, ``--gpu-mps auto``, process isolation auto — which makes auto pick time-slicing, see
+gpu/mps.py ``decide_mps``), ``shim-mps`` / ``shim-ts`` (rckm under MPS / time-slicing), ``slo`` / ``slo-ts``
+(the SLO controller under MPS / time-slicing). MPS modes pass ``--gpu-mps on --invoker-process-isolation
+off``: an MPS daemon serves one uid at a time. Every cell records what the invoker actually ran
+(``effective``: MPS or not and why, the policy, the shim) from its log and /metrics. Actions declare
+``limits.memory`` 8192 MB (a GPU process with torch needs far more than the 256 MB default).
 
-* ``noshim``: no control: the shim is not loaded (``--gpu-shim-path`` to nothing) and ``--gpu-mps off``;
-  the GPU time-slices between the processes.
-* ``shim``: the defaults: the shim, the vertical manager, ``--gpu-mps auto``; annotations are a class, a
-  request and a limit only (inference 0.5 / 0.8, training 0.3 / 0.7), no capacity profile.
-* ``mps50``: static MPS 50/50: ``--gpu-mps on``, no shim, both actions at limit 0.5 (50% active threads).
+Scenarios per mode, pair and trial (training is ResNet-50 fp16 AMP batch 32; inference is batch 8 fp16):
 
-Scenarios per mode and pair (training is ResNet-50 fp16 AMP batch 32; inference is batch 8 fp16):
-
-* ``cold``: first invoke of each action (client-side, container start + init + first run).
-* ``solo``: inference alone, closed loop: p50/p99, capacity in requests/s; training alone: it/s.
-* ``share`` (``shim`` mode only): inference alone at limit 0.5 and at 0.8 (extra actions) against the
-  unlimited solo — the "never slowed more than 1/s" target.
-* ``paced``/``poisson``: inference at each load (fraction of its solo capacity) with fixed or exponential
-  inter-arrival times, beside training.
-* ``burst``: inference at 0.2 of capacity, 5x that for 2 s, then 0.2 again, beside training.
+* ``cold``: first invoke of both actions, at once (client-side: container start + init + first run).
+* ``solo``: training alone (inference idle): it/s; inference alone, closed loop: p50/p99, capacity.
+* ``share`` (controller modes only): inference alone at limit 0.5, 0.8 and 1.0 (extra actions) against
+  the unlimited solo — the "never slowed more than 1/s" target.
+* beside training, one training invocation for a group of them: ``<arrival>@<load>`` — arrivals ``paced``,
+  ``poisson`` or ``bursty`` (a Markov-modulated Poisson process: 2x the mean rate in the first quarter of
+  each second) at a fraction of the ``noshim`` solo capacity of the same trial (so every mode serves the
+  same arrivals); ``burst``: 0.2 of capacity, 5x that for 2 s, 0.2 again. ``--besides`` lists them
+  explicitly, else ``--arrivals`` (default: those named in ``--scenarios``) x ``--loads`` and ``burst``.
 * ``idle``: training with the inference instance warm and idle (after the other scenarios).
 
 Measured: client latency p50/p99 per scenario and per second, in-action GPU time (CUDA events) and run
-time, training it/s over each scenario's window, SLO violations (SLO = 2x the solo p99 of the ``noshim``
-mode, the unlimited reference, else the mode's own), cold-start times, and the share/rate/capacity trace
-from the invoker's /metrics (every 0.25 s). ``--dry-run`` runs everything with sleep-based stand-ins for
-the models (no torch, no GPU), to check the harness on any machine.
+time, training it/s over each scenario's window (against its own solo and the ``noshim`` solo of the
+trial), SLO violations (SLO = 2x the solo p99 of ``noshim`` in the same trial, else the mode's own),
+cold-start times, the share/rate/capacity trace from the invoker's /metrics (every 0.25 s).
 
-Issue 17 reuses this as its workload matrix: ``--pairs``, ``--loads``, ``--modes``, ``--trials`` and
-``--scenarios`` select the cells; the JSON keeps every trial.
+The matrix (issue 17): ``--trials`` fresh stacks per (pair, mode), trial by trial so that a run cut short
+still has every column. The plan is printed first with its estimate (seconds measured on the H200 per stack,
+`stack_estimate_s`); ``--budget-s`` leaves out whole (pair, mode) columns, least important first
+(``--priority``), so that each column that runs has all its trials; ``--deadline-s`` skips a stack that would
+end past it. The raw JSON is rewritten after every stack. ``--matrix PAGE`` writes the side-by-side tables
+(median and worst over trials, the strongest static baseline per scenario and each controller's ratios to
+it, the static modes that dominate a controller, issue 17's cell targets) into the generated block of PAGE;
+``--from-json`` renders them again from raw files. `bench/h200_product.sh matrix OUT [1|2]` is the run sized
+for one device call of 10 minutes.
+
+``--dry-run`` runs everything without a GPU or torch: a simulated GPU (``--gpu-inventory``), the fake MPS
+control binary of the tests, and actions that launch through the fake libcuda (`make -C cuda_shim test`
+builds it; else they sleep) under the real shim, so shares, capacity learning and throttling act; it checks
+the harness, not any speed.
 """
 
 from __future__ import annotations
@@ -39,7 +58,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
 import json
+import math
 import os
 import platform
 import random
@@ -59,6 +80,8 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
+FAKE_CUDA = ROOT / "cuda_shim/build/fake/libcuda.so.1"
+FAKE_MPS = ROOT / "tests/gpu/fakes/nvidia-cuda-mps-control"
 GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFqm12CdAsMgRU4VrNZ9lyGVCGuMDGIwP"
 
 # -- the actions' code (what a user would write) ------------------------------------------------------------
@@ -72,6 +95,28 @@ except ImportError:
     torch = None
 _model = None
 _make = None
+
+_cu = []
+
+def _fake_work(args, blocks, step_sync=False):
+    """Dry runs: launches through the fake libcuda (cuda_shim/tests/fake_libcuda.c) and a synchronize; the
+    fake's timeline makes each block take FAKE_CUDA_BLOCK_NS, and the shim (if preloaded) admits them.
+    ``step_sync``: a synchronize after each launch, so that launches spread over the step as a training
+    loop's do on a GPU (the shim learns capacity only from periods whose launch windows are busy)."""
+    if not _cu:
+        import ctypes, os
+        os.environ.setdefault("FAKE_CUDA_BLOCK_NS", str(int(args.get("block_ns", 1000))))
+        lib = ctypes.CDLL(args["fake_cuda"], mode=ctypes.RTLD_GLOBAL)
+        launch = lib.cuLaunchKernel
+        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        lib.cuInit(0)
+        _cu.extend([launch, lib.cuCtxSynchronize])
+    launch, sync = _cu
+    for _ in range(8):
+        launch(None, max(1, blocks // 8), 1, 1, 1, 1, 1, 0, 0x100, None, None)
+        if step_sync:
+            sync()
+    sync()
 
 def _build(name, batch):
     global _model, _make
@@ -88,7 +133,10 @@ def _build(name, batch):
 def main(args):
     t0 = time.perf_counter()
     if args.get("dry") or torch is None:
-        time.sleep(float(args.get("dry_ms", 5)) / 1000)
+        if args.get("fake_cuda"):  # the fake driver's timeline, under the shim when it is preloaded
+            _fake_work(args, int(args.get("dry_blocks", 5000)))
+        else:
+            time.sleep(float(args.get("dry_ms", 5)) / 1000)
         ms = (time.perf_counter() - t0) * 1000
         return {"gpu_ms": ms, "run_ms": ms}
     if _model is None:
@@ -113,6 +161,29 @@ except ImportError:
     torch = None
 _state = {}
 
+_cu = []
+
+def _fake_work(args, blocks, step_sync=False):
+    """Dry runs: launches through the fake libcuda (cuda_shim/tests/fake_libcuda.c) and a synchronize; the
+    fake's timeline makes each block take FAKE_CUDA_BLOCK_NS, and the shim (if preloaded) admits them.
+    ``step_sync``: a synchronize after each launch, so that launches spread over the step as a training
+    loop's do on a GPU (the shim learns capacity only from periods whose launch windows are busy)."""
+    if not _cu:
+        import ctypes, os
+        os.environ.setdefault("FAKE_CUDA_BLOCK_NS", str(int(args.get("block_ns", 1000))))
+        lib = ctypes.CDLL(args["fake_cuda"], mode=ctypes.RTLD_GLOBAL)
+        launch = lib.cuLaunchKernel
+        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        lib.cuInit(0)
+        _cu.extend([launch, lib.cuCtxSynchronize])
+    launch, sync = _cu
+    for _ in range(8):
+        launch(None, max(1, blocks // 8), 1, 1, 1, 1, 1, 0, 0x100, None, None)
+        if step_sync:
+            sync()
+    sync()
+
+
 def main(args):
     seconds = float(args.get("seconds", 5))
     dry = bool(args.get("dry")) or torch is None
@@ -120,7 +191,10 @@ def main(args):
     if dry:
         end = time.time() + seconds
         while time.time() < end:
-            time.sleep(float(args.get("dry_ms", 20)) / 1000)
+            if args.get("fake_cuda"):
+                _fake_work(args, int(args.get("dry_blocks", 20000)), step_sync=True)
+            else:
+                time.sleep(float(args.get("dry_ms", 20)) / 1000)
             stamps.append(time.time())
         return {"stamps": stamps}
     if not _state:
@@ -146,16 +220,32 @@ def main(args):
     return {"stamps": stamps}
 '''
 
+NO_SHIM = ["--gpu-shim-path", "/nonexistent/libdilu_shim.so"]
+MPS_ON = ["--gpu-mps", "on", "--invoker-process-isolation", "off"]
+"""An MPS daemon serves one uid at a time (gpu/mps.py `decide_mps`): with process isolation each container is a
+uid of its own, `--gpu-mps auto` then picks time-slicing and `on` refuses; the MPS modes turn isolation off."""
+TS = ["--gpu-mps", "off"]
+ISOLATION_OFF = ("--invoker-process-isolation", "off")
+SHIM_ANN = {"infer": (0.5, 0.8), "train": (0.3, 0.7)}
+
 MODES: dict[str, dict[str, Any]] = {
-    "noshim": {"flags": ["--gpu-shim-path", "/nonexistent/libdilu_shim.so", "--gpu-mps", "off"],
-               "infer": (0.5, 0.8), "train": (0.3, 0.7), "what": "no shim, time-slicing (no control)"},
-    "shim": {"flags": [], "infer": (0.5, 0.8), "train": (0.3, 0.7),
-             "what": "the defaults: shim + vertical manager, --gpu-mps auto"},
-    "shim-ts": {"flags": ["--gpu-mps", "off"], "infer": (0.5, 0.8), "train": (0.3, 0.7),
-                "what": "shim + vertical manager, time-slicing (--gpu-mps off)"},
-    "mps50": {"flags": ["--gpu-shim-path", "/nonexistent/libdilu_shim.so", "--gpu-mps", "on"],
-              "infer": (0.5, 0.5), "train": (0.5, 0.5), "what": "static MPS 50/50 (no shim)"},
+    "noshim": {"flags": [*NO_SHIM, *TS], **SHIM_ANN, "what": "no shim, time-slicing (no control)", "baseline": True},
+    "mps50": {"flags": [*NO_SHIM, *MPS_ON], "infer": (0.5, 0.5), "train": (0.5, 0.5),
+              "what": "static MPS 50/50 (no shim; 50% active threads each)", "baseline": True},
+    "mps70": {"flags": [*NO_SHIM, *MPS_ON], "infer": (0.7, 0.7), "train": (0.3, 0.3),
+              "what": "static MPS 70/30 (no shim; inference 70%, training 30% active threads)", "baseline": True},
+    "static30": {"flags": ["--gpu-vertical-policy", "static", *TS], "infer": (0.5, 0.7), "train": (0.3, 0.3),
+                 "what": "static shim shares 70/30 (policy static: each at its limit), time-slicing", "baseline": True},
+    "shim": {"flags": [], **SHIM_ANN, "what": "the defaults: shim + rckm policy, --gpu-mps auto, isolation auto"},
+    "shim-mps": {"flags": MPS_ON, **SHIM_ANN, "what": "shim + rckm policy, MPS (--gpu-mps on, isolation off)"},
+    "shim-ts": {"flags": TS, **SHIM_ANN, "what": "shim + rckm policy, time-slicing (--gpu-mps off)"},
+    "slo": {"flags": ["--gpu-vertical-policy", "slo", *MPS_ON], **SHIM_ANN,
+            "what": "shim + slo controller, MPS (best-effort clients at mps_best_effort_threads)"},
+    "slo-ts": {"flags": ["--gpu-vertical-policy", "slo", *TS], **SHIM_ANN,
+               "what": "shim + slo controller, time-slicing (--gpu-mps off)"},
 }
+CONTROLLERS = ("slo", "slo-ts", "shim", "shim-mps", "shim-ts")
+"""Modes whose shares a feedback policy sets; every other mode is a simple (static) baseline."""
 PAIRS = {"resnet50+train": "resnet50", "bert+train": "bert"}
 
 
@@ -224,8 +314,14 @@ class Stack:
                "--api-port", str(self.api_port), "--invoker-port", str(self.inv_port),
                "--invoker-user-memory-mb", "200000", "--gpu-shm-dir", str(self.work / "shm"),
                "--gpu-mps-dir", str(self.work / "mps"), *MODES[self.mode]["flags"], *self.extra]
-        if self.args.dry_run:  # no GPU: no MPS daemon to start
-            cmd = [("off" if prev == "--gpu-mps" else c) for prev, c in zip(["", *cmd[:-1]], cmd, strict=True)]
+        if getattr(self.args, "extra_flags", None) and ISOLATION_OFF[0] not in cmd:
+            cmd += self.args.extra_flags
+        if self.args.dry_run:
+            # No GPU: a simulated one from an inventory file (the shim, the manager and the policy run; the
+            # actions launch through the fake libcuda) and the fake MPS control binary of the tests.
+            inventory = self.work / "inventory.json"
+            inventory.write_text(json.dumps([{"uuid": "GPU-dry-run-0", "name": "dry-run GPU", "memory_mb": 143771}]))
+            cmd += ["--gpu-inventory", str(inventory), "--gpu-mps-control", str(FAKE_MPS)]
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -276,7 +372,7 @@ class Stack:
                     m = METRIC_RE.match(line)
                     if m:
                         labels = dict(kv.split("=", 1) for kv in re.findall(r'\w+="[^"]*"', m.group(2)))
-                        who = labels.get("action", labels.get("mode", labels.get("reason", ""))).strip('"')
+                        who = str(labels.get("action", labels.get("mode", labels.get("reason", "")))).strip('"')
                         self.trace.rows.append((now, m.group(1), who, float(m.group(3))))
             except (aiohttp.ClientError, ValueError):
                 pass
@@ -326,22 +422,43 @@ async def closed_loop(stack: Stack, name: str, params: dict[str, Any], seconds: 
     return out
 
 
+def arrival_times(kind: str, seconds: float, rate: float, rng: random.Random) -> list[float]:
+    """Send times (s from the start) of one scenario: ``paced`` (evenly spaced), ``poisson`` (exponential gaps)
+    or ``bursty`` (a Markov-modulated Poisson process: in each second the first quarter at 2x the mean rate,
+    the rest at 2/3 of it; the same mean, bursts of 2x)."""
+    out: list[float] = []
+    t = 0.0
+    if kind == "paced":
+        t = 0.5 / rate
+        while t < seconds:
+            out.append(t)
+            t += 1.0 / rate
+        return out
+    if kind not in ("poisson", "bursty"):
+        raise ValueError(f"unknown arrival process {kind!r}")
+    while True:
+        r = rate if kind == "poisson" else (2.0 * rate if t % 1.0 < 0.25 else rate * 2.0 / 3.0)
+        t += rng.expovariate(r)
+        if t >= seconds:
+            return out
+        out.append(t)
+
+
 async def open_loop(stack: Stack, name: str, params: dict[str, Any], rates: list[tuple[float, float]],
-                    poisson: bool, rng: random.Random) -> list[Sample]:
-    """``rates``: (seconds, requests/s) segments; arrivals paced or Poisson; never waits for answers."""
+                    poisson: bool | str, rng: random.Random) -> list[Sample]:
+    """``rates``: (seconds, requests/s) segments; arrivals paced, Poisson or bursty (``poisson`` is True,
+    False or an arrival process's name); never waits for answers."""
+    kind = poisson if isinstance(poisson, str) else ("poisson" if poisson else "paced")
     out: list[Sample] = []
     tasks: list[asyncio.Task[None]] = []
-    t = time.monotonic()
+    t0 = time.monotonic()
+    offset = 0.0
     for seconds, rate in rates:
-        end = t + seconds
-        while True:
-            gap = rng.expovariate(rate) if poisson else 1.0 / rate
-            t += gap
-            if t >= end:
-                t = end
-                break
-            await asyncio.sleep(max(0.0, t - time.monotonic()))
+        for at in arrival_times(kind, seconds, rate, rng):
+            await asyncio.sleep(max(0.0, t0 + offset + at - time.monotonic()))
             tasks.append(asyncio.create_task(one(stack, name, params, out)))
+        offset += seconds
+    await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
     await asyncio.gather(*tasks)
     return out
 
@@ -377,85 +494,256 @@ def train_rate(stamps: list[float], t0: float, t1: float) -> float | None:
     return (len(inside) - 1) / (inside[-1] - inside[0])
 
 
+# -- the plan: what fits the time there is ---------------------------------------------------------------
+
+# Seconds measured on the H200 (docs/benchmarks/gpu-product.md, runs 2-4): a standalone comes up in ~2 s and
+# stops in ~3; a ResNet-50 instance's cold start (process, torch import, model build, CUDA context) ~3.5 s,
+# BERT's ~9 s (transformers); the machine's first torch import ~6 s more; an MPS daemon ~1 s.
+COLD_S = {"resnet50": 3.5, "bert": 9.0, "train": 3.5}
+STACK_S = 5.0
+MPS_S = 1.0
+FIRST_IMPORT_S = 6.0
+GAP_S = 0.3
+WARMUP_S = 1.0
+"""Inference's closed-loop warm-up before its solo measurement (capacity learning needs 3 busy periods)."""
+LEAD_S = 0.5
+"""Training runs this long before the first scenario beside it starts (its invoke reaches the warm process)."""
+"""Inference's closed-loop warm-up before its solo measurement (capacity learning needs 3 busy periods)."""
+IDLE_AFTER_S = 0.7
+"""Inference idle this long counts as idle to the policies (0.6 s) before training's solo run."""
+"""Between two scenarios beside one training invocation (the last answers arrive)."""
+TRAIN_GROUP_S = 40.0
+"""Scenarios beside one training invocation at most (a blocking invoke answers within OpenWhisk's 60 s)."""
+
+
+def scenarios_of(args: argparse.Namespace) -> list[tuple[str, str, float]]:
+    """(name, arrival process, load) of every scenario beside training, in the order they run."""
+    want = set(args.scenarios)
+    if args.besides:  # an explicit list, e.g. paced@0.5,poisson@0.3,burst
+        out = []
+        for item in args.besides:
+            if item == "burst":
+                out.append(("burst", "burst", 0.2))
+            else:
+                kind, _, load = item.partition("@")
+                out.append((f"{kind}@{float(load):g}", kind, float(load)))
+        return out
+    out = [(f"{kind}@{load:g}", kind, load) for load in args.loads for kind in args.arrivals]
+    if "burst" in want:
+        out.append(("burst", "burst", 0.2))
+    return out
+
+
+def stack_estimate_s(args: argparse.Namespace, mode: str, pair: str) -> float:
+    """Seconds one (mode, pair, trial) takes on the H200, by the figures above."""
+    sec = args.seconds
+    n = len(scenarios_of(args))
+    besides = sum(sec + (2.0 if name == "burst" else 0.0) + GAP_S for name, _, _ in scenarios_of(args))
+    groups = max(1, math.ceil(besides / TRAIN_GROUP_S)) if n else 0
+    est = (STACK_S + max(COLD_S["train"], COLD_S[PAIRS[pair]]) + 0.5 + IDLE_AFTER_S + sec + WARMUP_S + sec
+           + besides + groups * (LEAD_S + 0.5))
+    if "idle" in args.scenarios:
+        est += sec
+    if "--gpu-mps" in MODES[mode]["flags"] and MODES[mode]["flags"][MODES[mode]["flags"].index("--gpu-mps") + 1] == "on":
+        est += MPS_S
+    if "share" in args.scenarios and mode in CONTROLLERS:
+        est += STACK_S + 3 * (COLD_S[PAIRS[pair]] + 1.0 + sec)
+    return est
+
+
+def modes_for(args: argparse.Namespace, pair: str) -> list[str]:
+    return list(args.pair_modes.get(pair, args.modes))
+
+
+def plan(args: argparse.Namespace) -> tuple[list[tuple[int, str, str, float]], list[tuple[int, str, str, float]]]:
+    """The stacks to run in order — trial by trial, each trial every pair and mode (the unlimited reference
+    `noshim` first) — and the ones cut because the estimate passes ``--budget-s``."""
+    combos = priority(args)
+    per = {c: stack_estimate_s(args, c[1], c[0]) for c in combos}
+    # Whole (pair, mode) columns, most important first, each with all its trials, while they fit the budget
+    # (a column that does not fit is left out and the next ones are tried); a pair's unlimited reference
+    # `noshim` comes with the pair's first other column.
+    kept: list[tuple[str, str]] = []
+    total = FIRST_IMPORT_S
+    for c in combos:
+        if c[1] == "noshim" and any(k[0] == c[0] and k[1] != "noshim" for k in combos):
+            continue  # comes with its pair's first other column
+        ref = (c[0], "noshim")
+        need = [x for x in dict.fromkeys((ref, c)) if x in combos and x not in kept]
+        cost = args.trials * sum(per[x] for x in need)
+        if args.budget_s and total + cost > args.budget_s:
+            continue
+        kept += need
+        total += cost
+    order = [c for p in args.pairs for c in sorted((k for k in kept if k[0] == p), key=lambda k: k[1] != "noshim")]
+    keep = [(t, p, m, per[(p, m)]) for t in range(args.trials) for p, m in order]
+    cut = [(t, p, m, per[(p, m)]) for t in range(args.trials) for p, m in combos if (p, m) not in kept]
+    return keep, cut
+
+
+def priority(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(pair, mode) columns, most important first: ``--priority`` ('pair:mode,mode;pair:mode'), then every
+    other column of ``--pairs`` x ``--modes`` / ``--pair-modes`` in their order."""
+    out: list[tuple[str, str]] = []
+    for group in [g for g in args.priority.split(";") if g]:
+        pair, _, modes = group.partition(":")
+        out += [(pair, m) for m in modes.split(",") if m and (pair, m) not in out]
+    for pair in args.pairs:
+        out += [(pair, m) for m in modes_for(args, pair) if (pair, m) not in out]
+    allowed = {(p, m) for p in args.pairs for m in modes_for(args, p)}
+    return [c for c in out if c in allowed]
+
+
+def print_plan(args: argparse.Namespace, keep: list[tuple[int, str, str, float]],
+               cut: list[tuple[int, str, str, float]]) -> float:
+    total = FIRST_IMPORT_S + sum(e for *_, e in keep)
+    names = [n for n, _, _ in scenarios_of(args)]
+    print(f"plan: {len(keep)} stacks, estimate {total:.0f} s on the H200 (budget {args.budget_s or 'none'} s); "
+          f"{args.seconds:g} s scenarios: solo, {', '.join(names)}{', idle' if 'idle' in args.scenarios else ''}",
+          flush=True)
+    for pair, mode in priority(args):
+        n = sum(1 for _, p, m, _ in keep if p == pair and m == mode)
+        est = stack_estimate_s(args, mode, pair)
+        print(f"  {pair:15s} {mode:9s} {n} trial(s) x {est:.0f} s" + ("" if n else "  CUT (over the budget)"), flush=True)
+    return total
+
+
 # -- one (mode, pair, trial) ----------------------------------------------------------------------------------
+
+
+def effective_mode(log_text: str, trace: list[tuple[float, str, str, float]]) -> dict[str, Any]:
+    """What the invoker actually ran, from its log: the sharing mode (MPS or time-slicing) and why, the vertical
+    policy, and whether the shim was loaded."""
+    out: dict[str, Any] = {"mps": None, "mps_reason": None, "policy": None, "shim": None, "gpu_attached": 0}
+    for line in log_text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        event = str(rec.get("event", ""))
+        if event.startswith("GPU sharing mode"):
+            out["mps_reason"] = rec.get("reason")
+            mode = str(rec.get("mode", ""))
+            out["mps"] = mode.lower() == "mps" if mode else out["mps"]
+        elif event == "manager started" and rec.get("policy"):
+            out["policy"] = rec.get("policy")
+        elif event == "GPU attached":
+            out["gpu_attached"] += 1
+        elif "shim" in event.lower() and ("not found" in event.lower() or "without" in event.lower()):
+            out["shim"] = False
+    for _t, metric, who, v in trace:
+        if metric == "dilu_gpu_mps_enabled":
+            out["mps"], out["mps_reason"] = bool(v), out["mps_reason"] or who
+        elif metric == "openwhisk_action_gpu_sm_quota_ratio" and out["shim"] is None:
+            out["shim"] = True
+    return out
+
+
+def train_params(seconds: float, extra: dict[str, Any]) -> dict[str, Any]:
+    return {"seconds": seconds, **extra}
 
 
 async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, ref: dict[str, Any]) -> dict[str, Any]:
     model = PAIRS[pair]
     work = Path(tempfile.mkdtemp(prefix=f"dilu-gpu-product-{mode}-"))
+    os.chmod(work, 0o711)  # isolated action uids traverse to their shim files below it, and list nothing
     rng = random.Random(1000 * trial + 7)
     spec = MODES[mode]
-    dry = {"dry": True} if args.dry_run else {}
+    dry: dict[str, Any] = {"dry": True} if args.dry_run else {}
+    if args.dry_run and FAKE_CUDA.exists():
+        dry["fake_cuda"] = str(FAKE_CUDA)
     iparams = {"model": model, "batch": 8, **dry}
     cell: dict[str, Any] = {"mode": mode, "what": spec["what"], "pair": pair, "trial": trial, "scenarios": {},
-                            "annotations": {"inference": spec["infer"], "training": spec["train"]}}
+                            "annotations": {"inference": spec["infer"], "training": spec["train"]},
+                            "flags": spec["flags"], "estimate_s": rnd(stack_estimate_s(args, mode, pair), 1)}
     t_start = time.time()
     async with Stack(args, mode, work) as st:
         await st.create("infer", INFER_CODE, "inference", *spec["infer"])
         await st.create("train", TRAIN_CODE, "training", *spec["train"])
         want = set(args.scenarios)
-        # Cold starts: training first (its solo run is then without the inference instance), then inference.
-        ms, data, status = await st.invoke("train", {"seconds": 0.0, **dry})
-        cell["cold_start_ms"] = {"train": rnd(ms)}
-        if status != 200:
-            raise RuntimeError(f"{mode}: training cold start answered {status}: {data}")
-        tr = await st.invoke("train", {"seconds": args.seconds, **dry})
+        # Cold starts of both at once (the GPU is barely used while processes start and models load), then
+        # training alone (the inference instance exists and is idle), then inference alone.
+        (tms, tdata, tstatus), (ims, idata, istatus) = await asyncio.gather(
+            st.invoke("train", train_params(0.0, dry)), st.invoke("infer", iparams))
+        cell["cold_start_ms"] = {"train": rnd(tms), "infer": rnd(ims), "together": True}
+        for what, status, data in (("training", tstatus, tdata), ("inference", istatus, idata)):
+            if status != 200:
+                raise RuntimeError(f"{mode}: {what} cold start answered {status}: {data}")
+        await asyncio.sleep(IDLE_AFTER_S)  # inference idle: the policy gives training the GPU
+        tr = await st.invoke("train", train_params(args.seconds, dry))
         stamps = (tr[1] or {}).get("stamps", [])
         solo_train = train_rate(stamps, stamps[0] if stamps else 0, stamps[-1] if stamps else 0) if stamps else None
         cell["solo_train_it_s"] = rnd(solo_train)
-        ms, data, status = await st.invoke("infer", iparams)
-        cell["cold_start_ms"]["infer"] = rnd(ms)
-        if status != 200:
-            raise RuntimeError(f"{mode}: inference cold start answered {status}: {data}")
-        await closed_loop(st, "infer", iparams, 1.0)  # warm-up (and, without a profile, capacity learning)
+        await closed_loop(st, "infer", iparams, WARMUP_S)  # warm-up (and, without a profile, capacity learning)
         solo = await closed_loop(st, "infer", iparams, args.seconds)
         solo_ok = [s.latency_ms for s in solo if s.ok]
         own_p99 = pct(solo_ok, 0.99)
-        ref_p99 = ref.get(pair)
-        slo = 2 * (ref_p99 if ref_p99 else own_p99 or 0) or None
+        key = f"{pair}:{trial}"
+        if mode == "noshim" and own_p99:
+            ref[key] = {"p99": own_p99, "p50": pct(solo_ok, 0.5), "train": solo_train}
+        base = ref.get(key, {})
+        slo = 2 * (base.get("p99") or own_p99 or 0) or None
         capacity_rps = len(solo_ok) / args.seconds
         cell["solo"] = summarize(solo, slo)
         cell["capacity_rps"] = rnd(capacity_rps)
         cell["slo_ms"] = rnd(slo)
-        if mode == "noshim" and own_p99:
-            ref[pair] = own_p99
+        cell["ref"] = {k: rnd(v) for k, v in base.items()}
+        # Loads are fractions of the unlimited (noshim) capacity of the same trial where there is one, so that
+        # every mode of a cell serves the same arrivals.
+        ref_rps = base.get("rps") or capacity_rps
+        if mode == "noshim":
+            ref[key]["rps"] = capacity_rps
 
-        async def beside_training(name: str, rates: list[tuple[float, float]], poisson: bool) -> None:
-            total = sum(s for s, _ in rates)
-            train_task = asyncio.create_task(st.invoke("train", {"seconds": total + 2.0, **dry}))
-            await asyncio.sleep(1.0)  # training runs before inference starts
-            t0 = time.time()
-            samples = await open_loop(st, "infer", iparams, rates, poisson, rng)
-            t1 = time.time()
-            _, tdata, _ = await train_task
+        def finish(name: str, samples: list[Sample], window: tuple[float, float], stamps: list[float]) -> None:
             res = summarize(samples, slo)
-            rate = train_rate((tdata or {}).get("stamps", []), t0, t1)
+            rate = train_rate(stamps, *window)
             res["train_it_s"] = rnd(rate)
             res["train_vs_solo"] = rnd(rate / solo_train, 3) if rate and solo_train else None
+            res["train_vs_ref"] = rnd(rate / base["train"], 3) if rate and base.get("train") else None
             res["p99_vs_solo"] = rnd(res["p99_ms"] / own_p99, 3) if res["p99_ms"] and own_p99 else None
-            res["window"] = [t0, t1]
+            res["p99_vs_ref"] = rnd(res["p99_ms"] / base["p99"], 3) if res["p99_ms"] and base.get("p99") else None
+            res["window"] = list(window)
             cell["scenarios"][name] = res
 
-        for load in args.loads:
-            if "paced" in want:
-                await beside_training(f"paced@{load:g}", [(args.seconds, load * capacity_rps)], False)
-            if "poisson" in want:
-                await beside_training(f"poisson@{load:g}", [(args.seconds, load * capacity_rps)], True)
-        if "burst" in want:
-            base = 0.2 * capacity_rps
-            await beside_training("burst", [(args.seconds / 2, base), (2.0, 5 * base), (args.seconds / 2, base)], False)
+        todo = scenarios_of(args)
+        while todo:  # groups of scenarios beside one training invocation
+            group: list[tuple[str, str, float]] = []
+            length = 0.0
+            while todo and (not group or length + args.seconds + 2.3 <= TRAIN_GROUP_S):
+                group.append(todo.pop(0))
+                length += args.seconds + (2.0 if group[-1][0] == "burst" else 0.0) + GAP_S
+            train_task = asyncio.create_task(st.invoke("train", train_params(LEAD_S + length + 0.5, dry)))
+            await asyncio.sleep(LEAD_S)  # training runs before inference starts
+            results = []
+            for name, kind, load in group:
+                t0 = time.time()
+                if kind == "burst":
+                    b = load * ref_rps
+                    rates = [(args.seconds / 2, b), (2.0, 5 * b), (args.seconds / 2, b)]
+                    samples = await open_loop(st, "infer", iparams, rates, "paced", rng)
+                else:
+                    samples = await open_loop(st, "infer", iparams, [(args.seconds, load * ref_rps)], kind, rng)
+                results.append((name, samples, (t0, time.time())))
+                await asyncio.sleep(GAP_S)
+            _, tdata, tstatus = await train_task
+            stamps = (tdata or {}).get("stamps", [])
+            if tstatus != 200:
+                cell.setdefault("warnings", []).append(f"training beside {[g[0] for g in group]}: {tstatus}")
+            for name, samples, window in results:
+                finish(name, samples, window, stamps)
         if "idle" in want:
             t0 = time.time()
-            _, tdata, _ = await st.invoke("train", {"seconds": args.seconds, **dry})
+            _, tdata, _ = await st.invoke("train", train_params(args.seconds, dry))
             stamps = (tdata or {}).get("stamps", [])
             rate = train_rate(stamps, stamps[0], stamps[-1]) if stamps else None
             cell["scenarios"]["idle"] = {"train_it_s": rnd(rate),
                                          "train_vs_solo": rnd(rate / solo_train, 3) if rate and solo_train else None,
+                                         "train_vs_ref": rnd(rate / base["train"], 3) if rate and base.get("train") else None,
                                          "window": [t0, time.time()]}
-        if mode == "noshim" and solo_ok:
-            ref[f"{pair}:p50"] = pct(solo_ok, 0.5)
         cell["trace"] = [(round(t - t_start, 3), m, w, v) for t, m, w, v in st.trace.rows]
-    if "share" in want and mode.startswith("shim"):
+    if "share" in want and mode in CONTROLLERS:
         # A stack of its own: beside the pair's instances the extra ones would not fit the GPU's budget. They
         # run one after the other, never together: γ 3 lets all three limits be placed on the one GPU.
         async with Stack(args, mode, work / "share", ("--gpu-gamma", "3.0")) as sh:
@@ -466,15 +754,16 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
                 await closed_loop(sh, name, iparams, 1.0)
                 s = await closed_loop(sh, name, iparams, args.seconds)
                 res = summarize(s, slo)
-                unl = ref.get(f"{pair}:p50") or pct(solo_ok, 0.5)
+                unl = base.get("p50") or pct(solo_ok, 0.5)
                 res["cold_start_ms"] = rnd(ms)
                 res["p50_vs_unlimited"] = rnd(res["p50_ms"] / unl, 3) if res["p50_ms"] and unl else None
-                res["p99_vs_unlimited"] = (rnd(res["p99_ms"] / ref[f"{pair}"], 3)
-                                           if res["p99_ms"] and ref.get(pair) else None)
+                res["p99_vs_unlimited"] = (rnd(res["p99_ms"] / base["p99"], 3)
+                                           if res["p99_ms"] and base.get("p99") else None)
                 res["target_p50_ms"] = rnd(unl / share * 1.1) if unl else None
                 cell["scenarios"][f"share@{share:g}"] = res
             cell["share_trace"] = [(round(t - t_start, 3), m, w, v) for t, m, w, v in sh.trace.rows]
     log_text = st.log_path.read_text(errors="replace")
+    cell["effective"] = effective_mode(log_text, st.trace.rows)
     cell["log_lines"] = log_text.count("\n")
     events: dict[str, int] = {}
     levels: dict[str, int] = {}
@@ -512,26 +801,53 @@ def machine() -> dict[str, Any]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    keep, cut = plan(args)
+    estimate = print_plan(args, keep, cut)
     doc: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "dry_run": args.dry_run,
-                           "seconds": args.seconds, "loads": args.loads, "cells": [], "errors": []}
+                           "seconds": args.seconds, "loads": args.loads, "arrivals": args.arrivals,
+                           "scenarios": args.scenarios, "trials": args.trials, "estimate_s": rnd(estimate, 0),
+                           "budget_s": args.budget_s, "cut": [{"trial": t, "pair": p, "mode": m} for t, p, m, _ in cut],
+                           "skipped": [], "cells": [], "errors": []}
     ref: dict[str, Any] = {}
-    modes = sorted(args.modes, key=lambda m: m != "noshim")  # the unlimited reference first
-    for trial in range(args.trials):
-        for pair in args.pairs:
-            for mode in modes:
-                print(f"== {mode} {pair} trial {trial}", flush=True)
-                try:
-                    cell = await run_cell(args, mode, pair, trial, ref)
-                except Exception as exc:  # noqa: BLE001 - one broken cell must not lose the others
-                    doc["errors"].append({"mode": mode, "pair": pair, "trial": trial, "error": repr(exc)})
-                    print(f"   failed: {exc!r}", flush=True)
-                    continue
-                doc["cells"].append(cell)
-                brief = {k: cell["scenarios"][k].get("p99_ms") for k in cell["scenarios"]}
-                print(f"   solo p50 {cell['solo']['p50_ms']} p99 {cell['solo']['p99_ms']} ms, train "
-                      f"{cell['solo_train_it_s']} it/s, cold {cell['cold_start_ms']}, p99s {brief}", flush=True)
-                if args.out:
-                    Path(args.out).write_text(json.dumps(doc, indent=1))
+    started = time.monotonic()
+    for trial, pair, mode, est in keep:
+        elapsed = time.monotonic() - started
+        if args.deadline_s and elapsed + est > args.deadline_s:
+            # Stop by itself before the machine's limit, with everything so far written.
+            doc["skipped"].append({"trial": trial, "pair": pair, "mode": mode, "at_s": rnd(elapsed, 0)})
+            print(f"== skip {mode} {pair} trial {trial}: {elapsed:.0f} s + ~{est:.0f} s passes the deadline "
+                  f"{args.deadline_s:.0f} s", flush=True)
+            continue
+        print(f"== {mode} {pair} trial {trial} (at {elapsed:.0f} s, estimate {est:.0f} s)", flush=True)
+        try:
+            cell = await run_cell(args, mode, pair, trial, ref)
+        except Exception as exc:  # noqa: BLE001 - one broken cell must not lose the others
+            doc["errors"].append({"mode": mode, "pair": pair, "trial": trial, "error": repr(exc)})
+            print(f"   failed: {exc!r}", flush=True)
+            if not (args.isolation_fallback and not args.extra_flags and ISOLATION_OFF[0] not in MODES[mode]["flags"]
+                    and "cold start" in str(exc)):
+                continue
+            # GPU actions did not start with process isolation (its uid, mount view or memory cgroup): rather than
+            # lose the run, every later stack runs without it, and the document says so.
+            args.extra_flags = list(ISOLATION_OFF)
+            doc["isolation_fallback"] = {"after": f"{mode} {pair} trial {trial}", "error": repr(exc)[:500]}
+            print("   process isolation off from here on (--isolation-fallback); retrying", flush=True)
+            try:
+                cell = await run_cell(args, mode, pair, trial, ref)
+            except Exception as exc2:  # noqa: BLE001
+                doc["errors"].append({"mode": mode, "pair": pair, "trial": trial, "error": repr(exc2)})
+                print(f"   failed again: {exc2!r}", flush=True)
+                continue
+        doc["cells"].append(cell)
+        brief = {k: (cell["scenarios"][k].get("p99_ms"), cell["scenarios"][k].get("train_vs_ref"))
+                 for k in cell["scenarios"]}
+        eff = cell["effective"]
+        print(f"   {cell['wall_s']} s; effective: mps={eff['mps']} policy={eff['policy']} shim={eff['shim']}; solo p50 "
+              f"{cell['solo']['p50_ms']} p99 {cell['solo']['p99_ms']} ms, train {cell['solo_train_it_s']} it/s, "
+              f"cold {cell['cold_start_ms']}; (p99 ms, training/ref) {brief}", flush=True)
+        if args.out:  # progressively: a run cut short keeps every finished cell
+            Path(args.out).write_text(json.dumps(doc, indent=1))
+    doc["wall_s"] = rnd(time.monotonic() - started, 1)
     return doc
 
 
@@ -617,41 +933,262 @@ def report(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- the matrix: every cell side by side, median and worst over trials -------------------------------------
+
+BEGIN, END = "<!-- matrix:begin (bench/gpu_product.py writes this block) -->", "<!-- matrix:end -->"
+
+
+def _stat(values: list[float | None], worst: str) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None, None
+    return statistics.median(vals), (max(vals) if worst == "max" else min(vals))
+
+
+def aggregate(cells: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """(pair, scenario, mode) → medians and worsts over the trials."""
+    rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        for name, r in c["scenarios"].items():
+            rows.setdefault((c["pair"], name, c["mode"]), []).append({**r, "_eff": c.get("effective", {})})
+        rows.setdefault((c["pair"], "solo", c["mode"]), []).append(
+            {**c["solo"], "train_it_s": c.get("solo_train_it_s"), "cold_infer_ms": c["cold_start_ms"].get("infer"),
+             "_eff": c.get("effective", {})})
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for key, rs in rows.items():
+        agg: dict[str, Any] = {"trials": len(rs)}
+        for field_, worst in (("p99_ms", "max"), ("p99_vs_solo", "max"), ("p99_vs_ref", "max"),
+                              ("slo_violations", "max"), ("train_vs_ref", "min"), ("train_vs_solo", "min"),
+                              ("train_it_s", "min"), ("p50_ms", "max")):
+            agg[field_] = _stat([r.get(field_) for r in rs], worst)
+        effs = {(r["_eff"].get("mps"), r["_eff"].get("policy")) for r in rs}
+        agg["effective"] = "; ".join(f"{'MPS' if m else 'time-slicing' if m is False else '?'}"
+                                     f"{', ' + p if p else ''}" for m, p in sorted(effs, key=str))
+        out[key] = agg
+    return out
+
+
+def strongest_baseline(agg: dict[tuple[str, str, str], dict[str, Any]], pair: str, scenario: str,
+                       slo_ok: float = 0.01) -> str | None:
+    """The simple baseline (a static mode) of a scenario that gives training the most among those whose worst
+    SLO violations stay within ``slo_ok``; where none does, the one with the lowest median p99."""
+    bases = [(m, a) for (p, s, m), a in agg.items() if p == pair and s == scenario and MODES.get(m, {}).get("baseline")]
+    if not bases:
+        return None
+    meeting = [(m, a) for m, a in bases if a["slo_violations"][1] is not None and a["slo_violations"][1] <= slo_ok
+               and a["train_vs_ref"][0] is not None]
+    if meeting:
+        return max(meeting, key=lambda ma: ma[1]["train_vs_ref"][0])[0]
+    with_p99 = [(m, a) for m, a in bases if a["p99_ms"][0] is not None]
+    return min(with_p99, key=lambda ma: ma[1]["p99_ms"][0])[0] if with_p99 else None
+
+
+def dominated_by(agg: dict[tuple[str, str, str], dict[str, Any]], pair: str, scenario: str, mode: str,
+                 tolerance: float = 0.02) -> list[str]:
+    """Static modes with a median p99 at or below ``mode``'s that give training more (by > ``tolerance`` of the
+    unlimited solo training): issue 17's dominance test, on medians."""
+    me = agg.get((pair, scenario, mode))
+    if me is None or me["p99_ms"][0] is None or me["train_vs_ref"][0] is None:
+        return []
+    out = []
+    for (p, s, m), a in agg.items():
+        if p != pair or s != scenario or not MODES.get(m, {}).get("baseline") or a["p99_ms"][0] is None:
+            continue
+        if a["p99_ms"][0] <= me["p99_ms"][0] and (a["train_vs_ref"][0] or 0) > me["train_vs_ref"][0] + tolerance:
+            out.append(m)
+    return out
+
+
+def _pair(x: tuple[float | None, float | None], pctg: bool = False, suffix: str = "") -> str:
+    med, worst = x
+    if med is None or worst is None:
+        return "–"
+    if pctg:
+        return f"{med * 100:.1f}% / {worst * 100:.1f}%"
+    return f"{f(round(med, 3), suffix)} / {f(round(worst, 3), suffix)}"
+
+
+def matrix_report(docs: list[dict[str, Any]]) -> str:
+    cells = [c for d in docs for c in d["cells"]]
+    agg = aggregate(cells)
+    lines = [BEGIN, "", "## The workload matrix (generated)", ""]
+    for d in docs:
+        m = d["machine"]
+        lines.append(f"* run: `{d['command']}` — {m.get('gpu') or 'no GPU'}, torch {m.get('torch', '–')}, "
+                     f"{len(d['cells'])} stacks in {d.get('wall_s', '?')} s (estimate {d.get('estimate_s', '?')} s)"
+                     + (" — **dry run** (fake driver, no GPU: checks the harness only, no figure means anything)"
+                        if d.get("dry_run") else ""))
+        for e in d.get("errors", []):
+            lines.append(f"  * **failed**: {e['mode']} {e['pair']} trial {e['trial']}: `{e['error'][:200]}`")
+        if d.get("isolation_fallback"):
+            fb = d["isolation_fallback"]
+            lines.append(f"  * **process isolation turned off** after {fb['after']} failed to cold-start under it: "
+                         f"`{fb['error'][:200]}`")
+        for k in ("cut", "skipped"):
+            if d.get(k):
+                lines.append(f"  * {k} ({'over the planned budget' if k == 'cut' else 'past the deadline'}): "
+                             + ", ".join(f"{x['pair']} {x['mode']} t{x['trial']}" for x in d[k]))
+    lines += ["", "Each entry is *median / worst* over the trials (fresh standalone and fresh action processes each). "
+              "`p99/solo`: against the solo p99 of the same mode; `training/ref`: training it/s over the unlimited "
+              "(`noshim`) solo it/s of the same trial; violations: requests over the SLO (2 × the `noshim` solo p99 of "
+              "the trial) or failed. *Strongest baseline*: among the static modes, the one whose worst violations stay "
+              "≤ 1% with the most training (else the lowest p99); the controller rows give their training and p99 as "
+              "ratios to it. *Dominated by*: static modes with a median p99 at or below the mode's and more training "
+              "(+0.02)."]
+    for pair in dict.fromkeys(c["pair"] for c in cells):
+        scen = list(dict.fromkeys(s for (p, s, _m) in agg if p == pair))
+        modes = list(dict.fromkeys(c["mode"] for c in cells if c["pair"] == pair))
+        lines += ["", f"### {pair}", "",
+                  "| mode | effective (log) | trials | solo p50 (ms) | solo p99 (ms) | solo training (it/s) | "
+                  "idle training / ref |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for mode in modes:
+            a = agg.get((pair, "solo", mode))
+            idle = agg.get((pair, "idle", mode))
+            if a is None:
+                continue
+            lines.append(f"| {mode} | {a['effective']} | {a['trials']} | {_pair(a['p50_ms'])} | {_pair(a['p99_ms'])} | "
+                         f"{_pair(a['train_it_s'])} | {_pair(idle['train_vs_ref']) if idle else '–'} |")
+        lines += ["", "| scenario | mode | p99 (ms) | p99 / solo | violations | training / ref | "
+                      "vs strongest baseline: p99 × / training × | dominated by |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name in scen:
+            if name in ("solo", "idle") or name.startswith("share@"):
+                continue
+            best = strongest_baseline(agg, pair, name)
+            for mode in modes:
+                a = agg.get((pair, name, mode))
+                if a is None:
+                    continue
+                vs = "–"
+                if best and mode != best and a["p99_ms"][0] and a["train_vs_ref"][0] is not None:
+                    b = agg[(pair, name, best)]
+                    if b["p99_ms"][0] and b["train_vs_ref"][0]:
+                        vs = (f"{a['p99_ms'][0] / b['p99_ms'][0]:.2f} / {a['train_vs_ref'][0] / b['train_vs_ref'][0]:.2f}"
+                              f" ({best})")
+                elif mode == best:
+                    vs = "**strongest baseline**"
+                dom = dominated_by(agg, pair, name, mode) if mode in CONTROLLERS else []
+                lines.append(f"| {name} | {mode} | {_pair(a['p99_ms'])} | {_pair(a['p99_vs_solo'], suffix='x')} | "
+                             f"{_pair(a['slo_violations'], pctg=True)} | {_pair(a['train_vs_ref'])} | {vs} | "
+                             f"{', '.join(dom) if dom else ('none' if mode in CONTROLLERS else '')} |")
+    lines += ["", "Issue 17's cell targets (ResNet/ResNet; medians over trials):", "",
+              "| mode | paced 50%: p99 ≤ 1.25× solo | training ≥ 75% of solo | burst violations ≤ 1% | "
+              "idle training ≥ 95% of solo |", "| --- | --- | --- | --- | --- |"]
+    for mode in dict.fromkeys(c["mode"] for c in cells if c["pair"] == "resnet50+train"):
+        a = agg.get(("resnet50+train", "paced@0.5", mode))
+        bu = agg.get(("resnet50+train", "burst", mode))
+        idle = agg.get(("resnet50+train", "idle", mode))
+
+        def verdict(x: float | None, ok: bool) -> str:
+            return "–" if x is None else f"{x:.2f} {'met' if ok else '**missed**'}"
+        p = a["p99_vs_solo"][0] if a else None
+        t = a["train_vs_solo"][0] if a else None
+        v = bu["slo_violations"][0] if bu else None
+        i = idle["train_vs_solo"][0] if idle else None
+        lines.append(f"| {mode} | {verdict(p, p is not None and p <= 1.25)} | {verdict(t, t is not None and t >= 0.75)} | "
+                     f"{'–' if v is None else f'{v * 100:.1f}% ' + ('met' if v <= 0.01 else '**missed**')} | "
+                     f"{verdict(i, i is not None and i >= 0.95)} |")
+    lines += ["", "First reaction (≤ 100 ms) is not measured here: the share trace is sampled from `/metrics` every "
+                  "0.25 s; the manager's own tick records are the place for it.", "", END]
+    return "\n".join(lines) + "\n"
+
+
+def write_matrix(path: Path, text: str) -> None:
+    """Replace the generated block of ``path`` (keeping the hand-written text around it), or append it."""
+    old = path.read_text() if path.exists() else "# GPU sharing through the product\n"
+    if BEGIN in old and END in old:
+        new = old[: old.index(BEGIN)] + text.rstrip("\n") + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + text
+    path.write_text(new)
+
+
+ARRIVALS = ("paced", "poisson", "bursty")
+
+
+def load_docs(spec: str) -> list[dict[str, Any]]:
+    docs = []
+    for name in [x for x in spec.split(",") if x]:
+        path = Path(name)
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        docs.append(json.loads(raw))
+    return docs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="noshim,shim,mps50")
     ap.add_argument("--pairs", default="resnet50+train,bert+train")
+    ap.add_argument("--pair-modes", default="", help="other modes for some pairs: 'bert+train=noshim,slo-ts;...'")
+    ap.add_argument("--priority", default="", help="(pair, mode) columns most important first, cut from the end "
+                                                    "when over --budget-s: 'resnet50+train:noshim,slo-ts;bert+train:noshim'")
     ap.add_argument("--scenarios", default="cold,solo,share,paced,poisson,burst,idle")
+    ap.add_argument("--arrivals", default=None,
+                    help=f"arrival processes beside training, among {ARRIVALS} (default: those in --scenarios)")
     ap.add_argument("--loads", default="0.5,0.7")
+    ap.add_argument("--besides", default="", help="the scenarios beside training, explicitly (instead of --arrivals x "
+                                                  "--loads and burst): 'paced@0.5,poisson@0.3,bursty@0.7,burst'")
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--trials", type=int, default=1)
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="cut the stacks whose estimated H200 time passes this (0: no cut); the plan is printed")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="while running, skip a stack that would end past this many seconds (0: none)")
+    ap.add_argument("--plan-only", action="store_true", help="print the plan and its estimate, run nothing")
+    ap.add_argument("--isolation-fallback", action="store_true",
+                    help="when a stack's GPU actions fail to cold-start under process isolation, run that stack again "
+                         "and every later one with --invoker-process-isolation off (recorded in the results)")
     ap.add_argument("--out", default=str(ROOT / "docs/benchmarks/data/gpu_product.json"))
-    ap.add_argument("--report", default=None, help="write the markdown report here (e.g. docs/benchmarks/gpu-product.md)")
-    ap.add_argument("--from-json", default=None, help="only render the report from a results file")
+    ap.add_argument("--report", default=None, help="write the per-stack report here")
+    ap.add_argument("--matrix", default=None,
+                    help="write the matrix tables into this page's generated block (docs/benchmarks/gpu-product.md)")
+    ap.add_argument("--from-json", default=None, help="only render the reports from results files (comma-separated, "
+                                                      ".json or .json.gz)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep each stack's work directory (logs, data)")
     args = ap.parse_args()
     if args.from_json:
-        doc = json.loads(Path(args.from_json).read_text())
+        docs = load_docs(args.from_json)
     else:
         args.modes = [m for m in args.modes.split(",") if m]
-        bad = [m for m in args.modes if m not in MODES]
+        args.pairs = [p for p in args.pairs.split(",") if p]
+        args.pair_modes = {k: [m for m in v.split(",") if m] for k, _, v in
+                           (x.partition("=") for x in args.pair_modes.split(";") if x)}
+        every = set(args.modes) | {m for ms in args.pair_modes.values() for m in ms}
+        bad = sorted(m for m in every if m not in MODES)
         if bad:
             ap.error(f"unknown modes {bad}; known: {list(MODES)}")
-        args.pairs = [p for p in args.pairs.split(",") if p]
-        if any(p not in PAIRS for p in args.pairs):
+        if any(p not in PAIRS for p in [*args.pairs, *args.pair_modes]):
             ap.error(f"pairs must be among {list(PAIRS)}")
         args.scenarios = [s for s in args.scenarios.split(",") if s]
+        args.arrivals = ([a for a in args.arrivals.split(",") if a] if args.arrivals is not None
+                         else [a for a in ARRIVALS if a in args.scenarios])
+        if any(a not in ARRIVALS for a in args.arrivals):
+            ap.error(f"arrivals must be among {ARRIVALS}")
         args.loads = [float(x) for x in args.loads.split(",") if x]
+        args.extra_flags = []
+        args.besides = [x for x in args.besides.split(",") if x]
+        for item in args.besides:
+            kind, _, load = item.partition("@")
+            if item != "burst" and (kind not in ARRIVALS or not re.fullmatch(r"[0-9.]+", load)):
+                ap.error(f"--besides: {item!r} is not burst or <arrival>@<load>, arrival among {ARRIVALS}")
+        if args.plan_only:
+            print_plan(args, *plan(args))
+            return 0
         doc = asyncio.run(main_async(args))
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(doc, indent=1))
-    text = report(doc)
+        docs = [doc]
+    text = "\n".join(report(d) for d in docs)
     if args.report:
         Path(args.report).write_text(text)
+    if args.matrix:
+        write_matrix(Path(args.matrix), matrix_report(docs))
     print(text)
-    return 0 if doc["cells"] else 1
+    if args.matrix:
+        print(matrix_report(docs))
+    return 0 if any(d["cells"] for d in docs) else 1
 
 
 if __name__ == "__main__":

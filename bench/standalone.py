@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -26,6 +25,10 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from loadgen import closed_loop, machine, percentile, sequential
+
 GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFqm12CdAsMgRU4VrNZ9lyGVCGuMDGIwP"
 NOOP = "def main(args):\n    return {}\n"
 
@@ -46,35 +49,6 @@ async def wait_http(session: aiohttp.ClientSession, url: str, timeout_s: float =
         except aiohttp.ClientError:
             await asyncio.sleep(0.05)
     raise RuntimeError(f"{url} did not come up")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def latency(call, n: int) -> list[float]:  # type: ignore[no-untyped-def]
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        await call()
-        out.append((time.perf_counter() - t) * 1000)
-    return out
-
-
-async def throughput(call, clients: int, seconds: float) -> float:  # type: ignore[no-untyped-def]
-    done = 0
-    stop = time.monotonic() + seconds
-
-    async def worker() -> None:
-        nonlocal done
-        while time.monotonic() < stop:
-            await call()
-            done += 1
-
-    t = time.monotonic()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    return done / (time.monotonic() - t)
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -120,13 +94,13 @@ async def main_async(args: argparse.Namespace) -> dict:
                         raise RuntimeError(f"/run answered {r.status}")
 
             for call in (via_api, direct):  # warm up (cold start, connection pools)
-                await latency(call, 200)
+                await sequential(call, 200)
             for _ in range(args.rounds):
                 for name, call in (("standalone", via_api), ("direct", direct)):
-                    lat = await latency(call, args.requests)
+                    lat = await sequential(call, args.requests)
                     results[name]["p50"].append(statistics.median(lat))
                     results[name]["p99"].append(percentile(lat, 0.99))
-                    results[name]["rps"].append(await throughput(call, args.clients, args.seconds))
+                    results[name]["rps"].append((await closed_loop(call, args.clients, seconds=args.seconds)).rate)
     finally:
         for proc in (server, runtime):
             proc.terminate()
@@ -136,18 +110,6 @@ async def main_async(args: argparse.Namespace) -> dict:
             except subprocess.TimeoutExpired:
                 proc.kill()
     return results
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def render(results: dict, args: argparse.Namespace, cmd: str) -> str:
@@ -168,7 +130,7 @@ def render(results: dict, args: argparse.Namespace, cmd: str) -> str:
 
     return f"""# Standalone: warm invoke latency and throughput
 
-Machine: {machine()}. Command: `{cmd}` ({args.rounds} rounds, arms alternated; {args.requests} sequential
+Machine: {machine(load=True)}. Command: `{cmd}` ({args.rounds} rounds, arms alternated; {args.requests} sequential
 blocking invokes per round for latency, then {args.clients} concurrent clients for {args.seconds:g} s for
 throughput). The client runs on the same machine and its CPU counts against both arms alike.
 

@@ -44,7 +44,7 @@ _GROUP_TITLES: dict[str, str] = {
 STANDALONE_ESSENTIALS: frozenset[str] = frozenset({
     "data_dir", "standalone.invokers",
     "api.host", "api.port", "api.auth_file", "api.guest_key",
-    "invoker.backend", "invoker.user_memory_mb", "invoker.docker_url",
+    "invoker.backend", "invoker.user_memory_mb", "invoker.docker_url", "invoker.preload",
     "gpu.enabled", "gpu.shim_path",
     "redis.url", "redis.server_binary",
     "log.level", "log.json",

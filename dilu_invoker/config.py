@@ -96,6 +96,24 @@ class InvokerConfig:
                                      env=("CONFIG_whisk_invoker_dedicated_namespaces",))
     gpu_images: str = _opt("", "docker images whose actions (kind blackbox) run as the manifest's GPU kind, "
                                "comma-separated; an image without a tag matches every tag")
+    preload: int = _opt(1, "pre-loaded containers kept per kind whose runtimes manifest entry has a 'preload' "
+                           "list (libraries imported, CUDA context made, ahead of any request); 0: off, "
+                           "pre-warming only", flag="--preload")
+    preload_memory_mb: int = _opt(256, "memory limit of a pre-loaded container until an action takes it (then "
+                                       "the action's limits.memory), unless its kind's manifest entry sets "
+                                       "preloadMemoryMB")
+    preload_budget_mb: int = _opt(4096, "host memory all pre-loaded containers may hold together; they are "
+                                        "released first when actions need the memory")
+    preload_gpu_budget_mb: int = _opt(4096, "GPU memory pre-loaded containers of GPU kinds may reserve together "
+                                            "(their CUDA contexts)")
+    preload_learn: int = _opt(8, "modules per kind learnt from what recent actions of the kind imported, "
+                                 "pre-loaded besides the manifest's list (0: the list only)")
+
+    def __post_init__(self) -> None:
+        for name in ("preload", "preload_memory_mb", "preload_budget_mb", "preload_gpu_budget_mb", "preload_learn"):
+            if getattr(self, name) < 0:
+                flag = "--preload" if name == "preload" else "--invoker-" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must not be negative")
 
 
 @dataclass(frozen=True, slots=True)

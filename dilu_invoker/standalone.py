@@ -8,7 +8,8 @@ balancer (unless ``--no-standalone-balancer``) → OpenWhisk REST API on 127.0.0
 activations to the invokers in turn, as a controller would.
 Shutdown: stop listening → drain in-flight activations (bounded) → remove containers → stop Redis.
 
-The N invokers share one process and event loop (each with its own pool, endpoints, id and routing):
+The REST API hands activations to the N invokers in turn, skipping disabled or stopped ones
+(:class:`RoundRobin`). They share one process and event loop (each with its own pool, endpoints, id and routing):
 action containers are child processes either way, and one loop keeps a demo on a small machine cheap.
 Several ``dilu-invoker standalone --invokers 1 --id K --redis-url …`` processes sharing one Redis form the
 same cluster with real process boundaries (the integration tests run it that way).
@@ -30,12 +31,13 @@ from functools import partial
 from pathlib import Path
 
 import structlog
+from aiohttp import web
 
 from dilu_invoker import logs
 from dilu_invoker.banner import standalone_banner
 from dilu_invoker.config import Config
 from dilu_invoker.health import HEALTH, add_invoker_health
-from dilu_invoker.invoker.api import ActivationRunner
+from dilu_invoker.invoker.api import ActivationRunner, InvokerOverloaded
 from dilu_invoker.invoker.cluster.reports import gpu_view_of
 from dilu_invoker.invoker.cluster.routing import devices_for, enable_balancer_routing
 from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
@@ -64,6 +66,8 @@ class Running:
     invoker_urls: tuple[str, ...] = ()
     runners: tuple[ActivationRunner, ...] = ()
     balancer: Balancer | None = None
+    #: each invoker's endpoint server (``/ping``, ``/invoker/...``), in invoker order
+    endpoints: tuple[web.AppRunner, ...] = ()
 
 
 def _is_enabled(invoker: Invoker) -> bool:
@@ -71,13 +75,33 @@ def _is_enabled(invoker: Invoker) -> bool:
 
 
 class RoundRobin:
-    """Hands activations to several invokers in turn (what OpenWhisk's controller does across invokers)."""
+    """Hands activations to several invokers in turn (what OpenWhisk's controller does across invokers),
+    skipping the ones that are disabled (``/invoker/disable``) or down. An activation an invoker refuses
+    because it went down meanwhile (its queue is dropped when it stops) goes to the next one; one that was
+    running there ends with that invoker's error record. No invoker enabled: :class:`InvokerOverloaded`
+    (the API answers 503, retry)."""
 
-    def __init__(self, runners: Sequence[ActivationRunner]) -> None:
-        self._next = itertools.cycle(runners)
+    def __init__(self, runners: Sequence[ActivationRunner], invokers: Sequence[Invoker]) -> None:
+        self._pairs = list(zip(runners, invokers, strict=True))
+        self._turn = itertools.count()
+
+    def _pick(self) -> tuple[ActivationRunner, Invoker]:
+        start = next(self._turn)
+        for i in range(len(self._pairs)):
+            runner, invoker = self._pairs[(start + i) % len(self._pairs)]
+            if invoker.enabled:
+                return runner, invoker
+        raise InvokerOverloaded("no invoker is enabled")
 
     async def run(self, req: ActivationRequest) -> Activation:
-        return await next(self._next).run(req)
+        for _ in self._pairs:
+            runner, invoker = self._pick()
+            try:
+                return await runner.run(req)
+            except InvokerOverloaded:
+                if invoker.enabled:
+                    raise  # a full queue: back-pressure to the client
+        raise InvokerOverloaded("no invoker is enabled")
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,6 +183,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
         invokers: list[Invoker] = []
         urls: list[str] = []
         runners: list[ActivationRunner] = []
+        endpoints: list[web.AppRunner] = []
         first_credentials: tuple[str, str] | None = None
         for k in range(n):
             icfg = replace(cfg, invoker=replace(cfg.invoker, id=cfg.invoker.id + k,
@@ -170,6 +195,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
             add_invoker_health(inv_app, health, enabled=partial(_is_enabled, invoker))
             inv_runner, inv_port = await serve_app(inv_app, icfg.invoker.host, icfg.invoker.port)
             stack.push_async_callback(inv_runner.cleanup)
+            endpoints.append(inv_runner)
             runner: ActivationRunner = invoker
             if cfg.balancer.routing:
                 runner = await stack.enter_async_context(enable_balancer_routing(
@@ -181,7 +207,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
         balancer = None
         if cfg.standalone.balancer:
             balancer = await stack.enter_async_context(open_balancer(cfg, redis))
-        front: ActivationRunner = runners[0] if n == 1 else RoundRobin(runners)
+        front: ActivationRunner = runners[0] if n == 1 else RoundRobin(runners, invokers)
         api = build_api(cfg.api, store=store, runner=front, manifest=manifest, auth=Authenticator.from_config(cfg.api),
                         action_fit=_action_fit(cfg, invokers))
         api[HEALTH] = health
@@ -189,7 +215,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
         stack.push_async_callback(api_runner.cleanup)
         assert first_credentials is not None
         running = Running(f"http://{cfg.api.host}:{api_port}", urls[0], invokers[0], first_credentials,
-                          tuple(invokers), tuple(urls), tuple(runners), balancer)
+                          tuple(invokers), tuple(urls), tuple(runners), balancer, tuple(endpoints))
         log.info("standalone ready", api=running.api_url, invokers=urls, balancer=balancer is not None,
                  routing=cfg.balancer.routing, backend=cfg.invoker.backend, kinds=manifest.kinds,
                  credentials_file=str(cfg.data_path / f"invoker{cfg.invoker.id}-credentials"))

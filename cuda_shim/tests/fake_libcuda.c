@@ -47,7 +47,8 @@
     X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz)      \
     X(cuMemCreate) X(cuMemFree_v2) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemRelease) \
     X(cuMemGetInfo_v2) X(cuMemcpyHtoD_v2) X(cuCtxSynchronize) X(cuCtxSynchronize_v2)          \
-    X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz)
+    X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuMemGetAddressRange_v2)             \
+    X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)
 
 enum {
 #define X(n) F_##n,
@@ -540,6 +541,85 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *f, size_t *t) {
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *src, size_t n) { hit(F_cuMemcpyHtoD_v2); return CUDA_SUCCESS; }
+
+/* ---- CUDA IPC (dilu_invoker/actions/models.py) -------------------------------------------
+ * A handle names the exporter's pid and the allocation's base and size. Like the driver: it covers the whole
+ * allocation (an interior pointer exports its base), it cannot be opened in the exporting process, and a
+ * handle whose exporter is gone does not open. An opened handle maps at an address of its own. */
+#include <errno.h>
+#include <signal.h>
+#include <unistd.h>
+#define FAKE_IPC_MAGIC 0x31435049454b4146ull /* "FAKEIPC1" */
+struct fake_ipc { uint64_t magic, pid, base, size; };
+#define MAX_OPENED 64
+static struct { uint64_t ptr, base; } opened[MAX_OPENED];
+static uint64_t next_mapped = 0x7e0000000000ull;
+
+static int find_alloc(uint64_t p, uint64_t *base, uint64_t *size) {
+    int found = 0;
+    pthread_mutex_lock(&mem_mu);
+    for (int i = 0; i < MAX_ALLOCS && !found; i++) {
+        if (allocs[i].key && p >= allocs[i].key && p < allocs[i].key + allocs[i].size) {
+            *base = allocs[i].key;
+            *size = allocs[i].size;
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&mem_mu);
+    return found;
+}
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr p) {
+    hit(F_cuMemGetAddressRange_v2);
+    uint64_t b, n;
+    if (!find_alloc((uint64_t)p, &b, &n)) return CUDA_ERROR_NOT_FOUND;
+    if (pbase) *pbase = (CUdeviceptr)b;
+    if (psize) *psize = (size_t)n;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
+    hit(F_cuIpcGetMemHandle);
+    uint64_t b, n;
+    if (!h) return CUDA_ERROR_INVALID_VALUE;
+    if (cur_dev < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!find_alloc((uint64_t)p, &b, &n)) return CUDA_ERROR_INVALID_VALUE;
+    struct fake_ipc f = {FAKE_IPC_MAGIC, (uint64_t)getpid(), b, n};
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, &f, sizeof f);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned int flags) {
+    hit(F_cuIpcOpenMemHandle_v2);
+    struct fake_ipc f;
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    if (cur_dev < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    memcpy(&f, h.reserved, sizeof f);
+    if (f.magic != FAKE_IPC_MAGIC || !f.size) return CUDA_ERROR_INVALID_VALUE;
+    if (f.pid == (uint64_t)getpid()) return CUDA_ERROR_INVALID_CONTEXT;
+    if (kill((pid_t)f.pid, 0) != 0 && errno == ESRCH) return CUDA_ERROR_INVALID_HANDLE;
+    CUresult r = CUDA_ERROR_TOO_MANY_PEERS;
+    pthread_mutex_lock(&mem_mu);
+    for (int i = 0; i < MAX_OPENED; i++) {
+        if (opened[i].ptr) continue;
+        opened[i].ptr = next_mapped;
+        opened[i].base = f.base;
+        next_mapped += (f.size + 511) & ~511ull;
+        *p = (CUdeviceptr)opened[i].ptr;
+        r = CUDA_SUCCESS;
+        break;
+    }
+    pthread_mutex_unlock(&mem_mu);
+    return r;
+}
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+    hit(F_cuIpcCloseMemHandle);
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mem_mu);
+    for (int i = 0; i < MAX_OPENED; i++) {
+        if (opened[i].ptr && opened[i].ptr == (uint64_t)p) { opened[i].ptr = 0; r = CUDA_SUCCESS; break; }
+    }
+    pthread_mutex_unlock(&mem_mu);
+    return r;
+}
 
 /* ---- cuGetProcAddress ------------------------------------------------------------------- */
 EXPORT CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t,

@@ -24,7 +24,7 @@ class Kind(enum.IntEnum):
     INIT = 1
     RUN = 2
     # worker -> proxy
-    INIT_OK = 10
+    INIT_OK = 10  # payload: JSON list of the top-level installed modules the action imported (may be empty)
     INIT_DECODE_ERROR = 11  # code could not be decoded (bad base64): 400 like upstream
     INIT_COMPILE_ERROR = 12  # no usable source (syntax error, bad zip, no __main__.py): 502
     INIT_START_ERROR = 13  # the module could not be loaded or has no such main: 502
@@ -32,6 +32,7 @@ class Kind(enum.IntEnum):
     RESULT_NOT_DICT = 21  # main returned something other than a dict or list
     RESULT_NOT_JSON = 22  # payload: UTF-8 message saying why the result could not be encoded
     BAD_REQUEST = 23  # payload: UTF-8 message; the run body was not usable
+    PRELOADED = 30  # unsolicited (request id 0), once: JSON {modules, missing, cuda, ms} of the pre-load
 
 
 def pack(kind: Kind, request_id: int, payload: bytes = b"") -> bytes:

@@ -139,6 +139,8 @@ class WorkerProcess:
         self._exit: WorkerExited | None = None
         self._deadline_killed = False
         self._reader_task: asyncio.Task[None] | None = None
+        #: what the worker pre-loaded (its PRELOADED frame), None until it says (or when it pre-loads nothing)
+        self.preload: dict[str, Any] | None = None
 
     async def start(self) -> None:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -203,6 +205,10 @@ class WorkerProcess:
                 header = await reader.readexactly(HEADER.size)
                 kind, request_id, length = HEADER.unpack(header)
                 payload = await reader.readexactly(length) if length else b""
+                if kind == Kind.PRELOADED:
+                    with contextlib.suppress(ValueError):
+                        self.preload = json.loads(payload)
+                    continue
                 pending = self._pending.pop(request_id, None)
                 if pending is None:
                     continue
@@ -267,6 +273,10 @@ class Runtime:
         self._idle = asyncio.Event()
         self._stopping = asyncio.Event()
         self._closing: set[asyncio.Task[None]] = set()
+        #: top-level installed modules the action imported at /init (the invoker learns pre-loads from it)
+        self.imports: list[str] = []
+        #: the worker pre-loads libraries (DILU_PRELOAD_MODULES / DILU_PRELOAD_CUDA are set)
+        self.preloading = "DILU_PRELOAD_MODULES" in os.environ or "DILU_PRELOAD_CUDA" in os.environ
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -362,6 +372,9 @@ class Runtime:
             self._discard(worker)
             return self._init_failed(502, MSG_START, note=f"dilu-runtime: {exited.reason}")
         if kind is Kind.INIT_OK:
+            with contextlib.suppress(ValueError):
+                imports = json.loads(detail) if detail else []
+                self.imports = [str(name) for name in imports] if isinstance(imports, list) else []
             if self.state is State.INITIALIZING:
                 self.state = State.READY
             return web.json_response({"ok": True})
@@ -476,6 +489,24 @@ class Runtime:
             return None
         return remaining + grace
 
+    def _preload_state(self) -> dict[str, Any] | None:
+        """``loading`` until the worker's PRELOADED frame, then ``done`` (or ``failed``: it died, or its CUDA
+        context could not be created) with what it imported."""
+        if not self.preloading:
+            return None
+        worker = self.worker
+        if worker is None and self._standby is not None and self._standby.done() and not self._standby.cancelled():
+            if self._standby.exception() is None:
+                worker = self._standby.result()
+        if worker is None:
+            return {"state": "loading"}
+        info = worker.preload
+        if worker.exited is not None:
+            return {"state": "failed", "error": worker.exited.reason, **(info or {})}
+        if info is None:
+            return {"state": "loading"}
+        return {"state": "failed" if info.get("cuda_error") else "done", **info}
+
     async def handle_health(self, request: web.Request) -> web.Response:
         worker = self.worker
         return web.json_response(
@@ -484,6 +515,8 @@ class Runtime:
                 "concurrent": self.options.allow_concurrent,
                 "worker_pid": worker.process.pid if worker and worker.process else None,
                 "active_runs": worker.pending_runs() if worker else 0,
+                "preload": self._preload_state(),
+                "imports": self.imports,
             }
         )
 

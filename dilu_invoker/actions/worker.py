@@ -5,6 +5,12 @@ the command line). The worker's stdout and stderr are the proxy's, so the user's
 the container's streams; the worker writes the activation sentinel on both after the user's output of each
 run and of a failed init. Anything fatal here (a segfault, `os._exit`, `sys.exit`) ends only this process;
 the proxy notices and answers for it.
+
+A pre-loaded worker (the invoker's pool of pre-loaded containers, docs/runtime.md "Pre-loaded workers")
+imports the modules named in ``DILU_PRELOAD_MODULES`` and, with ``DILU_PRELOAD_CUDA=1``, creates its CUDA
+context before it reads its first frame; the proxy learns the outcome from one ``PRELOADED`` frame. The
+action it later loads still gets a fresh module of its own: only the imported libraries are shared, and
+the process serves that one action for the rest of its life.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import io
 import json
 import os
 import signal
+import site
 import socket
 import sys
+import sysconfig
 import threading
+import time
 import traceback
 import zipfile
 from collections.abc import Callable
@@ -31,6 +40,10 @@ from dilu_invoker.actions._ipc import ESCAPED_SENTINEL, HEADER, SENTINEL, SENTIN
 
 MODULE_NAME = "main__"
 _PR_SET_PDEATHSIG = 1
+PRELOAD_MODULES_ENV = "DILU_PRELOAD_MODULES"
+PRELOAD_CUDA_ENV = "DILU_PRELOAD_CUDA"
+#: at most this many imported module names are reported after an /init (what the invoker learns from)
+MAX_REPORTED_IMPORTS = 32
 
 
 class InitFailure(Exception):
@@ -48,6 +61,8 @@ class Worker:
         self._action_dir = action_dir
         self._concurrent = concurrent
         self._main: Callable[[Any], Any] | None = None
+        #: top-level installed modules the action's module imported (reported with INIT_OK)
+        self.imports: list[str] = []
 
     # -- wire ---------------------------------------------------------------------------------------
 
@@ -99,7 +114,7 @@ class Worker:
             _end_activation_output()
             self._send(Kind.INIT_START_ERROR, request_id, b"the action's module failed to load")
             return
-        self._send(Kind.INIT_OK, request_id)
+        self._send(Kind.INIT_OK, request_id, json.dumps(self.imports).encode())
 
     def _load(self, payload: bytes) -> Callable[[Any], Any]:
         value = json.loads(payload)["value"]
@@ -130,10 +145,12 @@ class Worker:
         sys.path.insert(0, self._action_dir)
         # After the action dir, as upstream: the virtualenv's packages end up in front of it.
         _activate_virtualenv(os.path.join(self._action_dir, "virtualenv"))
+        before = set(sys.modules)
         module = importlib.import_module(MODULE_NAME)
         main = getattr(module, main_name, None)
         if not callable(main):
             raise InitFailure(Kind.INIT_START_ERROR, f"The action has no function named '{main_name}'.")
+        self.imports = installed_imports(before, self._action_dir)
         return main
 
     # -- /run ---------------------------------------------------------------------------------------
@@ -164,6 +181,85 @@ class Worker:
         kind, out = _encode_result(result)
         _end_activation_output()
         self._send(kind, request_id, out)
+
+
+def _installed_roots() -> tuple[str, ...]:
+    roots: list[str] = []
+    with contextlib.suppress(Exception):
+        roots += site.getsitepackages()
+    with contextlib.suppress(Exception):
+        roots.append(site.getusersitepackages())
+    for name in ("purelib", "platlib"):
+        with contextlib.suppress(Exception):
+            roots.append(sysconfig.get_path(name))
+    return tuple(sorted({os.path.realpath(r) + os.sep for r in roots if r}))
+
+
+def installed_imports(before: set[str], action_dir: str) -> list[str]:
+    """Top-level modules imported since ``before`` that are installed packages (site-packages), not the
+    action's own files nor its virtualenv: what a pre-loaded worker of the kind could import ahead."""
+    roots = _installed_roots()
+    own = os.path.realpath(action_dir) + os.sep
+    names: set[str] = set()
+    for name in set(sys.modules) - before:
+        top = name.partition(".")[0]
+        if top in names or top == MODULE_NAME or top.startswith("_") or not top.isidentifier():
+            continue
+        module = sys.modules.get(top)
+        path = getattr(module, "__file__", None)
+        if not path:
+            continue
+        real = os.path.realpath(path)
+        if real.startswith(own) or not real.startswith(roots):
+            continue
+        names.add(top)
+    return sorted(names)[:MAX_REPORTED_IMPORTS]
+
+
+def preload(modules: list[str], *, cuda: bool) -> dict[str, Any]:
+    """Import ``modules`` (missing ones are tolerated and reported) and, with ``cuda``, create the CUDA
+    context through the first of torch/cupy that imported (skipped when no GPU is visible). Returns what
+    happened; ``cuda_error`` set means the process must not serve (the invoker discards it)."""
+    started = time.monotonic()
+    loaded: list[str] = []
+    missing: list[str] = []
+    for name in modules:
+        if not all(part.isidentifier() for part in name.split(".")):
+            missing.append(name)
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - a library that does not import is simply not pre-loaded
+            missing.append(name)
+        else:
+            loaded.append(name)
+    info: dict[str, Any] = {"modules": loaded, "missing": missing, "cuda": False, "cuda_error": None}
+    if cuda:
+        try:
+            info["cuda"] = _create_cuda_context()
+        except BaseException as exc:  # noqa: BLE001 - reported; the invoker discards the process
+            info["cuda_error"] = f"{type(exc).__name__}: {exc}"
+    info["ms"] = int((time.monotonic() - started) * 1000)
+    return info
+
+
+def _create_cuda_context() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if not torch.cuda.is_available():
+            return False
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # a tiny allocation: the primary context and the allocator exist now
+        torch.cuda.synchronize()
+        return True
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False
+        cupy.zeros(1)
+        cupy.cuda.runtime.deviceSynchronize()
+        return True
+    return False
 
 
 def _print_user_traceback(exc: BaseException) -> None:
@@ -337,6 +433,15 @@ def main(argv: list[str]) -> int:
     fd, action_dir, concurrent, parent = int(argv[0]), argv[1], argv[2] == "1", int(argv[3])
     _die_with_parent(parent)
     sock = socket.socket(fileno=fd)
+    asked = PRELOAD_MODULES_ENV in os.environ or PRELOAD_CUDA_ENV in os.environ
+    modules = [m.strip() for m in os.environ.pop(PRELOAD_MODULES_ENV, "").split(",") if m.strip()]
+    cuda = os.environ.pop(PRELOAD_CUDA_ENV, "") == "1"
+    worker = Worker(sock, action_dir=action_dir, concurrent=concurrent)
+    if asked:
+        info = preload(modules, cuda=cuda)
+        # Whatever the libraries printed while importing is not any activation's output.
+        _flush_streams()
+        worker._send(Kind.PRELOADED, 0, json.dumps(info).encode())
     _install_sentinel_escaping()
-    Worker(sock, action_dir=action_dir, concurrent=concurrent).serve()
+    worker.serve()
     return 0

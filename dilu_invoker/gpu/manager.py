@@ -35,7 +35,14 @@ from dilu_invoker.policy.vertical import (
     VerticalInstance,
     VerticalSnapshot,
 )
-from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, AnyVerticalState, decide_vertical, initial_state, policy_name
+from dilu_invoker.policy.vertical_slo import (
+    AnyVerticalConfig,
+    AnyVerticalState,
+    decide_vertical,
+    initial_state,
+    mps_start_threads,
+    policy_name,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -628,6 +635,11 @@ class GpuManager:
         """The control block an instance starts with (written before its container starts)."""
         return quota_for(spec.starting_share, spec.capacity_blocks_per_ms, mem_cap_bytes=spec.mem_cap_bytes,
                          stale_after_ns=self.stale_after_ns)
+
+    def mps_threads(self, spec: InstanceSpec) -> float:
+        """The MPS active-thread fraction the instance's client starts with under this GPU's policy (MPS fixes
+        it when the process connects: `GpuNode` puts it in the container's environment)."""
+        return mps_start_threads(spec.cls, spec.limit, self.vertical)
 
     def add(self, spec: InstanceSpec, control: abi.ControlFile, stats: abi.StatsFile) -> None:
         if spec.id in self._instances:

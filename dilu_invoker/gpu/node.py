@@ -347,13 +347,55 @@ class GpuNode:
             await self._release(device, instance)
             return None
         files = abi.instance_files(self.root, instance)
-        attachment = self._attachment(device, files, spec)
+        attachment = self._attachment(device, files, spec, mps_threads=mgr.mps_threads(spec))
         mgr.add(spec, control, stats)
         self._attached[instance] = _Attached(spec, device, files, control, stats, attachment, reserved)
         log.info("GPU attached", instance=instance, function=function, gpu=device.index, uuid=device.uuid,
                  cls=spec.cls.value, request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb,
                  budget="redis" if reserved else "local", reason=why)
         return attachment
+
+    async def retarget(self, instance: str, function: str, needs: GpuNeeds, *, new_id: str | None = None) -> bool:
+        """Hand an attached instance — a pre-loaded container's GPU share, made before its function was
+        known — to ``function`` with ``needs``, on the same GPU: its shim blocks, environment and CUDA
+        context stay; its spec, budget reservation and quota become the function's, under ``new_id`` when
+        given (a balancer-placed instance keeps its share under the instance's id). False, changing
+        nothing, when that GPU has no room for the new needs, when ``new_id`` is attached already, or when
+        an MPS client's thread cap (fixed when it connected) would have to change."""
+        a = self._attached.get(instance)
+        target = new_id or instance
+        if a is None or (target != instance and target in self._attached):
+            return False
+        try:
+            spec = InstanceSpec(
+                id=target, function=function, cls=InstanceClass(needs.gpu_class.value), request=needs.sm_request,
+                limit=needs.sm_limit, memory_mb=needs.memory_mb, slo_ms=needs.slo_ms,
+                capacity_blocks_per_ms=needs.capacity_blocks_per_ms,
+            )
+        except ValueError:
+            return False
+        if spec.limit != a.spec.limit and "CUDA_MPS_PIPE_DIRECTORY" in a.attachment.env:
+            return False
+        mgr = self._managers[a.device.uuid]
+        async with self._admit_lock:
+            del self._attached[instance]  # its old needs must not count against its new ones
+            await self._release(a.device, instance)
+            ok, reserved, why = await self._reserve(a.device, spec)
+            if not ok:
+                _ok, old_reserved, _why = await self._reserve(a.device, a.spec)
+                a.reserved = old_reserved
+                self._attached[instance] = a
+                log.info("GPU share not retargeted: no room for the function's needs", instance=instance,
+                         function=function, gpu=a.device.index, reason=why)
+                return False
+            mgr.remove(instance)
+            a.control.write(mgr.initial_quota(spec))
+            mgr.add(spec, a.control, a.stats)
+            a.spec, a.reserved = spec, reserved
+            self._attached[target] = a
+        log.info("GPU share retargeted", instance=target, was=instance, function=function, gpu=a.device.index,
+                 request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb)
+        return True
 
     async def detach(self, instance: str) -> None:
         a = self._attached.pop(instance, None)
@@ -382,12 +424,15 @@ class GpuNode:
         a = self._attached[instance]
         self._managers[a.device.uuid].set_capacity(instance, blocks_per_ms)
 
-    def _attachment(self, device: GpuDevice, files: abi.InstanceFiles, spec: InstanceSpec) -> GpuAttachment:
+    def _attachment(self, device: GpuDevice, files: abi.InstanceFiles, spec: InstanceSpec, *,
+                    mps_threads: float | None = None) -> GpuAttachment:
         env: dict[str, str] = {"DILU_GPU_UUID": device.uuid}
         mounts: tuple[GpuMount, ...] = ()
-        client = self.mps.client(device.index, spec.limit, backend=self.backend) if self.mps is not None else None
+        threads = spec.limit if mps_threads is None else mps_threads
+        client = self.mps.client(device.index, threads, backend=self.backend) if self.mps is not None else None
         if client is not None:
-            # An MPS client of the GPU's daemon; its spatial cap (active threads) is its SM limit, fixed
+            # An MPS client of the GPU's daemon; its spatial cap (active threads) is what the policy chose for
+            # its start (`GpuManager.mps_threads`: its SM limit, a best-effort one lower under `slo`), fixed
             # when it connects. The docker backend shares the host's IPC namespace for it.
             env.update(client.env)
             mounts += tuple(GpuMount(src, dst, ro) for src, dst, ro in client.mounts)

@@ -2,7 +2,9 @@
 
 Format: OpenWhisk's ``ExecManifest`` (``{"runtimes": {family: [runtime, …]}, "blackboxes": [image, …]}``).
 A runtime is a GPU kind when it says ``"gpu": true`` or its kind ends in ``-gpu`` (the controller ignores
-fields it does not know, so the same file serves both).
+fields it does not know, so the same file serves both). A runtime's optional ``"preload"`` list names the
+modules the invoker's pre-loaded containers of that kind import ahead of any request (docs/invoker.md,
+"Pre-loaded containers"); a kind without the key gets no pre-loaded containers.
 """
 
 from __future__ import annotations
@@ -48,6 +50,32 @@ class RuntimeKind:
     require_main: bool = False
     sentinelled_logs: bool = True
     gpu: bool = False
+    #: modules pre-loaded containers of this kind import ahead (None: the kind is not pre-loaded)
+    preload: tuple[str, ...] | None = None
+    #: memory limit of a pre-loaded container of this kind until an action takes it (None: the invoker's
+    #: ``--invoker-preload-memory-mb``); heavy libraries need more than the default
+    preload_memory_mb: int | None = None
+
+
+def _preload_list(m: Mapping[str, Any]) -> tuple[str, ...] | None:
+    raw = m.get("preload")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(x, str) and x for x in raw):
+        raise ManifestError(f"runtime '{m.get('kind')}': 'preload' must be a list of module names")
+    bad = [x for x in raw if not all(part.isidentifier() for part in x.split("."))]
+    if bad:
+        raise ManifestError(f"runtime '{m.get('kind')}': 'preload' has names that are not modules: {bad}")
+    return tuple(raw)
+
+
+def _preload_memory(m: Mapping[str, Any]) -> int | None:
+    raw = m.get("preloadMemoryMB")
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+        raise ManifestError(f"runtime '{m.get('kind')}': 'preloadMemoryMB' must be a positive integer")
+    return raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +124,8 @@ class Manifest:
                         require_main=bool(m.get("requireMain", False)),
                         sentinelled_logs=bool(m.get("sentinelledLogs", True)),
                         gpu=bool(m.get("gpu", kind.endswith("-gpu"))),
+                        preload=_preload_list(m),
+                        preload_memory_mb=_preload_memory(m),
                     )
             blackboxes = tuple(ImageName.from_json(b) for b in obj.get("blackboxes", ()))
         except (KeyError, TypeError, AttributeError) as exc:

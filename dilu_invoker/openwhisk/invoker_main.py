@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import structlog
+from aiohttp import web
 
 from dilu_invoker import logs
 from dilu_invoker.config import Config, ConfigError
@@ -26,6 +28,10 @@ from dilu_invoker.openwhisk.couchdb import ActionStore, ActivationStore, CouchCl
 from dilu_invoker.openwhisk.kafka import KafkaBus, Topics
 from dilu_invoker.openwhisk.messages import InvokerInstance
 from dilu_invoker.openwhisk.routing import GpuImages, LocalRouter, Router, split_list
+
+if TYPE_CHECKING:
+    from dilu_invoker.invoker.dataplane.core import Invoker
+    from dilu_invoker.redis_embedded import RedisHealth
 
 log = structlog.get_logger(__name__)
 
@@ -113,6 +119,22 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
+def endpoint_app(cfg: Config, invoker: Invoker, health: RedisHealth | None) -> web.Application:
+    """The invoker's endpoints, secured as in standalone mode. With a Redis (``--redis-url``: GPU budgets,
+    balancer routing) ``health`` watches it: ``GET /ping`` answers 503 ``unhealthy: <reason>`` while it
+    does not answer and ``pong`` again once it does, ``GET /invoker/health`` says why (``dilu_invoker/health.py``;
+    without a Redis, ``"redis": null``).
+    The health pings on Kafka are unchanged: the controller keeps routing to an invoker whose Redis is down
+    (it still runs CPU actions and admits GPU work against its own view)."""
+    from dilu_invoker.health import add_invoker_health
+    from dilu_invoker.invoker.server import build_app, invoker_credentials
+
+    user, password = invoker_credentials(cfg)
+    app = build_app(invoker, user=user, password=password)
+    add_invoker_health(app, health, enabled=lambda: invoker.enabled)
+    return app
+
+
 async def _main(cfg: Config) -> int:
     manifest = Manifest.load(cfg.invoker.runtimes_manifest)
     front_options(cfg, manifest)  # refuse a bad configuration before starting any container
@@ -120,7 +142,7 @@ async def _main(cfg: Config) -> int:
     # Imported here so that the front (and its tests) do not need the container backends. The control
     # endpoints are served and secured exactly as in standalone mode.
     from dilu_invoker.invoker.dataplane.core import open_invoker
-    from dilu_invoker.invoker.server import build_app, invoker_credentials, serve_app
+    from dilu_invoker.invoker.server import invoker_credentials, serve_app
 
     stop = stop_on_signals()
     # Teardown in reverse: the front stops taking work and drains its acks first, then the endpoints
@@ -128,15 +150,16 @@ async def _main(cfg: Config) -> int:
     async with contextlib.AsyncExitStack() as stack:
         # GPU budgets live in Redis when one is configured; without it the node admits against its own view.
         redis = None
+        health = None
         if cfg.redis.url:
-            from dilu_invoker.redis_embedded import configured_client
+            from dilu_invoker.redis_embedded import RedisHealth, configured_client
 
             redis = configured_client(cfg.redis.url, cfg.redis)
             stack.push_async_callback(redis.aclose)
+            health = await stack.enter_async_context(RedisHealth(cfg.redis.url))
         invoker = await stack.enter_async_context(open_invoker(cfg, manifest=manifest, redis=redis))
-        user, password = invoker_credentials(cfg)
-        http, port = await serve_app(build_app(invoker, user=user, password=password),
-                                      cfg.invoker.host, cfg.invoker.port)
+        user, _password = invoker_credentials(cfg)
+        http, port = await serve_app(endpoint_app(cfg, invoker, health), cfg.invoker.host, cfg.invoker.port)
         stack.push_async_callback(http.cleanup)
         log.info("invoker.endpoints", url=f"http://{cfg.invoker.host}:{port}", user=user,
                  backend=cfg.invoker.backend, kinds=manifest.kinds)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, replace
 
 from dilu_invoker.policy.fill import water_fill
-from dilu_invoker.policy.types import EPS
+from dilu_invoker.policy.types import EPS, InstanceClass
 from dilu_invoker.policy.vertical import (
     FeedbackMode,
     ShareDecision,
@@ -468,10 +468,22 @@ def decide_slo(snapshot: VerticalSnapshot, state: SloState, config: SloConfig) -
     )
 
 
+def mps_start_threads(cls: InstanceClass, limit: float, config: AnyVerticalConfig) -> float:
+    """The active-thread fraction (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE / 100) an instance's MPS client starts
+    with — fixed for the life of its process, so chosen here, once, at container start. Every policy caps a
+    client at its SM limit (a function never gets more than it declared); under `slo` a best-effort client is
+    capped further, at `mps_best_effort_threads`, leaving the rest of the SMs to latency-critical clients that
+    start while it runs. Within [0.01, 1]."""
+    cap = limit
+    if isinstance(config, SloConfig) and not cls.latency_critical:
+        cap = min(limit, config.mps_best_effort_threads)
+    return min(1.0, max(0.01, cap))
+
+
 def _share_decision(inst: VerticalInstance, shares: dict[str, float], mode: FeedbackMode, total: float,
                     period_s: float, config: SloConfig) -> ShareDecision:
     active = inst.id in shares
-    mps = None if inst.cls.latency_critical else config.mps_best_effort_threads
+    mps = None if inst.cls.latency_critical else mps_start_threads(inst.cls, inst.limit, config)
     if inst.cls.latency_critical:
         share = shares.get(inst.id, inst.limit)
         why = (f"latency-critical with demand: {share:.2f} (limit {inst.limit:.2f})" if active
@@ -557,5 +569,6 @@ __all__ = [
     "decide_static",
     "decide_vertical",
     "initial_state",
+    "mps_start_threads",
     "policy_name",
 ]

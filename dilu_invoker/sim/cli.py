@@ -44,6 +44,16 @@ def _nonneg_float(text: str) -> float:
     return v
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _compact(text: str) -> float | None:
     return None if text == "auto" else _nonneg_float(text)
 
@@ -109,9 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus-per-node", type=_positive(int), default=4)
     s.add_argument("--gpu-memory-gib", type=_positive(float), default=80.0)
     s.add_argument("--cold-start-s", type=_nonneg_float, default=5.0)
+    s.add_argument("--preload", type=_nonneg_int, default=0, metavar="N",
+                   help="pre-loaded processes per node (the invoker's --preload): an instance started where one "
+                        "is available serves after --preloaded-start-s")
+    s.add_argument("--preloaded-start-s", type=_nonneg_float, default=None,
+                   help="start of an instance on a pre-loaded process (default: the measured 0.33 s)")
+    s.add_argument("--preload-refill-s", type=_nonneg_float, default=None,
+                   help="until a taken pre-loaded process is replaced (default: the measured 4.2 s)")
     s.add_argument("--timeout-s", type=_positive(float), default=30.0, help="drop requests waiting longer")
     s.add_argument("--interference", type=_nonneg_float, default=0.1, help="co-location slowdown κ (docs)")
-    s.add_argument("--vertical-period", type=_positive(float), default=0.5, help="seconds between vertical re-decisions of a GPU with training")
+    s.add_argument("--vertical-period", type=_positive(float), default=0.5,
+                   help="seconds between vertical re-decisions of a GPU with training (the slo policy counts its windows "
+                        "in these periods and is calibrated at the live manager's 0.05 s: docs/benchmarks/vertical-sim.md)")
     s.add_argument("--vertical-policy", choices=VERTICAL_POLICIES, default="rckm",
                    help="dilu's vertical share policy: rckm (cycle ratios), slo (the SLO controller, docs/policies.md) "
                         "or static (every instance at its limit)")
@@ -409,6 +428,9 @@ def _serving(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node,
             gpu_memory_gib=args.gpu_memory_gib,
             cold_start_s=args.cold_start_s,
+            preload_per_node=args.preload,
+            **({} if args.preloaded_start_s is None else {"preloaded_start_s": args.preloaded_start_s}),
+            **({} if args.preload_refill_s is None else {"preload_refill_s": args.preload_refill_s}),
             timeout_s=args.timeout_s,
             interference=args.interference,
             vertical_period_s=args.vertical_period,

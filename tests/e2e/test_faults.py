@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -137,3 +138,56 @@ async def test_sigterm_under_load_drains_and_keeps_every_answered_record(standal
     assert statuses[200] > 0
     await standalone.start()
     assert await find_unrecorded(standalone.url, run) == []
+
+
+async def test_one_invoker_of_two_killed_under_load_the_other_serves_and_nothing_is_lost(tmp_path: Path) -> None:
+    server = Standalone(tmp_path / "data", args=["--invokers", "2"], killable=True)
+    await server.start()
+    try:
+        await put_action(server.url)
+        await load(server.url, clients=8, seconds=0.5)  # containers on both invokers
+        alive, doomed = server.invoker_urls
+        killed: list[dict[str, object]] = []
+        took: list[float] = []
+
+        async def kill_invoker() -> None:
+            t0 = time.monotonic()
+            killed.append(await server.kill_last_invoker())
+            took.append(time.monotonic() - t0)
+
+        run = await load(server.url, clients=CLIENTS, seconds=3.0, fault_at=1.0, fault=kill_invoker,
+                         probe=[f"{alive}/ping", f"{doomed}/ping", f"{server.url}/"])
+        assert killed and killed[0]["invoker"] == "invoker1", killed
+        statuses = run.statuses()
+        assert set(statuses) <= {200, 202, 500, 502, 503}, statuses
+        # Only activations in flight in the killed invoker's runtimes fail, each with an error record: a
+        # developer error (502) when its runtime died under it, at times a whisk internal error (500) when
+        # its container went before it ran; the ones waiting in its queue went to the other invoker.
+        runtimes = killed[0]["runtime_pids"]
+        assert isinstance(runtimes, list) and statuses[500] + statuses[502] <= len(runtimes), statuses
+        assert run.fault_at is not None
+        down_at = run.fault_at + took[0]  # the invoker is dead from here on
+        # Invokes sent once it is dead all go to the other invoker, which serves alone.
+        assert {a.status for a in run.answers if a.started > down_at} <= {200}, statuses
+        alone = await load(server.url, clients=8, seconds=1.0)
+        assert alone.answers and set(alone.statuses()) == {200}, alone.statuses()
+        assert await find_unrecorded(server.url, run) == []
+        failed = {a.activation_id: a.status for a in run.answers if a.status in (500, 502)}
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            for aid, status in failed.items():
+                async with s.get(f"{server.url}/api/v1/namespaces/_/activations/{aid}") as r:
+                    assert r.status == 200
+                    recorded = (await r.json())["response"]["status"]
+                    assert recorded == {502: "action developer error", 500: "whisk internal error"}[status]
+        # Health tells the truth: the dead invoker's /ping stops answering, the other's and the API's do not.
+        late = [(p, status) for t, p, status in run.probes if t > down_at + 0.2]
+        assert {status for p, status in late if p.startswith(doomed)} <= {NO_ANSWER}
+        assert {status for p, status in late if not p.startswith(doomed)} <= {200}
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{alive}/ping") as r:
+                assert (r.status, await r.text()) == (200, "pong")
+            with pytest.raises(aiohttp.ClientConnectionError):
+                async with s.get(f"{doomed}/ping") as r:
+                    pass
+    finally:
+        await server.kill()

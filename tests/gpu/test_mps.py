@@ -198,3 +198,35 @@ async def test_gpu_containers_are_mps_clients_capped_by_their_limit(tmp_path: Pa
     finally:
         await node.close()
     assert not await sup.daemons[0].alive(), "the node stops the daemon it started"
+
+
+@pytest.mark.parametrize(("policy", "train_pct", "infer_pct"), [("slo", "60", "80"), ("rckm", "70", "80"),
+                                                                  ("static", "70", "80")])
+async def test_the_policy_chooses_each_clients_active_threads_at_start(tmp_path: Path, policy: str, train_pct: str,
+                                                                       infer_pct: str) -> None:
+    """`ShareDecision.mps_threads` applied where MPS can take it, at the container's start: under `slo` a
+    best-effort client starts at `mps_best_effort_threads` (0.6 here, below its limit 0.7); a latency-critical
+    one, and every client under the other policies, at its SM limit."""
+    from dilu_invoker.policy.vertical import VerticalConfig
+    from dilu_invoker.policy.vertical_slo import SloConfig, StaticConfig
+
+    vertical = {"slo": SloConfig(mps_best_effort_threads=0.6), "rckm": VerticalConfig(), "static": StaticConfig()}[policy]
+    sup = MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE,
+                        check_every_s=3600)
+    node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend="process", mps=sup,
+                   vertical=vertical)
+    train = GpuNeeds(gpu_class=GpuClass.TRAINING, sm_request=0.2, sm_limit=0.7, memory_mb=1000)
+    infer = GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.3, sm_limit=0.8, memory_mb=1000)
+    small = GpuNeeds(gpu_class=GpuClass.TRAINING, sm_request=0.1, sm_limit=0.3, memory_mb=1000)
+    await node.start()
+    try:
+        t = await node.attach("t1", "guest/train", train)
+        i = await node.attach("i1", "guest/infer", infer)
+        assert t is not None and i is not None
+        assert t.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == train_pct
+        assert i.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == infer_pct
+        await node.detach("t1")
+        s = await node.attach("t2", "guest/small", small)  # a limit below the cap stays the cap
+        assert s is not None and s.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    finally:
+        await node.close()

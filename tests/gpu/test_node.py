@@ -243,3 +243,34 @@ async def test_measured_capacity_sets_the_starting_rate(make_node: NodeFactory) 
     with abi.ControlFile.open(a.env["DILU_SHIM_CONTROL"]) as control:
         quota = control.read().quota
     assert quota.rate_blocks_per_ms == pytest.approx(100.0) and quota.capacity_blocks_per_ms == 200.0
+
+
+async def test_retarget_hands_a_preloaded_share_to_a_function(make_node: NodeFactory, redis: aioredis.Redis) -> None:
+    budgets = GpuBudgets(redis, prefix="t:")
+    node = await make_node(devices=(load_inventory_one("GPU-only", memory_mb=10_000),), budgets=budgets)
+    pre = await node.attach("pre", "preload:python:3-gpu", GpuNeeds())
+    other = await node.attach("other", "guest/other", needs("inference", 0.5, 0.5, memory_mb=4000))
+    assert pre is not None and other is not None
+    control = Path(pre.env["DILU_SHIM_CONTROL"])
+    assert await node.retarget("pre", "guest/resnet", needs("inference", 0.3, 0.6, memory_mb=2000))
+    budget = await budgets.get("GPU-only")
+    assert budget is not None and budget.reservations["pre"].function == "guest/resnet"
+    assert budget.reservations["pre"].memory_mb == 2000 and budget.sum_request == pytest.approx(0.8)
+    by_id = {i.id: i for i in node.view()[0].instances}
+    assert (by_id["pre"].function, by_id["pre"].limit, by_id["pre"].memory_mb) == ("guest/resnet", 0.6, 2000)
+    assert control.exists()  # the same blocks: the process keeps its mapping
+    # No room for these needs beside the other instance: nothing changes.
+    assert not await node.retarget("pre", "guest/big", needs("inference", 0.6, 0.8, memory_mb=2000))
+    budget = await budgets.get("GPU-only")
+    assert budget is not None and budget.reservations["pre"].function == "guest/resnet"
+    assert {i.id: i.function for i in node.view()[0].instances}["pre"] == "guest/resnet"
+    assert not await node.retarget("missing", "guest/x", needs())
+    # under a new id (a balancer-placed instance keeps its share under its own id)
+    assert not await node.retarget("pre", "guest/resnet", needs("inference", 0.3, 0.6), new_id="other")
+    assert await node.retarget("pre", "guest/resnet", needs("inference", 0.3, 0.6, memory_mb=2000), new_id="inst-1")
+    budget = await budgets.get("GPU-only")
+    assert budget is not None and "pre" not in budget.reservations
+    assert budget.reservations["inst-1"].function == "guest/resnet"
+    assert {i.id for i in node.view()[0].instances} == {"inst-1", "other"}
+    await node.detach("inst-1")
+    assert control.parent.exists() is False or not control.exists()

@@ -1,7 +1,8 @@
 """bench/gpu_product.py --dry-run end to end on a machine without a GPU: a real standalone (REST API,
-balancer, invoker, embedded Redis, action processes), actions created over the REST API, the scenarios
-driven from the client, the JSON and the report written. The models are sleep-based stand-ins; this
-checks the harness, not any speed."""
+balancer, invoker, embedded Redis, action processes) on a simulated GPU (its shim and manager run; the actions
+launch through the fake libcuda where it is built, else sleep), actions created over the REST API, the
+scenarios driven from the client, the JSON, the report and the matrix tables written. This checks the
+harness, not any speed."""
 
 from __future__ import annotations
 
@@ -20,21 +21,29 @@ def test_dry_run_writes_every_mode_and_scenario(tmp_path: Path) -> None:
     out, report = tmp_path / "r.json", tmp_path / "r.md"
     proc = subprocess.run(
         [sys.executable, "-W", "ignore::DeprecationWarning", str(ROOT / "bench/gpu_product.py"), "--dry-run",
-         "--seconds", "0.6", "--modes", "noshim,shim", "--pairs", "resnet50+train", "--loads", "0.5",
-         "--scenarios", "cold,solo,share,paced,burst,idle", "--out", str(out), "--report", str(report)],
+         "--seconds", "0.6", "--modes", "noshim,slo-ts", "--pairs", "resnet50+train", "--loads", "0.5",
+         "--scenarios", "cold,solo,share,paced,burst,idle", "--arrivals", "paced,bursty", "--out", str(out),
+         "--report", str(report), "--matrix", str(tmp_path / "page.md")],
         capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["dry_run"] is True and doc["errors"] == []
-    assert [c["mode"] for c in doc["cells"]] == ["noshim", "shim"]
+    assert [c["mode"] for c in doc["cells"]] == ["noshim", "slo-ts"]
     for cell in doc["cells"]:
         assert cell["solo"]["requests"] > 0 and cell["solo"]["failed"] == 0
         assert cell["cold_start_ms"]["infer"] > 0 and cell["solo_train_it_s"] > 0
-        assert {"paced@0.5", "burst", "idle"} <= set(cell["scenarios"])
+        assert {"paced@0.5", "bursty@0.5", "burst", "idle"} <= set(cell["scenarios"])
         assert cell["scenarios"]["paced@0.5"]["failed"] == 0 and cell["scenarios"]["paced@0.5"]["train_it_s"]
+        assert cell["scenarios"]["bursty@0.5"]["failed"] == 0 and cell["scenarios"]["bursty@0.5"]["train_vs_ref"]
         assert cell["log_levels"].get("info", 0) > 0
+        assert cell["effective"]["mps"] is False  # time-slicing: --gpu-mps off in both modes
+    # What the invoker ran, from its log: the simulated GPU's shim and manager under the selected policy.
+    assert doc["cells"][0]["effective"]["shim"] is False
+    assert doc["cells"][1]["effective"]["policy"] == "slo" and doc["cells"][1]["effective"]["shim"] is True
     shim = doc["cells"][1]["scenarios"]
     assert {"share@0.5", "share@0.8", "share@1"} <= set(shim)
     assert shim["share@0.5"]["p50_vs_unlimited"] is not None
     text = report.read_text()
-    assert "**dry run**" in text and "| paced@0.5 | shim |" in text and "| 0.5 | shim |" in text
+    assert "**dry run**" in text and "| paced@0.5 | slo-ts |" in text and "| 0.5 | slo-ts |" in text
+    page = (tmp_path / "page.md").read_text()
+    assert "| bursty@0.5 | slo-ts |" in page and "time-slicing, slo" in page

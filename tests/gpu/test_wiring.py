@@ -81,3 +81,82 @@ async def test_without_gpus_a_gpu_action_runs_on_the_cpu(tmp_path: Path) -> None
                                                            "DILU_SHIM_STATS", "DILU_GPU_UUID")}
         assert isinstance(inv.gpu, GpuNode) and not inv.gpu.has_gpus
     assert not (tmp_path / "shm").exists()
+
+
+async def test_a_preloaded_gpu_container_takes_the_functions_share(tmp_path: Path, shim_build: ShimBuild,
+                                                                   redis: aioredis.Redis) -> None:
+    inventory = tmp_path / "gpus.json"
+    inventory.write_text(json.dumps([{"uuid": "GPU-p-0"}]))
+    cfg = _cfg(inventory=str(inventory), shm_dir=str(tmp_path / "shm"), shim_path=str(shim_build.library))
+    manifest = {"runtimes": {"python": [{"kind": "python:3-gpu", "preload": ["json"],
+                                         "image": {"name": "dilu-python3-gpu-runtime"}}]}}
+    cfg = replace(cfg, redis=replace(cfg.redis, prefix="p:"),
+                  invoker=replace(cfg.invoker, preload=1, runtimes_manifest=json.dumps(manifest)))
+    async with open_invoker(cfg, redis=redis) as inv:
+        node, preload = inv.gpu, inv.preload
+        assert isinstance(node, GpuNode) and preload is not None
+        for _ in range(400):
+            if any(s.state == "ready" for s in preload.standbys["python:3-gpu"]):
+                break
+            await asyncio.sleep(0.05)
+        (standby,) = preload.standbys["python:3-gpu"]
+        assert standby.state == "ready" and standby.gpu is not None and standby.info["cuda"] is False
+        (pre,) = [i for g in node.view() for i in g.instances]
+        assert pre.function == "preload:python:3-gpu"
+        result = await inv.run(_req(_gpu_action(**{"gpu-sm-request": 0.3, "gpu-sm-limit": 0.6})))
+        assert result.annotation("preloaded") is True
+        env = result.response.result
+        assert env["LD_PRELOAD"] == str(shim_build.library) and env["DILU_SHIM_CONTROL"] == standby.gpu.env[
+            "DILU_SHIM_CONTROL"]
+        mine = next(i for g in node.view() for i in g.instances if i.id == standby.name)
+        assert (mine.function, mine.request, mine.limit) == ("guest/gpuenv", 0.3, 0.6)
+        budget = await GpuBudgets(redis, prefix="p:").get("GPU-p-0")
+        assert budget is not None and budget.reservations[standby.name].function == "guest/gpuenv"
+    budget = await GpuBudgets(redis, prefix="p:").get("GPU-p-0")
+    assert budget is not None and budget.reservations == {}
+
+
+async def test_a_balancer_placed_gpu_instance_takes_a_preloaded_container_under_its_own_id(
+        tmp_path: Path, shim_build: ShimBuild, redis: aioredis.Redis) -> None:
+    inventory = tmp_path / "gpus.json"
+    inventory.write_text(json.dumps([{"uuid": "GPU-q-0"}]))
+    cfg = _cfg(inventory=str(inventory), shm_dir=str(tmp_path / "shm"), shim_path=str(shim_build.library))
+    manifest = {"runtimes": {"python": [{"kind": "python:3-gpu", "preload": ["json"],
+                                         "image": {"name": "dilu-python3-gpu-runtime"}}]}}
+    cfg = replace(cfg, redis=replace(cfg.redis, prefix="q:"),
+                  invoker=replace(cfg.invoker, preload=1, runtimes_manifest=json.dumps(manifest)))
+    async with open_invoker(cfg, redis=redis) as inv:
+        node, preload = inv.gpu, inv.preload
+        assert isinstance(node, GpuNode) and preload is not None
+        for _ in range(400):
+            if any(s.state == "ready" for s in preload.standbys["python:3-gpu"]):
+                break
+            await asyncio.sleep(0.05)
+        (standby,) = preload.standbys["python:3-gpu"]
+        (pre,) = [i for g in node.view() for i in g.instances]
+        # the placeholder takes next to no SM share from instances placed beside it
+        assert pre.function == "preload:python:3-gpu" and pre.request <= 0.01 and pre.limit <= 0.05
+        action = _gpu_action(**{"gpu-sm-request": 0.4, "gpu-sm-limit": 0.9})
+        container, failure = await inv.start_instance("guest-gpuenv-1-1", action, gpu_index=0)
+        assert failure is None and container is not None
+        by_id = {i.id: i for g in node.view() for i in g.instances}
+        assert standby.name not in by_id or by_id[standby.name].function == "preload:python:3-gpu"
+        mine = by_id["guest-gpuenv-1-1"]
+        assert (mine.function, mine.request, mine.limit) == ("guest/gpuenv", 0.4, 0.9)
+        budget = await GpuBudgets(redis, prefix="q:").get("GPU-q-0")
+        assert budget is not None and budget.reservations["guest-gpuenv-1-1"].function == "guest/gpuenv"
+        assert standby.name not in budget.reservations or \
+            budget.reservations[standby.name].function == "preload:python:3-gpu"
+        assert inv.metrics.registry.get_sample_value("dilu_invoker_preload_hits_total",
+                                                     {"kind": "python:3-gpu"}) == 1.0
+        result = await inv.run_on_instance("guest-gpuenv-1-1", _req(action))
+        assert result is not None and standby.gpu is not None
+        # the instance runs in the pre-loaded process, with the blocks it was started with
+        assert result.response.result["DILU_SHIM_CONTROL"] == standby.gpu.env["DILU_SHIM_CONTROL"]
+        inv.stop_instance(container, "test")
+        for _ in range(200):
+            budget = await GpuBudgets(redis, prefix="q:").get("GPU-q-0")
+            if budget is not None and "guest-gpuenv-1-1" not in budget.reservations:
+                break
+            await asyncio.sleep(0.05)
+        assert budget is not None and "guest-gpuenv-1-1" not in budget.reservations

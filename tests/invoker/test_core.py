@@ -88,6 +88,22 @@ async def test_init_args_go_to_init_env_not_to_run_params(invoker: Invoker) -> N
     assert result.response.result == {"secret": "s3", "args": ["x"]}
 
 
+async def test_instances_of_one_function_get_one_models_key_others_another(invoker: Invoker) -> None:
+    code = ("import os, time\ndef main(args):\n    time.sleep(args.get('s', 0))\n"
+            "    return {'key': os.environ.get('DILU_MODELS_KEY'), 'pid': os.getpid()}\n")
+    action = _action(code, name="keyed")
+    busy = asyncio.ensure_future(invoker.run(_req(action, {"s": 0.5})))
+    await asyncio.sleep(0.2)
+    second = await invoker.run(_req(action, {}))  # the first instance is busy: a second one starts
+    first = await busy
+    key = first.response.result["key"]
+    assert key and len(key) == 64
+    assert second.response.result["pid"] != first.response.result["pid"]
+    assert second.response.result["key"] == key
+    other = await invoker.run(_req(_action(code, name="other"), {}))  # another function: another key
+    assert other.response.result["key"] not in (None, key)
+
+
 @pytest.mark.parametrize(
     ("code", "status", "message"),
     [

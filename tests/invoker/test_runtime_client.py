@@ -699,9 +699,8 @@ async def test_init_stops_retrying_once_the_runtime_has_exited(http: aiohttp.Cli
         process = await spawn(OURS, port=port)
         rc = await asyncio.wait_for(process.wait(), 30)
     assert rc == 1  # "cannot listen"
-    client = RuntimeClient(http, f"http://127.0.0.1:{port}")
-    outcome = await client.init(init_payload("def main(a):\n    return {}\n"), 20,
-                                alive=lambda: process.returncode is None)
+    client = RuntimeClient(http, f"http://127.0.0.1:{port}", alive=lambda: process.returncode is None)
+    outcome = await client.init(init_payload("def main(a):\n    return {}\n"), 20)
     assert not outcome.timed_out
     assert outcome.result == {"error": MSG_ABNORMAL_INIT}
     assert outcome.elapsed_s < 20

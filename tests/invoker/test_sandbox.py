@@ -124,3 +124,28 @@ async def test_invokers_with_other_work_dirs_share_the_host_uid_leases() -> None
         await a.close()
         await b.close()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+GETUSER = """
+import getpass, os
+def main(a):
+    return {"user": getpass.getuser(), "uid": os.getuid(), "home": os.path.expanduser("~")}
+"""
+
+
+@root_only
+async def test_an_isolated_runtime_has_a_user_name_without_a_passwd_entry(tmp_path: Path) -> None:
+    backend = ProcessBackend(isolation="auto", uid_range="251000-251009", work_dir=str(tmp_path / "w"))
+    container = await backend.start(ContainerSpec(name="c", kind="python:3", image="", memory_mb=256))
+    try:
+        async with aiohttp.ClientSession() as http:
+            client = RuntimeClient(http, container.url, secret=container.secret)
+            init = {"value": {"name": "u", "code": GETUSER, "main": "main", "binary": False}}
+            assert (await client.init(init, 30)).status_code == 0
+            result = (await client.run({"value": {}}, 30)).result
+        assert result["uid"] == container.sandbox.uid and 251000 <= result["uid"] <= 251009
+        assert result["user"] == f"dilu{result['uid']}"  # getpwuid() would have raised: no passwd entry
+        assert result["home"] == str(container.sandbox.dir)
+    finally:
+        await container.destroy()
+        await backend.close()

@@ -3,6 +3,10 @@ and ``wsk namespace get`` ask for."""
 
 from __future__ import annotations
 
+import importlib.resources
+import json
+from typing import Any
+
 import pytest
 from ow_support.api import OTHER_IDENTITY, Api
 
@@ -77,3 +81,35 @@ async def test_namespace_get_lists_every_collection(api: Api) -> None:
     assert status == 403 and body["error"] == "The supplied authentication is not authorized to access 'alice'."
     status, body, _ = await api.call("GET", "/api/v1/namespaces")
     assert (status, body) == (200, ["guest"])
+
+
+def _openapi() -> dict[str, Any]:
+    return json.loads(importlib.resources.files("dilu_invoker.openwhisk").joinpath("openapi.json").read_text())
+
+
+def _template(path: str) -> str:
+    return path.rstrip("/") or "/"
+
+
+async def test_every_served_route_is_in_the_openapi_document(api: Api) -> None:
+    documented = {(method.upper(), path) for path, ops in _openapi()["paths"].items() for method in ops}
+    served = {(r.method, _template(r.resource.canonical)) for r in api.client.app.router.routes()
+              if r.method != "HEAD" and r.resource is not None}
+    assert served - documented == set()
+    assert documented - served == set()
+
+
+@pytest.mark.parametrize("collection", COLLECTIONS)
+async def test_entity_answers_are_the_documented_ones(api: Api, collection: str) -> None:
+    paths = _openapi()["paths"]
+    one = paths[f"/api/v1/namespaces/{{namespace}}/{collection}/{{name}}"]
+    for method, body in (("GET", None), ("DELETE", None), ("PUT", {}), ("POST", {})):
+        kwargs: dict[str, Any] = {} if body is None else {"json": body}
+        status, answer, _ = await api.call(method, f"{collection}/x", **kwargs)
+        assert str(status) in one[method.lower()]["responses"], (method, status)
+        assert set(answer) == {"error", "code"}, answer
+    status, answer, _ = await api.call("GET", collection, params={"count": "true"})
+    assert status == 200 and list(answer) == [collection]
+    status, namespace, _ = await api.call("GET", "/api/v1/namespaces/_")
+    required = _openapi()["components"]["schemas"]["Namespace"]["required"]
+    assert status == 200 and sorted(namespace) == sorted(required)

@@ -67,8 +67,10 @@ def children(pid: int) -> list[tuple[int, str]]:
 class Standalone:
     """``python -m dilu_invoker standalone`` on a free port with JSON logs in ``data_dir/standalone.log``."""
 
-    def __init__(self, data_dir: Path, *, args: Sequence[str] = ()) -> None:
+    def __init__(self, data_dir: Path, *, args: Sequence[str] = (), killable: bool = False) -> None:
+        """``killable``: run it through ``killable_standalone.py`` (:meth:`kill_last_invoker`)."""
         self.data_dir = data_dir
+        self.killable = killable
         self.port = free_port()
         self.args = list(args)
         self.proc: asyncio.subprocess.Process | None = None
@@ -83,8 +85,10 @@ class Standalone:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "DILU_LOG_JSON": "true"}
         offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as out:
+            entry = ([str(Path(__file__).with_name("killable_standalone.py"))] if self.killable
+                     else ["-m", "dilu_invoker", "standalone"])
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "dilu_invoker", "standalone", "--data-dir", str(self.data_dir),
+                sys.executable, *entry, "--data-dir", str(self.data_dir),
                 "--api-port", str(self.port), *self.args,
                 env=env, stdout=out, stderr=asyncio.subprocess.STDOUT, cwd=str(self.data_dir.parent))
         deadline = time.monotonic() + timeout_s
@@ -126,6 +130,20 @@ class Standalone:
 
     async def runtime_pids(self) -> list[int]:
         return await self.processes("dilu_invoker.actions.runtime")
+
+    async def kill_last_invoker(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Fault (d): the last invoker of ``--invokers N`` dies (``killable`` only); its ``invoker killed``
+        log event once it is down."""
+        assert self.proc is not None and self.killable
+        offset = self.log.stat().st_size
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for event in await asyncio.to_thread(self.events, offset):
+                if event.get("event") == "invoker killed":
+                    return event
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the invoker was not killed:\n{self.log.read_text()[-4000:]}")
 
     async def stop(self, timeout_s: float = 60.0) -> int:
         assert self.proc is not None

@@ -30,6 +30,7 @@ from dilu_invoker.policy.vertical_slo import (
     initial_state,
     median,
     move_for,
+    mps_start_threads,
     next_budget,
     p99_estimate,
     policy_name,
@@ -289,6 +290,19 @@ def test_latency_critical_keeps_its_limit_and_best_effort_gets_the_mps_cap() -> 
     by_id = {s.id: s for s in d.shares}
     assert by_id["inf"].mps_threads is None
     assert by_id["train"].mps_threads == pytest.approx(CFG.mps_best_effort_threads)
+
+
+@pytest.mark.parametrize(("cls", "limit", "config", "threads"), [
+    (InstanceClass.TRAINING, 0.9, SloConfig(), 0.7),  # best-effort under slo: the knob
+    (InstanceClass.TRAINING, 0.4, SloConfig(), 0.4),  # ... never above its own limit
+    (InstanceClass.TRAINING, 0.9, SloConfig(mps_best_effort_threads=1.0), 0.9),
+    (InstanceClass.INFERENCE, 0.8, SloConfig(), 0.8),  # latency-critical: its limit
+    (InstanceClass.TRAINING, 0.9, VerticalConfig(), 0.9),  # rckm and static: the limit
+    (InstanceClass.TRAINING, 0.9, StaticConfig(), 0.9),
+    (InstanceClass.TRAINING, 0.001, SloConfig(), 0.01),  # MPS takes 1% at least
+])
+def test_mps_start_threads(cls: InstanceClass, limit: float, config: object, threads: float) -> None:
+    assert mps_start_threads(cls, limit, config) == pytest.approx(threads)  # type: ignore[arg-type]
 
 
 # -- selection ---------------------------------------------------------------------------------------

@@ -178,6 +178,8 @@ class ContainerProxy:
     active: int = 0
     last_used: float = field(default_factory=time.monotonic)
     output: Output | None = None
+    #: started from a pre-loaded container (its libraries were imported before the action's /init)
+    preloaded: bool = False
     #: resolved once, by :meth:`transition`: None when READY, else the failure (an activation response, or
     #: the removal's reason when there is none)
     ready: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())

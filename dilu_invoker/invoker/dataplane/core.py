@@ -3,16 +3,17 @@
 The fronts (the standalone REST API, the Kafka consumer of cluster mode) hand it
 :class:`~dilu_invoker.model.ActivationRequest`\\ s through :meth:`Invoker.run`; it never raises for what an
 action or its container did — every outcome is an :class:`~dilu_invoker.model.Activation` with OpenWhisk's
-status code — and raises :class:`InvokerOverloaded` only when it cannot queue the work.
+status code — and raises :class:`InvokerOverloaded` only when it cannot queue the work or stops before the work ran.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import aiohttp
@@ -22,9 +23,10 @@ import structlog
 from dilu_invoker.config import Config
 from dilu_invoker.gpu.attachment import GpuAttachment
 from dilu_invoker.gpu.node import GpuNode
-from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, never_ran_for
+from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, InvokerOverloaded, never_ran_for
 from dilu_invoker.invoker.dataplane.backends.base import (
     BackendError,
+    Container,
     ContainerBackend,
     ContainerSpec,
     ImageError,
@@ -33,7 +35,9 @@ from dilu_invoker.invoker.dataplane.backends.base import (
 from dilu_invoker.invoker.dataplane.container import ContainerProxy, Output, PoolKey, State, Transition
 from dilu_invoker.invoker.dataplane.metrics import InvokerMetrics
 from dilu_invoker.invoker.dataplane.pool import ContainerPool, NoContainer
+from dilu_invoker.invoker.dataplane.preload import PreloadPool, Taken
 from dilu_invoker.invoker.dataplane.runtime_client import (
+    MODELS_KEY_ENV,
     ActivationContext,
     ActivationLogReader,
     ActivationLogs,
@@ -42,6 +46,8 @@ from dilu_invoker.invoker.dataplane.runtime_client import (
     RuntimeOutcome,
     build_init_body,
     build_run_body,
+    encode_body,
+    models_key,
 )
 from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
 from dilu_invoker.logs import bind_activation, clear_activation
@@ -63,6 +69,21 @@ log = structlog.get_logger(__name__)
 
 BLACKBOX = "blackbox"
 DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
+#: code larger than this is encoded into the /init body on a thread while the container starts
+_PARALLEL_ENCODE_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerExit:
+    """What an exit hook hears once a container's compute is released (processes gone, GPU share
+    detached): enough to keep something of its action cached for the next instance (docs/invoker.md)."""
+
+    container: str
+    action: str
+    revision: str
+    gpu_index: int | None
+    gpu_uuid: str | None
+    reason: str
 
 
 class GpuAllocator(Protocol):
@@ -75,6 +96,10 @@ class GpuAllocator(Protocol):
         ...
 
     async def detach(self, instance: str) -> None: ...
+
+
+#: the GPU share of a pre-loaded container before a function takes it
+PRELOAD_GPU_NEEDS = GpuNeeds(sm_request=0.01, sm_limit=0.05, memory_mb=1024)
 
 
 class Invoker:
@@ -101,6 +126,7 @@ class Invoker:
         self._enabled = True
         self._enabled_callbacks: list[Callable[[bool], None]] = []
         self._cpu_fallback_logged = False
+        self._models_secret = secrets.token_bytes(32)  # per invoker: derives each function's models key
         ic = cfg.invoker
         self.pool = ContainerPool(
             user_memory_mb=ic.user_memory_mb,
@@ -113,6 +139,63 @@ class Invoker:
         )
         self.metrics.user_memory.set(ic.user_memory_mb)
         self.metrics.enabled.set(1)
+        self._exit_hooks: list[Callable[[ContainerExit], object]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self.preload: PreloadPool | None = None
+        if ic.preload > 0:
+            pool = PreloadPool(
+                manifest=manifest, backend=backend, session=session, per_kind=ic.preload,
+                memory_mb=ic.preload_memory_mb, budget_mb=ic.preload_budget_mb,
+                gpu_budget_mb=ic.preload_gpu_budget_mb, learn=ic.preload_learn,
+                make_spec=self._preload_spec, room_mb=self._room_mb, registry=self.metrics.registry,
+                name_prefix=f"{ic.container_prefix}{self.instance_id}",
+                attach_gpu=self._attach_preload_gpu if gpu is not None else None,
+                detach_gpu=self._detach_gpu, check_importable=backend.name == "process",
+                has_gpus=bool(getattr(gpu, "has_gpus", gpu is not None)),
+            )
+            if pool.enabled:
+                self.preload = pool
+                self.pool.reserve = pool
+
+    def start_preloading(self) -> None:
+        """Fill the pre-loaded containers of every pre-loaded kind (``open_invoker`` calls it)."""
+        if self.preload is not None:
+            self.preload.start()
+
+    def add_exit_hook(self, hook: Callable[[ContainerExit], object]) -> None:
+        """Called (awaited when it returns an awaitable) after a container's compute is released."""
+        self._exit_hooks.append(hook)
+
+    def _room_mb(self) -> int:
+        reserve = self.preload.memory_in_use_mb if self.preload is not None else 0
+        return self.pool.user_memory_mb - self.pool.memory_in_use_mb - reserve
+
+    def _preload_spec(self, name: str, runtime: RuntimeKind, env: dict[str, str]) -> ContainerSpec:
+        base = {
+            "__OW_API_HOST": self.cfg.api.api_host_url or f"http://{self.cfg.api.host}:{self.cfg.api.port}",
+            "__OW_ALLOW_CONCURRENT": "false",
+        }
+        return ContainerSpec(
+            name=name, kind=runtime.kind, image=str(runtime.image),
+            memory_mb=runtime.preload_memory_mb or self.cfg.invoker.preload_memory_mb,
+            env={**base, **env},
+            labels={"dilu.invoker": str(self.instance_id), "dilu.action": "", "dilu.kind": runtime.kind,
+                    "dilu.preload": "true"},
+            own_runtime=True,
+        )
+
+    async def _attach_preload_gpu(self, key: str, runtime: RuntimeKind) -> tuple[GpuAttachment | None, int]:
+        # A placeholder: the process only holds a CUDA context until a function takes it (then the share
+        # becomes the function's), so it must not take SM share from the instances placed beside it.
+        needs = PRELOAD_GPU_NEEDS
+        if self.gpu is None:
+            return None, 0
+        attachment = await self.gpu.attach(key, f"preload:{runtime.kind}", needs)
+        return attachment, needs.memory_mb if attachment is not None else 0
+
+    async def _detach_gpu(self, key: str) -> None:
+        if self.gpu is not None:
+            await self.gpu.detach(key)
 
     # -- control -------------------------------------------------------------------------------
 
@@ -193,14 +276,16 @@ class Invoker:
                 failure, init_ms, init_logs = await self._start_and_init(proxy, req, runtime)
                 if failure is not None:
                     release_reason = "initialization failed"
+                    self._refuse_if_closing()
                     return self._finish(req, runtime, start, now_ms(), failure, init_logs, arrived=arrived,
-                                        start_ms=start, init_ms=init_ms)
+                                        start_ms=start, init_ms=init_ms, preloaded=proxy.preloaded)
             else:
                 failure = await asyncio.shield(proxy.ready)
                 if failure is not None:
+                    release_reason = "container failed before this activation ran"
+                    self._refuse_if_closing()
                     response = failure if isinstance(failure, ActivationResponse) else ActivationResponse.whisk_error(
                         MSG_ABNORMAL_RUN)
-                    release_reason = "container failed before this activation ran"
                     return self._finish(req, runtime, now_ms(), now_ms(), response, (), arrived=arrived,
                                         start_ms=now_ms(), init_ms=None)
                 if not await self.pool.resume(proxy):
@@ -223,7 +308,9 @@ class Invoker:
                 response = ActivationResponse.developer_error("The action exhausted its memory and was aborted.")
             return self._finish(req, runtime, start, end, response, logs, arrived=arrived,
                                 start_ms=start if init_ms is not None else run_start, init_ms=init_ms,
-                                timed_out=outcome.timed_out)
+                                timed_out=outcome.timed_out, preloaded=proxy.preloaded)
+        except InvokerOverloaded:
+            raise
         except Exception as exc:
             log.exception("activation failed inside the invoker")
             release_reason = f"internal error: {exc!r}"
@@ -231,6 +318,13 @@ class Invoker:
                 MSG_ABNORMAL_RUN))
         finally:
             self.pool.release(proxy, healthy=healthy, reason=release_reason)
+
+    def _refuse_if_closing(self) -> None:
+        """An activation whose container went away before it ran, because this invoker is stopping, has
+        not run: it is refused like the queue's waiters (another invoker takes it, or the client gets 503
+        to retry) rather than recorded as failed."""
+        if self.pool.closed:
+            raise InvokerOverloaded("the invoker is shutting down")
 
     def runtime_for(self, action: Action) -> RuntimeKind | None:
         """The runtime an action runs in (None: its kind is not in the manifest)."""
@@ -267,21 +361,32 @@ class Invoker:
         """Start the container and send /init; returns (failure or None, init ms, init logs)."""
         action = req.action
         spec = proxy.spec
-        if runtime.gpu:
-            spec = await self._attach_gpu(proxy, action, spec, gpu_index=gpu_index, gpu_key=gpu_key)
-        try:
-            container = await self.backend.start(spec)
-        except ImageError as exc:
-            failure = ActivationResponse.developer_error(str(exc))
-            self.pool.remove(proxy, f"image error: {exc}", failure=failure)
-            return failure, None, ()
-        except BackendError as exc:
-            log.warning("container start failed", container=proxy.name, error=str(exc))
-            failure = ActivationResponse.whisk_error("Failed to provision resources to run the action.")
-            self.pool.remove(proxy, f"start failed: {exc}", failure=failure)
-            return failure, None, ()
+        # Parallel setup: a large code attachment is encoded while the container starts.
+        encoding: asyncio.Future[bytes] | None = None
+        if len(action.exec.code or "") > _PARALLEL_ENCODE_BYTES:
+            encoding = asyncio.ensure_future(asyncio.to_thread(lambda: encode_body(self._init_body(req))))
+        taken = await self._take_preloaded(proxy, req, runtime, gpu_index=gpu_index, gpu_key=gpu_key)
+        if taken is not None:
+            container = taken.container
+        else:
+            if runtime.gpu:
+                spec = await self._attach_gpu(proxy, action, spec, gpu_index=gpu_index, gpu_key=gpu_key)
+            try:
+                container = await self.backend.start(spec)
+            except ImageError as exc:
+                failure = ActivationResponse.developer_error(str(exc))
+                self.pool.remove(proxy, f"image error: {exc}", failure=failure)
+                await _settle(encoding)
+                return failure, None, ()
+            except BackendError as exc:
+                log.warning("container start failed", container=proxy.name, error=str(exc))
+                failure = ActivationResponse.whisk_error("Failed to provision resources to run the action.")
+                self.pool.remove(proxy, f"start failed: {exc}", failure=failure)
+                await _settle(encoding)
+                return failure, None, ()
         if proxy.state is not State.STARTING:  # removed while the backend started it (shutdown)
             await container.destroy()
+            await _settle(encoding)
             return ActivationResponse.whisk_error("Failed to provision resources to run the action."), None, ()
         reader = ActivationLogReader(container.stdout, container.stderr,
                                      chunk_bytes=self.cfg.invoker.log_chunk_kb * 1024)
@@ -297,13 +402,9 @@ class Invoker:
         proxy.started(container)
         init_start = time.monotonic()
         client = RuntimeClient(self._session, container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
-                               secret=container.secret)
-        context = self._context(req)
-        init_env = {k: v for k, v in (req.content or {}).items() if k in req.init_args} \
-            if isinstance(req.content, dict) else {}
-        body = build_init_body(name=action.name, code=action.exec.code, binary=action.exec.binary,
-                               main=action.exec.main, env=init_env, context=context)
-        outcome = await client.init(body, action.limits.timeout_ms / 1000, alive=lambda: container.alive)
+                               secret=container.secret, alive=lambda: container.alive)
+        body: dict[str, object] | bytes = await encoding if encoding is not None else self._init_body(req)
+        outcome = await client.init(body, action.limits.timeout_ms / 1000)
         init_ms = int((time.monotonic() - init_start) * 1000)
         if outcome.status_code != ActivationStatus.SUCCESS:
             logs: tuple[str, ...] = ()
@@ -318,7 +419,66 @@ class Invoker:
             return ActivationResponse.whisk_error("Failed to provision resources to run the action."), init_ms, ()
         proxy.output.pending = collection
         self.pool.mark_ready(proxy, "initialized", init_ms=init_ms)
+        if self.preload is not None and self.preload.covers(runtime.kind):
+            self._in_background(self._learn_imports(runtime.kind, container))
         return None, init_ms, ()
+
+    def _init_body(self, req: ActivationRequest) -> dict[str, object]:
+        action = req.action
+        init_env = {k: v for k, v in (req.content or {}).items() if k in req.init_args} \
+            if isinstance(req.content, dict) else {}
+        init_env[MODELS_KEY_ENV] = models_key(self._models_secret, action.namespace, action.name,
+                                              action.revision or action.version)
+        return build_init_body(name=action.name, code=action.exec.code, binary=action.exec.binary,
+                               main=action.exec.main, env=init_env, context=self._context(req))
+
+    async def _take_preloaded(self, proxy: ContainerProxy, req: ActivationRequest, runtime: RuntimeKind, *,
+                              gpu_index: int | None, gpu_key: str | None) -> Taken | None:
+        """A pre-loaded container of the kind for this cold start, bound to the action (its memory limit,
+        its GPU share); None: a plain cold start."""
+        preload = self.preload
+        if preload is None or not preload.covers(runtime.kind):
+            return None
+        standby = preload.take(runtime, req.action, gpu_index=gpu_index if runtime.gpu else None)
+        if standby is None:
+            return None
+        taken = await preload.hand_over(standby, req.action.limits.memory_mb)
+        if taken is None:
+            return None
+        if runtime.gpu and self.gpu is not None:
+            retarget = getattr(self.gpu, "retarget", None)
+            ok = False
+            if taken.gpu is not None and taken.gpu_key is not None and retarget is not None:
+                try:
+                    needs = GpuNeeds.from_annotations(req.action.annotation_map)
+                    # a balancer-placed instance keeps its share under its own id (gpu_key)
+                    ok = bool(await retarget(taken.gpu_key, req.action.fqn, needs, new_id=gpu_key))
+                except (ValidationError, Exception) as exc:  # noqa: BLE001 - the plain path decides then
+                    log.info("pre-loaded GPU container not usable for the action", action=req.action.fqn,
+                             error=repr(exc))
+            if not ok:
+                await preload.lost(runtime.kind, taken.standby, "GPU share does not fit")
+                return None
+            proxy.placement = replace(proxy.placement, gpu=taken.gpu, gpu_key=gpu_key or taken.gpu_key)
+        preload.hit(runtime.kind)
+        proxy.preloaded = True
+        log.info("cold start on a pre-loaded container", container=proxy.name, kind=runtime.kind,
+                 modules=list(taken.modules))
+        return taken
+
+    async def _learn_imports(self, kind: str, container: Container) -> None:
+        headers = {"X-Dilu-Runtime-Secret": container.secret} if container.secret else {}
+        with contextlib.suppress(Exception):
+            async with self._session.get(f"{container.url}/health", headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                body = await resp.json(content_type=None)
+            if self.preload is not None and isinstance(body.get("imports"), list):
+                self.preload.learn(kind, body["imports"])
+
+    def _in_background(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @staticmethod
     async def _drain_logs(reader: ActivationLogReader, limit: int) -> None:
@@ -399,6 +559,19 @@ class Invoker:
         if placement.gpu is not None and self.gpu is not None:
             with contextlib.suppress(Exception):
                 await self.gpu.detach(placement.gpu_key or proxy.name)
+        if self._exit_hooks:
+            reason = getattr(proxy.phase, "reason", "")
+            event = ContainerExit(container=proxy.name, action=proxy.action.fqn, revision=proxy.key.revision,
+                                  gpu_index=placement.gpu.gpu_index if placement.gpu is not None else None,
+                                  gpu_uuid=placement.gpu.uuid if placement.gpu is not None else None,
+                                  reason=str(reason))
+            for hook in self._exit_hooks:
+                try:
+                    result = hook(event)
+                    if isinstance(result, Awaitable):
+                        await result
+                except Exception:  # a hook never stops a removal
+                    log.exception("container exit hook failed", container=proxy.name)
 
     # -- balancer-placed instances -------------------------------------------------------------
     #
@@ -471,6 +644,7 @@ class Invoker:
         start_ms: int,
         init_ms: int | None,
         timed_out: bool = False,
+        preloaded: bool = False,
     ) -> Activation:
         action = req.action
         wait_ms = max(0, start_ms - arrived)
@@ -483,6 +657,8 @@ class Invoker:
         ]
         if init_ms is not None:
             annotations.append(Parameter("initTime", init_ms))
+            if preloaded:
+                annotations.append(Parameter("preloaded", True))
         if req.cause is not None:
             annotations.append(Parameter("causedBy", "sequence"))
         if req.binding is not None:
@@ -518,7 +694,19 @@ class Invoker:
 
     async def close(self, *, drain_s: float = 5.0) -> None:
         self.set_enabled(False)
+        if self.preload is not None:
+            await self.preload.close()
         await self.pool.close(drain_s=drain_s)
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+
+async def _settle(future: asyncio.Future[bytes] | None) -> None:
+    if future is not None:
+        with contextlib.suppress(Exception):
+            await future
 
 
 def make_backend(cfg: Config) -> ContainerBackend:
@@ -563,6 +751,7 @@ async def open_invoker(
         await gpu_node.start()
         gpu = gpu_node
     invoker = Invoker(cfg, manifest=manifest, backend=backend, session=session, gpu=gpu, metrics=metrics)
+    invoker.start_preloading()
     try:
         yield invoker
     finally:

@@ -5,7 +5,8 @@ Scheduling follows OpenWhisk's ContainerPool (reference/openwhisk.md §9):
 1. a container of the same action revision and invoking namespace with a free slot (warm, or still
    starting: it will be ready sooner than a new one);
 2. a new container if ``Σ memory + need ≤ user_memory``;
-3. otherwise evict least-recently-used idle containers of other actions and start one;
+3. otherwise release pre-loaded containers (``preload.py``: they go first under memory pressure), then
+   evict least-recently-used idle containers of other actions and start one;
 4. otherwise wait in a FIFO queue. A waiter that a warm container can serve is served as soon as a slot
    frees; among waiters that need a new container only the oldest may start one, so large actions are
    not starved by a stream of small ones.
@@ -33,6 +34,7 @@ import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
@@ -117,6 +119,21 @@ class Lease:
     cold: bool
 
 
+class Reserve(Protocol):
+    """Memory held outside the pool that counts against its user memory and is released first: the
+    pre-loaded containers (``preload.PreloadPool``)."""
+
+    def memory_for(self, action: Action) -> int:
+        """The memory it holds that counts beside a new container of ``action`` (one pre-loaded container
+        that this very cold start will take does not: it becomes that container)."""
+        ...
+
+    def shed(self, need_mb: int, action: Action) -> int:
+        """Release at least ``need_mb`` if it can, sparing the container ``action`` would take unless
+        nothing else is left; returns what was released (MB)."""
+        ...
+
+
 class NoContainer(RuntimeError):
     """``acquire(start=False)`` found no live container of the key (a pinned instance that is gone)."""
 
@@ -158,6 +175,8 @@ class ContainerPool:
         self._queue: collections.deque[_Waiter] = collections.deque()
         self._removals: set[asyncio.Task[None]] = set()
         self._closed = False
+        #: pre-loaded containers: counted in the memory in use, shed before any warm container is evicted
+        self.reserve: Reserve | None = None
 
     # -- observation --------------------------------------------------------------------------
 
@@ -216,6 +235,11 @@ class ContainerPool:
                 self._queue.remove(waiter)
             raise
 
+    @property
+    def closed(self) -> bool:
+        """The pool is shutting down: it takes no more activations."""
+        return self._closed
+
     def _queue_needs_memory(self) -> bool:
         return any(self._needs_container(w) for w in self._queue)
 
@@ -248,6 +272,13 @@ class ContainerPool:
         if not may_start:
             return None
         in_use = self.memory_in_use_mb
+        reserve = self.reserve
+        if reserve is not None:
+            held = reserve.memory_for(action)
+            in_use += held
+            short = in_use + memory_mb - self.user_memory_mb
+            if short > 0 and held > 0:
+                in_use -= min(held, reserve.shed(short, action))
         if not fits(in_use_mb=in_use, need_mb=memory_mb, user_memory_mb=self.user_memory_mb):
             victims = evict_for([View.of(p) for p in self.containers.values()], need_mb=memory_mb,
                                 in_use_mb=in_use, user_memory_mb=self.user_memory_mb)
@@ -355,13 +386,21 @@ class ContainerPool:
         # First every waiter a free slot can serve, then the starts: a container freed with waiters of its
         # own key is never evicted for another key's cold start.
         for pass_starts in (False, True) if starts else (False,):
+            if not self._queue:
+                return
             may_start = pass_starts
-            for waiter in list(self._queue):
+            # A key whose waiter found no slot has none for the waiters behind it in this pass either (one
+            # pass sees one pool state): they are not asked again, so a pass costs O(queue), not
+            # O(queue × containers of the key) — under a deep queue this scan was the invoker's hot spot.
+            stuck: set[PoolKey] = set()
+            keep: list[_Waiter] = []
+            for waiter in self._queue:
                 if waiter.future.done():
-                    self._queue.remove(waiter)
+                    continue
+                if waiter.key in stuck and not (may_start and waiter.start):
+                    keep.append(waiter)
                     continue
                 if not waiter.start and not self._live(waiter.key):
-                    self._queue.remove(waiter)
                     waiter.future.set_exception(NoContainer(
                         f"no container of {waiter.key.namespace}/{waiter.key.fqn}"))
                     continue
@@ -369,10 +408,14 @@ class ContainerPool:
                                          waiter.make_spec, may_start=may_start and waiter.start,
                                          instance=waiter.instance)
                 if lease is not None:
-                    self._queue.remove(waiter)
                     waiter.future.set_result(lease)
-                elif pass_starts and self._needs_container(waiter):
+                    continue
+                keep.append(waiter)
+                stuck.add(waiter.key)
+                if pass_starts and self._needs_container(waiter):
                     may_start = False  # only the oldest waiter that needs a new container may start one
+            self._queue.clear()
+            self._queue.extend(keep)
 
     # -- shutdown ------------------------------------------------------------------------------
 

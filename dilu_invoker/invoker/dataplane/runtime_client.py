@@ -13,6 +13,8 @@ Three parts:
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -106,6 +108,16 @@ def env_string(value: Any) -> str:
     if value is None:
         return ""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+#: the init env entry holding a function's models key (dilu_invoker/actions/models.py, docs/runtime.md "models")
+MODELS_KEY_ENV = "DILU_MODELS_KEY"
+
+
+def models_key(secret: bytes, namespace: str, action: str, revision: str) -> str:
+    """The key every instance of one function (namespace/action@revision) gets at /init: instances holding
+    it may share read-only weights; other functions' instances cannot derive it (the secret is the invoker's)."""
+    return hmac.new(secret, f"{namespace}\0{action}\0{revision}".encode(), hashlib.sha256).hexdigest()
 
 
 def build_init_body(
@@ -319,8 +331,11 @@ class RuntimeClient:
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
         retry_interval_s: float = INIT_RETRY_INTERVAL_S,
         secret: str | None = None,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
         self._session = session
+        #: whether the container still runs: /init stops retrying a connection to one that died
+        self._alive = alive
         #: the container's runtime secret, sent with every request (X-Dilu-Runtime-Secret)
         self._secret = secret
         self._base_url = base_url.rstrip("/")
@@ -331,22 +346,20 @@ class RuntimeClient:
     def base_url(self) -> str:
         return self._base_url
 
-    async def init(self, payload: Mapping[str, Any] | bytes, timeout_s: float, *,
-                   alive: Callable[[], bool] | None = None) -> RuntimeOutcome:
+    async def init(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
         """POST /init, retrying a refused connection every 50 ms until `timeout_s` is used up, or until
         `alive` (the container's liveness, when the caller knows it) says the runtime is gone: a runtime
         that exited never listens, and waiting out the action's whole timeout for it holds a slot and the
         activation for nothing."""
-        return await self._call("/init", payload, timeout_s, retry=True, mapping=init_outcome, alive=alive)
+        return await self._call("/init", payload, timeout_s, retry=True, mapping=init_outcome)
 
     async def run(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
         """POST /run once (never retried: the action may have started)."""
         return await self._call("/run", payload, timeout_s, retry=False, mapping=run_outcome)
 
     async def _call(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool,
-                    mapping: Callable[..., RuntimeOutcome], alive: Callable[[], bool] | None = None
-                    ) -> RuntimeOutcome:
-        exchange = await self._post(path, payload, timeout_s, retry=retry, alive=alive)
+                    mapping: Callable[..., RuntimeOutcome]) -> RuntimeOutcome:
+        exchange = await self._post(path, payload, timeout_s, retry=retry)
         outcome = mapping(
             http_status=exchange.http_status,
             body=exchange.body,
@@ -364,8 +377,7 @@ class RuntimeClient:
         )
         return outcome
 
-    async def _post(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool,
-                    alive: Callable[[], bool] | None = None) -> _Exchange:
+    async def _post(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool) -> _Exchange:
         data = payload if isinstance(payload, bytes) else encode_body(payload)
         url = self._base_url + path
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -393,7 +405,7 @@ class RuntimeClient:
             except TimeoutError:
                 return _Exchange(None, b"", None, max(time.monotonic() - start, timeout_s))
             except aiohttp.ClientConnectorError as exc:
-                if not retry or (alive is not None and not alive()):
+                if not retry or (self._alive is not None and not self._alive()):
                     log.debug("runtime.connect_failed", url=url, error=str(exc))
                     return _Exchange(None, b"", None, time.monotonic() - start)
                 # Not listening yet (container still starting): OpenWhisk retries every 50 ms.

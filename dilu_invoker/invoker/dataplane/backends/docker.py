@@ -81,6 +81,12 @@ class DockerContainer:
             return None
         return f"exit {state.get('ExitCode')}"
 
+    async def set_memory_limit(self, memory_mb: int) -> None:
+        """A pre-loaded container becomes an action's: the engine applies the action's limit (it refuses one
+        below what the container already uses)."""
+        memory = f"{memory_mb}m"
+        await asyncio.to_thread(self._container.update, mem_limit=memory, memswap_limit=memory)
+
     async def pause(self) -> None:
         await asyncio.to_thread(self._container.pause)
 

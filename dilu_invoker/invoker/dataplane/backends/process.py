@@ -67,6 +67,11 @@ class ProcessContainer:
             os.killpg(self._proc.pid, sig)
         await self._backend.sandboxes.signal(self.sandbox, sig)
 
+    async def set_memory_limit(self, memory_mb: int) -> None:
+        """A pre-loaded container becomes an action's: its cgroup gets the action's limit (raises
+        SandboxError when its processes already use more)."""
+        await asyncio.to_thread(self._backend.sandboxes.set_memory, self.sandbox, memory_mb)
+
     async def pause(self) -> None:
         await self._signal_all(signal.SIGSTOP)
 

@@ -130,6 +130,37 @@ class Cgroups:
                 _write(path / "memory.memsw.limit_in_bytes", str(memory_bytes))
         return path
 
+    def set_limit(self, path: Path, memory_bytes: int) -> None:
+        """Change a container's limit (a pre-loaded container taken by an action); refuses, changing
+        nothing, when its processes' anonymous memory (page cache is reclaimable and does not count)
+        already exceeds 90% of the new limit."""
+        used = self.anon_bytes(path)
+        if used is not None and used > memory_bytes * 0.9:
+            raise SandboxError(f"the container already uses {used >> 20} MB, more than the new limit allows")
+        if self.version == 2:
+            _write(path / "memory.max", str(memory_bytes))
+            return
+        # v1: memsw must never be below the plain limit, so the order depends on the direction.
+        memsw = path / "memory.memsw.limit_in_bytes"
+        old = int((path / "memory.limit_in_bytes").read_text())
+        steps = [("memory.limit_in_bytes", memory_bytes), ("memory.memsw.limit_in_bytes", memory_bytes)]
+        if memory_bytes > old:
+            steps.reverse()
+        for name, value in steps:
+            if name.startswith("memory.memsw") and not memsw.exists():
+                continue
+            with contextlib.suppress(OSError) if name.startswith("memory.memsw") else contextlib.nullcontext():
+                _write(path / name, str(value))
+
+    def anon_bytes(self, path: Path) -> int | None:
+        """Anonymous memory of the cgroup (``anon`` in v2's, ``total_rss`` or ``rss`` in v1's memory.stat)."""
+        keys = ("anon",) if self.version == 2 else ("total_rss", "rss")
+        try:
+            stat = dict(line.split()[:2] for line in (path / "memory.stat").read_text().splitlines() if " " in line)
+            return next(int(stat[k]) for k in keys if k in stat)
+        except (OSError, ValueError, StopIteration):
+            return None
+
     @staticmethod
     def procs(path: Path) -> list[int]:
         try:
@@ -296,7 +327,12 @@ class Sandbox:
         return self.uid is not None
 
     def env(self) -> dict[str, str]:
-        return {"HOME": str(self.dir), "TMPDIR": str(self.dir), MARKER_ENV: self.marker}
+        env = {"HOME": str(self.dir), "TMPDIR": str(self.dir), MARKER_ENV: self.marker}
+        if self.uid is not None:
+            # A leased uid has no passwd entry: getpass.getuser() (torch's and triton's cache paths ask it)
+            # reads these before it falls back to getpwuid(), which would fail.
+            env["USER"] = env["LOGNAME"] = f"dilu{self.uid}"
+        return env
 
     def preexec(self) -> Callable[[], None]:
         uid, gid, cgroup, plan, hide, home = self.uid, self.gid, self.cgroup, self.plan, self.hide, str(self.dir)
@@ -482,6 +518,11 @@ class Sandboxes:
                 if st.st_uid == box.uid or st.st_mode & 0o022:
                     os.chown(path, 0, 0)
                     os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+
+    def set_memory(self, box: Sandbox, memory_mb: int) -> None:
+        """A new memory limit for a live container (no-op where memory is not enforced)."""
+        if box.cgroup is not None and self.cgroups is not None:
+            self.cgroups.set_limit(box.cgroup, memory_mb * 1024 * 1024)
 
     async def signal(self, box: Sandbox, sig: int) -> None:
         pids = await asyncio.to_thread(box.members, self.cgroups)

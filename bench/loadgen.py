@@ -1,0 +1,97 @@
+"""What the load-generating benchmarks share (``bench/faults.py``, ``bench/standalone.py``,
+``bench/openwhisk_path.py``): the machine line of a figures page and the client loops.
+
+* :func:`machine`: OS, CPU, cores and Python (and the load average: the development machine is shared);
+* :func:`commit`: the checkout's short commit;
+* :func:`sequential`: one call after another, each call's latency;
+* :func:`closed_loop`: ``clients`` concurrent loops, each calling again as soon as its call returns, for a
+  time or a count — the load shape of every throughput figure here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+Call = Callable[[], Awaitable[object]]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def load_average() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def machine(*, load: bool = False) -> str:
+    """``Linux 6.1, <CPU>, 2 cores, Python 3.11.7`` and, with ``load``, the load average now."""
+    text = (f"{platform.system()} {platform.release()}, {cpu_model()}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}")
+    return f"{text}; load average (1, 5, 15 min) {load_average()}" if load else text
+
+
+def commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout.strip() or "unknown"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def sequential(call: Call, n: int) -> list[float]:
+    """``n`` calls one after another; each one's latency in milliseconds."""
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await call()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class LoopResult:
+    calls: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.calls / self.seconds if self.seconds else 0.0
+
+
+async def closed_loop(call: Call, clients: int, *, seconds: float | None = None,
+                      per_client: int | None = None) -> LoopResult:
+    """``clients`` concurrent loops of ``call`` until ``seconds`` have passed (a loop finishes the call it
+    is in) or each made ``per_client`` calls; exactly one of the two bounds."""
+    if (seconds is None) == (per_client is None):
+        raise ValueError("closed_loop needs exactly one of seconds and per_client")
+    done = 0
+    start = time.monotonic()
+    stop = start + seconds if seconds is not None else None
+
+    async def loop() -> None:
+        nonlocal done
+        n = 0
+        while (stop is None or time.monotonic() < stop) and (per_client is None or n < per_client):
+            await call()
+            n += 1
+            done += 1
+
+    await asyncio.gather(*(loop() for _ in range(clients)))
+    return LoopResult(done, time.monotonic() - start)

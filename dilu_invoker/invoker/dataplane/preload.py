@@ -1,0 +1,510 @@
+"""Pre-loaded containers (after Tyche): per runtime kind, a few idle containers started ahead of any
+request whose worker has already imported the kind's libraries and, on a GPU node, created its CUDA
+context. A cold start of any action of that kind takes one — its ``/init`` then runs only the action's
+own code — and a replacement starts in the background.
+
+A pre-loaded container is an ordinary container of the backend, confined like any other (process
+backend: its own uid, private directory, memory cgroup and mount view, made when it starts), with a
+memory limit of ``--invoker-preload-memory-mb`` until an action takes it; taking it sets the action's
+``limits.memory`` on its cgroup and it then serves that one action for the rest of its life (its worker
+loads the action into a fresh module; only the imported libraries were there before). A worker whose
+pre-load failed (it died, or its CUDA context could not be made) is discarded, never handed out.
+
+Which kinds: those whose runtimes manifest entry has a ``"preload"`` list, when at least one module of
+the list can be imported on this node (process backend; with the docker backend the image's libraries
+cannot be checked from the invoker, so there a GPU kind is pre-loaded only on a node with GPUs). An empty
+list pre-starts the interpreter and the runtime only;
+besides the list, up to ``--invoker-preload-learn`` installed modules that recent actions of the kind
+imported (their ``/init`` reports them) are pre-loaded too, the most frequent first.
+
+Budgets: pre-loaded containers together hold at most ``--invoker-preload-budget-mb`` of host memory (and,
+on GPU kinds, ``--invoker-preload-gpu-budget-mb`` of GPU memory reservations); they count against the
+invoker's user memory, and the pool sheds them before it evicts a warm container of any action.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import importlib.util
+import itertools
+import os
+import site
+import sysconfig
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from dilu_invoker.gpu.attachment import GpuAttachment
+from dilu_invoker.invoker.dataplane.backends.base import Container, ContainerBackend, ContainerSpec, Mount
+from dilu_invoker.invoker.manifest import Manifest, RuntimeKind
+from dilu_invoker.model import Action
+
+log = structlog.get_logger(__name__)
+
+PRELOAD_MODULES_ENV = "DILU_PRELOAD_MODULES"
+PRELOAD_CUDA_ENV = "DILU_PRELOAD_CUDA"
+#: how long a pre-loaded container may take to import its libraries before it is given up
+LOAD_TIMEOUT_S = 120.0
+_POLL_S = 0.05
+
+
+class PreloadMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.hits = Counter("dilu_invoker_preload_hits", "Cold starts that took a pre-loaded container",
+                            ("kind",), registry=r)
+        self.misses = Counter("dilu_invoker_preload_misses", "Cold starts of a pre-loaded kind that found none "
+                              "usable", ("kind", "reason"), registry=r)
+        self.started = Counter("dilu_invoker_preload_started", "Pre-loaded containers started", ("kind",),
+                               registry=r)
+        self.discarded = Counter("dilu_invoker_preload_discarded", "Pre-loaded containers removed without "
+                                 "serving", ("kind", "reason"), registry=r)
+        self.size = Gauge("dilu_invoker_preload_containers", "Pre-loaded containers by state (loading, ready)",
+                          ("kind", "state"), registry=r)
+        self.memory = Gauge("dilu_invoker_preload_memory_mb", "Host memory held by pre-loaded containers (MB)",
+                            registry=r)
+        self.gpu_memory = Gauge("dilu_invoker_preload_gpu_memory_mb", "GPU memory reserved by pre-loaded "
+                                "containers (MB)", registry=r)
+        self.load_time = Gauge("dilu_invoker_preload_load_seconds", "Time the last pre-loaded container of the "
+                               "kind took to import its libraries (and make its CUDA context)", ("kind",),
+                               registry=r)
+
+
+@dataclass(eq=False, slots=True)
+class Standby:
+    """One pre-loaded container."""
+
+    name: str
+    kind: str
+    memory_mb: int
+    gpu_memory_mb: int = 0
+    modules: tuple[str, ...] = ()
+    state: str = "starting"  # starting → loading → ready; removed
+    container: Container | None = None
+    gpu: GpuAttachment | None = None
+    gpu_key: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+    drain: asyncio.Task[None] | None = None
+    since: float = field(default_factory=time.monotonic)
+
+    async def stop_draining(self) -> None:
+        if self.drain is not None:
+            self.drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.drain
+            self.drain = None
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A pre-loaded container handed to an action's cold start."""
+
+    standby: Standby
+    container: Container
+    kind: str
+    modules: tuple[str, ...]
+    gpu: GpuAttachment | None
+    gpu_key: str | None
+    waited_loading: bool
+
+
+class PreloadPool:
+    def __init__(
+        self,
+        *,
+        manifest: Manifest,
+        backend: ContainerBackend,
+        session: aiohttp.ClientSession,
+        per_kind: int,
+        memory_mb: int,
+        budget_mb: int,
+        gpu_budget_mb: int,
+        learn: int,
+        make_spec: Callable[[str, RuntimeKind, dict[str, str]], ContainerSpec],
+        room_mb: Callable[[], int],
+        registry: CollectorRegistry,
+        name_prefix: str,
+        attach_gpu: Callable[[str, RuntimeKind], Awaitable[tuple[GpuAttachment | None, int]]] | None = None,
+        detach_gpu: Callable[[str], Awaitable[None]] | None = None,
+        check_importable: bool = True,
+        has_gpus: bool = False,
+    ) -> None:
+        self.manifest = manifest
+        self.backend = backend
+        self.session = session
+        self.per_kind = per_kind
+        self.memory_mb = memory_mb
+        self.budget_mb = budget_mb
+        self.gpu_budget_mb = gpu_budget_mb
+        self.learn_limit = learn
+        self._make_spec = make_spec
+        self._room_mb = room_mb
+        self._attach_gpu = attach_gpu
+        self._detach_gpu = detach_gpu
+        self._prefix = name_prefix
+        self._counter = itertools.count(1)
+        self.metrics = PreloadMetrics(registry)
+        self.standbys: dict[str, list[Standby]] = collections.defaultdict(list)
+        self._learnt: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.kinds: dict[str, RuntimeKind] = {}
+        self._check = check_importable
+        self._no_room_logged: set[str] = set()
+        if per_kind > 0:
+            for kind, runtime in manifest.runtimes.items():
+                if runtime.preload is None or runtime.deprecated:
+                    continue
+                if runtime.gpu and not has_gpus and not check_importable:
+                    # An image's libraries cannot be checked from here: a GPU kind waits for a GPU node.
+                    log.info("pre-loading skipped: a GPU kind on a node without GPUs", kind=kind)
+                    continue
+                usable = [m for m in runtime.preload if not check_importable or _importable(m)]
+                if runtime.preload and not usable:
+                    log.info("pre-loading skipped: none of the kind's libraries is installed here", kind=kind,
+                             preload=list(runtime.preload))
+                    continue
+                self.kinds[kind] = runtime
+
+    # -- views -------------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kinds)
+
+    def covers(self, kind: str) -> bool:
+        return kind in self.kinds
+
+    @property
+    def memory_in_use_mb(self) -> int:
+        return sum(s.memory_mb for items in self.standbys.values() for s in items)
+
+    @property
+    def gpu_memory_in_use_mb(self) -> int:
+        return sum(s.gpu_memory_mb for items in self.standbys.values() for s in items)
+
+    def modules_for(self, kind: str) -> tuple[str, ...]:
+        """The manifest's list, then the most frequently learnt installed modules (bounded)."""
+        runtime = self.kinds[kind]
+        declared = [m for m in runtime.preload or () if not self._check or _importable(m)]
+        learnt = [m for m, _n in self._learnt[kind].most_common() if m not in declared][: self.learn_limit]
+        return tuple(declared + learnt)
+
+    def _update_gauges(self) -> None:
+        for kind in self.kinds:
+            items = self.standbys.get(kind, [])
+            for state in ("loading", "ready"):
+                n = sum(1 for s in items if (s.state == state or (state == "loading" and s.state == "starting")))
+                self.metrics.size.labels(kind, state).set(n)
+        self.metrics.memory.set(self.memory_in_use_mb)
+        self.metrics.gpu_memory.set(self.gpu_memory_in_use_mb)
+
+    # -- filling ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for kind in self.kinds:
+            self.refill(kind)
+
+    def refill(self, kind: str) -> None:
+        """Start pre-loaded containers of ``kind`` up to ``per_kind``, within the budgets and the room left
+        in the invoker's user memory."""
+        if self._closed or kind not in self.kinds:
+            return
+        runtime = self.kinds[kind]
+        memory_mb = runtime.preload_memory_mb or self.memory_mb
+        while len(self.standbys[kind]) < self.per_kind:
+            if self.memory_in_use_mb + memory_mb > self.budget_mb or self._room_mb() < memory_mb:
+                if kind not in self._no_room_logged:
+                    self._no_room_logged.add(kind)
+                    log.info("no room for a pre-loaded container now", kind=kind, memory_mb=memory_mb,
+                             budget_mb=self.budget_mb, preloaded_mb=self.memory_in_use_mb, room_mb=self._room_mb())
+                break
+            name = f"{self._prefix}_{next(self._counter)}_preload_{_slug(kind)}"
+            standby = Standby(name=name, kind=kind, memory_mb=memory_mb, modules=self.modules_for(kind))
+            self.standbys[kind].append(standby)
+            standby.task = self._spawn(self._start(standby, runtime))
+        self._update_gauges()
+
+    async def _start(self, standby: Standby, runtime: RuntimeKind) -> None:
+        # Always set (empty: nothing but the interpreter and the runtime), so the worker reports when done.
+        env = {PRELOAD_MODULES_ENV: ",".join(standby.modules)}
+        spec = self._make_spec(standby.name, runtime, env)
+        try:
+            if runtime.gpu and self._attach_gpu is not None:
+                if self.gpu_memory_in_use_mb >= self.gpu_budget_mb:
+                    raise _Skip("GPU budget of pre-loading is used up")
+                attachment, gpu_mb = await self._attach_gpu(standby.name, runtime)
+                if attachment is not None:
+                    if self.gpu_memory_in_use_mb + gpu_mb > self.gpu_budget_mb:
+                        standby.gpu_key = standby.name
+                        raise _Skip("GPU budget of pre-loading is used up")
+                    standby.gpu, standby.gpu_key, standby.gpu_memory_mb = attachment, standby.name, gpu_mb
+                    env = {**dict(spec.env), **attachment.env, PRELOAD_CUDA_ENV: "1"}
+                    spec = ContainerSpec(
+                        name=spec.name, kind=spec.kind, image=spec.image, memory_mb=spec.memory_mb, env=env,
+                        mounts=spec.mounts + tuple(Mount(m.source, m.target, m.read_only) for m in attachment.mounts),
+                        devices=spec.devices + attachment.devices, labels=spec.labels, own_runtime=spec.own_runtime)
+            self.metrics.started.labels(standby.kind).inc()
+            container = await self.backend.start(spec)
+            standby.container = container
+            if standby.state == "removed":
+                raise _Skip("removed while starting")
+            standby.state = "loading"
+            standby.drain = asyncio.create_task(_drain(container, standby.name))
+            self._update_gauges()
+            info = await self._wait_loaded(container)
+            standby.info = info
+            if info.get("state") != "done":
+                raise _Skip(f"pre-load failed: {info.get('cuda_error') or info.get('error') or info.get('state')}")
+            if standby.state != "loading":
+                return
+            standby.state = "ready"
+            self.metrics.load_time.labels(standby.kind).set(info.get("ms", 0) / 1000)
+            log.info("pre-loaded container ready", container=standby.name, kind=standby.kind,
+                     modules=info.get("modules"), missing=info.get("missing"), cuda=info.get("cuda"),
+                     load_ms=info.get("ms"))
+            self._update_gauges()
+        except asyncio.CancelledError:
+            raise
+        except _Skip as skip:
+            self._discard(standby, str(skip))
+        except Exception as exc:  # noqa: BLE001 - a pre-loaded container that fails is dropped, not fatal
+            log.warning("pre-loaded container failed to start", container=standby.name, kind=standby.kind,
+                        error=repr(exc))
+            self._discard(standby, "start failed")
+
+    async def _wait_loaded(self, container: Container) -> dict[str, Any]:
+        headers = {"X-Dilu-Runtime-Secret": container.secret} if container.secret else {}
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        pause = _POLL_S
+        while time.monotonic() < deadline:
+            if not container.alive:
+                return {"state": "failed", "error": f"container exited ({container.exit_reason()})"}
+            try:
+                async with self.session.get(f"{container.url}/health", headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status == 200:
+                        body = await resp.json(content_type=None)
+                        state = (body.get("preload") or {}).get("state")
+                        if state in ("done", "failed"):
+                            return dict(body["preload"])
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass  # not listening yet
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, 0.5)  # heavy imports take seconds: no need to ask 20 times a second
+        return {"state": "failed", "error": "pre-loading timed out"}
+
+    # -- taking ----------------------------------------------------------------------------------------
+
+    def take(self, runtime: RuntimeKind, action: Action, *, gpu_index: int | None = None) -> Standby | None:
+        """A pre-loaded container of the action's kind (ready ones first), or None (a miss: the caller does a
+        plain cold start). A replacement is started in the background either way."""
+        kind = runtime.kind
+        if kind not in self.kinds:
+            return None
+        reason = ""
+        items = [s for s in self.standbys.get(kind, [])
+                 if gpu_index is None or (s.gpu is not None and s.gpu.gpu_index == gpu_index)]
+        if action.limits.concurrency > 1:
+            reason = "concurrent action"
+        elif not items:
+            reason = "none available"
+        if reason:
+            self.metrics.misses.labels(kind, reason).inc()
+            self._spawn_refill(kind)
+            return None
+        ready = [s for s in items if s.state == "ready"]
+        usable = ready or [s for s in items if s.state in ("loading", "starting")]
+        if not usable:
+            self.metrics.misses.labels(kind, "none available").inc()
+            return None
+        standby = usable[0]
+        self.standbys[kind].remove(standby)
+        standby.state = "taken"
+        self._update_gauges()
+        self._spawn_refill(kind)
+        return standby
+
+    async def hand_over(self, standby: Standby, memory_mb: int) -> Taken | None:
+        """Finish a take: wait for the container's pre-load (when it was still loading), stop draining its
+        output and set the action's memory limit. None: it failed meanwhile (a plain cold start follows)."""
+        task = standby.task
+        waited = standby.container is None or standby.info.get("state") != "done"
+        if task is not None and not task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+        container = standby.container
+        if container is None or standby.info.get("state") != "done" or not container.alive:
+            await self.lost(standby.kind, standby, "failed while handed over")
+            return None
+        await standby.stop_draining()
+        set_limit = getattr(container, "set_memory_limit", None)
+        if set_limit is not None:
+            try:
+                await set_limit(memory_mb)
+            except Exception as exc:  # noqa: BLE001 - the action's limit cannot be applied: not usable
+                log.warning("pre-loaded container refused the action's memory limit", container=standby.name,
+                            error=repr(exc))
+                await self.lost(standby.kind, standby, "memory limit not applicable")
+                return None
+        return Taken(standby=standby, container=container, kind=standby.kind,
+                     modules=tuple(standby.info.get("modules") or ()), gpu=standby.gpu, gpu_key=standby.gpu_key,
+                     waited_loading=waited)
+
+    async def lost(self, kind: str, standby: Standby, reason: str) -> None:
+        """A taken container turned out unusable for the cold start: a miss, and it is destroyed."""
+        self.metrics.misses.labels(kind, reason).inc()
+        self.metrics.discarded.labels(kind, reason).inc()
+        log.info("pre-loaded container not usable; a plain cold start follows", container=standby.name,
+                 reason=reason)
+        await self._destroy(standby, reason)
+
+    def hit(self, kind: str) -> None:
+        self.metrics.hits.labels(kind).inc()
+
+    def learn(self, kind: str, imports: Iterable[str]) -> None:
+        """An action of ``kind`` imported these installed modules at /init."""
+        if kind not in self.kinds or self.learn_limit <= 0:
+            return
+        counter = self._learnt[kind]
+        for name in imports:
+            # The report comes from the action's own process: only names of installed packages that this
+            # node has in site-packages are believed (never the standard library, never the action's files).
+            if isinstance(name, str) and name.isidentifier() and (not self._check or _installed_package(name)):
+                counter[name] += 1
+        # Bounded: keep the most frequent few times the limit, so an endless stream of names stays small.
+        if len(counter) > 4 * self.learn_limit:
+            self._learnt[kind] = collections.Counter(dict(counter.most_common(2 * self.learn_limit)))
+
+    # -- shedding and removal ------------------------------------------------------------------------
+
+    def _would_take(self, action: Action) -> Standby | None:
+        runtime = self.manifest.resolve(action.exec.kind)
+        if runtime is None or runtime.kind not in self.kinds or action.limits.concurrency > 1:
+            return None
+        items = self.standbys.get(runtime.kind, [])
+        usable = [s for s in items if s.state == "ready"] or items
+        return usable[0] if usable else None
+
+    def memory_for(self, action: Action) -> int:
+        spared = self._would_take(action)
+        return self.memory_in_use_mb - (spared.memory_mb if spared is not None else 0)
+
+    def shed(self, need_mb: int, action: Action | None = None) -> int:
+        """Remove pre-loaded containers (those still loading first; never the one ``action``'s cold start
+        is about to take) until ``need_mb`` is freed or none is left; returns what was freed (MB). Called
+        when an action needs the memory."""
+        freed = 0
+        spared = self._would_take(action) if action is not None else None
+        candidates = sorted((s for items in self.standbys.values() for s in items if s is not spared),
+                            key=lambda s: (s.state == "ready", -s.since))
+        for standby in candidates:
+            if freed >= need_mb:
+                break
+            freed += standby.memory_mb
+            self._discard(standby, "memory needed by an action")
+        return freed
+
+    def _discard(self, standby: Standby, reason: str) -> None:
+        items = self.standbys.get(standby.kind, [])
+        if standby in items:
+            items.remove(standby)
+        if standby.state != "removed":
+            standby.state = "removed"
+            self.metrics.discarded.labels(standby.kind, reason).inc()
+            log.debug("pre-loaded container discarded", container=standby.name, reason=reason)
+            self._spawn(self._destroy(standby, reason))
+        self._update_gauges()
+
+    async def _destroy(self, standby: Standby, reason: str) -> None:
+        standby.state = "removed"
+        task = standby.task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await standby.stop_draining()
+        if standby.container is not None:
+            await standby.container.destroy()
+        if standby.gpu_key is not None and self._detach_gpu is not None:
+            with contextlib.suppress(Exception):
+                await self._detach_gpu(standby.gpu_key)
+            standby.gpu_key = None
+
+    def _spawn_refill(self, kind: str) -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self.refill, kind)
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        self._closed = True
+        for standby in [s for items in self.standbys.values() for s in items]:
+            self._discard(standby, "invoker shutting down")
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+class _Skip(Exception):
+    pass
+
+
+async def _drain(container: Container, name: str) -> None:
+    """What a pre-loaded container prints while it imports is no activation's output: read and dropped."""
+
+    async def one(stream: asyncio.StreamReader, which: str) -> None:
+        while True:
+            chunk = await stream.read(65536)
+            if not chunk:
+                return
+            log.debug("pre-load output", container=name, stream=which, bytes=len(chunk))
+
+    with contextlib.suppress(Exception):
+        await asyncio.gather(one(container.stdout, "stdout"), one(container.stderr, "stderr"))
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module.partition(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _site_roots() -> tuple[str, ...]:
+    roots: list[str] = []
+    with contextlib.suppress(Exception):
+        roots += site.getsitepackages()
+    with contextlib.suppress(Exception):
+        roots.append(site.getusersitepackages())
+    for name in ("purelib", "platlib"):
+        with contextlib.suppress(Exception):
+            roots.append(sysconfig.get_path(name))
+    return tuple(sorted({os.path.realpath(r) + os.sep for r in roots if r}))
+
+
+def _installed_package(name: str) -> bool:
+    """``name`` is a top-level module of an installed package (its file lies in a site-packages dir)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    places = [spec.origin] if spec.origin else list(spec.submodule_search_locations or ())
+    return bool(places) and all(os.path.realpath(p).startswith(_site_roots()) for p in places if p)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "" for c in text)[:32] or "x"
