@@ -64,13 +64,18 @@ class GpuVector(Sequence[GpuState]):
     def __getitem__(self, o: slice) -> tuple[GpuState, ...]: ...
 
     def __getitem__(self, o: int | slice) -> GpuState | tuple[GpuState, ...]:
+        # The per-decision path indexes with ordinals >= 0: one comparison, two tuple lookups (an
+        # ordinal past the end raises IndexError from them).
+        try:
+            if o >= 0:  # type: ignore[operator]
+                return self._chunks[o >> _CHUNK_BITS][o & _LOW]  # type: ignore[operator]
+        except TypeError:
+            pass
         if isinstance(o, slice):
             return tuple(self)[o]
-        if o < 0:
-            o += self._len
-        if not 0 <= o < self._len:
+        if not -self._len <= o < 0:
             raise IndexError("GPU ordinal out of range")
-        return self._chunks[o >> _CHUNK_BITS][o & _LOW]
+        return self[o + self._len]
 
     def __iter__(self) -> Iterator[GpuState]:
         return chain.from_iterable(self._chunks)

@@ -1119,7 +1119,8 @@ def _place_gang(
         by_invoker.setdefault(cluster.refs[o].invoker, []).append(o)
     # Invokers holding feasible lit GPUs first (they can avoid lighting some), then invokers with
     # enough unlit GPUs, in cluster order, up to the candidate limit.
-    invokers = [inv for inv in cluster.invokers if inv in by_invoker]
+    # (Cluster order is the order of the invokers' first ordinals.)
+    invokers = sorted(by_invoker, key=lambda inv: cluster.invoker_ordinals[inv][0])
     if not request.lit_only:
         extra = 0
         for inv in _invokers(cluster, request):
@@ -1135,13 +1136,18 @@ def _place_gang(
             total, parts = _score(gpus[o], request, cluster, config, scorers)
             per_gpu.append((total, 1, -o, parts))
         if not request.lit_only:
+            # Unlit GPUs of one invoker are empty: those of one size score alike.
+            alike: dict[float, tuple[float, tuple[float, ...]]] = {}
             for o in cluster.unlit[inv]:
-                failed = _first_failure(gpus[o], filters, request, config)
+                g = gpus[o]
+                failed = _first_failure(g, filters, request, config)
                 if failed is not None:
-                    rejects.note(failed, gpus[o], request, config)
+                    rejects.note(failed, g, request, config)
                     continue
-                total, parts = _score(gpus[o], request, cluster, config, scorers)
-                per_gpu.append((total, 0, -o, parts))
+                scored = alike.get(g.memory_mib)
+                if scored is None:
+                    scored = alike[g.memory_mib] = _score(g, request, cluster, config, scorers)
+                per_gpu.append((scored[0], 0, -o, scored[1]))
         if len(per_gpu) < k:
             continue
         per_gpu.sort(reverse=True)
