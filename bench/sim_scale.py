@@ -10,7 +10,8 @@ create per second) and each seed, every policy replays the same trace, one after
 process. Reported per run: wall and CPU seconds (`time.process_time`: what this process used, less
 sensitive than wall time to other load on a shared machine), events, CPU µs per event, peak and
 time-mean lit GPUs against the fractional and the integral bound, compaction moves and cold starts
-per 100 instances. The load average before and after is printed: read wall times with it.
+per 100 instances, and the load average (1 min) when the run ended: read wall times, and on a
+shared machine CPU times too, with it.
 Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
 integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
 100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
@@ -73,7 +74,7 @@ def run_one(n: int, train: float, llm: float, seed: int, policy: str) -> dict[st
         "peak_frac": d["peak_vs_bound"], "mean_frac": d["mean_vs_bound"],
         "moves_per_100": 100.0 * d["compaction_moves"] / n,
         "cold_per_100": 100.0 * d["compaction_cold_starts"] / n,
-        "splits": d["split_instances"], "rejected": s["rejected"],
+        "splits": d["split_instances"], "rejected": s["rejected"], "load": _load().split()[0],
     }
 
 
@@ -94,6 +95,7 @@ COLUMNS = (
     ("moves /100", lambda r: f"{r['moves_per_100']:.1f}"),
     ("cold starts /100", lambda r: f"{r['cold_per_100']:.1f}"),
     ("rejected", lambda r: str(r["rejected"])),
+    ("load (1 min) after", lambda r: r["load"]),
 )
 
 

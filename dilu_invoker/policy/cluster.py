@@ -6,8 +6,9 @@ walking every GPU: lit GPUs bucketed by their Σ request (by ordinal, and by fre
 bucket), unlit GPUs per invoker, invokers by the free memory of their lit GPUs, where each instance
 sits, and how many instances of each function each invoker holds. `with_instance` / `without_instance`
 return a new snapshot in which only the touched entries were rebuilt: the maps are persistent (hash
-array mapped tries, `immutables.Map`, O(log n) per change, shared structure), the GPU tuple is copied
-at C speed, so the snapshot stays a value: an old one is never changed by a later placement.
+array mapped tries, `immutables.Map`, O(log n) per change, shared structure), the GPUs are a
+persistent vector (`GpuVector`: chunks of 64, a change copies the chunk index and the chunks it
+touches), so the snapshot stays a value: an old one is never changed by a later placement.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import bisect
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain, compress
+from operator import is_not
 from types import MappingProxyType
-from typing import TypeVar
+from typing import TypeVar, overload
 
 from immutables import Map
 
@@ -30,6 +33,91 @@ BUCKETS = 100
 def request_bucket(used_request: float) -> int:
     """Index bucket of a lit GPU whose instances request `used_request` of it in total."""
     return min(BUCKETS, max(0, math.floor(used_request * BUCKETS + EPS)))
+
+
+_CHUNK_BITS = 6
+_CHUNK = 1 << _CHUNK_BITS
+_LOW = _CHUNK - 1
+
+
+class GpuVector(Sequence[GpuState]):
+    """GPU ordinal → state, persistent: a tuple of chunks of 64 states. `replace` copies the chunk
+    index and the chunks it touches (O(GPUs / 64 + 64 per chunk touched) instead of O(GPUs)), and
+    unchanged chunks are shared, so `changed_since` an ancestor compares chunks by identity first."""
+
+    __slots__ = ("_chunks", "_len")
+
+    def __init__(self, states: Iterable[GpuState] = ()) -> None:
+        flat = tuple(states)
+        self._chunks: tuple[tuple[GpuState, ...], ...] = tuple(
+            flat[i : i + _CHUNK] for i in range(0, len(flat), _CHUNK)
+        )
+        self._len = len(flat)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, o: int) -> GpuState: ...
+
+    @overload
+    def __getitem__(self, o: slice) -> tuple[GpuState, ...]: ...
+
+    def __getitem__(self, o: int | slice) -> GpuState | tuple[GpuState, ...]:
+        # The per-decision path indexes with ordinals >= 0: one comparison, two tuple lookups (an
+        # ordinal past the end raises IndexError from them).
+        try:
+            if o >= 0:  # type: ignore[operator]
+                return self._chunks[o >> _CHUNK_BITS][o & _LOW]  # type: ignore[operator]
+        except TypeError:
+            pass
+        if isinstance(o, slice):
+            return tuple(self)[o]
+        if not -self._len <= o < 0:
+            raise IndexError("GPU ordinal out of range")
+        return self[o + self._len]
+
+    def __iter__(self) -> Iterator[GpuState]:
+        return chain.from_iterable(self._chunks)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GpuVector):
+            return self._chunks == other._chunks
+        if isinstance(other, tuple):
+            return tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._chunks)
+
+    def __repr__(self) -> str:
+        return f"GpuVector({list(self)!r})"
+
+    def replace(self, changes: Mapping[int, GpuState]) -> GpuVector:
+        """A new vector with `changes` (ordinal → state) applied; this one is left as it was."""
+        chunks = list(self._chunks)
+        touched: dict[int, list[GpuState]] = {}
+        for o, g in changes.items():
+            c = o >> _CHUNK_BITS
+            chunk = touched.get(c)
+            if chunk is None:
+                chunk = touched[c] = list(chunks[c])
+            chunk[o & _LOW] = g
+        for c, chunk in touched.items():
+            chunks[c] = tuple(chunk)
+        new = GpuVector.__new__(GpuVector)
+        new._chunks = tuple(chunks)
+        new._len = self._len
+        return new
+
+    def changed_since(self, old: GpuVector) -> list[int]:
+        """Ordinals whose state is another object than in `old` (of the same length)."""
+        out: list[int] = []
+        for c, (a, b) in enumerate(zip(old._chunks, self._chunks, strict=True)):
+            if a is not b:
+                base = c << _CHUNK_BITS
+                out.extend(base + i for i in compress(range(len(b)), map(is_not, a, b)))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +172,7 @@ class ClusterSnapshot:
     invokers: tuple[str, ...]
     refs: tuple[GpuRef, ...]
     """GPU ordinal → where it is; ordinals are the fixed order used for deterministic tie-breaks."""
-    gpus: tuple[GpuState, ...]
+    gpus: GpuVector
     """GPU ordinal → state."""
     ordinals: Mapping[GpuRef, int]
     invoker_ordinals: Mapping[str, tuple[int, ...]]
@@ -177,7 +265,7 @@ class ClusterSnapshot:
             now=now,
             invokers=tuple(order),
             refs=refs,
-            gpus=tuple(ordered),
+            gpus=GpuVector(ordered),
             ordinals=MappingProxyType(ordinals),
             invoker_ordinals=MappingProxyType(invoker_ordinals),
             lit_buckets=tuple(tuple(b) for b in buckets),
@@ -313,9 +401,7 @@ class ClusterSnapshot:
             instances=old.instances,
             schedulable=schedulable,
         )
-        gpus = list(self.gpus)
-        gpus[o] = new
-        return _copy(self, gpus=tuple(gpus))
+        return _copy(self, gpus=self.gpus.replace({o: new}))
 
     def _rebuild(
         self,
@@ -324,7 +410,8 @@ class ClusterSnapshot:
         instance: PlacedInstance,
         sign: int,
     ) -> ClusterSnapshot:
-        gpus = list(self.gpus)
+        old_gpus = self.gpus
+        gpus = old_gpus.replace(changed)
         buckets = list(self.lit_buckets)
         rooms = list(self.lit_room)
         limits = list(self.lit_limits)
@@ -336,8 +423,7 @@ class ClusterSnapshot:
             self.sum_memory_fraction,
         )
         for o, new in changed.items():
-            old = gpus[o]
-            gpus[o] = new
+            old = old_gpus[o]
             inv = new.ref.invoker
             if old.lit:
                 k = request_bucket(old.used_request)
@@ -389,7 +475,7 @@ class ClusterSnapshot:
             del widths[instance.gpus]
         return _copy(
             self,
-            gpus=tuple(gpus),
+            gpus=gpus,
             lit_buckets=tuple(buckets),
             lit_room=tuple(rooms),
             lit_limits=tuple(limits),

@@ -15,13 +15,13 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field, replace
-from itertools import compress
-from operator import is_not
 
 from immutables import Map
 
 from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, request_bucket
 from dilu_invoker.policy.placement import (
+    FILTERS,
+    Filter,
     PlacementConfig,
     PlacementPart,
     PlacementRequest,
@@ -195,6 +195,24 @@ class CompactionState:
     """Source ordinal → what the instance that found no room there needs (see `Need`)."""
     pending: frozenset[int] = frozenset()
     """Candidates a call did not get to (max_sources, max_moves)."""
+    no_fit: tuple[NoFit, ...] = ()
+    """Instance shapes no lit GPU took when the plan ended (see `NoFit`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NoFit:
+    """A move request for which no lit GPU but its own source passed the filters.
+
+    Moves only consume room on lit GPUs and never light one, so while no GPU that changed since
+    passes this request's filters, no GPU other than `source` takes any request of the same class
+    that asks at least as much request, limit and memory: `lit_fits` of it is `source` if `source`
+    passes, else nothing, without a scan. A plan forgets every entry when a move frees room (a
+    split instance placed anew leaves its other stages' GPUs); the next call drops those a GPU that
+    changed meanwhile may satisfy."""
+
+    request: PlacementRequest
+    source: int
+    """Ordinal of the GPU the request avoided (its source)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,22 +347,20 @@ def _candidates(
     placement: PlacementConfig,
     config: CompactionConfig,
     state: CompactionState,
-) -> tuple[list[int], Map[int, Need], dict[int, tuple[Need, list[int]]]]:
-    """Ordinals worth trying as sources (unordered), the failures still known to be hopeless, and
-    the failed sources retried because GPUs gained room (with those GPUs' ordinals)."""
+) -> tuple[list[int], Map[int, Need], dict[int, tuple[Need, list[int]]], list[NoFit]]:
+    """Ordinals worth trying as sources (unordered), the failures still known to be hopeless, the
+    failed sources retried because GPUs gained room (with those GPUs' ordinals), and the `NoFit`
+    entries still true."""
     gpus = cluster.gpus
     seen = state.seen
-    if seen is None or seen.refs != cluster.refs:
+    if seen is None or (seen.refs is not cluster.refs and seen.refs != cluster.refs):
         top = request_bucket(config.source_max_request)
         every = [o for k in range(min(top, BUCKETS) + 1) for o in cluster.lit_buckets[k]]
-        return [o for o in every if _eligible(gpus[o], config)], Map(), {}
+        return [o for o in every if _eligible(gpus[o], config)], Map(), {}, []
     old = seen.gpus
-    changed = [
-        o
-        for o in compress(range(len(gpus)), map(is_not, old, gpus))
-        if old[o] != gpus[o]
-    ]
+    changed = [o for o in gpus.changed_since(old) if old[o] != gpus[o]]
     failed = state.failed
+    no_fit = _still_no_fit(state.no_fit, [gpus[o] for o in changed], placement)
     out = set(state.pending)
     gained: list[tuple[int, GpuState]] = []
     if changed:
@@ -372,7 +388,8 @@ def _candidates(
                     out.add(o)
                     helped[o] = (need, helpers)
             failed = m.finish()
-    return [o for o in out if o not in failed and _eligible(gpus[o], config)], failed, helped
+    candidates = [o for o in out if o not in failed and _eligible(gpus[o], config)]
+    return candidates, failed, helped, no_fit
 
 
 def compaction_plan(
@@ -397,7 +414,7 @@ def compaction_plan(
     # GPUs this plan moved something onto: never emptied again by the same plan (no ping-pong).
     targets: set[GpuRef] = set()
     tried = 0
-    candidates, failed, helped = _candidates(cluster, placement, config, state)
+    candidates, failed, helped, no_fit = _candidates(cluster, placement, config, state)
     gpus0 = cluster.gpus
 
     def key(o: int) -> tuple[int, int]:
@@ -434,7 +451,7 @@ def compaction_plan(
             failures[o] = retry[0]
             continue
         tried += 1
-        trial_moves, trial, trial_freed, stuck = _try_source(work, gpu, placement)
+        trial_moves, trial, trial_freed, stuck = _try_source(work, gpu, placement, no_fit)
         if not trial_moves:
             assert stuck is not None
             failures[o] = stuck
@@ -454,6 +471,7 @@ def compaction_plan(
             # room may help are tried later in this plan (as a plan without the state would),
             # or next time when their turn has passed.
             siblings |= opened
+            no_fit.clear()  # room appeared: what found none may find some now
             helped.clear()  # the room they were retried for is no longer all there is
             gained = [(work.ordinals[r], work.gpu(r)) for r in opened if work.gpu(r).lit]
             known = failures.finish()
@@ -479,7 +497,9 @@ def compaction_plan(
         if _eligible(work.gpus[o], config):
             pending.append(o)
     failed = failures.finish()
-    next_state = CompactionState(seen=work, failed=failed, pending=frozenset(pending))
+    next_state = CompactionState(
+        seen=work, failed=failed, pending=frozenset(pending), no_fit=tuple(no_fit)
+    )
     plan = CompactionPlan(
         moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state
     )
@@ -490,6 +510,67 @@ def compaction_plan(
     return replace(plan, reason=reason)
 
 
+def _strategy_filters(placement: PlacementConfig) -> tuple[Filter, ...]:
+    return tuple(FILTERS[name] for name in placement.strategy_spec().filters)
+
+
+def _lit_fits(
+    work: ClusterSnapshot,
+    inst: PlacedInstance,
+    gpu: GpuState,
+    placement: PlacementConfig,
+    k: int,
+    requests: dict[str, PlacementRequest],
+    no_fit: list[NoFit],
+) -> tuple[GpuRef, ...]:
+    """`lit_fits` of the move request of `inst` (not a piece) off `gpu`, answered from `no_fit` when
+    an entry covers it (see `NoFit`); a scan that finds nothing becomes an entry."""
+    cls, r, lim, m = inst.cls, inst.request, inst.limit, inst.memory_mib
+    for e in no_fit:
+        q = e.request
+        if q.cls is cls and q.request <= r and q.limit <= lim and q.memory_mib <= m:
+            s = work.gpus[e.source]
+            if s.ref == gpu.ref or not s.lit:
+                return ()
+            request = requests.get(inst.id) or _as_request(work, inst, gpu.ref)
+            requests[inst.id] = request
+            if all(f.passes(s, request, placement) for f in _strategy_filters(placement)):
+                return (s.ref,)
+            return ()
+    request = requests.get(inst.id) or _as_request(work, inst, gpu.ref)
+    requests[inst.id] = request
+    fits = lit_fits(work, request, placement, limit=k)
+    if not fits:
+        # A shape that asks no less than an entry's is covered by it: keep the smallest.
+        no_fit[:] = [
+            e
+            for e in no_fit
+            if not (
+                e.request.cls is cls
+                and e.request.request >= r
+                and e.request.limit >= lim
+                and e.request.memory_mib >= m
+            )
+        ]
+        no_fit.append(NoFit(request=request, source=work.ordinals[gpu.ref]))
+    return fits
+
+
+def _still_no_fit(
+    entries: tuple[NoFit, ...], changed: list[GpuState], placement: PlacementConfig
+) -> list[NoFit]:
+    """The entries no GPU of `changed` (those that changed since they were made) may now satisfy."""
+    if not entries or not changed:
+        return list(entries)
+    filters = [f for f in _strategy_filters(placement) if f is not FILTERS["avoid"]]
+    lit = [g for g in changed if g.lit]
+    return [
+        e
+        for e in entries
+        if not any(all(f.passes(g, e.request, placement) for f in filters) for g in lit)
+    ]
+
+
 def _cannot_all_fit(
     work: ClusterSnapshot,
     gpu: GpuState,
@@ -497,12 +578,14 @@ def _cannot_all_fit(
     placement: PlacementConfig,
     splits: bool,
     requests: dict[str, PlacementRequest],
+    no_fit: list[NoFit],
 ) -> Need | None:
     """A quick proof, without deriving a snapshot, that the instances of `gpu` cannot all move (what
     would have to change for them to, as a `Need`), or None: one that may not be split finds no
     lit GPU at all, or (when none of them may split) the few GPUs that can take any of them lack
     the room for all of them together. The move requests it builds are left in `requests` (an
-    instance that is not a piece asks the same whatever the cluster)."""
+    instance that is not a piece asks the same whatever the cluster); `no_fit` answers, and learns,
+    which requests no lit GPU takes."""
     k = len(order)
     union: dict[GpuRef, None] = {}
     complete = True
@@ -510,8 +593,7 @@ def _cannot_all_fit(
         if inst.part_of is not None or (splits and inst.cls is InstanceClass.LLM):
             complete = False
             continue
-        request = requests[inst.id] = _as_request(work, inst, gpu.ref)
-        fits = lit_fits(work, request, placement, limit=k)
+        fits = _lit_fits(work, inst, gpu, placement, k, requests, no_fit)
         if not fits:
             return _need(work, gpu, inst, placement)
         complete = complete and len(fits) < k
@@ -540,7 +622,7 @@ def _cannot_all_fit(
 
 
 def _try_source(
-    work: ClusterSnapshot, gpu: GpuState, placement: PlacementConfig
+    work: ClusterSnapshot, gpu: GpuState, placement: PlacementConfig, no_fit: list[NoFit]
 ) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], Need | None]:
     """Move every instance off `gpu` onto other lit GPUs, or nothing (empty list, and what would
     have to change for them to move)."""
@@ -551,7 +633,7 @@ def _try_source(
     order = sorted(gpu.instances, key=lambda i: (-i.request, -i.memory_mib, i.id))
     splits = placement.strategy_spec().splits and placement.llm_max_parts > 1
     requests: dict[str, PlacementRequest] = {}
-    hopeless = _cannot_all_fit(work, gpu, order, placement, splits, requests)
+    hopeless = _cannot_all_fit(work, gpu, order, placement, splits, requests, no_fit)
     if hopeless is not None:
         return [], work, [], hopeless
     for inst in order:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import accumulate
+from operator import attrgetter, sub
 
 from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot
 from dilu_invoker.policy.types import (
@@ -785,63 +787,98 @@ def _scan_lit(
             )
     gpus = cluster.gpus
     found: list[int] = []
-    memory = FILTERS["memory"]
-    if memory in filters:
-        # Within a bucket, GPUs with less free memory than the request needs fail `memory`, and
-        # those whose Σ limit leaves no room for its limit fail the limit filter: the indexes by
-        # free memory and by Σ limit give both sets by bisection; walk the smaller remainder.
-        need = (request.memory_mib - cluster.max_memory_mib * EPS, -1)
-        cap = None
-        if FILTERS["sm-limit"] in filters:
-            cap = config.gamma
-        if FILTERS["sm-limit-static"] in filters:
-            cap = 1.0 if cap is None else min(cap, 1.0)
-        limit_filter = FILTERS["sm-limit" if cap is not None and cap > 1.0 else "sm-limit-static"]
-        room_limit = (cap - request.limit + 2 * EPS, math.inf) if cap is not None else None
-        rooms = cluster.lit_room
-        limits = cluster.lit_limits
-        for k in range(kmax, -1, -1):
-            bucket = rooms[k]
-            if not bucket:
-                continue
-            start = bisect.bisect_left(bucket, need)
-            visit = bucket[start:]
-            if room_limit is not None:
-                by_limit = limits[k]
-                end = bisect.bisect_right(by_limit, room_limit)
-                if end < len(visit):
-                    if end < len(by_limit):
-                        rejects.note(
-                            limit_filter, gpus[by_limit[end][1]], request, config,
-                            count=len(by_limit) - end,
-                        )
-                    visit = by_limit[:end]
-                    start = 0
-            if start:
-                rejects.note(memory, gpus[bucket[0][1]], request, config, count=start)
-            for _, o in visit:
-                g = gpus[o]
-                for f in filters:
-                    if not f.passes(g, request, config):
-                        rejects.note(f, g, request, config)
-                        break
-                else:
-                    found.append(o)
-                    if len(found) >= limit:
-                        return found
-        return found
-    for k in range(kmax, -1, -1):
-        for o in cluster.lit_buckets[k]:
-            g = gpus[o]
-            for f in filters:
-                if not f.passes(g, request, config):
-                    rejects.note(f, g, request, config)
-                    break
-            else:
-                found.append(o)
-                if len(found) >= limit:
-                    return found
+    for o in _lit_order(cluster, filters, request, config, kmax, rejects):
+        g = gpus[o]
+        for f in filters:
+            if not f.passes(g, request, config):
+                rejects.note(f, g, request, config)
+                break
+        else:
+            found.append(o)
+            if len(found) >= limit:
+                return found
     return found
+
+
+def _lit_order(
+    cluster: ClusterSnapshot,
+    filters: tuple[Filter, ...],
+    request: PlacementRequest,
+    config: PlacementConfig,
+    kmax: int,
+    rejects: _Rejects,
+) -> Iterator[int]:
+    """The lit GPUs `_scan_lit` looks at, in its order: buckets from `kmax` down, within a bucket
+    only those the memory and limit indexes do not rule out (those ruled out are counted in
+    `rejects` as they are passed)."""
+    gpus = cluster.gpus
+    memory = FILTERS["memory"]
+    if memory not in filters:
+        for k in range(kmax, -1, -1):
+            yield from cluster.lit_buckets[k]
+        return
+    # Within a bucket, GPUs with less free memory than the request needs fail `memory`, and
+    # those whose Σ limit leaves no room for its limit fail the limit filter: the indexes by
+    # free memory and by Σ limit give both sets by bisection; walk the smaller remainder.
+    need = (request.memory_mib - cluster.max_memory_mib * EPS, -1)
+    cap = None
+    if FILTERS["sm-limit"] in filters:
+        cap = config.gamma
+    if FILTERS["sm-limit-static"] in filters:
+        cap = 1.0 if cap is None else min(cap, 1.0)
+    limit_filter = FILTERS["sm-limit" if cap is not None and cap > 1.0 else "sm-limit-static"]
+    room_limit = (cap - request.limit + 2 * EPS, math.inf) if cap is not None else None
+    # Nobody reads the rejections: a bucket whose GPUs with room for the limit all lack the
+    # memory (the most free memory among them, from a cached prefix maximum) is passed over.
+    uncounted = rejects is _NO_REJECTS
+    rooms = cluster.lit_room
+    limits = cluster.lit_limits
+    for k in range(kmax, -1, -1):
+        bucket = rooms[k]
+        if not bucket:
+            continue
+        if room_limit is not None:
+            by_limit = limits[k]
+            end = bisect.bisect_right(by_limit, room_limit)
+            if uncounted and (end == 0 or _most_free(by_limit, gpus)[end - 1] < need[0]):
+                continue
+        start = bisect.bisect_left(bucket, need)
+        visit = bucket[start:]
+        if room_limit is not None and end < len(visit):
+            if end < len(by_limit):
+                rejects.note(
+                    limit_filter, gpus[by_limit[end][1]], request, config,
+                    count=len(by_limit) - end,
+                )
+            visit = by_limit[:end]
+            start = 0
+        if start:
+            rejects.note(memory, gpus[bucket[0][1]], request, config, count=start)
+        for _, o in visit:
+            yield o
+
+
+#: id of a `lit_limits` bucket → (the bucket, the most free MiB among its first i + 1 GPUs). A
+#: bucket tuple is rebuilt whenever one of its GPUs changes, so its identity fixes the answer; the
+#: tuple is kept here so that its id is not reused while the entry lives.
+_MOST_FREE: dict[int, tuple[tuple[tuple[float, int], ...], list[float]]] = {}
+_MOST_FREE_MAX = 4096
+
+
+def _most_free(by_limit: tuple[tuple[float, int], ...], gpus: Sequence[GpuState]) -> list[float]:
+    hit = _MOST_FREE.get(id(by_limit))
+    if hit is not None and hit[0] is by_limit:
+        return hit[1]
+    states = [gpus[o] for _, o in by_limit]
+    most = list(accumulate(map(sub, map(_MEMORY, states), map(_USED_MEMORY, states)), max))
+    if len(_MOST_FREE) >= _MOST_FREE_MAX:
+        _MOST_FREE.clear()
+    _MOST_FREE[id(by_limit)] = (by_limit, most)
+    return most
+
+
+_MEMORY = attrgetter("memory_mib")
+_USED_MEMORY = attrgetter("used_memory")
 
 
 def _scan_invoker(
@@ -1082,7 +1119,8 @@ def _place_gang(
         by_invoker.setdefault(cluster.refs[o].invoker, []).append(o)
     # Invokers holding feasible lit GPUs first (they can avoid lighting some), then invokers with
     # enough unlit GPUs, in cluster order, up to the candidate limit.
-    invokers = [inv for inv in cluster.invokers if inv in by_invoker]
+    # (Cluster order is the order of the invokers' first ordinals.)
+    invokers = sorted(by_invoker, key=lambda inv: cluster.invoker_ordinals[inv][0])
     if not request.lit_only:
         extra = 0
         for inv in _invokers(cluster, request):
@@ -1098,13 +1136,18 @@ def _place_gang(
             total, parts = _score(gpus[o], request, cluster, config, scorers)
             per_gpu.append((total, 1, -o, parts))
         if not request.lit_only:
+            # Unlit GPUs of one invoker are empty: those of one size score alike.
+            alike: dict[float, tuple[float, tuple[float, ...]]] = {}
             for o in cluster.unlit[inv]:
-                failed = _first_failure(gpus[o], filters, request, config)
+                g = gpus[o]
+                failed = _first_failure(g, filters, request, config)
                 if failed is not None:
-                    rejects.note(failed, gpus[o], request, config)
+                    rejects.note(failed, g, request, config)
                     continue
-                total, parts = _score(gpus[o], request, cluster, config, scorers)
-                per_gpu.append((total, 0, -o, parts))
+                scored = alike.get(g.memory_mib)
+                if scored is None:
+                    scored = alike[g.memory_mib] = _score(g, request, cluster, config, scorers)
+                per_gpu.append((scored[0], 0, -o, scored[1]))
         if len(per_gpu) < k:
             continue
         per_gpu.sort(reverse=True)

@@ -1,0 +1,172 @@
+"""The structures that keep placement and compaction fast at cluster scale answer exactly what a
+plain scan answers: the persistent GPU vector of a snapshot, the lit-GPU walk that passes over
+buckets nobody can use (when no rejection is counted), and compaction's memory of requests no lit
+GPU took (`NoFit`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from split_testlib import GIB, INF, inst
+
+from dilu_invoker.policy import (
+    ClusterSnapshot,
+    CompactionConfig,
+    CompactionState,
+    GpuRef,
+    GpuState,
+    PlacementConfig,
+    PlacementRequest,
+    compaction_plan,
+)
+from dilu_invoker.policy.cluster import GpuVector
+from dilu_invoker.policy.compaction import NoFit, _lit_fits, _still_no_fit
+from dilu_invoker.policy.placement import FILTERS, _Rejects, _scan_lit, lit_fits
+from dilu_invoker.policy.types import InstanceClass, PlacedInstance
+
+DILU = PlacementConfig()
+
+
+def test_gpu_vector_replace_shares_and_leaves_the_old_one() -> None:
+    states = [GpuState(ref=GpuRef("n", i), memory_mib=1024.0) for i in range(200)]
+    v = GpuVector(states)
+    assert len(v) == 200 and list(v) == states and v == tuple(states)
+    assert v[-1] is states[199] and v[64] is states[64] and v[3:5] == tuple(states[3:5])
+    with pytest.raises(IndexError):
+        v[200]
+    new = {5: states[5].with_instances((inst("x", 0.1, 0.2, 1.0, INF),)), 130: states[1]}
+    w = v.replace(new)
+    assert list(v) == states, "the old vector changed"
+    assert w[5] is new[5] and w[130] is states[1] and w[6] is states[6]
+    assert w.changed_since(v) == [5, 130] and v.changed_since(v) == []
+    assert w != v and w.replace({5: states[5], 130: states[130]}) == v
+
+
+def random_cluster(rng: random.Random, nodes: int = 12) -> ClusterSnapshot:
+    gpus = []
+    n = 0
+    for node in range(nodes):
+        for k in range(4):
+            placed: list[PlacedInstance] = []
+            for _ in range(rng.choice((0, 1, 2, 3, 3))):
+                r = rng.choice((0.05, 0.1, 0.2, 0.3, 0.4))
+                placed.append(PlacedInstance(
+                    id=f"i{n}", function=f"f{n % 7}", cls=INF, request=r,
+                    limit=min(1.0, r * rng.choice((1.0, 2.0, 3.0))),
+                    memory_mib=rng.choice((2.0, 6.0, 12.0, 20.0)) * GIB,
+                ))
+                n += 1
+            while sum(i.memory_mib for i in placed) > 40 * GIB or sum(i.request for i in placed) > 1:
+                placed.pop()
+            gpus.append(GpuState(ref=GpuRef(f"n{node}", k), memory_mib=40 * GIB,
+                                 instances=tuple(placed)))
+    return ClusterSnapshot.build(now=0.0, gpus=gpus)
+
+
+def request(rng: random.Random, avoid: GpuRef) -> PlacementRequest:
+    r = rng.choice((0.05, 0.1, 0.3, 0.6, 0.9))
+    return PlacementRequest(
+        instance_id="q", function="f1", cls=InstanceClass.INFERENCE, request=r,
+        limit=min(1.0, r * rng.choice((1.0, 1.5, 3.0))),
+        memory_mib=rng.choice((1.0, 8.0, 20.0, 30.0, 39.0)) * GIB,
+        avoid_gpus=frozenset({avoid}), lit_only=True,
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_uncounted_lit_walk_finds_what_the_counting_walk_finds(seed: int) -> None:
+    rng = random.Random(seed)
+    cl = random_cluster(rng)
+    filters = tuple(FILTERS[name] for name in DILU.strategy_spec().filters)
+    found_some = found_none = 0
+    for _ in range(150):
+        q = request(rng, cl.refs[rng.randrange(len(cl))])
+        limit = rng.choice((1, 3, 64))
+        counted = _scan_lit(cl, filters, q, DILU, limit, _Rejects())
+        assert lit_fits(cl, q, DILU, limit) == tuple(cl.refs[o] for o in counted)
+        # And both are exactly the lit GPUs that pass every filter (up to `limit`).
+        every = [o for o, g in enumerate(cl.gpus)
+                 if g.lit and all(f.passes(g, q, DILU) for f in filters)]
+        assert sorted(counted) == sorted(every)[: len(counted)] or len(counted) == limit
+        assert set(counted) <= set(every) and len(counted) == min(limit, len(every))
+        found_some += bool(counted)
+        found_none += not counted
+    assert found_some and found_none
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_fit_memory_answers_as_the_scan_does(seed: int) -> None:
+    """Entries learnt on one cluster answer for every cluster derived from it by moves that only
+    consume lit room; every answer equals a fresh scan."""
+    rng = random.Random(100 + seed)
+    cl = random_cluster(rng)
+    memo: list[NoFit] = []
+    answered = 0
+    for step in range(200):
+        src = cl.gpus[rng.randrange(len(cl))]
+        if not src.lit:
+            continue
+        r = rng.choice((0.05, 0.1, 0.3, 0.6, 0.9))
+        x = inst(f"probe{step}", r, min(1.0, 2 * r), rng.choice((4.0, 16.0, 30.0, 38.0)), INF)
+        before = len(memo)
+        got = _lit_fits(cl, x, src, DILU, 3, {}, memo)
+        fresh = lit_fits(cl, PlacementRequest(
+            instance_id=x.id, function=x.function, cls=x.cls, request=x.request, limit=x.limit,
+            memory_mib=x.memory_mib, avoid_gpus=frozenset({src.ref}), lit_only=True), DILU, 3)
+        assert got == fresh
+        answered += len(memo) == before and not got
+        if rng.random() < 0.3:
+            # Consume room on a lit GPU (what a move does to its target).
+            lit = [g for g in cl.gpus if g.lit and g.used_request <= 0.8 and g.free_memory > 2 * GIB]
+            if lit:
+                g = rng.choice(lit)
+                cl = cl.with_instance(inst(f"fill{step}", 0.1, 0.1, 1.0, INF), (g.ref,))
+    assert memo and answered, "the memory was never used"
+
+
+def test_no_fit_entries_that_a_changed_gpu_may_satisfy_are_dropped() -> None:
+    a0, b0 = GpuRef("a", 0), GpuRef("b", 0)
+
+    def ask(mem_gib: float) -> PlacementRequest:
+        return PlacementRequest(instance_id=f"q{mem_gib:g}", function="q", cls=INF, request=0.2,
+                                limit=0.4, memory_mib=mem_gib * GIB,
+                                avoid_gpus=frozenset({a0}), lit_only=True)
+
+    entries = (NoFit(request=ask(30.0), source=0), NoFit(request=ask(10.0), source=0))
+    b = GpuState(ref=b0, memory_mib=40 * GIB, instances=(inst("f", 0.2, 0.4, 20.0, INF),))
+    # b/0 has 20 GiB free: it may take the 10 GiB request, not the 30 GiB one.
+    assert [e.request.instance_id for e in _still_no_fit(entries, [b], DILU)] == ["q30"]
+    assert _still_no_fit(entries, [], DILU) == list(entries)
+    # A GPU that went dark is no lit room; one whose limits are full is none either.
+    dark = GpuState(ref=b0, memory_mib=40 * GIB)
+    assert _still_no_fit(entries, [dark], DILU) == list(entries)
+    busy = b.with_instances(b.instances + (inst("g", 0.1, 1.0, 1.0, INF),))
+    assert _still_no_fit(entries, [busy], DILU) == list(entries)
+
+
+def test_memory_of_no_fit_keeps_compaction_equal_to_a_stateless_run() -> None:
+    """Along a changing cluster, stateful plans (with `NoFit` entries carried) move what stateless
+    plans move."""
+    rng = random.Random(7)
+    cl = random_cluster(rng, nodes=8)
+    state: CompactionState | None = None
+    any_source = CompactionConfig(source_max_request=1.0)
+    carried = 0
+    for step in range(30):
+        plan = compaction_plan(cl, DILU, any_source, state)
+        fresh = compaction_plan(cl, DILU, any_source)
+        assert [(m.instance_id, m.target) for m in plan.moves] == [
+            (m.instance_id, m.target) for m in fresh.moves
+        ]
+        assert plan.state is not None
+        carried += bool(plan.state.no_fit)
+        cl, state = plan.cluster, plan.state
+        # Something departs, something arrives.
+        ids = [i.id for g in cl.gpus for i in g.instances if i.gpus == 1]
+        if ids:
+            cl = cl.without_instance(rng.choice(ids))
+        lit = [g for g in cl.gpus if g.lit and g.free_memory > 4 * GIB and g.used_request < 0.7]
+        if lit:
+            cl = cl.with_instance(inst(f"new{step}", 0.2, 0.3, 3.0, INF), (rng.choice(lit).ref,))
+    assert carried
