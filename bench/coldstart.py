@@ -51,6 +51,9 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from loadgen import wait_for_api
+
 GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFqm12CdAsMgRU4VrNZ9lyGVCGuMDGIwP"
 
 # -- the actions' code (what a user would write) ------------------------------------------------------------
@@ -334,17 +337,8 @@ class Stack:
                                      start_new_session=True)
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=300))
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                async with self.session.get(f"http://127.0.0.1:{self.api_port}/api/v1") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"standalone did not come up; see {self.log_path}")
-            await asyncio.sleep(0.1)
+        await wait_for_api(self.session, f"http://127.0.0.1:{self.api_port}/api/v1", self.proc,
+                           what=f"standalone (see {self.log_path})")
         self.started_s = time.perf_counter() - t
         return self
 

@@ -80,6 +80,9 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from loadgen import wait_for_api
+
 FAKE_CUDA = ROOT / "cuda_shim/build/fake/libcuda.so.1"
 FAKE_MPS = ROOT / "tests/gpu/fakes/nvidia-cuda-mps-control"
 GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFqm12CdAsMgRU4VrNZ9lyGVCGuMDGIwP"
@@ -327,17 +330,8 @@ class Stack:
                                      start_new_session=True)
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=300))
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                async with self.session.get(f"http://127.0.0.1:{self.api_port}/api/v1") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"standalone ({self.mode}) did not come up; see {self.log_path}")
-            await asyncio.sleep(0.1)
+        await wait_for_api(self.session, f"http://127.0.0.1:{self.api_port}/api/v1", self.proc,
+                           what=f"standalone ({self.mode}; see {self.log_path})")
         self._trace_task = asyncio.create_task(self._poll_metrics())
         return self
 

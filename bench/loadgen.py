@@ -5,7 +5,8 @@
 * :func:`commit`: the checkout's short commit;
 * :func:`sequential`: one call after another, each call's latency;
 * :func:`closed_loop`: ``clients`` concurrent loops, each calling again as soon as its call returns, for a
-  time or a count — the load shape of every throughput figure here.
+  time or a count — the load shape of every throughput figure here;
+* :func:`wait_for_api`: wait for a standalone started as a child process to answer its REST API.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,3 +98,20 @@ async def closed_loop(call: Call, clients: int, *, seconds: float | None = None,
 
     await asyncio.gather(*(loop() for _ in range(clients)))
     return LoopResult(done, time.monotonic() - start)
+
+
+async def wait_for_api(session: aiohttp.ClientSession, api_url: str, proc: subprocess.Popen[bytes], *,
+                       what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``GET api_url`` until it answers 200; RuntimeError naming ``what`` when ``proc`` exits first or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with session.get(api_url) as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not come up")
+        await asyncio.sleep(0.1)

@@ -40,6 +40,9 @@ EXCEPTIONS: dict[str, set[str]] = {
     # the configuration validates the vertical policy's knobs at start-up by building the policy's own
     # frozen config (one parser for flags, env and Ansible), imported lazily inside GpuConfig.vertical()
     "config": {"dilu_invoker.policy.vertical", "dilu_invoker.policy.vertical_slo"},
+    # pre-loading learns only modules of installed packages, by the same site-packages roots the worker
+    # reports its imports against (stdlib-only framing module shared with the runtime)
+    "invoker.dataplane.preload": {"dilu_invoker.actions._ipc"},
 }
 #: composition roots: they put everything together
 ROOTS = {"standalone", "cli", "__main__", "doctor", "banner"}

@@ -7,8 +7,12 @@ re-serializes a user's result.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
+import site
 import struct
+import sysconfig
 
 SENTINEL = "XXX_THE_END_OF_A_WHISK_ACTIVATION_XXX"
 SENTINEL_LINE = (SENTINEL + "\n").encode()
@@ -37,3 +41,17 @@ class Kind(enum.IntEnum):
 
 def pack(kind: Kind, request_id: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(kind, request_id, len(payload)) + payload
+
+
+def installed_roots() -> tuple[str, ...]:
+    """The directories installed packages live in (site-packages of every scheme), each ending in a
+    separator: what the worker reports as imported and the invoker learns for pre-loading must lie in one."""
+    roots: list[str] = []
+    with contextlib.suppress(Exception):
+        roots += site.getsitepackages()
+    with contextlib.suppress(Exception):
+        roots.append(site.getusersitepackages())
+    for name in ("purelib", "platlib"):
+        with contextlib.suppress(Exception):
+            roots.append(sysconfig.get_path(name))
+    return tuple(sorted({os.path.realpath(r) + os.sep for r in roots if r}))

@@ -28,7 +28,6 @@ import signal
 import site
 import socket
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -36,7 +35,15 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
-from dilu_invoker.actions._ipc import ESCAPED_SENTINEL, HEADER, SENTINEL, SENTINEL_LINE, Kind, pack
+from dilu_invoker.actions._ipc import (
+    ESCAPED_SENTINEL,
+    HEADER,
+    SENTINEL,
+    SENTINEL_LINE,
+    Kind,
+    installed_roots,
+    pack,
+)
 
 MODULE_NAME = "main__"
 _PR_SET_PDEATHSIG = 1
@@ -183,22 +190,10 @@ class Worker:
         self._send(kind, request_id, out)
 
 
-def _installed_roots() -> tuple[str, ...]:
-    roots: list[str] = []
-    with contextlib.suppress(Exception):
-        roots += site.getsitepackages()
-    with contextlib.suppress(Exception):
-        roots.append(site.getusersitepackages())
-    for name in ("purelib", "platlib"):
-        with contextlib.suppress(Exception):
-            roots.append(sysconfig.get_path(name))
-    return tuple(sorted({os.path.realpath(r) + os.sep for r in roots if r}))
-
-
 def installed_imports(before: set[str], action_dir: str) -> list[str]:
     """Top-level modules imported since ``before`` that are installed packages (site-packages), not the
     action's own files nor its virtualenv: what a pre-loaded worker of the kind could import ahead."""
-    roots = _installed_roots()
+    roots = installed_roots()
     own = os.path.realpath(action_dir) + os.sep
     names: set[str] = set()
     for name in set(sys.modules) - before:
@@ -318,7 +313,6 @@ def _activate_virtualenv(venv: str) -> None:
     site_dirs = sorted(glob.glob(os.path.join(venv, "lib", "python3*", "site-packages")))
     if not site_dirs:
         raise InitFailure(Kind.INIT_START_ERROR, "Invalid virtualenv. Zip file does not include 'activate_this.py'.")
-    import site
 
     for site_dir in site_dirs:
         site.addsitedir(site_dir)

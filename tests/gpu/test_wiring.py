@@ -16,6 +16,7 @@ from dilu_invoker import config
 from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.invoker.dataplane.core import open_invoker
+from dilu_invoker.invoker.dataplane.preload import PreloadPool, Standby
 from dilu_invoker.model import GUEST_IDENTITY, Action, ActivationRequest, Exec, Parameter, new_activation_id
 from tests.gpu.support import ShimBuild
 
@@ -83,23 +84,33 @@ async def test_without_gpus_a_gpu_action_runs_on_the_cpu(tmp_path: Path) -> None
     assert not (tmp_path / "shm").exists()
 
 
-async def test_a_preloaded_gpu_container_takes_the_functions_share(tmp_path: Path, shim_build: ShimBuild,
-                                                                   redis: aioredis.Redis) -> None:
+def _preload_cfg(tmp_path: Path, shim_build: ShimBuild, uuid: str, prefix: str) -> config.Config:
+    """One fake GPU and a python:3-gpu kind that pre-loads (``json``: importable everywhere)."""
     inventory = tmp_path / "gpus.json"
-    inventory.write_text(json.dumps([{"uuid": "GPU-p-0"}]))
+    inventory.write_text(json.dumps([{"uuid": uuid}]))
     cfg = _cfg(inventory=str(inventory), shm_dir=str(tmp_path / "shm"), shim_path=str(shim_build.library))
     manifest = {"runtimes": {"python": [{"kind": "python:3-gpu", "preload": ["json"],
                                          "image": {"name": "dilu-python3-gpu-runtime"}}]}}
-    cfg = replace(cfg, redis=replace(cfg.redis, prefix="p:"),
-                  invoker=replace(cfg.invoker, preload=1, runtimes_manifest=json.dumps(manifest)))
+    return replace(cfg, redis=replace(cfg.redis, prefix=prefix),
+                   invoker=replace(cfg.invoker, preload=1, runtimes_manifest=json.dumps(manifest)))
+
+
+async def _ready_standby(preload: PreloadPool) -> Standby:
+    for _ in range(400):
+        if any(s.state == "ready" for s in preload.standbys["python:3-gpu"]):
+            break
+        await asyncio.sleep(0.05)
+    (standby,) = preload.standbys["python:3-gpu"]
+    return standby
+
+
+async def test_a_preloaded_gpu_container_takes_the_functions_share(tmp_path: Path, shim_build: ShimBuild,
+                                                                   redis: aioredis.Redis) -> None:
+    cfg = _preload_cfg(tmp_path, shim_build, "GPU-p-0", "p:")
     async with open_invoker(cfg, redis=redis) as inv:
         node, preload = inv.gpu, inv.preload
         assert isinstance(node, GpuNode) and preload is not None
-        for _ in range(400):
-            if any(s.state == "ready" for s in preload.standbys["python:3-gpu"]):
-                break
-            await asyncio.sleep(0.05)
-        (standby,) = preload.standbys["python:3-gpu"]
+        standby = await _ready_standby(preload)
         assert standby.state == "ready" and standby.gpu is not None and standby.info["cuda"] is False
         (pre,) = [i for g in node.view() for i in g.instances]
         assert pre.function == "preload:python:3-gpu"
@@ -118,21 +129,11 @@ async def test_a_preloaded_gpu_container_takes_the_functions_share(tmp_path: Pat
 
 async def test_a_balancer_placed_gpu_instance_takes_a_preloaded_container_under_its_own_id(
         tmp_path: Path, shim_build: ShimBuild, redis: aioredis.Redis) -> None:
-    inventory = tmp_path / "gpus.json"
-    inventory.write_text(json.dumps([{"uuid": "GPU-q-0"}]))
-    cfg = _cfg(inventory=str(inventory), shm_dir=str(tmp_path / "shm"), shim_path=str(shim_build.library))
-    manifest = {"runtimes": {"python": [{"kind": "python:3-gpu", "preload": ["json"],
-                                         "image": {"name": "dilu-python3-gpu-runtime"}}]}}
-    cfg = replace(cfg, redis=replace(cfg.redis, prefix="q:"),
-                  invoker=replace(cfg.invoker, preload=1, runtimes_manifest=json.dumps(manifest)))
+    cfg = _preload_cfg(tmp_path, shim_build, "GPU-q-0", "q:")
     async with open_invoker(cfg, redis=redis) as inv:
         node, preload = inv.gpu, inv.preload
         assert isinstance(node, GpuNode) and preload is not None
-        for _ in range(400):
-            if any(s.state == "ready" for s in preload.standbys["python:3-gpu"]):
-                break
-            await asyncio.sleep(0.05)
-        (standby,) = preload.standbys["python:3-gpu"]
+        standby = await _ready_standby(preload)
         (pre,) = [i for g in node.view() for i in g.instances]
         # the placeholder takes next to no SM share from instances placed beside it
         assert pre.function == "preload:python:3-gpu" and pre.request <= 0.01 and pre.limit <= 0.05

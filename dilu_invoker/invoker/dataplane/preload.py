@@ -30,8 +30,6 @@ import contextlib
 import importlib.util
 import itertools
 import os
-import site
-import sysconfig
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ import aiohttp
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from dilu_invoker.actions._ipc import installed_roots
 from dilu_invoker.gpu.attachment import GpuAttachment
 from dilu_invoker.invoker.dataplane.backends.base import Container, ContainerBackend, ContainerSpec, Mount
 from dilu_invoker.invoker.manifest import Manifest, RuntimeKind
@@ -482,18 +481,6 @@ def _importable(module: str) -> bool:
         return False
 
 
-def _site_roots() -> tuple[str, ...]:
-    roots: list[str] = []
-    with contextlib.suppress(Exception):
-        roots += site.getsitepackages()
-    with contextlib.suppress(Exception):
-        roots.append(site.getusersitepackages())
-    for name in ("purelib", "platlib"):
-        with contextlib.suppress(Exception):
-            roots.append(sysconfig.get_path(name))
-    return tuple(sorted({os.path.realpath(r) + os.sep for r in roots if r}))
-
-
 def _installed_package(name: str) -> bool:
     """``name`` is a top-level module of an installed package (its file lies in a site-packages dir)."""
     try:
@@ -503,7 +490,7 @@ def _installed_package(name: str) -> bool:
     if spec is None:
         return False
     places = [spec.origin] if spec.origin else list(spec.submodule_search_locations or ())
-    return bool(places) and all(os.path.realpath(p).startswith(_site_roots()) for p in places if p)
+    return bool(places) and all(os.path.realpath(p).startswith(installed_roots()) for p in places if p)
 
 
 def _slug(text: str) -> str:
