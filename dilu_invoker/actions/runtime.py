@@ -553,7 +553,7 @@ def build_app(runtime: Runtime) -> web.Application:
     return app
 
 
-async def serve(host: str, port: int, options: RuntimeOptions) -> int:
+async def serve(host: str, port: int, options: RuntimeOptions, *, listen_fd: int | None = None) -> int:
     runtime = Runtime(options)
     runtime.prepare_worker()
     # No access log: the proxy's stdout and stderr are the action's logs.
@@ -565,7 +565,11 @@ async def serve(host: str, port: int, options: RuntimeOptions) -> int:
         loop.add_signal_handler(signum, stop.set)
     try:
         try:
-            await web.TCPSite(runner, host, port).start()
+            if listen_fd is not None:
+                # a socket the invoker bound and listens on: no window in which another process takes the port
+                await web.SockSite(runner, socket.socket(fileno=listen_fd)).start()
+            else:
+                await web.TCPSite(runner, host, port).start()
         except OSError as exc:
             _write_fd(2, f"dilu-runtime: cannot listen on {host}:{port}: {exc}\n".encode())
             return 1
@@ -588,6 +592,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dilu-invoker runtime", description="OpenWhisk action runtime (/init, /run).")
     parser.add_argument("--host", default=os.environ.get("DILU_RUNTIME_HOST", DEFAULT_HOST))
     parser.add_argument("--port", type=int, default=int(os.environ.get("DILU_RUNTIME_PORT", DEFAULT_PORT)))
+    parser.add_argument("--listen-fd", type=int, default=None,
+                        help="serve on this inherited, listening socket instead of binding --host/--port")
     parser.add_argument(
         "--deadline-grace-ms",
         type=int,
@@ -615,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline_grace_s=None if args.deadline_grace_ms < 0 else args.deadline_grace_ms / 1000,
         shutdown_grace_s=max(args.shutdown_grace_s, 0.0),
     )
-    return asyncio.run(serve(args.host, args.port, options))
+    return asyncio.run(serve(args.host, args.port, options, listen_fd=args.listen_fd))
 
 
 if __name__ == "__main__":

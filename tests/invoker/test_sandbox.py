@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -148,4 +149,23 @@ async def test_an_isolated_runtime_has_a_user_name_without_a_passwd_entry(tmp_pa
         assert result["home"] == str(container.sandbox.dir)
     finally:
         await container.destroy()
+        await backend.close()
+
+
+async def test_containers_started_at_once_each_serve_on_their_own_port(tmp_path: Path) -> None:
+    backend = ProcessBackend(isolation="off", work_dir=str(tmp_path / "w"))
+    containers = await asyncio.gather(*(
+        backend.start(ContainerSpec(name=f"c{i}", kind="python:3", image="", memory_mb=256)) for i in range(8)))
+    try:
+        assert len({c.port for c in containers}) == len(containers)
+        async with aiohttp.ClientSession() as http:
+            for c in containers:
+                client = RuntimeClient(http, c.url, secret=c.secret)
+                init = {"value": {"name": "p", "code": "def main(a):\n    return {'ok': True}\n", "main": "main",
+                                  "binary": False}}
+                assert (await client.init(init, 30)).status_code == 0
+                assert (await client.run({"value": {}}, 30)).result == {"ok": True}
+        assert all(c.alive for c in containers)
+    finally:
+        await asyncio.gather(*(c.destroy() for c in containers))
         await backend.close()

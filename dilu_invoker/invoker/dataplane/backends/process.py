@@ -138,11 +138,18 @@ class ProcessBackend:
         secret = secrets.token_urlsafe(24)
         env["DILU_RUNTIME_SECRET"] = secret
         last_error: Exception | None = None
-        for _ in range(3):  # a port taken between probing and binding is retried with another
-            port = free_port()
+        for _ in range(3):
+            # The invoker binds and listens, the runtime inherits the socket: probing for a free port and
+            # binding it later let two containers started at once get the same port (one then exited).
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
+                listener.bind(("127.0.0.1", 0))
+                listener.listen(128)
+                port = int(listener.getsockname()[1])
+                fd = listener.fileno()
                 proc = await asyncio.create_subprocess_exec(
                     self._python, "-m", "dilu_invoker.actions.runtime", "--host", "127.0.0.1", "--port", str(port),
+                    "--listen-fd", str(fd),
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
@@ -150,11 +157,14 @@ class ProcessBackend:
                     cwd=str(box.dir),
                     start_new_session=True,
                     preexec_fn=box.preexec(),
+                    pass_fds=(fd,),
                     limit=1 << 20,
                 )
             except (OSError, subprocess.SubprocessError) as exc:
                 last_error = exc
                 continue
+            finally:
+                listener.close()  # the runtime holds its own copy
             container = ProcessContainer(self, spec.name, proc, port, box, secret)
             self._live.add(container)
             log.debug("process container started", container=spec.name, pid=proc.pid, port=port, uid=box.uid)
