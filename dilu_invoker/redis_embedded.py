@@ -34,6 +34,7 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 
+from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import RedisConfig
 
 log = structlog.get_logger(__name__)
@@ -298,9 +299,7 @@ class EmbeddedRedis:
     async def stop(self) -> None:
         supervisor, self._supervisor = self._supervisor, None
         if supervisor is not None:
-            supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await supervisor
+            await cancel_and_wait(supervisor)
         if self._proc is None:
             return
         await self._terminate()
@@ -483,9 +482,7 @@ class RedisHealth:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
         await self._client.aclose()
 
 

@@ -39,6 +39,7 @@ import redis.exceptions
 import structlog
 
 from dilu_invoker import jsonutil
+from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import RedisConfig
 from dilu_invoker.model import Action, Activation
 
@@ -351,9 +352,7 @@ class EntityStore:
         await self.flush(flush_timeout_s)
         task, self._flusher = self._flusher, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         if not self._unstored:
             return
         held = list(self._unstored.values())

@@ -31,6 +31,8 @@ from typing import Any
 
 import structlog
 
+from dilu_invoker.aiotasks import cancel_and_wait
+
 log = structlog.get_logger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -331,9 +333,7 @@ class MpsSupervisor:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         for daemon in self.daemons.values():
             with contextlib.suppress(Exception):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
+from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.gpu import abi, shim
 from dilu_invoker.gpu.attachment import GpuAttachment, GpuMount
 from dilu_invoker.gpu.devices import GpuDevice
@@ -300,9 +301,8 @@ class GpuNode:
     async def close(self) -> None:
         """Stop the sync and the managers, detach whatever is still attached (best effort)."""
         if self._sync_task is not None:
-            self._sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sync_task
+            # cancel_and_wait: a wake of its wait_for that meets the cancel swallows it on 3.11 (close hung)
+            await cancel_and_wait(self._sync_task)
             self._sync_task = None
         for instance in list(self._attached):
             with contextlib.suppress(Exception):
