@@ -52,7 +52,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from loadgen import wait_for_api
+from loadgen import stop_process_tree, wait_for_api
 
 GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFqm12CdAsMgRU4VrNZ9lyGVCGuMDGIwP"
 
@@ -345,16 +345,7 @@ class Stack:
     async def __aexit__(self, *exc: object) -> None:
         if self.session is not None:
             await self.session.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(self.proc.wait, 8)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                await asyncio.to_thread(self.proc.wait, 10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if self.proc is not None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        await stop_process_tree(self.proc, grace_s=8)
         self.log.close()
 
     async def create(self, name: str, code: str, *, memory_mb: int = 8192, gpu_memory_mb: int = 16384,

@@ -66,7 +66,6 @@ import platform
 import random
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -81,7 +80,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from loadgen import wait_for_api
+from loadgen import stop_process_tree, wait_for_api
 
 FAKE_CUDA = ROOT / "cuda_shim/build/fake/libcuda.so.1"
 FAKE_MPS = ROOT / "tests/gpu/fakes/nvidia-cuda-mps-control"
@@ -89,16 +88,8 @@ GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFq
 
 # -- the actions' code (what a user would write) ------------------------------------------------------------
 
-INFER_CODE = r'''
-import time
-DRY = False
-try:
-    import torch
-except ImportError:
-    torch = None
-_model = None
-_make = None
-
+#: the dry runs' launches through the fake libcuda, pasted into both actions' code (each is self-contained)
+_FAKE_WORK = r'''
 _cu = []
 
 def _fake_work(args, blocks, step_sync=False):
@@ -120,6 +111,19 @@ def _fake_work(args, blocks, step_sync=False):
         if step_sync:
             sync()
     sync()
+'''
+
+INFER_CODE = r'''
+import time
+DRY = False
+try:
+    import torch
+except ImportError:
+    torch = None
+_model = None
+_make = None
+
+''' + _FAKE_WORK + r'''
 
 def _build(name, batch):
     global _model, _make
@@ -164,27 +168,7 @@ except ImportError:
     torch = None
 _state = {}
 
-_cu = []
-
-def _fake_work(args, blocks, step_sync=False):
-    """Dry runs: launches through the fake libcuda (cuda_shim/tests/fake_libcuda.c) and a synchronize; the
-    fake's timeline makes each block take FAKE_CUDA_BLOCK_NS, and the shim (if preloaded) admits them.
-    ``step_sync``: a synchronize after each launch, so that launches spread over the step as a training
-    loop's do on a GPU (the shim learns capacity only from periods whose launch windows are busy)."""
-    if not _cu:
-        import ctypes, os
-        os.environ.setdefault("FAKE_CUDA_BLOCK_NS", str(int(args.get("block_ns", 1000))))
-        lib = ctypes.CDLL(args["fake_cuda"], mode=ctypes.RTLD_GLOBAL)
-        launch = lib.cuLaunchKernel
-        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        lib.cuInit(0)
-        _cu.extend([launch, lib.cuCtxSynchronize])
-    launch, sync = _cu
-    for _ in range(8):
-        launch(None, max(1, blocks // 8), 1, 1, 1, 1, 1, 0, 0x100, None, None)
-        if step_sync:
-            sync()
-    sync()
+''' + _FAKE_WORK + r'''
 
 
 def main(args):
@@ -342,16 +326,7 @@ class Stack:
                 await self._trace_task
         if self.session is not None:
             await self.session.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(self.proc.wait, 30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                await asyncio.to_thread(self.proc.wait, 10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if self.proc is not None:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # anything left of its tree
+        await stop_process_tree(self.proc, grace_s=30)
         self.log.close()
 
     async def _poll_metrics(self) -> None:

@@ -6,14 +6,17 @@
 * :func:`sequential`: one call after another, each call's latency;
 * :func:`closed_loop`: ``clients`` concurrent loops, each calling again as soon as its call returns, for a
   time or a count — the load shape of every throughput figure here;
-* :func:`wait_for_api`: wait for a standalone started as a child process to answer its REST API.
+* :func:`wait_for_api`: wait for a standalone started as a child process to answer its REST API;
+* :func:`stop_process_tree`: SIGTERM it, then SIGKILL what is left of its process group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import platform
+import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -115,3 +118,19 @@ async def wait_for_api(session: aiohttp.ClientSession, api_url: str, proc: subpr
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{what} did not come up")
         await asyncio.sleep(0.1)
+
+
+async def stop_process_tree(proc: subprocess.Popen[bytes] | None, *, grace_s: float) -> None:
+    """SIGTERM ``proc`` (started with ``start_new_session``) and wait ``grace_s``, then SIGKILL its process
+    group: anything left of its tree goes too."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(proc.wait, 10)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
