@@ -227,6 +227,12 @@ class GpuClass(enum.StrEnum):
         return self is not GpuClass.TRAINING
 
 
+#: the function name prefix of a pre-loaded container's GPU placeholder (``preload:<kind>``): its budget
+#: reservation holds GPU memory only, no SM request or limit — the process holds a CUDA context and launches
+#: nothing until a function takes it, and the share then becomes the function's
+PRELOAD_FUNCTION_PREFIX = "preload:"
+
+
 @dataclass(frozen=True, slots=True)
 class GpuNeeds:
     """What a GPU action asks for, read from its annotations (see docs/rest-api.md, "GPU annotations")."""

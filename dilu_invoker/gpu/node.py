@@ -40,7 +40,7 @@ from dilu_invoker.gpu.manager import (
     TickRecord,
 )
 from dilu_invoker.gpu.mps import MpsSupervisor
-from dilu_invoker.model import GpuNeeds
+from dilu_invoker.model import PRELOAD_FUNCTION_PREFIX, GpuNeeds
 from dilu_invoker.policy.cluster import ClusterSnapshot
 from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
@@ -489,8 +489,9 @@ class GpuNode:
     def _placed_on(self, device: GpuDevice) -> list[PlacedInstance]:
         """What this node believes is on ``device``: its own instances plus other invokers' reservations."""
         own = [
-            PlacedInstance(id=a.spec.id, function=a.spec.function, cls=a.spec.cls, request=a.spec.request,
-                           limit=a.spec.limit, memory_mib=float(a.spec.memory_mb))
+            PlacedInstance(id=a.spec.id, function=a.spec.function, cls=a.spec.cls,
+                           request=_budgeted(a.spec)[0], limit=_budgeted(a.spec)[1],
+                           memory_mib=float(a.spec.memory_mb))
             for a in self._attached.values() if a.device.uuid == device.uuid
         ]
         known = self._known.get(device.uuid)
@@ -523,8 +524,8 @@ class GpuNode:
 
     def _fits_locally(self, device: GpuDevice, spec: InstanceSpec) -> tuple[bool, str]:
         placed = self._placed_on(device)
-        req = sum(p.request for p in placed) + spec.request
-        lim = sum(p.limit for p in placed) + spec.limit
+        req = sum(p.request for p in placed) + _budgeted(spec)[0]
+        lim = sum(p.limit for p in placed) + _budgeted(spec)[1]
         mem = sum(p.memory_mib for p in placed) + spec.memory_mb
         if req > self.omega + EPS:
             return False, f"SM requests would reach {req:.3f} > {self.omega:.3f} (local view)"
@@ -564,8 +565,9 @@ class GpuNode:
     def _reservation(self, spec: InstanceSpec) -> Reservation:
         from dilu_invoker.gpu.budgets import Reservation
 
+        request, limit = _budgeted(spec)
         return Reservation(instance=spec.id, function=spec.function, cls=spec.cls.value, invoker=self.node,
-                           request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb)
+                           request=request, limit=limit, memory_mb=spec.memory_mb)
 
     # -- Redis -------------------------------------------------------------------------------------
 
@@ -667,6 +669,15 @@ class GpuNode:
                  dropped={i: s[0] for i, s in summary.items() if s[0]},
                  restored={i: s[1] for i, s in summary.items() if s[1]})
         return True
+
+
+def _budgeted(spec: InstanceSpec) -> tuple[float, float]:
+    """The SM request and limit an instance holds in the GPU's budget: a pre-loaded container's placeholder
+    holds none (it launches nothing; the shim still gives it its small share), so it never keeps a placed
+    instance off the GPU (Σ limit 0.8 + 0.05 + 0.7 > γ 1.5 refused a training instance beside inference)."""
+    if spec.function.startswith(PRELOAD_FUNCTION_PREFIX):
+        return 0.0, 0.0
+    return spec.request, spec.limit
 
 
 def _parse_class(value: str) -> InstanceClass:

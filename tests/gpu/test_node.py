@@ -274,3 +274,30 @@ async def test_retarget_hands_a_preloaded_share_to_a_function(make_node: NodeFac
     assert {i.id for i in node.view()[0].instances} == {"inst-1", "other"}
     await node.detach("inst-1")
     assert control.parent.exists() is False or not control.exists()
+
+
+async def test_a_preload_placeholder_holds_memory_but_no_sm_in_the_budget(
+        make_node: NodeFactory, redis: aioredis.Redis) -> None:
+    # On the H200 a refilled placeholder (0.05 SM limit) beside inference at limit 0.8 refused training at
+    # 0.7: Σ limit 1.55 > γ 1.5. The placeholder launches nothing, so it holds only its memory.
+    budgets = GpuBudgets(redis, prefix="t:")
+    node = await make_node(devices=(load_inventory_one("GPU-only", memory_mb=40_000),), budgets=budgets)
+    pre = await node.attach("pre", "preload:python:3-gpu", needs("inference", 0.01, 0.05, memory_mb=1024))
+    infer = await node.attach("infer", "guest/infer", needs("inference", 0.5, 0.8, memory_mb=4000))
+    train = await node.attach("train", "guest/train", needs("training", 0.3, 0.7, memory_mb=16000))
+    assert pre is not None and infer is not None and train is not None
+    budget = await budgets.get("GPU-only")
+    assert budget is not None
+    assert (budget.reservations["pre"].request, budget.reservations["pre"].limit) == (0.0, 0.0)
+    assert budget.reservations["pre"].memory_mb == 1024 and budget.sum_memory_mb == 21024
+    assert budget.sum_limit == pytest.approx(1.5) and budget.sum_request == pytest.approx(0.8)
+    # the shim still lets the placeholder's process run (its own small share)
+    with abi.ControlFile.open(pre.env["DILU_SHIM_CONTROL"]) as control:
+        assert control.read().quota.share > 0
+    # memory still counts: a fourth instance that would pass the GPU's memory is refused
+    assert await node.attach("big", "guest/big", needs("inference", 0.1, 0.1, memory_mb=19_500)) is None
+    # taken by a function, the share is the function's again in the budget
+    await node.detach("train")
+    assert await node.retarget("pre", "guest/train", needs("training", 0.3, 0.7, memory_mb=16000), new_id="t2")
+    budget = await budgets.get("GPU-only")
+    assert budget is not None and budget.reservations["t2"].limit == 0.7 and "pre" not in budget.reservations

@@ -52,6 +52,7 @@ from dilu_invoker.invoker.dataplane.runtime_client import (
 from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
 from dilu_invoker.logs import bind_activation, clear_activation
 from dilu_invoker.model import (
+    PRELOAD_FUNCTION_PREFIX,
     Action,
     Activation,
     ActivationRequest,
@@ -190,7 +191,7 @@ class Invoker:
         needs = PRELOAD_GPU_NEEDS
         if self.gpu is None:
             return None, 0
-        attachment = await self.gpu.attach(key, f"preload:{runtime.kind}", needs)
+        attachment = await self.gpu.attach(key, f"{PRELOAD_FUNCTION_PREFIX}{runtime.kind}", needs)
         return attachment, needs.memory_mb if attachment is not None else 0
 
     async def _detach_gpu(self, key: str) -> None:
