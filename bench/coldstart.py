@@ -391,26 +391,17 @@ class Stack:
 
     async def wait_preloaded(self, least: float, most: float) -> dict[str, Any]:
         """At least ``least`` s (importing torch in a pre-loaded process takes seconds), then until a
-        pre-loading gauge (not a counter, hit/miss or budget) is positive and unchanged for 1 s, at most
-        ``most`` s in all."""
+        pre-loaded container is ready (``dilu_invoker_preload_containers{state="ready"}`` positive), at most
+        ``most`` s in all. Only the ready gauge counts: a loading container already holds its GPU share."""
         t = time.perf_counter()
         seen: list[str] = []
-        last: tuple[str, ...] | None = None
-        stable_since = 0.0
         while time.perf_counter() - t < most:
             seen = await self.preload_lines()
-            gauges = tuple(ln for ln in seen if not any(w in ln.split()[0] for w in ("_total", "_created", "hit",
-                                                                                      "miss", "budget")))
-            positive = [ln for ln in gauges if _value(ln) > 0]
             now = time.perf_counter() - t
-            ready = [ln for ln in positive if ln.startswith("dilu_invoker_preload_containers")
-                     and 'state="ready"' in ln and "gpu" in ln]
+            ready = [ln for ln in seen if ln.startswith("dilu_invoker_preload_containers")
+                     and 'state="ready"' in ln and _value(ln) > 0]
             if ready and now >= least:
                 return {"waited_s": rnd(now), "ready": ready}
-            if gauges != last:
-                last, stable_since = gauges, now
-            if positive and now >= least and now - stable_since >= 1.0:
-                return {"waited_s": rnd(now), "ready": list(positive)[:5]}
             await asyncio.sleep(0.25)
         return {"waited_s": rnd(time.perf_counter() - t), "ready": None, "preload_lines": seen[:20]}
 

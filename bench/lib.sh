@@ -11,6 +11,11 @@ step() {
     local name=$1 limit=$2
     shift 2
     local left=$(($(remaining) - ${STEP_RESERVE:-20}))
+    # ONLY: a space-separated list of step names to run (the rest are skipped), e.g. a rerun of two steps
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+        log "== $name skipped: not in ONLY"
+        return 0
+    fi
     if [ "$left" -lt "${STEP_MIN:-15}" ]; then
         log "== $name skipped: time budget spent"
         return 0

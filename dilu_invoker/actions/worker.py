@@ -245,6 +245,7 @@ def _create_cuda_context() -> bool:
             return False
         torch.cuda.init()
         torch.empty(1, device="cuda")  # a tiny allocation: the primary context and the allocator exist now
+        _warm_torch_libraries(torch)
         torch.cuda.synchronize()
         return True
     cupy = sys.modules.get("cupy")
@@ -255,6 +256,23 @@ def _create_cuda_context() -> bool:
         cupy.cuda.runtime.deviceSynchronize()
         return True
     return False
+
+
+def _warm_torch_libraries(torch: Any) -> None:
+    """Load the GPU libraries a first request would otherwise load inside the function's /init or first
+    run — cuBLAS and cuDNN handles, their first kernels, in fp16 and fp32 — with a few tiny launches
+    (the placeholder's small share is plenty for them); the allocator's blocks go back afterwards."""
+    functional = torch.nn.functional
+    with torch.no_grad():
+        for dtype in (torch.float16, torch.float32):
+            a = torch.ones((64, 64), device="cuda", dtype=dtype)
+            (a @ a).sum()
+            if torch.backends.cudnn.is_available():
+                x = torch.ones((1, 8, 16, 16), device="cuda", dtype=dtype)
+                w = torch.ones((8, 8, 3, 3), device="cuda", dtype=dtype)
+                functional.relu(functional.conv2d(x, w, padding=1))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def _print_user_traceback(exc: BaseException) -> None:

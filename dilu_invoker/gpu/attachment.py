@@ -9,6 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+#: set in an MPS client's environment: the daemon's pipe directory, and the spatial cap it connects with
+MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+MPS_THREADS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
 
 @dataclass(frozen=True, slots=True)
 class GpuMount:
@@ -29,3 +33,8 @@ class GpuAttachment:
     devices: tuple[str, ...] = ()
     gpu_index: int | None = None
     uuid: str = ""
+
+    @property
+    def mps_client(self) -> bool:
+        """Whether the container connects to the GPU's MPS daemon (its cap is fixed when it makes its context)."""
+        return MPS_PIPE_ENV in self.env

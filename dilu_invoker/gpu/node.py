@@ -374,7 +374,10 @@ class GpuNode:
             )
         except ValueError:
             return False
-        if spec.limit != a.spec.limit and "CUDA_MPS_PIPE_DIRECTORY" in a.attachment.env:
+        # An MPS client's cap is fixed when it makes its CUDA context; a pre-loaded one makes none before
+        # /init (which brings the new cap), so only its attachment changes.
+        contextless = a.spec.function.startswith(PRELOAD_FUNCTION_PREFIX)
+        if spec.limit != a.spec.limit and a.attachment.mps_client and not contextless:
             return False
         mgr = self._managers[a.device.uuid]
         async with self._admit_lock:
@@ -391,11 +394,18 @@ class GpuNode:
             mgr.remove(instance)
             a.control.write(mgr.initial_quota(spec))
             mgr.add(spec, a.control, a.stats)
+            if a.attachment.mps_client:
+                a.attachment = self._attachment(a.device, a.files, spec, mps_threads=mgr.mps_threads(spec))
             a.spec, a.reserved = spec, reserved
             self._attached[target] = a
         log.info("GPU share retargeted", instance=target, was=instance, function=function, gpu=a.device.index,
                  request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb)
         return True
+
+    def attachment_of(self, instance: str) -> GpuAttachment | None:
+        """What an attached instance was given (after a retarget: its new MPS cap among it)."""
+        a = self._attached.get(instance)
+        return a.attachment if a is not None else None
 
     async def detach(self, instance: str) -> None:
         a = self._attached.pop(instance, None)

@@ -230,3 +230,37 @@ async def test_the_policy_chooses_each_clients_active_threads_at_start(tmp_path:
         assert s is not None and s.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
     finally:
         await node.close()
+
+
+async def test_a_preloaded_mps_client_takes_the_functions_cap_and_a_running_one_keeps_its_own(tmp_path: Path) -> None:
+    """An MPS client's cap is fixed with its CUDA context. A pre-loaded container makes none before /init
+    (the pool tells it not to), so retargeting its placeholder gives it the function's cap; an instance
+    that already runs cannot change its cap, so its retarget to another limit is refused."""
+    sup = MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE,
+                        check_every_s=3600)
+    node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend="process", mps=sup)
+    await node.start()
+    try:
+        pre = await node.attach("pre", "preload:python:3-gpu",
+                                GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.01, sm_limit=0.05, memory_mb=1024))
+        assert pre is not None and pre.mps_client and pre.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "5"
+        assert await node.retarget("pre", "guest/classify", NEEDS, new_id="inst-1")
+        taken = node.attachment_of("inst-1")
+        assert taken is not None and taken.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "70"
+        assert taken.env["DILU_SHIM_CONTROL"] == pre.env["DILU_SHIM_CONTROL"]  # the same shim blocks
+        other = GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.2, sm_limit=0.3, memory_mb=1000)
+        assert not await node.retarget("inst-1", "guest/other", other)
+        still = node.attachment_of("inst-1")
+        assert still is not None and still.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "70"
+    finally:
+        await node.close()
+
+
+def test_a_taken_mps_containers_init_environment_carries_its_cap() -> None:
+    from dilu_invoker.gpu.attachment import GpuAttachment
+    from dilu_invoker.invoker.dataplane.core import _mps_cap
+
+    mps = GpuAttachment(env={"CUDA_MPS_PIPE_DIRECTORY": "/p", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70"})
+    assert _mps_cap(mps) == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70"}
+    assert _mps_cap(GpuAttachment(env={"CUDA_VISIBLE_DEVICES": "0"})) == {}
+    assert _mps_cap(None) == {}

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from dilu_invoker.config import Config
-from dilu_invoker.gpu.attachment import GpuAttachment
+from dilu_invoker.gpu.attachment import MPS_THREADS_ENV, GpuAttachment
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, InvokerOverloaded, never_ran_for
 from dilu_invoker.invoker.dataplane.backends.base import (
@@ -404,7 +404,12 @@ class Invoker:
         init_start = time.monotonic()
         client = RuntimeClient(self._session, container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
                                secret=container.secret, alive=lambda: container.alive)
-        body: dict[str, object] | bytes = await encoding if encoding is not None else self._init_body(req)
+        # A pre-loaded MPS client made no CUDA context yet: its cap comes with /init's environment.
+        cap = _mps_cap(taken.gpu) if taken is not None else {}
+        if cap and encoding is not None:
+            await _settle(encoding)
+            encoding = None
+        body: dict[str, object] | bytes = await encoding if encoding is not None else self._init_body(req, cap)
         outcome = await client.init(body, action.limits.timeout_ms / 1000)
         init_ms = int((time.monotonic() - init_start) * 1000)
         if outcome.status_code != ActivationStatus.SUCCESS:
@@ -424,10 +429,11 @@ class Invoker:
             self._in_background(self._learn_imports(runtime.kind, container))
         return None, init_ms, ()
 
-    def _init_body(self, req: ActivationRequest) -> dict[str, object]:
+    def _init_body(self, req: ActivationRequest, env: Mapping[str, str] | None = None) -> dict[str, object]:
         action = req.action
-        init_env = {k: v for k, v in (req.content or {}).items() if k in req.init_args} \
+        init_env: dict[str, object] = {k: v for k, v in (req.content or {}).items() if k in req.init_args} \
             if isinstance(req.content, dict) else {}
+        init_env.update(env or {})
         init_env[MODELS_KEY_ENV] = models_key(self._models_secret, action.namespace, action.name,
                                               action.revision or action.version)
         return build_init_body(name=action.name, code=action.exec.code, binary=action.exec.binary,
@@ -460,6 +466,10 @@ class Invoker:
             if not ok:
                 await preload.lost(runtime.kind, taken.standby, "GPU share does not fit")
                 return None
+            attachment_of = getattr(self.gpu, "attachment_of", None)
+            current = attachment_of(gpu_key or taken.gpu_key) if attachment_of is not None else None
+            if current is not None:
+                taken = replace(taken, gpu=current)
             proxy.placement = replace(proxy.placement, gpu=taken.gpu, gpu_key=gpu_key or taken.gpu_key)
         preload.hit(runtime.kind)
         proxy.preloaded = True
@@ -767,3 +777,8 @@ async def open_invoker(
             log.warning("error during invoker shutdown", error=repr(error))
 
 
+def _mps_cap(attachment: GpuAttachment | None) -> dict[str, str]:
+    """The MPS active-thread cap of a pre-loaded GPU container that was taken (empty when not an MPS client)."""
+    if attachment is None or not attachment.mps_client or MPS_THREADS_ENV not in attachment.env:
+        return {}
+    return {MPS_THREADS_ENV: attachment.env[MPS_THREADS_ENV]}

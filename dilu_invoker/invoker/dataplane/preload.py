@@ -246,7 +246,9 @@ class PreloadPool:
                         standby.gpu_key = standby.name
                         raise _Skip("GPU budget of pre-loading is used up")
                     standby.gpu, standby.gpu_key, standby.gpu_memory_mb = attachment, standby.name, gpu_mb
-                    env = {**dict(spec.env), **attachment.env, PRELOAD_CUDA_ENV: "1"}
+                    # An MPS client fixes its cap when it makes its CUDA context, so under MPS the context
+                    # waits for /init, which brings the cap of the function that takes the container.
+                    env = {**dict(spec.env), **attachment.env, PRELOAD_CUDA_ENV: "0" if attachment.mps_client else "1"}
                     spec = ContainerSpec(
                         name=spec.name, kind=spec.kind, image=spec.image, memory_mb=spec.memory_mb, env=env,
                         mounts=spec.mounts + tuple(Mount(m.source, m.target, m.read_only) for m in attachment.mounts),
