@@ -80,14 +80,6 @@ def test_arrival_processes_keep_the_mean_rate(gp: ModuleType, kind: str) -> None
         assert first_quarter == pytest.approx(0.25, abs=0.05)
 
 
-@pytest.mark.parametrize("kind", ["paced", "poisson", "bursty"])
-@pytest.mark.parametrize("seed", [3, 11, 2024])
-def test_the_bench_copy_draws_what_the_simulator_draws(gp: ModuleType, kind: str, seed: int) -> None:
-    from dilu_invoker.sim.vertical_loop import PairModel, arrivals
-    unit = PairModel(name="rate", gpu_s=1.0, overhead_s=0.0, interference=0.0, free=0.0)  # capacity 1 req/s
-    assert gp.arrival_times(kind, 120.0, 37.5, random.Random(seed)) == arrivals(kind, 37.5, unit, 120.0, seed)
-
-
 def _cell(gp: ModuleType, mode: str, trial: int, p99: float, train: float, viol: float) -> dict[str, object]:
     scen = {"p99_ms": p99, "p99_vs_solo": p99 / 10, "p99_vs_ref": p99 / 10, "slo_violations": viol,
             "train_vs_ref": train, "train_vs_solo": train, "train_it_s": 50 * train, "p50_ms": p99 / 2}
