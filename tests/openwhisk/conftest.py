@@ -27,22 +27,31 @@ ApiFactory = Callable[..., Awaitable[Api]]
 
 
 @pytest.fixture
-async def make_api(redis: aioredis.Redis, aiohttp_client: Any) -> ApiFactory:
-    """``api = await make_api(runner=None, store_kwargs={}, **ApiConfig fields)``: the REST app over this
-    test's Redis, with a :class:`ScriptedRunner` unless another runner is given."""
+def api_over(aiohttp_client: Any) -> ApiFactory:
+    """``api = await api_over(store, runner=None, auth=None, **ApiConfig fields)``: the REST app over a store
+    the test made (a Redis client of its own), with a :class:`ScriptedRunner` unless another runner is given."""
 
-    async def make(*, runner: ActivationRunner | None = None, store_kwargs: dict[str, Any] | None = None,
-                   store_cls: type[EntityStore] = EntityStore, drain_timeout_s: float = 2.0,
-                   auth: Authenticator | None = None,
-                   **cfg_fields: Any) -> Api:
+    async def serve(store: EntityStore, *, runner: ActivationRunner | None = None, drain_timeout_s: float = 2.0,
+                    auth: Authenticator | None = None, **cfg_fields: Any) -> Api:
         cfg = dataclasses.replace(ApiConfig(), **cfg_fields)
-        store = store_cls(redis, prefix="test:", **(store_kwargs or {}))
         runner = runner or ScriptedRunner()
         auth = auth or Authenticator([GUEST_IDENTITY, OTHER_IDENTITY, NO_STORE_IDENTITY])
         app = build_api(cfg, store=store, runner=runner, manifest=manifest_for_tests(), auth=auth,
                         drain_timeout_s=drain_timeout_s)
         client = await aiohttp_client(app)
         return Api(client=client, store=store, runner=runner, cfg=cfg)
+
+    return serve
+
+
+@pytest.fixture
+async def make_api(redis: aioredis.Redis, api_over: ApiFactory) -> ApiFactory:
+    """``api = await make_api(runner=None, store_kwargs={}, **ApiConfig fields)``: the REST app over this
+    test's Redis, with a :class:`ScriptedRunner` unless another runner is given."""
+
+    async def make(*, store_kwargs: dict[str, Any] | None = None, store_cls: type[EntityStore] = EntityStore,
+                   **kwargs: Any) -> Api:
+        return await api_over(store_cls(redis, prefix="test:", **(store_kwargs or {})), **kwargs)
 
     return make
 
