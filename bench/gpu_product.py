@@ -79,8 +79,11 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from loadgen import stop_process_tree, wait_for_api
+
+from dilu_invoker.sim.vertical_loop import PairModel, arrivals
 
 FAKE_CUDA = ROOT / "cuda_shim/build/fake/libcuda.so.1"
 FAKE_MPS = ROOT / "tests/gpu/fakes/nvidia-cuda-mps-control"
@@ -392,25 +395,15 @@ async def closed_loop(stack: Stack, name: str, params: dict[str, Any], seconds: 
 
 
 def arrival_times(kind: str, seconds: float, rate: float, rng: random.Random) -> list[float]:
-    """Send times (s from the start) of one scenario: ``paced`` (evenly spaced), ``poisson`` (exponential gaps)
+    """Send times (s from the start) of one scenario at ``rate`` requests/s: the simulator's arrival processes
+    (``dilu_invoker.sim.vertical_loop.arrivals``): ``paced`` (evenly spaced), ``poisson`` (exponential gaps)
     or ``bursty`` (a Markov-modulated Poisson process: in each second the first quarter at 2x the mean rate,
-    the rest at 2/3 of it; the same mean, bursts of 2x)."""
-    out: list[float] = []
-    t = 0.0
-    if kind == "paced":
-        t = 0.5 / rate
-        while t < seconds:
-            out.append(t)
-            t += 1.0 / rate
-        return out
-    if kind not in ("poisson", "bursty"):
-        raise ValueError(f"unknown arrival process {kind!r}")
-    while True:
-        r = rate if kind == "poisson" else (2.0 * rate if t % 1.0 < 0.25 else rate * 2.0 / 3.0)
-        t += rng.expovariate(r)
-        if t >= seconds:
-            return out
-        out.append(t)
+    the rest at 2/3 of it; the same mean, bursts of 2x). Each call draws its own seed from ``rng``."""
+    return arrivals(kind, rate, _ONE_PER_S, seconds, rng.getrandbits(64))
+
+
+#: a pair served at exactly 1 request/s alone: the simulator's load (a fraction of capacity) is then a rate
+_ONE_PER_S = PairModel(name="rate", gpu_s=1.0, overhead_s=0.0, interference=0.0, free=0.0)
 
 
 async def open_loop(stack: Stack, name: str, params: dict[str, Any], rates: list[tuple[float, float]],

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -14,16 +13,6 @@ from ow_support.faults import Standalone, put_action
 from ow_support.fuzz import fuzz, schemathesis_command
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def standalone(tmp_path: Path) -> AsyncIterator[Standalone]:
-    server = Standalone(tmp_path / "data")
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.kill()
 
 
 async def test_the_openapi_document_is_served_and_lists_the_routes(standalone: Standalone) -> None:

@@ -12,7 +12,6 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -27,14 +26,10 @@ SECONDS = 5.0
 
 
 @pytest.fixture
-async def standalone(tmp_path: Path) -> AsyncIterator[Standalone]:
-    server = Standalone(tmp_path / "data")
-    await server.start()
-    try:
-        await put_action(server.url)
-        yield server
-    finally:
-        await server.kill()
+async def standalone(standalone: Standalone) -> Standalone:
+    """The shared standalone with the ``noop`` action the load invokes."""
+    await put_action(standalone.url)
+    return standalone
 
 
 async def _warm(server: Standalone) -> None:

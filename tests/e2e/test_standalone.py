@@ -4,80 +4,24 @@ directory; stopped cleanly."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
-import signal
-import socket
-import sys
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest
+from ow_support.faults import Standalone
 from ow_support.npm import NPM_DIR, install_client, run_command
 
 from dilu_invoker.model import GUEST_IDENTITY
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": aiohttp.encode_basic_auth(GUEST_IDENTITY.uuid, GUEST_IDENTITY.key)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Standalone:
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.port = _free_port()
-        self.proc: asyncio.subprocess.Process | None = None
-        self.log = data_dir / "standalone.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "DILU_LOG_JSON": "true"}
-        with open(self.log, "ab") as out:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "dilu_invoker", "standalone", "--data-dir", str(self.data_dir),
-                "--api-port", str(self.port), "--invoker-idle-timeout-s", "30",
-                env=env, stdout=out, stderr=asyncio.subprocess.STDOUT, cwd=str(self.data_dir))
-        async with aiohttp.ClientSession() as session:
-            for _ in range(300):
-                try:
-                    async with session.get(f"{self.url}/api/v1") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                assert self.proc.returncode is None, self.log.read_text()
-                await asyncio.sleep(0.05)
-        raise AssertionError(f"standalone did not come up:\n{self.log.read_text()}")
-
-    async def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return await asyncio.wait_for(self.proc.wait(), 30)
-
-
 @pytest.fixture
-async def standalone(tmp_path: Path) -> AsyncIterator[Standalone]:
-    server = Standalone(tmp_path / "data")
-    await server.start()
-    try:
-        yield server
-    finally:
-        if server.proc is not None and server.proc.returncode is None:
-            server.proc.kill()
-            await server.proc.wait()
+def standalone_args() -> list[str]:
+    return ["--invoker-idle-timeout-s", "30"]
 
 
 async def test_openwhisk_npm_client_against_standalone(standalone: Standalone) -> None:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
+import signal
 import tempfile
+import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -168,4 +174,54 @@ async def test_containers_started_at_once_each_serve_on_their_own_port(tmp_path:
         assert all(c.alive for c in containers)
     finally:
         await asyncio.gather(*(c.destroy() for c in containers))
+        await backend.close()
+
+
+@pytest.fixture
+def late_child_watcher() -> Iterator[None]:
+    """asyncio's own child watcher, whose thread reaps each child 0.3 s late: as on a loaded host, where
+    that thread is scheduled after the event loop has already acted on a child's death."""
+    if not hasattr(asyncio, "set_child_watcher"):
+        pytest.skip("this Python has no pluggable child watcher")
+
+    class LateWatcher(asyncio.ThreadedChildWatcher):
+        def _do_waitpid(self, loop: asyncio.AbstractEventLoop, expected_pid: int, callback: Any,
+                        args: Any) -> None:
+            time.sleep(0.3)
+            super()._do_waitpid(loop, expected_pid, callback, args)  # type: ignore[misc]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        before = asyncio.get_child_watcher()
+        asyncio.set_child_watcher(LateWatcher())
+    yield
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        asyncio.set_child_watcher(before)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("dead_before_destroy", [True, False], ids=["crashed", "live"])
+async def test_destroy_leaves_the_reaping_to_asyncio_and_reports_the_real_exit(
+    tmp_path: Path, late_child_watcher: None, caplog: pytest.LogCaptureFixture, dead_before_destroy: bool
+) -> None:
+    """Destroy must not reap the runtime itself (Process.kill() polls first): the child watcher would then
+    find no child, log "Unknown child process pid" and report exit 255 for a runtime killed by a signal."""
+    backend = ProcessBackend(isolation="off", work_dir=str(tmp_path / "w"))
+    container = await backend.start(ContainerSpec(name="c", kind="python:3", image="", memory_mb=256))
+    try:
+        if dead_before_destroy:  # it crashed; its exit is not yet collected when the pool destroys it
+            os.kill(container.pid, signal.SIGKILL)
+            async with asyncio.timeout(10):
+                while _state(container.pid) != "Z":
+                    await asyncio.sleep(0.005)
+        caplog.set_level(logging.WARNING, logger="asyncio")
+        await container.destroy()
+        assert container.exit_reason() == "killed by SIGKILL"
+        assert not [r for r in caplog.records if "child process" in r.getMessage()]
+    finally:
         await backend.close()

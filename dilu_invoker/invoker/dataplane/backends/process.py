@@ -85,8 +85,7 @@ class ProcessContainer:
         self._oom = self.sandbox.oom_killed(self._backend.sandboxes.cgroups)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            self._proc.kill()
+        self._kill_runtime()
         try:
             clean = await self._backend.sandboxes.destroy(self.sandbox)
         except Exception as exc:  # noqa: BLE001 - destroy never raises
@@ -96,6 +95,14 @@ class ProcessContainer:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._proc.wait(), 5)
         self._backend._live.discard(self)
+
+    def _kill_runtime(self) -> None:
+        # Not Process.kill(): it polls first (waitpid WNOHANG), and a runtime that is already dead then is
+        # reaped by that poll instead of by asyncio's child watcher, which logs "Unknown child process pid"
+        # and reports exit 255 in place of the real status (a crash read as "exit 255", not "killed by ...").
+        if self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self._proc.pid, signal.SIGKILL)
 
     def exit_reason(self) -> str | None:
         # The kernel's OOM killer takes the largest process (the action's worker), not the runtime.
