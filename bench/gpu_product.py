@@ -350,11 +350,14 @@ class Stack:
                 pass
             await asyncio.sleep(0.25)
 
-    async def create(self, name: str, code: str, cls: str, request: float, limit: float) -> None:
+    async def create(self, name: str, code: str, cls: str, request: float, limit: float, *,
+                     slo_ms: float | None = None) -> None:
         assert self.session is not None
-        body = {"exec": {"kind": "python:3-gpu", "code": code},
-                "annotations": [{"key": "gpu-class", "value": cls}, {"key": "gpu-sm-request", "value": request},
-                                {"key": "gpu-sm-limit", "value": limit}, {"key": "gpu-memory-mb", "value": 16384}],
+        annotations = [{"key": "gpu-class", "value": cls}, {"key": "gpu-sm-request", "value": request},
+                       {"key": "gpu-sm-limit", "value": limit}, {"key": "gpu-memory-mb", "value": 16384}]
+        if slo_ms:
+            annotations.append({"key": "gpu-slo-ms", "value": slo_ms})
+        body = {"exec": {"kind": "python:3-gpu", "code": code}, "annotations": annotations,
                 "limits": {"timeout": 300000, "memory": 8192}}
         async with self.session.put(f"{self.api}/{name}?overwrite=true", auth=self.auth, json=body) as r:
             if r.status != 200:
@@ -617,12 +620,14 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
     if args.dry_run and FAKE_CUDA.exists():
         dry["fake_cuda"] = str(FAKE_CUDA)
     iparams = {"model": model, "batch": 8, **dry}
+    slo_ann = args.slo_ms if mode in ("slo", "slo-ts") and args.slo_ms > 0 else None
     cell: dict[str, Any] = {"mode": mode, "what": spec["what"], "pair": pair, "trial": trial, "scenarios": {},
-                            "annotations": {"inference": spec["infer"], "training": spec["train"]},
+                            "annotations": {"inference": spec["infer"], "training": spec["train"],
+                                            "inference_slo_ms": slo_ann},
                             "flags": spec["flags"], "estimate_s": rnd(stack_estimate_s(args, mode, pair), 1)}
     t_start = time.time()
     async with Stack(args, mode, work) as st:
-        await st.create("infer", INFER_CODE, "inference", *spec["infer"])
+        await st.create("infer", INFER_CODE, "inference", *spec["infer"], slo_ms=slo_ann)
         await st.create("train", TRAIN_CODE, "training", *spec["train"])
         want = set(args.scenarios)
         # Cold starts of both at once (the GPU is barely used while processes start and models load), then
@@ -1091,6 +1096,9 @@ def main() -> int:
     ap.add_argument("--besides", default="", help="the scenarios beside training, explicitly (instead of --arrivals x "
                                                   "--loads and burst): 'paced@0.5,poisson@0.3,bursty@0.7,burst'")
     ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--slo-ms", type=float, default=0.0,
+                    help="annotate the inference action of the slo modes with gpu-slo-ms (what a user who states an "
+                         "objective writes); 0: none, the law derives its target")
     ap.add_argument("--trials", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="cut the stacks whose estimated H200 time passes this (0: no cut); the plan is printed")

@@ -8,7 +8,8 @@
 #   bench/h200_product.sh traces OUT            the traces and the MPS smoke test alone
 #   bench/h200_product.sh full OUT [PAIRS] [MODES] [TIMEOUT]   the product benchmark (SECONDS_PER=5 per scenario)
 #   bench/h200_product.sh matrix OUT [PLAN]     issue 17's workload matrix in one device call of <= 10 minutes:
-#                                               PLAN=1 (default) the core columns, PLAN=2 the rest; the plan and its
+#                                               PLAN=1 (default) the core columns, PLAN=2 the rest, PLAN=3 the
+#                                               defaults and MPS columns of the ResNet pair; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -55,17 +56,21 @@ elif [ "$what" = matrix ]; then
   budget=${BUDGET_S:-$(( 540 - ( $(date +%s) - start ) ))}
   [ "$budget" -gt 500 ] && budget=500
   besides=paced@0.5,poisson@0.3,poisson@0.5,poisson@0.7,bursty@0.7,burst
+  pairs=resnet50+train,bert+train; slo_ms=0
   case "${3:-1}" in
     1) modes=noshim,static30,slo-ts,mps50,slo; bert=noshim,slo-ts,static30
        prio="resnet50+train:noshim,static30,slo-ts;bert+train:noshim,slo-ts;resnet50+train:mps50,slo" ;;
     2) modes=noshim,mps50,slo,mps70,shim-ts; bert=noshim,static30,mps50
        prio="resnet50+train:noshim,mps50,slo;bert+train:noshim,static30;resnet50+train:mps70,shim-ts" ;;
-    *) echo "PLAN is 1 or 2"; exit 2 ;;
+    3) modes=noshim,shim,mps50,slo; pairs=resnet50+train; bert=""  # the defaults and MPS, ResNet pair only;
+       slo_ms=${SLO_MS:-28}  # the slo column with an annotated gpu-slo-ms (2 x the noshim solo p99 of run 1)
+       prio="resnet50+train:noshim,shim,mps50,slo" ;;
+    *) echo "PLAN is 1, 2 or 3"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
-    --pairs resnet50+train,bert+train --pair-modes "bert+train=$bert" --priority "$prio" \
-    --besides "$besides" --scenarios cold,solo,idle --seconds "${SECONDS_PER:-1.5}" --trials "${TRIALS:-3}" \
+    --pairs "$pairs" ${bert:+--pair-modes "bert+train=$bert"} --priority "$prio" \
+    --besides "$besides" --slo-ms "$slo_ms" --scenarios cold,solo,idle --seconds "${SECONDS_PER:-1.5}" --trials "${TRIALS:-3}" \
     --budget-s "$budget" --deadline-s "$budget" --isolation-fallback --out "$out/$name.json" --report "$out/$name.md" \
     --matrix "$out/gpu-product-matrix.md" 2>&1 | grep -v '^|' | tail -60
 fi
