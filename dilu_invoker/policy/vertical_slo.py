@@ -5,7 +5,11 @@ gives best-effort instances the rest of the GPU. docs/policies.md §1.1 writes t
   `gpu-slo-ms` annotation (`slo_ms`), or else `slo_factor` × its solo latency at the current arrival rate.
 * **Measurement**: the request spans the shim reports (`spans_s`; window cycles where a shim reports no
   spans), turned into a p99 latency estimate by Kingman's approximation (`p99_estimate`): the spans' median
-  plus ln(100) × the mean queueing wait their busy fraction and the arrivals' variability predict.
+  plus ln(100) × the mean queueing wait their busy fraction and the arrivals' variability predict. Next to
+  them, where the invoker reports it (`queue_known`, `dilu_invoker.gpu.load`), the instance's own queue:
+  the activations waiting for it and since when (`queue_latency_s`: a queue that will miss the objective
+  clamps at once) and its activations' time in the instance (`occupancy`: the saturation clamp judges the
+  instance's busy fraction, off-GPU time included, not only the GPU's).
 * **Actuator**: the best-effort budget (Σ best-effort shares, launch-rate caps enforced by the shim), and
   under MPS the best-effort clients' active-thread fraction, chosen once at their start
   (`ShareDecision.mps_threads`).
@@ -139,6 +143,9 @@ class SloTrack:
     """Spans completed per period, the last `COUNT_WINDOW` periods (arrival rate and variability)."""
     busy: tuple[float, ...] = ()
     """Σ spans / period, the last `BUSY_WINDOW` periods."""
+    held: tuple[float, ...] = ()
+    """Σ activations' time in the instance / period, the last `SATURATION_PERIODS` periods, where the invoker
+    reports its queue: the instance's own busy fraction (its spans leave out the time off the GPU)."""
     judged: tuple[float, ...] = ()
     """Spans completed since the last budget move (the first period after it excluded)."""
     measured: tuple[float, ...] = ()
@@ -222,6 +229,15 @@ def p99_estimate(span_s: float, *, rho: float, ca2: float, cs2: float) -> float:
     return span_s + (ca2 + cs2) / (2.0 * (1.0 - r)) * span_s * math.log(100.0 * r)
 
 
+def queue_latency_s(queued: float, oldest_wait_s: float, service_s: float) -> float:
+    """A lower bound on the latency of the activations waiting for the instance now: the oldest has waited
+    `oldest_wait_s` and still needs its own service; the last waits behind the others: the larger of
+    oldest wait + one service and queued × one service (0 when none waits)."""
+    if queued <= 0:
+        return 0.0
+    return max(oldest_wait_s + service_s, queued * service_s)
+
+
 def move_for(error: float, deadband: float) -> FeedbackMode:
     """The move an SLO error (estimate / target) asks for: emergency ≥ `CLAMP_RATIO`, decrease above 1,
     hold in [1 − deadband, 1], increase below."""
@@ -267,6 +283,9 @@ class Reading:
     saturated: bool = False
     open_over: bool = False
     """A span in progress is already longer than the target."""
+    queue_over: bool = False
+    """The activations waiting for the instance will miss the target whatever happens next
+    (`queue_latency_s` ≥ T): the invoker's queue, where it reports one."""
     note: str = ""
 
 
@@ -277,6 +296,14 @@ def _samples(inst: VerticalInstance) -> tuple[tuple[float, ...], float]:
     return inst.cycles_s, inst.open_cycle_s
 
 
+def occupancy(inst: VerticalInstance, period_s: float) -> float:
+    """The fraction of the period the instance held an activation (the invoker's view), within [0, 1]: the
+    runs completed in it, plus the one still running, and 1 while activations wait for it."""
+    if inst.queued > 0:
+        return 1.0
+    return min(1.0, (sum(inst.runs_s) + min(inst.open_run_s, period_s)) / period_s)
+
+
 def observe(inst: VerticalInstance, prev: SloTrack, *, period_s: float, settled: bool, quiet: bool) -> SloTrack:
     """The track after this period's spans. `settled`: the budget did not move at the start of this period
     (so its spans are judged); `quiet`: best-effort has been at its floor for a full period."""
@@ -284,13 +311,15 @@ def observe(inst: VerticalInstance, prev: SloTrack, *, period_s: float, settled:
     counts = (prev.counts + (len(spans),))[-COUNT_WINDOW:]
     busy = (prev.busy + (min(1.0, sum(spans) / period_s),))[-BUSY_WINDOW:]
     judged = (prev.judged + spans)[-JUDGE_MAX_SPANS:] if settled else ()
+    held = (prev.held + (occupancy(inst, period_s),))[-SATURATION_PERIODS:] if inst.queue_known else ()
     solo, measured = prev.solo_s, (prev.measured + spans if quiet else ())
     # A period's median where it has enough spans; at low rates the spans of consecutive quiet periods.
     sample = spans if len(spans) >= MIN_SPANS else measured if len(measured) >= MIN_SPANS else ()
     if quiet and sample:
         m = median(sample)
         solo, measured = (m if solo is None else min(solo, m)), ()
-    return SloTrack(id=inst.id, solo_s=solo, counts=counts, busy=busy, judged=judged, measured=measured)
+    return SloTrack(id=inst.id, solo_s=solo, counts=counts, busy=busy, held=held, judged=judged,
+                    measured=measured)
 
 
 def target_s(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: SloConfig) -> float | None:
@@ -332,9 +361,16 @@ def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: Sl
     err = error(track.judged, rho)
     period_err = (error(spans, max(rho, (rho + track.busy[-1]) / 2) if surge else rho)
                   if len(track.counts) >= MIN_SPANS else None)
-    recent = track.busy[-SATURATION_PERIODS:]
+    recent = track.held if inst.queue_known else track.busy[-SATURATION_PERIODS:]
     saturated = len(recent) == SATURATION_PERIODS and sum(recent) / SATURATION_PERIODS >= SATURATED_BUSY
     open_over = open_s >= target
+    # What each waiting activation will hold the instance for: this period's runs where they are reported.
+    service = median(inst.runs_s) if inst.runs_s else median(track.judged) if len(track.judged) >= MIN_SPANS \
+        else median(spans) if spans else (track.solo_s or 0.0)
+    waiting = queue_latency_s(inst.queued, inst.oldest_wait_s, service) if inst.queue_known else 0.0
+    # The queue is not an estimate: activations that will miss the objective the user gave are a fact, judged
+    # against it where it is annotated (the derived term of T is a model of the solo latency, not a promise).
+    queue_over = waiting >= (slo if (slo := inst.slo_ms / 1000.0 if inst.slo_ms else None) else target)
     bits = [f"{inst.id}: target {target * 1000:.1f} ms" + ("" if inst.slo_ms else " (derived)"),
             f"ρ {rho:.2f}", f"ca² {ca2:.2f}"]
     if err is not None:
@@ -345,7 +381,9 @@ def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: Sl
         bits.append("saturated: spans fill its time")
     if open_over:
         bits.append(f"span in progress {open_s * 1000:.1f} ms past its target")
-    return Reading(track, target, err, period_err, saturated, open_over, ", ".join(bits))
+    if queue_over:
+        bits.append(f"{inst.queued:g} waiting: {waiting * 1000:.1f} ms past its target")
+    return Reading(track, target, err, period_err, saturated, open_over, queue_over, ", ".join(bits))
 
 
 # -- the decision ------------------------------------------------------------------------------------
@@ -405,8 +443,9 @@ def _plan(lc: list[VerticalInstance], readings: dict[str, Reading], state: SloSt
 
 
 def _clamps(r: Reading, config: SloConfig) -> bool:
-    """An emergency: a span in progress past the target, or this period's estimate ≥ `CLAMP_RATIO` × T."""
-    return r.open_over or (r.period_error or 0.0) >= CLAMP_RATIO
+    """An emergency: a span in progress past the target, a queue that will miss it, or this period's
+    estimate ≥ `CLAMP_RATIO` × T."""
+    return r.open_over or r.queue_over or (r.period_error or 0.0) >= CLAMP_RATIO
 
 
 def _queueing(r: Reading, config: SloConfig) -> bool:
@@ -570,5 +609,7 @@ __all__ = [
     "decide_vertical",
     "initial_state",
     "mps_start_threads",
+    "occupancy",
     "policy_name",
+    "queue_latency_s",
 ]
