@@ -412,7 +412,10 @@ def _plan(lc: list[VerticalInstance], readings: dict[str, Reading], state: SloSt
     if not known:
         return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=moved_at, measuring=keep), \
             "hold: no latency-critical instance can be judged (no SLO, no spans)"
-    if any(_clamps(r, config) for r in known) and budget > floor + EPS:
+    if any(_clamps(r, config) for r in known):
+        if budget <= floor + EPS:  # clamped already: stay at the floor until it drains, whatever the estimate
+            return FeedbackMode.HOLD, budget, _with(state, budget=budget, moved_at=moved_at, measuring=keep), \
+                f"hold: at the floor {budget:.2f} until the emergency is over"
         nb, threshold = next_budget(FeedbackMode.EMERGENCY, budget, floor=floor, ceiling=ceiling,
                                     threshold=threshold, config=config)
         return FeedbackMode.EMERGENCY, nb, _with(state, budget=nb, threshold=threshold, moved_at=now,
@@ -475,6 +478,7 @@ def decide_slo(snapshot: VerticalSnapshot, state: SloState, config: SloConfig) -
     tracks = {i.id: observe(i, state.track(i.id), period_s=period, settled=settled, quiet=quiet)
               for i in snapshot.instances if i.cls.latency_critical}
     lc_shares, lc_why = _latency_shares(lc, 1.0) if lc else ({}, "")
+    readings: dict[str, Reading] = {}
 
     if not lc:
         mode, total, why = FeedbackMode.IDLE, 1.0, "no latency-critical demand: best-effort may use the whole GPU"
@@ -483,6 +487,7 @@ def decide_slo(snapshot: VerticalSnapshot, state: SloState, config: SloConfig) -
     elif not be:
         mode, total, why = FeedbackMode.HOLD, 0.0, "latency-critical demand, no best-effort demand"
         new = _with(state, mode=mode, tracks=tuple(tracks.values()), floor_periods=0)
+        readings = {i.id: read(i, tracks[i.id], period_s=period, config=config) for i in lc if i.queue_known}
     else:
         readings = {i.id: read(i, tracks[i.id], period_s=period, config=config) for i in lc}
         start = state.resume if state.resume is not None else 1.0 - sum(i.request for i in lc)
@@ -498,7 +503,13 @@ def decide_slo(snapshot: VerticalSnapshot, state: SloState, config: SloConfig) -
     if lc_why:
         why += f"; {lc_why}"
     shares = {**lc_shares, **(_best_effort_shares(be, total) if be else {})}
-    decisions = tuple(_share_decision(i, shares, mode, total, period, config) for i in snapshot.instances)
+    # Best-effort at its floor (or absent) and activations still waiting that will miss: vertical scaling has
+    # nothing left to give the instance — the horizontal scaler hears it as saturated.
+    # (at the floor since the period before: the clamp that just took it there gets one period to drain).
+    spent = not be or (state.floor_periods >= 1 and total <= floor + EPS)
+    exhausted = {k for k, r in readings.items() if r.queue_over} if spent else set()
+    decisions = tuple(_share_decision(i, shares, mode, total, period, config, exhausted=i.id in exhausted)
+                      for i in snapshot.instances)
     active_total = sum(d.share for d in decisions if d.active)
     return VerticalDecision(
         now=now, gpu=snapshot.gpu, mode=mode, shares=decisions, budget=new.budget if be and lc else None,
@@ -520,7 +531,7 @@ def mps_start_threads(cls: InstanceClass, limit: float, config: AnyVerticalConfi
 
 
 def _share_decision(inst: VerticalInstance, shares: dict[str, float], mode: FeedbackMode, total: float,
-                    period_s: float, config: SloConfig) -> ShareDecision:
+                    period_s: float, config: SloConfig, *, exhausted: bool = False) -> ShareDecision:
     active = inst.id in shares
     mps = None if inst.cls.latency_critical else mps_start_threads(inst.cls, inst.limit, config)
     if inst.cls.latency_critical:
@@ -534,9 +545,13 @@ def _share_decision(inst: VerticalInstance, shares: dict[str, float], mode: Feed
         share = inst.request
         why = f"best-effort, idle: standing cap at its request {inst.request:.2f}"
     share = min(max(0.0, share), inst.limit)
-    saturated = active and share >= inst.limit - EPS and inst.throttled_s >= SATURATED_THROTTLE_FRACTION * period_s
-    return ShareDecision(id=inst.id, share=share, previous=inst.share, active=active, saturated=saturated,
-                         reason=why + ("; saturated (throttled at its limit)" if saturated else ""), mps_threads=mps)
+    throttled = active and share >= inst.limit - EPS and inst.throttled_s >= SATURATED_THROTTLE_FRACTION * period_s
+    if throttled:
+        why += "; saturated (throttled at its limit)"
+    elif exhausted:
+        why += "; saturated (its queue misses the objective with best-effort at its floor)"
+    return ShareDecision(id=inst.id, share=share, previous=inst.share, active=active,
+                         saturated=throttled or (active and exhausted), reason=why, mps_threads=mps)
 
 
 # -- the static baseline -----------------------------------------------------------------------------

@@ -92,3 +92,21 @@ def test_saturation_is_the_instance_busy_not_its_gpu_spans(known: bool, mode: Fe
     assert d.mode is mode
     if mode is FeedbackMode.DECREASE:
         assert "fill its time" in d.reason
+
+
+@pytest.mark.parametrize(("budget", "floor_periods", "with_training", "saturated"), [
+    (0.8, 0, True, False),  # the clamp still has best-effort budget to take: vertical scaling acts first
+    (0.01, 0, True, False),  # just clamped to the floor: the queue gets a period to drain
+    (0.01, 1, True, True),  # at the floor already and the queue still misses: only another instance helps
+    (None, 0, False, True),  # nothing beside it to take from
+], ids=["budget-left", "just-clamped", "at-floor", "alone"])
+def test_a_queue_that_misses_with_nothing_left_to_take_is_saturated(budget: float | None, floor_periods: int,
+                                                                    with_training: bool, saturated: bool) -> None:
+    state = SloState(budget=budget, moved_at=0.5, mode=FeedbackMode.HOLD, tracks=steady().tracks,
+                     floor_periods=floor_periods)
+    waiting = inst(runs=(0.005,) * 5, spans=(0.004,) * 5, queued=9.0, oldest=0.001)
+    instances = (waiting, train()) if with_training else (waiting,)
+    d = decide_slo(VerticalSnapshot(now=1.0, instances=instances, period_s=P), state, CFG)
+    first = next(s for s in d.shares if s.id == "inf")
+    assert first.saturated is saturated
+    assert ("queue misses" in first.reason) is saturated
