@@ -229,13 +229,15 @@ def p99_estimate(span_s: float, *, rho: float, ca2: float, cs2: float) -> float:
     return span_s + (ca2 + cs2) / (2.0 * (1.0 - r)) * span_s * math.log(100.0 * r)
 
 
-def queue_latency_s(queued: float, oldest_wait_s: float, service_s: float) -> float:
-    """A lower bound on the latency of the activations waiting for the instance now: the oldest has waited
-    `oldest_wait_s` and still needs its own service; the last waits behind the others: the larger of
-    oldest wait + one service and queued × one service (0 when none waits)."""
+def queue_latency_s(queued: float, oldest_wait_s: float, service_s: float, *, open_run_s: float = 0.0) -> float:
+    """A lower bound on the latency of the activations waiting for the instance now, each run taking
+    `service_s`: the one running still needs what is left of its run (`open_run_s` into it); the oldest
+    waiting has waited `oldest_wait_s` and needs that rest and its own run; the last waits behind the others:
+    the larger of oldest wait + rest + one run and rest + queued runs (0 when none waits)."""
     if queued <= 0:
         return 0.0
-    return max(oldest_wait_s + service_s, queued * service_s)
+    rest = max(0.0, service_s - open_run_s) if open_run_s > 0 else 0.0
+    return rest + max(oldest_wait_s + service_s, queued * service_s)
 
 
 def move_for(error: float, deadband: float) -> FeedbackMode:
@@ -367,7 +369,8 @@ def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: Sl
     # What each waiting activation will hold the instance for: this period's runs where they are reported.
     service = median(inst.runs_s) if inst.runs_s else median(track.judged) if len(track.judged) >= MIN_SPANS \
         else median(spans) if spans else (track.solo_s or 0.0)
-    waiting = queue_latency_s(inst.queued, inst.oldest_wait_s, service) if inst.queue_known else 0.0
+    waiting = (queue_latency_s(inst.queued, inst.oldest_wait_s, service, open_run_s=inst.open_run_s)
+               if inst.queue_known else 0.0)
     # The queue is not an estimate: activations that will miss the objective the user gave are a fact, judged
     # against it where it is annotated (the derived term of T is a model of the solo latency, not a promise).
     queue_over = waiting >= (slo if (slo := inst.slo_ms / 1000.0 if inst.slo_ms else None) else target)

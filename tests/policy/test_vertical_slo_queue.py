@@ -18,14 +18,16 @@ P = 0.05
 CFG = SloConfig()
 
 
-@pytest.mark.parametrize(("queued", "oldest", "service", "expected"), [
-    (0.0, 0.0, 0.005, 0.0),  # nobody waits
-    (1.0, 0.010, 0.005, 0.015),  # the oldest: its wait so far plus its own service
-    (6.0, 0.002, 0.005, 0.030),  # the last of six waits behind the other five, then is served
-    (1.5, 0.004, 0.004, 0.008),  # a share of a key's queue: the oldest bound is the larger
-], ids=["empty", "oldest", "deep", "shared"])
-def test_queue_latency(queued: float, oldest: float, service: float, expected: float) -> None:
-    assert queue_latency_s(queued, oldest, service) == pytest.approx(expected)
+@pytest.mark.parametrize(("queued", "oldest", "service", "open_run", "expected"), [
+    (0.0, 0.0, 0.005, 0.003, 0.0),  # nobody waits
+    (1.0, 0.010, 0.005, 0.0, 0.015),  # the oldest: its wait so far plus its own run
+    (6.0, 0.002, 0.005, 0.0, 0.030),  # the last of six waits behind the other five, then runs
+    (1.5, 0.004, 0.004, 0.0, 0.008),  # a share of a key's queue: the oldest bound is the larger
+    (1.0, 0.001, 0.005, 0.002, 0.009),  # a run 2 ms in: 3 ms of it left before the oldest can start
+    (1.0, 0.001, 0.005, 0.009, 0.006),  # a run longer than usual: nothing known to be left
+], ids=["empty", "oldest", "deep", "shared", "behind-a-run", "long-run"])
+def test_queue_latency(queued: float, oldest: float, service: float, open_run: float, expected: float) -> None:
+    assert queue_latency_s(queued, oldest, service, open_run_s=open_run) == pytest.approx(expected)
 
 
 def inst(*, runs: tuple[float, ...] = (), open_run: float = 0.0, queued: float = 0.0, oldest: float = 0.0,
