@@ -7,8 +7,8 @@ gives best-effort instances the rest of the GPU. docs/policies.md §1.1 writes t
   spans), turned into a p99 latency estimate by Kingman's approximation (`p99_estimate`): the spans' median
   plus ln(100) × the mean queueing wait their busy fraction and the arrivals' variability predict. Next to
   them, where the invoker reports it (`queue_known`, `dilu_invoker.gpu.load`), the instance's own queue:
-  the activations waiting for it and since when (`queue_latency_s`: a queue that will miss the objective
-  clamps at once) and its activations' time in the instance (`occupancy`: the saturation clamp judges the
+  the activations waiting for it and since when (`queue_latency_s`: a queue that will miss the annotated
+  SLO clamps at once) and its activations' time in the instance (`occupancy`: the saturation clamp judges the
   instance's busy fraction, off-GPU time included, not only the GPU's).
 * **Actuator**: the best-effort budget (Σ best-effort shares, launch-rate caps enforced by the shim), and
   under MPS the best-effort clients' active-thread fraction, chosen once at their start
@@ -286,8 +286,8 @@ class Reading:
     open_over: bool = False
     """A span in progress is already longer than the target."""
     queue_over: bool = False
-    """The activations waiting for the instance will miss the target whatever happens next
-    (`queue_latency_s` ≥ T): the invoker's queue, where it reports one."""
+    """The activations waiting for the instance will miss its annotated SLO whatever happens next
+    (`queue_latency_s` ≥ `gpu-slo-ms`): the invoker's queue, where it reports one."""
     note: str = ""
 
 
@@ -364,16 +364,22 @@ def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: Sl
     period_err = (error(spans, max(rho, (rho + track.busy[-1]) / 2) if surge else rho)
                   if len(track.counts) >= MIN_SPANS else None)
     recent = track.held if inst.queue_known else track.busy[-SATURATION_PERIODS:]
-    saturated = len(recent) == SATURATION_PERIODS and sum(recent) / SATURATION_PERIODS >= SATURATED_BUSY
+    # Where the queue is reported, busy is saturated only with activations waiting now: evenly spaced arrivals
+    # keep an instance busy 95% of its time without a queue (simulated: paced 70% cut training for nothing).
+    saturated = len(recent) == SATURATION_PERIODS and sum(recent) / SATURATION_PERIODS >= SATURATED_BUSY \
+        and (not inst.queue_known or inst.queued > 0)
     open_over = open_s >= target
     # What each waiting activation will hold the instance for: this period's runs where they are reported.
     service = median(inst.runs_s) if inst.runs_s else median(track.judged) if len(track.judged) >= MIN_SPANS \
         else median(spans) if spans else (track.solo_s or 0.0)
     waiting = (queue_latency_s(inst.queued, inst.oldest_wait_s, service, open_run_s=inst.open_run_s)
                if inst.queue_known else 0.0)
-    # The queue is not an estimate: activations that will miss the objective the user gave are a fact, judged
-    # against it where it is annotated (the derived term of T is a model of the solo latency, not a promise).
-    queue_over = waiting >= (slo if (slo := inst.slo_ms / 1000.0 if inst.slo_ms else None) else target)
+    # The queue is not an estimate: activations that will miss the objective the user gave are a fact. Only an
+    # annotated SLO is such an objective: the derived T is the model's solo latency on GPU spans, which leaves
+    # out the time off the GPU and the bursts within a second, so a real queue "misses" it all the time
+    # (simulated: training at 0.13 where a static 0.6 held the SLO; docs/policies.md §1.1).
+    slo = inst.slo_ms / 1000.0 if inst.slo_ms else None
+    queue_over = slo is not None and waiting >= slo
     bits = [f"{inst.id}: target {target * 1000:.1f} ms" + ("" if inst.slo_ms else " (derived)"),
             f"ρ {rho:.2f}", f"ca² {ca2:.2f}"]
     if err is not None:
@@ -381,7 +387,7 @@ def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: Sl
     if period_err is not None and period_err >= CLAMP_RATIO:
         bits.append(f"this period {period_err:.2f}")
     if saturated:
-        bits.append("saturated: spans fill its time")
+        bits.append("saturated: requests fill its time")
     if open_over:
         bits.append(f"span in progress {open_s * 1000:.1f} ms past its target")
     if queue_over:
@@ -427,7 +433,7 @@ def _plan(lc: list[VerticalInstance], readings: dict[str, Reading], state: SloSt
         # Not worth the floor, but a queue is building now: decrease without waiting for the dwell.
         nb = max(floor, budget * config.decrease)
         return FeedbackMode.DECREASE, nb, _with(state, budget=nb, threshold=None, moved_at=now, measuring=keep), \
-            f"decrease: spans fill its time near the target, budget ×{config.decrease} → {nb:.2f}"
+            f"decrease: requests fill its time near the target, budget ×{config.decrease} → {nb:.2f}"
     errors = [r.error for r in known if r.error is not None]
     if now - moved_at < config.dwell_s - EPS or not errors:
         what = "dwell" if errors else "too few spans since the last move"

@@ -67,7 +67,7 @@ def steady(**track: object) -> SloState:
     (9.0, 0.001, 40.0, FeedbackMode.EMERGENCY),  # nine runs of 5 ms behind each other: the last past 40 ms
     (1.0, 0.045, 40.0, FeedbackMode.EMERGENCY),  # one waiting already longer than the SLO
     (2.0, 0.004, 40.0, FeedbackMode.HOLD),  # a short queue that meets the SLO: no clamp (the dwell holds)
-    (8.0, 0.001, None, FeedbackMode.EMERGENCY),  # derived target: the same fact against T
+    (9.0, 0.001, None, FeedbackMode.HOLD),  # no annotated SLO: the derived T is a model, not an objective
 ], ids=["deep", "old", "short", "derived"])
 def test_a_queue_that_will_miss_the_objective_clamps_at_once(queued: float, oldest: float, slo_ms: float | None,
                                                               mode: FeedbackMode) -> None:
@@ -83,14 +83,18 @@ def test_the_queue_counts_only_where_the_invoker_reports_it() -> None:
     assert d.mode is not FeedbackMode.EMERGENCY
 
 
-@pytest.mark.parametrize(("known", "mode"), [(True, FeedbackMode.DECREASE), (False, FeedbackMode.HOLD)],
-                         ids=["instance-time", "spans-only"])
-def test_saturation_is_the_instance_busy_not_its_gpu_spans(known: bool, mode: FeedbackMode) -> None:
-    # Spans fill 60% of the time (the rest of each request is off the GPU), the activations all of it, and
-    # the estimate sits near the target: a queue forms over the instance's time, so decrease at once.
+@pytest.mark.parametrize(("known", "queued", "mode"), [
+    (True, 1.0, FeedbackMode.DECREASE),
+    (True, 0.0, FeedbackMode.HOLD),  # busy without anyone waiting (evenly spaced arrivals): no queue yet
+    (False, 1.0, FeedbackMode.HOLD),  # the spans alone never fill the time
+], ids=["instance-time", "no-queue", "spans-only"])
+def test_saturation_is_the_instance_busy_not_its_gpu_spans(known: bool, queued: float, mode: FeedbackMode) -> None:
+    # Spans fill 60% of the time (the rest of each request is off the GPU), the activations all of it, one
+    # waits, and the estimate sits near the target: a queue forms over the instance's time: decrease at once.
     judged = (0.007,) * 20  # 0.875 of the target, 2 × the 4 ms solo span: within the deadband
     state = steady(judged=judged, busy=(0.6,) * 20, held=(1.0, 1.0) if known else ())
-    d = step(state, inst(runs=(0.01,) * 5, spans=(0.007,) * 5, queued=0.0, slo_ms=17.0, known=known))
+    d = step(state, inst(runs=(0.01,) * 5, spans=(0.007,) * 5, queued=queued, oldest=0.001, slo_ms=17.0,
+                         known=known))
     assert d.mode is mode
     if mode is FeedbackMode.DECREASE:
         assert "fill its time" in d.reason
