@@ -10,7 +10,7 @@ import pytest
 
 from dilu_invoker.policy import VerticalInstance, VerticalSnapshot
 from dilu_invoker.policy.vertical_slo import SloConfig
-from dilu_invoker.sim.vertical_loop import ARRIVALS, PAIRS, PERIOD_S, arrivals, cell, run
+from dilu_invoker.sim.vertical_loop import ARRIVALS, PAIRS, PERIOD_S, arrivals, burst_times, cell, run
 
 RESNET = PAIRS["resnet50+train"]
 
@@ -88,3 +88,17 @@ def test_the_instance_queue_holds_cells_that_spans_alone_miss(pair: str, kind: s
     assert with_queue.p99_ms <= slo
     best = max(s for s, o in statics.items() if o.p99_ms <= slo)
     assert with_queue.training >= 0.75 * best
+
+
+def test_the_instance_queue_absorbs_a_burst_below_capacity_that_spans_alone_do_not() -> None:
+    # A paced base at 20% of capacity, then 4.5x that (90%) for one second: one instance can serve it alone.
+    times = burst_times(RESNET, base=0.2, height=4.5, start_s=10.0, duration_s=1.0, seconds=14.0)
+    slo = 2.0 * run(RESNET, burst_times(RESNET, base=0.2, height=1.0, start_s=10.0, duration_s=0.0, seconds=14.0),
+                    static=0.0, seconds=14.0).p99_ms
+    window = (10.0, 12.0)
+    alone = run(RESNET, times, static=0.0, seconds=14.0, window=window)
+    spans_only = run(RESNET, times, config=SloConfig(), slo_ms=slo, seconds=14.0, window=window, queue=False)
+    with_queue = run(RESNET, times, config=SloConfig(), slo_ms=slo, seconds=14.0, window=window)
+    assert alone.violations(slo) == 0.0
+    assert spans_only.violations(slo) > 0.2
+    assert with_queue.violations(slo) <= 0.01
