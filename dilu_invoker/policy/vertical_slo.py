@@ -391,7 +391,7 @@ def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: Sl
     if open_over:
         bits.append(f"span in progress {open_s * 1000:.1f} ms past its target")
     if queue_over:
-        bits.append(f"{inst.queued:g} waiting: {waiting * 1000:.1f} ms past its target")
+        bits.append(f"{inst.queued:g} waiting: {waiting * 1000:.1f} ms, past its SLO")
     return Reading(track, target, err, period_err, saturated, open_over, queue_over, ", ".join(bits))
 
 
@@ -455,8 +455,8 @@ def _plan(lc: list[VerticalInstance], readings: dict[str, Reading], state: SloSt
 
 
 def _clamps(r: Reading, config: SloConfig) -> bool:
-    """An emergency: a span in progress past the target, a queue that will miss it, or this period's
-    estimate ≥ `CLAMP_RATIO` × T."""
+    """An emergency: a span in progress past the target, a queue that will miss the annotated SLO, or this
+    period's estimate ≥ `CLAMP_RATIO` × T."""
     return r.open_over or r.queue_over or (r.period_error or 0.0) >= CLAMP_RATIO
 
 
@@ -558,7 +558,7 @@ def _share_decision(inst: VerticalInstance, shares: dict[str, float], mode: Feed
     if throttled:
         why += "; saturated (throttled at its limit)"
     elif exhausted:
-        why += "; saturated (its queue misses the objective with best-effort at its floor)"
+        why += "; saturated (its queue misses its SLO with best-effort at its floor)"
     return ShareDecision(id=inst.id, share=share, previous=inst.share, active=active,
                          saturated=throttled or (active and exhausted), reason=why, mps_threads=mps)
 
