@@ -340,6 +340,25 @@ def target_s(inst: VerticalInstance, track: SloTrack, *, period_s: float, config
     return derived if slo is None else min(slo, derived)
 
 
+def is_saturated(inst: VerticalInstance, track: SloTrack) -> bool:
+    """Busy ≥ `SATURATED_BUSY` over the last `SATURATION_PERIODS` periods: the instance's own busy fraction
+    with an activation waiting now where the invoker reports its queue (evenly spaced arrivals keep an
+    instance 95% busy without a queue: simulated, paced 70% cut training for nothing), else its spans'."""
+    recent = track.held if inst.queue_known else track.busy[-SATURATION_PERIODS:]
+    busy = len(recent) == SATURATION_PERIODS and sum(recent) / SATURATION_PERIODS >= SATURATED_BUSY
+    return busy and (not inst.queue_known or inst.queued > 0)
+
+
+def waiting_latency_s(inst: VerticalInstance, track: SloTrack, spans: tuple[float, ...]) -> float:
+    """`queue_latency_s` of the activations waiting now, each taking this period's median run (else the
+    judged spans', else this period's, else the solo span); 0 where the invoker reports no queue."""
+    if not inst.queue_known:
+        return 0.0
+    service = median(inst.runs_s) if inst.runs_s else median(track.judged) if len(track.judged) >= MIN_SPANS \
+        else median(spans) if spans else (track.solo_s or 0.0)
+    return queue_latency_s(inst.queued, inst.oldest_wait_s, service, open_run_s=inst.open_run_s)
+
+
 def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: SloConfig) -> Reading:
     """Estimate / target for one instance, over the spans since the last move and over this period's."""
     target = target_s(inst, track, period_s=period_s, config=config)
@@ -363,23 +382,14 @@ def read(inst: VerticalInstance, track: SloTrack, *, period_s: float, config: Sl
     err = error(track.judged, rho)
     period_err = (error(spans, max(rho, (rho + track.busy[-1]) / 2) if surge else rho)
                   if len(track.counts) >= MIN_SPANS else None)
-    recent = track.held if inst.queue_known else track.busy[-SATURATION_PERIODS:]
-    # Where the queue is reported, busy is saturated only with activations waiting now: evenly spaced arrivals
-    # keep an instance busy 95% of its time without a queue (simulated: paced 70% cut training for nothing).
-    saturated = len(recent) == SATURATION_PERIODS and sum(recent) / SATURATION_PERIODS >= SATURATED_BUSY \
-        and (not inst.queue_known or inst.queued > 0)
+    saturated = is_saturated(inst, track)
     open_over = open_s >= target
-    # What each waiting activation will hold the instance for: this period's runs where they are reported.
-    service = median(inst.runs_s) if inst.runs_s else median(track.judged) if len(track.judged) >= MIN_SPANS \
-        else median(spans) if spans else (track.solo_s or 0.0)
-    waiting = (queue_latency_s(inst.queued, inst.oldest_wait_s, service, open_run_s=inst.open_run_s)
-               if inst.queue_known else 0.0)
+    waiting = waiting_latency_s(inst, track, spans)
     # The queue is not an estimate: activations that will miss the objective the user gave are a fact. Only an
     # annotated SLO is such an objective: the derived T is the model's solo latency on GPU spans, which leaves
     # out the time off the GPU and the bursts within a second, so a real queue "misses" it all the time
     # (simulated: training at 0.13 where a static 0.6 held the SLO; docs/policies.md §1.1).
-    slo = inst.slo_ms / 1000.0 if inst.slo_ms else None
-    queue_over = slo is not None and waiting >= slo
+    queue_over = bool(inst.slo_ms) and waiting >= (inst.slo_ms or 0.0) / 1000.0
     bits = [f"{inst.id}: target {target * 1000:.1f} ms" + ("" if inst.slo_ms else " (derived)"),
             f"ρ {rho:.2f}", f"ca² {ca2:.2f}"]
     if err is not None:
@@ -632,8 +642,10 @@ __all__ = [
     "decide_static",
     "decide_vertical",
     "initial_state",
+    "is_saturated",
     "mps_start_threads",
     "occupancy",
     "policy_name",
     "queue_latency_s",
+    "waiting_latency_s",
 ]

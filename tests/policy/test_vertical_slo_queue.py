@@ -10,8 +10,10 @@ from dilu_invoker.policy.vertical_slo import (
     SloState,
     SloTrack,
     decide_slo,
+    is_saturated,
     occupancy,
     queue_latency_s,
+    waiting_latency_s,
 )
 
 P = 0.05
@@ -116,3 +118,26 @@ def test_a_queue_that_misses_with_nothing_left_to_take_is_saturated(budget: floa
     first = next(s for s in d.shares if s.id == "inf")
     assert first.saturated is saturated
     assert ("queue misses" in first.reason) is saturated
+
+
+@pytest.mark.parametrize(("instance", "track", "expected"), [
+    (inst(known=False), SloTrack(id="inf", busy=(0.97, 0.97, 0.97)), True),  # spans fill the time
+    (inst(known=False), SloTrack(id="inf", busy=(0.97, 0.97)), False),  # too few periods yet
+    (inst(queued=1.0), SloTrack(id="inf", held=(1.0, 1.0, 1.0)), True),  # busy and someone waits
+    (inst(queued=0.0), SloTrack(id="inf", held=(1.0, 1.0, 1.0)), False),  # busy, nobody waits
+    (inst(queued=1.0), SloTrack(id="inf", busy=(0.6,) * 3, held=(0.9, 0.9, 1.0)), False),
+], ids=["spans", "too-few", "queue", "no-queue", "not-busy"])
+def test_is_saturated(instance: VerticalInstance, track: SloTrack, expected: bool) -> None:
+    assert is_saturated(instance, track) is expected
+
+
+@pytest.mark.parametrize(("instance", "track", "spans", "expected"), [
+    (inst(queued=2.0, oldest=0.001, known=False), SloTrack(id="inf"), (0.004,), 0.0),  # not reported
+    (inst(queued=2.0, oldest=0.001, runs=(0.006, 0.008, 0.007)), SloTrack(id="inf"), (), 0.014),  # runs
+    (inst(queued=2.0, oldest=0.001), SloTrack(id="inf", judged=(0.005,) * 3), (0.004,), 0.010),  # judged
+    (inst(queued=2.0, oldest=0.001), SloTrack(id="inf"), (0.004,), 0.008),  # this period's spans
+    (inst(queued=2.0, oldest=0.001), SloTrack(id="inf", solo_s=0.003), (), 0.006),  # the solo span
+], ids=["unreported", "runs", "judged", "spans", "solo"])
+def test_waiting_latency_takes_the_best_service_time_known(instance: VerticalInstance, track: SloTrack,
+                                                           spans: tuple[float, ...], expected: float) -> None:
+    assert waiting_latency_s(instance, track, spans) == pytest.approx(expected)
