@@ -59,6 +59,12 @@ def one_cell(pair: str, kind: str, load: float, seeds: list[int], seconds: float
             dom = [s for s, o in statics.items() if o.p99_ms <= ctl.p99_ms and s > ctl.training + 0.01]
             row[how] = {"p99_ms": ctl.p99_ms, "training": ctl.training, "violations": ctl.violations(slo),
                         "dominated_by": dom}
+            if how == "annotated":
+                # The law without the invoker's queue report (the spans alone): the before of the queue input.
+                c0 = run(model, times, config=config, slo_ms=slo, seconds=seconds, queue=False)
+                dom0 = [s for s, o in statics.items() if o.p99_ms <= c0.p99_ms and s > c0.training + 0.01]
+                row["spans_only"] = {"p99_ms": c0.p99_ms, "training": c0.training, "violations": c0.violations(slo),
+                                     "dominated_by": dom0}
             if coarse and how == "annotated":
                 c2 = run(model, times, config=config, slo_ms=slo, seconds=seconds, period_s=coarse)
                 row["coarse"] = {"p99_ms": c2.p99_ms, "training": c2.training, "violations": c2.violations(slo)}
@@ -85,8 +91,9 @@ def absorption(model: PairModel, *, base: float, heights: list[float], durations
             times = burst_times(model, base=base, height=h, start_s=start, duration_s=d, seconds=seconds)
             window = (start, start + d + 1.0)
             out: dict[str, Any] = {"height": h, "duration_s": d}
-            for name, kw in (("slo", {"config": SloConfig(), "slo_ms": slo}), ("priority", {"priority": True}),
-                             ("alone", {"static": 0.0})):
+            for name, kw in (("slo", {"config": SloConfig(), "slo_ms": slo}),
+                             ("spans_only", {"config": SloConfig(), "slo_ms": slo, "queue": False}),
+                             ("priority", {"priority": True}), ("alone", {"static": 0.0})):
                 o = run(model, times, seconds=seconds, window=window, **kw)
                 out[name] = {"violations": o.violations(slo), "p99_ms": o.p99_ms}
             rows.append(out)
@@ -165,9 +172,14 @@ def report(doc: dict[str, Any]) -> str:
              "share. `vs best`: training over the best static share of the same seed (the largest meeting the SLO "
              "on that arrival sequence, hindsight); `vs fixed`: over the best *fixed* static share (the largest "
              "meeting the SLO in every seed). `dominated`: seeds in which a static share with a p99 at or below the "
-             "controller's gives training more (+0.01).", ""]
-    for how in ("annotated", "derived"):
-        lines += [f"## SLO {how}", "",
+             "controller's gives training more (+0.01).",
+             "* *spans only*: the same law without the invoker's report of the instance's own queue "
+             "(`vertical_loop.run(queue=False)`): what `slo` was before that input, on the same arrivals", ""]
+    hows = [h for h in ("annotated", "derived", "spans_only") if h in doc["cells"][0]["seeds"][0]]
+    titles = {"annotated": "SLO annotated", "derived": "SLO derived",
+              "spans_only": "SLO annotated, the spans alone (no queue report: the law before it)"}
+    for how in hows:
+        lines += [f"## {titles[how]}", "",
                   "| pair | arrivals | load | SLO held | p99 / SLO | violations | training | best static (per seed) | "
                   "best fixed static | vs best | vs fixed | dominated | TGS-like: SLO held, training |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -180,20 +192,21 @@ def report(doc: dict[str, Any]) -> str:
                          f"{c['best_fixed_static']:.1f} | {fmt(s['vs_best'])} | {fmt(s['vs_fixed'])} | {dom} | "
                          f"{tgs(c)} |")
         lines.append("")
-    totals = {how: [summarize(c, how) for c in doc["cells"]] for how in ("annotated", "derived")}
+    totals = {how: [summarize(c, how) for c in doc["cells"]] for how in hows}
     lines += ["## Totals", "", "| SLO | cells | seed-runs holding the SLO | seed-runs dominated | cells with training ≥ "
               "the best fixed static (median) | cells with training ≥ 0.75 × best per seed (worst) |",
               "| --- | --- | --- | --- | --- | --- |"]
     for how, ss in totals.items():
         n = sum(s["n"] for s in ss)
-        lines.append(f"| {how} | {len(ss)} | {sum(s['held'] for s in ss)}/{n} | {sum(s['dominated'] for s in ss)}/{n} | "
+        lines.append(f"| {how.replace('_', ' ')} | {len(ss)} | {sum(s['held'] for s in ss)}/{n} | {sum(s['dominated'] for s in ss)}/{n} | "
                      f"{sum(1 for s in ss if s['vs_fixed'] is None or s['vs_fixed'][0] >= 0.99)}/{len(ss)} | "
                      f"{sum(1 for s in ss if s['vs_best'][1] >= 0.75)}/{len(ss)} |")
     for ab in doc.get("absorption", []):
         lines += ["", f"## Absorption limit: bursts on {ab['pair']} at a paced {ab['base']:g} of capacity", "",
                   f"SLO {ab['slo_ms']:.1f} ms (2 × the solo p99 at the base load). Entries: the share of the requests "
-                  "arriving in the burst and the second after it that miss the SLO — `slo` / TGS-like priority / "
-                  "inference alone (training absent: the most vertical scaling could give). **Bold**: over 1%.", "",
+                  "arriving in the burst and the second after it that miss the SLO — `slo` / `slo` on the spans alone "
+                  "(no queue report) / TGS-like priority / inference alone (training absent: the most vertical scaling "
+                  "could give). **Bold**: over 1%.", "",
                   "| burst height (× base = × capacity) | " + " | ".join(f"{d:g} s" for d in ab["durations"]) + " |",
                   "| --- |" + " --- |" * len(ab["durations"])]
         for h in ab["heights"]:
@@ -201,7 +214,8 @@ def report(doc: dict[str, Any]) -> str:
             for d in ab["durations"]:
                 r = next(x for x in ab["rows"] if x["height"] == h and x["duration_s"] == d)
                 cells.append(" / ".join((f"**{r[k]['violations'] * 100:.0f}%**" if r[k]["violations"] > 0.01
-                                         else f"{r[k]['violations'] * 100:.0f}%") for k in ("slo", "priority", "alone")))
+                                         else f"{r[k]['violations'] * 100:.0f}%")
+                                        for k in ("slo", "spans_only", "priority", "alone") if k in r))
             lines.append(f"| {h:g}× (= {h * ab['base']:.2f}) | " + " | ".join(cells) + " |")
     if doc.get("bandwidth"):
         lines += ["", "## A memory-bandwidth-bound best-effort job (interference SM share cannot fix)", "",

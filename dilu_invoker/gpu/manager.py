@@ -27,6 +27,7 @@ from typing import Protocol
 import structlog
 
 from dilu_invoker.gpu import abi
+from dilu_invoker.gpu.load import LoadReading
 from dilu_invoker.policy.types import EPS, InstanceClass
 from dilu_invoker.policy.vertical import (
     FeedbackMode,
@@ -260,8 +261,11 @@ def vertical_instance(
     last_active_at: float | None,
     share: float | None,
     capacity_blocks_per_ms: float | None = None,
+    load: LoadReading | None = None,
 ) -> VerticalInstance:
-    """The policy's view of one instance this period (``last_active_at`` already updated for it)."""
+    """The policy's view of one instance this period (``last_active_at`` already updated for it); ``load``:
+    its own queue as the invoker reports it (None: not reported)."""
+    q = load or LoadReading()
     return VerticalInstance(
         id=spec.id,
         cls=spec.cls,
@@ -279,6 +283,8 @@ def vertical_instance(
         share=share,
         # Turns blocks into a demand share: the room a latency-critical instance leaves, its bursts.
         capacity_blocks_per_ms=capacity_blocks_per_ms,
+        queue_known=load is not None, runs_s=q.runs_s, open_run_s=q.open_run_s, waits_s=q.waits_s,
+        queued=q.queued, oldest_wait_s=q.oldest_wait_s,
     )
 
 
@@ -569,6 +575,8 @@ class _Managed:
     last_active_at: float | None = None
     status: InstanceStatus | None = None
     last_reading: Reading = EMPTY_READING
+    load: Callable[[], LoadReading] | None = None
+    """Reads the instance's own queue from the invoker (`dilu_invoker.gpu.load`); None: not reported."""
 
 
 @dataclass(slots=True)
@@ -679,6 +687,12 @@ class GpuManager:
         m.spec = replace(m.spec, slo_ms=slo_ms)
         self._log.info("SLO set", instance=instance, slo_ms=slo_ms)
 
+    def watch_load(self, instance: str, reader: Callable[[], LoadReading] | None) -> None:
+        """Read ``instance``'s queue with ``reader`` every period from the next tick on (None: stop)."""
+        self._instances[instance].load = reader
+        self._log.info("instance queue reported" if reader is not None else "instance queue not reported",
+                       instance=instance)
+
     def set_vertical_config(self, config: AnyVerticalConfig) -> None:
         """Run the policy with ``config`` (its type selects it) from the next tick on; its memory starts over."""
         self.vertical = config
@@ -770,7 +784,7 @@ class GpuManager:
         inputs = {
             m.spec.id: vertical_instance(m.spec, m.last_reading, period_s=elapsed_s,
                                          last_active_at=m.last_active_at, share=m.share,
-                                         capacity_blocks_per_ms=m.capacity.value)
+                                         capacity_blocks_per_ms=m.capacity.value, load=self._read_load(m))
             for m in managed
         }
         lc_active = {i for i, v in inputs.items() if v.cls.latency_critical and v.active(now, self.vertical)}
@@ -801,6 +815,16 @@ class GpuManager:
         for observer in self._observers:
             observer(record)
         return record
+
+    def _read_load(self, m: _Managed) -> LoadReading | None:
+        if m.load is None:
+            return None
+        try:
+            return m.load()
+        except Exception:  # noqa: BLE001 - a broken reader costs the queue signal, not the tick
+            self._log.exception("instance queue not readable; no longer reported", instance=m.spec.id)
+            m.load = None
+            return None
 
     def _log_mode_change(self, old: FeedbackMode, decision: VerticalDecision, now: float) -> None:
         """Info only when it matters: best-effort cut (entering emergency, burst or drain; at most once per

@@ -32,6 +32,7 @@ from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.gpu import abi, shim
 from dilu_invoker.gpu.attachment import GpuAttachment, GpuMount
 from dilu_invoker.gpu.devices import GpuDevice
+from dilu_invoker.gpu.load import LoadReading
 from dilu_invoker.gpu.manager import (
     CapacityConfig,
     GpuManager,
@@ -428,6 +429,15 @@ class GpuNode:
         """An SLO learnt after the instance started (the benchmarks: 2 × the measured solo p99)."""
         a = self._attached[instance]
         self._managers[a.device.uuid].set_slo(instance, slo_ms)
+
+    def watch_load(self, instance: str, reader: Callable[[], LoadReading] | None) -> bool:
+        """Let the instance's GPU manager read its queue from the invoker every period (``reader``, e.g.
+        `InstanceLoad.read`; None: stop); False when the instance is not attached."""
+        a = self._attached.get(instance)
+        if a is None:
+            return False
+        self._managers[a.device.uuid].watch_load(instance, reader)
+        return True
 
     def set_capacity(self, instance: str, blocks_per_ms: float | None) -> None:
         """A capacity measured after the instance started (the profiler); None: the online estimate."""

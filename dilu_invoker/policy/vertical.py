@@ -353,11 +353,28 @@ class VerticalInstance:
     """The share enforced now (None: not yet set)."""
     capacity_blocks_per_ms: float | None = None
     """Blocks/ms it launches with the whole GPU (None: unknown); turns `blocks` into a demand share."""
+    queue_known: bool = False
+    """The invoker reports the instance's own queue (the fields below, `dilu_invoker.gpu.load`); without it
+    only the shim's view of the GPU exists."""
+    runs_s: tuple[float, ...] = ()
+    """Activations completed since the previous call, oldest first: their time in the instance, off-GPU time
+    included (the instance's service time), in seconds."""
+    open_run_s: float = 0.0
+    """How long the activation running now has run (0: none)."""
+    waits_s: tuple[float, ...] = ()
+    """The completed activations' waits for the instance, same order, in seconds."""
+    queued: float = 0.0
+    """Activations waiting for the instance now."""
+    oldest_wait_s: float = 0.0
+    """How long the oldest of them has waited (0: none waits)."""
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("instance id must not be empty")
         SharePair(self.request, self.limit)
+        if any(not (math.isfinite(x) and x >= 0) for x in (*self.runs_s, *self.waits_s, self.open_run_s,
+                                                            self.queued, self.oldest_wait_s)):
+            raise ValueError(f"{self.id}: runs, waits, the queue and its age must be finite and >= 0")
         if self.blocks < 0 or self.throttled_s < 0 or self.open_cycle_s < 0 or self.open_span_s < 0:
             raise ValueError(
                 f"{self.id}: blocks, throttled_s, open_cycle_s and open_span_s must be >= 0"

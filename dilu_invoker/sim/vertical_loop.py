@@ -18,10 +18,12 @@ client p50 − run p50); their interference coefficients are assumptions until t
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dilu_invoker.policy import InstanceClass, VerticalInstance, VerticalSnapshot
 from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, decide_vertical, initial_state
@@ -136,10 +138,13 @@ def p99(xs: Sequence[float]) -> float:
 
 def run(pair: PairModel, times: list[float], *, static: float | None = None, config: AnyVerticalConfig | None = None,
         priority: bool = False, slo_ms: float | None = None, seconds: float = 30.0, seed: int = 7,
-        period_s: float = PERIOD_S, window: tuple[float, float] | None = None) -> Outcome:
+        period_s: float = PERIOD_S, window: tuple[float, float] | None = None, queue: bool = True) -> Outcome:
     """Serve `times` with training at a `static` share, with its share set by the policy of `config`, or
     (`priority`) TGS-like: training at the floor while inference is active, the whole GPU when it is idle.
-    Latencies are of the requests that arrive after the warm-up, or within `window` (s) when given."""
+    Latencies are of the requests that arrive after the warm-up, or within `window` (s) when given.
+    `queue`: the policy also gets what the invoker reports of the instance (`dilu_invoker.gpu.load`): each
+    completed request's time in the instance and wait for it, the requests waiting and since when, the one
+    running; without it only the shim's spans (the law before the queue measurement)."""
     if sum((static is not None, config is not None, priority)) != 1:
         raise ValueError("give a static share or a policy configuration (or priority)")
     rng = random.Random(seed)
@@ -152,6 +157,7 @@ def run(pair: PairModel, times: list[float], *, static: float | None = None, con
     modes: list[str] = []
     last_active: float | None = None
     pending: list[tuple[float, float]] = []  # GPU parts that started, not yet reported: (start, end)
+    runs: list[tuple[float, float, float]] = []  # requests the instance took, not yet reported: (arrival, start, end)
     for k in range(int(seconds / period_s)):
         t1 = (k + 1) * period_s
         # Start every request that can start before the period ends (FIFO, one at a time).
@@ -161,12 +167,21 @@ def run(pair: PairModel, times: list[float], *, static: float | None = None, con
             end = g0 + pair.gpu_time(share, rng)
             lat.append(end - times[j] + pair.pipelined_s)
             pending.append((g0, end))
+            runs.append((times[j], start, end))
             free_at, j = end, j + 1
         spans = tuple(e - s for s, e in pending if e <= t1 and s < t1)
         launched = any(s < t1 and e > t1 - period_s for s, e in pending)
         pending = [(s, e) for s, e in pending if e > t1]
         gpu_span = next(((s, e) for s, e in pending if s < t1), None)
         open_s = t1 - gpu_span[0] if gpu_span is not None else 0.0
+        done = [(a, s, e) for a, s, e in runs if e <= t1]
+        runs = [(a, s, e) for a, s, e in runs if e > t1]
+        queued = bisect.bisect_left(times, t1, lo=j) - j  # arrived, not taken by the instance yet
+        in_service = next(((a, s, e) for a, s, e in runs if s <= t1), None)
+        load: dict[str, Any] = {"queue_known": True, "runs_s": tuple(e - s for _a, s, e in done),
+                "waits_s": tuple(s - a for a, s, _e in done), "queued": float(queued),
+                "oldest_wait_s": t1 - times[j] if queued else 0.0,
+                "open_run_s": t1 - in_service[1] if in_service is not None else 0.0} if queue else {}
         if launched:
             last_active = t1
         shares.append(share)
@@ -178,7 +193,7 @@ def run(pair: PairModel, times: list[float], *, static: float | None = None, con
             continue
         inf = VerticalInstance(id="inf", cls=InstanceClass.INFERENCE, request=0.5, limit=1.0, slo_ms=slo_ms,
                                blocks=1000 if launched else 0, last_active_at=last_active, spans_s=spans,
-                               open_span_s=open_s, capacity_blocks_per_ms=100.0)
+                               open_span_s=open_s, capacity_blocks_per_ms=100.0, **load)
         train = VerticalInstance(id="train", cls=InstanceClass.TRAINING, request=0.2, limit=1.0, blocks=1000,
                                  last_active_at=t1, share=share)
         assert state is not None

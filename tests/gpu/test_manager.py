@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from dilu_invoker.gpu import abi
+from dilu_invoker.gpu.load import LoadReading
 from dilu_invoker.gpu.manager import (
     CapacityConfig,
     CapacityEstimate,
@@ -425,6 +426,59 @@ def test_pinned_share_overrides_the_policy(gpu: Gpu) -> None:
     assert gpu.control("train").share == pytest.approx(0.3)
     with pytest.raises(ValueError):
         gpu.mgr.pin("train", 0.0)
+
+
+def test_the_instance_queue_the_invoker_reports_reaches_the_policy(tmp_path: Path) -> None:
+    g = Gpu(tmp_path, vertical=SloConfig())
+    g.add(replace(INF, slo_ms=30.0))
+    g.add(TRAIN)
+    reads: list[LoadReading] = []
+    waiting = LoadReading(queued=9.0, oldest_wait_s=0.002, running=1, open_run_s=0.001, runs_s=(0.005,) * 4,
+                          waits_s=(0.0,) * 4)
+
+    def reader() -> LoadReading:
+        reads.append(LoadReading(runs_s=(0.005,) * 4, waits_s=(0.0,) * 4) if len(reads) < 12 else waiting)
+        return reads[-1]
+
+    g.mgr.watch_load("inf", reader)
+    seen: list[object] = []
+    g.mgr.add_observer(lambda record: seen.append(record.mode))
+    try:
+        w = g.writers["inf"]
+        for _ in range(12):  # requests of 5 ms, no queue: training is allowed to grow
+            w.publish(pid=4242, spans_us=(4000,) * 4, span_open_ns=0)
+            g.tick(inf=50, train=1000)
+        assert FeedbackMode.EMERGENCY not in seen and g.control("train").share > 0.01
+        w.publish(pid=4242, spans_us=(4000,) * 4, span_open_ns=0)
+        record = g.tick(inf=50, train=1000)  # nine waiting, 5 ms each: the last one misses the 30 ms SLO
+        assert len(reads) == 13
+        assert record.mode is FeedbackMode.EMERGENCY and "9 waiting" in record.reason
+        assert g.control("train").share == pytest.approx(0.01)
+    finally:
+        g.close()
+
+
+def test_a_broken_queue_reader_is_dropped_and_the_tick_goes_on(gpu: Gpu) -> None:
+    calls = []
+
+    def broken() -> LoadReading:
+        calls.append(1)
+        raise RuntimeError("gone")
+
+    gpu.mgr.watch_load("inf", broken)
+    gpu.tick(inf=10)
+    gpu.tick(inf=10)
+    assert len(calls) == 1 and gpu.records[-1].status("inf").share == pytest.approx(0.7)
+
+
+def test_vertical_instance_carries_the_queue_only_when_reported() -> None:
+    reading = read_delta(None, snapshot(blocks=5, pid=1))[0]
+    plain = vertical_instance(INF, reading, period_s=0.05, last_active_at=None, share=None)
+    assert not plain.queue_known and plain.runs_s == ()
+    load = LoadReading(queued=2.0, oldest_wait_s=0.01, running=1, open_run_s=0.003, runs_s=(0.006,), waits_s=(0.001,))
+    inst = vertical_instance(INF, reading, period_s=0.05, last_active_at=None, share=None, load=load)
+    assert inst.queue_known and (inst.queued, inst.oldest_wait_s, inst.open_run_s) == (2.0, 0.01, 0.003)
+    assert (inst.runs_s, inst.waits_s) == ((0.006,), (0.001,))
 
 
 def test_slo_learnt_later_reaches_the_policy(gpu: Gpu) -> None:

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from dilu_invoker import config
 from dilu_invoker.gpu.budgets import GpuBudgets
+from dilu_invoker.gpu.load import InstanceLoad, LoadReading
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.invoker.dataplane.core import open_invoker
 from dilu_invoker.invoker.dataplane.preload import PreloadPool, Standby
@@ -161,3 +162,42 @@ async def test_a_balancer_placed_gpu_instance_takes_a_preloaded_container_under_
                 break
             await asyncio.sleep(0.05)
         assert budget is not None and "guest-gpuenv-1-1" not in budget.reservations
+
+
+async def test_the_invoker_reports_each_gpu_containers_queue_to_its_manager(
+        tmp_path: Path, shim_build: ShimBuild, redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    readings: list[LoadReading] = []
+    real_read = InstanceLoad.read
+
+    def spy(self: InstanceLoad) -> LoadReading:
+        readings.append(real_read(self))
+        return readings[-1]
+
+    monkeypatch.setattr(InstanceLoad, "read", spy)
+    inventory = tmp_path / "gpus.json"
+    inventory.write_text(json.dumps([{"uuid": "GPU-q-0"}]))
+    cfg = _cfg(inventory=str(inventory), shm_dir=str(tmp_path / "shm"), shim_path=str(shim_build.library),
+               manager_period_ms=20)
+    # Room for one container: activations beyond it wait in the pool's queue for that container.
+    cfg = replace(cfg, redis=replace(cfg.redis, prefix="q:"), invoker=replace(cfg.invoker, user_memory_mb=256))
+    action = Action(namespace="guest", name="sleepy", revision="1-gpu",
+                    exec=Exec(kind="python:3-gpu", code="import time\ndef main(a):\n    time.sleep(a.get('s', 0))\n"
+                                                         "    return {}\n"),
+                    annotations=(Parameter("gpu-class", "inference"),))
+
+    def req(seconds: float) -> ActivationRequest:
+        return replace(_req(action), content={"s": seconds})
+
+    async with open_invoker(cfg, redis=redis) as inv:
+        await inv.run(req(0.0))  # the cold start: the container and its GPU share
+        await asyncio.sleep(0.1)
+        readings.clear()
+        await asyncio.gather(*(inv.run(req(0.15)) for _ in range(3)))
+        await asyncio.sleep(0.1)
+    runs = [r for x in readings for r in x.runs_s]
+    waits = sorted(w for x in readings for w in x.waits_s)
+    assert len(runs) == 3 and min(runs) >= 0.15
+    assert waits[0] < 0.1 and waits[-1] >= 0.25  # the third waited for the two before it
+    assert max(x.queued for x in readings) == 2.0 and max(x.running for x in readings) == 1
+    assert max(x.oldest_wait_s for x in readings) >= 0.1
+    assert readings[-1].queued == 0.0 and readings[-1].running == 0

@@ -22,6 +22,7 @@ import structlog
 
 from dilu_invoker.config import Config
 from dilu_invoker.gpu.attachment import MPS_THREADS_ENV, GpuAttachment
+from dilu_invoker.gpu.load import InstanceLoad, KeyQueue
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, InvokerOverloaded, never_ran_for
 from dilu_invoker.invoker.dataplane.backends.base import (
@@ -142,6 +143,10 @@ class Invoker:
         self.metrics.enabled.set(1)
         self._exit_hooks: list[Callable[[ContainerExit], object]] = []
         self._background: set[asyncio.Task[None]] = set()
+        # Each GPU container's own queue, reported to the GPU manager (dilu_invoker.gpu.load): by pool key
+        # (waiters belong to a key) and by container name (what runs on it).
+        self._gpu_queues: dict[PoolKey, KeyQueue] = {}
+        self._gpu_loads: dict[str, InstanceLoad] = {}
         self.preload: PreloadPool | None = None
         if ic.preload > 0:
             pool = PreloadPool(
@@ -258,6 +263,9 @@ class Invoker:
         action = req.action
         memory = action.limits.memory_mb
         self.metrics.queue_length.set(self.pool.queue_length + 1)
+        gpu_queue = self._gpu_queues.get(key)
+        entered = time.monotonic()
+        ticket = gpu_queue.enter(entered) if gpu_queue is not None else None
         try:
             lease = await self.pool.acquire(
                 key, action, memory_mb=memory, slots=action.limits.concurrency,
@@ -265,6 +273,8 @@ class Invoker:
             )
         finally:
             self.metrics.queue_length.set(self.pool.queue_length)
+            if gpu_queue is not None and ticket is not None:
+                gpu_queue.leave(ticket)
         if on_lease is not None:
             on_lease()
         proxy = lease.proxy
@@ -296,7 +306,15 @@ class Invoker:
                         arrived=arrived, start_ms=now_ms(), init_ms=None)
                 start = now_ms()
             run_start = now_ms()
-            outcome, logs = await self._run_once(proxy, req)
+            load = self._gpu_loads.get(proxy.name)
+            began = time.monotonic()
+            running = load.started(began) if load is not None else None
+            try:
+                outcome, logs = await self._run_once(proxy, req)
+            finally:
+                if load is not None and running is not None:
+                    # A cold start's wait is its container's start and /init, not a queue.
+                    load.finished(running, time.monotonic(), waited_s=0.0 if lease.cold else began - entered)
             end = now_ms()
             if outcome.reschedule:
                 release_reason = "runtime is shutting down"
@@ -389,6 +407,8 @@ class Invoker:
             await container.destroy()
             await _settle(encoding)
             return ActivationResponse.whisk_error("Failed to provision resources to run the action."), None, ()
+        if proxy.placement.gpu is not None:
+            self._watch_gpu_load(proxy)
         reader = ActivationLogReader(container.stdout, container.stderr,
                                      chunk_bytes=self.cfg.invoker.log_chunk_kb * 1024)
         limit = action.limits.logs_mb * 1024 * 1024
@@ -558,9 +578,29 @@ class Invoker:
         logs: ActivationLogs = await collection.finish(developer_error=broken)
         return outcome, logs.lines
 
+    def _watch_gpu_load(self, proxy: ContainerProxy) -> None:
+        """Count the GPU container's queue and runs, and let the node's GPU manager read them each period."""
+        if proxy.name in self._gpu_loads:
+            return
+        queue = self._gpu_queues.setdefault(proxy.key, KeyQueue())
+        queue.members += 1
+        load = self._gpu_loads[proxy.name] = InstanceLoad(queue)
+        watch = getattr(self.gpu, "watch_load", None)
+        if watch is not None:
+            watch(proxy.placement.gpu_key or proxy.name, load.read)
+
+    def _forget_gpu_load(self, proxy: ContainerProxy) -> None:
+        load = self._gpu_loads.pop(proxy.name, None)
+        if load is None:
+            return
+        load.queue.members -= 1
+        if load.queue.members <= 0 and self._gpu_queues.get(proxy.key) is load.queue:
+            del self._gpu_queues[proxy.key]
+
     async def _destroy_container(self, proxy: ContainerProxy) -> None:
         """Everything the container owns goes: its output readers, its processes and files (the backend),
         its GPU share."""
+        self._forget_gpu_load(proxy)
         log.debug("destroying container", container=proxy.name, handle=proxy.container is not None)
         if proxy.output is not None:
             await proxy.output.close()
