@@ -173,6 +173,8 @@ class ContainerPool:
         self.containers: dict[str, ContainerProxy] = {}
         self._by_key: dict[PoolKey, list[ContainerProxy]] = collections.defaultdict(list)
         self._queue: collections.deque[_Waiter] = collections.deque()
+        #: how many waiters of each key are in the queue (a queue pass stops once every key is stuck)
+        self._queued_keys: collections.Counter[PoolKey] = collections.Counter()
         self._removals: set[asyncio.Task[None]] = set()
         self._closed = False
         #: pre-loaded containers: counted in the memory in use, shed before any warm container is evicted
@@ -225,6 +227,7 @@ class ContainerPool:
         waiter = _Waiter(key, action, memory_mb, slots, make_spec, asyncio.get_running_loop().create_future(),
                          start=start, instance=instance)
         self._queue.append(waiter)
+        self._queued_keys[key] += 1
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -233,7 +236,15 @@ class ContainerPool:
                 self.release(waiter.future.result().proxy, healthy=True)
             elif waiter in self._queue:
                 self._queue.remove(waiter)
+                self._dequeued(waiter)
             raise
+
+    def _dequeued(self, waiter: _Waiter) -> None:
+        left = self._queued_keys[waiter.key] - 1
+        if left > 0:
+            self._queued_keys[waiter.key] = left
+        else:
+            del self._queued_keys[waiter.key]
 
     @property
     def closed(self) -> bool:
@@ -390,17 +401,25 @@ class ContainerPool:
                 return
             may_start = pass_starts
             # A key whose waiter found no slot has none for the waiters behind it in this pass either (one
-            # pass sees one pool state): they are not asked again, so a pass costs O(queue), not
-            # O(queue × containers of the key) — under a deep queue this scan was the invoker's hot spot.
+            # pass sees one pool state): they are not asked again, and once every queued key is stuck the
+            # pass ends — under a deep queue this scan was the invoker's hot spot.
             stuck: set[PoolKey] = set()
             keep: list[_Waiter] = []
-            for waiter in self._queue:
+            queue = self._queue
+            while queue:
+                if not may_start and len(stuck) == len(self._queued_keys):
+                    # Every key still queued is stuck and no start is allowed any more: the rest of the
+                    # queue stays as it is (a release with a deep queue of one key costs O(1), not O(queue)).
+                    break
+                waiter = queue.popleft()
                 if waiter.future.done():
+                    self._dequeued(waiter)
                     continue
                 if waiter.key in stuck and not (may_start and waiter.start):
                     keep.append(waiter)
                     continue
                 if not waiter.start and not self._live(waiter.key):
+                    self._dequeued(waiter)
                     waiter.future.set_exception(NoContainer(
                         f"no container of {waiter.key.namespace}/{waiter.key.fqn}"))
                     continue
@@ -408,14 +427,14 @@ class ContainerPool:
                                          waiter.make_spec, may_start=may_start and waiter.start,
                                          instance=waiter.instance)
                 if lease is not None:
+                    self._dequeued(waiter)
                     waiter.future.set_result(lease)
                     continue
                 keep.append(waiter)
                 stuck.add(waiter.key)
                 if pass_starts and self._needs_container(waiter):
                     may_start = False  # only the oldest waiter that needs a new container may start one
-            self._queue.clear()
-            self._queue.extend(keep)
+            queue.extendleft(reversed(keep))
 
     # -- shutdown ------------------------------------------------------------------------------
 
@@ -426,6 +445,7 @@ class ContainerPool:
             if not waiter.future.done():
                 waiter.future.set_exception(InvokerOverloaded("the invoker is shutting down"))
         self._queue.clear()
+        self._queued_keys.clear()
         deadline = time.monotonic() + drain_s
         while any(p.active for p in self.containers.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # activations release through many paths; polling keeps this simple
