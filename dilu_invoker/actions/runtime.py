@@ -428,6 +428,11 @@ class Runtime:
         """Take the run lock, unless shutdown begins first (then False, lock not held)."""
         if self._stopping.is_set():
             return False
+        if not self._run_lock.locked():
+            # The common case, nobody running: take the lock at once (acquiring a free asyncio.Lock does not
+            # suspend, so shutdown cannot begin in between) instead of racing two tasks.
+            await self._run_lock.acquire()
+            return True
         acquire = asyncio.ensure_future(self._run_lock.acquire())
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
