@@ -104,7 +104,7 @@ class Pipeliner:
                         for args, _ in batch:
                             pipe.execute_command(*args)
                         results = await pipe.execute(raise_on_error=False)
-                except BaseException as exc:  # noqa: BLE001 - every caller of the batch gets the failure
+                except BaseException as exc:  # every caller of the batch gets the failure
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(exc)
@@ -122,7 +122,7 @@ class Pipeliner:
                         future.set_result(result)
         finally:
             self._task = None
-            for args, future in self._pending:  # only after a cancel
+            for _args, future in self._pending:  # only after a cancel
                 if not future.done():
                     future.set_exception(redis.exceptions.ConnectionError("the store is closing"))
             self._pending.clear()
@@ -473,8 +473,8 @@ class EntityStore:
             self.activations_index_key(ns),
             self.activations_index_key(ns, activation_index_path(activation)),
         ]
-        args = [activation.activation_id, activation.start, doc, summary, self.max_activations,
-                self.activation_key(ns, "")]
+        args: list[str | int | bytes] = [activation.activation_id, activation.start, doc, summary,
+                                         self.max_activations, self.activation_key(ns, "")]
         try:
             await self.pipeliner.call("EVALSHA", self._store_activation.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
