@@ -37,7 +37,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from loadgen import closed_loop, commit, machine
+from loadgen import closed_loop, commit, cpu_ms_per, machine
+from loadgen import cpu_by_part as loadgen_cpu_by_part
 from ow_support.faults import AUTH, Run, Standalone, children, find_unrecorded, load, put_action
 
 DOC = ROOT / "docs" / "benchmarks" / "faults.md"
@@ -56,22 +57,9 @@ async def _warm(server: Standalone, clients: int) -> None:
         await closed_loop(one, clients, per_client=3)
 
 
-def _cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_by_part(root: int) -> dict[str, float]:
-    """CPU seconds used so far by the standalone process, its redis-server, its runtime processes (proxy
-    and worker), and this load generator."""
-    out = {"standalone": _cpu_s(root), "redis-server": 0.0, "runtimes": 0.0, "load generator": _cpu_s(os.getpid())}
-    for pid, cmd in children(root):
-        part = "redis-server" if "redis-server" in cmd else "runtimes"
-        out[part] += _cpu_s(pid)
-    return out
+    """CPU seconds used so far by the standalone process and each part of its tree (``loadgen.cpu_by_part``)."""
+    return loadgen_cpu_by_part(root, children(root))
 
 
 async def scenario(name: str, *, clients: int, seconds: float, fault_at: float, workdir: Path) -> dict[str, object]:
@@ -119,7 +107,7 @@ async def scenario(name: str, *, clients: int, seconds: float, fault_at: float, 
         cpu_ms: dict[str, float] | None = None
         if name == "baseline" and run.served():
             after = cpu_by_part(server.proc.pid)
-            cpu_ms = {k: round((after[k] - cpu_before[k]) * 1000 / run.served(), 2) for k in after}
+            cpu_ms = cpu_ms_per(cpu_before, after, run.served())
         if name == "invoker" and run.fault_at is not None:
             alive, doomed = (f"{u}/ping" for u in server.invoker_urls)
             down_at = run.fault_at + (took[0] if took else 0.0)
