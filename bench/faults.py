@@ -37,7 +37,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from loadgen import closed_loop, commit, machine
+from loadgen import closed_loop, commit, cpu_ms_per, machine
+from loadgen import cpu_by_part as loadgen_cpu_by_part
 from ow_support.faults import AUTH, Run, Standalone, children, find_unrecorded, load, put_action
 
 DOC = ROOT / "docs" / "benchmarks" / "faults.md"
@@ -56,22 +57,9 @@ async def _warm(server: Standalone, clients: int) -> None:
         await closed_loop(one, clients, per_client=3)
 
 
-def _cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_by_part(root: int) -> dict[str, float]:
-    """CPU seconds used so far by the standalone process, its redis-server, its runtime processes (proxy
-    and worker), and this load generator."""
-    out = {"standalone": _cpu_s(root), "redis-server": 0.0, "runtimes": 0.0, "load generator": _cpu_s(os.getpid())}
-    for pid, cmd in children(root):
-        part = "redis-server" if "redis-server" in cmd else "runtimes"
-        out[part] += _cpu_s(pid)
-    return out
+    """CPU seconds used so far by the standalone process and each part of its tree (``loadgen.cpu_by_part``)."""
+    return loadgen_cpu_by_part(root, children(root))
 
 
 async def scenario(name: str, *, clients: int, seconds: float, fault_at: float, workdir: Path) -> dict[str, object]:
@@ -119,7 +107,7 @@ async def scenario(name: str, *, clients: int, seconds: float, fault_at: float, 
         cpu_ms: dict[str, float] | None = None
         if name == "baseline" and run.served():
             after = cpu_by_part(server.proc.pid)
-            cpu_ms = {k: round((after[k] - cpu_before[k]) * 1000 / run.served(), 2) for k in after}
+            cpu_ms = cpu_ms_per(cpu_before, after, run.served())
         if name == "invoker" and run.fault_at is not None:
             alive, doomed = (f"{u}/ping" for u in server.invoker_urls)
             down_at = run.fault_at + (took[0] if took else 0.0)
@@ -244,25 +232,55 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, command: 
         "## Throughput (the ≥ 500 req/s target)",
         "",
         "The baseline row above is the figure; the CPU line under *Against the targets* says where the time "
-        "goes. Profiling the standalone under this load (cProfile of the server process during the loaded "
-        "phase only) found the container pool's queue pass: every release re-examined every queued activation "
-        "against every container of its key (about 6.6 ms a release with 192 queued, 200 µs after the fix, "
-        "`ContainerPool._drain_queue`); and 32 `secrets.choice` calls per transaction id (5% of the server's "
-        "CPU). A/B of the queue fix on this machine (this page's load, `ow_support.faults.load`, 200 clients "
-        "for 6 s on a fresh standalone, the code before and after alternated twice, load average 6.5): 65 "
-        "and 96 served/s before, 220 and 286 after. The rest of the standalone's CPU is aiohttp (the client's "
-        "request, the runtime call), two Redis commands and the kernel's loopback sends; the runtime proxy "
-        "and its worker cost about 1 ms more, the load generator about 0.4 ms. The rate follows what else "
-        "the machine runs: right after the table above, `python bench/faults.py --only baseline,baseline "
-        "--seconds 5` (load average 6.7) served 370 and 394/s, `--only runtime,baseline --seconds 6` (load "
-        "average 8.3) 153/s with the runtime fault and 201/s without.",
+        "goes (user + system time of each process from /proc over the loaded phase, divided by the invokes "
+        "served: a figure the machine's other work bends far less than a rate). What was cut, found with "
+        "py-spy on the standalone, a runtime proxy and its worker under this load:",
+        "",
+        "* the container pool's queue pass: every release walked all ~190 queued activations (an earlier fix "
+        "had made it O(queue), not O(queue × containers)); it now ends once every queued key is stuck, "
+        "and the choices read the live containers instead of a frozen snapshot of each per decision "
+        "(`ContainerPool._drain_queue`, `pick_warm`; 11% of the standalone's samples before);",
+        "* Redis: the action's revision check and the activation record's write — the two commands of every "
+        "invoke — go through a group-commit pipeline (`store.Pipeliner`): commands asked for while one "
+        "pipeline is in flight leave together in the next, and one action's revision checks in a pipeline "
+        "are one `HGET`. Each command still leaves after its caller asked and is answered only after Redis "
+        "answered, so the action cache stays exact and a record is in Redis (and in its append-only file, "
+        "`appendfsync always`: one sync per pipeline) before its activation is answered;",
+        "* structlog's context: the request's transaction id and the activation's ids are bound and reset by "
+        "token (`bound_contextvars` and `clear_contextvars` copied the whole context per request); the "
+        "invoker's Prometheus children of an action are looked up once;",
+        "* the runtime: a free run lock is taken without two racing tasks, worker replies are matched in the "
+        "socket protocol's `data_received` instead of a reader task woken per reply, and the worker looks "
+        "libc's `fflush` up once (`ctypes.CDLL(None)` per activation cost ~20 µs) and sets only the "
+        "`__OW_*` variables that changed.",
+        "",
+        "A/B on this machine (the same command, `python bench/faults.py --only baseline --seconds 8`, run "
+        "alternately in a checkout of 741a3b7 — the code before — and of this one, three times each; load "
+        "average 4.3–6.3), CPU per served invoke in ms, median of three (range):",
+        "",
+        "| part | before | after |",
+        "| --- | --- | --- |",
+        "| standalone (API, invoker, pool) | 2.91 (2.90–3.27) | 1.73 (1.72–2.13) |",
+        "| redis-server | 0.235 (0.235–0.263) | 0.095 (0.090–0.105) |",
+        "| runtime proxies | 1.06 (1.04–1.09) | 0.89 (0.85–0.93) |",
+        "| action workers | 0.40 (0.39–0.41) | 0.28 (0.27–0.30) |",
+        "| load generator | 0.61 (0.61–0.65) | 0.45 (0.43–0.54) |",
+        "| all | 5.22 (5.20–5.64) | 3.44 (3.37–4.00) |",
+        "| served/s on this loaded machine | 126, 128, 176 | 179, 199, 206 |",
+        "",
+        "At 3.44 ms in all, two idle cores would serve about 580/s with the load generator on them (2.99 ms "
+        "without it: about 670/s); before, about 380/s. An earlier A/B series at load average 5–6 gave the "
+        "same picture (all 4.64–5.25 ms before, 3.00–3.48 after; the standalone 2.67–3.02 → 1.46–1.86). "
+        "What remains per invoke is mostly aiohttp on both HTTP hops (the client's request and the runtime "
+        "call: parsing, the response, the loop's wakeups) and the kernel's loopback sends; the runtime proxy "
+        "is an aiohttp server whose floor on this machine is about 0.3 ms a request on its own.",
         "",
         "## Still missing",
         "",
-        "* ≥ 500 served/s with 200 clients on 2 cores: not reached (best 394/s on this shared machine, whose "
-        "other work keeps the load average far above 2). By the CPU per invoke above, two idle cores would "
-        "still fall short with the load generator on them; the standalone's own share (aiohttp on both sides, "
-        "two Redis commands) is the next place to cut. A run on an idle 2-core machine is still to do.",
+        "* ≥ 500 served/s with 200 clients on 2 cores: not shown as a rate. This shared machine's other work "
+        "keeps the load average at 4–6 on its two cores, so the rate measures the share it gets (about 200/s "
+        "here); by the CPU per invoke above, two idle cores would serve about 580/s with the load generator "
+        "on them. A run on an idle 2-core machine is still to do.",
         "* Fault (d) is in-process: the invokers of one standalone cannot die separately; separate "
         "`dilu-invoker standalone --invokers 1 --id K --redis-url …` processes are the real process "
         "boundary. A container that goes before its activation ran can still end that activation with a "

@@ -7,7 +7,10 @@
 * :func:`closed_loop`: ``clients`` concurrent loops, each calling again as soon as its call returns, for a
   time or a count — the load shape of every throughput figure here;
 * :func:`wait_for_api`: wait for a standalone started as a child process to answer its REST API;
-* :func:`stop_process_tree`: SIGTERM it, then SIGKILL what is left of its process group.
+* :func:`stop_process_tree`: SIGTERM it, then SIGKILL what is left of its process group;
+* :func:`cpu_by_part`: CPU seconds used so far by a standalone, its redis-server, its runtime proxies, their
+  action workers and this process — divided by the invokes served in between (:func:`cpu_ms_per`), the CPU
+  per invoke of each part (robust to a shared machine's load, unlike a rate).
 """
 
 from __future__ import annotations
@@ -54,6 +57,44 @@ def machine(*, load: bool = False) -> str:
 def commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     return done.stdout.strip() or "unknown"
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+#: the parts :func:`cpu_by_part` reports, in this order
+CPU_PARTS = ("standalone", "redis-server", "runtime proxies", "action workers", "load generator")
+
+
+def cpu_by_part(root: int | None, tree: list[tuple[int, str]]) -> dict[str, float]:
+    """CPU seconds used so far by the standalone ``root`` (the API, the invoker and the GPU manager share its
+    process), and by ``tree`` — (pid, command line) of its descendants (``ow_support.faults.children``), or
+    of a bare runtime: its redis-server, its runtime proxies (``dilu_invoker.actions.runtime``), their action
+    workers — and by this process (the load generator)."""
+    out = dict.fromkeys(CPU_PARTS, 0.0)
+    out["load generator"] = proc_cpu_s(os.getpid())
+    if root is not None:
+        out["standalone"] = proc_cpu_s(root)
+    for pid, cmd in tree:
+        if "redis-server" in cmd:
+            part = "redis-server"
+        elif "worker.main" in cmd:
+            part = "action workers"  # the proxy's bootstrap of its worker process (actions/runtime.py)
+        else:
+            part = "runtime proxies"
+        out[part] += proc_cpu_s(pid)
+    return out
+
+
+def cpu_ms_per(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    """Milliseconds of CPU per call of each part between two :func:`cpu_by_part` readings."""
+    return {k: round((after[k] - before[k]) * 1000 / n, 3) if n else 0.0 for k in after}
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -73,3 +73,5 @@ def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Traceba
 
 bind_activation = structlog.contextvars.bind_contextvars
 clear_activation = structlog.contextvars.clear_contextvars
+#: undo a :data:`bind_activation` with the tokens it returned (restores what was bound before)
+reset_activation = structlog.contextvars.reset_contextvars

@@ -20,6 +20,13 @@ as soon as Redis answers again. Held records are served by :meth:`EntityStore.ge
 At :meth:`EntityStore.close` whatever is still held is appended to ``spill_path`` (one JSON record per
 line, mode 0600) when one is configured, and :meth:`EntityStore.replay_spilled` writes that file back at the
 next start. ``docs/rest-api.md`` ("Errors and faults") states the guarantee.
+
+**Concurrent invokes share round trips.** The two commands every invoke sends — the action's revision check
+and the activation record's write — go through a :class:`Pipeliner`: while one pipeline is in flight, the
+commands that arrive meanwhile wait and leave together in the next one (group commit), and revision checks
+of one action in the same pipeline are sent once. Each command is still sent after its caller asked for it
+and answered only after Redis did, so the cache stays exact and a record is in Redis before its activation
+is answered; a lone invoke pays no wait.
 """
 
 from __future__ import annotations
@@ -52,6 +59,74 @@ DEFAULT_MAX_UNSTORED = 10_000
 #: what redis-py raises while Redis cannot serve: down, restarting (``BusyLoadingError``), or no pooled
 #: connection free within the pool timeout (``MaxConnectionsError``, "No connection available.")
 STORE_UNAVAILABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class Pipeliner:
+    """Group commit for small Redis commands: commands asked for while a pipeline is in flight leave
+    together in the next one (at most ``max_batch``); a command asked for when none is in flight leaves on
+    the next turn of the loop with whatever else was asked for in this one. Identical read commands
+    (``shared=True``) in one pipeline are sent once and all their callers get the answer. A connection
+    error fails every caller of that pipeline; a command's own error (``ResponseError``) fails only it."""
+
+    def __init__(self, redis: aioredis.Redis, *, max_batch: int = 128) -> None:
+        self.redis = redis
+        self.max_batch = max_batch
+        self._pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+        self._shared: dict[tuple[Any, ...], asyncio.Future[Any]] = {}
+        self._task: asyncio.Task[None] | None = None
+        #: pipelines sent and commands they carried (the batching ratio, for tests and benchmarks)
+        self.pipelines = 0
+        self.commands = 0
+
+    async def call(self, *args: Any, shared: bool = False) -> Any:
+        if shared:
+            joined = self._shared.get(args)
+            if joined is not None:
+                return await asyncio.shield(joined)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append((args, future))
+        if shared:
+            self._shared[args] = future
+        if self._task is None:
+            self._task = asyncio.create_task(self._flush(), name="redis-pipeliner")
+        # Shielded: a caller that goes away must not cancel a future others share or the pipeline awaits.
+        return await asyncio.shield(future)
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
+                for args, _ in batch:
+                    if self._shared.get(args) is not None:
+                        del self._shared[args]  # sent from here on: later callers need a later read
+                try:
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for args, _ in batch:
+                            pipe.execute_command(*args)
+                        results = await pipe.execute(raise_on_error=False)
+                except BaseException as exc:  # every caller of the batch gets the failure
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    continue
+                self.pipelines += 1
+                self.commands += len(batch)
+                for (_, future), result in zip(batch, results, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._task = None
+            for _args, future in self._pending:  # only after a cancel
+                if not future.done():
+                    future.set_exception(redis.exceptions.ConnectionError("the store is closing"))
+            self._pending.clear()
+            self._shared.clear()
 
 
 class StoreError(RuntimeError):
@@ -178,6 +253,7 @@ class EntityStore:
         self._put_action = redis.register_script(_PUT_ACTION)
         self._delete_action = redis.register_script(_DELETE_ACTION)
         self._store_activation = redis.register_script(_STORE_ACTIVATION)
+        self.pipeliner = Pipeliner(redis)
         # Invokes read the action every time; a revision check (one small HGET) keeps this cache exact.
         self._cache: OrderedDict[tuple[str, str], Action] = OrderedDict()
         self._cache_size = action_cache_size
@@ -212,7 +288,7 @@ class EntityStore:
         key = self.action_key(namespace, name)
         cached = self._cache.get((namespace, name))
         if cached is not None:
-            rev = _text(await self.redis.hget(key, "rev"))
+            rev = _text(await self.pipeliner.call("HGET", key, "rev", shared=True))
             if rev is None:
                 self._cache.pop((namespace, name), None)
                 return None
@@ -392,15 +468,18 @@ class EntityStore:
         log_bytes = sum(len(line) for line in activation.logs)
         doc = await jsonutil.adumps(activation.to_json(), size_hint=log_bytes)
         summary = jsonutil.dumps(activation_summary_json(activation))
-        await self._store_activation(
-            keys=[
-                self.activation_key(ns, activation.activation_id),
-                self.activations_index_key(ns),
-                self.activations_index_key(ns, activation_index_path(activation)),
-            ],
-            args=[activation.activation_id, activation.start, doc, summary, self.max_activations,
-                  self.activation_key(ns, "")],
-        )
+        keys = [
+            self.activation_key(ns, activation.activation_id),
+            self.activations_index_key(ns),
+            self.activations_index_key(ns, activation_index_path(activation)),
+        ]
+        args: list[str | int | bytes] = [activation.activation_id, activation.start, doc, summary,
+                                         self.max_activations, self.activation_key(ns, "")]
+        try:
+            await self.pipeliner.call("EVALSHA", self._store_activation.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            # A fresh or restarted Redis has no scripts: this call loads it (and the pipelines after use it).
+            await self._store_activation(keys=keys, args=args)
 
     async def get_activation(self, namespace: str, activation_id: str) -> Activation | None:
         held = self._unstored.get((namespace, activation_id))

@@ -154,3 +154,52 @@ async def test_concurrent_creates_have_one_winner(redis: aioredis.Redis) -> None
 def test_max_activations_must_be_positive() -> None:
     with pytest.raises(ValueError):
         EntityStore(aioredis.Redis(), max_activations_per_namespace=0)
+
+
+async def test_concurrent_records_share_pipelines_and_all_land(redis: aioredis.Redis) -> None:
+    store = EntityStore(redis)
+    recs = [activation("a", 1000 + i) for i in range(60)]
+    await asyncio.gather(*(store.store_activation(r) for r in recs))
+    # Every record is in Redis once store_activation returned, in far fewer round trips than records.
+    assert store.pipeliner.commands == 60 and store.pipeliner.pipelines <= 3
+    assert store.unstored == 0
+    for r in recs:
+        assert await store.get_activation("guest", r.activation_id) == r
+    assert await store.count_activations("guest", name="a") == 60
+
+
+async def test_concurrent_revision_checks_of_one_action_are_one_command(redis: aioredis.Redis) -> None:
+    store = EntityStore(redis)
+    stored = await store.put_action(action(), expected_revision=None)
+    other = await store.put_action(action("other"), expected_revision=None)
+    before = store.pipeliner.commands
+    got = await asyncio.gather(*(store.get_action("guest", "hello") for _ in range(20)),
+                               *(store.get_action("guest", "other") for _ in range(5)))
+    assert got == [stored] * 20 + [other] * 5
+    assert store.pipeliner.commands - before == 2
+
+
+async def test_a_revision_check_after_an_update_by_another_store_sees_it(redis: aioredis.Redis) -> None:
+    reader, writer = EntityStore(redis), EntityStore(redis)
+    first = await writer.put_action(action(code="v1"), expected_revision=None)
+    assert await reader.get_action("guest", "hello") == first  # cached
+    for i in range(2, 12):
+        in_flight = asyncio.ensure_future(reader.get_action("guest", "hello"))
+        await asyncio.sleep(0)
+        new = await writer.put_action(action(code=f"v{i}"), expected_revision=(await reader.get_action(
+            "guest", "hello") or first).revision)
+        assert (await in_flight) is not None
+        # Asked after the update answered: never joined to a read that left before it.
+        assert await reader.get_action("guest", "hello") == new
+
+
+async def test_records_are_written_after_redis_lost_its_scripts(redis: aioredis.Redis) -> None:
+    store = EntityStore(redis)
+    first = activation("a", 1)
+    await store.store_activation(first)
+    await redis.script_flush()  # as after a restart of a Redis without persistence of scripts
+    recs = [activation("a", 2 + i) for i in range(5)]
+    await asyncio.gather(*(store.store_activation(r) for r in recs))
+    assert store.unstored == 0
+    for r in [first, *recs]:
+        assert await store.get_activation("guest", r.activation_id) == r

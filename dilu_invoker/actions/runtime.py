@@ -126,6 +126,56 @@ def _describe_exit(returncode: int | None) -> str:
     return f"the action process exited with code {returncode}"
 
 
+class _Frames(asyncio.Protocol):
+    """The proxy's end of the worker socket: each reply frame is handed to ``on_frame`` as soon as it is
+    complete (no reader task to wake per reply); :meth:`drain` waits while the socket's send buffer is full."""
+
+    def __init__(self, on_frame: Any) -> None:
+        self._on_frame = on_frame
+        self._buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        loop = asyncio.get_running_loop()
+        #: resolved once the socket is closed (the worker exited, or we closed it)
+        self.lost: asyncio.Future[None] = loop.create_future()
+        self._writable: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        start, size = 0, HEADER.size
+        while len(buf) - start >= size:
+            kind, request_id, length = HEADER.unpack_from(buf, start)
+            end = start + size + length
+            if len(buf) < end:
+                break
+            self._on_frame(kind, request_id, bytes(buf[start + size:end]))
+            start = end
+        if start:
+            del buf[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(None)
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    async def drain(self) -> None:
+        if self._writable is not None:
+            await asyncio.shield(self._writable)
+
+
 class WorkerProcess:
     """One worker and the socket to it; requests are matched to replies by id."""
 
@@ -133,7 +183,7 @@ class WorkerProcess:
         self._allow_concurrent = allow_concurrent
         self.action_dir = tempfile.mkdtemp(prefix="dilu-action-")
         self.process: asyncio.subprocess.Process | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._frames: _Frames | None = None
         self._pending: dict[int, _Pending] = {}
         self._next_id = 0
         self._exit: WorkerExited | None = None
@@ -161,8 +211,9 @@ class WorkerProcess:
             )
         finally:
             child_end.close()
-        reader, self._writer = await asyncio.open_unix_connection(sock=parent_end)
-        self._reader_task = asyncio.create_task(self._read_replies(reader))
+        _, self._frames = await asyncio.get_running_loop().create_unix_connection(
+            lambda: _Frames(self._on_frame), sock=parent_end)
+        self._reader_task = asyncio.create_task(self._watch(self._frames))
 
     @property
     def exited(self) -> WorkerExited | None:
@@ -179,7 +230,8 @@ class WorkerProcess:
                 # The worker died while idle; this run is the one that finds out.
                 _end_activation_output(f"dilu-runtime: {self._exit.reason}")
             raise self._exit
-        assert self._writer is not None
+        frames = self._frames
+        assert frames is not None and frames.transport is not None
         self._next_id += 1
         request_id = self._next_id
         loop = asyncio.get_running_loop()
@@ -189,8 +241,8 @@ class WorkerProcess:
             pending.timer = loop.call_later(max(deadline_s, 0.0), self._deadline_passed)
         self._pending[request_id] = pending
         try:
-            self._writer.write(pack(kind, request_id, payload))
-            await self._writer.drain()
+            frames.transport.write(pack(kind, request_id, payload))
+            await frames.drain()
         except (ConnectionError, OSError):
             pass  # the reader task reports the worker's death to this request too
         return await pending.future
@@ -199,25 +251,21 @@ class WorkerProcess:
         self._deadline_killed = True
         self.kill()
 
-    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while True:
-                header = await reader.readexactly(HEADER.size)
-                kind, request_id, length = HEADER.unpack(header)
-                payload = await reader.readexactly(length) if length else b""
-                if kind == Kind.PRELOADED:
-                    with contextlib.suppress(ValueError):
-                        self.preload = json.loads(payload)
-                    continue
-                pending = self._pending.pop(request_id, None)
-                if pending is None:
-                    continue
-                if pending.timer is not None:
-                    pending.timer.cancel()
-                if not pending.future.done():
-                    pending.future.set_result((Kind(kind), payload))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass
+    def _on_frame(self, kind: int, request_id: int, payload: bytes) -> None:
+        if kind == Kind.PRELOADED:
+            with contextlib.suppress(ValueError):
+                self.preload = json.loads(payload)
+            return
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return
+        if pending.timer is not None:
+            pending.timer.cancel()
+        if not pending.future.done():
+            pending.future.set_result((Kind(kind), payload))
+
+    async def _watch(self, frames: _Frames) -> None:
+        await frames.lost
         await self._on_exit()
 
     async def _on_exit(self) -> None:
@@ -252,8 +300,8 @@ class WorkerProcess:
 
     async def close(self) -> None:
         self.kill()
-        if self._writer is not None:
-            self._writer.close()
+        if self._frames is not None and self._frames.transport is not None:
+            self._frames.transport.close()
         if self._reader_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._reader_task), timeout=5.0)
@@ -428,6 +476,11 @@ class Runtime:
         """Take the run lock, unless shutdown begins first (then False, lock not held)."""
         if self._stopping.is_set():
             return False
+        if not self._run_lock.locked():
+            # The common case, nobody running: take the lock at once (acquiring a free asyncio.Lock does not
+            # suspend, so shutdown cannot begin in between) instead of racing two tasks.
+            await self._run_lock.acquire()
+            return True
         acquire = asyncio.ensure_future(self._run_lock.acquire())
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:

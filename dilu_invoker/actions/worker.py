@@ -19,6 +19,7 @@ import base64
 import binascii
 import contextlib
 import ctypes
+import functools
 import glob
 import importlib
 import io
@@ -175,9 +176,12 @@ class Worker:
         args = body.get("value", {})
         # Process-wide, as in the upstream launcher: with concurrent runs the last one to start wins.
         with self._env_lock:
+            environ = os.environ
             for key, raw in body.items():
                 if key != "value":
-                    os.environ[f"__OW_{key.upper()}"] = _env_string(raw)
+                    name, text = f"__OW_{key.upper()}", _env_string(raw)
+                    if environ.get(name) != text:  # most (namespace, action name, version) repeat every run
+                        environ[name] = text
         try:
             result = self._main(args)
         except SystemExit as exc:
@@ -341,6 +345,12 @@ def _activate_virtualenv(venv: str) -> None:
     os.environ["VIRTUAL_ENV"] = venv
 
 
+@functools.cache
+def _libc_fflush() -> Any:
+    """libc's ``fflush``, looked up once (opening the C library for every activation cost ~20 µs)."""
+    return ctypes.CDLL(None).fflush
+
+
 def _flush_streams() -> None:
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         # A closed or replaced stream must not stop the sentinel.
@@ -349,7 +359,7 @@ def _flush_streams() -> None:
                 stream.flush()
     # Output of C extensions sits in libc's stdio buffers, which Python's flush does not reach.
     with contextlib.suppress(Exception):
-        ctypes.CDLL(None).fflush(None)
+        _libc_fflush()(None)
 
 
 def _write_all(fd: int, data: bytes) -> None:

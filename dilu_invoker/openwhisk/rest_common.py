@@ -170,33 +170,37 @@ async def openwhisk_middleware(request: web.Request, handler: Handler) -> web.St
     if _REQUEST_ID_RE.match(incoming):
         tid[0] = incoming
     TRANSID.set(tid)
-    with structlog.contextvars.bound_contextvars(transid=tid[0]):
-        try:
-            unhealthy = unhealthy_reason(request.app)
-            response: web.StreamResponse
-            # CORS preflight for any path, as OpenWhisk answers it
-            if request.method == "OPTIONS":
-                response = web.Response()
-            elif unhealthy is not None:
-                # Redis is down: answer at once instead of waiting on it, and say so at the root.
-                message = f"System is unhealthy: {unhealthy}." if request.path == "/" else Msg.OVERLOADED
-                response = error_response(503, message)
-            else:
-                response = await handler(request)
-        except ApiError as exc:
-            response = error_response(exc.status, exc.message, headers=exc.headers)
-        except web.HTTPException as exc:
-            response = _from_http_exception(exc)
-        except asyncio.CancelledError:
-            raise
-        except STORE_UNAVAILABLE as exc:
-            # Redis is down, restarting, or every pooled connection stayed busy past the pool timeout:
-            # the client may retry, so this is OpenWhisk's overload answer, never a 500.
-            _store_unavailable_log.note(exc, method=request.method, path=request.path)
-            response = error_response(503, Msg.OVERLOADED)
-        except Exception:
-            log.exception("request failed", method=request.method, path=request.path)
-            response = error_response(500, Msg.INTERNAL)
+    # Bound for this request's task and reset after (cheaper than bound_contextvars, which copies the whole
+    # context to save what it replaces).
+    tokens = structlog.contextvars.bind_contextvars(transid=tid[0])
+    try:
+        unhealthy = unhealthy_reason(request.app)
+        response: web.StreamResponse
+        # CORS preflight for any path, as OpenWhisk answers it
+        if request.method == "OPTIONS":
+            response = web.Response()
+        elif unhealthy is not None:
+            # Redis is down: answer at once instead of waiting on it, and say so at the root.
+            message = f"System is unhealthy: {unhealthy}." if request.path == "/" else Msg.OVERLOADED
+            response = error_response(503, message)
+        else:
+            response = await handler(request)
+    except ApiError as exc:
+        response = error_response(exc.status, exc.message, headers=exc.headers)
+    except web.HTTPException as exc:
+        response = _from_http_exception(exc)
+    except asyncio.CancelledError:
+        raise
+    except STORE_UNAVAILABLE as exc:
+        # Redis is down, restarting, or every pooled connection stayed busy past the pool timeout:
+        # the client may retry, so this is OpenWhisk's overload answer, never a 500.
+        _store_unavailable_log.note(exc, method=request.method, path=request.path)
+        response = error_response(503, Msg.OVERLOADED)
+    except Exception:
+        log.exception("request failed", method=request.method, path=request.path)
+        response = error_response(500, Msg.INTERNAL)
+    finally:
+        structlog.contextvars.reset_contextvars(**tokens)
     response.headers["X-Request-ID"] = str(tid[0])
     for k, v in _CORS.items():
         response.headers.setdefault(k, v)

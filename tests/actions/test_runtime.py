@@ -441,6 +441,19 @@ async def test_concurrent_runs_share_one_worker_when_allowed(http: aiohttp.Clien
             await rt.frames()
 
 
+async def test_large_results_of_concurrent_runs_reach_their_own_callers(http: aiohttp.ClientSession) -> None:
+    # Replies of several MB arrive from the worker in many socket reads, interleaved between runs: each
+    # caller gets its own result whole.
+    code = "def main(args):\n    n = args['n']\n    return {'n': n, 'blob': str(n) * (n * 1_000_000)}\n"
+    async with running_runtime(env={"__OW_ALLOW_CONCURRENT": "true"}) as rt:
+        assert (await post(http, rt.url + "/init", init_body(code)))[0] == 200
+        results = await asyncio.gather(*(post(http, rt.url + "/run", run_body({"n": n})) for n in (1, 2, 3)))
+        for n, (status, body) in zip((1, 2, 3), results, strict=True):
+            assert status == 200 and body["n"] == n and body["blob"] == str(n) * (n * 1_000_000)
+        for _ in range(3):
+            await rt.frames()
+
+
 async def test_runs_are_serialized_without_the_concurrency_flag(http: aiohttp.ClientSession) -> None:
     async with running_runtime(env={"__OW_ALLOW_CONCURRENT": "false"}) as rt:
         await post(http, rt.url + "/init", init_body(BARRIER, env={"PARAM_WAIT": "0.5"}))

@@ -11,6 +11,12 @@ from dilu_invoker.invoker.dataplane.pool import ContainerPool, Lease
 from dilu_invoker.model import Action, Exec
 
 
+class _Handle:
+    name = "c"
+    url = "http://127.0.0.1:1"
+    secret = None
+
+
 async def _destroy(_: ContainerProxy) -> None:
     return None
 
@@ -67,3 +73,45 @@ async def test_a_pinned_waiter_does_not_hold_back_a_starting_one_of_its_key() ->
     pool.release(a.proxy, healthy=True)
     await asyncio.sleep(0)
     assert pinned.done() and pinned.result().proxy is a.proxy
+
+
+async def test_a_release_with_a_deep_queue_of_full_keys_looks_at_few_waiters() -> None:
+    # Two keys, each with one busy container and a deep queue: a release serves the oldest waiter its
+    # container can serve and ends the pass once both keys are stuck, instead of walking all 400 waiters.
+    pool = _pool(512)
+    a = await _acquire(pool, "a")
+    b = await _acquire(pool, "b")
+    for lease in (a, b):  # warm: a waiter of a busy key can only wait for its slot
+        lease.proxy.started(_Handle())  # type: ignore[arg-type]
+        lease.proxy.initialized("initialized", init_ms=1)
+    waiters = [_acquire(pool, name) for _ in range(200) for name in ("a", "b")]
+    await asyncio.sleep(0)
+    assert pool.queue_length == 400
+    tried: list[str] = []
+    assign = pool._try_assign
+
+    def counting(key: PoolKey, *args: object, **kwargs: object) -> Lease | None:
+        tried.append(key.fqn)
+        return assign(key, *args, **kwargs)  # type: ignore[arg-type]
+
+    pool._try_assign = counting  # type: ignore[method-assign]
+    pool.release(b.proxy, healthy=True)
+    await asyncio.sleep(0)
+    assert len(tried) <= 6, tried
+    served = [w for w in waiters if w.done()]
+    assert served == [waiters[1]] and served[0].result().proxy is b.proxy
+    assert pool.queue_length == 399
+    # A cancelled waiter leaves the queue's count of its key: the pass still reaches the other key.
+    for w in waiters[2::2]:
+        w.cancel()
+    await asyncio.sleep(0)
+    assert pool.queue_length == 200
+    tried.clear()
+    pool.release(a.proxy, healthy=True)
+    await asyncio.sleep(0)
+    assert waiters[0].done() and waiters[0].result().proxy is a.proxy
+    assert len(tried) <= 6, tried
+    for w in waiters:
+        w.cancel()
+    await asyncio.sleep(0)
+    assert pool.queue_length == 0 and not pool._queued_keys

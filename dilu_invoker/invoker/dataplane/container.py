@@ -208,6 +208,11 @@ class ContainerProxy:
         return self.state in (State.STARTING, State.INITIALIZING, State.READY, State.PAUSED) and self.active < self.slots
 
     @property
+    def evictable(self) -> bool:
+        """Idle, pooled (not a placed instance): the pool may remove it to make room."""
+        return self.active == 0 and self.state in (State.READY, State.PAUSED) and not self.placed
+
+    @property
     def is_idle(self) -> bool:
         return self.active == 0 and self.state in (State.READY, State.PAUSED)
 

@@ -51,7 +51,7 @@ from dilu_invoker.invoker.dataplane.runtime_client import (
     models_key,
 )
 from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
-from dilu_invoker.logs import bind_activation, clear_activation
+from dilu_invoker.logs import bind_activation, reset_activation
 from dilu_invoker.model import (
     PRELOAD_FUNCTION_PREFIX,
     Action,
@@ -233,11 +233,11 @@ class Invoker:
     # -- running activations -------------------------------------------------------------------
 
     async def run(self, req: ActivationRequest) -> Activation:
-        bind_activation(activation_id=req.activation_id, transid=req.transid_id)
+        tokens = bind_activation(activation_id=req.activation_id, transid=req.transid_id)
         try:
             return await self._run(req)
         finally:
-            clear_activation()
+            reset_activation(**tokens)
 
     async def _run(self, req: ActivationRequest, *, key: PoolKey | None = None, may_start: bool = True,
                    on_lease: Callable[[], None] | None = None) -> Activation:
@@ -666,14 +666,14 @@ class Invoker:
                               on_lease: Callable[[], None] | None = None) -> Activation | None:
         """Run on the instance's container (waiting for one of its slots; ``on_lease`` is called when the
         activation gets one); None when the instance has no container (any more)."""
-        bind_activation(activation_id=req.activation_id, transid=req.transid_id, instance=instance_id)
+        tokens = bind_activation(activation_id=req.activation_id, transid=req.transid_id, instance=instance_id)
         try:
             return await self._run(req, key=self.instance_key(instance_id, req.action), may_start=False,
                                    on_lease=on_lease)
         except NoContainer:
             return None
         finally:
-            clear_activation()
+            reset_activation(**tokens)
 
     def stop_instance(self, container: str, reason: str) -> None:
         proxy = self.pool.containers.get(container)

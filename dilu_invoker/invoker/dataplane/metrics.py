@@ -40,18 +40,29 @@ class InvokerMetrics:
         self.user_memory = Gauge("dilu_invoker_user_memory_mb", "Memory this invoker offers actions (MB)",
                                  registry=r)
         self.enabled = Gauge("dilu_invoker_enabled", "1 while the invoker takes work", registry=r)
+        self._children: dict[tuple[str, str, str], tuple[Histogram, Gauge, Histogram]] = {}
+        self._counted: dict[tuple[tuple[str, str, str], str, int], Counter] = {}
 
     def record(self, activation: Activation, *, kind: str, memory_mb: int, wait_ms: int | None,
                init_ms: int | None) -> None:
         path = str(activation.annotation("path", activation.name))
         action = path.split("/", 1)[1] if "/" in path else path
         labels = (activation.namespace, activation.subject, action)
-        self.activations.labels(*labels, kind, str(memory_mb)).inc()
+        # The labelled children of one action, looked up once (``labels()`` locks and builds a key per call).
+        per_action = self._children.get(labels)
+        if per_action is None:
+            per_action = self._children[labels] = (
+                self.duration.labels(*labels), self.memory.labels(*labels), self.wait_time.labels(*labels))
+        duration, memory, wait_time = per_action
+        counted = self._counted.get((labels, kind, memory_mb))
+        if counted is None:
+            counted = self._counted[(labels, kind, memory_mb)] = self.activations.labels(*labels, kind, str(memory_mb))
+        counted.inc()
         self.status.labels(*labels, activation.response.status.api_string).inc()
-        self.duration.labels(*labels).observe(activation.duration / 1000)
-        self.memory.labels(*labels).set(memory_mb)
+        duration.observe(activation.duration / 1000)
+        memory.set(memory_mb)
         if wait_ms is not None:
-            self.wait_time.labels(*labels).observe(max(0, wait_ms) / 1000)
+            wait_time.observe(max(0, wait_ms) / 1000)
         if init_ms is not None:
             self.cold_starts.labels(*labels).inc()
             self.init_time.labels(*labels).observe(init_ms / 1000)

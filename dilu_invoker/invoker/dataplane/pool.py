@@ -19,11 +19,12 @@ new container could be ready), so the waiter waits for that slot. The first rule
 strict arrival order: under sustained overload, when every container has waiters of its own, a key
 without a container waits until one frees without waiters.
 
-The choices themselves are pure functions of frozen views of the containers — :func:`pick_warm` (step 1),
-:func:`fits` (step 2) and :func:`evict_for` (step 3) — tested as tables; :class:`ContainerPool` applies
-them. All bookkeeping is synchronous on the event loop (no awaits between a decision and its effect), so no
-locks are needed. Starting, initializing and removing containers is done by the caller (``core``) and by
-the pool's own removal tasks.
+The choices themselves are pure functions of what they read of the containers (:class:`ContainerView`) —
+:func:`pick_warm` (step 1), :func:`fits` (step 2) and :func:`evict_for` (step 3) — tested as tables of frozen
+:class:`View` snapshots; :class:`ContainerPool` applies them to its live containers. All bookkeeping is
+synchronous on the event loop (no awaits between a decision and its effect), so no locks are needed.
+Starting, initializing and removing containers is done by the caller (``core``) and by the pool's own
+removal tasks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import structlog
 
@@ -49,9 +50,29 @@ log = structlog.get_logger(__name__)
 # -- the choices, as pure functions -------------------------------------------------------------------
 
 
+class ContainerView(Protocol):
+    """What the choices read of a container: a frozen :class:`View` in tests, the live
+    :class:`ContainerProxy` in the pool (no snapshot per container and decision on the hot path)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def state(self) -> State: ...
+    @property
+    def active(self) -> int: ...
+    @property
+    def memory_mb(self) -> int: ...
+    @property
+    def last_used(self) -> float: ...
+    @property
+    def has_capacity(self) -> bool: ...
+    @property
+    def evictable(self) -> bool: ...
+
+
 @dataclass(frozen=True, slots=True)
 class View:
-    """What the choices see of one container."""
+    """A frozen snapshot of what the choices see of one container."""
 
     name: str
     state: State
@@ -76,18 +97,32 @@ class View:
 
 #: a ready container first, then a paused one (resumed first), then one still starting
 _WARM_RANK = {State.READY: 0, State.PAUSED: 1, State.INITIALIZING: 2, State.STARTING: 3}
+_STARTING = (State.STARTING, State.INITIALIZING)
+V = TypeVar("V", bound=ContainerView)
 
 
-def pick_warm(same_key: Iterable[View]) -> str | None:
+def best_warm(same_key: Iterable[V]) -> V | None:
     """Step 1: the container of the activation's key to run on — ready before paused before starting,
     least busy first; None when none has a free slot."""
-    best = min((v for v in same_key if v.has_capacity), key=lambda v: (_WARM_RANK[v.state], v.active), default=None)
+    best: V | None = None
+    best_rank = (4, 0)
+    for v in same_key:
+        if v.has_capacity:
+            rank = (_WARM_RANK[v.state], v.active)
+            if rank < best_rank:
+                best, best_rank = v, rank
+    return best
+
+
+def pick_warm(same_key: Iterable[ContainerView]) -> str | None:
+    """:func:`best_warm`'s name."""
+    best = best_warm(same_key)
     return best.name if best is not None else None
 
 
-def starting(same_key: Iterable[View]) -> bool:
+def starting(same_key: Iterable[ContainerView]) -> bool:
     """A container of the key is still starting or initializing (its slot will free soon)."""
-    return any(v.state in (State.STARTING, State.INITIALIZING) for v in same_key)
+    return any(v.state in _STARTING for v in same_key)
 
 
 def fits(*, in_use_mb: int, need_mb: int, user_memory_mb: int) -> bool:
@@ -95,7 +130,7 @@ def fits(*, in_use_mb: int, need_mb: int, user_memory_mb: int) -> bool:
     return in_use_mb + need_mb <= user_memory_mb
 
 
-def evict_for(containers: Sequence[View], *, need_mb: int, in_use_mb: int, user_memory_mb: int
+def evict_for(containers: Sequence[ContainerView], *, need_mb: int, in_use_mb: int, user_memory_mb: int
               ) -> tuple[str, ...] | None:
     """Step 3: the least-recently-used idle pooled containers whose removal makes ``need_mb`` fit (in
     eviction order; empty when it already fits); None when even all of them would not do."""
@@ -173,6 +208,8 @@ class ContainerPool:
         self.containers: dict[str, ContainerProxy] = {}
         self._by_key: dict[PoolKey, list[ContainerProxy]] = collections.defaultdict(list)
         self._queue: collections.deque[_Waiter] = collections.deque()
+        #: how many waiters of each key are in the queue (a queue pass stops once every key is stuck)
+        self._queued_keys: collections.Counter[PoolKey] = collections.Counter()
         self._removals: set[asyncio.Task[None]] = set()
         self._closed = False
         #: pre-loaded containers: counted in the memory in use, shed before any warm container is evicted
@@ -225,6 +262,7 @@ class ContainerPool:
         waiter = _Waiter(key, action, memory_mb, slots, make_spec, asyncio.get_running_loop().create_future(),
                          start=start, instance=instance)
         self._queue.append(waiter)
+        self._queued_keys[key] += 1
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -233,7 +271,15 @@ class ContainerPool:
                 self.release(waiter.future.result().proxy, healthy=True)
             elif waiter in self._queue:
                 self._queue.remove(waiter)
+                self._dequeued(waiter)
             raise
+
+    def _dequeued(self, waiter: _Waiter) -> None:
+        left = self._queued_keys[waiter.key] - 1
+        if left > 0:
+            self._queued_keys[waiter.key] = left
+        else:
+            del self._queued_keys[waiter.key]
 
     @property
     def closed(self) -> bool:
@@ -245,7 +291,7 @@ class ContainerPool:
 
     def _needs_container(self, waiter: _Waiter) -> bool:
         """The waiter can only be served by a new container (none of its key is warm or starting)."""
-        return waiter.start and not starting(View.of(p) for p in self._by_key.get(waiter.key, ()))
+        return waiter.start and not starting(self._by_key.get(waiter.key, ()))
 
     def _live(self, key: PoolKey) -> bool:
         return any(p.state not in (State.REMOVING, State.REMOVED) for p in self._by_key.get(key, ()))
@@ -262,9 +308,8 @@ class ContainerPool:
         instance: str | None = None,
     ) -> Lease | None:
         same_key = self._by_key.get(key, ())
-        warm = pick_warm(View.of(p) for p in same_key)
-        if warm is not None:
-            proxy = next(p for p in same_key if p.name == warm)
+        proxy = best_warm(same_key)
+        if proxy is not None:
             proxy.active += 1
             proxy.last_used = time.monotonic()
             proxy.cancel_timers()
@@ -280,9 +325,9 @@ class ContainerPool:
             if short > 0 and held > 0:
                 in_use -= min(held, reserve.shed(short, action))
         if not fits(in_use_mb=in_use, need_mb=memory_mb, user_memory_mb=self.user_memory_mb):
-            victims = evict_for([View.of(p) for p in self.containers.values()], need_mb=memory_mb,
+            victims = evict_for(list(self.containers.values()), need_mb=memory_mb,
                                 in_use_mb=in_use, user_memory_mb=self.user_memory_mb)
-            if victims is None or starting(View.of(p) for p in same_key):
+            if victims is None or starting(same_key):
                 return None
             for victim in victims:
                 self.remove(self.containers[victim], "evicted to make room")
@@ -390,17 +435,25 @@ class ContainerPool:
                 return
             may_start = pass_starts
             # A key whose waiter found no slot has none for the waiters behind it in this pass either (one
-            # pass sees one pool state): they are not asked again, so a pass costs O(queue), not
-            # O(queue × containers of the key) — under a deep queue this scan was the invoker's hot spot.
+            # pass sees one pool state): they are not asked again, and once every queued key is stuck the
+            # pass ends — under a deep queue this scan was the invoker's hot spot.
             stuck: set[PoolKey] = set()
             keep: list[_Waiter] = []
-            for waiter in self._queue:
+            queue = self._queue
+            while queue:
+                if not may_start and len(stuck) == len(self._queued_keys):
+                    # Every key still queued is stuck and no start is allowed any more: the rest of the
+                    # queue stays as it is (a release with a deep queue of one key costs O(1), not O(queue)).
+                    break
+                waiter = queue.popleft()
                 if waiter.future.done():
+                    self._dequeued(waiter)
                     continue
                 if waiter.key in stuck and not (may_start and waiter.start):
                     keep.append(waiter)
                     continue
                 if not waiter.start and not self._live(waiter.key):
+                    self._dequeued(waiter)
                     waiter.future.set_exception(NoContainer(
                         f"no container of {waiter.key.namespace}/{waiter.key.fqn}"))
                     continue
@@ -408,14 +461,14 @@ class ContainerPool:
                                          waiter.make_spec, may_start=may_start and waiter.start,
                                          instance=waiter.instance)
                 if lease is not None:
+                    self._dequeued(waiter)
                     waiter.future.set_result(lease)
                     continue
                 keep.append(waiter)
                 stuck.add(waiter.key)
                 if pass_starts and self._needs_container(waiter):
                     may_start = False  # only the oldest waiter that needs a new container may start one
-            self._queue.clear()
-            self._queue.extend(keep)
+            queue.extendleft(reversed(keep))
 
     # -- shutdown ------------------------------------------------------------------------------
 
@@ -426,6 +479,7 @@ class ContainerPool:
             if not waiter.future.done():
                 waiter.future.set_exception(InvokerOverloaded("the invoker is shutting down"))
         self._queue.clear()
+        self._queued_keys.clear()
         deadline = time.monotonic() + drain_s
         while any(p.active for p in self.containers.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # activations release through many paths; polling keeps this simple
