@@ -90,7 +90,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         inventory.write_text(json.dumps([{"uuid": "GPU-dry-run-0", "name": "dry-run GPU", "memory_mb": 81920}]))
         gpu_flags = ["--gpu-inventory", str(inventory), "--gpu-mps", "off", "--gpu-shm-dir", str(Path(data) / "shm")]
     server = subprocess.Popen([sys.executable, "-m", "dilu_invoker", "standalone", "--data-dir", data,
-                               "--api-port", str(api_port), *gpu_flags], env=env, cwd=ROOT,
+                               "--api-port", str(api_port), *gpu_flags, *args.server_flag], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     runtime = subprocess.Popen([sys.executable, "-m", "dilu_invoker.actions.runtime", "--port", str(run_port)],
                                env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -286,6 +286,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpu-dry", action="store_true",
                         help="add the GPU arm: a simulated GPU, the shim over the fake libcuda (no GPU needed)")
+    parser.add_argument("--server-flag", action="append", default=[],
+                        help="one more flag for the standalone, repeatable (e.g. --server-flag=--redis-appendfsync "
+                             "--server-flag=everysec)")
     parser.add_argument("--write", action="store_true", help="write docs/benchmarks/standalone.md")
     args = parser.parse_args()
     results = asyncio.run(main_async(args))
