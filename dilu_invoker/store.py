@@ -100,10 +100,17 @@ class Pipeliner:
                     if self._shared.get(args) is not None:
                         del self._shared[args]  # sent from here on: later callers need a later read
                 try:
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for args, _ in batch:
-                            pipe.execute_command(*args)
-                        results = await pipe.execute(raise_on_error=False)
+                    if len(batch) == 1:
+                        # Alone (no concurrent caller): a plain command costs less than a pipeline of one.
+                        try:
+                            results = [await self.redis.execute_command(*batch[0][0])]
+                        except redis.exceptions.ResponseError as exc:
+                            results = [exc]
+                    else:
+                        async with self.redis.pipeline(transaction=False) as pipe:
+                            for args, _ in batch:
+                                pipe.execute_command(*args)
+                            results = await pipe.execute(raise_on_error=False)
                 except BaseException as exc:  # every caller of the batch gets the failure
                     for _, future in batch:
                         if not future.done():

@@ -199,7 +199,10 @@ async def test_records_are_written_after_redis_lost_its_scripts(redis: aioredis.
     await store.store_activation(first)
     await redis.script_flush()  # as after a restart of a Redis without persistence of scripts
     recs = [activation("a", 2 + i) for i in range(5)]
-    await asyncio.gather(*(store.store_activation(r) for r in recs))
+    await asyncio.gather(*(store.store_activation(r) for r in recs))  # in one pipeline
+    await redis.script_flush()
+    recs.append(activation("a", 10))
+    await store.store_activation(recs[-1])  # alone: a plain command
     assert store.unstored == 0
     for r in [first, *recs]:
         assert await store.get_activation("guest", r.activation_id) == r
