@@ -13,6 +13,7 @@ one does).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -197,6 +198,11 @@ class CompactionState:
     """Candidates a call did not get to (max_sources, max_moves)."""
     no_fit: tuple[NoFit, ...] = ()
     """Instance shapes no lit GPU took when the plan ended (see `NoFit`)."""
+    retry: Map[int, tuple[int, ...]] = field(default_factory=Map)
+    """Failed sources (also in `failed`) a call was to retry for room some GPUs gained but did not
+    get to (max_sources, max_moves): source ordinal → those GPUs. The next call retries such a
+    source only if one of them (or a GPU that gained room since) may still take what it needs;
+    room the others took meanwhile would make it fail again where it failed before."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,10 +278,37 @@ def _need(
     )
 
 
+def _helpers(
+    cluster: ClusterSnapshot,
+    gained: list[tuple[int, GpuState]],
+    need: Need,
+    placement: PlacementConfig,
+    source: int,
+) -> list[int]:
+    """The GPUs of `gained` (other than `source`) that may help the source `need` describes, or none
+    when together they cannot: for a deficit, the GPUs that take one of the instances must offer it
+    in all (their whole room bounds both what a GPU of the union gained and what a GPU new to it
+    brings)."""
+    out = [o for o, g in gained if o != source and _may_help(cluster, g, need, placement)]
+    if need.deficit is None or not out:
+        return out
+    gpus = cluster.gpus
+    request, limit, memory = need.deficit
+    room = [gpus[o] for o in out]
+    if (
+        sum(placement.omega + EPS - g.used_request for g in room) >= request
+        and sum(placement.gamma + EPS - g.used_limit for g in room) >= limit
+        and sum(g.memory_mib * (1.0 + EPS) - g.used_memory for g in room) >= memory
+    ):
+        return out
+    return []
+
+
 def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: PlacementConfig) -> bool:
     """Whether lit GPU `g`, having gained room, might take the instance `need` describes (whole, or
     a piece of it with the rest on other GPUs of `g`'s node)."""
-    if not g.schedulable:
+    if not (g.lit and g.schedulable):
+        # Moves go to lit GPUs only: a GPU emptied since (a source of this plan) takes nothing.
         return False
     free = g.memory_mib * (1.0 + EPS) - g.used_memory
     fits = (
@@ -285,13 +318,8 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
         and g.used_limit + need.limit <= placement.gamma + EPS
     )
     if need.deficit is not None:
-        request, limit, memory = need.deficit
-        return (
-            fits
-            and placement.omega + EPS - g.used_request >= request
-            and placement.gamma + EPS - g.used_limit >= limit
-            and free >= memory
-        )
+        # One of several GPUs that must together offer the deficit (`_helpers`).
+        return fits
     if fits:
         return True
     whole = need.split_mib
@@ -379,10 +407,15 @@ def _candidates(
                     gained.append((o, g))
             failed = m.finish()
     helped: dict[int, tuple[Need, list[int]]] = {}
-    if gained and failed:
+    carried = state.retry
+    if failed and (gained or carried):
         with failed.mutate() as m:
-            for o, need in failed.items():
-                helpers = [og for og, g in gained if og != o and _may_help(cluster, g, need, placement)]
+            for o, need in failed.items() if gained else [(o, failed[o]) for o in carried if o in failed]:
+                again = gained
+                if o in carried:
+                    known = {og for og, _ in gained}
+                    again = gained + [(og, gpus[og]) for og in carried[o] if og not in known]
+                helpers = _helpers(cluster, again, need, placement, o)
                 if helpers:
                     del m[o]
                     out.add(o)
@@ -444,8 +477,8 @@ def compaction_plan(
             pending.append(o)
             continue
         retry = helped.get(o)
-        if retry is not None and not any(
-            _may_help(work, work.gpus[og], retry[0], placement) for og in retry[1]
+        if retry is not None and not _helpers(
+            work, [(og, work.gpus[og]) for og in retry[1]], retry[0], placement, o
         ):
             # The room it was retried for went to sources tried before it in this plan.
             failures[o] = retry[0]
@@ -478,7 +511,7 @@ def compaction_plan(
             failures = known.mutate()
             retry_now = [og for og, _ in gained if og not in queued or og in known]
             for f, need in known.items():
-                if any(og != f and _may_help(work, g, need, placement) for og, g in gained):
+                if _helpers(work, gained, need, placement, f):
                     retry_now.append(f)
             for f in retry_now:
                 if f in failures:
@@ -496,9 +529,21 @@ def compaction_plan(
             del failures[o]
         if _eligible(work.gpus[o], config):
             pending.append(o)
+    # A source retried for room some GPUs gained, but not reached, stays failed with those GPUs:
+    # the next call retries it only while one of them may still help (see `CompactionState.retry`).
+    retry: dict[int, tuple[int, ...]] = {}
+    for o in pending:
+        r = helped.get(o)
+        if r is not None and o not in touched and o not in failures:
+            failures[o] = r[0]
+            retry[o] = tuple(r[1])
     failed = failures.finish()
     next_state = CompactionState(
-        seen=work, failed=failed, pending=frozenset(pending), no_fit=tuple(no_fit)
+        seen=work,
+        failed=failed,
+        pending=frozenset(o for o in pending if o not in retry),
+        no_fit=tuple(no_fit),
+        retry=Map(retry),
     )
     plan = CompactionPlan(
         moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state
@@ -579,6 +624,7 @@ def _cannot_all_fit(
     splits: bool,
     requests: dict[str, PlacementRequest],
     no_fit: list[NoFit],
+    options: dict[str, int],
 ) -> Need | None:
     """A quick proof, without deriving a snapshot, that the instances of `gpu` cannot all move (what
     would have to change for them to, as a `Need`), or None: one that may not be split finds no
@@ -587,38 +633,41 @@ def _cannot_all_fit(
     instance that is not a piece asks the same whatever the cluster); `no_fit` answers, and learns,
     which requests no lit GPU takes."""
     k = len(order)
-    union: dict[GpuRef, None] = {}
-    complete = True
+    fits_of: list[tuple[PlacedInstance, tuple[GpuRef, ...]]] = []
     for inst in order:
         if inst.part_of is not None or (splits and inst.cls is InstanceClass.LLM):
-            complete = False
             continue
         fits = _lit_fits(work, inst, gpu, placement, k, requests, no_fit)
         if not fits:
             return _need(work, gpu, inst, placement)
-        complete = complete and len(fits) < k
-        union.update(dict.fromkeys(fits))
-    if not complete or k < 2:
-        return None
-    # Every GPU that can take any of them is in `union`: their room must hold all of them.
-    room = [work.gpu(r) for r in union]
-    deficit = (
-        sum(i.request for i in order) - sum(placement.omega - g.used_request for g in room),
-        sum(i.limit for i in order) - sum(placement.gamma - g.used_limit for g in room),
-        sum(i.memory_mib for i in order) - sum(g.free_memory for g in room),
-    )
-    if max(deficit) <= EPS:
-        return None
-    return Need(
-        ids=frozenset(i.id for i in gpu.instances),
-        instance=order[-1].id,
-        memory_mib=min(i.memory_mib for i in order),
-        request=min(i.request for i in order),
-        limit=min(i.limit for i in order),
-        invoker=None,
-        split_mib=None,
-        deficit=(max(0.0, deficit[0]), max(0.0, deficit[1]), max(0.0, deficit[2])),
-    )
+        options[inst.id] = len(fits)
+        if len(fits) < k:
+            fits_of.append((inst, fits))
+    # An instance with fewer lit GPUs to go to than there are instances has all of them known;
+    # moves only consume room (an LLM split too), so each group of such instances must fit in the
+    # room of the GPUs that take any of its members, in request, limit and memory.
+    for size in range(len(fits_of), 1, -1):
+        for group in itertools.combinations(fits_of, size):
+            union = {r: None for _, fits in group for r in fits}
+            room = [work.gpu(r) for r in union]
+            insts = [i for i, _ in group]
+            deficit = (
+                sum(i.request for i in insts) - sum(placement.omega - g.used_request for g in room),
+                sum(i.limit for i in insts) - sum(placement.gamma - g.used_limit for g in room),
+                sum(i.memory_mib for i in insts) - sum(g.free_memory for g in room),
+            )
+            if max(deficit) > EPS:
+                return Need(
+                    ids=frozenset(i.id for i in gpu.instances),
+                    instance=insts[-1].id,
+                    memory_mib=min(i.memory_mib for i in insts),
+                    request=min(i.request for i in insts),
+                    limit=min(i.limit for i in insts),
+                    invoker=None,
+                    split_mib=None,
+                    deficit=(max(0.0, deficit[0]), max(0.0, deficit[1]), max(0.0, deficit[2])),
+                )
+    return None
 
 
 def _try_source(
@@ -626,17 +675,39 @@ def _try_source(
 ) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], Need | None]:
     """Move every instance off `gpu` onto other lit GPUs, or nothing (empty list, and what would
     have to change for them to move)."""
-    trial = work
-    trial_moves: list[CompactionMove] = []
-    trial_freed: list[GpuRef] = []
     # Biggest first: they are the hardest to fit, so a hopeless source is abandoned early.
     order = sorted(gpu.instances, key=lambda i: (-i.request, -i.memory_mib, i.id))
     splits = placement.strategy_spec().splits and placement.llm_max_parts > 1
     requests: dict[str, PlacementRequest] = {}
-    hopeless = _cannot_all_fit(work, gpu, order, placement, splits, requests, no_fit)
+    options: dict[str, int] = {}
+    hopeless = _cannot_all_fit(work, gpu, order, placement, splits, requests, no_fit, options)
     if hopeless is not None:
         return [], work, [], hopeless
-    for inst in order:
+    # Most constrained first: an instance that only a few lit GPUs take (fewer than there are
+    # instances to move, all of them known) moves before the others, so one with more choice does
+    # not take its only GPU; the rest keep biggest first (a stable sort).
+    k = len(order)
+    order.sort(key=lambda i: options.get(i.id, k))
+    moves, trial, freed, stuck = _place_in_order(work, gpu, order, placement, requests)
+    if stuck is not None:
+        return [], work, [], _need(work, gpu, order[stuck], placement)
+    return moves, trial, freed, None
+
+
+def _place_in_order(
+    work: ClusterSnapshot,
+    gpu: GpuState,
+    order: list[PlacedInstance],
+    placement: PlacementConfig,
+    requests: dict[str, PlacementRequest],
+) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], int | None]:
+    """Move the instances of `gpu` one after another in `order` onto other lit GPUs: the moves,
+    the cluster after them and the GPUs they leave dark, or ([], `work`, [], the index in `order`
+    of the instance that found no room)."""
+    trial = work
+    trial_moves: list[CompactionMove] = []
+    trial_freed: list[GpuRef] = []
+    for n, inst in enumerate(order):
         trial = trial.without_instance(inst.id)
         request = requests.get(inst.id) or _as_request(trial, inst, gpu.ref)
         decision = place(trial, request, placement)
@@ -649,7 +720,7 @@ def _try_source(
                 trial_freed.extend(dark)
                 continue
         if not decision.placed:
-            return [], work, [], _need(work, gpu, inst, placement)
+            return [], work, [], n
         if decision.parts:
             trial = apply_placement(trial, request, decision)
         else:
