@@ -43,6 +43,11 @@ class CompactionConfig:
     """How many source GPUs one call tries (bounds the work per call)."""
     max_moves: int = 64
     """How many moves one plan may contain (bounds cold starts per call)."""
+    max_trials: int | None = None
+    """How many sources one call may try to empty by placing their instances (the sources that
+    the cheap proof does not rule out; each trial re-runs placement): once spent, the call still
+    proves sources hopeless but leaves those that pass to the next call, which resumes with them
+    (`CompactionState.pending`). None: only `max_sources` bounds the call."""
     move_pieces: bool = False
     """Whether a GPU holding a piece of a split instance (a pipeline stage) may be emptied: the
     piece moves to another GPU of its node that holds no other piece of the instance, or else the
@@ -54,6 +59,8 @@ class CompactionConfig:
             raise ValueError(
                 f"source_max_request must be between 0 and 1, got {self.source_max_request!r}"
             )
+        if self.max_trials is not None and self.max_trials < 1:
+            raise ValueError(f"max_trials must be >= 1 or None, got {self.max_trials}")
         for name in ("source_max_instances", "max_sources", "max_moves"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -230,7 +237,10 @@ class Need:
     instance a piece belongs to, which compaction may place anew); None when it may not."""
 
     ids: frozenset[str]
-    """The instances on the source when it failed (`instance` among them)."""
+    """The instances whose presence on the source the failure depends on (`instance` among them):
+    the one that finds no lit GPU at all, the group whose GPUs lack room together, or, when
+    placement failed part-way, every instance the source held. While they all stay, the source
+    only becomes harder to empty, whatever else leaves it or arrives."""
     instance: str
     memory_mib: float
     request: float
@@ -243,13 +253,38 @@ class Need:
     deficit: tuple[float, float, float] | None = None
     """When each instance fits somewhere but the few GPUs that take any of them lack room for all
     together: how much request, limit and memory was missing. `memory_mib`, `request`, `limit`
-    are then the least any of the instances needs, and a GPU helps only if it takes one of them
-    and offers the whole deficit."""
+    are then the least any of the instances needs, and the GPUs that gained room and take one of
+    them must offer the deficit together."""
+    members: tuple[tuple[float, float, float], ...] = ()
+    """For a group (`deficit`): each member's request, limit and memory."""
+    union: tuple[int, ...] = ()
+    """For a group: ordinals of the GPUs known to take one of its members (those of the proof,
+    and those that gained room since without making up the deficit)."""
+    also: tuple[Need, ...] = ()
+    """Further blockers of the same source, found by the same proof: each must be helped too
+    before the source is worth another try (a GPU that gained room for one of them is remembered
+    by dropping that one)."""
+
+    def blockers(self) -> tuple[Need, ...]:
+        return (replace(self, also=()), *self.also) if self.also else (self,)
+
+
+def _joined(blockers: list[Need]) -> Need | None:
+    """One `Need` standing for all of `blockers` (None when there are none)."""
+    if not blockers:
+        return None
+    return replace(blockers[0], also=tuple(blockers[1:])) if len(blockers) > 1 else blockers[0]
 
 
 def _need(
-    cluster: ClusterSnapshot, gpu: GpuState, inst: PlacedInstance, placement: PlacementConfig
+    cluster: ClusterSnapshot,
+    gpu: GpuState,
+    inst: PlacedInstance,
+    placement: PlacementConfig,
+    alone: bool = False,
 ) -> Need:
+    """What `inst` needs to move off `gpu`; `alone`: the failure is about it only (it finds no lit
+    GPU at all, whatever else `gpu` holds), else about every instance there."""
     split: float | None = None
     split_request = split_limit = 0.0
     invoker = None
@@ -266,7 +301,7 @@ def _need(
     ):
         split, split_request, split_limit = inst.memory_mib, inst.request, inst.limit
     return Need(
-        ids=frozenset(i.id for i in gpu.instances),
+        ids=frozenset((inst.id,)) if alone else frozenset(i.id for i in gpu.instances),
         instance=inst.id,
         memory_mib=inst.memory_mib,
         request=inst.request,
@@ -286,22 +321,58 @@ def _helpers(
     source: int,
 ) -> list[int]:
     """The GPUs of `gained` (other than `source`) that may help the source `need` describes, or none
-    when together they cannot: for a deficit, the GPUs that take one of the instances must offer it
-    in all (their whole room bounds both what a GPU of the union gained and what a GPU new to it
-    brings)."""
-    out = [o for o, g in gained if o != source and _may_help(cluster, g, need, placement)]
-    if need.deficit is None or not out:
-        return out
+    when together they cannot: with several blockers, each must be helped (see `_help`)."""
+    found: dict[int, None] = {}
+    for b in need.blockers():
+        some, _ = _help(cluster, gained, b, placement, source)
+        if not some:
+            return []
+        found.update(dict.fromkeys(some))
+    return list(found)
+
+
+def _help(
+    cluster: ClusterSnapshot,
+    gained: list[tuple[int, GpuState]],
+    need: Need,
+    placement: PlacementConfig,
+    source: int,
+) -> tuple[list[int], Need]:
+    """The GPUs of `gained` that may help the one blocker `need` (none if they cannot), and the
+    blocker to remember if they cannot. For a group that lacked room together: the GPUs that take
+    one of its members, and only if with the GPUs known to take one (`Need.union`) they have the
+    room for all of it now; else those GPUs join `union`, so that room gained bit by bit over
+    several calls is added up."""
+    if need.deficit is None:
+        return [o for o, g in gained if o != source and _may_help(cluster, g, need, placement)], need
+    omega, gamma = placement.omega + EPS, placement.gamma + EPS
+    takers = [
+        o
+        for o, g in gained
+        if o != source
+        and g.lit
+        and g.schedulable
+        and any(
+            g.used_memory + m <= g.memory_mib * (1.0 + EPS)
+            and g.used_request + r <= omega
+            and g.used_limit + lim <= gamma
+            for r, lim, m in need.members
+        )
+    ]
+    if not takers:
+        return [], need
     gpus = cluster.gpus
-    request, limit, memory = need.deficit
-    room = [gpus[o] for o in out]
+    pool = dict.fromkeys(need.union)
+    pool.update(dict.fromkeys(takers))
+    room = [g for g in (gpus[o] for o in pool) if g.lit]
     if (
-        sum(placement.omega + EPS - g.used_request for g in room) >= request
-        and sum(placement.gamma + EPS - g.used_limit for g in room) >= limit
-        and sum(g.memory_mib * (1.0 + EPS) - g.used_memory for g in room) >= memory
+        sum(placement.omega + EPS - g.used_request for g in room) >= sum(m[0] for m in need.members)
+        and sum(placement.gamma + EPS - g.used_limit for g in room) >= sum(m[1] for m in need.members)
+        and sum(g.memory_mib * (1.0 + EPS) - g.used_memory for g in room)
+        >= sum(m[2] for m in need.members)
     ):
-        return out
-    return []
+        return takers, need
+    return [], replace(need, union=tuple(pool))
 
 
 def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: PlacementConfig) -> bool:
@@ -396,11 +467,17 @@ def _candidates(
             for o in changed:
                 g = gpus[o]
                 need = m.get(o)
-                # A failed source that only received instances still holds the one that found no
-                # room, and its own room is no matter (a source is never its own target).
-                if need is not None and not need.ids <= {i.id for i in g.instances}:
-                    del m[o]
-                    need = None
+                # A failed source that still holds what a blocker is about stays as hopeless (its
+                # own room is no matter: a source is never its own target); a blocker whose
+                # instances left is gone, and with the last one the failure.
+                if need is not None:
+                    ids = {i.id for i in g.instances}
+                    left = [b for b in need.blockers() if b.ids <= ids]
+                    if not left:
+                        del m[o]
+                        need = None
+                    elif len(left) < len(need.blockers()):
+                        m[o] = replace(left[0], also=tuple(left[1:]))
                 if need is None and _eligible(g, config):
                     out.add(o)
                 if _gained(old[o], g):
@@ -415,11 +492,26 @@ def _candidates(
                 if o in carried:
                     known = {og for og, _ in gained}
                     again = gained + [(og, gpus[og]) for og in carried[o] if og not in known]
-                helpers = _helpers(cluster, again, need, placement, o)
-                if helpers:
+                # Blockers helped now are dropped; the source is retried once none is left.
+                unhelped: list[Need] = []
+                helpers: dict[int, None] = {}
+                changed_record = False
+                for b in need.blockers():
+                    some, b2 = _help(cluster, again, b, placement, o)
+                    if some:
+                        helpers.update(dict.fromkeys(some))
+                        changed_record = True
+                    else:
+                        unhelped.append(b2)
+                        changed_record = changed_record or b2 is not b
+                if not unhelped:
                     del m[o]
                     out.add(o)
-                    helped[o] = (need, helpers)
+                    helped[o] = (need, list(helpers))
+                elif changed_record:
+                    joined = _joined(unhelped)
+                    assert joined is not None
+                    m[o] = joined
             failed = m.finish()
     candidates = [o for o in out if o not in failed and _eligible(gpus[o], config)]
     return candidates, failed, helped, no_fit
@@ -447,6 +539,7 @@ def compaction_plan(
     # GPUs this plan moved something onto: never emptied again by the same plan (no ping-pong).
     targets: set[GpuRef] = set()
     tried = 0
+    trials = 0  # sources tried by placing their instances (`max_trials`)
     candidates, failed, helped, no_fit = _candidates(cluster, placement, config, state)
     gpus0 = cluster.gpus
 
@@ -484,9 +577,16 @@ def compaction_plan(
             failures[o] = retry[0]
             continue
         tried += 1
-        trial_moves, trial, trial_freed, stuck = _try_source(work, gpu, placement, no_fit)
+        may_place = config.max_trials is None or trials < config.max_trials
+        trial_moves, trial, trial_freed, stuck, placed = _try_source(
+            work, gpu, placement, no_fit, may_place
+        )
+        trials += placed
         if not trial_moves:
-            assert stuck is not None
+            if stuck is None:
+                # Not ruled out, but the call's trials are spent: the next call resumes with it.
+                pending.append(o)
+                continue
             failures[o] = stuck
             continue
         opened = {
@@ -531,19 +631,19 @@ def compaction_plan(
             pending.append(o)
     # A source retried for room some GPUs gained, but not reached, stays failed with those GPUs:
     # the next call retries it only while one of them may still help (see `CompactionState.retry`).
-    retry: dict[int, tuple[int, ...]] = {}
+    carry: dict[int, tuple[int, ...]] = {}
     for o in pending:
         r = helped.get(o)
         if r is not None and o not in touched and o not in failures:
             failures[o] = r[0]
-            retry[o] = tuple(r[1])
+            carry[o] = tuple(r[1])
     failed = failures.finish()
     next_state = CompactionState(
         seen=work,
         failed=failed,
-        pending=frozenset(o for o in pending if o not in retry),
+        pending=frozenset(o for o in pending if o not in carry),
         no_fit=tuple(no_fit),
-        retry=Map(retry),
+        retry=Map(carry),
     )
     plan = CompactionPlan(
         moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state
@@ -627,25 +727,28 @@ def _cannot_all_fit(
     options: dict[str, int],
 ) -> Need | None:
     """A quick proof, without deriving a snapshot, that the instances of `gpu` cannot all move (what
-    would have to change for them to, as a `Need`), or None: one that may not be split finds no
-    lit GPU at all, or (when none of them may split) the few GPUs that can take any of them lack
-    the room for all of them together. The move requests it builds are left in `requests` (an
+    would have to change for them to, as a `Need` with every blocker found), or None: an instance
+    that may not be split finds no lit GPU at all, or a group of instances that few lit GPUs take
+    (all of them known) lacks the room on those GPUs together. The move requests it builds are left in `requests` (an
     instance that is not a piece asks the same whatever the cluster); `no_fit` answers, and learns,
     which requests no lit GPU takes."""
     k = len(order)
     fits_of: list[tuple[PlacedInstance, tuple[GpuRef, ...]]] = []
+    blockers: list[Need] = []
     for inst in order:
         if inst.part_of is not None or (splits and inst.cls is InstanceClass.LLM):
             continue
         fits = _lit_fits(work, inst, gpu, placement, k, requests, no_fit)
         if not fits:
-            return _need(work, gpu, inst, placement)
+            blockers.append(_need(work, gpu, inst, placement, alone=True))
+            continue
         options[inst.id] = len(fits)
         if len(fits) < k:
             fits_of.append((inst, fits))
     # An instance with fewer lit GPUs to go to than there are instances has all of them known;
     # moves only consume room (an LLM split too), so each group of such instances must fit in the
-    # room of the GPUs that take any of its members, in request, limit and memory.
+    # room of the GPUs that take any of its members, in request, limit and memory (the largest
+    # group that does not is a blocker).
     for size in range(len(fits_of), 1, -1):
         for group in itertools.combinations(fits_of, size):
             union = {r: None for _, fits in group for r in fits}
@@ -657,24 +760,34 @@ def _cannot_all_fit(
                 sum(i.memory_mib for i in insts) - sum(g.free_memory for g in room),
             )
             if max(deficit) > EPS:
-                return Need(
-                    ids=frozenset(i.id for i in gpu.instances),
-                    instance=insts[-1].id,
-                    memory_mib=min(i.memory_mib for i in insts),
-                    request=min(i.request for i in insts),
-                    limit=min(i.limit for i in insts),
-                    invoker=None,
-                    split_mib=None,
-                    deficit=(max(0.0, deficit[0]), max(0.0, deficit[1]), max(0.0, deficit[2])),
+                blockers.append(
+                    Need(
+                        ids=frozenset(i.id for i in insts),
+                        instance=insts[-1].id,
+                        memory_mib=min(i.memory_mib for i in insts),
+                        request=min(i.request for i in insts),
+                        limit=min(i.limit for i in insts),
+                        invoker=None,
+                        split_mib=None,
+                        deficit=(max(0.0, deficit[0]), max(0.0, deficit[1]), max(0.0, deficit[2])),
+                        members=tuple((i.request, i.limit, i.memory_mib) for i in insts),
+                        union=tuple(work.ordinals[r] for r in union),
+                    )
                 )
-    return None
+                return _joined(blockers)
+    return _joined(blockers)
 
 
 def _try_source(
-    work: ClusterSnapshot, gpu: GpuState, placement: PlacementConfig, no_fit: list[NoFit]
-) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], Need | None]:
+    work: ClusterSnapshot,
+    gpu: GpuState,
+    placement: PlacementConfig,
+    no_fit: list[NoFit],
+    may_place: bool = True,
+) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], Need | None, bool]:
     """Move every instance off `gpu` onto other lit GPUs, or nothing (empty list, and what would
-    have to change for them to move)."""
+    have to change for them to move); last, whether placement ran. Without `may_place` only the
+    cheap proof runs: nothing and no `Need` when it does not rule the source out."""
     # Biggest first: they are the hardest to fit, so a hopeless source is abandoned early.
     order = sorted(gpu.instances, key=lambda i: (-i.request, -i.memory_mib, i.id))
     splits = placement.strategy_spec().splits and placement.llm_max_parts > 1
@@ -682,7 +795,9 @@ def _try_source(
     options: dict[str, int] = {}
     hopeless = _cannot_all_fit(work, gpu, order, placement, splits, requests, no_fit, options)
     if hopeless is not None:
-        return [], work, [], hopeless
+        return [], work, [], hopeless, False
+    if not may_place:
+        return [], work, [], None, False
     # Most constrained first: an instance that only a few lit GPUs take (fewer than there are
     # instances to move, all of them known) moves before the others, so one with more choice does
     # not take its only GPU; the rest keep biggest first (a stable sort).
@@ -690,8 +805,8 @@ def _try_source(
     order.sort(key=lambda i: options.get(i.id, k))
     moves, trial, freed, stuck = _place_in_order(work, gpu, order, placement, requests)
     if stuck is not None:
-        return [], work, [], _need(work, gpu, order[stuck], placement)
-    return moves, trial, freed, None
+        return [], work, [], _need(work, gpu, order[stuck], placement), True
+    return moves, trial, freed, None, True
 
 
 def _place_in_order(
