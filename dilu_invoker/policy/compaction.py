@@ -29,6 +29,7 @@ from dilu_invoker.policy.placement import (
     apply_placement,
     lit_fits,
     place,
+    split_fits,
 )
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
 
@@ -260,6 +261,9 @@ class Need:
     union: tuple[int, ...] = ()
     """For a group: ordinals of the GPUs known to take one of its members (those of the proof,
     and those that gained room since without making up the deficit)."""
+    avoid: frozenset[int] = frozenset()
+    """Ordinals of GPUs that never take the instance's pieces: its source and, for a piece, the
+    GPUs of its sibling stages (the whole instance placed anew keeps away from them)."""
     also: tuple[Need, ...] = ()
     """Further blockers of the same source, found by the same proof: each must be helped too
     before the source is worth another try (a GPU that gained room for one of them is remembered
@@ -288,9 +292,12 @@ def _need(
     split: float | None = None
     split_request = split_limit = 0.0
     invoker = None
+    avoid = {cluster.ordinals[gpu.ref]}
     if inst.part_of is not None:
         invoker = gpu.ref.invoker
-        stages = [p for _, p in _stages(cluster, inst.part_of, invoker)]
+        held = _stages(cluster, inst.part_of, invoker)
+        avoid.update(cluster.ordinals[ref] for ref, _ in held)
+        stages = [p for _, p in held]
         split = sum(p.memory_mib for p in stages)
         split_request = sum(p.request for p in stages)
         split_limit = sum(p.limit for p in stages)
@@ -310,6 +317,7 @@ def _need(
         split_mib=split,
         split_request=split_request,
         split_limit=split_limit,
+        avoid=frozenset(avoid),
     )
 
 
@@ -329,6 +337,23 @@ def _helpers(
             return []
         found.update(dict.fromkeys(some))
     return list(found)
+
+
+def _out_of_reach(need: Need, top: tuple[float, float, float], placement: PlacementConfig) -> bool:
+    """Whether no GPU offering at most `top` (free memory, request room, limit room) may help any
+    blocker of `need` (a cheap pre-test of `_help`)."""
+    # A little slack: `_help` compares sums (a + b <= c), this differences.
+    free, request, limit = top[0] + 1e-6, top[1] + 1e-6, top[2] + 1e-6
+    for b in need.blockers():
+        if b.deficit is not None:
+            if any(m <= free and r <= request and lim <= limit for r, lim, m in b.members):
+                return False
+        elif b.split_mib is not None:
+            if free >= min(placement.min_part_mib, b.split_mib):
+                return False
+        elif b.memory_mib <= free and b.request <= request and b.limit <= limit:
+            return False
+    return True
 
 
 def _help(
@@ -402,18 +427,21 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
     per_limit = whole / need.split_limit if need.split_limit > 0 else math.inf
     gpus = cluster.gpus
     room = 0.0
+    pieces = 0
+    small = min(placement.min_part_mib, whole)
     for o in cluster.invoker_ordinals[g.ref.invoker]:
         h = gpus[o]
-        if h.lit and h.schedulable:
-            room += max(
-                0.0,
-                min(
-                    h.memory_mib * (1.0 + EPS) - h.used_memory,
-                    (placement.omega + EPS - h.used_request) * per_request,
-                    (placement.gamma + EPS - h.used_limit) * per_limit,
-                ),
+        if h.lit and h.schedulable and o not in need.avoid:
+            c = min(
+                h.memory_mib * (1.0 + EPS) - h.used_memory,
+                (placement.omega + EPS - h.used_request) * per_request,
+                (placement.gamma + EPS - h.used_limit) * per_limit,
             )
-    return room >= whole - EPS
+            # Split placement uses only GPUs with room for a piece of the smallest size, two or more.
+            if c >= small:
+                room += min(c, whole)
+                pieces += 1
+    return pieces >= 2 and room >= whole - EPS
 
 
 def _gained(old: GpuState, new: GpuState) -> bool:
@@ -486,12 +514,22 @@ def _candidates(
     helped: dict[int, tuple[Need, list[int]]] = {}
     carried = state.retry
     if failed and (gained or carried):
+        # The most room any GPU that gained offers, per dimension: a blocker asking more of one
+        # is not helped, without looking at the GPUs one by one.
+        lit = [g for _, g in gained if g.lit and g.schedulable]
+        most = (
+            max((g.memory_mib * (1.0 + EPS) - g.used_memory for g in lit), default=-math.inf),
+            max((placement.omega + EPS - g.used_request for g in lit), default=-math.inf),
+            max((placement.gamma + EPS - g.used_limit for g in lit), default=-math.inf),
+        )
         with failed.mutate() as m:
             for o, need in failed.items() if gained else [(o, failed[o]) for o in carried if o in failed]:
                 again = gained
                 if o in carried:
                     known = {og for og, _ in gained}
                     again = gained + [(og, gpus[og]) for og in carried[o] if og not in known]
+                elif _out_of_reach(need, most, placement):
+                    continue
                 # Blockers helped now are dropped; the source is retried once none is left.
                 unhelped: list[Need] = []
                 helpers: dict[int, None] = {}
@@ -735,8 +773,15 @@ def _cannot_all_fit(
     k = len(order)
     fits_of: list[tuple[PlacedInstance, tuple[GpuRef, ...]]] = []
     blockers: list[Need] = []
+    # A piece placed anew as a whole instance frees its sibling stages' GPUs: what comes after it
+    # (biggest first, as `_try_source` moves instances that may split) might use that room.
+    after_piece = False
+    split_checks: list[PlacedInstance] = []
     for inst in order:
         if inst.part_of is not None or (splits and inst.cls is InstanceClass.LLM):
+            if not after_piece:
+                split_checks.append(inst)
+            after_piece = after_piece or inst.part_of is not None
             continue
         fits = _lit_fits(work, inst, gpu, placement, k, requests, no_fit)
         if not fits:
@@ -775,7 +820,46 @@ def _cannot_all_fit(
                     )
                 )
                 return _joined(blockers)
+    if not blockers:
+        # Dearer (every node that might take the pieces is looked at): only when nothing else
+        # rules the source out.
+        for inst in split_checks:
+            if not _may_move_split(work, inst, gpu, placement, requests):
+                return _need(work, gpu, inst, placement, alone=True)
     return _joined(blockers)
+
+
+def _may_move_split(
+    work: ClusterSnapshot,
+    inst: PlacedInstance,
+    gpu: GpuState,
+    placement: PlacementConfig,
+    requests: dict[str, PlacementRequest],
+) -> bool:
+    """Whether `inst`, an instance that may be split (a whole LLM) or a piece of one, may move off
+    `gpu` at all: whole onto a lit GPU, split over lit GPUs of one node, or (a piece) onto another
+    GPU of its node or as its whole instance placed anew away from its stages (`_move_whole`)."""
+    request = requests.get(inst.id) or _as_request(work, inst, gpu.ref)
+    if inst.part_of is None:
+        requests[inst.id] = request
+        return bool(lit_fits(work, request, placement)) or split_fits(work, request, placement)
+    if lit_fits(work, request, placement):
+        return True
+    stages = _stages(work, inst.part_of, gpu.ref.invoker)
+    total = sum(i.request for _, i in stages)
+    whole = PlacementRequest(
+        instance_id=inst.part_of,
+        function=inst.function,
+        cls=inst.cls,
+        request=min(1.0, total),
+        limit=min(1.0, max(sum(i.limit for _, i in stages), total)),
+        memory_mib=sum(i.memory_mib for _, i in stages),
+        profile=inst.profile,
+        avoid_gpus=frozenset(ref for ref, _ in stages),
+        lit_only=True,
+    )
+    # The stages' GPUs are avoided, so the cluster with the stages still on them answers alike.
+    return bool(lit_fits(work, whole, placement)) or split_fits(work, whole, placement)
 
 
 def _try_source(

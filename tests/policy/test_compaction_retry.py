@@ -127,8 +127,8 @@ CASES: dict[str, tuple[ClusterSnapshot, list[Step]]] = {
     ),
     "room for the blocker opens: tried again and emptied": (
         one_blocker(),
-        # f1 shrinks to 28 GiB: 12 GiB free on a/1 hold x and w.
-        [Step("a/1 gains", remove=("f1",), add=((inf("f1b", 0.5, 28.0), A1),), moved=frozenset({"x", "w"}))],
+        # f1 gives way to f1b (28 GiB, request 0.75, which fits nowhere else): x goes to a/1, w to b/0.
+        [Step("a/1 gains", remove=("f1",), add=((inf("f1b", 0.75, 28.0), A1),), moved=frozenset({"x", "w"}))],
     ),
     "two blockers: room for one is remembered, the source waits for the other": (
         two_blockers(),
