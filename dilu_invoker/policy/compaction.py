@@ -516,7 +516,9 @@ def _candidates(
     if failed and (gained or carried):
         # The most room any GPU that gained offers, per dimension: a blocker asking more of one
         # is not helped, without looking at the GPUs one by one.
-        lit = [g for _, g in gained if g.lit and g.schedulable]
+        lit_gained = [(og, g) for og, g in gained if g.lit and g.schedulable]
+        lit = [g for _, g in lit_gained]
+        omega, gamma = placement.omega + EPS, placement.gamma + EPS
         most = (
             max((g.memory_mib * (1.0 + EPS) - g.used_memory for g in lit), default=-math.inf),
             max((placement.omega + EPS - g.used_request for g in lit), default=-math.inf),
@@ -529,6 +531,23 @@ def _candidates(
                     known = {og for og, _ in gained}
                     again = gained + [(og, gpus[og]) for og in carried[o] if og not in known]
                 elif _out_of_reach(need, most, placement):
+                    continue
+                elif not need.also and need.deficit is None and need.split_mib is None:
+                    # The common case, inline: one instance that needs a GPU taking it whole.
+                    mem, req, lim, inv = need.memory_mib, need.request, need.limit, need.invoker
+                    helpers_now = [
+                        og
+                        for og, g in lit_gained
+                        if og != o
+                        and (inv is None or inv == g.ref.invoker)
+                        and g.memory_mib * (1.0 + EPS) - g.used_memory >= mem
+                        and g.used_request + req <= omega
+                        and g.used_limit + lim <= gamma
+                    ]
+                    if helpers_now:
+                        del m[o]
+                        out.add(o)
+                        helped[o] = (need, helpers_now)
                     continue
                 # Blockers helped now are dropped; the source is retried once none is left.
                 unhelped: list[Need] = []
