@@ -284,6 +284,12 @@ FILTERS: dict[str, Filter] = {
 }
 
 
+_F_SM_REQUEST, _F_SM_LIMIT = FILTERS["sm-request"], FILTERS["sm-limit"]
+_F_SM_LIMIT_STATIC, _F_MEMORY = FILTERS["sm-limit-static"], FILTERS["memory"]
+#: Filters that read of a request only what a piece copies from its instance (not its size).
+_SIZE_FREE = frozenset({"schedulable", "avoid", "exclusive", "priority-pair"})
+
+
 # -- scorers -------------------------------------------------------------------------------------
 
 GpuScore = Callable[
@@ -1220,6 +1226,38 @@ def _part_request(request: PlacementRequest, memory_mib: float, index: int) -> P
     )
 
 
+def _piece_passes(
+    g: GpuState,
+    request: PlacementRequest,
+    memory_mib: float,
+    config: PlacementConfig,
+    filters: tuple[Filter, ...],
+) -> bool:
+    """Whether `g` passes every filter for the piece of `memory_mib` that `_part_request` would
+    build, without building it: the size filters are evaluated on the piece's request, limit and
+    memory exactly as the filters compute them, the others on `request` (a piece copies the fields
+    they read)."""
+    f = memory_mib / request.memory_mib
+    r = min(request.request, request.request * f)
+    lim = min(request.limit, request.limit * f)
+    for flt in filters:
+        if flt is _F_SM_REQUEST:
+            ok = g.used_request + r <= config.omega + EPS
+        elif flt is _F_SM_LIMIT:
+            ok = g.used_limit + lim <= config.gamma + EPS
+        elif flt is _F_SM_LIMIT_STATIC:
+            ok = g.used_limit + lim <= 1.0 + EPS
+        elif flt is _F_MEMORY:
+            ok = g.used_memory + memory_mib <= g.memory_mib * (1.0 + EPS)
+        elif flt.name in _SIZE_FREE:
+            ok = flt.passes(g, request, config)
+        else:
+            return _first_failure(g, filters, _part_request(request, memory_mib, 0), config) is None
+        if not ok:
+            return False
+    return True
+
+
 def _split_plan(
     cands: list[tuple[float, int]],
     request: PlacementRequest,
@@ -1247,8 +1285,7 @@ def _split_plan(
             if take < min_part:
                 continue
         g = gpus[o]
-        piece = _part_request(request, take, len(plan))
-        if _first_failure(g, filters, piece, config) is not None:
+        if not _piece_passes(g, request, take, config, filters):
             continue
         plan.append((o, take))
         unused += cap - take
