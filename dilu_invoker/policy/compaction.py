@@ -13,6 +13,7 @@ one does).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -28,6 +29,7 @@ from dilu_invoker.policy.placement import (
     apply_placement,
     lit_fits,
     place,
+    split_fits,
 )
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
 
@@ -42,6 +44,11 @@ class CompactionConfig:
     """How many source GPUs one call tries (bounds the work per call)."""
     max_moves: int = 64
     """How many moves one plan may contain (bounds cold starts per call)."""
+    max_trials: int | None = None
+    """How many sources one call may try to empty by placing their instances (the sources that
+    the cheap proof does not rule out; each trial re-runs placement): once spent, the call still
+    proves sources hopeless but leaves those that pass to the next call, which resumes with them
+    (`CompactionState.pending`). None: only `max_sources` bounds the call."""
     move_pieces: bool = False
     """Whether a GPU holding a piece of a split instance (a pipeline stage) may be emptied: the
     piece moves to another GPU of its node that holds no other piece of the instance, or else the
@@ -53,6 +60,8 @@ class CompactionConfig:
             raise ValueError(
                 f"source_max_request must be between 0 and 1, got {self.source_max_request!r}"
             )
+        if self.max_trials is not None and self.max_trials < 1:
+            raise ValueError(f"max_trials must be >= 1 or None, got {self.max_trials}")
         for name in ("source_max_instances", "max_sources", "max_moves"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -197,6 +206,11 @@ class CompactionState:
     """Candidates a call did not get to (max_sources, max_moves)."""
     no_fit: tuple[NoFit, ...] = ()
     """Instance shapes no lit GPU took when the plan ended (see `NoFit`)."""
+    retry: Map[int, tuple[int, ...]] = field(default_factory=Map)
+    """Failed sources (also in `failed`) a call was to retry for room some GPUs gained but did not
+    get to (max_sources, max_moves): source ordinal → those GPUs. The next call retries such a
+    source only if one of them (or a GPU that gained room since) may still take what it needs;
+    room the others took meanwhile would make it fail again where it failed before."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +238,10 @@ class Need:
     instance a piece belongs to, which compaction may place anew); None when it may not."""
 
     ids: frozenset[str]
-    """The instances on the source when it failed (`instance` among them)."""
+    """The instances whose presence on the source the failure depends on (`instance` among them):
+    the one that finds no lit GPU at all, the group whose GPUs lack room together, or, when
+    placement failed part-way, every instance the source held. While they all stay, the source
+    only becomes harder to empty, whatever else leaves it or arrives."""
     instance: str
     memory_mib: float
     request: float
@@ -237,19 +254,50 @@ class Need:
     deficit: tuple[float, float, float] | None = None
     """When each instance fits somewhere but the few GPUs that take any of them lack room for all
     together: how much request, limit and memory was missing. `memory_mib`, `request`, `limit`
-    are then the least any of the instances needs, and a GPU helps only if it takes one of them
-    and offers the whole deficit."""
+    are then the least any of the instances needs, and the GPUs that gained room and take one of
+    them must offer the deficit together."""
+    members: tuple[tuple[float, float, float], ...] = ()
+    """For a group (`deficit`): each member's request, limit and memory."""
+    union: tuple[int, ...] = ()
+    """For a group: ordinals of the GPUs known to take one of its members (those of the proof,
+    and those that gained room since without making up the deficit)."""
+    avoid: frozenset[int] = frozenset()
+    """Ordinals of GPUs that never take the instance's pieces: its source and, for a piece, the
+    GPUs of its sibling stages (the whole instance placed anew keeps away from them)."""
+    also: tuple[Need, ...] = ()
+    """Further blockers of the same source, found by the same proof: each must be helped too
+    before the source is worth another try (a GPU that gained room for one of them is remembered
+    by dropping that one)."""
+
+    def blockers(self) -> tuple[Need, ...]:
+        return (replace(self, also=()), *self.also) if self.also else (self,)
+
+
+def _joined(blockers: list[Need]) -> Need | None:
+    """One `Need` standing for all of `blockers` (None when there are none)."""
+    if not blockers:
+        return None
+    return replace(blockers[0], also=tuple(blockers[1:])) if len(blockers) > 1 else blockers[0]
 
 
 def _need(
-    cluster: ClusterSnapshot, gpu: GpuState, inst: PlacedInstance, placement: PlacementConfig
+    cluster: ClusterSnapshot,
+    gpu: GpuState,
+    inst: PlacedInstance,
+    placement: PlacementConfig,
+    alone: bool = False,
 ) -> Need:
+    """What `inst` needs to move off `gpu`; `alone`: the failure is about it only (it finds no lit
+    GPU at all, whatever else `gpu` holds), else about every instance there."""
     split: float | None = None
     split_request = split_limit = 0.0
     invoker = None
+    avoid = {cluster.ordinals[gpu.ref]}
     if inst.part_of is not None:
         invoker = gpu.ref.invoker
-        stages = [p for _, p in _stages(cluster, inst.part_of, invoker)]
+        held = _stages(cluster, inst.part_of, invoker)
+        avoid.update(cluster.ordinals[ref] for ref, _ in held)
+        stages = [p for _, p in held]
         split = sum(p.memory_mib for p in stages)
         split_request = sum(p.request for p in stages)
         split_limit = sum(p.limit for p in stages)
@@ -260,7 +308,7 @@ def _need(
     ):
         split, split_request, split_limit = inst.memory_mib, inst.request, inst.limit
     return Need(
-        ids=frozenset(i.id for i in gpu.instances),
+        ids=frozenset((inst.id,)) if alone else frozenset(i.id for i in gpu.instances),
         instance=inst.id,
         memory_mib=inst.memory_mib,
         request=inst.request,
@@ -269,13 +317,94 @@ def _need(
         split_mib=split,
         split_request=split_request,
         split_limit=split_limit,
+        avoid=frozenset(avoid),
     )
+
+
+def _helpers(
+    cluster: ClusterSnapshot,
+    gained: list[tuple[int, GpuState]],
+    need: Need,
+    placement: PlacementConfig,
+    source: int,
+) -> list[int]:
+    """The GPUs of `gained` (other than `source`) that may help the source `need` describes, or none
+    when together they cannot: with several blockers, each must be helped (see `_help`)."""
+    found: dict[int, None] = {}
+    for b in need.blockers():
+        some, _ = _help(cluster, gained, b, placement, source)
+        if not some:
+            return []
+        found.update(dict.fromkeys(some))
+    return list(found)
+
+
+def _out_of_reach(need: Need, top: tuple[float, float, float], placement: PlacementConfig) -> bool:
+    """Whether no GPU offering at most `top` (free memory, request room, limit room) may help any
+    blocker of `need` (a cheap pre-test of `_help`)."""
+    # A little slack: `_help` compares sums (a + b <= c), this differences.
+    free, request, limit = top[0] + 1e-6, top[1] + 1e-6, top[2] + 1e-6
+    for b in need.blockers():
+        if b.deficit is not None:
+            if any(m <= free and r <= request and lim <= limit for r, lim, m in b.members):
+                return False
+        elif b.split_mib is not None:
+            if free >= min(placement.min_part_mib, b.split_mib):
+                return False
+        elif b.memory_mib <= free and b.request <= request and b.limit <= limit:
+            return False
+    return True
+
+
+def _help(
+    cluster: ClusterSnapshot,
+    gained: list[tuple[int, GpuState]],
+    need: Need,
+    placement: PlacementConfig,
+    source: int,
+) -> tuple[list[int], Need]:
+    """The GPUs of `gained` that may help the one blocker `need` (none if they cannot), and the
+    blocker to remember if they cannot. For a group that lacked room together: the GPUs that take
+    one of its members, and only if with the GPUs known to take one (`Need.union`) they have the
+    room for all of it now; else those GPUs join `union`, so that room gained bit by bit over
+    several calls is added up."""
+    if need.deficit is None:
+        return [o for o, g in gained if o != source and _may_help(cluster, g, need, placement)], need
+    omega, gamma = placement.omega + EPS, placement.gamma + EPS
+    takers = [
+        o
+        for o, g in gained
+        if o != source
+        and g.lit
+        and g.schedulable
+        and any(
+            g.used_memory + m <= g.memory_mib * (1.0 + EPS)
+            and g.used_request + r <= omega
+            and g.used_limit + lim <= gamma
+            for r, lim, m in need.members
+        )
+    ]
+    if not takers:
+        return [], need
+    gpus = cluster.gpus
+    pool = dict.fromkeys(need.union)
+    pool.update(dict.fromkeys(takers))
+    room = [g for g in (gpus[o] for o in pool) if g.lit]
+    if (
+        sum(placement.omega + EPS - g.used_request for g in room) >= sum(m[0] for m in need.members)
+        and sum(placement.gamma + EPS - g.used_limit for g in room) >= sum(m[1] for m in need.members)
+        and sum(g.memory_mib * (1.0 + EPS) - g.used_memory for g in room)
+        >= sum(m[2] for m in need.members)
+    ):
+        return takers, need
+    return [], replace(need, union=tuple(pool))
 
 
 def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: PlacementConfig) -> bool:
     """Whether lit GPU `g`, having gained room, might take the instance `need` describes (whole, or
     a piece of it with the rest on other GPUs of `g`'s node)."""
-    if not g.schedulable:
+    if not (g.lit and g.schedulable):
+        # Moves go to lit GPUs only: a GPU emptied since (a source of this plan) takes nothing.
         return False
     free = g.memory_mib * (1.0 + EPS) - g.used_memory
     fits = (
@@ -285,13 +414,8 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
         and g.used_limit + need.limit <= placement.gamma + EPS
     )
     if need.deficit is not None:
-        request, limit, memory = need.deficit
-        return (
-            fits
-            and placement.omega + EPS - g.used_request >= request
-            and placement.gamma + EPS - g.used_limit >= limit
-            and free >= memory
-        )
+        # One of several GPUs that must together offer the deficit (`_helpers`).
+        return fits
     if fits:
         return True
     whole = need.split_mib
@@ -303,18 +427,21 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
     per_limit = whole / need.split_limit if need.split_limit > 0 else math.inf
     gpus = cluster.gpus
     room = 0.0
+    pieces = 0
+    small = min(placement.min_part_mib, whole)
     for o in cluster.invoker_ordinals[g.ref.invoker]:
         h = gpus[o]
-        if h.lit and h.schedulable:
-            room += max(
-                0.0,
-                min(
-                    h.memory_mib * (1.0 + EPS) - h.used_memory,
-                    (placement.omega + EPS - h.used_request) * per_request,
-                    (placement.gamma + EPS - h.used_limit) * per_limit,
-                ),
+        if h.lit and h.schedulable and o not in need.avoid:
+            c = min(
+                h.memory_mib * (1.0 + EPS) - h.used_memory,
+                (placement.omega + EPS - h.used_request) * per_request,
+                (placement.gamma + EPS - h.used_limit) * per_limit,
             )
-    return room >= whole - EPS
+            # Split placement uses only GPUs with room for a piece of the smallest size, two or more.
+            if c >= small:
+                room += min(c, whole)
+                pieces += 1
+    return pieces >= 2 and room >= whole - EPS
 
 
 def _gained(old: GpuState, new: GpuState) -> bool:
@@ -368,25 +495,80 @@ def _candidates(
             for o in changed:
                 g = gpus[o]
                 need = m.get(o)
-                # A failed source that only received instances still holds the one that found no
-                # room, and its own room is no matter (a source is never its own target).
-                if need is not None and not need.ids <= {i.id for i in g.instances}:
-                    del m[o]
-                    need = None
+                # A failed source that still holds what a blocker is about stays as hopeless (its
+                # own room is no matter: a source is never its own target); a blocker whose
+                # instances left is gone, and with the last one the failure.
+                if need is not None:
+                    ids = {i.id for i in g.instances}
+                    left = [b for b in need.blockers() if b.ids <= ids]
+                    if not left:
+                        del m[o]
+                        need = None
+                    elif len(left) < len(need.blockers()):
+                        m[o] = replace(left[0], also=tuple(left[1:]))
                 if need is None and _eligible(g, config):
                     out.add(o)
                 if _gained(old[o], g):
                     gained.append((o, g))
             failed = m.finish()
     helped: dict[int, tuple[Need, list[int]]] = {}
-    if gained and failed:
+    carried = state.retry
+    if failed and (gained or carried):
+        # The most room any GPU that gained offers, per dimension: a blocker asking more of one
+        # is not helped, without looking at the GPUs one by one.
+        lit_gained = [(og, g) for og, g in gained if g.lit and g.schedulable]
+        lit = [g for _, g in lit_gained]
+        omega, gamma = placement.omega + EPS, placement.gamma + EPS
+        most = (
+            max((g.memory_mib * (1.0 + EPS) - g.used_memory for g in lit), default=-math.inf),
+            max((placement.omega + EPS - g.used_request for g in lit), default=-math.inf),
+            max((placement.gamma + EPS - g.used_limit for g in lit), default=-math.inf),
+        )
         with failed.mutate() as m:
-            for o, need in failed.items():
-                helpers = [og for og, g in gained if og != o and _may_help(cluster, g, need, placement)]
-                if helpers:
+            for o, need in failed.items() if gained else [(o, failed[o]) for o in carried if o in failed]:
+                again = gained
+                if o in carried:
+                    known = {og for og, _ in gained}
+                    again = gained + [(og, gpus[og]) for og in carried[o] if og not in known]
+                elif _out_of_reach(need, most, placement):
+                    continue
+                elif not need.also and need.deficit is None and need.split_mib is None:
+                    # The common case, inline: one instance that needs a GPU taking it whole.
+                    mem, req, lim, inv = need.memory_mib, need.request, need.limit, need.invoker
+                    helpers_now = [
+                        og
+                        for og, g in lit_gained
+                        if og != o
+                        and (inv is None or inv == g.ref.invoker)
+                        and g.memory_mib * (1.0 + EPS) - g.used_memory >= mem
+                        and g.used_request + req <= omega
+                        and g.used_limit + lim <= gamma
+                    ]
+                    if helpers_now:
+                        del m[o]
+                        out.add(o)
+                        helped[o] = (need, helpers_now)
+                    continue
+                # Blockers helped now are dropped; the source is retried once none is left.
+                unhelped: list[Need] = []
+                helpers: dict[int, None] = {}
+                changed_record = False
+                for b in need.blockers():
+                    some, b2 = _help(cluster, again, b, placement, o)
+                    if some:
+                        helpers.update(dict.fromkeys(some))
+                        changed_record = True
+                    else:
+                        unhelped.append(b2)
+                        changed_record = changed_record or b2 is not b
+                if not unhelped:
                     del m[o]
                     out.add(o)
-                    helped[o] = (need, helpers)
+                    helped[o] = (need, list(helpers))
+                elif changed_record:
+                    joined = _joined(unhelped)
+                    assert joined is not None
+                    m[o] = joined
             failed = m.finish()
     candidates = [o for o in out if o not in failed and _eligible(gpus[o], config)]
     return candidates, failed, helped, no_fit
@@ -414,6 +596,7 @@ def compaction_plan(
     # GPUs this plan moved something onto: never emptied again by the same plan (no ping-pong).
     targets: set[GpuRef] = set()
     tried = 0
+    trials = 0  # sources tried by placing their instances (`max_trials`)
     candidates, failed, helped, no_fit = _candidates(cluster, placement, config, state)
     gpus0 = cluster.gpus
 
@@ -444,16 +627,23 @@ def compaction_plan(
             pending.append(o)
             continue
         retry = helped.get(o)
-        if retry is not None and not any(
-            _may_help(work, work.gpus[og], retry[0], placement) for og in retry[1]
+        if retry is not None and not _helpers(
+            work, [(og, work.gpus[og]) for og in retry[1]], retry[0], placement, o
         ):
             # The room it was retried for went to sources tried before it in this plan.
             failures[o] = retry[0]
             continue
         tried += 1
-        trial_moves, trial, trial_freed, stuck = _try_source(work, gpu, placement, no_fit)
+        may_place = config.max_trials is None or trials < config.max_trials
+        trial_moves, trial, trial_freed, stuck, placed = _try_source(
+            work, gpu, placement, no_fit, may_place
+        )
+        trials += placed
         if not trial_moves:
-            assert stuck is not None
+            if stuck is None:
+                # Not ruled out, but the call's trials are spent: the next call resumes with it.
+                pending.append(o)
+                continue
             failures[o] = stuck
             continue
         opened = {
@@ -478,7 +668,7 @@ def compaction_plan(
             failures = known.mutate()
             retry_now = [og for og, _ in gained if og not in queued or og in known]
             for f, need in known.items():
-                if any(og != f and _may_help(work, g, need, placement) for og, g in gained):
+                if _helpers(work, gained, need, placement, f):
                     retry_now.append(f)
             for f in retry_now:
                 if f in failures:
@@ -496,9 +686,21 @@ def compaction_plan(
             del failures[o]
         if _eligible(work.gpus[o], config):
             pending.append(o)
+    # A source retried for room some GPUs gained, but not reached, stays failed with those GPUs:
+    # the next call retries it only while one of them may still help (see `CompactionState.retry`).
+    carry: dict[int, tuple[int, ...]] = {}
+    for o in pending:
+        r = helped.get(o)
+        if r is not None and o not in touched and o not in failures:
+            failures[o] = r[0]
+            carry[o] = tuple(r[1])
     failed = failures.finish()
     next_state = CompactionState(
-        seen=work, failed=failed, pending=frozenset(pending), no_fit=tuple(no_fit)
+        seen=work,
+        failed=failed,
+        pending=frozenset(o for o in pending if o not in carry),
+        no_fit=tuple(no_fit),
+        retry=Map(carry),
     )
     plan = CompactionPlan(
         moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state
@@ -579,64 +781,151 @@ def _cannot_all_fit(
     splits: bool,
     requests: dict[str, PlacementRequest],
     no_fit: list[NoFit],
+    options: dict[str, int],
 ) -> Need | None:
     """A quick proof, without deriving a snapshot, that the instances of `gpu` cannot all move (what
-    would have to change for them to, as a `Need`), or None: one that may not be split finds no
-    lit GPU at all, or (when none of them may split) the few GPUs that can take any of them lack
-    the room for all of them together. The move requests it builds are left in `requests` (an
+    would have to change for them to, as a `Need` with every blocker found), or None: an instance
+    that may not be split finds no lit GPU at all, or a group of instances that few lit GPUs take
+    (all of them known) lacks the room on those GPUs together. The move requests it builds are left in `requests` (an
     instance that is not a piece asks the same whatever the cluster); `no_fit` answers, and learns,
     which requests no lit GPU takes."""
     k = len(order)
-    union: dict[GpuRef, None] = {}
-    complete = True
+    fits_of: list[tuple[PlacedInstance, tuple[GpuRef, ...]]] = []
+    blockers: list[Need] = []
+    # A piece placed anew as a whole instance frees its sibling stages' GPUs: what comes after it
+    # (biggest first, as `_try_source` moves instances that may split) might use that room.
+    after_piece = False
+    split_checks: list[PlacedInstance] = []
     for inst in order:
         if inst.part_of is not None or (splits and inst.cls is InstanceClass.LLM):
-            complete = False
+            if not after_piece:
+                split_checks.append(inst)
+            after_piece = after_piece or inst.part_of is not None
             continue
         fits = _lit_fits(work, inst, gpu, placement, k, requests, no_fit)
         if not fits:
-            return _need(work, gpu, inst, placement)
-        complete = complete and len(fits) < k
-        union.update(dict.fromkeys(fits))
-    if not complete or k < 2:
-        return None
-    # Every GPU that can take any of them is in `union`: their room must hold all of them.
-    room = [work.gpu(r) for r in union]
-    deficit = (
-        sum(i.request for i in order) - sum(placement.omega - g.used_request for g in room),
-        sum(i.limit for i in order) - sum(placement.gamma - g.used_limit for g in room),
-        sum(i.memory_mib for i in order) - sum(g.free_memory for g in room),
+            blockers.append(_need(work, gpu, inst, placement, alone=True))
+            continue
+        options[inst.id] = len(fits)
+        if len(fits) < k:
+            fits_of.append((inst, fits))
+    # An instance with fewer lit GPUs to go to than there are instances has all of them known;
+    # moves only consume room (an LLM split too), so each group of such instances must fit in the
+    # room of the GPUs that take any of its members, in request, limit and memory (the largest
+    # group that does not is a blocker).
+    for size in range(len(fits_of), 1, -1):
+        for group in itertools.combinations(fits_of, size):
+            union = {r: None for _, fits in group for r in fits}
+            room = [work.gpu(r) for r in union]
+            insts = [i for i, _ in group]
+            deficit = (
+                sum(i.request for i in insts) - sum(placement.omega - g.used_request for g in room),
+                sum(i.limit for i in insts) - sum(placement.gamma - g.used_limit for g in room),
+                sum(i.memory_mib for i in insts) - sum(g.free_memory for g in room),
+            )
+            if max(deficit) > EPS:
+                blockers.append(
+                    Need(
+                        ids=frozenset(i.id for i in insts),
+                        instance=insts[-1].id,
+                        memory_mib=min(i.memory_mib for i in insts),
+                        request=min(i.request for i in insts),
+                        limit=min(i.limit for i in insts),
+                        invoker=None,
+                        split_mib=None,
+                        deficit=(max(0.0, deficit[0]), max(0.0, deficit[1]), max(0.0, deficit[2])),
+                        members=tuple((i.request, i.limit, i.memory_mib) for i in insts),
+                        union=tuple(work.ordinals[r] for r in union),
+                    )
+                )
+                return _joined(blockers)
+    if not blockers:
+        # Dearer (every node that might take the pieces is looked at): only when nothing else
+        # rules the source out.
+        for inst in split_checks:
+            if not _may_move_split(work, inst, gpu, placement, requests):
+                return _need(work, gpu, inst, placement, alone=True)
+    return _joined(blockers)
+
+
+def _may_move_split(
+    work: ClusterSnapshot,
+    inst: PlacedInstance,
+    gpu: GpuState,
+    placement: PlacementConfig,
+    requests: dict[str, PlacementRequest],
+) -> bool:
+    """Whether `inst`, an instance that may be split (a whole LLM) or a piece of one, may move off
+    `gpu` at all: whole onto a lit GPU, split over lit GPUs of one node, or (a piece) onto another
+    GPU of its node or as its whole instance placed anew away from its stages (`_move_whole`)."""
+    request = requests.get(inst.id) or _as_request(work, inst, gpu.ref)
+    if inst.part_of is None:
+        requests[inst.id] = request
+        return bool(lit_fits(work, request, placement)) or split_fits(work, request, placement)
+    if lit_fits(work, request, placement):
+        return True
+    stages = _stages(work, inst.part_of, gpu.ref.invoker)
+    total = sum(i.request for _, i in stages)
+    whole = PlacementRequest(
+        instance_id=inst.part_of,
+        function=inst.function,
+        cls=inst.cls,
+        request=min(1.0, total),
+        limit=min(1.0, max(sum(i.limit for _, i in stages), total)),
+        memory_mib=sum(i.memory_mib for _, i in stages),
+        profile=inst.profile,
+        avoid_gpus=frozenset(ref for ref, _ in stages),
+        lit_only=True,
     )
-    if max(deficit) <= EPS:
-        return None
-    return Need(
-        ids=frozenset(i.id for i in gpu.instances),
-        instance=order[-1].id,
-        memory_mib=min(i.memory_mib for i in order),
-        request=min(i.request for i in order),
-        limit=min(i.limit for i in order),
-        invoker=None,
-        split_mib=None,
-        deficit=(max(0.0, deficit[0]), max(0.0, deficit[1]), max(0.0, deficit[2])),
-    )
+    # The stages' GPUs are avoided, so the cluster with the stages still on them answers alike.
+    return bool(lit_fits(work, whole, placement)) or split_fits(work, whole, placement)
 
 
 def _try_source(
-    work: ClusterSnapshot, gpu: GpuState, placement: PlacementConfig, no_fit: list[NoFit]
-) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], Need | None]:
+    work: ClusterSnapshot,
+    gpu: GpuState,
+    placement: PlacementConfig,
+    no_fit: list[NoFit],
+    may_place: bool = True,
+) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], Need | None, bool]:
     """Move every instance off `gpu` onto other lit GPUs, or nothing (empty list, and what would
-    have to change for them to move)."""
-    trial = work
-    trial_moves: list[CompactionMove] = []
-    trial_freed: list[GpuRef] = []
+    have to change for them to move); last, whether placement ran. Without `may_place` only the
+    cheap proof runs: nothing and no `Need` when it does not rule the source out."""
     # Biggest first: they are the hardest to fit, so a hopeless source is abandoned early.
     order = sorted(gpu.instances, key=lambda i: (-i.request, -i.memory_mib, i.id))
     splits = placement.strategy_spec().splits and placement.llm_max_parts > 1
     requests: dict[str, PlacementRequest] = {}
-    hopeless = _cannot_all_fit(work, gpu, order, placement, splits, requests, no_fit)
+    options: dict[str, int] = {}
+    hopeless = _cannot_all_fit(work, gpu, order, placement, splits, requests, no_fit, options)
     if hopeless is not None:
-        return [], work, [], hopeless
-    for inst in order:
+        return [], work, [], hopeless, False
+    if not may_place:
+        return [], work, [], None, False
+    # Most constrained first: an instance that only a few lit GPUs take (fewer than there are
+    # instances to move, all of them known) moves before the others, so one with more choice does
+    # not take its only GPU; the rest keep biggest first (a stable sort).
+    k = len(order)
+    order.sort(key=lambda i: options.get(i.id, k))
+    moves, trial, freed, stuck = _place_in_order(work, gpu, order, placement, requests)
+    if stuck is not None:
+        return [], work, [], _need(work, gpu, order[stuck], placement), True
+    return moves, trial, freed, None, True
+
+
+def _place_in_order(
+    work: ClusterSnapshot,
+    gpu: GpuState,
+    order: list[PlacedInstance],
+    placement: PlacementConfig,
+    requests: dict[str, PlacementRequest],
+) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], int | None]:
+    """Move the instances of `gpu` one after another in `order` onto other lit GPUs: the moves,
+    the cluster after them and the GPUs they leave dark, or ([], `work`, [], the index in `order`
+    of the instance that found no room)."""
+    trial = work
+    trial_moves: list[CompactionMove] = []
+    trial_freed: list[GpuRef] = []
+    for n, inst in enumerate(order):
         trial = trial.without_instance(inst.id)
         request = requests.get(inst.id) or _as_request(trial, inst, gpu.ref)
         decision = place(trial, request, placement)
@@ -649,7 +938,7 @@ def _try_source(
                 trial_freed.extend(dark)
                 continue
         if not decision.placed:
-            return [], work, [], _need(work, gpu, inst, placement)
+            return [], work, [], n
         if decision.parts:
             trial = apply_placement(trial, request, decision)
         else:

@@ -284,6 +284,12 @@ FILTERS: dict[str, Filter] = {
 }
 
 
+_F_SM_REQUEST, _F_SM_LIMIT = FILTERS["sm-request"], FILTERS["sm-limit"]
+_F_SM_LIMIT_STATIC, _F_MEMORY = FILTERS["sm-limit-static"], FILTERS["memory"]
+#: Filters that read of a request only what a piece copies from its instance (not its size).
+_SIZE_FREE = frozenset({"schedulable", "avoid", "exclusive", "priority-pair"})
+
+
 # -- scorers -------------------------------------------------------------------------------------
 
 GpuScore = Callable[
@@ -1025,6 +1031,29 @@ def lit_fits(
     return tuple(cluster.refs[o] for o in _scan_lit(cluster, filters, request, config, limit, _NO_REJECTS))
 
 
+def split_fits(cluster: ClusterSnapshot, request: PlacementRequest, config: PlacementConfig) -> bool:
+    """Whether `request` may be split over lit GPUs of one invoker as `place` would split it (the
+    same test, without building the decision): the cheap necessary condition of a lit-only `place`
+    of an instance that no lit GPU takes whole."""
+    max_parts = request.parts_allowed(config)
+    if max_parts < 2:
+        return False
+    strategy = config.strategy_spec()
+    if not strategy.splits:
+        return False
+    filters = tuple(FILTERS[name] for name in strategy.filters)
+    total = request.memory_mib
+    if total <= 0:
+        return False
+    min_part = min(config.min_part_mib, total)
+    gpus = cluster.gpus
+    # The first invoker that can take it answers (placement would compare them all).
+    return any(
+        _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus) is not None
+        for _, cands in _split_invokers(cluster, request, config, filters, max_parts)
+    )
+
+
 # Candidates are ranked by (total, lit, -ordinal): best score, then an already-lit GPU, then the
 # earliest GPU in cluster order, so equal scores resolve the same way on every run.
 _Ranked = tuple[float, int, int, tuple[int, ...], tuple[float, ...]]
@@ -1197,26 +1226,87 @@ def _part_request(request: PlacementRequest, memory_mib: float, index: int) -> P
     )
 
 
-def _place_split(
+def _piece_passes(
+    g: GpuState,
+    request: PlacementRequest,
+    memory_mib: float,
+    config: PlacementConfig,
+    filters: tuple[Filter, ...],
+) -> bool:
+    """Whether `g` passes every filter for the piece of `memory_mib` that `_part_request` would
+    build, without building it: the size filters are evaluated on the piece's request, limit and
+    memory exactly as the filters compute them, the others on `request` (a piece copies the fields
+    they read)."""
+    f = memory_mib / request.memory_mib
+    r = min(request.request, request.request * f)
+    lim = min(request.limit, request.limit * f)
+    for flt in filters:
+        if flt is _F_SM_REQUEST:
+            ok = g.used_request + r <= config.omega + EPS
+        elif flt is _F_SM_LIMIT:
+            ok = g.used_limit + lim <= config.gamma + EPS
+        elif flt is _F_SM_LIMIT_STATIC:
+            ok = g.used_limit + lim <= 1.0 + EPS
+        elif flt is _F_MEMORY:
+            ok = g.used_memory + memory_mib <= g.memory_mib * (1.0 + EPS)
+        elif flt.name in _SIZE_FREE:
+            ok = flt.passes(g, request, config)
+        else:
+            return _first_failure(g, filters, _part_request(request, memory_mib, 0), config) is None
+        if not ok:
+            return False
+    return True
+
+
+def _split_plan(
+    cands: list[tuple[float, int]],
+    request: PlacementRequest,
+    config: PlacementConfig,
+    filters: tuple[Filter, ...],
+    total: float,
+    min_part: float,
+    max_parts: int,
+    gpus: Sequence[GpuState],
+) -> tuple[list[tuple[int, float]], float] | None:
+    """The pieces (ordinal, MiB) one invoker's candidates (capacity, ordinal) take, largest
+    first, and the room they leave unused; None: they cannot hold the instance."""
+    if sum(min(c, total) for c, _ in cands) < total - EPS:
+        return None
+    cands.sort(key=lambda c: (-c[0], c[1]))
+    remaining = total
+    plan: list[tuple[int, float]] = []
+    unused = 0.0
+    for cap, o in cands[:max_parts]:
+        take = min(cap, remaining)
+        left = remaining - take
+        if 0 < left < min_part:
+            # Leave a last piece that is not too small to be a stage.
+            take = remaining - min_part
+            if take < min_part:
+                continue
+        g = gpus[o]
+        if not _piece_passes(g, request, take, config, filters):
+            continue
+        plan.append((o, take))
+        unused += cap - take
+        remaining -= take
+        if remaining <= EPS:
+            break
+    if remaining > EPS or len(plan) < 2:
+        return None
+    return plan, unused
+
+
+def _split_invokers(
     cluster: ClusterSnapshot,
     request: PlacementRequest,
     config: PlacementConfig,
-    strategy: Strategy,
     filters: tuple[Filter, ...],
     max_parts: int,
-) -> PlacementDecision | None:
-    """Split the instance's memory over 2..max_parts lit GPUs of one invoker, never lighting one.
-
-    Each piece's request and limit are the instance's scaled by the piece's share of the memory,
-    so Σ request, Σ limit and Σ memory over the pieces equal the instance's (nothing is reserved
-    twice); pipeline stages keep the instance's throughput, while one request passes the stages one
-    after another. Per invoker the GPUs that can take the largest pieces are used first (fewest
-    pieces); the invoker needing the fewest pieces wins, then the one leaving the least room unused
-    on the GPUs it uses, then cluster order.
-    """
+) -> Iterator[tuple[int, list[tuple[float, int]]]]:
+    """(first ordinal, [(capacity MiB, ordinal)]) of each invoker whose lit GPUs could take two
+    pieces or more of `request` (memory > 0), in the order of the node-room index."""
     total = request.memory_mib
-    if total <= 0:
-        return None
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
     # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ request
@@ -1256,9 +1346,7 @@ def _place_split(
     grow = 1.0 + EPS
     # request_bucket(u) > kmax  ⇔  u·BUCKETS + EPS ≥ kmax + 1: one comparison per GPU.
     too_full = (kmax + 1 - EPS) / BUCKETS if request.only_invoker is None and kmax < BUCKETS else math.inf
-    # (first ordinal, invoker, [(capacity, ordinal)]) of invokers with room for two pieces or more;
-    # each invoker appears once in `invokers` and its ordinals are grouped and ascending.
-    order: list[tuple[int, str, list[tuple[float, int]]]] = []
+    # Each invoker appears once in `invokers` and its ordinals are grouped and ascending.
     for ords in invokers:
         cands: list[tuple[float, int]] = []
         for o in ords:
@@ -1280,36 +1368,39 @@ def _place_split(
             if c >= min_part:
                 cands.append((c, o))
         if len(cands) >= 2:
-            order.append((ords[0], cluster.refs[ords[0]].invoker, cands))
-    best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
+            yield ords[0], cands
+
+
+def _place_split(
+    cluster: ClusterSnapshot,
+    request: PlacementRequest,
+    config: PlacementConfig,
+    strategy: Strategy,
+    filters: tuple[Filter, ...],
+    max_parts: int,
+) -> PlacementDecision | None:
+    """Split the instance's memory over 2..max_parts lit GPUs of one invoker, never lighting one.
+
+    Each piece's request and limit are the instance's scaled by the piece's share of the memory,
+    so Σ request, Σ limit and Σ memory over the pieces equal the instance's (nothing is reserved
+    twice); pipeline stages keep the instance's throughput, while one request passes the stages one
+    after another. Per invoker the GPUs that can take the largest pieces are used first (fewest
+    pieces); the invoker needing the fewest pieces wins, then the one leaving the least room unused
+    on the GPUs it uses, then cluster order.
+    """
+    total = request.memory_mib
+    if total <= 0:
+        return None
+    min_part = min(config.min_part_mib, total)
+    gpus = cluster.gpus
     # Invokers in cluster order.
-    order.sort(key=lambda e: e[0])
-    for rank, _inv, cands in order:
-        if sum(min(c, total) for c, _ in cands) < total - EPS:
+    order = sorted(_split_invokers(cluster, request, config, filters, max_parts), key=lambda e: e[0])
+    best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
+    for rank, cands in order:
+        found = _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus)
+        if found is None:
             continue
-        cands.sort(key=lambda c: (-c[0], c[1]))
-        remaining = total
-        plan: list[tuple[int, float]] = []
-        unused = 0.0
-        for cap, o in cands[:max_parts]:
-            take = min(cap, remaining)
-            left = remaining - take
-            if 0 < left < min_part:
-                # Leave a last piece that is not too small to be a stage.
-                take = remaining - min_part
-                if take < min_part:
-                    continue
-            g = gpus[o]
-            piece = _part_request(request, take, len(plan))
-            if _first_failure(g, filters, piece, config) is not None:
-                continue
-            plan.append((o, take))
-            unused += cap - take
-            remaining -= take
-            if remaining <= EPS:
-                break
-        if remaining > EPS or len(plan) < 2:
-            continue
+        plan, unused = found
         key = (len(plan), unused, rank)
         if best is None or key < best[0]:
             best = (key, plan)

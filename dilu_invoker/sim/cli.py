@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--compact-max-request", type=_nonneg_float, default=1.0,
                    help="compaction empties only GPUs whose Σ request is at most this")
-    p.add_argument("--compact-max-sources", type=_positive(int), default=64,
-                   help="GPUs one compaction run tries to empty")
+    p.add_argument("--compact-max-sources", type=_positive(int), default=8,
+                   help="GPUs one compaction run tries to empty (the rest wait for the next run)")
     p.add_argument("--compact-max-instances", type=_positive(int), default=3,
                    help="compaction empties only GPUs holding at most this many instances")
     p.add_argument("--no-compact-pieces", action="store_true",
