@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,26 @@ def podman_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture
+def late_child_watcher() -> Iterator[None]:
+    """asyncio's own child watcher, whose thread reaps each child 0.3 s late: as on a loaded host, where
+    that thread is scheduled after the event loop has already acted on a child's death."""
+    if not hasattr(asyncio, "set_child_watcher"):
+        pytest.skip("this Python has no pluggable child watcher")
+
+    class LateWatcher(asyncio.ThreadedChildWatcher):
+        def _do_waitpid(self, loop: asyncio.AbstractEventLoop, expected_pid: int, callback: Any,
+                        args: Any) -> None:
+            time.sleep(0.3)
+            super()._do_waitpid(loop, expected_pid, callback, args)  # type: ignore[misc]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        before = asyncio.get_child_watcher()
+        asyncio.set_child_watcher(LateWatcher())
+    yield
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        asyncio.set_child_watcher(before)

@@ -294,9 +294,11 @@ class WorkerProcess:
                 item.future.set_exception(self._exit)
 
     def kill(self) -> None:
+        # os.kill, not Process.kill(): that polls first (waitpid WNOHANG) and would reap a worker that has just
+        # died before asyncio's child watcher does, which then reports exit 255 in place of its real status.
         if self.process is not None and self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.process.pid, signal.SIGKILL)
 
     async def close(self) -> None:
         self.kill()

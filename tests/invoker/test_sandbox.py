@@ -8,11 +8,7 @@ import os
 import shutil
 import signal
 import tempfile
-import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -175,29 +171,6 @@ async def test_containers_started_at_once_each_serve_on_their_own_port(tmp_path:
     finally:
         await asyncio.gather(*(c.destroy() for c in containers))
         await backend.close()
-
-
-@pytest.fixture
-def late_child_watcher() -> Iterator[None]:
-    """asyncio's own child watcher, whose thread reaps each child 0.3 s late: as on a loaded host, where
-    that thread is scheduled after the event loop has already acted on a child's death."""
-    if not hasattr(asyncio, "set_child_watcher"):
-        pytest.skip("this Python has no pluggable child watcher")
-
-    class LateWatcher(asyncio.ThreadedChildWatcher):
-        def _do_waitpid(self, loop: asyncio.AbstractEventLoop, expected_pid: int, callback: Any,
-                        args: Any) -> None:
-            time.sleep(0.3)
-            super()._do_waitpid(loop, expected_pid, callback, args)  # type: ignore[misc]
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        before = asyncio.get_child_watcher()
-        asyncio.set_child_watcher(LateWatcher())
-    yield
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        asyncio.set_child_watcher(before)
 
 
 def _state(pid: int) -> str:
