@@ -42,7 +42,10 @@ DATA = ROOT / "docs/benchmarks/data"
 DEFAULT_INPUTS = [DATA / "gpu_product_matrix_run1.json.gz", DATA / "gpu_product_matrix_run2.json.gz"]
 LOAD_SCENARIOS = ("paced@0.5", "poisson@0.3", "poisson@0.5", "poisson@0.7")
 DEFAULT_KAPPA = 0.1
+DEFAULT_GAMMA = 1.5
 SERVING_POLICIES = ("exclusive", "mps-static", "dilu")
+WHAT_IF = "dilu on infless-r"
+"""A what-if, not a shipped policy: dilu's vertical policy and scaling on mps-static's placement (Σ request ≤ 1)."""
 
 
 def load_cells(paths: list[Path]) -> list[dict[str, Any]]:
@@ -150,30 +153,37 @@ def fit(cells: list[dict[str, Any]], mode: str = "mps50", pair: str = "resnet50+
 
 # -- the reduced serving comparison ----------------------------------------------------------------
 
-def _serve(task: tuple[str, str, int, float, str, float]) -> dict[str, Any]:
-    name, path, gpus, seconds, policy, kappa = task
+def _serve(task: tuple[str, str, int, float, str, float, float]) -> dict[str, Any]:
+    name, path, gpus, seconds, policy, kappa, gamma = task
     from evaluation import _head  # bench/evaluation.py: the same trace truncation as its --quick
 
     from dilu_invoker.sim.profiles import load_profiles
-    from dilu_invoker.sim.serving import ServingSimConfig, simulate_serving
+    from dilu_invoker.sim.serving import POLICY_SPEC, ServingSimConfig, simulate_serving
     from dilu_invoker.sim.traces import load_trace
+
+    if policy == WHAT_IF:  # registered in this worker process only
+        POLICY_SPEC[WHAT_IF] = ("infless-r", POLICY_SPEC["dilu"][1])
 
     profiles = load_profiles(ROOT / "examples/profiles.json")
     trace = _head(load_trace(ROOT / path, profiles), seconds)
     t0 = time.perf_counter()
-    r = simulate_serving(trace, profiles, ServingSimConfig(policy=policy, gpus=gpus, seed=1, interference=kappa))
+    r = simulate_serving(trace, profiles, ServingSimConfig(policy=policy, gpus=gpus, seed=1, interference=kappa, gamma=gamma))
     s = r.summary
-    return {"trace": name, "policy": policy, "kappa": kappa, "seconds": seconds, "gpus": gpus,
+    return {"trace": name, "policy": policy if gamma == DEFAULT_GAMMA else f"{policy} γ {gamma:g}", "kappa": kappa, "seconds": seconds, "gpus": gpus,
             "requests": trace.requests, "throughput_per_gpu": s["throughput_per_gpu"],
             "slo_violation_rate": s["slo_violation_rate"], "latency_p99_ms": s["latency_p99_ms"],
             "gpus_peak": s["gpus_peak"], "training_samples_per_s": s["training_samples_per_s"],
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def serving(kappas: list[float], traces: list[tuple[str, str, int, float]], jobs: int) -> list[dict[str, Any]]:
+def serving(kappas: list[float], traces: list[tuple[str, str, int, float]], jobs: int,
+            gammas: list[float], gamma_kappa: float) -> list[dict[str, Any]]:
     # `exclusive` has no co-location, so κ cannot change it: one run per trace, reported under every κ.
-    tasks = [(n, p, g, s, "exclusive", kappas[0]) for n, p, g, s in traces]
-    tasks += [(n, p, g, s, pol, k) for n, p, g, s in traces for k in kappas for pol in SERVING_POLICIES if pol != "exclusive"]
+    tasks = [(n, p, g, s, "exclusive", kappas[0], DEFAULT_GAMMA) for n, p, g, s in traces]
+    tasks += [(n, p, g, s, pol, k, DEFAULT_GAMMA) for n, p, g, s in traces for k in kappas
+              for pol in SERVING_POLICIES if pol != "exclusive"]
+    tasks += [(n, p, g, s, "dilu", gamma_kappa, gm) for n, p, g, s in traces for gm in gammas if gm != DEFAULT_GAMMA]
+    tasks += [(n, p, g, s, WHAT_IF, gamma_kappa, DEFAULT_GAMMA) for n, p, g, s in traces]
     sys.path.insert(0, str(ROOT / "bench"))
     with multiprocessing.Pool(jobs) as pool:
         rows = pool.map(_serve, tasks)
@@ -269,9 +279,11 @@ def _serving_md(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[str]
         "",
         "`exclusive`, `mps-static` and `dilu` (defaults: γ 1.5, the rckm vertical policy) with the measured profiles "
         "(`examples/profiles.json`), each trace truncated to its first "
-        + ", ".join(f"{t[0]}: {t[3] / 3600:g} h on {t[2]} GPUs" for t in result["traces"])
+        + ", ".join(f"{t[0]}: {t[3] / 60:g} min on {t[2]} GPUs" for t in result["traces"])
         + " (docs/evaluation.md runs the full day and hour; the full run takes over an hour here). Sim wall times "
-        f"with {result['jobs']} worker processes.",
+        f"with {result['jobs']} worker processes. `dilu γ …` rows: dilu with more Σ-limit oversubscription, at the "
+        f"fitted κ. `{WHAT_IF}` (what-if, not a shipped policy): dilu's vertical policy and horizontal sizing on "
+        "mps-static's placement (`infless-r`: Σ request ≤ 1 per GPU), at the fitted κ.",
         "",
         "| trace | κ | policy | req per GPU-s | × exclusive | SLO violations | p99 ms | GPUs peak | training samples/s | sim s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -289,12 +301,64 @@ def _serving_md(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[str]
             d, mp = by[(tname, k, "dilu")], by[(tname, k, "mps-static")]
             verdicts.append((tname, k, d["throughput_per_gpu"] / mp["throughput_per_gpu"] if mp["throughput_per_gpu"] else float("nan"),
                              d["slo_violation_rate"], mp["slo_violation_rate"]))
+        for r in rows:
+            if r["trace"] == tname and (r["policy"].startswith("dilu γ") or r["policy"] == WHAT_IF):
+                ex = by[(tname, r["kappa"], "exclusive")]["throughput_per_gpu"] or float("nan")
+                L.append(f"| {tname} | {r['kappa']:g} | {r['policy']} | {r['throughput_per_gpu']:.3f} | "
+                         f"{r['throughput_per_gpu'] / ex:.2f}× | {100 * r['slo_violation_rate']:.2f}% | "
+                         f"{r['latency_p99_ms']:.1f} | {r['gpus_peak']} | {r['training_samples_per_s']:.0f} | {r['wall_s']:.0f} |")
     L += ["", "dilu against mps-static (throughput per GPU ratio; SLO violations dilu vs mps-static):", ""]
     for tname, k, ratio, vd, vm in verdicts:
         L.append(f"- {tname}, κ {k:g}: dilu at {ratio:.2f}× mps-static's throughput per GPU, violations "
                  f"{100 * vd:.2f}% vs {100 * vm:.2f}%.")
-    L.append("")
+    L += ["", *_verdict(rows, result, verdicts), ""]
     return L
+
+
+def _verdict(rows: list[dict[str, Any]], result: dict[str, Any], verdicts: list[tuple[str, float, float, float, float]]) -> list[str]:
+    kappa = round(result["fit"]["kappa"], 3)
+    fitted = [v for v in verdicts if v[1] == kappa]
+    met = all(r >= 1.0 and vd <= vm for _, _, r, vd, vm in fitted)
+    ratios = [r for _, _, r, _, _ in verdicts]
+    by = {(r["trace"], r["kappa"], r["policy"]): r for r in rows}
+    extra = []
+    for tname, *_ in result["traces"]:
+        mp = by[(tname, kappa, "mps-static")]
+        for r in rows:
+            if r["trace"] == tname and (r["policy"].startswith("dilu γ") or r["policy"] == WHAT_IF):
+                extra.append(f"{r['policy']} on {tname}: {r['throughput_per_gpu'] / mp['throughput_per_gpu']:.2f}× "
+                             f"mps-static, violations {100 * r['slo_violation_rate']:.2f}% vs {100 * mp['slo_violation_rate']:.2f}%, "
+                             f"training {r['training_samples_per_s']:.0f} vs {mp['training_samples_per_s']:.0f} samples/s")
+    return [
+        "### Where dilu stands against mps-static under the calibrated model",
+        "",
+        f"Target (issue 17 part 5): dilu's throughput per GPU ≥ mps-static's at equal or lower SLO violations. With the "
+        f"fitted κ {kappa:g}: **{'met' if met else 'not met'}**. Over every κ tried ({', '.join(f'{k:g}' for k in result['kappas'])}) "
+        f"dilu reaches {min(ratios):.2f}–{max(ratios):.2f}× mps-static's throughput per GPU at violations within "
+        f"{100 * max(abs(vd - vm) for *_, vd, vm in verdicts):.2f} points of it.",
+        "",
+        "κ does not move throughput per GPU here: completed requests per lit-GPU-second is set by how many GPUs the "
+        "placement and the horizontal scaler light, and a slowdown of a few tens of percent on GPU work of a few "
+        "milliseconds stretches p99 and training, not the instance count. So no value of κ the matrix supports (the "
+        "fit's spread, up to the client-p50 upper bound) closes the gap: in this model it is the placement's admission. "
+        "mps-static admits by Σ request ≤ 1 per GPU and pins each instance at its request; dilu admits by Σ limit ≤ γ with "
+        "limits several times the requests, so it lights more GPUs, and the headroom buys nothing in violations (dilu's "
+        "and mps-static's are within the points above; docs/evaluation.md: mostly requests that wait for the cold start "
+        "of a function scaled to zero, the same horizontal policy for all). "
+        "A policy of this kind — one that reserves limit headroom at placement — cannot reach mps-static's density; the "
+        "matrix agrees on the device side: the 50% cap costs neither ResNet-50 job measurable speed on an H200, so a "
+        "static split loses nothing that re-division could win back for this pair.",
+        "",
+        "Other points, at the fitted κ: " + "; ".join(extra) + ".",
+        "",
+        "Proposed design change: place by request, as mps-static does (Σ request ≤ 1 per GPU, no γ over limits), and "
+        "keep the vertical policy for what it adds on top — caps that grow towards the limit into SMs that idle "
+        "neighbours leave and are cut back to the request when they are busy (under MPS, per-client caps re-set at that "
+        "pace; under time-slicing, the shim's budget). The limit becomes a ceiling for bursts instead of a cost at "
+        "admission; density then matches mps-static by construction (the what-if row), and the vertical policy is "
+        "judged on burst p99 and training throughput at that density. That change is in the placement "
+        "(`dilu_invoker/policy/placement.py`) and is not made here.",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,9 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DATA / "colocation_fit.json")
     ap.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks/colocation-fit.md")
     ap.add_argument("--serving", action="store_true", help="also run the reduced serving comparison (minutes)")
-    ap.add_argument("--bursty-s", type=float, default=600.0, help="bursty trace: simulate its first N seconds")
-    ap.add_argument("--day-s", type=float, default=3600.0, help="day trace: simulate its first N seconds")
+    ap.add_argument("--bursty-s", type=float, default=1800.0, help="bursty trace: simulate its first N seconds")
+    ap.add_argument("--day-s", type=float, default=14400.0, help="day trace: simulate its first N seconds")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--dilu-gammas", default="3", help="extra Σ-limit oversubscriptions γ for dilu, at the fitted κ")
     ap.add_argument("--doc-only", action="store_true", help="rewrite --doc from the --out JSON of an earlier run")
     args = ap.parse_args(argv)
     if args.doc_only:
@@ -326,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         kappas = sorted({DEFAULT_KAPPA, round(kappa, 3), round(upper, 3)})
         traces = [("bursty", "examples/serving/bursty.jsonl.gz", 16, args.bursty_s),
                   ("azure-day", "examples/serving/azure-day.jsonl.gz", 64, args.day_s)]
-        result.update(kappas=kappas, traces=traces, jobs=args.jobs, serving=serving(kappas, traces, args.jobs))
+        gammas = [float(x) for x in args.dilu_gammas.split(",") if x]
+        result.update(kappas=kappas, traces=traces, jobs=args.jobs, gammas=gammas,
+                      serving=serving(kappas, traces, args.jobs, gammas, round(kappa, 3)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     args.doc.write_text(markdown(result, command))

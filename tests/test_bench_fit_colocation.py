@@ -73,3 +73,25 @@ def test_no_cells_of_the_mode_is_a_clear_error(tmp_path: Path) -> None:
     src = _matrix(tmp_path / "m.json.gz", [_cell("noshim", 0, 10.0, 9.0, 40.0, 40.0)])
     with pytest.raises(SystemExit, match="no mps50 cells"):
         fit(load_cells([src]))
+
+
+def test_serving_section_states_whether_dilu_meets_mps_static(tmp_path: Path) -> None:
+    from fit_colocation import WHAT_IF, markdown
+
+    src = _matrix(tmp_path / "m.json.gz", [_cell("mps50", 0, 10.0, 10.5, 40.0, 40.0)])
+    fitted = fit(load_cells([src]))
+    kappas = [0.1]
+
+    def row(policy: str, tput: float, viol: float) -> dict:
+        return {"trace": "t", "policy": policy, "kappa": 0.1, "throughput_per_gpu": tput, "slo_violation_rate": viol,
+                "latency_p99_ms": 9.0, "gpus_peak": 2, "training_samples_per_s": 5.0, "wall_s": 1.0}
+
+    rows = [row("exclusive", 1.0, 0.01), row("mps-static", 4.0, 0.01), row("dilu", 2.0, 0.01), row(WHAT_IF, 4.0, 0.01)]
+    result = {"fit": fitted, "inputs": ["m.json.gz"], "kappas": kappas, "traces": [("t", "x", 4, 60.0)], "jobs": 1,
+              "serving": rows}
+    text = markdown(result, "cmd")
+    assert "| t | 0.1 | dilu | 2.000 | 2.00× | 1.00% |" in text
+    assert "dilu at 0.50× mps-static's throughput per GPU" in text
+    assert "**not met**" in text and f"{WHAT_IF} on t: 1.00× mps-static" in text
+    rows[2] = row("dilu", 4.5, 0.005)
+    assert "**met**" in markdown(result, "cmd")
