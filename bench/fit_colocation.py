@@ -261,8 +261,10 @@ def markdown(result: dict[str, Any], command: str) -> str:
         "",
         "What it cannot say: one model pair under MPS (BERT was not run under MPS), 3 trials of 1.5 s windows, one split "
         "(50/50), so κ's dependence on the neighbour's share (the model's linearity) is not tested; the solo is measured "
-        "at capacity and the co-located scenarios at 30–70%, and GPU time per request falls with load in every trial "
-        "(clocks, launch batching), so the per-scenario κ falls with load too and the low-load values overstate it; "
+        "at capacity and the co-located scenarios at 30–70%, and GPU time per request falls from Poisson 30% to 70% in "
+        "every trial (clocks, launch batching, with the neighbour unchanged), so the per-scenario κ falls with load "
+        f"too and the low-load values overstate it (the scenario nearest the solo's load, Poisson 70%, gives a median of "
+        f"{_f(_stats([r['kappa_gpu'] for t in f['trials'] for r in t['scenarios'] if r['scenario'] == 'poisson@0.7'])['median'], 2)}); "
         "no memory-bandwidth-bound neighbour (issue 17 part 4), which is where κ would be large; the time-sliced "
         "and shim modes are not spatial and have no κ in the model.",
         "",
