@@ -1,0 +1,423 @@
+"""Fit the serving simulator's co-location slowdown κ to the H200 product matrix, then rerun a reduced serving comparison.
+
+The serving simulator (docs/simulator.md, "Performance model") slows a busy instance on a spatially shared GPU by
+1 + κ·(Σ of the other busy instances' effective shares). The matrix's static MPS 50/50 cells (`mps50`: inference and
+training each capped at 50% of the active threads, no shim) measure exactly that situation: in each trial the inference
+instance is measured alone under its 50% cap (`solo`), then beside a training job that is always busy at its 50% cap,
+at paced and Poisson loads. So, per scenario,
+
+    κ = (p50 beside training / p50 solo − 1) / 0.5
+
+The p50 is used, not the p99: the simulator's κ stretches the service time of every batch; the p99 of a 1.5 s window
+is a handful of requests and is dominated by queueing behind arrival clumps, which the simulator produces itself from
+its queue. The bursty and 5× burst scenarios are left out for the same reason (queueing, not service time). The GPU
+time of the request (`gpu_p50_ms`, what the simulator's profile latency stands for) gives the fit; the client p50 (host
+overhead and queueing included) is reported beside it as an upper bound.
+
+Training: `train_it_s` beside inference over training alone in the same mode (`solo_train_it_s`); the model predicts
+1 − d·(1 − 1/(1 + κ·u)) with d the inference's GPU-busy fraction (rate × GPU time) and u its share (≤ 0.5), and the
+least-squares κ for training is reported. The `idle` scenario (inference present, no requests) gives the noise floor.
+
+    PYTHONPATH=. python3 bench/fit_colocation.py               # fit only (seconds)
+    PYTHONPATH=. python3 bench/fit_colocation.py --serving     # and the reduced serving comparison (minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import multiprocessing
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DATA = ROOT / "docs/benchmarks/data"
+DEFAULT_INPUTS = [DATA / "gpu_product_matrix_run1.json.gz", DATA / "gpu_product_matrix_run2.json.gz"]
+LOAD_SCENARIOS = ("paced@0.5", "poisson@0.3", "poisson@0.5", "poisson@0.7")
+DEFAULT_KAPPA = 0.1
+DEFAULT_GAMMA = 1.5
+SERVING_POLICIES = ("exclusive", "mps-static", "dilu")
+WHAT_IF = "dilu on infless-r"
+"""A what-if, not a shipped policy: dilu's vertical policy and scaling on mps-static's placement (Σ request ≤ 1)."""
+
+
+def load_cells(paths: list[Path]) -> list[dict[str, Any]]:
+    """Every cell of every matrix file, tagged with its file's name and machine."""
+    cells = []
+    for path in paths:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            doc = json.load(f)
+        for c in doc.get("cells", []):
+            cells.append({**c, "file": path.name, "machine": doc.get("machine", {})})
+        for c in doc.get("cut", []):  # cells the run's time budget left out: recorded, not measured
+            cells.append({**c, "file": path.name, "cut": True})
+    return cells
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _kappa(ratio: float | None, other_share: float) -> float | None:
+    return (ratio - 1.0) / other_share if ratio is not None else None
+
+
+def _stats(xs: list[float]) -> dict[str, Any]:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {"n": 0, "median": None, "min": None, "max": None}
+    return {"n": len(xs), "median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
+
+
+def fit_trial(cell: dict[str, Any], share: float = 0.5, scenarios: tuple[str, ...] = LOAD_SCENARIOS) -> dict[str, Any]:
+    """One trial: per-scenario ratios and κ, then the trial's estimate (median over its scenarios)."""
+    solo = cell["solo"]
+    solo_train = cell.get("solo_train_it_s")
+    rows = []
+    for name in scenarios:
+        sc = cell["scenarios"].get(name)
+        if not sc or sc.get("gpu_p50_ms") is None:
+            continue
+        gpu_r = _ratio(sc["gpu_p50_ms"], solo["gpu_p50_ms"])
+        client_r = _ratio(sc["p50_ms"], solo["p50_ms"])
+        t0, t1 = sc.get("window", [0.0, 0.0])
+        seconds = (t1 - t0) or None
+        duty = min(1.0, sc["requests"] / seconds * sc["gpu_p50_ms"] / 1000.0) if seconds else None
+        rows.append({
+            "scenario": name,
+            "gpu_ratio": round(gpu_r, 4) if gpu_r is not None else None,
+            "kappa_gpu": _round(_kappa(gpu_r, share)),
+            "client_ratio": round(client_r, 4) if client_r is not None else None,
+            "kappa_client": _round(_kappa(client_r, share)),
+            "train_factor": _round(_ratio(sc.get("train_it_s"), solo_train)),
+            "inference_duty": _round(duty),
+        })
+    idle = cell["scenarios"].get("idle", {})
+    # Training: (1 − f) = d·c with c = 1 − 1/(1 + κ·u): least squares for c over the trial's scenarios.
+    pts = [(r["inference_duty"], r["train_factor"]) for r in rows if r["inference_duty"] and r["train_factor"] is not None]
+    c = sum(d * (1.0 - f) for d, f in pts) / sum(d * d for d, _ in pts) if pts else None
+    kappa_train = (1.0 / (1.0 - c) - 1.0) / share if c is not None and c < 1.0 else None
+    return {
+        "file": cell["file"],
+        "trial": cell["trial"],
+        "solo_gpu_p50_ms": solo["gpu_p50_ms"],
+        "solo_p50_ms": solo["p50_ms"],
+        "solo_train_it_s": solo_train,
+        "scenarios": rows,
+        "kappa_gpu": _stats([r["kappa_gpu"] for r in rows])["median"],
+        "kappa_client": _stats([r["kappa_client"] for r in rows])["median"],
+        "train_factor": _stats([r["train_factor"] for r in rows])["median"],
+        "kappa_train": _round(kappa_train),
+        "idle_train_factor": _round(_ratio(idle.get("train_it_s"), solo_train)),
+        # The cap itself: this mode's solo against the same trial's time-sliced (noshim) solo, full GPU.
+        "cap_inference_speed": _round(_ratio(cell.get("ref", {}).get("p50"), solo["p50_ms"])),
+        "cap_training_speed": _round(_ratio(solo_train, cell.get("ref", {}).get("train"))),
+    }
+
+
+def _round(x: float | None, nd: int = 4) -> float | None:
+    return round(x, nd) if x is not None else None
+
+
+def fit(cells: list[dict[str, Any]], mode: str = "mps50", pair: str = "resnet50+train", share: float = 0.5) -> dict[str, Any]:
+    chosen = [c for c in cells if c["mode"] == mode and c["pair"] == pair and c.get("solo") and not c.get("cut")]
+    cut = sorted({c["file"] for c in cells if c["mode"] == mode and c["pair"] == pair and c.get("cut")})
+    if not chosen:
+        raise SystemExit(f"no {mode} cells of {pair} in the input")
+    trials = [fit_trial(c, share) for c in chosen]
+    summary = {k: _stats([t[k] for t in trials]) for k in
+               ("kappa_gpu", "kappa_client", "train_factor", "kappa_train", "idle_train_factor",
+                "cap_inference_speed", "cap_training_speed")}
+    kappa = summary["kappa_gpu"]["median"]
+    return {
+        "mode": mode,
+        "pair": pair,
+        "other_share": share,
+        "scenarios": list(LOAD_SCENARIOS),
+        "trials": trials,
+        "summary": summary,
+        "kappa": max(0.0, kappa) if kappa is not None else None,
+        "machine": chosen[0]["machine"],
+        "files": sorted({c["file"] for c in chosen}),
+        "cut_in": cut,
+    }
+
+
+# -- the reduced serving comparison ----------------------------------------------------------------
+
+def _serve(task: tuple[str, str, int, float, str, float, float]) -> dict[str, Any]:
+    name, path, gpus, seconds, policy, kappa, gamma = task
+    from evaluation import _head  # bench/evaluation.py: the same trace truncation as its --quick
+
+    from dilu_invoker.sim.profiles import load_profiles
+    from dilu_invoker.sim.serving import POLICY_SPEC, ServingSimConfig, simulate_serving
+    from dilu_invoker.sim.traces import load_trace
+
+    if policy == WHAT_IF:  # registered in this worker process only
+        POLICY_SPEC[WHAT_IF] = ("infless-r", POLICY_SPEC["dilu"][1])
+
+    profiles = load_profiles(ROOT / "examples/profiles.json")
+    trace = _head(load_trace(ROOT / path, profiles), seconds)
+    t0 = time.perf_counter()
+    r = simulate_serving(trace, profiles, ServingSimConfig(policy=policy, gpus=gpus, seed=1, interference=kappa, gamma=gamma))
+    s = r.summary
+    return {"trace": name, "policy": policy if gamma == DEFAULT_GAMMA else f"{policy} γ {gamma:g}", "kappa": kappa, "seconds": seconds, "gpus": gpus,
+            "requests": trace.requests, "throughput_per_gpu": s["throughput_per_gpu"],
+            "slo_violation_rate": s["slo_violation_rate"], "latency_p99_ms": s["latency_p99_ms"],
+            "gpus_peak": s["gpus_peak"], "training_samples_per_s": s["training_samples_per_s"],
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def serving(kappas: list[float], traces: list[tuple[str, str, int, float]], jobs: int,
+            gammas: list[float], gamma_kappa: float) -> list[dict[str, Any]]:
+    # `exclusive` has no co-location, so κ cannot change it: one run per trace, reported under every κ.
+    tasks = [(n, p, g, s, "exclusive", kappas[0], DEFAULT_GAMMA) for n, p, g, s in traces]
+    tasks += [(n, p, g, s, pol, k, DEFAULT_GAMMA) for n, p, g, s in traces for k in kappas
+              for pol in SERVING_POLICIES if pol != "exclusive"]
+    tasks += [(n, p, g, s, "dilu", gamma_kappa, gm) for n, p, g, s in traces for gm in gammas if gm != DEFAULT_GAMMA]
+    tasks += [(n, p, g, s, WHAT_IF, gamma_kappa, DEFAULT_GAMMA) for n, p, g, s in traces]
+    sys.path.insert(0, str(ROOT / "bench"))
+    with multiprocessing.Pool(jobs) as pool:
+        rows = pool.map(_serve, tasks)
+    for r in [r for r in rows if r["policy"] == "exclusive"]:
+        rows += [{**r, "kappa": k} for k in kappas[1:]]
+    return rows
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+def _f(x: float | None, nd: int = 3) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(result: dict[str, Any], command: str) -> str:
+    f = result["fit"]
+    m = f["machine"]
+    s = f["summary"]
+    L = [
+        "# Co-location slowdown of the serving simulator, fitted to the H200 matrix",
+        "",
+        f"Generated by `{command}` from {', '.join(f'`docs/benchmarks/data/{x}`' for x in result.get('inputs', f['files']))} "
+        f"(the matrix of docs/benchmarks/gpu-product.md, measured through the product on "
+        f"{m.get('gpu', '?')}, {m.get('cpus', '?')} CPUs, torch {m.get('torch', '?')}); the fit itself runs in seconds "
+        f"on any machine. The `{f['mode']}` cells are those of {', '.join(f'`{x}`' for x in f['files'])}"
+        + (f" (cut by the run's time budget, not measured, in {', '.join(f'`{x}`' for x in f['cut_in'])})" if f.get("cut_in") else "")
+        + ". Raw fit: `docs/benchmarks/data/colocation_fit.json`.",
+        "",
+        "## What is fitted",
+        "",
+        "The simulator slows a busy instance on a spatially shared GPU by 1 + κ·(Σ other busy instances' effective "
+        f"shares) (docs/simulator.md). The `{f['mode']}` cells of `{f['pair']}` (static MPS 50/50, no shim) measure "
+        "that: per trial, inference alone under its 50% cap, then beside training that is always busy at its 50% cap. "
+        "So κ = (p50 beside / p50 solo − 1) / 0.5 per load scenario (paced 50%, Poisson 30/50/70% of capacity), a "
+        "trial's estimate is the median over its scenarios. p50, not p99: κ stretches every batch's service time, "
+        "the p99 of a 1.5 s window is a few requests and mostly queueing behind arrival clumps, which the simulator "
+        "produces from its own queue (bursty and 5× burst scenarios left out for the same reason). The GPU time of "
+        "the request (`gpu_p50_ms`) is what the profile latency L(s, b) stands for, so it gives the fit; the client "
+        "p50 (host overhead, queueing) is an upper bound.",
+        "",
+        "| trial | solo GPU p50 ms | κ from GPU p50 (per scenario) | κ (GPU) | κ from client p50 | training beside / alone | κ (training) | training beside idle inference / alone |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for t in f["trials"]:
+        per = ", ".join(f"{r['scenario']} {_f(r['kappa_gpu'], 2)}" for r in t["scenarios"])
+        L.append(f"| {t['file']} #{t['trial']} | {t['solo_gpu_p50_ms']:.2f} | {per} | {_f(t['kappa_gpu'], 2)} | "
+                 f"{_f(t['kappa_client'], 2)} | {_f(t['train_factor'])} | {_f(t['kappa_train'], 2)} | {_f(t['idle_train_factor'])} |")
+    L += [
+        "",
+        "| quantity | median of trials | min | max |",
+        "| --- | --- | --- | --- |",
+    ]
+    names = {
+        "kappa_gpu": "κ (inference GPU p50) — the fitted value",
+        "kappa_client": "κ (inference client p50, upper bound)",
+        "train_factor": "training it/s beside inference / alone (same mode)",
+        "kappa_train": "κ (training, least squares over the inference's busy fraction)",
+        "idle_train_factor": "training it/s beside idle inference / alone (noise floor)",
+        "cap_inference_speed": "inference at the 50% cap / full GPU (client p50, noshim solo of the trial)",
+        "cap_training_speed": "training at the 50% cap / full GPU (noshim solo of the trial)",
+    }
+    for k, label in names.items():
+        L.append(f"| {label} | {_f(s[k]['median'], 3)} | {_f(s[k]['min'], 3)} | {_f(s[k]['max'], 3)} |")
+    L += [
+        "",
+        f"Fitted κ = **{_f(f['kappa'], 3)}** (median of {s['kappa_gpu']['n']} trials, clamped at 0), against the "
+        f"assumed default {DEFAULT_KAPPA}. Pass it with `dilu-invoker simulate serving --interference {_f(f['kappa'], 3)}`.",
+        "",
+        "What the fit can say: on the H200, ResNet-50 inference beside ResNet-50 training under static MPS 50/50 runs "
+        "its GPU work at about the same speed as alone under the same cap; the per-trial estimates straddle the default "
+        "0.1 and their spread is wider than the value. The training side agrees within noise: training beside idle "
+        "inference varies as much as training beside loaded inference. And the 50% cap itself costs neither side "
+        "measurably against the full GPU (last two rows): both jobs fit in half an H200 — the reason static MPS is "
+        "strong here.",
+        "",
+        "What it cannot say: one model pair under MPS (BERT was not run under MPS), 3 trials of 1.5 s windows, one split "
+        "(50/50), so κ's dependence on the neighbour's share (the model's linearity) is not tested; the solo is measured "
+        "at capacity and the co-located scenarios at 30–70%, and GPU time per request falls from Poisson 30% to 70% in "
+        "every trial (clocks, launch batching, with the neighbour unchanged), so the per-scenario κ falls with load "
+        f"too and the low-load values overstate it (the scenario nearest the solo's load, Poisson 70%, gives a median of "
+        f"{_f(_stats([r['kappa_gpu'] for t in f['trials'] for r in t['scenarios'] if r['scenario'] == 'poisson@0.7'])['median'], 2)}); "
+        "no memory-bandwidth-bound neighbour (issue 17 part 4), which is where κ would be large; the time-sliced "
+        "and shim modes are not spatial and have no κ in the model.",
+        "",
+    ]
+    rows = result.get("serving")
+    if rows:
+        L += _serving_md(rows, result)
+    return "\n".join(L) + "\n"
+
+
+def _serving_md(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[str]:
+    L = [
+        "## The serving comparison with the fitted κ (reduced)",
+        "",
+        "`exclusive`, `mps-static` and `dilu` (defaults: γ 1.5, the rckm vertical policy) with the measured profiles "
+        "(`examples/profiles.json`), each trace truncated to its first "
+        + ", ".join(f"{t[0]}: {t[3] / 60:g} min on {t[2]} GPUs" for t in result["traces"])
+        + " (docs/evaluation.md runs the full day and hour; the full run takes over an hour here). Sim wall times "
+        f"with {result['jobs']} worker processes. `dilu γ …` rows: dilu with more Σ-limit oversubscription, at the "
+        f"fitted κ. `{WHAT_IF}` (what-if, not a shipped policy): dilu's vertical policy and horizontal sizing on "
+        "mps-static's placement (`infless-r`: Σ request ≤ 1 per GPU), at the fitted κ.",
+        "",
+        "| trace | κ | policy | req per GPU-s | × exclusive | SLO violations | p99 ms | GPUs peak | training samples/s | sim s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    by = {(r["trace"], r["kappa"], r["policy"]): r for r in rows}
+    verdicts = []
+    for tname, *_ in result["traces"]:
+        for k in result["kappas"]:
+            ex = by[(tname, k, "exclusive")]["throughput_per_gpu"] or float("nan")
+            for pol in SERVING_POLICIES:
+                r = by[(tname, k, pol)]
+                L.append(f"| {tname} | {k:g} | {pol} | {r['throughput_per_gpu']:.3f} | {r['throughput_per_gpu'] / ex:.2f}× | "
+                         f"{100 * r['slo_violation_rate']:.2f}% | {r['latency_p99_ms']:.1f} | {r['gpus_peak']} | "
+                         f"{r['training_samples_per_s']:.0f} | {r['wall_s']:.0f} |")
+            d, mp = by[(tname, k, "dilu")], by[(tname, k, "mps-static")]
+            verdicts.append((tname, k, d["throughput_per_gpu"] / mp["throughput_per_gpu"] if mp["throughput_per_gpu"] else float("nan"),
+                             d["slo_violation_rate"], mp["slo_violation_rate"]))
+        for r in rows:
+            if r["trace"] == tname and (r["policy"].startswith("dilu γ") or r["policy"] == WHAT_IF):
+                ex = by[(tname, r["kappa"], "exclusive")]["throughput_per_gpu"] or float("nan")
+                L.append(f"| {tname} | {r['kappa']:g} | {r['policy']} | {r['throughput_per_gpu']:.3f} | "
+                         f"{r['throughput_per_gpu'] / ex:.2f}× | {100 * r['slo_violation_rate']:.2f}% | "
+                         f"{r['latency_p99_ms']:.1f} | {r['gpus_peak']} | {r['training_samples_per_s']:.0f} | {r['wall_s']:.0f} |")
+    L += ["", "dilu against mps-static (throughput per GPU ratio; SLO violations dilu vs mps-static):", ""]
+    for tname, k, ratio, vd, vm in verdicts:
+        L.append(f"- {tname}, κ {k:g}: dilu at {ratio:.2f}× mps-static's throughput per GPU, violations "
+                 f"{100 * vd:.2f}% vs {100 * vm:.2f}%.")
+    L += ["", *_verdict(rows, result, verdicts), ""]
+    return L
+
+
+def _verdict(rows: list[dict[str, Any]], result: dict[str, Any], verdicts: list[tuple[str, float, float, float, float]]) -> list[str]:
+    kappa = round(result["fit"]["kappa"], 3)
+    fitted = [v for v in verdicts if v[1] == kappa]
+    met = all(r >= 1.0 and vd <= vm for _, _, r, vd, vm in fitted)
+    ratios = [r for _, _, r, _, _ in verdicts]
+    by = {(r["trace"], r["kappa"], r["policy"]): r for r in rows}
+    extra = []
+    for tname, *_ in result["traces"]:
+        mp = by[(tname, kappa, "mps-static")]
+        for r in rows:
+            if r["trace"] == tname and (r["policy"].startswith("dilu γ") or r["policy"] == WHAT_IF):
+                extra.append(f"{r['policy']} on {tname}: {r['throughput_per_gpu'] / mp['throughput_per_gpu']:.2f}× "
+                             f"mps-static, violations {100 * r['slo_violation_rate']:.2f}% vs {100 * mp['slo_violation_rate']:.2f}%, "
+                             f"training {r['training_samples_per_s']:.0f} vs {mp['training_samples_per_s']:.0f} samples/s, "
+                             f"p99 {r['latency_p99_ms']:.1f} vs {mp['latency_p99_ms']:.1f} ms")
+    spread = 0.0
+    for tname, *_ in result["traces"]:
+        for pol in ("mps-static", "dilu"):
+            xs = [by[(tname, k, pol)]["throughput_per_gpu"] for k in result["kappas"]]
+            spread = max(spread, (max(xs) - min(xs)) / max(xs) if max(xs) else 0.0)
+    whatif = [(r, by[(r["trace"], kappa, "mps-static")]) for r in rows if r["policy"] == WHAT_IF]
+    whatif_met = bool(whatif) and all(w["throughput_per_gpu"] >= m["throughput_per_gpu"]
+                                      and w["slo_violation_rate"] <= m["slo_violation_rate"] for w, m in whatif)
+    return [
+        "### Where dilu stands against mps-static under the calibrated model",
+        "",
+        f"Target (issue 17 part 5): dilu's throughput per GPU ≥ mps-static's at equal or lower SLO violations. With the "
+        f"fitted κ {kappa:g}: **{'met' if met else 'not met'}**. Over every κ tried ({', '.join(f'{k:g}' for k in result['kappas'])}) "
+        f"dilu reaches {min(ratios):.2f}–{max(ratios):.2f}× mps-static's throughput per GPU at violations within "
+        f"{100 * max(abs(vd - vm) for *_, vd, vm in verdicts):.2f} points of it.",
+        "",
+        (f"κ moves throughput per GPU by at most {100 * spread:.2f}% between those values: " if spread > 0 else
+         "κ does not move throughput per GPU at all between those values: ")
+        + "completed requests per lit-GPU-second is set by how many GPUs the "
+        "placement and the horizontal scaler light, and a slowdown of a few tens of percent on GPU work of a few "
+        "milliseconds stretches p99 and training, not the instance count. So no value of κ the matrix supports (the "
+        "fit's spread, up to the client-p50 upper bound) closes the gap: in this model it is the placement's admission. "
+        "mps-static admits by Σ request ≤ 1 per GPU and pins each instance at its request; dilu admits by Σ limit ≤ γ with "
+        "limits several times the requests, so it lights more GPUs, and the headroom buys nothing in violations (dilu's "
+        "and mps-static's are within the points above; docs/evaluation.md: mostly requests that wait for the cold start "
+        "of a function scaled to zero, the same horizontal policy for all). "
+        "A policy of this kind — one that reserves limit headroom at placement — cannot reach mps-static's density; the "
+        "matrix agrees on the device side: the 50% cap costs neither ResNet-50 job measurable speed on an H200, so a "
+        "static split loses nothing that re-division could win back for this pair.",
+        "",
+        "Other points, at the fitted κ: " + "; ".join(extra) + ".",
+        "",
+        "Proposed design change: place by request, as mps-static does (Σ request ≤ 1 per GPU, no γ over limits), and "
+        "keep the vertical policy for what it adds on top — caps that grow towards the limit into SMs that idle "
+        "neighbours leave and are cut back to the request when they are busy (under MPS, per-client caps re-set at that "
+        "pace; under time-slicing, the shim's budget). The limit becomes a ceiling for bursts instead of a cost at "
+        "admission; density then matches mps-static by construction, and the vertical policy is judged on burst p99 and "
+        "training throughput at that density. "
+        + (f"The what-if row (`{WHAT_IF}`) is that design in the model, and it **meets the target** on both traces: "
+           "throughput per GPU and violations at least as good as mps-static's, with the training and p99 figures above. "
+           if whatif_met else f"The what-if row (`{WHAT_IF}`) is that design in the model; it does not meet the target either. ")
+        + "The change belongs to the placement (`dilu_invoker/policy/placement.py`, the `dilu` strategy) and is not "
+        "made here; the what-if registers the combination inside this script only.",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("inputs", nargs="*", type=Path, default=DEFAULT_INPUTS, help="matrix JSON files (.json or .json.gz)")
+    ap.add_argument("--mode", default="mps50")
+    ap.add_argument("--pair", default="resnet50+train")
+    ap.add_argument("--share", type=float, default=0.5, help="the neighbour's share in the fitted cells")
+    ap.add_argument("--out", type=Path, default=DATA / "colocation_fit.json")
+    ap.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks/colocation-fit.md")
+    ap.add_argument("--serving", action="store_true", help="also run the reduced serving comparison (minutes)")
+    ap.add_argument("--bursty-s", type=float, default=1800.0, help="bursty trace: simulate its first N seconds")
+    ap.add_argument("--day-s", type=float, default=14400.0, help="day trace: simulate its first N seconds")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--dilu-gammas", default="3", help="extra Σ-limit oversubscriptions γ for dilu, at the fitted κ")
+    ap.add_argument("--doc-only", action="store_true", help="rewrite --doc from the --out JSON of an earlier run")
+    args = ap.parse_args(argv)
+    if args.doc_only:
+        saved = json.loads(args.out.read_text())
+        args.doc.write_text(markdown(saved, saved["command"]))
+        return 0
+    command = "PYTHONPATH=. python3 bench/fit_colocation.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    cells = load_cells(list(args.inputs))
+    result: dict[str, Any] = {"command": command, "generated_on": platform.platform(),
+                              "inputs": [p.name for p in args.inputs],
+                              "fit": fit(cells, args.mode, args.pair, args.share)}
+    if args.serving:
+        kappa = result["fit"]["kappa"]
+        upper = result["fit"]["summary"]["kappa_client"]["median"]
+        kappas = sorted({DEFAULT_KAPPA, round(kappa, 3), round(upper, 3)})
+        traces = [("bursty", "examples/serving/bursty.jsonl.gz", 16, args.bursty_s),
+                  ("azure-day", "examples/serving/azure-day.jsonl.gz", 64, args.day_s)]
+        gammas = [float(x) for x in args.dilu_gammas.split(",") if x]
+        result.update(kappas=kappas, traces=traces, jobs=args.jobs, gammas=gammas,
+                      serving=serving(kappas, traces, args.jobs, gammas, round(kappa, 3)))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.doc.write_text(markdown(result, command))
+    s = result["fit"]["summary"]["kappa_gpu"]
+    print(f"kappa {result['fit']['kappa']} (median of {s['n']} trials, {s['min']}..{s['max']}); wrote {args.out} and {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
