@@ -277,10 +277,11 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, command: 
         "",
         "## Still missing",
         "",
-        "* ≥ 500 served/s with 200 clients on 2 cores: not shown as a rate. This shared machine's other work "
-        "keeps the load average at 4–6 on its two cores, so the rate measures the share it gets (about 200/s "
-        "here); by the CPU per invoke above, two idle cores would serve about 580/s with the load generator "
-        "on them. A run on an idle 2-core machine is still to do.",
+        "* ≥ 500 served/s with 200 clients on 2 cores sits at the edge: with the machine's other work stopped "
+        "(load average 1.1–2.3), `python bench/faults.py --only baseline,baseline --seconds 8` served 514 and "
+        "531/s (docs/benchmarks/data/faults_baseline_idle.md), and the baseline row above — the first load on "
+        "a freshly started standalone, in the full run — 483/s; with the other work on (load 4–6) about "
+        "200/s. The load generator shares the two cores (0.3–0.4 ms of the ~3 ms per invoke).",
         "* Fault (d) is in-process: the invokers of one standalone cannot die separately; separate "
         "`dilu-invoker standalone --invokers 1 --id K --redis-url …` processes are the real process "
         "boundary. A container that goes before its activation ran can still end that activation with a "
