@@ -52,7 +52,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from loadgen import stop_process_tree, wait_for_api
+from loadgen import invoke_result, put_gpu_action, stop_process_tree, wait_for_api
 
 GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFqm12CdAsMgRU4VrNZ9lyGVCGuMDGIwP"
 
@@ -357,25 +357,13 @@ class Stack:
                        {"key": "gpu-sm-limit", "value": sm_limit}, {"key": "gpu-memory-mb", "value": gpu_memory_mb}]
         if min_instances:
             annotations.append({"key": "min-instances", "value": min_instances})
-        body = {"exec": {"kind": "python:3-gpu", "code": code}, "annotations": annotations,
-                "limits": {"timeout": 300000, "memory": memory_mb}}
-        async with self.session.put(f"{self.api}/{name}?overwrite=true", headers=self.auth, json=body) as r:
-            if r.status != 200:
-                raise RuntimeError(f"PUT {name}: {r.status} {await r.text()}")
+        await put_gpu_action(self.session, self.api, name, code, annotations, memory_mb=memory_mb, headers=self.auth)
 
     async def invoke(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         assert self.session is not None
-        t = time.perf_counter()
-        async with self.session.post(f"{self.api}/{name}?blocking=true&result=true", headers=self.auth,
-                                     json=params) as r:
-            text = await r.text()
-            status = r.status
-        ms = (time.perf_counter() - t) * 1000
-        try:
-            data = json.loads(text)
-        except ValueError:
-            data = {"text": text[:500]}
-        return {"client_ms": rnd(ms, 2), "status": status, "result": data}
+        ms, status, data = await invoke_result(self.session, self.api, name, params, headers=self.auth)
+        return {"client_ms": rnd(ms, 2), "status": status,
+                "result": {"text": data[:500]} if isinstance(data, str) else data}
 
     async def metrics_text(self) -> str:
         assert self.session is not None

@@ -81,7 +81,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from loadgen import stop_process_tree, wait_for_api
+from loadgen import invoke_result, put_gpu_action, stop_process_tree, wait_for_api
 
 from dilu_invoker.sim.vertical_loop import PairModel, arrivals
 
@@ -357,24 +357,11 @@ class Stack:
                        {"key": "gpu-sm-limit", "value": limit}, {"key": "gpu-memory-mb", "value": 16384}]
         if slo_ms:
             annotations.append({"key": "gpu-slo-ms", "value": slo_ms})
-        body = {"exec": {"kind": "python:3-gpu", "code": code}, "annotations": annotations,
-                "limits": {"timeout": 300000, "memory": 8192}}
-        async with self.session.put(f"{self.api}/{name}?overwrite=true", auth=self.auth, json=body) as r:
-            if r.status != 200:
-                raise RuntimeError(f"PUT {name}: {r.status} {await r.text()}")
+        await put_gpu_action(self.session, self.api, name, code, annotations, memory_mb=8192, auth=self.auth)
 
     async def invoke(self, name: str, params: dict[str, Any]) -> tuple[float, dict[str, Any] | None, int]:
         assert self.session is not None
-        t = time.perf_counter()
-        async with self.session.post(f"{self.api}/{name}?blocking=true&result=true", auth=self.auth,
-                                     json=params) as r:
-            text = await r.text()
-            status = r.status
-        ms = (time.perf_counter() - t) * 1000
-        try:
-            data = json.loads(text)
-        except ValueError:
-            data = None
+        ms, status, data = await invoke_result(self.session, self.api, name, params, auth=self.auth)
         return ms, data if isinstance(data, dict) else None, status
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import platform
 import signal
@@ -25,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -159,6 +161,32 @@ async def wait_for_api(session: aiohttp.ClientSession, api_url: str, proc: subpr
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{what} did not come up")
         await asyncio.sleep(0.1)
+
+
+async def put_gpu_action(session: aiohttp.ClientSession, api: str, name: str, code: str,
+                         annotations: list[dict[str, Any]], *, memory_mb: int, **request: Any) -> None:
+    """``PUT`` a ``python:3-gpu`` action as `wsk action create --kind python:3-gpu` would (timeout 300 s);
+    ``request`` carries the credentials (``auth=`` or ``headers=``)."""
+    body = {"exec": {"kind": "python:3-gpu", "code": code}, "annotations": annotations,
+            "limits": {"timeout": 300000, "memory": memory_mb}}
+    async with session.put(f"{api}/{name}?overwrite=true", json=body, **request) as r:
+        if r.status != 200:
+            raise RuntimeError(f"PUT {name}: {r.status} {await r.text()}")
+
+
+async def invoke_result(session: aiohttp.ClientSession, api: str, name: str, params: dict[str, Any],
+                        **request: Any) -> tuple[float, int, Any]:
+    """One blocking invoke (``?blocking=true&result=true``): client ms, HTTP status and the body, parsed
+    where it is JSON (else its text); ``request`` carries the credentials."""
+    t = time.perf_counter()
+    async with session.post(f"{api}/{name}?blocking=true&result=true", json=params, **request) as r:
+        text = await r.text()
+        status = r.status
+    ms = (time.perf_counter() - t) * 1000
+    try:
+        return ms, status, json.loads(text)
+    except ValueError:
+        return ms, status, text
 
 
 async def stop_process_tree(proc: subprocess.Popen[bytes] | None, *, grace_s: float) -> None:
