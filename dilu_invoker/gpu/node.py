@@ -216,14 +216,27 @@ class GpuNode:
             from dilu_invoker.gpu.devices import compute_mode
             from dilu_invoker.gpu.mps import MpsMetrics, MpsMode
 
-            separate = None
+            separate, shared_uid, mps_root = None, False, Path(g.mps_dir or cfg.data_path / "mps")
             if backend == "process" and cfg.invoker.process_isolation == "auto" and os.geteuid() == 0:
-                separate = "process isolation runs every container as its own uid"
+                # Isolated containers have uids of their own, but the MPS clients of one GPU share one (its
+                # server runs as it) and are kept apart by PID and mount namespaces (backends/sandbox.py).
+                # Their server and clients must reach the pipes: outside the data dir, which is root's alone.
+                import shutil
+
+                from dilu_invoker.invoker.dataplane.backends.sandbox import default_work_dir
+
+                missing = [t for t in ("unshare", "setpriv") if shutil.which(t) is None]
+                if missing:
+                    separate = (f"process isolation runs every container as its own uid (util-linux "
+                                f"{' and '.join(missing)} not found to run a GPU's MPS clients as one uid)")
+                else:
+                    shared_uid = True
+                    mps_root = Path(g.mps_dir or Path(cfg.invoker.process_work_dir or default_work_dir()) / "mps")
             mps = MpsSupervisor(
-                mode=MpsMode.parse(g.mps), root=Path(g.mps_dir or cfg.data_path / "mps") / f"invoker{cfg.invoker.id}",
+                mode=MpsMode.parse(g.mps), root=mps_root / f"invoker{cfg.invoker.id}",
                 gpus=tuple((d.index, d.uuid) for d in devices),
                 control=g.mps_control, compute_mode=compute_mode, metrics=MpsMetrics(registry),
-                separate_uids=separate)
+                separate_uids=separate, shared_uid=shared_uid)
         return cls(
             node=f"invoker{cfg.invoker.id}", devices=devices, no_gpu_reason=reason, shm_dir=g.shm_dir, mps=mps,
             backend=backend, docker_gpu_mode=cfg.invoker.docker_gpu_mode, shim_library=g.shim_path,
