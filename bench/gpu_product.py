@@ -12,12 +12,12 @@ Modes (each a fresh standalone per model pair and trial, side by side in one run
 flags). Simple baselines: ``noshim`` (no shim, time-slicing: no control), ``mps50`` / ``mps70`` (static MPS
 splits 50/50 and inference 70 / training 30 active threads, no shim), ``static30`` (the shim with the
 ``static`` policy: inference at 0.7, training at 0.3, time-slicing). The product's static default under MPS:
-``spatial`` (the shim loaded but no token caps; MPS thread caps fixed at each client's start, MPS on,
-isolation off). Controllers: ``shim`` (the defaults as they are: ``--gpu-vertical-policy auto``, ``--gpu-mps
-auto``, process isolation auto — which makes auto pick time-slicing, see gpu/mps.py ``decide_mps``, and so
-rckm), ``shim-mps`` / ``shim-ts`` (rckm under MPS / time-slicing), ``slo`` / ``slo-ts`` (the SLO controller
-under MPS / time-slicing). MPS modes pass ``--gpu-mps on --invoker-process-isolation
-off``: an MPS daemon serves one uid at a time. Every cell records what the invoker actually ran
+``spatial`` (the shim loaded but no token caps; MPS thread caps fixed at each client's start, MPS on).
+Controllers: ``shim`` (the defaults as they are: ``--gpu-vertical-policy auto``, ``--gpu-mps auto``, process
+isolation auto — on an MPS-capable GPU that is MPS and so ``spatial``; where auto picks time-slicing, rckm),
+``shim-mps`` / ``shim-ts`` (rckm under MPS / time-slicing), ``slo`` / ``slo-ts`` (the SLO controller under MPS /
+time-slicing). MPS modes pass ``--gpu-mps on`` with isolation on, as the defaults run: the MPS clients of a
+GPU share a uid, kept apart by namespaces. Every cell records what the invoker actually ran
 (``effective``: MPS or not and why, the policy, the shim) from its log and /metrics. Actions declare
 ``limits.memory`` 8192 MB (a GPU process with torch needs far more than the 256 MB default).
 
@@ -213,9 +213,9 @@ def main(args):
 '''
 
 NO_SHIM = ["--gpu-shim-path", "/nonexistent/libdilu_shim.so"]
-MPS_ON = ["--gpu-mps", "on", "--invoker-process-isolation", "off"]
-"""An MPS daemon serves one uid at a time (gpu/mps.py `decide_mps`): with process isolation each container is a
-uid of its own, `--gpu-mps auto` then picks time-slicing and `on` refuses; the MPS modes turn isolation off."""
+MPS_ON = ["--gpu-mps", "on"]
+"""MPS with process isolation on, as the defaults run it: an MPS daemon serves one uid at a time, so the MPS
+clients of one GPU share a uid leased for it and PID and mount namespaces keep them apart (docs/invoker.md)."""
 TS = ["--gpu-mps", "off"]
 ISOLATION_OFF = ("--invoker-process-isolation", "off")
 SHIM_ANN = {"infer": (0.5, 0.8), "train": (0.3, 0.7)}
@@ -232,12 +232,12 @@ MODES: dict[str, dict[str, Any]] = {
              "what": "the defaults: shim, --gpu-vertical-policy auto (spatial under MPS, rckm time-sliced), "
                      "--gpu-mps auto, isolation auto"},
     "shim-mps": {"flags": ["--gpu-vertical-policy", "rckm", *MPS_ON], **SHIM_ANN,
-                 "what": "shim + rckm policy, MPS (--gpu-mps on, isolation off)"},
+                 "what": "shim + rckm policy, MPS (--gpu-mps on)"},
     "shim-ts": {"flags": ["--gpu-vertical-policy", "rckm", *TS], **SHIM_ANN,
                 "what": "shim + rckm policy, time-slicing (--gpu-mps off)"},
     "spatial": {"flags": ["--gpu-vertical-policy", "spatial", *MPS_ON], **SHIM_ANN,
                 "what": "shim + spatial policy (no token caps; MPS threads: inference its limit, training "
-                        "min(limit, max(request, 1 - reserve 0.5))), MPS (--gpu-mps on, isolation off)"},
+                        "min(limit, max(request, 1 - reserve 0.5))), MPS (--gpu-mps on)"},
     "slo": {"flags": ["--gpu-vertical-policy", "slo", *MPS_ON], **SHIM_ANN,
             "what": "shim + slo controller, MPS (best-effort clients at mps_best_effort_threads)"},
     "slo-ts": {"flags": ["--gpu-vertical-policy", "slo", *TS], **SHIM_ANN,

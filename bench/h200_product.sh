@@ -9,7 +9,9 @@
 #   bench/h200_product.sh full OUT [PAIRS] [MODES] [TIMEOUT]   the product benchmark (SECONDS_PER=5 per scenario)
 #   bench/h200_product.sh matrix OUT [PLAN]     issue 17's workload matrix in one device call of <= 10 minutes:
 #                                               PLAN=1 (default) the core columns, PLAN=2 the rest, PLAN=3 the
-#                                               defaults and MPS columns of the ResNet pair; the plan and its
+#                                               defaults and MPS columns of the ResNet pair, PLAN=4 the defaults
+#                                               (MPS + spatial) beside noshim, mps50 and rckm time-sliced, PLAN=5
+#                                               the defaults and baselines on the BERT pair; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -65,7 +67,11 @@ elif [ "$what" = matrix ]; then
     3) modes=noshim,shim,mps50,slo; pairs=resnet50+train; bert=""  # the defaults and MPS, ResNet pair only;
        slo_ms=${SLO_MS:-28}  # the slo column with an annotated gpu-slo-ms (2 x the noshim solo p99 of run 1)
        prio="resnet50+train:noshim,shim,mps50,slo" ;;
-    *) echo "PLAN is 1, 2 or 3"; exit 2 ;;
+    4) modes=noshim,shim,mps50,shim-ts; pairs=resnet50+train; bert=""  # the defaults (MPS + spatial under
+       prio="resnet50+train:noshim,shim,mps50,shim-ts" ;;              # isolation) against the baselines and rckm
+    5) modes=noshim,shim,mps50; pairs=bert+train; bert=noshim,shim,mps50  # the same on the BERT pair
+       prio="bert+train:noshim,shim,mps50" ;;
+    *) echo "PLAN is 1 to 5"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
