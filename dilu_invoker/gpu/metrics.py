@@ -4,7 +4,7 @@ Per instance (labels ``namespace, action, instance, gpu, uuid``): the share in f
 and counters fed from the stats block's monotonic counters (tokens granted in thread blocks, kernel
 launches, throttled seconds, request spans and their lengths) plus the device memory in use. Per GPU (``gpu, uuid``): Dilu's fragmentation
 ``1 − Σ request`` (0 on a GPU with nothing placed), NVML's SM utilisation, the vertical mode and the
-number of decisions per mode.
+number of decisions per mode, and the vertical policy the GPU runs with the reason (``dilu_gpu_vertical_policy``).
 """
 
 from __future__ import annotations

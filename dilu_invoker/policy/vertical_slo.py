@@ -620,7 +620,7 @@ class SpatialConfig:
     """The `spatial` policy: no token gate; the split is MPS's active-thread caps, fixed at each client's
     start (`spatial_threads`). Measured on the H200 through the product (docs/benchmarks/gpu-product.md, M2):
     a static MPS 50/50 split without token caps kept inference's p99 at 0.86× its solo with training at 1.10
-    of its unlimited solo, where the `slo` law's caps under MPS cut training to 0.48 (docs/policies.md §1.2)."""
+    of its unlimited solo, where the `slo` law's caps under MPS cut training to 0.48 (docs/policies.md §1.0)."""
 
     lc_reserve: float = 0.5
     """Fraction of the SMs, [0, 1]: kept free of a best-effort client's cap for latency-critical instances,

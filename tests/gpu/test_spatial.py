@@ -211,3 +211,44 @@ async def test_the_shim_admits_every_launch_under_spatial(tmp_path: Path, shim_b
         assert node.manager(0).last.status("train").share == pytest.approx(0.5)
     finally:
         await node.close()
+
+
+async def test_retargeting_under_spatial_gives_a_preloaded_client_the_cap_and_keeps_a_running_ones(
+        tmp_path: Path) -> None:
+    """A pre-loaded container makes no CUDA context before /init, so its retarget takes the function's spatial
+    cap; a client that runs keeps the cap it connected with, even where a start now would get another."""
+    sup = MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE,
+                        check_every_s=3600)
+    node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend="process", mps=sup,
+                   vertical=AUTO, gamma=4.0)
+    await node.start()
+    try:
+        pre = await node.attach("pre", "preload:python:3-gpu",
+                                GpuNeeds(gpu_class=GpuClass.TRAINING, sm_request=0.01, sm_limit=0.05, memory_mb=100))
+        assert pre is not None and pre.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "5"
+        assert await node.retarget("pre", "guest/train", TRAIN, new_id="t1")
+        taken = node.attachment_of("t1")
+        assert taken is not None and taken.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        assert node.manager(0).mps_threads_of("t1") == pytest.approx(0.5)
+        # Latency-critical work arrives: a new best-effort start would get 1 - 0.7; the running one keeps 0.5.
+        assert await node.attach("i1", "guest/big", BIG_INFER) is not None
+        assert await node.attach("i2", "guest/classify", INFER) is not None
+        assert await node.retarget("t1", "guest/train-v2", TRAIN)
+        kept = node.attachment_of("t1")
+        assert kept is not None and kept.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        assert node.manager(0).mps_threads_of("t1") == pytest.approx(0.5)
+        fresh = await node.attach("t2", "guest/small", SMALL_TRAIN)
+        assert fresh is not None and fresh.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    finally:
+        await node.close()
+
+
+def test_the_policy_gauge_follows_a_reconfiguration() -> None:
+    registry = CollectorRegistry()
+    mgr = GpuManager(uuid="GPU-g", index=2, metrics=GpuMetrics(registry))
+    mgr.set_vertical_config(SpatialConfig(), reason="because MPS")
+    assert _metric(registry, "2") == {"gpu": "2", "uuid": "GPU-g", "policy": "spatial", "reason": "because MPS"}
+    mgr.set_vertical_config(VerticalConfig(), reason="time-sliced")
+    assert _metric(registry, "2")["policy"] == "rckm"  # the old series is gone, not left at 1
+    samples = [s for f in registry.collect() if f.name == "dilu_gpu_vertical_policy" for s in f.samples]
+    assert len(samples) == 1
