@@ -181,3 +181,20 @@ def test_weights_beyond_the_declared_memory_are_refused() -> None:
         _res("a", memory=1000, weights=1001)
     with pytest.raises(ValueError, match="weights_mb"):
         _res("a", weights=-1)
+
+
+async def test_a_cache_kept_for_a_grace_period_holds_only_the_weights_until_its_lease_lapses(
+        budgets: GpuBudgets) -> None:
+    # Staged exit: whatever keeps the weights on the GPU after the last instance reserves as a member of the
+    # group holding just the weights, with a lease of the grace period that nobody renews.
+    assert (await budgets.reserve(UUID, _res("a"), ttl_s=30)).ok
+    keeper = await budgets.reserve(UUID, _res("cache:guest/llm", memory=20_000, weights=20_000), ttl_s=0.3)
+    assert keeper.ok and keeper.memory_mb == 0 and keeper.sum_memory_mb == 30_000
+    await budgets.release(UUID, "a")  # the last instance goes: the cache carries the weights
+    budget = await _budget(budgets)
+    assert budget.sum_memory_mb == 20_000 and _carriers(budget) == {"cache:guest/llm"}
+    again = await budgets.reserve(UUID, _res("b"), ttl_s=30)  # the next instance maps the cached weights
+    assert again.shares_weights and again.sum_memory_mb == 30_000
+    await asyncio.sleep(0.45)  # the grace period ends: "b" carries them now
+    assert (await budgets.reserve(UUID, _res("c"), ttl_s=30)).sum_memory_mb == 40_000
+    assert _carriers(await _budget(budgets)) == {"b"}
