@@ -116,6 +116,19 @@ for _, inst in ipairs(order) do
   end
 end
 if r.shares_weights then r.memory_mb = r.memory_mb - r.weights_mb end
+-- A re-reservation that leaves the group whose weights it carried: the group's next instance (its heir)
+-- carries them from now on, so they count in this check too.
+local old = live[skip]
+local heir = nil
+if old ~= nil and gkey(old) ~= nil and gkey(old) ~= g and not old.shares_weights then
+  for _, inst in ipairs(order) do
+    if inst ~= skip and gkey(live[inst]) == gkey(old) then
+      heir = inst
+      break
+    end
+  end
+end
+if heir ~= nil then smem = smem + old.weights_mb end
 local force = ARGV[4] == '1'
 local eps = 1e-9
 if not force then
@@ -133,17 +146,7 @@ if not force then
 end
 r.expires_ms = now + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'r:' .. skip, cmsgpack.pack(r))
--- A re-reservation that left its group: the group's next instance carries the weights now.
-local old = live[skip]
-if old ~= nil and gkey(old) ~= nil and gkey(old) ~= g and not old.shares_weights then
-  for _, inst in ipairs(order) do
-    local o = live[inst]
-    if inst ~= skip and gkey(o) == gkey(old) then
-      carry('r:' .. inst, o, true)
-      break
-    end
-  end
-end
+if heir ~= nil then carry('r:' .. heir, live[heir], true) end
 local sh = 0
 if r.shares_weights then sh = 1 end
 return {1, string.format('%.6f %.6f %d %d %d', sreq + r.request, slim + r.limit, smem + r.memory_mb,

@@ -163,6 +163,20 @@ async def test_a_re_reservation_that_leaves_its_group_hands_the_weights_on(budge
     assert (await _budget(budgets)).sum_memory_mb == 60_000
 
 
+async def test_a_carrier_leaving_its_group_counts_the_weights_its_heir_takes_on(budgets: GpuBudgets) -> None:
+    assert (await budgets.reserve(UUID, _res("a"), ttl_s=30)).ok  # 30 GB, 20 of them weights
+    assert (await budgets.reserve(UUID, _res("b"), ttl_s=30)).shares_weights  # 10 GB
+    assert (await budgets.reserve(UUID, _res("c", weights=0), ttl_s=30)).ok  # 30 GB: 70 of 80 GB
+    # "a" re-reserved as another function's 30 GB: "b" would carry the 20 GB → 90 GB > 80 GB.
+    moved = await budgets.reserve(UUID, _res("a", group=weights_group("guest/new", "1")), ttl_s=30)
+    assert not moved.ok and moved.reason == "memory would reach 90000 MB > 80000 MB"
+    budget = await _budget(budgets)
+    assert _carriers(budget) == {"a"} and budget.sum_memory_mb == 70_000
+    assert (await budgets.reserve(UUID, _res("a", memory=20_000, group=weights_group("guest/new", "1")),
+                                  ttl_s=30)).sum_memory_mb == 80_000
+    assert _carriers(await _budget(budgets)) == {"a", "b"}
+
+
 async def test_reconcile_restores_a_group_with_one_carrier(budgets: GpuBudgets) -> None:
     for name in ("a", "b", "gone"):
         assert (await budgets.reserve(UUID, _res(name), ttl_s=30)).ok
