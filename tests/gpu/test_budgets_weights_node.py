@@ -177,3 +177,38 @@ def test_the_weights_annotation(raw: dict[str, object], ok: bool) -> None:
         with pytest.raises(ValidationError, match="gpu-weights-mb"):
             GpuNeeds.from_annotations(annotations)
     assert GpuNeeds.from_annotations({}).weights_mb == 0
+
+
+HOLD = ("import os, time\ndef main(args):\n    time.sleep(float(args.get('hold_s', 0)))\n"
+        "    return {'gpu': os.environ.get('DILU_GPU_UUID'), 'pid': os.getpid()}\n")
+
+
+@pytest.mark.xfail(strict=True, reason="the invoker core does not pass the action's revision to "
+                   "GpuNode.attach yet (docs/runtime.md, 'GPU memory budget')")
+async def test_through_the_invoker_two_instances_of_a_revision_fit_beside_one_copy(
+        tmp_path: Path, shim_build: ShimBuild, redis: aioredis.Redis) -> None:
+    from dataclasses import replace
+
+    from dilu_invoker import config
+    from dilu_invoker.invoker.dataplane.core import open_invoker
+    from dilu_invoker.model import GUEST_IDENTITY, Action, ActivationRequest, Exec, Parameter, new_activation_id
+
+    inventory = tmp_path / "gpus.json"
+    inventory.write_text('[{"uuid": "GPU-wi-0", "memory_mb": 10000}]')
+    base = config.load(environ={})
+    cfg = replace(base, gpu=replace(base.gpu, inventory=str(inventory), shm_dir=str(tmp_path / "shm"),
+                                    shim_path=str(shim_build.library)),
+                  redis=replace(base.redis, prefix="twi:"))
+    annotations = {"gpu-memory-mb": 6000, "gpu-weights-mb": 5000, "gpu-sm-request": 0.1, "gpu-sm-limit": 0.2}
+    action = Action(namespace="guest", name="llm", exec=Exec(kind="python:3-gpu", code=HOLD), revision="1-abc",
+                    annotations=tuple(Parameter(k, v) for k, v in annotations.items()))
+    async with open_invoker(cfg, redis=redis) as inv:
+        # Two activations at once: two containers; two whole copies (12000 MB) would not fit the GPU.
+        results = await asyncio.gather(*(inv.run(ActivationRequest(
+            activation_id=new_activation_id(), action=action, identity=GUEST_IDENTITY, content={"hold_s": 1.0}))
+            for _ in range(2)))
+        got = [r.response.result for r in results]
+        assert len({g["pid"] for g in got}) == 2
+        assert [g["gpu"] for g in got] == ["GPU-wi-0", "GPU-wi-0"]  # both on the GPU, neither on the CPU
+        budget = await _budget(GpuBudgets(redis, prefix="twi:"), "GPU-wi-0")
+        assert budget.sum_memory_mb == 7000
