@@ -11,10 +11,12 @@
 Modes (each a fresh standalone per model pair and trial, side by side in one run; `MODES` below has the
 flags). Simple baselines: ``noshim`` (no shim, time-slicing: no control), ``mps50`` / ``mps70`` (static MPS
 splits 50/50 and inference 70 / training 30 active threads, no shim), ``static30`` (the shim with the
-``static`` policy: inference at 0.7, training at 0.3, time-slicing). Controllers: ``shim`` (the defaults as
-they are: rckm, ``--gpu-mps auto``, process isolation auto — which makes auto pick time-slicing, see
-gpu/mps.py ``decide_mps``), ``shim-mps`` / ``shim-ts`` (rckm under MPS / time-slicing), ``slo`` / ``slo-ts``
-(the SLO controller under MPS / time-slicing). MPS modes pass ``--gpu-mps on --invoker-process-isolation
+``static`` policy: inference at 0.7, training at 0.3, time-slicing). The product's static default under MPS:
+``spatial`` (the shim loaded but no token caps; MPS thread caps fixed at each client's start, MPS on,
+isolation off). Controllers: ``shim`` (the defaults as they are: ``--gpu-vertical-policy auto``, ``--gpu-mps
+auto``, process isolation auto — which makes auto pick time-slicing, see gpu/mps.py ``decide_mps``, and so
+rckm), ``shim-mps`` / ``shim-ts`` (rckm under MPS / time-slicing), ``slo`` / ``slo-ts`` (the SLO controller
+under MPS / time-slicing). MPS modes pass ``--gpu-mps on --invoker-process-isolation
 off``: an MPS daemon serves one uid at a time. Every cell records what the invoker actually ran
 (``effective``: MPS or not and why, the policy, the shim) from its log and /metrics. Actions declare
 ``limits.memory`` 8192 MB (a GPU process with torch needs far more than the 256 MB default).
@@ -226,16 +228,24 @@ MODES: dict[str, dict[str, Any]] = {
               "what": "static MPS 70/30 (no shim; inference 70%, training 30% active threads)", "baseline": True},
     "static30": {"flags": ["--gpu-vertical-policy", "static", *TS], "infer": (0.5, 0.7), "train": (0.3, 0.3),
                  "what": "static shim shares 70/30 (policy static: each at its limit), time-slicing", "baseline": True},
-    "shim": {"flags": [], **SHIM_ANN, "what": "the defaults: shim + rckm policy, --gpu-mps auto, isolation auto"},
-    "shim-mps": {"flags": MPS_ON, **SHIM_ANN, "what": "shim + rckm policy, MPS (--gpu-mps on, isolation off)"},
-    "shim-ts": {"flags": TS, **SHIM_ANN, "what": "shim + rckm policy, time-slicing (--gpu-mps off)"},
+    "shim": {"flags": [], **SHIM_ANN,
+             "what": "the defaults: shim, --gpu-vertical-policy auto (spatial under MPS, rckm time-sliced), "
+                     "--gpu-mps auto, isolation auto"},
+    "shim-mps": {"flags": ["--gpu-vertical-policy", "rckm", *MPS_ON], **SHIM_ANN,
+                 "what": "shim + rckm policy, MPS (--gpu-mps on, isolation off)"},
+    "shim-ts": {"flags": ["--gpu-vertical-policy", "rckm", *TS], **SHIM_ANN,
+                "what": "shim + rckm policy, time-slicing (--gpu-mps off)"},
+    "spatial": {"flags": ["--gpu-vertical-policy", "spatial", *MPS_ON], **SHIM_ANN,
+                "what": "shim + spatial policy (no token caps; MPS threads: inference its limit, training "
+                        "min(limit, max(request, 1 - reserve 0.5))), MPS (--gpu-mps on, isolation off)"},
     "slo": {"flags": ["--gpu-vertical-policy", "slo", *MPS_ON], **SHIM_ANN,
             "what": "shim + slo controller, MPS (best-effort clients at mps_best_effort_threads)"},
     "slo-ts": {"flags": ["--gpu-vertical-policy", "slo", *TS], **SHIM_ANN,
                "what": "shim + slo controller, time-slicing (--gpu-mps off)"},
 }
 CONTROLLERS = ("slo", "slo-ts", "shim", "shim-mps", "shim-ts")
-"""Modes whose shares a feedback policy sets; every other mode is a simple (static) baseline."""
+"""Modes whose shares a feedback policy sets (``shim`` runs rckm where auto picks time-slicing); the modes marked
+``baseline`` are the simple static ones; ``spatial`` is neither: static, but the product's own default under MPS."""
 PAIRS = {"resnet50+train": "resnet50", "bert+train": "bert"}
 
 

@@ -150,9 +150,11 @@ class GpuConfig:
     shm_dir: str = _opt("/dev/shm/dilu", "directory of the per-instance control and stats blocks")
     shim_path: str | None = _opt(None, "libdilu_shim.so (default: the built one)")
     reservation_ttl_s: float = _opt(30.0, "lease of a GPU budget reservation; renewed while the instance lives")
-    vertical_policy: str = _opt("rckm", "vertical SM-share policy: rckm (cycle ratios, Dilu's RCKM), slo "
-                                "(the SLO feedback controller; docs/policies.md §1.1) or static (every "
-                                "instance at its limit: a baseline)")
+    vertical_policy: str = _opt("auto", "vertical SM-share policy: auto (per GPU: spatial where it runs MPS, "
+                                "rckm where it time-slices), spatial (no token throttling: MPS thread caps fixed "
+                                "at each client's start split the GPU; rckm on a time-sliced GPU), rckm (cycle "
+                                "ratios, Dilu's RCKM), slo (the SLO feedback controller; docs/policies.md §1.1) "
+                                "or static (every instance at its limit: a baseline)")
     vertical_slo_factor: float = _opt(2.0, "slo policy: without a gpu-slo-ms annotation the target is this × "
                                       "the instance's solo latency (×)")
     vertical_deadband: float = _opt(0.15, "slo policy: no move while the p99 estimate is within this fraction "
@@ -164,6 +166,9 @@ class GpuConfig:
     vertical_dwell_s: float = _opt(0.2, "slo policy: seconds between two moves of the best-effort budget")
     vertical_mps_best_effort_threads: float = _opt(0.7, "slo policy: fraction of the SMs a best-effort MPS "
                                                    "client may use, fixed at its start")
+    vertical_spatial_lc_reserve: float = _opt(0.5, "spatial policy: fraction of the SMs a best-effort MPS client's "
+                                              "cap leaves to latency-critical instances (at least the sum of "
+                                              "their SM requests on the GPU at its start)")
     vertical_rckm: str = _opt("", "rckm policy: overrides of its VerticalConfig fields, key=value,… "
                                   "(experiments; docs/policies.md §1)")
     mps: str = _opt("auto", "run GPU containers as MPS clients of a daemon the invoker starts per GPU: auto (where "
@@ -180,9 +185,17 @@ class GpuConfig:
             raise ConfigError(f"--gpu-vertical-*: {exc}") from None
 
     def vertical(self) -> Any:
-        """The vertical policy's configuration (`VerticalConfig` or `SloConfig`): its type selects the policy."""
+        """The vertical policy's configuration (`VerticalConfig`, `SloConfig`, `StaticConfig`): its type
+        selects the policy; for `auto` and `spatial` a `PerGpuVertical` the node resolves per GPU once it knows
+        whether the GPU runs MPS."""
         from dilu_invoker.policy.vertical import VerticalConfig
-        from dilu_invoker.policy.vertical_slo import VERTICAL_POLICIES, SloConfig, StaticConfig
+        from dilu_invoker.policy.vertical_slo import (
+            GPU_VERTICAL_POLICIES,
+            PerGpuVertical,
+            SloConfig,
+            SpatialConfig,
+            StaticConfig,
+        )
 
         if self.vertical_policy == "slo":
             return SloConfig(slo_factor=self.vertical_slo_factor, deadband=self.vertical_deadband,
@@ -193,7 +206,11 @@ class GpuConfig:
             return VerticalConfig.parse(self.vertical_rckm)
         if self.vertical_policy == "static":
             return StaticConfig()
-        raise ValueError(f"--gpu-vertical-policy must be one of {', '.join(VERTICAL_POLICIES)}, "
+        if self.vertical_policy in ("auto", "spatial"):
+            return PerGpuVertical(name=self.vertical_policy,
+                                  mps=SpatialConfig(lc_reserve=self.vertical_spatial_lc_reserve),
+                                  time_sliced=VerticalConfig.parse(self.vertical_rckm))
+        raise ValueError(f"--gpu-vertical-policy must be one of {', '.join(GPU_VERTICAL_POLICIES)}, "
                          f"not {self.vertical_policy!r}")
 
 

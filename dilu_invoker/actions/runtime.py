@@ -23,6 +23,7 @@ import socket
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,6 +212,7 @@ class WorkerProcess:
             )
         finally:
             child_end.close()
+        _WORKERS.add(self.process)
         _, self._frames = await asyncio.get_running_loop().create_unix_connection(
             lambda: _Frames(self._on_frame), sock=parent_end)
         self._reader_task = asyncio.create_task(self._watch(self._frames))
@@ -608,8 +610,37 @@ def build_app(runtime: Runtime) -> web.Application:
     return app
 
 
+_WORKERS: weakref.WeakSet[asyncio.subprocess.Process] = weakref.WeakSet()
+"""The worker processes this runtime started (asyncio waits for them)."""
+
+
+def reap_once(own: set[int]) -> int:
+    """Reap exited children that are not in ``own`` (never blocks); returns how many."""
+    reaped = 0
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return reaped
+        if info is None or info.si_pid in own:
+            return reaped
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, os.WNOHANG)
+            reaped += 1
+
+
+async def reap_orphans(period_s: float = 1.0) -> None:
+    """As the first process of a PID namespace of its own (a process container that shares its uid with
+    other MPS clients: backends/sandbox.py) the runtime adopts every orphan of the action — a daemon it
+    started, a double fork — and must reap them, or they stay zombies; its own workers are left to asyncio."""
+    while True:
+        await asyncio.sleep(period_s)
+        reap_once({p.pid for p in _WORKERS if p.returncode is None})
+
+
 async def serve(host: str, port: int, options: RuntimeOptions, *, listen_fd: int | None = None) -> int:
     runtime = Runtime(options)
+    reaper = asyncio.create_task(reap_orphans()) if os.getpid() == 1 else None
     runtime.prepare_worker()
     # No access log: the proxy's stdout and stderr are the action's logs.
     runner = web.AppRunner(build_app(runtime), access_log=None, handle_signals=False)
@@ -637,6 +668,8 @@ async def serve(host: str, port: int, options: RuntimeOptions, *, listen_fd: int
         # (which waits for handlers) does not hang on an action that never returns.
         await runtime.close()
         await runner.cleanup()
+        if reaper is not None:
+            reaper.cancel()
 
 
 def _env_flag(name: str) -> bool:

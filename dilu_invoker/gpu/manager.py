@@ -40,6 +40,7 @@ from dilu_invoker.policy.vertical_slo import (
     AnyVerticalConfig,
     AnyVerticalState,
     decide_vertical,
+    gates_launches,
     initial_state,
     mps_start_threads,
     policy_name,
@@ -262,9 +263,11 @@ def vertical_instance(
     share: float | None,
     capacity_blocks_per_ms: float | None = None,
     load: LoadReading | None = None,
+    mps_threads: float | None = None,
 ) -> VerticalInstance:
     """The policy's view of one instance this period (``last_active_at`` already updated for it); ``load``:
-    its own queue as the invoker reports it (None: not reported)."""
+    its own queue as the invoker reports it (None: not reported); ``mps_threads``: the active-thread fraction
+    its MPS client started with (None: not known)."""
     q = load or LoadReading()
     return VerticalInstance(
         id=spec.id,
@@ -284,7 +287,7 @@ def vertical_instance(
         # Turns blocks into a demand share: the room a latency-critical instance leaves, its bursts.
         capacity_blocks_per_ms=capacity_blocks_per_ms,
         queue_known=load is not None, runs_s=q.runs_s, open_run_s=q.open_run_s, waits_s=q.waits_s,
-        queued=q.queued, oldest_wait_s=q.oldest_wait_s,
+        queued=q.queued, oldest_wait_s=q.oldest_wait_s, mps_threads=mps_threads,
     )
 
 
@@ -549,6 +552,8 @@ class ManagerMetrics(Protocol):
 
     def forget_instance(self, spec: InstanceSpec, gpu: GpuLabel) -> None: ...
 
+    def observe_policy(self, gpu: GpuLabel, *, policy: str, reason: str) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class GpuLabel:
@@ -577,6 +582,8 @@ class _Managed:
     last_reading: Reading = EMPTY_READING
     load: Callable[[], LoadReading] | None = None
     """Reads the instance's own queue from the invoker (`dilu_invoker.gpu.load`); None: not reported."""
+    mps_threads: float | None = None
+    """The active-thread fraction its MPS client started with (the policy's choice when it was added)."""
 
 
 @dataclass(slots=True)
@@ -612,6 +619,8 @@ class GpuManager:
         self.label = GpuLabel(index, uuid)
         self.period_s = period_s
         self.vertical: AnyVerticalConfig = vertical or VerticalConfig()  # its type selects the policy
+        self.policy_reason = f"--gpu-vertical-policy {policy_name(self.vertical)}"
+        """Why this GPU runs its policy (`GpuNode` sets it once the GPU's MPS decision is known)."""
         self.capacity_config = capacity or CapacityConfig()
         # Ten missed periods (and at least a second) mean the manager is gone: the shim fails static.
         stale = stale_after_s if stale_after_s is not None else max(1.0, 10 * period_s)
@@ -639,26 +648,53 @@ class GpuManager:
 
     # -- membership ------------------------------------------------------------------------------
 
-    def initial_quota(self, spec: InstanceSpec) -> abi.Quota:
-        """The control block an instance starts with (written before its container starts)."""
+    @property
+    def gates_launches(self) -> bool:
+        """Whether shares become token rates in the shim (False under `spatial`: every launch is admitted,
+        MPS's thread caps split the SMs; a pinned share is still enforced)."""
+        return gates_launches(self.vertical)
+
+    def initial_quota(self, spec: InstanceSpec, *, lc_requests: float | None = None) -> abi.Quota:
+        """The control block an instance starts with (written before its container starts); unlimited where
+        the policy does not gate launches (its thread cap recorded as the share)."""
+        if not self.gates_launches:
+            return quota_for(self.mps_threads(spec, lc_requests=lc_requests), None,
+                             mem_cap_bytes=spec.mem_cap_bytes, stale_after_ns=self.stale_after_ns)
         return quota_for(spec.starting_share, spec.capacity_blocks_per_ms, mem_cap_bytes=spec.mem_cap_bytes,
                          stale_after_ns=self.stale_after_ns)
 
-    def mps_threads(self, spec: InstanceSpec) -> float:
-        """The MPS active-thread fraction the instance's client starts with under this GPU's policy (MPS fixes
-        it when the process connects: `GpuNode` puts it in the container's environment)."""
-        return mps_start_threads(spec.cls, spec.limit, self.vertical)
+    def latency_critical_requests(self, *, besides: str | None = None) -> float:
+        """Σ SM request of the latency-critical instances managed on this GPU (other than ``besides``)."""
+        return sum(m.spec.request for m in self._instances.values()
+                   if m.spec.cls.latency_critical and m.spec.id != besides)
 
-    def add(self, spec: InstanceSpec, control: abi.ControlFile, stats: abi.StatsFile) -> None:
+    def mps_threads(self, spec: InstanceSpec, *, lc_requests: float | None = None) -> float:
+        """The MPS active-thread fraction the instance's client starts with under this GPU's policy (MPS fixes
+        it when the process connects: `GpuNode` puts it in the container's environment). ``lc_requests``: Σ SM
+        request of the latency-critical instances on the GPU besides it (None: those this manager holds)."""
+        lc = self.latency_critical_requests(besides=spec.id) if lc_requests is None else lc_requests
+        return mps_start_threads(spec.cls, spec.limit, self.vertical, request=spec.request, lc_requests=lc)
+
+    def add(self, spec: InstanceSpec, control: abi.ControlFile, stats: abi.StatsFile, *,
+            mps_threads: float | None = None) -> None:
+        """Manage ``spec``; ``mps_threads``: the active-thread fraction its MPS client starts with (None: what
+        `mps_threads` gives now)."""
         if spec.id in self._instances:
             raise ValueError(f"instance {spec.id} is already managed on GPU {self.index}")
         quota = control.read().quota
+        threads = mps_threads if mps_threads is not None else self.mps_threads(spec)
         self._instances[spec.id] = _Managed(
             spec=spec, control=control, stats=stats, share=quota.share, quota=quota,
-            capacity=CapacityEstimate(override=spec.capacity_blocks_per_ms),
+            capacity=CapacityEstimate(override=spec.capacity_blocks_per_ms), mps_threads=threads,
         )
         self._log.info("instance added", instance=spec.id, cls=spec.cls.value, request=spec.request,
-                       limit=spec.limit, share=quota.share, capacity=spec.capacity_blocks_per_ms)
+                       limit=spec.limit, share=quota.share, capacity=spec.capacity_blocks_per_ms,
+                       policy=policy_name(self.vertical), mps_threads=round(threads, 3))
+
+    def mps_threads_of(self, instance: str) -> float | None:
+        """The active-thread fraction recorded for a managed instance's client (None: not managed)."""
+        m = self._instances.get(instance)
+        return m.mps_threads if m is not None else None
 
     def remove(self, instance: str) -> InstanceSpec | None:
         """Stop managing ``instance`` (its files stay open; the caller closes and removes them)."""
@@ -693,11 +729,19 @@ class GpuManager:
         self._log.info("instance queue reported" if reader is not None else "instance queue not reported",
                        instance=instance)
 
-    def set_vertical_config(self, config: AnyVerticalConfig) -> None:
-        """Run the policy with ``config`` (its type selects it) from the next tick on; its memory starts over."""
+    def set_vertical_config(self, config: AnyVerticalConfig, *, reason: str | None = None) -> None:
+        """Run the policy with ``config`` (its type selects it) from the next tick on; its memory starts over.
+        ``reason``: why (logged, and in /metrics as ``dilu_gpu_vertical_policy``)."""
         self.vertical = config
         self._state = initial_state(config)
-        self._log.info("vertical policy reconfigured", config=config)
+        self.policy_reason = reason or f"--gpu-vertical-policy {policy_name(config)}"
+        self._log.info("vertical policy reconfigured", policy=policy_name(config), reason=self.policy_reason,
+                       config=config)
+        self._report_policy()
+
+    def _report_policy(self) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_policy(self.label, policy=policy_name(self.vertical), reason=self.policy_reason)
 
     def set_capacity(self, instance: str, blocks_per_ms: float | None) -> None:
         """Use a measured capacity (the profiler's) from the next tick on; None: back to the online estimate."""
@@ -743,7 +787,8 @@ class GpuManager:
 
     async def _run(self) -> None:
         self._log.info("manager started", period_ms=round(self.period_s * 1000, 3), policy=policy_name(self.vertical),
-                       stale_after_ms=self.stale_after_ns // 1_000_000)
+                       policy_reason=self.policy_reason, stale_after_ms=self.stale_after_ns // 1_000_000)
+        self._report_policy()
         async for _ in ticks(self.period_s):
             try:
                 self.tick()
@@ -784,7 +829,8 @@ class GpuManager:
         inputs = {
             m.spec.id: vertical_instance(m.spec, m.last_reading, period_s=elapsed_s,
                                          last_active_at=m.last_active_at, share=m.share,
-                                         capacity_blocks_per_ms=m.capacity.value, load=self._read_load(m))
+                                         capacity_blocks_per_ms=m.capacity.value, load=self._read_load(m),
+                                         mps_threads=m.mps_threads)
             for m in managed
         }
         lc_active = {i for i, v in inputs.items() if v.cls.latency_critical and v.active(now, self.vertical)}
@@ -868,7 +914,9 @@ class GpuManager:
                            reason=cap_why)
         elif before != m.capacity.value:
             self._log.debug("capacity changed", instance=spec.id, blocks_per_ms=m.capacity.value, reason=cap_why)
-        quota = quota_for(share, m.capacity.value, mem_cap_bytes=spec.mem_cap_bytes,
+        # Under a policy that does not gate launches (`spatial`) the share is recorded, the rate unlimited.
+        gated = m.pinned is not None or self.gates_launches
+        quota = quota_for(share, m.capacity.value if gated else None, mem_cap_bytes=spec.mem_cap_bytes,
                           stale_after_ns=self.stale_after_ns)
         if _differs(quota, m.quota):
             m.control.write(quota)

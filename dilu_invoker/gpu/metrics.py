@@ -63,7 +63,11 @@ class GpuMetrics:
         self.mode_changes = Counter("dilu_gpu_vertical_mode_changes", "Changes of the vertical policy's mode "
                                     "(logged at info only for a cut and a return to the limits)",
                                     (*_GPU, "from_mode", "to_mode"), registry=r)
+        self.policy = Gauge("dilu_gpu_vertical_policy", "1 for the vertical policy the GPU runs; reason says why "
+                            "(--gpu-vertical-policy auto: spatial under MPS, rckm when time-sliced)",
+                            (*_GPU, "policy", "reason"), registry=r)
         self._last_mode: dict[tuple[str, str], FeedbackMode] = {}
+        self._policy_labels: dict[tuple[str, str], tuple[str, str]] = {}
 
     def observe_instance(self, spec: InstanceSpec, gpu: GpuLabel, status: InstanceStatus, reading: Reading) -> None:
         labels = _instance_labels(spec, gpu)
@@ -96,6 +100,17 @@ class GpuMetrics:
         if last is not None and last is not mode:
             self.mode_changes.labels(*labels, last.value, mode.value).inc()
         self._last_mode[labels] = mode
+
+    def observe_policy(self, gpu: GpuLabel, *, policy: str, reason: str) -> None:
+        labels = (str(gpu.index), gpu.uuid)
+        old = self._policy_labels.get(labels)
+        if old is not None and old != (policy, reason):
+            try:
+                self.policy.remove(*labels, *old)
+            except KeyError:
+                pass
+        self.policy.labels(*labels, policy, reason).set(1)
+        self._policy_labels[labels] = (policy, reason)
 
     def forget_instance(self, spec: InstanceSpec, gpu: GpuLabel) -> None:
         labels = _instance_labels(spec, gpu)

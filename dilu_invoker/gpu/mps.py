@@ -128,6 +128,9 @@ class MpsDaemon:
     adopted: bool = False
     restarts: int = 0
     env_base: Mapping[str, str] = field(default_factory=dict)
+    shared_uid: bool = False
+    """Its clients run as a uid leased for this GPU, which owns the pipe and log directories (the process
+    backend's sandbox chowns them): the directories above must be traversable (0711), never listable."""
 
     @property
     def pipe_dir(self) -> Path:
@@ -174,8 +177,11 @@ class MpsDaemon:
         return rc == 0
 
     def _prepare(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.directory, 0o700)
+        mode = 0o711 if self.shared_uid else 0o700
+        self.directory.mkdir(parents=True, exist_ok=True, mode=mode)
+        for d in (self.directory, self.directory.parent, self.directory.parent.parent) if self.shared_uid \
+                else (self.directory,):
+            os.chmod(d, mode)
         for d in (self.pipe_dir, self.log_dir):
             d.mkdir(exist_ok=True, mode=0o700)
             os.chmod(d, 0o700)
@@ -257,9 +263,11 @@ class MpsSupervisor:
         check_every_s: float = 5.0,
         metrics: MpsMetrics | None = None,
         separate_uids: str | None = None,
+        shared_uid: bool = False,
     ) -> None:
         self.mode = mode
         self.separate_uids = separate_uids
+        self.shared_uid = shared_uid
         self.root = root
         self.gpus = gpus
         resolved = shutil.which(control) if os.sep not in control else (control if Path(control).is_file() else None)
@@ -284,7 +292,7 @@ class MpsSupervisor:
                 if self.control is None:
                     raise MpsError(f"--gpu-mps on: {self._control_name} not found")
                 daemon = MpsDaemon(gpu_index=index, gpu_uuid=uuid, directory=self.root / f"gpu{index}",
-                                   control=self.control)
+                                   control=self.control, shared_uid=self.shared_uid)
                 try:
                     what = await daemon.start()
                 except MpsError as exc:
@@ -292,7 +300,9 @@ class MpsSupervisor:
                         raise
                     decision = MpsDecision(False, f"--gpu-mps auto: the daemon did not start ({exc}): time-slicing")
                 else:
-                    decision = MpsDecision(True, f"{decision.reason}; {what}")
+                    shared = ("; isolated clients share one uid, kept apart by PID and mount namespaces"
+                              if self.shared_uid else "")
+                    decision = MpsDecision(True, f"{decision.reason}; {what}{shared}")
                     self.daemons[index] = daemon
             self.decisions[index] = decision
             self.metrics.mode(index, uuid, decision)

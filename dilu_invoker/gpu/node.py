@@ -46,7 +46,7 @@ from dilu_invoker.policy.cluster import ClusterSnapshot
 from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
 from dilu_invoker.policy.vertical import VerticalConfig
-from dilu_invoker.policy.vertical_slo import SloConfig, StaticConfig
+from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, PerGpuVertical, policy_name, resolve_vertical
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -144,7 +144,7 @@ class GpuNode:
         sync_period_s: float | None = None,
         redis_timeout_s: float = 2.0,
         period_s: float = 0.05,
-        vertical: VerticalConfig | SloConfig | StaticConfig | None = None,
+        vertical: AnyVerticalConfig | PerGpuVertical | None = None,
         capacity: CapacityConfig | None = None,
         stale_after_s: float | None = None,
         metrics: ManagerMetrics | None = None,
@@ -176,9 +176,13 @@ class GpuNode:
                 raise shim.ShimNotFoundError(f"{self._shim} does not exist")
         except shim.ShimNotFoundError as exc:
             self._shim, self._shim_problem = None, str(exc)
+        # `auto` and `spatial` pick each GPU's policy once its MPS decision is known (`start`); until then, and
+        # for good where no MPS supervisor exists, the time-sliced choice.
+        self._vertical = vertical or VerticalConfig()
+        provisional, _why, _fallback = resolve_vertical(self._vertical, mps=False)
         self._managers: dict[str, GpuManager] = {
             d.uuid: GpuManager(
-                uuid=d.uuid, index=d.index, period_s=period_s, vertical=vertical, capacity=capacity,
+                uuid=d.uuid, index=d.index, period_s=period_s, vertical=provisional, capacity=capacity,
                 stale_after_s=stale_after_s, publish=self._publish if budgets is not None else None,
                 metrics=metrics, observers=observers,
                 utilization=(lambda d=d: utilization(d)) if utilization is not None else None,  # type: ignore[misc]
@@ -230,14 +234,27 @@ class GpuNode:
             from dilu_invoker.gpu.devices import compute_mode
             from dilu_invoker.gpu.mps import MpsMetrics, MpsMode
 
-            separate = None
+            separate, shared_uid, mps_root = None, False, Path(g.mps_dir or cfg.data_path / "mps")
             if backend == "process" and cfg.invoker.process_isolation == "auto" and os.geteuid() == 0:
-                separate = "process isolation runs every container as its own uid"
+                # Isolated containers have uids of their own, but the MPS clients of one GPU share one (its
+                # server runs as it) and are kept apart by PID and mount namespaces (backends/sandbox.py).
+                # Their server and clients must reach the pipes: outside the data dir, which is root's alone.
+                import shutil
+
+                from dilu_invoker.invoker.dataplane.backends.sandbox import default_work_dir
+
+                missing = [t for t in ("unshare", "setpriv") if shutil.which(t) is None]
+                if missing:
+                    separate = (f"process isolation runs every container as its own uid (util-linux "
+                                f"{' and '.join(missing)} not found to run a GPU's MPS clients as one uid)")
+                else:
+                    shared_uid = True
+                    mps_root = Path(g.mps_dir or Path(cfg.invoker.process_work_dir or default_work_dir()) / "mps")
             mps = MpsSupervisor(
-                mode=MpsMode.parse(g.mps), root=Path(g.mps_dir or cfg.data_path / "mps") / f"invoker{cfg.invoker.id}",
+                mode=MpsMode.parse(g.mps), root=mps_root / f"invoker{cfg.invoker.id}",
                 gpus=tuple((d.index, d.uuid) for d in devices),
                 control=g.mps_control, compute_mode=compute_mode, metrics=MpsMetrics(registry),
-                separate_uids=separate)
+                separate_uids=separate, shared_uid=shared_uid)
         return cls(
             node=f"invoker{cfg.invoker.id}", devices=devices, no_gpu_reason=reason, shm_dir=g.shm_dir, mps=mps,
             backend=backend, docker_gpu_mode=cfg.invoker.docker_gpu_mode, shim_library=g.shim_path,
@@ -298,6 +315,7 @@ class GpuNode:
                       problem=self._shim_problem)
         if self.mps is not None:
             await self.mps.start()
+        self._choose_policies()
         for mgr in self._managers.values():
             mgr.start()
         log.info("GPU node started", node=self.node, gpus=[d.index for d in self.devices], backend=self.backend,
@@ -305,6 +323,25 @@ class GpuNode:
         if self._budgets is not None:
             await self._sync_once()  # registers the GPUs and drops reservations of an earlier life
             self._sync_task = asyncio.create_task(self._sync_loop(), name=f"gpu-budgets-{self.node}")
+
+    def _choose_policies(self) -> None:
+        """Each GPU's vertical policy, now that its sharing mode is known (`resolve_vertical`): logged and in
+        /metrics (``dilu_gpu_vertical_policy``) with the reason."""
+        for d in self.devices:
+            mps = self.mps is not None and self.mps.enabled(d.index)
+            decision = self.mps.decisions.get(d.index) if self.mps is not None else None
+            config, why, fallback = resolve_vertical(self._vertical, mps=mps,
+                                                     mps_reason=decision.reason if decision is not None else "")
+            mgr = self._managers[d.uuid]
+            mgr.set_vertical_config(config, reason=why)
+            (log.warning if fallback else log.info)(
+                "GPU vertical policy", gpu=d.index, uuid=d.uuid, mode="mps" if mps else "time-slicing",
+                policy=policy_name(config), gates_launches=mgr.gates_launches, reason=why)
+
+    def _lc_requests(self, device: GpuDevice, *, besides: str) -> float:
+        """Σ SM request (as budgeted) of the latency-critical instances on ``device`` other than ``besides``:
+        this node's and, as last read from Redis, other invokers' (the `spatial` policy's reserve)."""
+        return sum(p.request for p in self._placed_on(device) if p.cls.latency_critical and p.id != besides)
 
     def _prepare_root(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o755)
@@ -356,17 +393,19 @@ class GpuNode:
                         reason=why)
             return None
         mgr = self._managers[device.uuid]
+        lc = self._lc_requests(device, besides=instance)
+        threads = mgr.mps_threads(spec, lc_requests=lc)
         try:
             control, stats = await asyncio.to_thread(
-                abi.create_instance_files, self.root, instance, mgr.initial_quota(spec))
+                abi.create_instance_files, self.root, instance, mgr.initial_quota(spec, lc_requests=lc))
         except OSError as exc:
             log.error("could not create the shim blocks; the instance runs on the CPU", instance=instance,
                       error=str(exc))
             await self._release(device, instance)
             return None
         files = abi.instance_files(self.root, instance)
-        attachment = self._attachment(device, files, spec, mps_threads=mgr.mps_threads(spec))
-        mgr.add(spec, control, stats)
+        attachment = self._attachment(device, files, spec, mps_threads=threads)
+        mgr.add(spec, control, stats, mps_threads=threads)
         self._attached[instance] = _Attached(spec, device, files, control, stats, attachment, reserved)
         log.info("GPU attached", instance=instance, function=function, gpu=device.index, uuid=device.uuid,
                  cls=spec.cls.value, request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb,
@@ -413,11 +452,16 @@ class GpuNode:
                 log.info("GPU share not retargeted: no room for the function's needs", instance=instance,
                          function=function, gpu=a.device.index, reason=why)
                 return False
+            old_threads = mgr.mps_threads_of(instance)
             mgr.remove(instance)
-            a.control.write(mgr.initial_quota(spec))
-            mgr.add(spec, a.control, a.stats)
-            if a.attachment.mps_client:
-                a.attachment = self._attachment(a.device, a.files, spec, mps_threads=mgr.mps_threads(spec))
+            lc = self._lc_requests(a.device, besides=target)
+            # A client that runs keeps the cap it connected with; a pre-loaded one connects at /init.
+            keep = a.attachment.mps_client and not contextless and old_threads is not None
+            threads = old_threads if keep and old_threads is not None else mgr.mps_threads(spec, lc_requests=lc)
+            a.control.write(mgr.initial_quota(spec, lc_requests=lc))
+            mgr.add(spec, a.control, a.stats, mps_threads=threads)
+            if a.attachment.mps_client and not keep:
+                a.attachment = self._attachment(a.device, a.files, spec, mps_threads=threads)
             a.spec, a.reserved = spec, reserved
             self._attached[target] = a
         log.info("GPU share retargeted", instance=target, was=instance, function=function, gpu=a.device.index,

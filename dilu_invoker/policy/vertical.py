@@ -367,6 +367,9 @@ class VerticalInstance:
     """Activations waiting for the instance now."""
     oldest_wait_s: float = 0.0
     """How long the oldest of them has waited (0: none waits)."""
+    mps_threads: float | None = None
+    """The MPS active-thread fraction its client started with (None: not known, e.g. not an MPS client):
+    under the `spatial` policy its share of the GPU."""
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -384,6 +387,8 @@ class VerticalInstance:
         cap = self.capacity_blocks_per_ms
         if cap is not None and not (math.isfinite(cap) and cap > 0):
             raise ValueError(f"{self.id}: capacity_blocks_per_ms must be > 0, got {cap!r}")
+        if self.mps_threads is not None and not (math.isfinite(self.mps_threads) and 0 < self.mps_threads <= 1):
+            raise ValueError(f"{self.id}: mps_threads must be within (0, 1], got {self.mps_threads!r}")
 
     def demand(self, period_s: float) -> float | None:
         """Its launches this period as a share of the GPU (None: capacity unknown)."""
@@ -486,7 +491,8 @@ class ShareDecision:
     """At its limit and throttled: vertical scaling has nothing more to give it."""
     reason: str
     mps_threads: float | None = None
-    """The MPS active-thread fraction its client starts with (None: no cap); only the `slo` policy sets it."""
+    """The MPS active-thread fraction its client starts with (None: no cap); the `slo` and `spatial` policies
+    set it for the instances they cap below their limit."""
 
     @property
     def changed(self) -> bool:

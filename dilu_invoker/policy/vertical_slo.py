@@ -42,9 +42,13 @@ from dilu_invoker.policy.vertical import (
 )
 
 VERTICAL_POLICIES = ("rckm", "slo", "static")
-"""Names of the vertical policies (`--gpu-vertical-policy`): `rckm` the cycle-ratio policy of
-`vertical.py` (Dilu's RCKM), `slo` this controller, `static` every instance at its limit (the static-share
-baseline the controller is measured against)."""
+"""Names of the vertical policies that divide SM share by token rates (the simulator's too): `rckm` the
+cycle-ratio policy of `vertical.py` (Dilu's RCKM), `slo` this controller, `static` every instance at its
+limit (the static-share baseline the controller is measured against)."""
+GPU_VERTICAL_POLICIES = ("auto", *VERTICAL_POLICIES, "spatial")
+"""The values of `--gpu-vertical-policy`: those above, `spatial` (no token gate: MPS's active-thread caps,
+fixed at each client's start, are the split) and `auto`, the default: `spatial` on a GPU that runs MPS,
+`rckm` on one that time-slices (`resolve_vertical`)."""
 
 # -- constants of the law (not knobs: each follows from what it measures) --------------------------
 
@@ -537,15 +541,19 @@ def decide_slo(snapshot: VerticalSnapshot, state: SloState, config: SloConfig) -
     )
 
 
-def mps_start_threads(cls: InstanceClass, limit: float, config: AnyVerticalConfig) -> float:
+def mps_start_threads(cls: InstanceClass, limit: float, config: AnyVerticalConfig, *, request: float = 0.0,
+                      lc_requests: float = 0.0) -> float:
     """The active-thread fraction (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE / 100) an instance's MPS client starts
     with — fixed for the life of its process, so chosen here, once, at container start. Every policy caps a
     client at its SM limit (a function never gets more than it declared); under `slo` a best-effort client is
     capped further, at `mps_best_effort_threads`, leaving the rest of the SMs to latency-critical clients that
-    start while it runs. Within [0.01, 1]."""
+    start while it runs; under `spatial` at `spatial_threads` (`request`: its SM request; `lc_requests`: Σ SM
+    request of the latency-critical instances on its GPU when it starts). Within [0.01, 1]."""
     cap = limit
     if isinstance(config, SloConfig) and not cls.latency_critical:
         cap = min(limit, config.mps_best_effort_threads)
+    elif isinstance(config, SpatialConfig):
+        cap = spatial_threads(cls, limit, request=request, lc_requests=lc_requests, config=config)
     return min(1.0, max(0.01, cap))
 
 
@@ -604,10 +612,123 @@ def decide_static(snapshot: VerticalSnapshot, state: SloState, config: StaticCon
                                    f"{total:.2f}", state=replace(state, mode=mode), active_total=total)
 
 
+# -- the spatial split (MPS) --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpatialConfig:
+    """The `spatial` policy: no token gate; the split is MPS's active-thread caps, fixed at each client's
+    start (`spatial_threads`). Measured on the H200 through the product (docs/benchmarks/gpu-product.md, M2):
+    a static MPS 50/50 split without token caps kept inference's p99 at 0.86× its solo with training at 1.10
+    of its unlimited solo, where the `slo` law's caps under MPS cut training to 0.48 (docs/policies.md §1.2)."""
+
+    lc_reserve: float = 0.5
+    """Fraction of the SMs, [0, 1]: kept free of a best-effort client's cap for latency-critical instances,
+    at least Σ the SM requests of those on the GPU when it starts, this much when fewer (room for those that
+    arrive later, since an MPS client's cap cannot change while it runs)."""
+
+    def __post_init__(self) -> None:
+        v = self.lc_reserve
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise ValueError(f"lc_reserve must be in [0, 1], got {v!r}")
+
+    @property
+    def idle_after_s(self) -> float:
+        return IDLE_AFTER_S
+
+
+def spatial_threads(cls: InstanceClass, limit: float, *, request: float, lc_requests: float,
+                    config: SpatialConfig) -> float:
+    """An MPS client's active-thread fraction under `spatial`: a latency-critical instance gets its SM limit;
+    a best-effort one min(limit, max(request, 1 − reserve)), reserve = max(`lc_requests`, `lc_reserve`): the
+    SMs latency-critical work needs stay out of its reach, never below its own request. Within [0.01, 1]."""
+    if cls.latency_critical:
+        cap = limit
+    else:
+        reserve = max(lc_requests, config.lc_reserve)
+        cap = min(limit, max(request, 1.0 - reserve))
+    return min(1.0, max(0.01, cap))
+
+
+def _spatial_saturated(inst: VerticalInstance, track: SloTrack) -> tuple[bool, str]:
+    """No share can grow under `spatial`: an instance whose own time is full while activations wait for it
+    (`is_saturated`), or whose waiting activations will miss its annotated SLO, needs another instance."""
+    if is_saturated(inst, track):
+        return True, "saturated (requests fill its time with activations waiting)"
+    spans, _ = _samples(inst)
+    waiting = waiting_latency_s(inst, track, spans)
+    if inst.slo_ms and waiting >= inst.slo_ms / 1000.0:
+        return True, f"saturated ({inst.queued:g} waiting: {waiting * 1000:.1f} ms, past its SLO)"
+    return False, ""
+
+
+def decide_spatial(snapshot: VerticalSnapshot, state: SloState, config: SpatialConfig) -> VerticalDecision:
+    """No instance is throttled: its share is its MPS thread cap (what it may use of the SMs, fixed at its
+    start), which the shim does not enforce with tokens (`gates_launches` is False: the manager writes an
+    unlimited rate). What is reported each period are the balancer's signals: active and saturated."""
+    now, period = snapshot.now, snapshot.period_s
+    active = {i.id for i in snapshot.instances if i.active(now, config)}
+    lc = any(i.cls.latency_critical and i.id in active for i in snapshot.instances)
+    mode = FeedbackMode.HOLD if lc else FeedbackMode.IDLE
+    tracks = {i.id: observe(i, state.track(i.id), period_s=period, settled=False, quiet=False)
+              for i in snapshot.instances}
+    shares = []
+    for i in snapshot.instances:
+        threads = i.mps_threads if i.mps_threads is not None else i.limit
+        saturated, why = _spatial_saturated(i, tracks[i.id]) if i.id in active else (False, "")
+        src = "its MPS thread cap, fixed at its start" if i.mps_threads is not None else "its limit (no MPS cap known)"
+        reason = f"spatial: no token cap; {threads:.2f} of the SMs = {src}" + (f"; {why}" if why else "")
+        shares.append(ShareDecision(id=i.id, share=min(threads, i.limit), previous=i.share, active=i.id in active,
+                                    saturated=saturated, reason=reason, mps_threads=i.mps_threads))
+    total = sum(d.share for d in shares if d.active)
+    return VerticalDecision(
+        now=now, gpu=snapshot.gpu, mode=mode, shares=tuple(shares), budget=None,
+        reason=f"{snapshot.gpu or 'gpu'} spatial: launches not throttled, MPS thread caps split the SMs; Σ active "
+               f"shares {total:.2f}",
+        state=SloState(mode=mode, tracks=tuple(tracks.values())), active_total=total)
+
+
 # -- selection ---------------------------------------------------------------------------------------
 
-AnyVerticalConfig = VerticalConfig | SloConfig | StaticConfig
+AnyVerticalConfig = VerticalConfig | SloConfig | StaticConfig | SpatialConfig
 AnyVerticalState = VerticalState | SloState
+
+
+@dataclass(frozen=True, slots=True)
+class PerGpuVertical:
+    """A policy chosen per GPU once its sharing mode is known (`--gpu-vertical-policy auto` or `spatial`):
+    `mps` where the GPU runs its instances as MPS clients, `time_sliced` where it does not."""
+
+    name: str
+    """The flag's value: `auto` or `spatial`."""
+    mps: AnyVerticalConfig
+    time_sliced: AnyVerticalConfig
+
+
+def resolve_vertical(config: AnyVerticalConfig | PerGpuVertical, *, mps: bool,
+                     mps_reason: str = "") -> tuple[AnyVerticalConfig, str, bool]:
+    """(the policy a GPU runs, why, whether that is a fallback worth a warning) given the configured one and
+    whether the GPU runs MPS (`mps_reason`: the MPS decision's reason). `auto`: `spatial` under MPS (the
+    split isolates; token caps only cost), `rckm` when time-sliced (nothing divides the GPU but the shim).
+    `spatial` on a time-sliced GPU falls back to `rckm`: without MPS no cap would divide the SMs and every
+    instance would run unthrottled."""
+    how = f" ({mps_reason})" if mps_reason else ""
+    if isinstance(config, PerGpuVertical):
+        chosen = config.mps if mps else config.time_sliced
+        name = policy_name(chosen)
+        if config.name == "auto":
+            return chosen, f"--gpu-vertical-policy auto: {name}, the GPU {'runs MPS' if mps else 'time-slices'}{how}", \
+                False
+        if mps:
+            return chosen, f"--gpu-vertical-policy {config.name}: the GPU runs MPS{how}", False
+        return chosen, (f"--gpu-vertical-policy {config.name} needs MPS, but the GPU time-slices{how}: {name} "
+                        f"instead"), True
+    return config, f"--gpu-vertical-policy {policy_name(config)}", False
+
+
+def gates_launches(config: AnyVerticalConfig) -> bool:
+    """Whether the policy's shares become token rates in the shim (False: `spatial`, whose caps are MPS's)."""
+    return not isinstance(config, SpatialConfig)
 
 
 def initial_state(config: AnyVerticalConfig) -> AnyVerticalState:
@@ -617,35 +738,46 @@ def initial_state(config: AnyVerticalConfig) -> AnyVerticalState:
 
 def decide_vertical(snapshot: VerticalSnapshot, state: AnyVerticalState, config: AnyVerticalConfig) -> VerticalDecision:
     """Run the policy `config` belongs to (`VerticalConfig`: `rckm`, `SloConfig`: `slo`, `StaticConfig`:
-    `static`); a state of another policy (the policy was switched) starts over."""
+    `static`, `SpatialConfig`: `spatial`); a state of another policy (the policy was switched) starts over."""
     if isinstance(config, VerticalConfig):
         return decide_shares(snapshot, state if isinstance(state, VerticalState) else VerticalState(), config)
     slo_state = state if isinstance(state, SloState) else SloState()
     if isinstance(config, StaticConfig):
         return decide_static(snapshot, slo_state, config)
+    if isinstance(config, SpatialConfig):
+        return decide_spatial(snapshot, slo_state, config)
     return decide_slo(snapshot, slo_state, config)
 
 
 def policy_name(config: AnyVerticalConfig) -> str:
     if isinstance(config, VerticalConfig):
         return "rckm"
+    if isinstance(config, SpatialConfig):
+        return "spatial"
     return "static" if isinstance(config, StaticConfig) else "slo"
 
 
 __all__ = [
+    "GPU_VERTICAL_POLICIES",
     "VERTICAL_POLICIES",
+    "PerGpuVertical",
     "SloConfig",
     "SloState",
     "SloTrack",
+    "SpatialConfig",
     "StaticConfig",
     "decide_slo",
+    "decide_spatial",
     "decide_static",
     "decide_vertical",
+    "gates_launches",
     "initial_state",
     "is_saturated",
     "mps_start_threads",
     "occupancy",
     "policy_name",
     "queue_latency_s",
+    "resolve_vertical",
+    "spatial_threads",
     "waiting_latency_s",
 ]

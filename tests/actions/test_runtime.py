@@ -579,3 +579,32 @@ async def test_runtime_secret_guards_every_endpoint_but_ping(http: aiohttp.Clien
         async with http.post(f"{rt.url}/run", json=run_body(), headers=headers) as r:
             # The action's code never sees the secret.
             assert r.status == 200 and await r.json() == {"seen": None}
+
+
+def test_reap_once_reaps_strays_and_leaves_its_workers() -> None:
+    """As PID 1 of a namespace the runtime adopts the action's orphans: they are reaped, its own workers
+    (waited for by asyncio) are not."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from dilu_invoker.actions.runtime import reap_once
+
+    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        stray = os.fork()
+        if stray == 0:
+            os._exit(7)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the stray is a zombie
+            with open(f"/proc/{stray}/status") as f:
+                if any(line.startswith("State:") and line.split()[1] == "Z" for line in f):
+                    break
+            time.sleep(0.01)
+        assert reap_once({own.pid}) == 1
+        assert not os.path.exists(f"/proc/{stray}")
+        assert own.poll() is None  # still its own, still running, still waitable
+    finally:
+        own.kill()
+        assert own.wait() == -9

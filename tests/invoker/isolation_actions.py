@@ -171,3 +171,46 @@ def main(a):
             pass
     return {"left": left}
 """
+
+#: a GPU action that, as an MPS client, shares its uid with the other clients of its GPU: it leaves files
+#: in its home, /tmp and /dev/shm (``token``), reads what it is told to (``steal``), signals the pids it
+#: is told to (``signal``) and tries to plant a file among the MPS daemon's pipes
+MPS_MEMBER = """
+import os
+def main(a):
+    out = {"uid": os.getuid(), "pid": os.getpid(), "home": os.environ.get("HOME"),
+           "procs": sorted(int(p) for p in os.listdir("/proc") if p.isdigit())}
+    if a.get("token"):
+        out["left"] = []
+        for d in (os.environ["HOME"], "/tmp", "/dev/shm"):
+            path = os.path.join(d, "secret-" + a["token"])
+            with open(path, "w") as f:
+                f.write("secret")
+            out["left"].append(path)
+    out["read"] = []
+    for path in a.get("steal", []):
+        try:
+            with open(path) as f:
+                f.read()
+            out["read"].append(path)
+        except OSError:
+            pass
+    out["signalled"] = []
+    for pid in a.get("signal", []):
+        try:
+            os.kill(pid, 0)
+            out["signalled"].append(pid)
+        except OSError:
+            pass
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or ""
+    out["pipe"] = pipe
+    out["pipe_listing"] = sorted(os.listdir(pipe)) if os.path.isdir(pipe) else None
+    try:
+        with open(os.path.join(pipe, "control.planted"), "w"):
+            pass
+        out["pipe_writable"] = True
+    except OSError as exc:
+        out["pipe_writable"] = False
+        out["pipe_error"] = repr(exc)
+    return out
+"""

@@ -186,3 +186,64 @@ async def test_every_escape_is_denied_or_cleaned(product: Product) -> None:
             assert not client.containers.list(all=True, filters={"label": "dilu.invoker"})
         finally:
             client.close()
+
+
+FAKE_MPS = Path(__file__).resolve().parents[1] / "gpu" / "fakes" / "nvidia-cuda-mps-control"
+
+
+def _descendants_of(pid: int) -> list[int]:
+    from dilu_invoker.invoker.dataplane.backends.sandbox import descendants
+
+    return descendants(pid)
+
+
+@pytest.mark.allow_loop_block
+async def test_mps_clients_share_a_uid_and_nothing_else(tmp_path: Path) -> None:
+    """Under MPS the GPU containers of one GPU run as one uid (an MPS daemon serves one uid at a time):
+    PID and mount namespaces must keep them apart as separate uids did."""
+    cfg = _cfg(tmp_path, "process", None)
+    cfg = replace(cfg, gpu=replace(cfg.gpu, mps="on", mps_control=str(FAKE_MPS)))
+    token_auth = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
+    async with run_standalone(cfg) as running, aiohttp.ClientSession(
+            headers={"Authorization": f"Basic {token_auth}"}) as http:
+        p = Product(running, http, cfg.data_path, tmp_path / "work", "process")
+        await p.put("victim", attacks.MPS_MEMBER, kind="python:3-gpu")
+        await p.put("thief", attacks.MPS_MEMBER, kind="python:3-gpu")
+        token = secrets.token_hex(4)
+        victim = await p.result("victim", {"token": token})
+        # Its own PID namespace: the runtime is its first process, the worker running the action the second.
+        assert victim["pid"] == 2 and victim["procs"][0] == 1 and max(victim["procs"]) < 10, victim
+        assert victim["uid"] in UID_RANGE, victim
+        assert victim["pipe"] and "control" in victim["pipe_listing"], victim  # the daemon's pipes are reachable
+        assert victim["pipe_writable"] is False, victim
+        host_pids = [pid for inv in p.running.invokers for proxy in inv.pool.containers.values()
+                     if proxy.action.name == "victim" and proxy.container is not None
+                     for pid in _descendants_of(proxy.container.pid)]
+        assert len(host_pids) >= 2, host_pids  # the namespace's leader and the runtime, at least
+        thief = await p.result("thief", {"steal": victim["left"] + [
+            os.path.join(str(p.work_dir), os.path.basename(victim["home"]), f"secret-{token}")],
+            "signal": host_pids})
+        assert thief["uid"] == victim["uid"], (thief, victim)  # one uid: the MPS clients of one GPU
+        assert thief["pid"] == 2 and max(thief["procs"]) < 10 and thief["home"] != victim["home"], thief
+        assert thief["read"] == [] and thief["signalled"] == [], thief
+        assert not set(thief["procs"]) & set(host_pids), thief
+        assert thief["pipe_writable"] is False, thief
+        # Its /tmp and /dev/shm were its own: nothing of it is on the host's.
+        assert not os.path.exists(f"/tmp/secret-{token}") and not os.path.exists(f"/dev/shm/secret-{token}")
+        mps_dir = p.work_dir / "mps" / "invoker0" / "gpu0"
+        assert (mps_dir / "pipe").stat().st_uid == victim["uid"]  # its MPS server writes its pipes there
+        assert oct((mps_dir / "pipe").stat().st_mode & 0o777) == "0o700"
+        assert not (mps_dir / "pipe" / "control.planted").exists()
+        # A daemon started by a member (double fork, new session) dies with the member's namespace.
+        await p.put("daemon", attacks.DAEMON, kind="python:3-gpu")
+        daemon = await p.result("daemon")
+        assert daemon["pids"], daemon
+        before = _uid_processes()
+        for inv in p.running.invokers:
+            for proxy in list(inv.pool.containers.values()):
+                inv.pool.remove(proxy, "isolation test")
+        for inv in p.running.invokers:
+            await inv.pool.close(drain_s=0)
+        assert not any(_alive(pid) for pid in host_pids)
+        assert len(before) > len(host_pids) and _uid_processes() == []
+        assert sorted(d.name for d in p.work_dir.iterdir() if d.name not in ("uids", "mps")) == []

@@ -23,7 +23,13 @@ from pathlib import Path
 import structlog
 
 from dilu_invoker.invoker.dataplane.backends.base import BackendError, ContainerSpec
-from dilu_invoker.invoker.dataplane.backends.sandbox import Sandbox, SandboxError, Sandboxes, parse_uid_range
+from dilu_invoker.invoker.dataplane.backends.sandbox import (
+    Sandbox,
+    SandboxError,
+    Sandboxes,
+    UidGroup,
+    parse_uid_range,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -129,12 +135,22 @@ class ProcessBackend:
         self.sandboxes = Sandboxes(mode=isolation, uid_range=parse_uid_range(uid_range), work_dir=work_dir,
                                    hide=hide)
 
+    @staticmethod
+    def uid_group(env: dict[str, str]) -> UidGroup | None:
+        """The MPS clients of one GPU's daemon share a uid (an MPS daemon serves one uid at a time)."""
+        pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")
+        if not pipe:
+            return None
+        return UidGroup(key=pipe, dirs=tuple(d for d in (pipe, env.get("CUDA_MPS_LOG_DIRECTORY")) if d))
+
     async def start(self, spec: ContainerSpec) -> ProcessContainer:
         try:
             box = await self.sandboxes.create(
                 spec.name, spec.memory_mb,
                 writable=[m.source for m in spec.mounts if not m.read_only],
-                readable=[m.source for m in spec.mounts if m.read_only])
+                readable=[m.source for m in spec.mounts if m.read_only],
+                group=self.uid_group(dict(spec.env)),
+                preload=[p for p in spec.env.get("LD_PRELOAD", "").split(":") if p])
         except (OSError, SandboxError) as exc:
             raise BackendError(f"could not prepare the container's sandbox: {exc}") from exc
         env = {k: os.environ[k] for k in _INHERITED_ENV if k in os.environ}
@@ -155,8 +171,8 @@ class ProcessBackend:
                 port = int(listener.getsockname()[1])
                 fd = listener.fileno()
                 proc = await asyncio.create_subprocess_exec(
-                    self._python, "-m", "dilu_invoker.actions.runtime", "--host", "127.0.0.1", "--port", str(port),
-                    "--listen-fd", str(fd),
+                    *box.command([self._python, "-m", "dilu_invoker.actions.runtime", "--host", "127.0.0.1",
+                                  "--port", str(port), "--listen-fd", str(fd)]),
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
@@ -172,6 +188,7 @@ class ProcessBackend:
                 continue
             finally:
                 listener.close()  # the runtime holds its own copy
+            box.leader = proc.pid
             container = ProcessContainer(self, spec.name, proc, port, box, secret)
             self._live.add(container)
             log.debug("process container started", container=spec.name, pid=proc.pid, port=port, uid=box.uid)

@@ -15,6 +15,20 @@ When the invoker runs as root (``--invoker-process-isolation auto``, the default
   which no fork can outrun, then the cgroup is checked empty), files it left in ``/tmp``, ``/var/tmp`` and
   ``/dev/shm`` are removed, and only then is the uid handed out again.
 
+**MPS clients of one GPU share a uid.** An MPS control daemon runs one uid's server at a time and queues
+every other uid's clients until that server exits, so containers of separate uids cannot share a GPU
+through MPS. The containers that are MPS clients of one daemon (``UidGroup``, keyed by its pipe directory)
+therefore run as one uid leased for that GPU, and are kept apart by namespaces instead of uids:
+
+* a **private PID namespace** with its own ``/proc`` (util-linux ``unshare --pid --fork --kill-child
+  --mount-proc``, then ``setpriv`` drops to the uid): a member sees, signals and traces only its own
+  processes, never another member's or the MPS server's; killing the namespace's first process kills all;
+* in its mount view, **private** ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (tmpfs) and a work dir holding only
+  its own directory, so the files of the other members are not there to read; the MPS pipe and log
+  directories are bound in read-only (clients connect to the daemon's sockets; they cannot replace them);
+* its own memory cgroup as every container; on destroy the namespace is killed (not every process of the
+  uid, which would kill the other members and the MPS server).
+
 Without root (or with ``--invoker-process-isolation off``) containers run as the invoker's user: the
 private directory, the runtime secret and the kill of every descendant (found by a per-container marker
 in their environment) remain; uid, file, memory and mount isolation do not, and the backend says so in
@@ -50,6 +64,7 @@ _PR_SET_NO_NEW_PRIVS = 38
 _CLONE_NEWNS = 0x00020000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+_MS_REMOUNT = 32
 #: world-writable places where a uid can leave files behind
 _SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 #: the host's uid leases: one lock file per uid, shared by every invoker on the host whatever its work dir
@@ -58,6 +73,11 @@ UID_LOCK_DIR = "/run/dilu-invoker/uids"
 
 class SandboxError(RuntimeError):
     pass
+
+
+def default_work_dir() -> str:
+    """Where private container dirs live unless ``--invoker-process-work-dir`` says otherwise."""
+    return "/tmp/dilu-work" if os.geteuid() == 0 else f"/tmp/dilu-work-{os.geteuid()}"
 
 
 def parse_uid_range(text: str) -> range:
@@ -305,6 +325,47 @@ def interpreter_paths() -> list[str]:
     return paths
 
 
+def descendants(root: int) -> list[int]:
+    """``root`` and every live process below it (a scan of /proc's PPid fields). In a PID namespace whose
+    first process is a child of ``root`` this is the whole namespace: orphans there are adopted by that
+    first process, never by a process outside."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", "rb") as f:
+                ppid, dead = None, False
+                for line in f:
+                    if line.startswith(b"State:"):
+                        dead = line.split()[1] in (b"Z", b"X")
+                    elif line.startswith(b"PPid:"):
+                        ppid = int(line.split()[1])
+                        break
+            if ppid is not None and not dead:
+                children.setdefault(ppid, []).append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid == root and not os.path.exists(f"/proc/{pid}"):
+            continue
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class UidGroup:
+    """Containers that must run as one uid: the MPS clients of one GPU's daemon (``key``: its pipe
+    directory). ``dirs``: directories the group's uid owns (its MPS server writes its pipes and log there)
+    and its members see read-only."""
+
+    key: str
+    dirs: tuple[str, ...] = ()
+
+
 # -- one container's sandbox ------------------------------------------------------------------------------
 
 
@@ -320,6 +381,18 @@ class Sandbox:
     cgroup: Path | None = None
     hide: tuple[str, ...] = ()
     plan: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    group: str | None = None
+    """The uid group (``UidGroup.key``) whose uid this container shares: namespaces keep it apart."""
+    covers: tuple[str, ...] = ()
+    """Group members: directories replaced by a private tmpfs in its mount view."""
+    keep: tuple[str, ...] = ()
+    """Group members: paths below ``covers`` bound back in (its own dir, what Python and the shim need)."""
+    read_only: tuple[str, ...] = ()
+    """Group members: paths bound back in read-only (the MPS pipe and log directories)."""
+    prefix: tuple[str, ...] = ()
+    """Group members: the command the runtime is started under (a private PID namespace, then the uid)."""
+    leader: int | None = None
+    """Group members: the pid of the process the backend started (the namespace's first process is its child)."""
     _lock_fd: int | None = None
 
     @property
@@ -334,14 +407,23 @@ class Sandbox:
             env["USER"] = env["LOGNAME"] = f"dilu{self.uid}"
         return env
 
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """The command line that starts ``argv`` in this sandbox (group members: under ``prefix``)."""
+        return [*self.prefix, *argv]
+
     def preexec(self) -> Callable[[], None]:
         uid, gid, cgroup, plan, hide, home = self.uid, self.gid, self.cgroup, self.plan, self.hide, str(self.dir)
+        grouped, covers, keep, read_only = self.group is not None, self.covers, self.keep, self.read_only
 
         def run() -> None:  # in the child, between fork and exec: only what must happen there
             libc = ctypes.CDLL(None, use_errno=True)
             if cgroup is not None:
                 _write(cgroup / "cgroup.procs", str(os.getpid()))
-            if uid is not None:
+            if uid is not None and grouped:
+                # The uid change happens after the PID namespace is made (``prefix``: unshare, then setpriv).
+                _private_mounts(libc, plan, hide)
+                _cover_and_keep(libc, covers, keep, read_only)
+            elif uid is not None:
                 _private_mounts(libc, plan, hide)
                 libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
                 os.setgroups([])
@@ -357,6 +439,8 @@ class Sandbox:
     def members(self, cgroups: Cgroups | None) -> list[int]:
         if self.cgroup is not None and cgroups is not None:
             return Cgroups.procs(self.cgroup)
+        if self.group is not None:
+            return descendants(self.leader) if self.leader is not None else []
         if self.uid is not None:
             return pids_of_uid([self.uid]).get(self.uid, [])
         return pids_with_marker(self.marker)
@@ -392,6 +476,32 @@ def _private_mounts(libc: ctypes.CDLL, plan: dict[str, tuple[str, ...]], hide: t
         mount("tmpfs", path, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0555,size=4k")
 
 
+def _cover_and_keep(libc: ctypes.CDLL, covers: tuple[str, ...], keep: tuple[str, ...],
+                    read_only: tuple[str, ...]) -> None:
+    """A private tmpfs on each of ``covers``; then ``keep`` bound back in, and ``read_only`` read-only."""
+    def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+        if libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+                      data.encode() if data else None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+    held = [(path, os.open(path, os.O_PATH), path in read_only) for path in (*keep, *read_only)
+            if os.path.lexists(path)]
+    for path in covers:
+        mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777" if path in _SHARED_TMP else "mode=0755")
+    for path, fd, ro in held:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            if not os.path.exists(path):
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o444))
+        mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+        if ro:
+            mount("none", path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+        os.close(fd)
+
+
 class Sandboxes:
     """Makes and removes the sandboxes of one backend; decides once what this host lets it enforce."""
 
@@ -401,11 +511,13 @@ class Sandboxes:
             raise ValueError(f"process isolation must be auto or off, not {mode!r}")
         root = os.geteuid() == 0
         self.isolating = mode == "auto" and root
-        default_dir = "/tmp/dilu-work" if root else f"/tmp/dilu-work-{os.geteuid()}"
-        self.work_root = Path(work_dir or default_dir)
+        self.work_root = Path(work_dir or default_work_dir())
         self.uid_range = uid_range
         self._next = secrets.randbelow(len(uid_range))
         self._kill = shutil.which("kill") or "/bin/kill"
+        self._unshare, self._setpriv = shutil.which("unshare"), shutil.which("setpriv")
+        self._groups: dict[str, tuple[int, int]] = {}  # UidGroup.key -> (uid, its lease's fd)
+        self._group_lock = asyncio.Lock()
         self.cgroups: Cgroups | None = None
         self.cgroup_note = "not used"
         self.work_root.mkdir(parents=True, exist_ok=True)
@@ -427,6 +539,17 @@ class Sandboxes:
                         "limits are not enforced. Still enforced: a private work dir removed on destroy, the "
                         "runtime secret, killing every descendant on destroy",
                         reason="not running as root" if not root else "--invoker-process-isolation off")
+
+    @property
+    def groups_unavailable(self) -> str | None:
+        """Why containers cannot share a uid under isolation (None: they can, or isolation is off)."""
+        if not self.isolating:
+            return None
+        missing = [name for name, path in (("unshare", self._unshare), ("setpriv", self._setpriv)) if path is None]
+        if missing:
+            return (f"process isolation needs util-linux {' and '.join(missing)} to run the MPS clients of a GPU "
+                    "as one uid in PID namespaces of their own")
+        return None
 
     def _may_hide(self, path: str) -> bool:
         """A directory can be covered unless that would cover the work dir or what Python needs (one
@@ -481,12 +604,17 @@ class Sandboxes:
     # -- make and remove ------------------------------------------------------------------------------
 
     async def create(self, name: str, memory_mb: int, *, writable: Sequence[str] = (),
-                     readable: Sequence[str] = ()) -> Sandbox:
+                     readable: Sequence[str] = (), group: UidGroup | None = None,
+                     preload: Sequence[str] = ()) -> Sandbox:
+        """A sandbox for one container; ``group``: it shares that group's uid (an MPS client of a GPU),
+        ``preload``: libraries its environment preloads (kept visible in a group member's view)."""
         marker = secrets.token_hex(8)
         if not self.isolating:
             d = self.work_root / f"p{os.getpid()}-{marker}"
             d.mkdir(mode=0o700)
             return Sandbox(name=name, dir=d, marker=marker)
+        if group is not None:
+            return await self._create_member(name, memory_mb, marker, writable, readable, group, preload)
         uid, fd = self._lock_uid()
         box = Sandbox(name=name, dir=self.work_root / f"u{uid}", marker=marker, uid=uid, gid=uid, _lock_fd=fd)
         try:
@@ -508,14 +636,75 @@ class Sandboxes:
         extra = mount_plan(readable)
         box.plan = {**self.plan, **{k: tuple(sorted(set(v) | set(self.plan.get(k, ())))) for k, v in extra.items()}}
         box.hide = self.hide
+        self._own_blocks(box.uid, writable, readable)
+
+    async def _group_uid(self, group: UidGroup) -> int:
+        """The uid of ``group``, leased for as long as this backend runs (its MPS server runs as it)."""
+        async with self._group_lock:
+            held = self._groups.get(group.key)
+            if held is None:
+                if self.groups_unavailable:
+                    raise SandboxError(self.groups_unavailable)
+                uid, fd = self._lock_uid()
+                try:
+                    await self._kill_uid(uid)  # an earlier holder's leftovers (a crashed invoker's MPS server)
+                    await asyncio.to_thread(self._sweep_files, uid)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                held = self._groups[group.key] = (uid, fd)
+                log.info("process containers share a uid", group=group.key, uid=uid,
+                         why="MPS clients of one GPU: an MPS daemon serves one uid; PID and mount namespaces keep "
+                             "them apart")
+            uid = held[0]
+        for d in group.dirs:  # the server (as the uid) writes its pipes and log there; again after a daemon restart
+            with contextlib.suppress(OSError):
+                os.chown(d, uid, uid)
+                os.chmod(d, 0o700)
+        return uid
+
+    async def _create_member(self, name: str, memory_mb: int, marker: str, writable: Sequence[str],
+                             readable: Sequence[str], group: UidGroup, preload: Sequence[str]) -> Sandbox:
+        uid = await self._group_uid(group)
+        assert self._unshare is not None and self._setpriv is not None
+        box = Sandbox(name=name, dir=self.work_root / f"g{uid}-{marker}", marker=marker, uid=uid, gid=uid,
+                      group=group.key)
+        box.prefix = (self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc",
+                      self._setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
+                      "--pdeathsig", "KILL", "--")
+        await asyncio.to_thread(self._prepare_member, box, memory_mb, writable, readable, group, preload)
+        return box
+
+    def _prepare_member(self, box: Sandbox, memory_mb: int, writable: Sequence[str], readable: Sequence[str],
+                        group: UidGroup, preload: Sequence[str]) -> None:
+        assert box.uid is not None
+        covers = [p for p in (*_SHARED_TMP, str(self.work_root)) if os.path.isdir(p)]
+        covers = [c for c in covers if not any(c != o and c.startswith(o + "/") for o in covers)]
+        wanted = [str(box.dir), *interpreter_paths(), *writable, *readable, *preload]
+        under = [os.path.realpath(p) if os.path.exists(p) else p for p in wanted]
+        box.covers = tuple(covers)
+        box.keep = tuple(dict.fromkeys(p for p in under if any(p == c or p.startswith(c + "/") for c in covers)
+                                       and p not in covers))
+        box.read_only = tuple(os.path.realpath(d) for d in group.dirs if os.path.isdir(d))
+        box.dir.mkdir(mode=0o700)
+        os.chown(box.dir, box.uid, box.uid)
+        if self.cgroups is not None:
+            box.cgroup = self.cgroups.create(box.dir.name, memory_mb * 1024 * 1024)
+        extra = mount_plan(readable)
+        box.plan = {**self.plan, **{k: tuple(sorted(set(v) | set(self.plan.get(k, ())))) for k, v in extra.items()}}
+        box.hide = self.hide
+        self._own_blocks(box.uid, writable, readable)
+
+    @staticmethod
+    def _own_blocks(uid: int, writable: Sequence[str], readable: Sequence[str]) -> None:
         for path in writable:  # its own stats block: its uid alone may write it
             with contextlib.suppress(OSError):
-                os.chown(path, box.uid, box.uid)
+                os.chown(path, uid, uid)
                 os.chmod(path, 0o600)
         for path in readable:  # its control block: readable, never writable by it
             with contextlib.suppress(OSError):
                 st = os.stat(path)
-                if st.st_uid == box.uid or st.st_mode & 0o022:
+                if st.st_uid == uid or st.st_mode & 0o022:
                     os.chown(path, 0, 0)
                     os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
 
@@ -531,7 +720,20 @@ class Sandboxes:
     async def destroy(self, box: Sandbox) -> bool:
         """Kill every process of the sandbox and remove its files; True when nothing is left."""
         clean = True
-        if box.uid is not None:
+        if box.group is not None:
+            # Not kill(-1) as the uid: the other members and the MPS server run as it too. The namespace's
+            # first process dies with the leader (--kill-child), and the kernel kills the rest of it.
+            for _ in range(50):
+                if box.cgroup is not None and self.cgroups is not None:
+                    self.cgroups.kill(box.cgroup)
+                pids = await asyncio.to_thread(box.members, self.cgroups)
+                if not pids:
+                    break
+                _kill_all(pids, signal.SIGKILL)
+                await asyncio.sleep(0.02)
+            else:
+                clean = False
+        elif box.uid is not None:
             for _ in range(5):
                 if box.cgroup is not None and self.cgroups is not None:
                     self.cgroups.kill(box.cgroup)
@@ -563,7 +765,7 @@ class Sandboxes:
         if box.cgroup is not None and self.cgroups is not None:
             ok = self.cgroups.remove(box.cgroup)
         shutil.rmtree(box.dir, ignore_errors=True)
-        if box.uid is not None:
+        if box.uid is not None and box.group is None:  # a member's /tmp, /var/tmp and /dev/shm were its own tmpfs
             self._sweep_files(box.uid)
         return ok and not box.dir.exists()
 
@@ -610,8 +812,10 @@ class Sandboxes:
     def _remove_stale_dirs(self) -> int:
         removed = 0
         for entry in list(os.scandir(self.work_root)):
-            if entry.name.startswith("u") and entry.name[1:].isdigit() and self.isolating:
-                fd = os.open(self.lock_dir / entry.name[1:], os.O_RDWR | os.O_CREAT, 0o600)
+            # u<uid>: a container's own uid; g<uid>-<marker>: a member of a uid group (MPS clients of a GPU)
+            uid = entry.name[1:].split("-", 1)[0] if entry.name[:1] == "g" else entry.name[1:]
+            if entry.name[:1] in ("u", "g") and uid.isdigit() and self.isolating:
+                fd = os.open(self.lock_dir / uid, os.O_RDWR | os.O_CREAT, 0o600)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     shutil.rmtree(entry.path, ignore_errors=True)
@@ -637,6 +841,9 @@ class Sandboxes:
         return removed
 
     def close(self) -> None:
+        for _uid, fd in self._groups.values():
+            os.close(fd)
+        self._groups.clear()
         if self.cgroups is not None:
             with contextlib.suppress(OSError):
                 self.cgroups.root.rmdir()
