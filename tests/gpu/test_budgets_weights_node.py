@@ -112,6 +112,24 @@ async def test_an_instance_that_fits_only_beside_its_weights_is_placed_there(mak
     assert other_rev is not None and other_rev.gpu_index == 1
 
 
+async def test_a_balancer_reserved_instance_is_re_reserved_with_its_share(make_node: NodeFactory,
+                                                                           redis: aioredis.Redis) -> None:
+    from dilu_invoker.gpu.budgets import Reservation
+
+    budgets = GpuBudgets(redis, prefix="twn:")
+    node = await make_node(devices=(gpu(memory_mb=13_000),), budgets=budgets)
+    assert await node.attach("a", LLM, llm(), revision="1") is not None
+    # The leader reserves a new instance with its whole memory (it knows no weights) before its start ...
+    placed = await budgets.reserve("GPU-wn-0", Reservation(instance="inst-2", function=LLM, cls="inference",
+                                                           invoker="invoker0", request=0.1, limit=0.2,
+                                                           memory_mb=6000), ttl_s=30)
+    assert placed.ok and placed.sum_memory_mb == 12_000
+    # ... and the invoker's attach under that id re-reserves it with the weights shared.
+    assert await node.attach("inst-2", LLM, llm(), gpu_index=0, revision="1") is not None
+    budget = await _budget(budgets)
+    assert budget.reservations["inst-2"].memory_mb == 1000 and budget.sum_memory_mb == 7000
+
+
 async def test_concurrent_attaches_reserve_the_weights_once(make_node: NodeFactory, redis: aioredis.Redis) -> None:
     budgets = GpuBudgets(redis, prefix="twn:")
     node = await make_node(budgets=budgets)
