@@ -130,6 +130,16 @@ async def test_a_balancer_reserved_instance_is_re_reserved_with_its_share(make_n
     assert budget.reservations["inst-2"].memory_mb == 1000 and budget.sum_memory_mb == 7000
 
 
+async def test_docker_containers_reserve_a_copy_each(make_node: NodeFactory, redis: aioredis.Redis) -> None:
+    # Each container has its own network namespace: the models API cannot share there, so neither does the
+    # budget.
+    budgets = GpuBudgets(redis, prefix="twn:")
+    node = await make_node(devices=(gpu(memory_mb=13_000),), budgets=budgets, backend="docker")
+    assert await node.attach("a", LLM, llm(), revision="1") is not None
+    assert await node.attach("b", LLM, llm(), revision="1") is not None
+    assert (await _budget(budgets)).sum_memory_mb == 12_000
+
+
 async def test_concurrent_attaches_reserve_the_weights_once(make_node: NodeFactory, redis: aioredis.Redis) -> None:
     budgets = GpuBudgets(redis, prefix="twn:")
     node = await make_node(budgets=budgets)
