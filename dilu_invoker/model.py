@@ -233,6 +233,13 @@ class GpuClass(enum.StrEnum):
 PRELOAD_FUNCTION_PREFIX = "preload:"
 
 
+def weights_group(invoker: str, function: str, revision: str) -> str:
+    """The group whose read-only weights a GPU budget counts once (``GpuNeeds.weights_mb``): the instances
+    of one function revision started by one invoker — each invoker derives its own models key (a secret of
+    its own), so instances of two invokers on one GPU cannot map each other's weights."""
+    return f"{invoker}:{function}@{revision}"
+
+
 @dataclass(frozen=True, slots=True)
 class GpuNeeds:
     """What a GPU action asks for, read from its annotations (see docs/rest-api.md, "GPU annotations")."""

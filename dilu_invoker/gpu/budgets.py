@@ -17,14 +17,15 @@ expire and are dropped by the next script that looks at that GPU. :meth:`GpuBudg
 restarted invoker make Redis agree with the containers that really run.
 
 Shared weights count once. A reservation may declare that ``weights_mb`` of its ``memory_mb`` are read-only
-weights shared by every instance of its ``group`` (one function at one code revision, ``ns/action@rev``) on
-the GPU (the models API maps them through CUDA IPC instead of copying). Of a group's live reservations on a
-GPU exactly one *carries* the weights (``memory_mb`` as declared); the others are charged ``memory_mb −
-weights_mb`` (``shares_weights``). Every script that looks at a GPU first drops expired reservations and
-gives each group whose carrier went (released or expired) a new one (the first instance id), so the weights
-stay counted until the group's last reservation on the GPU is released or lapses, whichever instance left
-first. ``memory_mb`` as stored is what a reservation is charged: summing it is the budget's memory use.
-Reservations whose weights sizes differ belong to different groups (the weights cannot be the same).
+weights shared by every instance of its ``group`` on the GPU (one function revision started by one invoker,
+``model.weights_group``; the models API maps them through CUDA IPC instead of copying). Of a group's live
+reservations on a GPU exactly one *carries* the weights (``memory_mb`` as declared); the others are charged
+``memory_mb − weights_mb`` (``shares_weights``). Every script that looks at a GPU first drops expired
+reservations and gives each group whose carrier went (released or expired) a new one (the first instance
+id), so the weights stay counted until the group's last reservation on the GPU is released or lapses,
+whichever instance left first. ``memory_mb`` as stored is what a reservation is charged: summing it is the
+budget's memory use. Reservations whose weights sizes differ belong to different groups (the weights
+cannot be the same).
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ class Reservation:
     weights_mb: int = 0
     """How much of the declared memory is read-only weights shared with the rest of ``group`` on the GPU."""
     group: str = ""
-    """The sharing group (`weights_group`); empty: shares nothing."""
+    """The sharing group (`dilu_invoker.model.weights_group`); empty: shares nothing."""
     shares_weights: bool = False
     """Another reservation of the group carries the weights: this one is charged ``memory_mb`` without them."""
 
@@ -225,12 +226,6 @@ class Reservation:
     def sharing_key(self) -> tuple[str, int] | None:
         """The group whose weights it counts once with (None: it shares nothing)."""
         return (self.group, self.weights_mb) if self.group and self.weights_mb > 0 else None
-
-
-def weights_group(function: str, revision: str) -> str:
-    """The sharing group of a function's instances: ``namespace/action@revision`` (one revision: the same
-    weights)."""
-    return f"{function}@{revision}"
 
 
 @dataclass(frozen=True, slots=True)

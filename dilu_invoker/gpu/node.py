@@ -41,7 +41,7 @@ from dilu_invoker.gpu.manager import (
     TickRecord,
 )
 from dilu_invoker.gpu.mps import MpsSupervisor
-from dilu_invoker.model import PRELOAD_FUNCTION_PREFIX, GpuNeeds
+from dilu_invoker.model import PRELOAD_FUNCTION_PREFIX, GpuNeeds, weights_group
 from dilu_invoker.policy.cluster import ClusterSnapshot
 from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
@@ -99,18 +99,18 @@ _FAILED = _Failed()
 
 
 _Weights = tuple[str, int] | None
-"""(sharing group ``namespace/action@revision``, weights MB): what an instance counts once with the other
+"""(sharing group, `weights_group`, and weights MB): what an instance counts once with the other
 instances of its group on its GPU (`GpuNeeds.weights_mb`, docs/runtime.md "GPU memory budget")."""
 
 
-def _weights_of(function: str, needs: GpuNeeds, revision: str | None, backend: str) -> _Weights:
+def _weights_of(node: str, function: str, needs: GpuNeeds, revision: str | None, backend: str) -> _Weights:
     """Only a known revision shares (its instances at other revisions have other weights), and only where
     the models API can share: not between Docker containers (each has its own network namespace, so no
     holder's endpoint is reachable and every instance loads its own copy)."""
     if not revision or needs.weights_mb <= 0 or function.startswith(PRELOAD_FUNCTION_PREFIX) \
             or backend == "docker":
         return None
-    return f"{function}@{revision}", needs.weights_mb
+    return weights_group(node, function, revision), needs.weights_mb
 
 
 @dataclass(slots=True)
@@ -389,7 +389,7 @@ class GpuNode:
             log.warning("GPU not attached: bad instance", instance=instance, error=str(exc))
             return None
         async with self._admit_lock:
-            weights = _weights_of(function, needs, revision, self.backend)
+            weights = _weights_of(self.node, function, needs, revision, self.backend)
             device, reserved, why = await self._admit(spec, gpu_index, weights)
         if device is None:
             log.warning("no GPU for the instance: it runs on the CPU", instance=instance, function=function,
@@ -446,7 +446,7 @@ class GpuNode:
         async with self._admit_lock:
             del self._attached[instance]  # its old needs must not count against its new ones
             await self._release(a.device, instance)
-            weights = _weights_of(function, needs, revision, self.backend)
+            weights = _weights_of(self.node, function, needs, revision, self.backend)
             ok, reserved, why = await self._reserve(a.device, spec, weights)
             if not ok:
                 _ok, old_reserved, _why = await self._reserve(a.device, a.spec, a.weights)

@@ -8,10 +8,11 @@ import asyncio
 
 import pytest
 
-from dilu_invoker.gpu.budgets import GpuBudget, GpuBudgets, GpuCapacity, Reservation, weights_group
+from dilu_invoker.gpu.budgets import GpuBudget, GpuBudgets, GpuCapacity, Reservation
+from dilu_invoker.model import weights_group
 
 UUID = "GPU-w-0"
-F1 = weights_group("guest/llm", "1-abc")
+F1 = weights_group("invoker0", "guest/llm", "1-abc")
 
 
 def _res(name: str, memory: int = 30_000, weights: int = 20_000, group: str = F1, *, function: str = "guest/llm",
@@ -52,8 +53,8 @@ async def test_two_instances_of_one_revision_reserve_the_weights_once(budgets: G
 @pytest.mark.parametrize(
     "other",
     [
-        _res("b", group=weights_group("guest/llm", "2-def")),  # a new revision: other weights
-        _res("b", group=weights_group("guest/other", "1-abc"), function="guest/other"),
+        _res("b", group=weights_group("invoker0", "guest/llm", "2-def")),  # a new revision: other weights
+        _res("b", group=weights_group("invoker0", "guest/other", "1-abc"), function="guest/other"),
         _res("b", weights=25_000),  # other weights sizes cannot be the same weights
         _res("b", weights=0),  # shares nothing
         _res("b", group=""),
@@ -106,7 +107,7 @@ async def test_the_weights_stay_until_the_last_instance_leaves_in_either_order(b
 
 async def test_concurrent_reservations_elect_one_carrier_and_never_oversubscribe(budgets: GpuBudgets) -> None:
     # 20 GB each with 15 GB of weights: 20 + 12 × 5 = 80, so 13 fit; two functions race at once.
-    f2 = weights_group("guest/llm", "2-def")
+    f2 = weights_group("invoker0", "guest/llm", "2-def")
     results = await asyncio.gather(*(
         budgets.reserve(UUID, _res(f"{g}-{k}", memory=20_000, weights=15_000, group=grp, request=0.01,
                                    limit=0.01), ttl_s=30)
@@ -153,7 +154,7 @@ async def test_a_re_reservation_that_leaves_its_group_hands_the_weights_on(budge
     attached = await budgets.reserve(UUID, _res("b"), ttl_s=30)
     assert attached.shares_weights and attached.sum_memory_mb == 40_000
     # The carrier becomes another function's (a re-targeted share): its old group keeps its weights.
-    moved = await budgets.reserve(UUID, _res("a", group=weights_group("guest/new", "1")), ttl_s=30)
+    moved = await budgets.reserve(UUID, _res("a", group=weights_group("invoker0", "guest/new", "1")), ttl_s=30)
     assert moved.ok and not moved.shares_weights
     budget = await _budget(budgets)
     assert _carriers(budget) == {"a", "b"} and budget.sum_memory_mb == 60_000
@@ -168,11 +169,11 @@ async def test_a_carrier_leaving_its_group_counts_the_weights_its_heir_takes_on(
     assert (await budgets.reserve(UUID, _res("b"), ttl_s=30)).shares_weights  # 10 GB
     assert (await budgets.reserve(UUID, _res("c", weights=0), ttl_s=30)).ok  # 30 GB: 70 of 80 GB
     # "a" re-reserved as another function's 30 GB: "b" would carry the 20 GB → 90 GB > 80 GB.
-    moved = await budgets.reserve(UUID, _res("a", group=weights_group("guest/new", "1")), ttl_s=30)
+    moved = await budgets.reserve(UUID, _res("a", group=weights_group("invoker0", "guest/new", "1")), ttl_s=30)
     assert not moved.ok and moved.reason == "memory would reach 90000 MB > 80000 MB"
     budget = await _budget(budgets)
     assert _carriers(budget) == {"a"} and budget.sum_memory_mb == 70_000
-    assert (await budgets.reserve(UUID, _res("a", memory=20_000, group=weights_group("guest/new", "1")),
+    assert (await budgets.reserve(UUID, _res("a", memory=20_000, group=weights_group("invoker0", "guest/new", "1")),
                                   ttl_s=30)).sum_memory_mb == 80_000
     assert _carriers(await _budget(budgets)) == {"a", "b"}
 

@@ -140,6 +140,23 @@ async def test_docker_containers_reserve_a_copy_each(make_node: NodeFactory, red
     assert (await _budget(budgets)).sum_memory_mb == 12_000
 
 
+async def test_two_invokers_on_one_gpu_reserve_a_copy_each(make_node: NodeFactory, redis: aioredis.Redis,
+                                                             tmp_path: Path) -> None:
+    # Each invoker derives its own models keys: its instances cannot map the other invoker's weights.
+    n0 = await make_node(devices=(gpu(memory_mb=20_000),), budgets=GpuBudgets(redis, prefix="twn:"))
+    n1 = GpuNode(node="invoker1", devices=(gpu(memory_mb=20_000),), shm_dir=tmp_path / "shm1",
+                 shim_library=None, budgets=GpuBudgets(redis, prefix="twn:"))
+    await n1.start()
+    try:
+        for node, name in ((n0, "a"), (n1, "b"), (n0, "c"), (n1, "d")):
+            assert await node.attach(name, LLM, llm(), revision="1") is not None
+        budget = await _budget(GpuBudgets(redis, prefix="twn:"))
+        assert budget.sum_memory_mb == 2 * 6000 + 2 * 1000
+        assert {n for n, r in budget.reservations.items() if not r.shares_weights} == {"a", "b"}
+    finally:
+        await n1.close()
+
+
 async def test_concurrent_attaches_reserve_the_weights_once(make_node: NodeFactory, redis: aioredis.Redis) -> None:
     budgets = GpuBudgets(redis, prefix="twn:")
     node = await make_node(budgets=budgets)
