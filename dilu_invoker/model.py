@@ -233,6 +233,13 @@ class GpuClass(enum.StrEnum):
 PRELOAD_FUNCTION_PREFIX = "preload:"
 
 
+def weights_group(invoker: str, function: str, revision: str) -> str:
+    """The group whose read-only weights a GPU budget counts once (``GpuNeeds.weights_mb``): the instances
+    of one function revision started by one invoker — each invoker derives its own models key (a secret of
+    its own), so instances of two invokers on one GPU cannot map each other's weights."""
+    return f"{invoker}:{function}@{revision}"
+
+
 @dataclass(frozen=True, slots=True)
 class GpuNeeds:
     """What a GPU action asks for, read from its annotations (see docs/rest-api.md, "GPU annotations")."""
@@ -247,6 +254,9 @@ class GpuNeeds:
     #: thread blocks per ms the action launches with a whole GPU, as measured by the profiler; None: the GPU
     #: manager estimates it online (docs/gpu-manager.md)
     capacity_blocks_per_ms: float | None = None
+    #: how much of ``memory_mb`` is read-only weights that instances of one revision on one GPU share through
+    #: the models API (docs/runtime.md): the GPU budget counts them once per GPU
+    weights_mb: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.sm_request <= 1.0:
@@ -267,6 +277,8 @@ class GpuNeeds:
             math.isfinite(self.capacity_blocks_per_ms) and self.capacity_blocks_per_ms > 0
         ):
             raise ValidationError("Annotation 'gpu-capacity-blocks-per-ms' must be a positive number.")
+        if not 0 <= self.weights_mb <= self.memory_mb:
+            raise ValidationError("Annotation 'gpu-weights-mb' must be an integer from 0 to 'gpu-memory-mb'.")
 
     ANNOTATIONS = (
         "gpu-class",
@@ -278,6 +290,7 @@ class GpuNeeds:
         "min-instances",
         "max-instances",
         "gpu-capacity-blocks-per-ms",
+        "gpu-weights-mb",
     )
 
     @classmethod
@@ -324,6 +337,7 @@ class GpuNeeds:
             min_instances=integer("min-instances", base.min_instances),
             max_instances=integer("max-instances", base.max_instances),
             capacity_blocks_per_ms=number("gpu-capacity-blocks-per-ms", base.capacity_blocks_per_ms),
+            weights_mb=integer("gpu-weights-mb", base.weights_mb),
         )
 
 

@@ -4,7 +4,8 @@ Keyspace (msgpack values; documented in docs/redis-keyspace.md)::
 
     {prefix}gpu:{uuid}          hash   cap          -> {node, index, name, memory_mb, sm_count, gamma, omega}
                                        r:{instance} -> {instance, function, cls, invoker, request, limit,
-                                                        memory_mb, expires_ms}
+                                                        memory_mb, expires_ms, weights_mb, group,
+                                                        shares_weights}
                                        s:{instance} -> current SM share (float, written by the GPU manager)
     {prefix}node:{node}:gpus    set    uuids of the GPUs a node registered
 
@@ -14,12 +15,23 @@ are one Lua script, so two concurrent placements can never oversubscribe a GPU. 
 (``expires_ms``, from Redis's own clock) that the owning invoker renews; a dead invoker's reservations
 expire and are dropped by the next script that looks at that GPU. :meth:`GpuBudgets.reconcile` lets a
 restarted invoker make Redis agree with the containers that really run.
+
+Shared weights count once. A reservation may declare that ``weights_mb`` of its ``memory_mb`` are read-only
+weights shared by every instance of its ``group`` on the GPU (one function revision started by one invoker,
+``model.weights_group``; the models API maps them through CUDA IPC instead of copying). Of a group's live
+reservations on a GPU exactly one *carries* the weights (``memory_mb`` as declared); the others are charged
+``memory_mb − weights_mb`` (``shares_weights``). Every script that looks at a GPU first drops expired
+reservations and gives each group whose carrier went (released or expired) a new one (the first instance
+id), so the weights stay counted until the group's last reservation on the GPU is released or lapses,
+whichever instance left first. ``memory_mb`` as stored is what a reservation is charged: summing it is the
+budget's memory use. Reservations whose weights sizes differ belong to different groups (the weights
+cannot be the same).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, cast
 
 import msgpack
@@ -30,33 +42,94 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# Drops expired reservations and sums the live ones, except ARGV[1]'s own (a re-reservation).
-_SCAN = """
-local sreq, slim, smem = 0, 0, 0
-local all = redis.call('HGETALL', KEYS[1])
-for i = 1, #all, 2 do
-  local f = all[i]
-  if string.sub(f, 1, 2) == 'r:' then
-    local r = cmsgpack.unpack(all[i + 1])
-    local inst = string.sub(f, 3)
-    if r.expires_ms < now then
-      redis.call('HDEL', KEYS[1], f, 's:' .. inst)
-    elseif inst ~= skip then
-      sreq = sreq + r.request
-      slim = slim + r.limit
-      smem = smem + r.memory_mb
+# The sharing group of a record (nil: it shares nothing); settle() drops expired reservations and leaves
+# every group exactly one carrier (its carrier if it has one, else its first live instance id), returning
+# the live records and their instance ids in order.
+_SETTLE = """
+local function gkey(r)
+  local w = tonumber(r.weights_mb) or 0
+  if w > 0 and type(r.group) == 'string' and r.group ~= '' then return r.group .. '#' .. w end
+  return nil
+end
+local function carry(f, r, yes)
+  if yes and r.shares_weights then
+    r.memory_mb = r.memory_mb + r.weights_mb
+    r.shares_weights = false
+    redis.call('HSET', KEYS[1], f, cmsgpack.pack(r))
+  elseif not yes and not r.shares_weights then
+    r.memory_mb = r.memory_mb - r.weights_mb
+    r.shares_weights = true
+    redis.call('HSET', KEYS[1], f, cmsgpack.pack(r))
+  end
+end
+local function settle()
+  local live, order = {}, {}
+  local all = redis.call('HGETALL', KEYS[1])
+  for i = 1, #all, 2 do
+    local f = all[i]
+    if string.sub(f, 1, 2) == 'r:' then
+      local r = cmsgpack.unpack(all[i + 1])
+      local inst = string.sub(f, 3)
+      if r.expires_ms < now then
+        redis.call('HDEL', KEYS[1], f, 's:' .. inst)
+      else
+        if gkey(r) == nil then r.shares_weights = false end
+        live[inst] = r
+        order[#order + 1] = inst
+      end
     end
   end
+  table.sort(order)
+  -- Keep a group's carrier (the first when there are several); a group without one: its first instance.
+  local carrier = {}
+  for _, inst in ipairs(order) do
+    local g = gkey(live[inst])
+    if g ~= nil and carrier[g] == nil and not live[inst].shares_weights then carrier[g] = inst end
+  end
+  for _, inst in ipairs(order) do
+    local g = gkey(live[inst])
+    if g ~= nil then
+      if carrier[g] == nil then carrier[g] = inst end
+      carry('r:' .. inst, live[inst], carrier[g] == inst)
+    end
+  end
+  return live, order
 end
 """
 
-RESERVE = _NOW + """
+RESERVE = _NOW + _SETTLE + """
 local skip = ARGV[1]
 local capraw = redis.call('HGET', KEYS[1], 'cap')
 if not capraw then return {0, 'unknown GPU'} end
 local cap = cmsgpack.unpack(capraw)
-""" + _SCAN + """
+local live, order = settle()
 local r = cmsgpack.unpack(ARGV[2])
+local g = gkey(r)
+local sreq, slim, smem = 0, 0, 0
+r.shares_weights = false
+for _, inst in ipairs(order) do
+  if inst ~= skip then
+    local o = live[inst]
+    sreq = sreq + o.request
+    slim = slim + o.limit
+    smem = smem + o.memory_mb
+    if g ~= nil and gkey(o) == g and not o.shares_weights then r.shares_weights = true end
+  end
+end
+if r.shares_weights then r.memory_mb = r.memory_mb - r.weights_mb end
+-- A re-reservation that leaves the group whose weights it carried: the group's next instance (its heir)
+-- carries them from now on, so they count in this check too.
+local old = live[skip]
+local heir = nil
+if old ~= nil and gkey(old) ~= nil and gkey(old) ~= g and not old.shares_weights then
+  for _, inst in ipairs(order) do
+    if inst ~= skip and gkey(live[inst]) == gkey(old) then
+      heir = inst
+      break
+    end
+  end
+end
+if heir ~= nil then smem = smem + old.weights_mb end
 local force = ARGV[4] == '1'
 local eps = 1e-9
 if not force then
@@ -67,12 +140,25 @@ if not force then
     return {0, string.format('SM limits would reach %.3f > gamma %.3f', slim + r.limit, cap.gamma)}
   end
   if smem + r.memory_mb > cap.memory_mb then
-    return {0, string.format('memory would reach %d MB > %d MB', smem + r.memory_mb, cap.memory_mb)}
+    local shared = ''
+    if r.shares_weights then shared = string.format(' (its %d MB of weights shared)', r.weights_mb) end
+    return {0, string.format('memory would reach %d MB > %d MB%s', smem + r.memory_mb, cap.memory_mb, shared)}
   end
 end
 r.expires_ms = now + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'r:' .. skip, cmsgpack.pack(r))
-return {1, string.format('%.6f %.6f %d', sreq + r.request, slim + r.limit, smem + r.memory_mb)}
+if heir ~= nil then carry('r:' .. heir, live[heir], true) end
+local sh = 0
+if r.shares_weights then sh = 1 end
+return {1, string.format('%.6f %.6f %d %d %d', sreq + r.request, slim + r.limit, smem + r.memory_mb,
+                         r.memory_mb, sh)}
+"""
+
+# Drops the reservation and settles the GPU: a group whose carrier it was gets a new one.
+RELEASE = _NOW + _SETTLE + """
+redis.call('HDEL', KEYS[1], 'r:' .. ARGV[1], 's:' .. ARGV[1])
+settle()
+return 1
 """
 
 RENEW = _NOW + """
@@ -117,7 +203,29 @@ class Reservation:
     request: float
     limit: float
     memory_mb: int
+    """Declared when reserving; as read back, what the reservation is charged (without the weights when
+    ``shares_weights``)."""
     expires_ms: int = 0
+    weights_mb: int = 0
+    """How much of the declared memory is read-only weights shared with the rest of ``group`` on the GPU."""
+    group: str = ""
+    """The sharing group (`dilu_invoker.model.weights_group`); empty: shares nothing."""
+    shares_weights: bool = False
+    """Another reservation of the group carries the weights: this one is charged ``memory_mb`` without them."""
+
+    def __post_init__(self) -> None:
+        if self.weights_mb < 0 or self.weights_mb > self.declared_mb:
+            raise ValueError(f"{self.instance}: weights_mb must be within 0..{self.declared_mb}, got {self.weights_mb}")
+
+    @property
+    def declared_mb(self) -> int:
+        """The instance's whole memory need (its own allocations plus the weights)."""
+        return self.memory_mb + (self.weights_mb if self.shares_weights else 0)
+
+    @property
+    def sharing_key(self) -> tuple[str, int] | None:
+        """The group whose weights it counts once with (None: it shares nothing)."""
+        return (self.group, self.weights_mb) if self.group and self.weights_mb > 0 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +235,9 @@ class ReserveResult:
     sum_request: float = 0.0
     sum_limit: float = 0.0
     sum_memory_mb: int = 0
+    memory_mb: int = 0
+    """What the reservation is charged (its declared memory, less its weights when it shares them)."""
+    shares_weights: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +265,18 @@ class GpuBudget:
         return max(0.0, 1.0 - self.sum_request) if self.reservations else 0.0
 
 
+def _settled(reservations: dict[str, Reservation]) -> dict[str, Reservation]:
+    """As the next script will leave them: a group whose carrier lapsed (and no script ran since) shows its
+    first instance carrying the weights, so a reader's sum never misses them."""
+    carried = {r.sharing_key for r in reservations.values() if r.sharing_key and not r.shares_weights}
+    for name in sorted(reservations):
+        r = reservations[name]
+        if r.sharing_key is not None and r.sharing_key not in carried:
+            reservations[name] = replace(r, memory_mb=r.declared_mb, shares_weights=False)
+            carried.add(r.sharing_key)
+    return reservations
+
+
 def _pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
@@ -168,6 +291,7 @@ class GpuBudgets:
         self._prefix = prefix
         self._reserve = client.register_script(RESERVE)
         self._renew = client.register_script(RENEW)
+        self._release = client.register_script(RELEASE)
 
     def gpu_key(self, uuid: str) -> str:
         return f"{self._prefix}gpu:{uuid}"
@@ -182,9 +306,14 @@ class GpuBudgets:
         await pipe.execute()
 
     async def reserve(self, uuid: str, reservation: Reservation, *, ttl_s: float, force: bool = False) -> ReserveResult:
-        """Atomically admit ``reservation`` on GPU ``uuid`` (re-reserving an instance replaces it)."""
+        """Atomically admit ``reservation`` on GPU ``uuid`` (re-reserving an instance replaces it); its
+        ``memory_mb`` is the declared need, less ``weights_mb`` when its group already has them there."""
         body = asdict(reservation)
         body.pop("expires_ms")
+        body["memory_mb"] = reservation.declared_mb
+        body.pop("shares_weights")
+        if reservation.sharing_key is None:
+            body["weights_mb"], body["group"] = 0, ""
         ok, detail = await self._reserve(
             keys=[self.gpu_key(uuid)],
             args=[reservation.instance, _pack(body), int(ttl_s * 1000), "1" if force else "0"],
@@ -192,8 +321,8 @@ class GpuBudgets:
         detail = detail.decode() if isinstance(detail, bytes) else str(detail)
         if not ok:
             return ReserveResult(False, detail)
-        req, lim, mem = detail.split()
-        return ReserveResult(True, "reserved", float(req), float(lim), int(mem))
+        req, lim, mem, charged, shares = detail.split()
+        return ReserveResult(True, "reserved", float(req), float(lim), int(mem), int(charged), shares == "1")
 
     async def renew(self, uuid: str, instances: Iterable[str], *, ttl_s: float) -> int:
         names = list(instances)
@@ -202,7 +331,8 @@ class GpuBudgets:
         return int(await self._renew(keys=[self.gpu_key(uuid)], args=[int(ttl_s * 1000), *names]))
 
     async def release(self, uuid: str, instance: str) -> None:
-        await self._r.hdel(self.gpu_key(uuid), f"r:{instance}", f"s:{instance}")
+        """Drop the reservation; when it carried its group's weights, the group's next one carries them."""
+        await self._release(keys=[self.gpu_key(uuid)], args=[instance])
 
     async def set_shares(self, uuid: str, shares: Mapping[str, float]) -> None:
         if shares:
@@ -224,6 +354,7 @@ class GpuBudgets:
                     reservations[r.instance] = r
             elif key.startswith("s:"):
                 shares[key[2:]] = float(_unpack(v))
+        reservations = _settled(reservations)
         return GpuBudget(uuid, cap, reservations, {k: v for k, v in shares.items() if k in reservations})
 
     async def node_gpus(self, node: str) -> list[str]:

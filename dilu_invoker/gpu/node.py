@@ -41,7 +41,7 @@ from dilu_invoker.gpu.manager import (
     TickRecord,
 )
 from dilu_invoker.gpu.mps import MpsSupervisor
-from dilu_invoker.model import PRELOAD_FUNCTION_PREFIX, GpuNeeds
+from dilu_invoker.model import PRELOAD_FUNCTION_PREFIX, GpuNeeds, weights_group
 from dilu_invoker.policy.cluster import ClusterSnapshot
 from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
@@ -98,6 +98,21 @@ class _Failed:
 _FAILED = _Failed()
 
 
+_Weights = tuple[str, int] | None
+"""(sharing group, `weights_group`, and weights MB): what an instance counts once with the other
+instances of its group on its GPU (`GpuNeeds.weights_mb`, docs/runtime.md "GPU memory budget")."""
+
+
+def _weights_of(node: str, function: str, needs: GpuNeeds, revision: str | None, backend: str) -> _Weights:
+    """Only a known revision shares (its instances at other revisions have other weights), and only where
+    the models API can share: not between Docker containers (each has its own network namespace, so no
+    holder's endpoint is reachable and every instance loads its own copy)."""
+    if not revision or needs.weights_mb <= 0 or function.startswith(PRELOAD_FUNCTION_PREFIX) \
+            or backend == "docker":
+        return None
+    return weights_group(node, function, revision), needs.weights_mb
+
+
 @dataclass(slots=True)
 class _Attached:
     spec: InstanceSpec
@@ -108,6 +123,8 @@ class _Attached:
     attachment: GpuAttachment
     reserved: bool
     """Redis holds its reservation (False: admitted locally while Redis was unreachable)."""
+    weights: _Weights = None
+    """Its function revision's shared weights (counted once per GPU in the budget), if it declares any."""
 
 
 class GpuNode:
@@ -353,7 +370,9 @@ class GpuNode:
     # -- attach / detach ---------------------------------------------------------------------------
 
     async def attach(self, instance: str, function: str, needs: GpuNeeds, *,
-                     gpu_index: int | None = None) -> GpuAttachment | None:
+                     gpu_index: int | None = None, revision: str | None = None) -> GpuAttachment | None:
+        """``revision``: the function's code revision; with it, ``needs.weights_mb`` count once among the
+        instances of that revision on the GPU (without it every instance reserves its whole memory)."""
         if not self.devices:
             return None
         have = self._attached.get(instance)
@@ -370,7 +389,8 @@ class GpuNode:
             log.warning("GPU not attached: bad instance", instance=instance, error=str(exc))
             return None
         async with self._admit_lock:
-            device, reserved, why = await self._admit(spec, gpu_index)
+            weights = _weights_of(self.node, function, needs, revision, self.backend)
+            device, reserved, why = await self._admit(spec, gpu_index, weights)
         if device is None:
             log.warning("no GPU for the instance: it runs on the CPU", instance=instance, function=function,
                         reason=why)
@@ -393,15 +413,18 @@ class GpuNode:
         log.info("GPU attached", instance=instance, function=function, gpu=device.index, uuid=device.uuid,
                  cls=spec.cls.value, request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb,
                  budget="redis" if reserved else "local", reason=why)
+        self._attached[instance].weights = weights
         return attachment
 
-    async def retarget(self, instance: str, function: str, needs: GpuNeeds, *, new_id: str | None = None) -> bool:
+    async def retarget(self, instance: str, function: str, needs: GpuNeeds, *, new_id: str | None = None,
+                       revision: str | None = None) -> bool:
         """Hand an attached instance — a pre-loaded container's GPU share, made before its function was
         known — to ``function`` with ``needs``, on the same GPU: its shim blocks, environment and CUDA
         context stay; its spec, budget reservation and quota become the function's, under ``new_id`` when
         given (a balancer-placed instance keeps its share under the instance's id). False, changing
         nothing, when that GPU has no room for the new needs, when ``new_id`` is attached already, or when
-        an MPS client's thread cap (fixed when it connected) would have to change."""
+        an MPS client's thread cap (fixed when it connected) would have to change. ``revision`` as for
+        `attach`."""
         a = self._attached.get(instance)
         target = new_id or instance
         if a is None or (target != instance and target in self._attached):
@@ -423,9 +446,10 @@ class GpuNode:
         async with self._admit_lock:
             del self._attached[instance]  # its old needs must not count against its new ones
             await self._release(a.device, instance)
-            ok, reserved, why = await self._reserve(a.device, spec)
+            weights = _weights_of(self.node, function, needs, revision, self.backend)
+            ok, reserved, why = await self._reserve(a.device, spec, weights)
             if not ok:
-                _ok, old_reserved, _why = await self._reserve(a.device, a.spec)
+                _ok, old_reserved, _why = await self._reserve(a.device, a.spec, a.weights)
                 a.reserved = old_reserved
                 self._attached[instance] = a
                 log.info("GPU share not retargeted: no room for the function's needs", instance=instance,
@@ -445,6 +469,7 @@ class GpuNode:
             self._attached[target] = a
         log.info("GPU share retargeted", instance=target, was=instance, function=function, gpu=a.device.index,
                  request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb)
+        a.weights = weights
         return True
 
     def attachment_of(self, instance: str) -> GpuAttachment | None:
@@ -524,7 +549,8 @@ class GpuNode:
 
     # -- admission ---------------------------------------------------------------------------------
 
-    async def _admit(self, spec: InstanceSpec, gpu_index: int | None) -> tuple[GpuDevice | None, bool, str]:
+    async def _admit(self, spec: InstanceSpec, gpu_index: int | None,
+                     weights: _Weights = None) -> tuple[GpuDevice | None, bool, str]:
         tried: set[str] = set()
         reasons: list[str] = []
         preferred = None
@@ -537,12 +563,12 @@ class GpuNode:
             if preferred is not None and preferred.uuid not in tried:
                 device, why = preferred, f"GPU {preferred.index} chosen by the balancer"
             else:
-                device, why = self._place(spec, avoid=tried)
+                device, why = self._place(spec, avoid=tried, weights=weights)
             if device is None:
                 reasons.append(why)
                 break
             tried.add(device.uuid)
-            ok, reserved, detail = await self._reserve(device, spec)
+            ok, reserved, detail = await self._reserve(device, spec, weights)
             if ok:
                 if reasons:
                     why += f" (after: {'; '.join(reasons)})"
@@ -551,46 +577,80 @@ class GpuNode:
         return None, False, "; ".join(reasons) or "no GPU fits"
 
     def _placed_on(self, device: GpuDevice) -> list[PlacedInstance]:
-        """What this node believes is on ``device``: its own instances plus other invokers' reservations."""
-        own = [
-            PlacedInstance(id=a.spec.id, function=a.spec.function, cls=a.spec.cls,
-                           request=_budgeted(a.spec)[0], limit=_budgeted(a.spec)[1],
-                           memory_mib=float(a.spec.memory_mb))
-            for a in self._attached.values() if a.device.uuid == device.uuid
-        ]
-        known = self._known.get(device.uuid)
+        """What this node believes is on ``device``: its own instances plus other invokers' reservations,
+        each with the memory it is charged (a function revision's shared weights once)."""
         others = []
+        known = self._known.get(device.uuid)
         if known is not None:
             for r in known.reservations.values():
                 if r.invoker != self.node and r.instance not in self._attached:
-                    others.append(PlacedInstance(
+                    others.append((r.sharing_key, r.shares_weights, PlacedInstance(
                         id=r.instance, function=r.function or "?", cls=_parse_class(r.cls), request=r.request,
-                        limit=max(r.limit, r.request), memory_mib=float(r.memory_mb)))
-        return own + others
+                        limit=max(r.limit, r.request), memory_mib=float(r.memory_mb))))
+        # weights another invoker's reservation carries: Redis charges them already
+        carried = {key for key, shares, _ in others if key is not None and not shares}
+        own = []
+        for a in sorted((a for a in self._attached.values() if a.device.uuid == device.uuid),
+                        key=lambda a: a.spec.id):
+            memory = a.spec.memory_mb
+            if a.weights is not None:
+                if a.weights in carried:
+                    memory -= a.weights[1]
+                carried.add(a.weights)
+            own.append(PlacedInstance(id=a.spec.id, function=a.spec.function, cls=a.spec.cls,
+                                      request=_budgeted(a.spec)[0], limit=_budgeted(a.spec)[1],
+                                      memory_mib=float(memory)))
+        return own + [p for _, _, p in others]
 
-    def _place(self, spec: InstanceSpec, *, avoid: set[str]) -> tuple[GpuDevice | None, str]:
+    def _weights_held(self, device: GpuDevice, weights: _Weights) -> bool:
+        """Some instance on ``device`` (this node's, or another's as last read) counts ``weights`` already."""
+        if weights is None:
+            return False
+        if any(a.weights == weights for a in self._attached.values() if a.device.uuid == device.uuid):
+            return True
+        known = self._known.get(device.uuid)
+        return known is not None and any(r.sharing_key == weights for r in known.reservations.values()
+                                         if r.invoker != self.node and r.instance not in self._attached)
+
+    def _place(self, spec: InstanceSpec, *, avoid: set[str],
+               weights: _Weights = None) -> tuple[GpuDevice | None, str]:
         states = [
             GpuState(ref=GpuRef(self.node, d.index), memory_mib=float(max(d.memory_mb, 1)), uuid=d.uuid,
                      sm_count=d.sm_count, instances=tuple(self._placed_on(d)))
             for d in self.devices
         ]
-        request = PlacementRequest(
-            instance_id=spec.id, function=spec.function, cls=spec.cls, request=spec.request, limit=spec.limit,
-            memory_mib=float(spec.memory_mb),
-            avoid_gpus=frozenset(GpuRef(self.node, d.index) for d in self.devices if d.uuid in avoid),
-        )
-        decision = place(ClusterSnapshot.build(now=0.0, gpus=states), request,
-                         PlacementConfig(omega=self.omega, gamma=max(self.gamma, self.omega)))
-        if not decision.placed:
-            return None, f"placement: {decision.reason}"
-        index = decision.gpus[0].gpu
-        return next(d for d in self.devices if d.index == index), f"placement: {decision.reason}"
+        snapshot = ClusterSnapshot.build(now=0.0, gpus=states)
+        config = PlacementConfig(omega=self.omega, gamma=max(self.gamma, self.omega))
 
-    def _fits_locally(self, device: GpuDevice, spec: InstanceSpec) -> tuple[bool, str]:
+        def ask(memory_mb: int, avoided: set[str]) -> tuple[GpuDevice | None, str]:
+            request = PlacementRequest(
+                instance_id=spec.id, function=spec.function, cls=spec.cls, request=spec.request, limit=spec.limit,
+                memory_mib=float(memory_mb),
+                avoid_gpus=frozenset(GpuRef(self.node, d.index) for d in self.devices if d.uuid in avoided),
+            )
+            decision = place(snapshot, request, config)
+            if not decision.placed:
+                return None, f"placement: {decision.reason}"
+            index = decision.gpus[0].gpu
+            return next(d for d in self.devices if d.index == index), f"placement: {decision.reason}"
+
+        if weights is not None:
+            # The GPUs that hold its revision's weights first: there it needs only the rest, and it maps the
+            # weights in milliseconds instead of loading a copy (another GPU is lit only when none takes it).
+            holding = {d.uuid for d in self.devices if d.uuid not in avoid and self._weights_held(d, weights)}
+            if holding:
+                device, why = ask(spec.memory_mb - weights[1], {d.uuid for d in self.devices} - holding)
+                if device is not None:
+                    return device, f"{why} (its {weights[1]} MB of weights shared there)"
+        return ask(spec.memory_mb, avoid)
+
+    def _fits_locally(self, device: GpuDevice, spec: InstanceSpec, weights: _Weights = None) -> tuple[bool, str]:
         placed = self._placed_on(device)
         req = sum(p.request for p in placed) + _budgeted(spec)[0]
         lim = sum(p.limit for p in placed) + _budgeted(spec)[1]
         mem = sum(p.memory_mib for p in placed) + spec.memory_mb
+        if weights is not None and self._weights_held(device, weights):
+            mem -= weights[1]
         if req > self.omega + EPS:
             return False, f"SM requests would reach {req:.3f} > {self.omega:.3f} (local view)"
         if lim > self.gamma + EPS:
@@ -599,24 +659,25 @@ class GpuNode:
             return False, f"memory would reach {mem:.0f} MB > {device.memory_mb} MB (local view)"
         return True, "admitted against the local view"
 
-    async def _reserve(self, device: GpuDevice, spec: InstanceSpec) -> tuple[bool, bool, str]:
+    async def _reserve(self, device: GpuDevice, spec: InstanceSpec,
+                       weights: _Weights = None) -> tuple[bool, bool, str]:
         """(admitted, held in Redis, detail)."""
         budgets = self._budgets
         if budgets is None or not self._redis_ok:
-            ok, why = self._fits_locally(device, spec)
+            ok, why = self._fits_locally(device, spec, weights)
             return ok, False, why + ("" if budgets is None else " (Redis unreachable)")
-        reservation = self._reservation(spec)
+        reservation = self._reservation(spec, weights)
         for _ in range(2):
             result = await self._call("reserve", partial(budgets.reserve, device.uuid, reservation, ttl_s=self.ttl_s))
             if isinstance(result, _Failed):
-                ok, why = self._fits_locally(device, spec)
+                ok, why = self._fits_locally(device, spec, weights)
                 return ok, False, why + " (Redis unreachable)"
             if result.ok or result.reason != "unknown GPU":
                 return result.ok, result.ok, result.reason
             # Redis lost the GPU (a restart without persistence): register it again and retry.
             self._needs_sync = True
             if isinstance(await self._call("register", partial(self._register, device)), _Failed):
-                ok, why = self._fits_locally(device, spec)
+                ok, why = self._fits_locally(device, spec, weights)
                 return ok, False, why + " (Redis unreachable)"
         return False, False, "the GPU could not be registered in Redis"
 
@@ -626,12 +687,14 @@ class GpuNode:
             return  # the next re-sync drops reservations of instances that are gone
         await self._call("release", partial(budgets.release, device.uuid, instance))
 
-    def _reservation(self, spec: InstanceSpec) -> Reservation:
+    def _reservation(self, spec: InstanceSpec, weights: _Weights = None) -> Reservation:
         from dilu_invoker.gpu.budgets import Reservation
 
         request, limit = _budgeted(spec)
+        group, weights_mb = weights if weights is not None else ("", 0)
         return Reservation(instance=spec.id, function=spec.function, cls=spec.cls.value, invoker=self.node,
-                           request=request, limit=limit, memory_mb=spec.memory_mb)
+                           request=request, limit=limit, memory_mb=spec.memory_mb, weights_mb=weights_mb,
+                           group=group)
 
     # -- Redis -------------------------------------------------------------------------------------
 
@@ -716,7 +779,8 @@ class GpuNode:
         for d in self.devices:
             if isinstance(await self._call("register", partial(self._register, d)), _Failed):
                 return False
-            live = {a.spec.id: self._reservation(a.spec) for a in self._attached.values() if a.device.uuid == d.uuid}
+            live = {a.spec.id: self._reservation(a.spec, a.weights) for a in self._attached.values()
+                    if a.device.uuid == d.uuid}
             done = await self._call("reconcile", partial(budgets.reconcile, d.uuid, invoker=self.node, live=live,
                                                          ttl_s=self.ttl_s))
             if isinstance(done, _Failed):
