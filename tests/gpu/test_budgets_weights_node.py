@@ -228,8 +228,6 @@ HOLD = ("import os, time\ndef main(args):\n    time.sleep(float(args.get('hold_s
         "    return {'gpu': os.environ.get('DILU_GPU_UUID'), 'pid': os.getpid()}\n")
 
 
-@pytest.mark.xfail(strict=True, reason="the invoker core does not pass the action's revision to "
-                   "GpuNode.attach yet (docs/runtime.md, 'GPU memory budget')")
 async def test_through_the_invoker_two_instances_of_a_revision_fit_beside_one_copy(
         tmp_path: Path, shim_build: ShimBuild, redis: aioredis.Redis) -> None:
     from dataclasses import replace

@@ -92,7 +92,7 @@ class GpuAllocator(Protocol):
     """The node's GPU manager as the invoker core sees it (``dilu_invoker.gpu``)."""
 
     async def attach(self, instance: str, function: str, needs: GpuNeeds, *,
-                     gpu_index: int | None = None) -> GpuAttachment | None:
+                     gpu_index: int | None = None, revision: str | None = None) -> GpuAttachment | None:
         """Reserve a GPU share for a new container (on ``gpu_index`` when the balancer placed it, else
         wherever the node sees fit); None when the node has no GPU for it."""
         ...
@@ -479,7 +479,8 @@ class Invoker:
                 try:
                     needs = GpuNeeds.from_annotations(req.action.annotation_map)
                     # a balancer-placed instance keeps its share under its own id (gpu_key)
-                    ok = bool(await retarget(taken.gpu_key, req.action.fqn, needs, new_id=gpu_key))
+                    ok = bool(await retarget(taken.gpu_key, req.action.fqn, needs, new_id=gpu_key,
+                                             revision=req.action.revision or req.action.version))
                 except (ValidationError, Exception) as exc:  # noqa: BLE001 - the plain path decides then
                     log.info("pre-loaded GPU container not usable for the action", action=req.action.fqn,
                              error=repr(exc))
@@ -538,7 +539,8 @@ class Invoker:
             log.warning("invalid GPU annotations; running without a GPU", action=action.fqn, error=str(exc))
             return spec
         key = gpu_key or proxy.name
-        attachment = (await self.gpu.attach(key, action.fqn, needs, gpu_index=gpu_index)
+        attachment = (await self.gpu.attach(key, action.fqn, needs, gpu_index=gpu_index,
+                                            revision=action.revision or action.version)
                       if self.gpu is not None else None)
         if attachment is None:
             if not self._cpu_fallback_logged:
