@@ -349,7 +349,7 @@ class Stack:
         self.log.close()
 
     async def create(self, name: str, code: str, *, memory_mb: int = 8192, gpu_memory_mb: int = 16384,
-                     sm_limit: float = 0.5, min_instances: int = 0) -> None:
+                     sm_limit: float = 0.5, min_instances: int = 0, weights_mb: int = 0) -> None:
         """A GPU action; its SM limit is small enough that the step's actions (and a pre-loaded container's
         placeholder share) fit on one GPU together (Σ limit ≤ γ 1.5), else the later ones are refused."""
         assert self.session is not None
@@ -357,6 +357,8 @@ class Stack:
                        {"key": "gpu-sm-limit", "value": sm_limit}, {"key": "gpu-memory-mb", "value": gpu_memory_mb}]
         if min_instances:
             annotations.append({"key": "min-instances", "value": min_instances})
+        if weights_mb:  # read-only weights its instances on one GPU share: counted once in the GPU budget
+            annotations.append({"key": "gpu-weights-mb", "value": weights_mb})
         await put_gpu_action(self.session, self.api, name, code, annotations, memory_mb=memory_mb, headers=self.auth)
 
     async def invoke(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -494,7 +496,8 @@ async def step_share(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         res["gpu_before"] = gpu_memory()
         gmem = int(args.weights_gib * 1024 * 1.2) + 2048
         # min-instances 2: the balancer keeps two instances of the function, both on the one GPU
-        await st.create("shared", SHARE_CODE, memory_mb=8192, gpu_memory_mb=gmem, min_instances=2)
+        await st.create("shared", SHARE_CODE, memory_mb=8192, gpu_memory_mb=gmem, min_instances=2,
+                        weights_mb=min(gmem, int(wf["bytes"] / 2**20)))
         res["first"] = await st.invoke("shared", {"path": wf["path"]})
         await asyncio.sleep(0.5)
         res["gpu_after_first"] = gpu_memory()
