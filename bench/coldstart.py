@@ -778,7 +778,7 @@ def main() -> int:
     s.add_argument("--refill-min-wait-s", type=float, default=5.0)
     s.add_argument("--count", type=int, default=3)
     s.add_argument("--warm", type=int, default=20)
-    s.add_argument("--weights-file", default="/var/tmp/dilu-coldstart/weights-7b.safetensors")
+    s.add_argument("--weights-file", default="/srv/dilu-coldstart/weights-7b.safetensors")
     s.add_argument("--weights-gib", type=float, default=14.0)
     s.add_argument("--ipc-gib", type=float, default=1.0)
     s.add_argument("--hold-s", type=float, default=6.0)

@@ -15,7 +15,7 @@ pack() { tar -czf "$FINAL/.raw.tmp" -C "$(dirname "$OUT")" "$(basename "$OUT")" 
   cp "$LOG" "$FINAL/run.log"; }
 . bench/lib.sh
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-WF=${WEIGHTS_FILE:-/var/tmp/dilu-coldstart/weights-7b.safetensors}
+WF=${WEIGHTS_FILE:-/srv/dilu-coldstart/weights-7b.safetensors}
 if [ "${DRY:-0}" = 1 ]; then
   COMMON=(--dry-run); GIB=${GIB:-0.05}; PY=${PY:-python3}
 else
