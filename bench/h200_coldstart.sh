@@ -36,7 +36,7 @@ PRE_EXTRA="--invoker-preload-memory-mb 4096 --invoker-preload-budget-mb 16384"
 ISO=auto
 run cold_resnet50_preload0 50 cold --model resnet50 --preload 0 --count 3 --warm 10
 # Process isolation untried on this machine: without one good cold invoke, the rest runs without it.
-if ! $PY -c "import json,sys; d=json.load(open('$OUT/cold_resnet50_preload0.json')); sys.exit(0 if d.get('summary',{}).get('cold_ok') else 1)" 2>/dev/null; then
+if [ -f "$OUT/cold_resnet50_preload0.json" ] && ! $PY -c "import json,sys; d=json.load(open('$OUT/cold_resnet50_preload0.json')); sys.exit(0 if d.get('summary',{}).get('cold_ok') else 1)" 2>/dev/null; then
   ISO=off; log "no cold invoke answered with isolation: the other steps run with --invoker-process-isolation off"
   run cold_resnet50_preload0_isooff 50 cold --model resnet50 --preload 0 --count 3 --warm 10
 fi
