@@ -103,12 +103,15 @@ _Weights = tuple[str, int] | None
 instances of its group on its GPU (`GpuNeeds.weights_mb`, docs/runtime.md "GPU memory budget")."""
 
 
-def _weights_of(node: str, function: str, needs: GpuNeeds, revision: str | None, backend: str) -> _Weights:
+def _weights_of(node: str, function: str, needs: GpuNeeds, revision: str | None, backend: str,
+                isolated_mps: bool = False) -> _Weights:
     """Only a known revision shares (its instances at other revisions have other weights), and only where
     the models API can share: not between Docker containers (each has its own network namespace, so no
-    holder's endpoint is reachable and every instance loads its own copy)."""
+    holder's endpoint is reachable and every instance loads its own copy), and not between the isolated MPS
+    clients of a GPU (PID namespaces of their own): on the H200 the second instance's mapping failed there
+    (cuIpcOpenMemHandle, CUDA error 201) and it loaded a copy of its own, so the budget counts every copy."""
     if not revision or needs.weights_mb <= 0 or function.startswith(PRELOAD_FUNCTION_PREFIX) \
-            or backend == "docker":
+            or backend == "docker" or isolated_mps:
         return None
     return weights_group(node, function, revision), needs.weights_mb
 
@@ -327,6 +330,11 @@ class GpuNode:
             await self._sync_once()  # registers the GPUs and drops reservations of an earlier life
             self._sync_task = asyncio.create_task(self._sync_loop(), name=f"gpu-budgets-{self.node}")
 
+    @property
+    def _isolated_mps(self) -> bool:
+        """The node's GPU containers are MPS clients in PID namespaces of their own (shared-uid isolation)."""
+        return self.mps is not None and self.mps.shared_uid and bool(self.mps.daemons)
+
     def _choose_policies(self) -> None:
         """Each GPU's vertical policy, now that its sharing mode is known (`resolve_vertical`): logged and in
         /metrics (``dilu_gpu_vertical_policy``) with the reason."""
@@ -389,7 +397,7 @@ class GpuNode:
             log.warning("GPU not attached: bad instance", instance=instance, error=str(exc))
             return None
         async with self._admit_lock:
-            weights = _weights_of(self.node, function, needs, revision, self.backend)
+            weights = _weights_of(self.node, function, needs, revision, self.backend, self._isolated_mps)
             device, reserved, why = await self._admit(spec, gpu_index, weights)
         if device is None:
             log.warning("no GPU for the instance: it runs on the CPU", instance=instance, function=function,
@@ -446,7 +454,7 @@ class GpuNode:
         async with self._admit_lock:
             del self._attached[instance]  # its old needs must not count against its new ones
             await self._release(a.device, instance)
-            weights = _weights_of(self.node, function, needs, revision, self.backend)
+            weights = _weights_of(self.node, function, needs, revision, self.backend, self._isolated_mps)
             ok, reserved, why = await self._reserve(a.device, spec, weights)
             if not ok:
                 _ok, old_reserved, _why = await self._reserve(a.device, a.spec, a.weights)

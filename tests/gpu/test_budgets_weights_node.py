@@ -255,3 +255,14 @@ async def test_through_the_invoker_two_instances_of_a_revision_fit_beside_one_co
         assert [g["gpu"] for g in got] == ["GPU-wi-0", "GPU-wi-0"]  # both on the GPU, neither on the CPU
         budget = await _budget(GpuBudgets(redis, prefix="twi:"), "GPU-wi-0")
         assert budget.sum_memory_mb == 7000
+
+
+def test_isolated_mps_clients_count_every_copy() -> None:
+    """Between the isolated MPS clients of a GPU the second instance's mapping failed on the H200 and it
+    loaded its own copy: there the budget must count every copy (docs/runtime.md, "GPU memory budget")."""
+    from dilu_invoker.gpu.node import _weights_of
+
+    needs = GpuNeeds(memory_mb=20000, weights_mb=14000)
+    assert _weights_of("invoker0", "guest/m", needs, "1-abc", "process") is not None
+    assert _weights_of("invoker0", "guest/m", needs, "1-abc", "process", isolated_mps=True) is None
+    assert _weights_of("invoker0", "guest/m", needs, "1-abc", "docker") is None
