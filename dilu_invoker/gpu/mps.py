@@ -1,9 +1,11 @@
 """MPS control daemons run by the invoker, one per GPU (docs/gpu-manager.md, "MPS").
 
 With MPS the kernels of co-located instances run *concurrently* on the GPU's SMs instead of in time slices;
-on the H200 that was the best co-location mode measured (bench/vertical). The shim's token rates still do
-the sharing on top; each client's active-thread percentage (a spatial cap MPS fixes when the client
-connects) is taken from its instance's SM limit.
+on the H200 that was the best co-location mode measured. Each client's active-thread percentage (a spatial
+cap MPS fixes when the client connects) is what the GPU's vertical policy chose for its start
+(``GpuManager.mps_threads``; under the default ``spatial`` policy that cap is the split, with no token
+rates on top). Under the process backend's isolation the clients of one GPU share a uid, kept apart by
+PID and mount namespaces (backends/sandbox.py), since a daemon serves one uid's server at a time.
 
 Per GPU the node **starts** ``nvidia-cuda-mps-control -d`` with its own pipe and log directories (under a
 0700 directory the invoker owns, ``CUDA_VISIBLE_DEVICES`` set to that GPU), or **adopts** a daemon already
