@@ -80,6 +80,11 @@ def check_mps() -> Check:
     if control is None:
         return Check("mps", MISSING, "nvidia-cuda-mps-control is not on PATH; co-located GPU instances "
                      "time-slice instead of sharing SMs", "install the NVIDIA driver utilities (they bring MPS)")
+    missing = [t for t in ("unshare", "setpriv") if shutil.which(t) is None]
+    if os.geteuid() == 0 and missing:
+        return Check("mps", MISSING, f"{control} found, but util-linux {' and '.join(missing)} not: isolated process "
+                     "containers cannot share a GPU's MPS server (it serves one uid), so --gpu-mps auto "
+                     "time-slices", "install util-linux (unshare, setpriv)")
     pipe_dir = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
     if (pipe_dir / "control").exists():
         return Check("mps", OK, f"{control}; a control daemon listens in {pipe_dir}")
