@@ -50,7 +50,7 @@ import site
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,25 +240,31 @@ def _own_cgroups() -> dict[str, str]:
 # -- the host's processes ---------------------------------------------------------------------------------
 
 
-def pids_of_uid(uids: Iterable[int]) -> dict[int, list[int]]:
-    """uid → pids of the live processes whose real uid it is (a scan of /proc; zombies don't count)."""
-    wanted = set(uids)
-    out: dict[int, list[int]] = {}
+def _live_status(field: bytes) -> Iterator[tuple[int, int]]:
+    """(pid, the first number of its ``field`` line, e.g. ``Uid:`` or ``PPid:``) of every live process (a
+    scan of /proc/*/status; zombies, dead and waiting for a parent to reap them, do not count)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/status", "rb") as f:
-                for line in f:
+                for line in f:  # State: comes before Uid: and PPid:
                     if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
-                        break  # dead, waiting for a parent to reap it
-                    if line.startswith(b"Uid:"):
-                        uid = int(line.split()[1])
-                        if uid in wanted:
-                            out.setdefault(uid, []).append(int(entry.name))
                         break
-        except (OSError, ValueError):
+                    if line.startswith(field):
+                        yield int(entry.name), int(line.split()[1])
+                        break
+        except (OSError, ValueError, IndexError):
             continue
+
+
+def pids_of_uid(uids: Iterable[int]) -> dict[int, list[int]]:
+    """uid → pids of the live processes whose real uid it is."""
+    wanted = set(uids)
+    out: dict[int, list[int]] = {}
+    for pid, uid in _live_status(b"Uid:"):
+        if uid in wanted:
+            out.setdefault(uid, []).append(pid)
     return out
 
 
@@ -326,26 +332,12 @@ def interpreter_paths() -> list[str]:
 
 
 def descendants(root: int) -> list[int]:
-    """``root`` and every live process below it (a scan of /proc's PPid fields). In a PID namespace whose
-    first process is a child of ``root`` this is the whole namespace: orphans there are adopted by that
-    first process, never by a process outside."""
+    """``root`` and every live process below it. In a PID namespace whose first process is a child of
+    ``root`` this is the whole namespace: orphans there are adopted by that first process, never by a
+    process outside."""
     children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status", "rb") as f:
-                ppid, dead = None, False
-                for line in f:
-                    if line.startswith(b"State:"):
-                        dead = line.split()[1] in (b"Z", b"X")
-                    elif line.startswith(b"PPid:"):
-                        ppid = int(line.split()[1])
-                        break
-            if ppid is not None and not dead:
-                children.setdefault(ppid, []).append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
+    for pid, ppid in _live_status(b"PPid:"):
+        children.setdefault(ppid, []).append(pid)
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
