@@ -198,3 +198,46 @@ async def test_destroy_leaves_the_reaping_to_asyncio_and_reports_the_real_exit(
         assert not [r for r in caplog.records if "child process" in r.getMessage()]
     finally:
         await backend.close()
+
+
+@root_only
+async def test_a_uid_group_is_one_uid_for_its_members_and_leased_apart(tmp_path: Path) -> None:
+    """The MPS clients of one GPU (a uid group) share one uid, owned dirs and all; another group and a
+    plain container get uids of their own; a member's destroy leaves the group's uid leased."""
+    from dilu_invoker.invoker.dataplane.backends.sandbox import UidGroup
+
+    boxes = Sandboxes(uid_range=range(250010, 250014), work_dir=str(tmp_path / "w"))
+    pipe, logs = tmp_path / "w" / "mps" / "pipe", tmp_path / "w" / "mps" / "log"
+    pipe.mkdir(parents=True)
+    logs.mkdir()
+    group = UidGroup(key=str(pipe), dirs=(str(pipe), str(logs)))
+    a = await boxes.create("a", 64, group=group)
+    b = await boxes.create("b", 64, group=group)
+    other = await boxes.create("o", 64, group=UidGroup(key="/elsewhere"))
+    plain = await boxes.create("p", 64)
+    assert a.uid == b.uid and len({a.uid, other.uid, plain.uid}) == 3
+    assert a.dir != b.dir and a.dir.stat().st_uid == a.uid and (a.dir.stat().st_mode & 0o777) == 0o700
+    assert pipe.stat().st_uid == a.uid and logs.stat().st_uid == a.uid
+    assert a.prefix[0].endswith("unshare") and f"--reuid={a.uid}" in a.prefix
+    assert "/tmp" in a.covers and str(a.dir) in a.keep and str(pipe) in a.read_only
+    assert await boxes.destroy(a) and not a.dir.exists()
+    again = await boxes.create("c", 64, group=group)  # still the group's uid, not handed to anyone else
+    assert again.uid == b.uid
+    last = await boxes.create("q", 64)  # 4 uids: two groups, the plain one, and this one
+    with pytest.raises(Exception, match="in use"):
+        await boxes.create("r", 64)
+    for box in (b, other, plain, again, last):
+        assert await boxes.destroy(box)
+    boxes.close()
+
+
+@root_only
+async def test_without_unshare_a_uid_group_cannot_be_made(tmp_path: Path) -> None:
+    from dilu_invoker.invoker.dataplane.backends.sandbox import SandboxError, UidGroup
+
+    boxes = Sandboxes(uid_range=range(250020, 250022), work_dir=str(tmp_path / "w"))
+    boxes._unshare = None  # as on a host without util-linux's unshare
+    assert boxes.groups_unavailable is not None and "unshare" in boxes.groups_unavailable
+    with pytest.raises(SandboxError, match="unshare"):
+        await boxes.create("a", 64, group=UidGroup(key="/pipes"))
+    boxes.close()
