@@ -33,6 +33,12 @@ def _opt(default: Any, help: str, *, flag: str | None = None, env: Sequence[str]
     return field(default=default, metadata={"help": help, "flag": flag, "env": tuple(env), "secret": secret})
 
 
+def default_process_work_dir() -> str:
+    """Where the process backend's private container dirs live unless ``--invoker-process-work-dir`` says
+    otherwise (the GPU node puts the MPS pipes of isolated clients below it too)."""
+    return "/tmp/dilu-work" if os.geteuid() == 0 else f"/tmp/dilu-work-{os.geteuid()}"
+
+
 @dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str = _opt("info", "log level: debug, info, warning, error")

@@ -247,7 +247,7 @@ class GpuNode:
                 # Their server and clients must reach the pipes: outside the data dir, which is root's alone.
                 import shutil
 
-                from dilu_invoker.invoker.dataplane.backends.sandbox import default_work_dir
+                from dilu_invoker.config import default_process_work_dir
 
                 missing = [t for t in ("unshare", "setpriv") if shutil.which(t) is None]
                 if missing:
@@ -255,7 +255,7 @@ class GpuNode:
                                 f"{' and '.join(missing)} not found to run a GPU's MPS clients as one uid)")
                 else:
                     shared_uid = True
-                    mps_root = Path(g.mps_dir or Path(cfg.invoker.process_work_dir or default_work_dir()) / "mps")
+                    mps_root = Path(g.mps_dir or Path(cfg.invoker.process_work_dir or default_process_work_dir()) / "mps")
             mps = MpsSupervisor(
                 mode=MpsMode.parse(g.mps), root=mps_root / f"invoker{cfg.invoker.id}",
                 gpus=tuple((d.index, d.uuid) for d in devices),

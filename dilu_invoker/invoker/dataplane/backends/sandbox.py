@@ -56,6 +56,8 @@ from pathlib import Path
 
 import structlog
 
+from dilu_invoker.config import default_process_work_dir
+
 log = structlog.get_logger(__name__)
 
 MARKER_ENV = "DILU_SANDBOX"
@@ -73,11 +75,6 @@ UID_LOCK_DIR = "/run/dilu-invoker/uids"
 
 class SandboxError(RuntimeError):
     pass
-
-
-def default_work_dir() -> str:
-    """Where private container dirs live unless ``--invoker-process-work-dir`` says otherwise."""
-    return "/tmp/dilu-work" if os.geteuid() == 0 else f"/tmp/dilu-work-{os.geteuid()}"
 
 
 def parse_uid_range(text: str) -> range:
@@ -503,7 +500,7 @@ class Sandboxes:
             raise ValueError(f"process isolation must be auto or off, not {mode!r}")
         root = os.geteuid() == 0
         self.isolating = mode == "auto" and root
-        self.work_root = Path(work_dir or default_work_dir())
+        self.work_root = Path(work_dir or default_process_work_dir())
         self.uid_range = uid_range
         self._next = secrets.randbelow(len(uid_range))
         self._kill = shutil.which("kill") or "/bin/kill"
