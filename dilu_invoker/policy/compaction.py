@@ -525,19 +525,23 @@ def _candidates(
             max((placement.gamma + EPS - g.used_limit for g in lit), default=-math.inf),
         )
         with failed.mutate() as m:
+            known = {og for og, _ in gained}
             for o, need in failed.items() if gained else [(o, failed[o]) for o in carried if o in failed]:
                 again = gained
-                if o in carried:
-                    known = {og for og, _ in gained}
-                    again = gained + [(og, gpus[og]) for og in carried[o] if og not in known]
+                lit_again = lit_gained
+                back = carried.get(o)
+                if back is not None:
+                    extra = [(og, gpus[og]) for og in back if og not in known]
+                    again = gained + extra
+                    lit_again = lit_gained + [(og, g) for og, g in extra if g.lit and g.schedulable]
                 elif _out_of_reach(need, most, placement):
                     continue
-                elif not need.also and need.deficit is None and need.split_mib is None:
+                if not need.also and need.deficit is None and need.split_mib is None:
                     # The common case, inline: one instance that needs a GPU taking it whole.
                     mem, req, lim, inv = need.memory_mib, need.request, need.limit, need.invoker
                     helpers_now = [
                         og
-                        for og, g in lit_gained
+                        for og, g in lit_again
                         if og != o
                         and (inv is None or inv == g.ref.invoker)
                         and g.memory_mib * (1.0 + EPS) - g.used_memory >= mem

@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from itertools import accumulate
+from itertools import accumulate, combinations
 from operator import attrgetter, sub
 
 from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot
@@ -1297,6 +1297,45 @@ def _split_plan(
     return plan, unused
 
 
+#: Slack (MiB) of `_split_cannot_win`'s bounds against the rounding of the plan's own sums: an
+#: invoker is passed over only when it loses by more than this.
+_SPLIT_SLACK_MIB = 1e-6
+
+
+def _split_cannot_win(
+    cands: list[tuple[float, int]], total: float, max_parts: int, pieces: int, unused: float
+) -> bool:
+    """Whether no plan `_split_plan` may make from one invoker's candidates (capacity, ordinal) has
+    fewer pieces than `pieces`, or as many and less unused room than `unused` (the best so far).
+
+    A plan's pieces come from the `max_parts` largest capacities, together they hold at least
+    `total` (less EPS), and each takes at most its capacity, so the room a plan leaves unused is at
+    least Σ capacity of its GPUs − `total`: bounds over the few subsets of those capacities."""
+    caps = sorted((c for c, _ in cands), reverse=True)[:max_parts]
+    need = total - EPS - _SPLIT_SLACK_MIB
+    held = 0.0
+    fewest = 0
+    for c in caps:
+        held += c
+        fewest += 1
+        if held >= need:
+            break
+    else:
+        return True  # the largest ones together cannot hold it: `_split_plan` finds nothing
+    if fewest < pieces:
+        return False
+    if fewest > pieces:
+        return True
+    if len(caps) > 5:
+        return False  # too many subsets to bound cheaply
+    least = math.inf
+    for subset in combinations(caps, pieces):
+        room = sum(subset)
+        if room >= need and room - total < least:
+            least = room - total
+    return least > unused + _SPLIT_SLACK_MIB
+
+
 def _split_invokers(
     cluster: ClusterSnapshot,
     request: PlacementRequest,
@@ -1397,6 +1436,8 @@ def _place_split(
     order = sorted(_split_invokers(cluster, request, config, filters, max_parts), key=lambda e: e[0])
     best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
     for rank, cands in order:
+        if best is not None and _split_cannot_win(cands, total, max_parts, best[0][0], best[0][1]):
+            continue
         found = _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus)
         if found is None:
             continue
