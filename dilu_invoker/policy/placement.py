@@ -911,11 +911,18 @@ def _scan_invoker(
     return found
 
 
-def _invokers(cluster: ClusterSnapshot, request: PlacementRequest) -> tuple[str, ...]:
-    """The invokers a request may use, in cluster order."""
-    if request.only_invoker is None:
-        return cluster.invokers
-    return (request.only_invoker,) if request.only_invoker in cluster.unlit else ()
+def _unlit_invokers(cluster: ClusterSnapshot, request: PlacementRequest, n: int) -> Iterator[str]:
+    """The invokers a request may use that have at least `n` (>= 1) unlit GPUs, in cluster order."""
+    if request.only_invoker is not None:
+        ords = cluster.unlit.get(request.only_invoker)
+        if ords is not None and len(ords) >= n:
+            yield request.only_invoker
+        return
+    if n > len(cluster.unlit_nodes):
+        return
+    refs = cluster.refs
+    for first in cluster.unlit_nodes[n - 1]:
+        yield refs[first].invoker
 
 
 def _score(
@@ -1081,7 +1088,7 @@ def _place_one(
         examined = "; unlit GPUs not considered (lit only)"
     elif _unlit_bound(request, cluster, config, scorers) > best_lit + EPS:
         found = 0
-        for inv in _invokers(cluster, request):
+        for inv in _unlit_invokers(cluster, request, 1):
             for o in cluster.unlit[inv]:
                 g = gpus[o]
                 failed = _first_failure(g, filters, request, config)
@@ -1093,7 +1100,7 @@ def _place_one(
                 rejects.note(failed, g, request, config)
             if found >= config.candidate_limit:
                 break
-        if not any(cluster.unlit.values()):
+        if not cluster.unlit_nodes[0]:
             examined = "; no unlit GPU left"
     ranked.sort(reverse=True)
     return _decision(
@@ -1152,8 +1159,8 @@ def _place_gang(
     invokers = sorted(by_invoker, key=lambda inv: cluster.invoker_ordinals[inv][0])
     if not request.lit_only:
         extra = 0
-        for inv in _invokers(cluster, request):
-            if inv not in by_invoker and len(cluster.unlit[inv]) >= k:
+        for inv in _unlit_invokers(cluster, request, k):
+            if inv not in by_invoker:
                 invokers.append(inv)
                 extra += 1
                 if extra >= config.candidate_limit:
