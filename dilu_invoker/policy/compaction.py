@@ -524,29 +524,44 @@ def _candidates(
             max((placement.omega + EPS - g.used_request for g in lit), default=-math.inf),
             max((placement.gamma + EPS - g.used_limit for g in lit), default=-math.inf),
         )
+        # (ordinal, invoker, free memory, Σ request, Σ limit) of each lit GPU that gained.
+        rooms = [
+            (og, g.ref.invoker, g.memory_mib * (1.0 + EPS) - g.used_memory, g.used_request, g.used_limit)
+            for og, g in lit_gained
+        ]
         with failed.mutate() as m:
             known = {og for og, _ in gained}
             for o, need in failed.items() if gained else [(o, failed[o]) for o in carried if o in failed]:
                 again = gained
-                lit_again = lit_gained
+                room_again = rooms
                 back = carried.get(o)
+                simple = not need.also and need.deficit is None and need.split_mib is None
                 if back is not None:
                     extra = [(og, gpus[og]) for og in back if og not in known]
                     again = gained + extra
-                    lit_again = lit_gained + [(og, g) for og, g in extra if g.lit and g.schedulable]
-                elif _out_of_reach(need, most, placement):
+                    if simple:
+                        room_again = rooms + [
+                            (
+                                og, g.ref.invoker, g.memory_mib * (1.0 + EPS) - g.used_memory,
+                                g.used_request, g.used_limit,
+                            )
+                            for og, g in extra
+                            if g.lit and g.schedulable
+                        ]
+                elif not simple and _out_of_reach(need, most, placement):
                     continue
-                if not need.also and need.deficit is None and need.split_mib is None:
-                    # The common case, inline: one instance that needs a GPU taking it whole.
+                if simple:
+                    # The common case, inline: one instance that needs a GPU taking it whole (the
+                    # test of `_may_help`; no pre-test: it would only repeat these comparisons).
                     mem, req, lim, inv = need.memory_mib, need.request, need.limit, need.invoker
                     helpers_now = [
                         og
-                        for og, g in lit_again
+                        for og, ginv, free, used_req, used_lim in room_again
                         if og != o
-                        and (inv is None or inv == g.ref.invoker)
-                        and g.memory_mib * (1.0 + EPS) - g.used_memory >= mem
-                        and g.used_request + req <= omega
-                        and g.used_limit + lim <= gamma
+                        and (inv is None or inv == ginv)
+                        and free >= mem
+                        and used_req + req <= omega
+                        and used_lim + lim <= gamma
                     ]
                     if helpers_now:
                         del m[o]
