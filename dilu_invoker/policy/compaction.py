@@ -268,9 +268,15 @@ class Need:
     """Further blockers of the same source, found by the same proof: each must be helped too
     before the source is worth another try (a GPU that gained room for one of them is remembered
     by dropping that one)."""
+    _blockers: tuple[Need, ...] = field(default=(), init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Made once: every call that looks at the record walks its blockers.
+        head = replace(self, also=()) if self.also else self
+        object.__setattr__(self, "_blockers", (head, *self.also))
 
     def blockers(self) -> tuple[Need, ...]:
-        return (replace(self, also=()), *self.also) if self.also else (self,)
+        return self._blockers
 
 
 def _joined(blockers: list[Need]) -> Need | None:
@@ -458,15 +464,16 @@ def _gained(old: GpuState, new: GpuState) -> bool:
 
 
 def _eligible(gpu: GpuState, config: CompactionConfig) -> bool:
-    return (
-        bool(gpu.instances)
-        and len(gpu.instances) <= config.source_max_instances
-        and gpu.used_request <= config.source_max_request + EPS
-        and not any(
-            i.gpus > 1 or (i.part_of is not None and not config.move_pieces)
-            for i in gpu.instances
-        )
-    )
+    instances = gpu.instances
+    if not instances or len(instances) > config.source_max_instances:
+        return False
+    if gpu.used_request > config.source_max_request + EPS:
+        return False
+    pieces = config.move_pieces
+    for i in instances:
+        if i.gpus > 1 or (i.part_of is not None and not pieces):
+            return False
+    return True
 
 
 def _candidates(
