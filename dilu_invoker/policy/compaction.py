@@ -435,17 +435,21 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
     room = 0.0
     pieces = 0
     small = min(placement.min_part_mib, whole)
+    omega, gamma, grow, avoid = placement.omega + EPS, placement.gamma + EPS, 1.0 + EPS, need.avoid
     for o in cluster.invoker_ordinals[g.ref.invoker]:
         h = gpus[o]
-        if h.lit and h.schedulable and o not in need.avoid:
-            c = min(
-                h.memory_mib * (1.0 + EPS) - h.used_memory,
-                (placement.omega + EPS - h.used_request) * per_request,
-                (placement.gamma + EPS - h.used_limit) * per_limit,
-            )
+        if h.instances and h.schedulable and o not in avoid:
+            # min(memory, request room, limit room) without the call (`x < c` as `min` compares).
+            c = h.memory_mib * grow - h.used_memory
+            x = (omega - h.used_request) * per_request
+            if x < c:
+                c = x
+            x = (gamma - h.used_limit) * per_limit
+            if x < c:
+                c = x
             # Split placement uses only GPUs with room for a piece of the smallest size, two or more.
             if c >= small:
-                room += min(c, whole)
+                room += c if c < whole else whole
                 pieces += 1
     return pieces >= 2 and room >= whole - EPS
 
