@@ -932,8 +932,8 @@ def _score(
     config: PlacementConfig,
     scorers: tuple[tuple[Scorer, float], ...],
 ) -> tuple[float, tuple[float, ...]]:
-    parts = tuple(s.score(g, request, cluster, config) for s, _ in scorers)
-    return sum(p * w for p, (_, w) in zip(parts, scorers, strict=True)), parts
+    parts = tuple([s.score(g, request, cluster, config) for s, _ in scorers])
+    return sum([p * w for p, (_, w) in zip(parts, scorers, strict=True)]), parts
 
 
 def _unlit_bound(
