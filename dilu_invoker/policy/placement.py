@@ -1054,10 +1054,11 @@ def split_fits(cluster: ClusterSnapshot, request: PlacementRequest, config: Plac
         return False
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
-    # The first invoker that can take it answers (placement would compare them all).
+    # The first invoker that can take it answers (placement would compare them all); those with
+    # the most free memory first, as they are the likeliest to.
     return any(
         _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus) is not None
-        for _, cands in _split_invokers(cluster, request, config, filters, max_parts)
+        for _, cands in _split_invokers(cluster, request, config, filters, max_parts, roomiest_first=True)
     )
 
 
@@ -1349,6 +1350,7 @@ def _split_invokers(
     config: PlacementConfig,
     filters: tuple[Filter, ...],
     max_parts: int,
+    roomiest_first: bool = False,
 ) -> Iterator[tuple[int, list[tuple[float, int]]]]:
     """(first ordinal, [(capacity MiB, ordinal)]) of each invoker whose lit GPUs could take two
     pieces or more of `request` (memory > 0), in the order of the node-room index."""
@@ -1375,6 +1377,8 @@ def _split_invokers(
             cluster.invoker_ordinals[cluster.refs[first].invoker]
             for _, first in cluster.node_room[lo:]
         ]
+        if roomiest_first:
+            invokers.reverse()
     # The most memory (MiB) one piece on a GPU may take, given that a piece's request and limit are
     # the instance's scaled by its share of the memory; computed inline: this loop visits every lit
     # GPU of every invoker that could hold the instance.
