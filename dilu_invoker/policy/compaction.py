@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from immutables import Map
@@ -480,21 +481,41 @@ def _eligible(gpu: GpuState, config: CompactionConfig) -> bool:
     return True
 
 
+#: id of a GPU state → (the state, the compaction config, its Σ-request bucket if it may be a
+#: source under that config, else None). States are immutable and shared by the snapshots derived
+#: from one another, so a source that waits over many calls is judged once; the state is kept here
+#: so that its id is not reused while the entry lives.
+_SOURCE_BUCKET: dict[int, tuple[GpuState, CompactionConfig, int | None]] = {}
+_SOURCE_BUCKET_MAX = 1 << 16
+
+
+def _source_bucket(gpu: GpuState, config: CompactionConfig) -> int | None:
+    """`request_bucket` of `gpu` if it may be a source (`_eligible`), else None."""
+    hit = _SOURCE_BUCKET.get(id(gpu))
+    if hit is not None and hit[0] is gpu and hit[1] is config:
+        return hit[2]
+    bucket = request_bucket(gpu.used_request) if _eligible(gpu, config) else None
+    if len(_SOURCE_BUCKET) >= _SOURCE_BUCKET_MAX:
+        _SOURCE_BUCKET.clear()
+    _SOURCE_BUCKET[id(gpu)] = (gpu, config, bucket)
+    return bucket
+
+
 def _candidates(
     cluster: ClusterSnapshot,
     placement: PlacementConfig,
     config: CompactionConfig,
     state: CompactionState,
-) -> tuple[list[int], Map[int, Need], dict[int, tuple[Need, list[int]]], list[NoFit]]:
-    """Ordinals worth trying as sources (unordered), the failures still known to be hopeless, the
-    failed sources retried because GPUs gained room (with those GPUs' ordinals), and the `NoFit`
-    entries still true."""
+) -> tuple[list[tuple[int, int]], Map[int, Need], dict[int, tuple[Need, list[int]]], list[NoFit]]:
+    """The sources worth trying as (Σ-request bucket, ordinal), unordered; the failures still known
+    to be hopeless, the failed sources retried because GPUs gained room (with those GPUs'
+    ordinals), and the `NoFit` entries still true."""
     gpus = cluster.gpus
     seen = state.seen
     if seen is None or (seen.refs is not cluster.refs and seen.refs != cluster.refs):
         top = request_bucket(config.source_max_request)
         every = [o for k in range(min(top, BUCKETS) + 1) for o in cluster.lit_buckets[k]]
-        return [o for o in every if _eligible(gpus[o], config)], Map(), {}, []
+        return _keyed(every, Map(), gpus, config), Map(), {}, []
     old = seen.gpus
     changed = [o for o in gpus.changed_since(old) if old[o] != gpus[o]]
     failed = state.failed
@@ -600,8 +621,21 @@ def _candidates(
                     assert joined is not None
                     m[o] = joined
             failed = m.finish()
-    candidates = [o for o in out if o not in failed and _eligible(gpus[o], config)]
-    return candidates, failed, helped, no_fit
+    return _keyed(out, failed, gpus, config), failed, helped, no_fit
+
+
+def _keyed(
+    ordinals: Iterable[int], failed: Map[int, Need], gpus: Sequence[GpuState], config: CompactionConfig
+) -> list[tuple[int, int]]:
+    """(Σ-request bucket, ordinal) of each of `ordinals` that is not `failed` and may be a source."""
+    out: list[tuple[int, int]] = []
+    for o in ordinals:
+        if o in failed:
+            continue
+        bucket = _source_bucket(gpus[o], config)
+        if bucket is not None:
+            out.append((bucket, o))
+    return out
 
 
 def compaction_plan(
@@ -633,9 +667,9 @@ def compaction_plan(
     def key(o: int) -> tuple[int, int]:
         return (request_bucket(gpus0[o].used_request), o)
 
-    heap = [key(o) for o in candidates]
+    heap = candidates
     heapq.heapify(heap)
-    queued = set(candidates)
+    queued = {o for _, o in heap}
     pending: list[int] = []
     # GPUs a move of this plan changed besides targets and sources: the other stages of an
     # instance placed anew lose their piece (and gain room).
@@ -648,7 +682,7 @@ def compaction_plan(
             pending.extend(x for _, x in heap)
             break
         gpu = work.gpus[o]
-        if gpu.ref in targets or not _eligible(gpu, config):
+        if gpu.ref in targets or _source_bucket(gpu, config) is None:
             continue
         if pinned and any(i.id in pinned for i in gpu.instances):
             pending.append(o)
