@@ -80,6 +80,16 @@ class GpuVector(Sequence[GpuState]):
     def __iter__(self) -> Iterator[GpuState]:
         return chain.from_iterable(self._chunks)
 
+    def span(self, start: int, stop: int) -> tuple[GpuState, ...]:
+        """The states of ordinals start..stop−1 (0 <= start < stop <= len), e.g. one invoker's GPUs
+        (its ordinals are contiguous): one slice when they lie in one chunk."""
+        first, last = start >> _CHUNK_BITS, (stop - 1) >> _CHUNK_BITS
+        if first == last:
+            return self._chunks[first][start & _LOW : ((stop - 1) & _LOW) + 1]
+        return tuple(chain.from_iterable(self._chunks[first : last + 1]))[
+            start - (first << _CHUNK_BITS) : stop - (first << _CHUNK_BITS)
+        ]
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, GpuVector):
             return self._chunks == other._chunks
@@ -152,11 +162,15 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
     few GPUs, never summed incrementally, so it always equals a fresh build's."""
     free = 0.0
     lit = False
-    for o in invoker_ords:
-        g = gpus[o]
-        if g.lit:
+    states = (
+        gpus.span(invoker_ords[0], invoker_ords[-1] + 1)
+        if isinstance(gpus, GpuVector)
+        else [gpus[o] for o in invoker_ords]
+    )
+    for g in states:
+        if g.instances:
             lit = True
-            free += _free(g)
+            free += g.memory_mib - g.used_memory
     return (free, invoker_ords[0]) if lit else None
 
 

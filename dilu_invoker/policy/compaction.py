@@ -105,10 +105,12 @@ class CompactionPlan:
 
 def _stages(cluster: ClusterSnapshot, part_of: str, invoker: str) -> list[tuple[GpuRef, PlacedInstance]]:
     """The pieces (pipeline stages) of split instance `part_of`, all on `invoker`, with their GPUs."""
+    ords = cluster.invoker_ordinals[invoker]
+    refs = cluster.refs
     return [
-        (cluster.refs[o], i)
-        for o in cluster.invoker_ordinals[invoker]
-        for i in cluster.gpus[o].instances
+        (refs[o], i)
+        for o, g in enumerate(cluster.gpus.span(ords[0], ords[-1] + 1), ords[0])
+        for i in g.instances
         if i.part_of == part_of
     ]
 
@@ -437,8 +439,8 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
     pieces = 0
     small = min(placement.min_part_mib, whole)
     omega, gamma, grow, avoid = placement.omega + EPS, placement.gamma + EPS, 1.0 + EPS, need.avoid
-    for o in cluster.invoker_ordinals[g.ref.invoker]:
-        h = gpus[o]
+    ords = cluster.invoker_ordinals[g.ref.invoker]
+    for o, h in enumerate(gpus.span(ords[0], ords[-1] + 1), ords[0]):
         if h.instances and h.schedulable and o not in avoid:
             # min(memory, request room, limit room) without the call (`x < c` as `min` compares).
             c = h.memory_mib * grow - h.used_memory

@@ -1396,11 +1396,12 @@ def _split_invokers(
     grow = 1.0 + EPS
     # request_bucket(u) > kmax  ⇔  u·BUCKETS + EPS ≥ kmax + 1: one comparison per GPU.
     too_full = (kmax + 1 - EPS) / BUCKETS if request.only_invoker is None and kmax < BUCKETS else math.inf
-    # Each invoker appears once in `invokers` and its ordinals are grouped and ascending.
+    # Each invoker appears once in `invokers` and its ordinals are contiguous and ascending.
+    span = gpus.span
     for ords in invokers:
         cands: list[tuple[float, int]] = []
-        for o in ords:
-            g = gpus[o]
+        first = ords[0]
+        for o, g in enumerate(span(first, ords[-1] + 1), first):
             if not g.instances or g.used_request >= too_full:
                 continue
             used = g.used_memory
