@@ -762,6 +762,40 @@ def _first_failure(
     return None
 
 
+#: Filters whose verdict on an unlit (empty) GPU depends only on its memory and whether it is
+#: schedulable, for a request that keeps to no invoker and avoids nothing.
+_UNLIT_ALIKE = frozenset(
+    {"schedulable", "avoid", "sm-request", "sm-limit", "sm-limit-static", "memory", "exclusive", "priority-pair"}
+)
+
+
+def _unlit_memo(filters: tuple[Filter, ...], request: PlacementRequest) -> dict[tuple[float, bool], Filter | None] | None:
+    """A memo for `_unlit_failure` when every filter judges empty GPUs alike (by memory and
+    schedulable) for `request`, else None."""
+    if request.only_invoker is not None or request.avoid_gpus or request.avoid_invokers:
+        return None
+    if not all(f.name in _UNLIT_ALIKE and FILTERS.get(f.name) is f for f in filters):
+        return None
+    return {}
+
+
+def _unlit_failure(
+    g: GpuState,
+    filters: tuple[Filter, ...],
+    r: PlacementRequest,
+    c: PlacementConfig,
+    memo: dict[tuple[float, bool], Filter | None] | None,
+) -> Filter | None:
+    """`_first_failure` of an unlit GPU, from `memo` (see `_unlit_memo`) when there is one."""
+    if memo is None:
+        return _first_failure(g, filters, r, c)
+    key = (g.memory_mib, g.schedulable)
+    if key in memo:
+        return memo[key]
+    failed = memo[key] = _first_failure(g, filters, r, c)
+    return failed
+
+
 def _scan_lit(
     cluster: ClusterSnapshot,
     filters: tuple[Filter, ...],
@@ -1089,10 +1123,11 @@ def _place_one(
         examined = "; unlit GPUs not considered (lit only)"
     elif _unlit_bound(request, cluster, config, scorers) > best_lit + EPS:
         found = 0
+        memo = _unlit_memo(filters, request)
         for inv in _unlit_invokers(cluster, request, 1):
             for o in cluster.unlit[inv]:
                 g = gpus[o]
-                failed = _first_failure(g, filters, request, config)
+                failed = _unlit_failure(g, filters, request, config, memo)
                 if failed is None:
                     total, parts = _score(g, request, cluster, config, scorers)
                     ranked.append((total, 0, -o, (o,), parts))
@@ -1167,6 +1202,7 @@ def _place_gang(
                 if extra >= config.candidate_limit:
                     break
     ranked: list[_Ranked] = []
+    memo = _unlit_memo(filters, request)
     for inv in invokers:
         per_gpu: list[tuple[float, int, int, tuple[float, ...]]] = []
         for o in by_invoker.get(inv, ()):
@@ -1177,7 +1213,7 @@ def _place_gang(
             alike: dict[float, tuple[float, tuple[float, ...]]] = {}
             for o in cluster.unlit[inv]:
                 g = gpus[o]
-                failed = _first_failure(g, filters, request, config)
+                failed = _unlit_failure(g, filters, request, config, memo)
                 if failed is not None:
                     rejects.note(failed, g, request, config)
                     continue
