@@ -1314,7 +1314,7 @@ def _split_plan(
 ) -> tuple[list[tuple[int, float]], float] | None:
     """The pieces (ordinal, MiB) one invoker's candidates (capacity, ordinal) take, largest
     first, and the room they leave unused; None: they cannot hold the instance."""
-    if sum(min(c, total) for c, _ in cands) < total - EPS:
+    if sum([c if c < total else total for c, _ in cands]) < total - EPS:  # Σ min(c, total)
         return None
     cands.sort(key=lambda c: (-c[0], c[1]))
     remaining = total
