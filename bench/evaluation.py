@@ -186,6 +186,7 @@ def _ok(cond: bool) -> str:
 
 def placement_table(rows: list[dict[str, Any]]) -> str:
     cols = ["policy", "peak", "bound peak", "peak / bound", "mean", "bound mean", "mean / bound",
+            "integral peak", "peak / integral", "mean / integral",
             "SM frag", "mem frag", "LLMs split", "moves", "cold starts", "sim time"]
     body = []
     for r in rows:
@@ -193,6 +194,7 @@ def placement_table(rows: list[dict[str, Any]]) -> str:
         body.append([
             r.get("name", r["policy"]), s["gpus_peak"], d["lower_bound_peak"], f"{d['peak_vs_bound']:.3f}×",
             f"{d['gpus_mean']:.1f}", f"{d['lower_bound_mean']:.1f}", f"{d['mean_vs_bound']:.3f}×",
+            d["integral_bound_peak"], f"{d['peak_vs_integral']:.3f}×", f"{d['mean_vs_integral']:.3f}×",
             f"{s['sm_fragmentation_mean']:.3f}", f"{s['mem_fragmentation_mean']:.3f}", d["split_instances"],
             d["compaction_moves"], d.get("compaction_cold_starts", d["compaction_moves"]), f"{d['wall_s']:.2f} s",
         ])

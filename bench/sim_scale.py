@@ -3,7 +3,7 @@ serving simulation on the one-day trace (issue 7).
 
     PYTHONPATH=. python3 bench/sim_scale.py [--sizes 3200,32000] [--mixes 0:0,0.2:0.2,...]
         [--seeds 1,2] [--big-seeds 1] [--policies exclusive,infless-l,infless-r,fastgs,dilu]
-        [--out docs/benchmarks/sim-scale.md] [--serving [--profiles FILE]]
+        [--repeat N] [--out docs/benchmarks/sim-scale.md] [--serving [--profiles FILE]]
 
 For each size, each mix `train:llm` (training fraction : LLM fraction of `dilu_mix`, 40 GiB GPUs, one
 create per second) and each seed, every policy replays the same trace, one after another in this
@@ -11,7 +11,9 @@ process. Reported per run: wall and CPU seconds (`time.process_time`: what this 
 sensitive than wall time to other load on a shared machine), events, CPU µs per event, peak and
 time-mean lit GPUs against the fractional and the integral bound, compaction moves and cold starts
 per 100 instances, and the load average (1 min) when the run ended: read wall times, and on a
-shared machine CPU times too, with it.
+shared machine CPU times too, with it. `--repeat N` runs each trace N times in a row (the same
+decisions, checked) and reports the median CPU and wall time with the CPU range: on a shared host
+the CPU time of one run varies by tens of per cent.
 Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
 integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
 100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from loadgen import cpu_model
 
 from dilu_invoker.sim.generate import dilu_mix
-from dilu_invoker.sim.placement import PLACEMENT_POLICIES, PlacementSimConfig, simulate_placement
+from dilu_invoker.sim.placement import PLACEMENT_POLICIES, PlacementResult, PlacementSimConfig, simulate_placement
 
 DILU_COMPACT_EVERY_S = 2.0
 DEFAULT_MIXES = "0:0,0:0.2,0:0.4,0.2:0,0.2:0.2,0.2:0.4,0.4:0,0.4:0.2,0.4:0.4"
@@ -47,20 +50,33 @@ def _load() -> str:
         return "n/a"
 
 
-def run_one(n: int, train: float, llm: float, seed: int, policy: str) -> dict[str, Any]:
+def run_one(n: int, train: float, llm: float, seed: int, policy: str, repeat: int = 1) -> dict[str, Any]:
+    """One trace under one policy, `repeat` times in a row (the same decisions every time): the
+    median CPU and wall time, and the CPU range (on a shared host one run's CPU time varies)."""
     events = dilu_mix(n, train_fraction=train, llm_fraction=llm, seed=seed)
     cfg = PlacementSimConfig(
         policy=policy,
         gpu_memory_gib=40.0,
         compact_every_s=DILU_COMPACT_EVERY_S if policy == "dilu" else 0.0,
     )
-    w0, c0 = time.perf_counter(), time.process_time()
-    r = simulate_placement(events, cfg)
-    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    walls: list[float] = []
+    cpus: list[float] = []
+    first: PlacementResult | None = None
+    for _ in range(repeat):
+        w0, c0 = time.perf_counter(), time.process_time()
+        r = simulate_placement(events, cfg)
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+        if first is None:
+            first = r
+        elif (r.summary, r.samples) != (first.summary, first.samples):
+            raise AssertionError(f"{policy} on {n} {train}:{llm} seed {seed}: a repeat decided otherwise")
+    wall, cpu = statistics.median(walls), statistics.median(cpus)
     s, d = r.summary, r.details
     return {
         "n": n, "train": train, "llm": llm, "seed": seed, "policy": policy,
         "events": s["events"], "wall_s": wall, "cpu_s": cpu, "us_per_event": 1e6 * cpu / s["events"],
+        "cpu_min": min(cpus), "cpu_max": max(cpus), "repeat": repeat,
         "peak": s["gpus_peak"], "mean": d["gpus_mean"],
         "peak_int": d["peak_vs_integral"], "mean_int": d["mean_vs_integral"],
         "peak_frac": d["peak_vs_bound"], "mean_frac": d["mean_vs_bound"],
@@ -78,6 +94,7 @@ COLUMNS = (
     ("events", lambda r: str(r["events"])),
     ("wall s", lambda r: f"{r['wall_s']:.2f}"),
     ("CPU s", lambda r: f"{r['cpu_s']:.2f}"),
+    ("CPU s min–max", lambda r: f"{r['cpu_min']:.2f}–{r['cpu_max']:.2f}" if r["repeat"] > 1 else "–"),
     ("CPU µs/event", lambda r: f"{r['us_per_event']:.0f}"),
     ("peak", lambda r: str(r["peak"])),
     ("peak / integral", lambda r: f"{r['peak_int']:.3f}"),
@@ -125,6 +142,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     ap.add_argument("--serving", action="store_true", help="also time the one-day serving trace per policy")
     ap.add_argument("--profiles", default="tests/sim/data/synthetic_profiles.json")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per trace and policy (median CPU reported)")
     args = ap.parse_args()
 
     def mixes(spec: str) -> list[tuple[float, float]]:
@@ -140,11 +158,12 @@ def main() -> int:
         for train, llm in mixes(args.big_mixes if big and args.big_mixes else args.mixes):
             for seed in seeds:
                 for policy in policies:
-                    r = run_one(n, train, llm, seed, policy)
+                    r = run_one(n, train, llm, seed, policy, args.repeat)
                     rows.append(r)
                     print(
                         f"{n:6d} {train:g}:{llm:g} seed {seed} {policy:10s} wall {r['wall_s']:6.2f} s "
-                        f"cpu {r['cpu_s']:6.2f} s {r['us_per_event']:6.0f} µs/ev peak {r['peak']:5d} "
+                        f"cpu {r['cpu_s']:6.2f} s ({r['cpu_min']:.2f}–{r['cpu_max']:.2f}) "
+                        f"{r['us_per_event']:6.0f} µs/ev peak {r['peak']:5d} "
                         f"peak/int {r['peak_int']:.3f} mean/int {r['mean_int']:.3f} "
                         f"cold/100 {r['cold_per_100']:.1f} load {_load()}",
                         flush=True,

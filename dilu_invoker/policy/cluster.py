@@ -80,6 +80,16 @@ class GpuVector(Sequence[GpuState]):
     def __iter__(self) -> Iterator[GpuState]:
         return chain.from_iterable(self._chunks)
 
+    def span(self, start: int, stop: int) -> tuple[GpuState, ...]:
+        """The states of ordinals start..stop−1 (0 <= start < stop <= len), e.g. one invoker's GPUs
+        (its ordinals are contiguous): one slice when they lie in one chunk."""
+        first, last = start >> _CHUNK_BITS, (stop - 1) >> _CHUNK_BITS
+        if first == last:
+            return self._chunks[first][start & _LOW : ((stop - 1) & _LOW) + 1]
+        return tuple(chain.from_iterable(self._chunks[first : last + 1]))[
+            start - (first << _CHUNK_BITS) : stop - (first << _CHUNK_BITS)
+        ]
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, GpuVector):
             return self._chunks == other._chunks
@@ -152,11 +162,15 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
     few GPUs, never summed incrementally, so it always equals a fresh build's."""
     free = 0.0
     lit = False
-    for o in invoker_ords:
-        g = gpus[o]
-        if g.lit:
+    states = (
+        gpus.span(invoker_ords[0], invoker_ords[-1] + 1)
+        if isinstance(gpus, GpuVector)
+        else [gpus[o] for o in invoker_ords]
+    )
+    for g in states:
+        if g.instances:
             lit = True
-            free += _free(g)
+            free += g.memory_mib - g.used_memory
     return (free, invoker_ords[0]) if lit else None
 
 
@@ -189,6 +203,10 @@ class ClusterSnapshot:
     invokers whose lit GPUs together hold m MiB are a suffix (splitting an instance over lit GPUs)."""
     unlit: Map[str, tuple[int, ...]]
     """Invoker → ordinals (ascending) of its GPUs with nothing placed."""
+    unlit_nodes: tuple[tuple[int, ...], ...]
+    """For n in 0..(most GPUs of an invoker) − 1: the first ordinals (ascending, i.e. cluster order)
+    of the invokers with more than n unlit GPUs: placement walks the invokers that can light a GPU
+    (or a gang's n + 1) without passing over every full one."""
     locations: Map[str, tuple[int, ...]]
     """Instance id → ordinals of the GPUs it occupies."""
     function_counts: Map[str, Map[str, int]]
@@ -261,6 +279,11 @@ class ClusterSnapshot:
         node_room = sorted(
             e for ords in invoker_ordinals.values() if (e := _node_room(ords, ordered)) is not None
         )
+        widest_node = max(len(ords) for ords in invoker_ordinals.values())
+        unlit_nodes = tuple(
+            tuple(ords[0] for inv, ords in invoker_ordinals.items() if len(unlit[inv]) > n)
+            for n in range(widest_node)
+        )
         return cls(
             now=now,
             invokers=tuple(order),
@@ -273,6 +296,7 @@ class ClusterSnapshot:
             lit_limits=tuple(tuple(sorted(r)) for r in limits),
             node_room=tuple(node_room),
             unlit=Map(unlit),
+            unlit_nodes=unlit_nodes,
             locations=Map(locations),
             function_counts=Map({f: Map(c) for f, c in fn_counts.items()}),
             width_counts=MappingProxyType(widths),
@@ -416,6 +440,7 @@ class ClusterSnapshot:
         rooms = list(self.lit_room)
         limits = list(self.lit_limits)
         unlit = self.unlit
+        unlit_nodes: list[tuple[int, ...]] | None = None
         lit = self.lit_count
         sum_req, sum_mem, sum_frac = (
             self.sum_request,
@@ -433,7 +458,11 @@ class ClusterSnapshot:
                 sum_frac -= old.used_memory / old.memory_mib
                 lit -= 1
             else:
-                unlit = unlit.set(inv, _remove(unlit[inv], o))
+                ords = unlit[inv]
+                unlit = unlit.set(inv, _remove(ords, o))
+                unlit_nodes = unlit_nodes or list(self.unlit_nodes)
+                n = len(ords) - 1
+                unlit_nodes[n] = _remove(unlit_nodes[n], self.invoker_ordinals[inv][0])
             if new.lit:
                 k = request_bucket(new.used_request)
                 buckets[k] = _insert(buckets[k], o)
@@ -442,7 +471,11 @@ class ClusterSnapshot:
                 sum_frac += new.used_memory / new.memory_mib
                 lit += 1
             else:
-                unlit = unlit.set(inv, _insert(unlit[inv], o))
+                ords = unlit[inv]
+                unlit = unlit.set(inv, _insert(ords, o))
+                unlit_nodes = unlit_nodes or list(self.unlit_nodes)
+                n = len(ords)
+                unlit_nodes[n] = _insert(unlit_nodes[n], self.invoker_ordinals[inv][0])
             sum_req += new.used_request - old.used_request
             sum_mem += new.used_memory - old.used_memory
         if lit == 0:
@@ -481,6 +514,7 @@ class ClusterSnapshot:
             lit_limits=tuple(limits),
             node_room=node_room,
             unlit=unlit,
+            unlit_nodes=self.unlit_nodes if unlit_nodes is None else tuple(unlit_nodes),
             locations=locations,
             function_counts=fn_counts,
             width_counts=MappingProxyType(widths),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from immutables import Map
@@ -104,10 +105,12 @@ class CompactionPlan:
 
 def _stages(cluster: ClusterSnapshot, part_of: str, invoker: str) -> list[tuple[GpuRef, PlacedInstance]]:
     """The pieces (pipeline stages) of split instance `part_of`, all on `invoker`, with their GPUs."""
+    ords = cluster.invoker_ordinals[invoker]
+    refs = cluster.refs
     return [
-        (cluster.refs[o], i)
-        for o in cluster.invoker_ordinals[invoker]
-        for i in cluster.gpus[o].instances
+        (refs[o], i)
+        for o, g in enumerate(cluster.gpus.span(ords[0], ords[-1] + 1), ords[0])
+        for i in g.instances
         if i.part_of == part_of
     ]
 
@@ -268,9 +271,15 @@ class Need:
     """Further blockers of the same source, found by the same proof: each must be helped too
     before the source is worth another try (a GPU that gained room for one of them is remembered
     by dropping that one)."""
+    _blockers: tuple[Need, ...] = field(default=(), init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Made once: every call that looks at the record walks its blockers.
+        head = replace(self, also=()) if self.also else self
+        object.__setattr__(self, "_blockers", (head, *self.also))
 
     def blockers(self) -> tuple[Need, ...]:
-        return (replace(self, also=()), *self.also) if self.also else (self,)
+        return self._blockers
 
 
 def _joined(blockers: list[Need]) -> Need | None:
@@ -429,17 +438,21 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
     room = 0.0
     pieces = 0
     small = min(placement.min_part_mib, whole)
-    for o in cluster.invoker_ordinals[g.ref.invoker]:
-        h = gpus[o]
-        if h.lit and h.schedulable and o not in need.avoid:
-            c = min(
-                h.memory_mib * (1.0 + EPS) - h.used_memory,
-                (placement.omega + EPS - h.used_request) * per_request,
-                (placement.gamma + EPS - h.used_limit) * per_limit,
-            )
+    omega, gamma, grow, avoid = placement.omega + EPS, placement.gamma + EPS, 1.0 + EPS, need.avoid
+    ords = cluster.invoker_ordinals[g.ref.invoker]
+    for o, h in enumerate(gpus.span(ords[0], ords[-1] + 1), ords[0]):
+        if h.instances and h.schedulable and o not in avoid:
+            # min(memory, request room, limit room) without the call (`x < c` as `min` compares).
+            c = h.memory_mib * grow - h.used_memory
+            x = (omega - h.used_request) * per_request
+            if x < c:
+                c = x
+            x = (gamma - h.used_limit) * per_limit
+            if x < c:
+                c = x
             # Split placement uses only GPUs with room for a piece of the smallest size, two or more.
             if c >= small:
-                room += min(c, whole)
+                room += c if c < whole else whole
                 pieces += 1
     return pieces >= 2 and room >= whole - EPS
 
@@ -458,15 +471,36 @@ def _gained(old: GpuState, new: GpuState) -> bool:
 
 
 def _eligible(gpu: GpuState, config: CompactionConfig) -> bool:
-    return (
-        bool(gpu.instances)
-        and len(gpu.instances) <= config.source_max_instances
-        and gpu.used_request <= config.source_max_request + EPS
-        and not any(
-            i.gpus > 1 or (i.part_of is not None and not config.move_pieces)
-            for i in gpu.instances
-        )
-    )
+    instances = gpu.instances
+    if not instances or len(instances) > config.source_max_instances:
+        return False
+    if gpu.used_request > config.source_max_request + EPS:
+        return False
+    pieces = config.move_pieces
+    for i in instances:
+        if i.gpus > 1 or (i.part_of is not None and not pieces):
+            return False
+    return True
+
+
+#: id of a GPU state → (the state, the compaction config, its Σ-request bucket if it may be a
+#: source under that config, else None). States are immutable and shared by the snapshots derived
+#: from one another, so a source that waits over many calls is judged once; the state is kept here
+#: so that its id is not reused while the entry lives.
+_SOURCE_BUCKET: dict[int, tuple[GpuState, CompactionConfig, int | None]] = {}
+_SOURCE_BUCKET_MAX = 1 << 16
+
+
+def _source_bucket(gpu: GpuState, config: CompactionConfig) -> int | None:
+    """`request_bucket` of `gpu` if it may be a source (`_eligible`), else None."""
+    hit = _SOURCE_BUCKET.get(id(gpu))
+    if hit is not None and hit[0] is gpu and hit[1] is config:
+        return hit[2]
+    bucket = request_bucket(gpu.used_request) if _eligible(gpu, config) else None
+    if len(_SOURCE_BUCKET) >= _SOURCE_BUCKET_MAX:
+        _SOURCE_BUCKET.clear()
+    _SOURCE_BUCKET[id(gpu)] = (gpu, config, bucket)
+    return bucket
 
 
 def _candidates(
@@ -474,16 +508,16 @@ def _candidates(
     placement: PlacementConfig,
     config: CompactionConfig,
     state: CompactionState,
-) -> tuple[list[int], Map[int, Need], dict[int, tuple[Need, list[int]]], list[NoFit]]:
-    """Ordinals worth trying as sources (unordered), the failures still known to be hopeless, the
-    failed sources retried because GPUs gained room (with those GPUs' ordinals), and the `NoFit`
-    entries still true."""
+) -> tuple[list[tuple[int, int]], Map[int, Need], dict[int, tuple[Need, list[int]]], list[NoFit]]:
+    """The sources worth trying as (Σ-request bucket, ordinal), unordered; the failures still known
+    to be hopeless, the failed sources retried because GPUs gained room (with those GPUs'
+    ordinals), and the `NoFit` entries still true."""
     gpus = cluster.gpus
     seen = state.seen
     if seen is None or (seen.refs is not cluster.refs and seen.refs != cluster.refs):
         top = request_bucket(config.source_max_request)
         every = [o for k in range(min(top, BUCKETS) + 1) for o in cluster.lit_buckets[k]]
-        return [o for o in every if _eligible(gpus[o], config)], Map(), {}, []
+        return _keyed(every, Map(), gpus, config), Map(), {}, []
     old = seen.gpus
     changed = [o for o in gpus.changed_since(old) if old[o] != gpus[o]]
     failed = state.failed
@@ -524,25 +558,44 @@ def _candidates(
             max((placement.omega + EPS - g.used_request for g in lit), default=-math.inf),
             max((placement.gamma + EPS - g.used_limit for g in lit), default=-math.inf),
         )
+        # (ordinal, invoker, free memory, Σ request, Σ limit) of each lit GPU that gained.
+        rooms = [
+            (og, g.ref.invoker, g.memory_mib * (1.0 + EPS) - g.used_memory, g.used_request, g.used_limit)
+            for og, g in lit_gained
+        ]
         with failed.mutate() as m:
+            known = {og for og, _ in gained}
             for o, need in failed.items() if gained else [(o, failed[o]) for o in carried if o in failed]:
                 again = gained
-                if o in carried:
-                    known = {og for og, _ in gained}
-                    again = gained + [(og, gpus[og]) for og in carried[o] if og not in known]
-                elif _out_of_reach(need, most, placement):
+                room_again = rooms
+                back = carried.get(o)
+                simple = not need.also and need.deficit is None and need.split_mib is None
+                if back is not None:
+                    extra = [(og, gpus[og]) for og in back if og not in known]
+                    again = gained + extra
+                    if simple:
+                        room_again = rooms + [
+                            (
+                                og, g.ref.invoker, g.memory_mib * (1.0 + EPS) - g.used_memory,
+                                g.used_request, g.used_limit,
+                            )
+                            for og, g in extra
+                            if g.lit and g.schedulable
+                        ]
+                elif not simple and _out_of_reach(need, most, placement):
                     continue
-                elif not need.also and need.deficit is None and need.split_mib is None:
-                    # The common case, inline: one instance that needs a GPU taking it whole.
+                if simple:
+                    # The common case, inline: one instance that needs a GPU taking it whole (the
+                    # test of `_may_help`; no pre-test: it would only repeat these comparisons).
                     mem, req, lim, inv = need.memory_mib, need.request, need.limit, need.invoker
                     helpers_now = [
                         og
-                        for og, g in lit_gained
+                        for og, ginv, free, used_req, used_lim in room_again
                         if og != o
-                        and (inv is None or inv == g.ref.invoker)
-                        and g.memory_mib * (1.0 + EPS) - g.used_memory >= mem
-                        and g.used_request + req <= omega
-                        and g.used_limit + lim <= gamma
+                        and (inv is None or inv == ginv)
+                        and free >= mem
+                        and used_req + req <= omega
+                        and used_lim + lim <= gamma
                     ]
                     if helpers_now:
                         del m[o]
@@ -570,8 +623,21 @@ def _candidates(
                     assert joined is not None
                     m[o] = joined
             failed = m.finish()
-    candidates = [o for o in out if o not in failed and _eligible(gpus[o], config)]
-    return candidates, failed, helped, no_fit
+    return _keyed(out, failed, gpus, config), failed, helped, no_fit
+
+
+def _keyed(
+    ordinals: Iterable[int], failed: Map[int, Need], gpus: Sequence[GpuState], config: CompactionConfig
+) -> list[tuple[int, int]]:
+    """(Σ-request bucket, ordinal) of each of `ordinals` that is not `failed` and may be a source."""
+    out: list[tuple[int, int]] = []
+    for o in ordinals:
+        if o in failed:
+            continue
+        bucket = _source_bucket(gpus[o], config)
+        if bucket is not None:
+            out.append((bucket, o))
+    return out
 
 
 def compaction_plan(
@@ -603,9 +669,9 @@ def compaction_plan(
     def key(o: int) -> tuple[int, int]:
         return (request_bucket(gpus0[o].used_request), o)
 
-    heap = [key(o) for o in candidates]
+    heap = candidates
     heapq.heapify(heap)
-    queued = set(candidates)
+    queued = {o for _, o in heap}
     pending: list[int] = []
     # GPUs a move of this plan changed besides targets and sources: the other stages of an
     # instance placed anew lose their piece (and gain room).
@@ -618,7 +684,7 @@ def compaction_plan(
             pending.extend(x for _, x in heap)
             break
         gpu = work.gpus[o]
-        if gpu.ref in targets or not _eligible(gpu, config):
+        if gpu.ref in targets or _source_bucket(gpu, config) is None:
             continue
         if pinned and any(i.id in pinned for i in gpu.instances):
             pending.append(o)

@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from itertools import accumulate
+from itertools import accumulate, combinations, compress
 from operator import attrgetter, sub
 
 from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot
@@ -762,6 +762,40 @@ def _first_failure(
     return None
 
 
+#: Filters whose verdict on an unlit (empty) GPU depends only on its memory and whether it is
+#: schedulable, for a request that keeps to no invoker and avoids nothing.
+_UNLIT_ALIKE = frozenset(
+    {"schedulable", "avoid", "sm-request", "sm-limit", "sm-limit-static", "memory", "exclusive", "priority-pair"}
+)
+
+
+def _unlit_memo(filters: tuple[Filter, ...], request: PlacementRequest) -> dict[tuple[float, bool], Filter | None] | None:
+    """A memo for `_unlit_failure` when every filter judges empty GPUs alike (by memory and
+    schedulable) for `request`, else None."""
+    if request.only_invoker is not None or request.avoid_gpus or request.avoid_invokers:
+        return None
+    if not all(f.name in _UNLIT_ALIKE and FILTERS.get(f.name) is f for f in filters):
+        return None
+    return {}
+
+
+def _unlit_failure(
+    g: GpuState,
+    filters: tuple[Filter, ...],
+    r: PlacementRequest,
+    c: PlacementConfig,
+    memo: dict[tuple[float, bool], Filter | None] | None,
+) -> Filter | None:
+    """`_first_failure` of an unlit GPU, from `memo` (see `_unlit_memo`) when there is one."""
+    if memo is None:
+        return _first_failure(g, filters, r, c)
+    key = (g.memory_mib, g.schedulable)
+    if key in memo:
+        return memo[key]
+    failed = memo[key] = _first_failure(g, filters, r, c)
+    return failed
+
+
 def _scan_lit(
     cluster: ClusterSnapshot,
     filters: tuple[Filter, ...],
@@ -839,10 +873,9 @@ def _lit_order(
     uncounted = rejects is _NO_REJECTS
     rooms = cluster.lit_room
     limits = cluster.lit_limits
-    for k in range(kmax, -1, -1):
+    # The non-empty buckets from kmax down (`compress` tests the bucket tuples at C speed).
+    for k in compress(range(kmax, -1, -1), rooms[kmax::-1] if kmax >= 0 else ()):
         bucket = rooms[k]
-        if not bucket:
-            continue
         if room_limit is not None:
             by_limit = limits[k]
             end = bisect.bisect_right(by_limit, room_limit)
@@ -911,11 +944,18 @@ def _scan_invoker(
     return found
 
 
-def _invokers(cluster: ClusterSnapshot, request: PlacementRequest) -> tuple[str, ...]:
-    """The invokers a request may use, in cluster order."""
-    if request.only_invoker is None:
-        return cluster.invokers
-    return (request.only_invoker,) if request.only_invoker in cluster.unlit else ()
+def _unlit_invokers(cluster: ClusterSnapshot, request: PlacementRequest, n: int) -> Iterator[str]:
+    """The invokers a request may use that have at least `n` (>= 1) unlit GPUs, in cluster order."""
+    if request.only_invoker is not None:
+        ords = cluster.unlit.get(request.only_invoker)
+        if ords is not None and len(ords) >= n:
+            yield request.only_invoker
+        return
+    if n > len(cluster.unlit_nodes):
+        return
+    refs = cluster.refs
+    for first in cluster.unlit_nodes[n - 1]:
+        yield refs[first].invoker
 
 
 def _score(
@@ -925,8 +965,8 @@ def _score(
     config: PlacementConfig,
     scorers: tuple[tuple[Scorer, float], ...],
 ) -> tuple[float, tuple[float, ...]]:
-    parts = tuple(s.score(g, request, cluster, config) for s, _ in scorers)
-    return sum(p * w for p, (_, w) in zip(parts, scorers, strict=True)), parts
+    parts = tuple([s.score(g, request, cluster, config) for s, _ in scorers])
+    return sum([p * w for p, (_, w) in zip(parts, scorers, strict=True)]), parts
 
 
 def _unlit_bound(
@@ -1047,10 +1087,11 @@ def split_fits(cluster: ClusterSnapshot, request: PlacementRequest, config: Plac
         return False
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
-    # The first invoker that can take it answers (placement would compare them all).
+    # The first invoker that can take it answers (placement would compare them all); those with
+    # the most free memory first, as they are the likeliest to.
     return any(
         _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus) is not None
-        for _, cands in _split_invokers(cluster, request, config, filters, max_parts)
+        for _, cands in _split_invokers(cluster, request, config, filters, max_parts, roomiest_first=True)
     )
 
 
@@ -1081,10 +1122,11 @@ def _place_one(
         examined = "; unlit GPUs not considered (lit only)"
     elif _unlit_bound(request, cluster, config, scorers) > best_lit + EPS:
         found = 0
-        for inv in _invokers(cluster, request):
+        memo = _unlit_memo(filters, request)
+        for inv in _unlit_invokers(cluster, request, 1):
             for o in cluster.unlit[inv]:
                 g = gpus[o]
-                failed = _first_failure(g, filters, request, config)
+                failed = _unlit_failure(g, filters, request, config, memo)
                 if failed is None:
                     total, parts = _score(g, request, cluster, config, scorers)
                     ranked.append((total, 0, -o, (o,), parts))
@@ -1093,7 +1135,7 @@ def _place_one(
                 rejects.note(failed, g, request, config)
             if found >= config.candidate_limit:
                 break
-        if not any(cluster.unlit.values()):
+        if not cluster.unlit_nodes[0]:
             examined = "; no unlit GPU left"
     ranked.sort(reverse=True)
     return _decision(
@@ -1152,13 +1194,14 @@ def _place_gang(
     invokers = sorted(by_invoker, key=lambda inv: cluster.invoker_ordinals[inv][0])
     if not request.lit_only:
         extra = 0
-        for inv in _invokers(cluster, request):
-            if inv not in by_invoker and len(cluster.unlit[inv]) >= k:
+        for inv in _unlit_invokers(cluster, request, k):
+            if inv not in by_invoker:
                 invokers.append(inv)
                 extra += 1
                 if extra >= config.candidate_limit:
                     break
     ranked: list[_Ranked] = []
+    memo = _unlit_memo(filters, request)
     for inv in invokers:
         per_gpu: list[tuple[float, int, int, tuple[float, ...]]] = []
         for o in by_invoker.get(inv, ()):
@@ -1169,7 +1212,7 @@ def _place_gang(
             alike: dict[float, tuple[float, tuple[float, ...]]] = {}
             for o in cluster.unlit[inv]:
                 g = gpus[o]
-                failed = _first_failure(g, filters, request, config)
+                failed = _unlit_failure(g, filters, request, config, memo)
                 if failed is not None:
                     rejects.note(failed, g, request, config)
                     continue
@@ -1270,7 +1313,7 @@ def _split_plan(
 ) -> tuple[list[tuple[int, float]], float] | None:
     """The pieces (ordinal, MiB) one invoker's candidates (capacity, ordinal) take, largest
     first, and the room they leave unused; None: they cannot hold the instance."""
-    if sum(min(c, total) for c, _ in cands) < total - EPS:
+    if sum([c if c < total else total for c, _ in cands]) < total - EPS:  # Σ min(c, total)
         return None
     cands.sort(key=lambda c: (-c[0], c[1]))
     remaining = total
@@ -1297,12 +1340,52 @@ def _split_plan(
     return plan, unused
 
 
+#: Slack (MiB) of `_split_cannot_win`'s bounds against the rounding of the plan's own sums: an
+#: invoker is passed over only when it loses by more than this.
+_SPLIT_SLACK_MIB = 1e-6
+
+
+def _split_cannot_win(
+    cands: list[tuple[float, int]], total: float, max_parts: int, pieces: int, unused: float
+) -> bool:
+    """Whether no plan `_split_plan` may make from one invoker's candidates (capacity, ordinal) has
+    fewer pieces than `pieces`, or as many and less unused room than `unused` (the best so far).
+
+    A plan's pieces come from the `max_parts` largest capacities, together they hold at least
+    `total` (less EPS), and each takes at most its capacity, so the room a plan leaves unused is at
+    least Σ capacity of its GPUs − `total`: bounds over the few subsets of those capacities."""
+    caps = sorted((c for c, _ in cands), reverse=True)[:max_parts]
+    need = total - EPS - _SPLIT_SLACK_MIB
+    held = 0.0
+    fewest = 0
+    for c in caps:
+        held += c
+        fewest += 1
+        if held >= need:
+            break
+    else:
+        return True  # the largest ones together cannot hold it: `_split_plan` finds nothing
+    if fewest < pieces:
+        return False
+    if fewest > pieces:
+        return True
+    if len(caps) > 5:
+        return False  # too many subsets to bound cheaply
+    least = math.inf
+    for subset in combinations(caps, pieces):
+        room = sum(subset)
+        if room >= need and room - total < least:
+            least = room - total
+    return least > unused + _SPLIT_SLACK_MIB
+
+
 def _split_invokers(
     cluster: ClusterSnapshot,
     request: PlacementRequest,
     config: PlacementConfig,
     filters: tuple[Filter, ...],
     max_parts: int,
+    roomiest_first: bool = False,
 ) -> Iterator[tuple[int, list[tuple[float, int]]]]:
     """(first ordinal, [(capacity MiB, ordinal)]) of each invoker whose lit GPUs could take two
     pieces or more of `request` (memory > 0), in the order of the node-room index."""
@@ -1329,6 +1412,8 @@ def _split_invokers(
             cluster.invoker_ordinals[cluster.refs[first].invoker]
             for _, first in cluster.node_room[lo:]
         ]
+        if roomiest_first:
+            invokers.reverse()
     # The most memory (MiB) one piece on a GPU may take, given that a piece's request and limit are
     # the instance's scaled by its share of the memory; computed inline: this loop visits every lit
     # GPU of every invoker that could hold the instance.
@@ -1346,11 +1431,12 @@ def _split_invokers(
     grow = 1.0 + EPS
     # request_bucket(u) > kmax  ⇔  u·BUCKETS + EPS ≥ kmax + 1: one comparison per GPU.
     too_full = (kmax + 1 - EPS) / BUCKETS if request.only_invoker is None and kmax < BUCKETS else math.inf
-    # Each invoker appears once in `invokers` and its ordinals are grouped and ascending.
+    # Each invoker appears once in `invokers` and its ordinals are contiguous and ascending.
+    span = gpus.span
     for ords in invokers:
         cands: list[tuple[float, int]] = []
-        for o in ords:
-            g = gpus[o]
+        first = ords[0]
+        for o, g in enumerate(span(first, ords[-1] + 1), first):
             if not g.instances or g.used_request >= too_full:
                 continue
             used = g.used_memory
@@ -1397,6 +1483,8 @@ def _place_split(
     order = sorted(_split_invokers(cluster, request, config, filters, max_parts), key=lambda e: e[0])
     best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
     for rank, cands in order:
+        if best is not None and _split_cannot_win(cands, total, max_parts, best[0][0], best[0][1]):
+            continue
         found = _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus)
         if found is None:
             continue

@@ -49,6 +49,7 @@ def index_view(c: ClusterSnapshot) -> dict[str, object]:
         "limits": c.lit_limits,
         "nodes": c.node_room,
         "unlit": dict(c.unlit),
+        "unlit_nodes": c.unlit_nodes,
         "locations": dict(c.locations),
         "functions": {f: dict(v) for f, v in c.function_counts.items()},
         "widths": dict(c.width_counts),
@@ -209,6 +210,10 @@ def test_incremental_index_equals_fresh_build(
             c = c.without_instance(live.pop(slot % len(live)))
         fresh = ClusterSnapshot.build(now=c.now, gpus=c.gpus)
         assert index_view(c) == index_view(fresh)
+        dark = {inv: sum(not c.gpus[o].lit for o in ords) for inv, ords in c.invoker_ordinals.items()}
+        assert c.unlit_nodes == tuple(
+            tuple(c.invoker_ordinals[inv][0] for inv in c.invokers if dark[inv] > n) for n in range(4)
+        )
 
 
 def test_placements_through_the_policy_keep_the_index_consistent() -> None:

@@ -170,3 +170,17 @@ def test_memory_of_no_fit_keeps_compaction_equal_to_a_stateless_run() -> None:
         if lit:
             cl = cl.with_instance(inst(f"new{step}", 0.2, 0.3, 3.0, INF), (rng.choice(lit).ref,))
     assert carried
+
+
+def test_gpu_vector_span_is_the_states_of_the_range() -> None:
+    """`GpuVector.span` (an invoker's contiguous GPUs in one slice) equals indexing one by one,
+    within a chunk and across chunk boundaries."""
+    states = [
+        GpuState(ref=GpuRef(f"n{i // 4}", i % 4), memory_mib=40 * GIB) for i in range(200)
+    ]
+    v = GpuVector(states)
+    for start, stop in ((0, 4), (60, 64), (62, 66), (0, 200), (63, 129), (199, 200)):
+        assert v.span(start, stop) == tuple(states[start:stop])
+    c = ClusterSnapshot.uniform(invokers=50, gpus_per_invoker=4, memory_mib=40 * GIB)
+    for ords in c.invoker_ordinals.values():
+        assert ords == tuple(range(ords[0], ords[-1] + 1))  # contiguous, as span's callers assume
