@@ -50,7 +50,7 @@ import site
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -708,39 +708,24 @@ class Sandboxes:
 
     async def destroy(self, box: Sandbox) -> bool:
         """Kill every process of the sandbox and remove its files; True when nothing is left."""
-        clean = True
+        uid = box.uid
+
+        def kill_cgroup() -> None:
+            if box.cgroup is not None and self.cgroups is not None:
+                self.cgroups.kill(box.cgroup)
+
         if box.group is not None:
             # Not kill(-1) as the uid: the other members and the MPS server run as it too. The namespace's
             # first process dies with the leader (--kill-child), and the kernel kills the rest of it.
-            for _ in range(50):
-                if box.cgroup is not None and self.cgroups is not None:
-                    self.cgroups.kill(box.cgroup)
-                pids = await asyncio.to_thread(box.members, self.cgroups)
-                if not pids:
-                    break
-                _kill_all(pids, signal.SIGKILL)
-                await asyncio.sleep(0.02)
-            else:
-                clean = False
-        elif box.uid is not None:
-            for _ in range(5):
-                if box.cgroup is not None and self.cgroups is not None:
-                    self.cgroups.kill(box.cgroup)
-                await self._kill_uid(box.uid)
-                if not await asyncio.to_thread(box.members, self.cgroups):
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                clean = False
+            clean = await self._kill_until_gone(lambda: box.members(self.cgroups), tries=50, first=kill_cgroup)
+        elif uid is not None:
+            async def kill_uid() -> None:
+                kill_cgroup()
+                await self._kill_uid(uid)
+
+            clean = await self._kill_until_gone(lambda: box.members(self.cgroups), tries=5, first_async=kill_uid)
         else:
-            for _ in range(5):
-                pids = await asyncio.to_thread(pids_with_marker, box.marker)
-                if not pids:
-                    break
-                _kill_all(pids, signal.SIGKILL)
-                await asyncio.sleep(0.02)
-            else:
-                clean = False
+            clean = await self._kill_until_gone(lambda: pids_with_marker(box.marker), tries=5)
         clean = await asyncio.to_thread(self._remove_files, box) and clean
         if clean:
             self._unlock(box)
@@ -748,6 +733,23 @@ class Sandboxes:
             # a process that would not die keeps its uid out of circulation until the invoker restarts
             log.warning("sandbox not fully cleaned; its uid is not reused", container=box.name, uid=box.uid)
         return clean
+
+    @staticmethod
+    async def _kill_until_gone(find: Callable[[], list[int]], *, tries: int, first: Callable[[], None] | None = None,
+                               first_async: Callable[[], Awaitable[None]] | None = None) -> bool:
+        """SIGKILL what ``find`` finds (after ``first`` / ``first_async`` each round) until nothing is left;
+        False when something still lives after ``tries`` rounds."""
+        for _ in range(tries):
+            if first is not None:
+                first()
+            if first_async is not None:
+                await first_async()
+            pids = await asyncio.to_thread(find)
+            if not pids:
+                return True
+            _kill_all(pids, signal.SIGKILL)
+            await asyncio.sleep(0.02)
+        return False
 
     def _remove_files(self, box: Sandbox) -> bool:
         ok = True
