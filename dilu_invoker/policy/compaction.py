@@ -115,6 +115,23 @@ def _stages(cluster: ClusterSnapshot, part_of: str, invoker: str) -> list[tuple[
     ]
 
 
+def _whole_request(piece: PlacedInstance, stages: list[tuple[GpuRef, PlacedInstance]]) -> PlacementRequest:
+    """The split instance that ``piece`` is a stage of, asked for whole on lit GPUs other than its stages'."""
+    assert piece.part_of is not None
+    request = sum(i.request for _, i in stages)
+    return PlacementRequest(
+        instance_id=piece.part_of,
+        function=piece.function,
+        cls=piece.cls,
+        request=min(1.0, request),
+        limit=min(1.0, max(sum(i.limit for _, i in stages), request)),
+        memory_mib=sum(i.memory_mib for _, i in stages),
+        profile=piece.profile,
+        avoid_gpus=frozenset(ref for ref, _ in stages),
+        lit_only=True,
+    )
+
+
 def _as_request(
     cluster: ClusterSnapshot, inst: PlacedInstance, source: GpuRef
 ) -> PlacementRequest:
@@ -150,19 +167,7 @@ def _move_whole(
     Returns the cluster after the move, the move, and the sibling GPUs it leaves dark; None: no room."""
     assert piece.part_of is not None
     stages = _stages(cluster, piece.part_of, source.invoker)
-    held = frozenset(ref for ref, _ in stages)
-    request = sum(i.request for _, i in stages)
-    whole = PlacementRequest(
-        instance_id=piece.part_of,
-        function=piece.function,
-        cls=piece.cls,
-        request=min(1.0, request),
-        limit=min(1.0, max(sum(i.limit for _, i in stages), request)),
-        memory_mib=sum(i.memory_mib for _, i in stages),
-        profile=piece.profile,
-        avoid_gpus=held,
-        lit_only=True,
-    )
+    whole = _whole_request(piece, stages)
     rest = cluster
     for _, i in stages:
         rest = rest.without_instance(i.id)
@@ -183,7 +188,7 @@ def _move_whole(
         replaces=tuple(sorted(i.id for _, i in stages)),
     )
     # A sibling stage alone on its GPU leaves that GPU dark too.
-    dark = sorted(r for r in held if r != source and not after.gpu(r).lit)
+    dark = sorted(r for r in whole.avoid_gpus if r != source and not after.gpu(r).lit)
     return after, move, dark
 
 
@@ -930,19 +935,7 @@ def _may_move_split(
         return bool(lit_fits(work, request, placement)) or split_fits(work, request, placement)
     if lit_fits(work, request, placement):
         return True
-    stages = _stages(work, inst.part_of, gpu.ref.invoker)
-    total = sum(i.request for _, i in stages)
-    whole = PlacementRequest(
-        instance_id=inst.part_of,
-        function=inst.function,
-        cls=inst.cls,
-        request=min(1.0, total),
-        limit=min(1.0, max(sum(i.limit for _, i in stages), total)),
-        memory_mib=sum(i.memory_mib for _, i in stages),
-        profile=inst.profile,
-        avoid_gpus=frozenset(ref for ref, _ in stages),
-        lit_only=True,
-    )
+    whole = _whole_request(inst, _stages(work, inst.part_of, gpu.ref.invoker))
     # The stages' GPUs are avoided, so the cluster with the stages still on them answers alike.
     return bool(lit_fits(work, whole, placement)) or split_fits(work, whole, placement)
 
