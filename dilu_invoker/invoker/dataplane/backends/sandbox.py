@@ -616,16 +616,26 @@ class Sandboxes:
 
     def _prepare(self, box: Sandbox, memory_mb: int, writable: Sequence[str], readable: Sequence[str]) -> None:
         assert box.uid is not None
-        self._sweep_files(box.uid)
-        shutil.rmtree(box.dir, ignore_errors=True)
+        if box.group is None:  # an own uid: what an earlier holder of it left goes first
+            self._sweep_files(box.uid)
+            shutil.rmtree(box.dir, ignore_errors=True)
         box.dir.mkdir(mode=0o700)
         os.chown(box.dir, box.uid, box.uid)
         if self.cgroups is not None:
-            box.cgroup = self.cgroups.create(f"u{box.uid}", memory_mb * 1024 * 1024)
+            box.cgroup = self.cgroups.create(box.dir.name, memory_mb * 1024 * 1024)
         extra = mount_plan(readable)
         box.plan = {**self.plan, **{k: tuple(sorted(set(v) | set(self.plan.get(k, ())))) for k, v in extra.items()}}
         box.hide = self.hide
-        self._own_blocks(box.uid, writable, readable)
+        for path in writable:  # its own stats block: its uid alone may write it
+            with contextlib.suppress(OSError):
+                os.chown(path, box.uid, box.uid)
+                os.chmod(path, 0o600)
+        for path in readable:  # its control block: readable, never writable by it
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                if st.st_uid == box.uid or st.st_mode & 0o022:
+                    os.chown(path, 0, 0)
+                    os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
 
     async def _group_uid(self, group: UidGroup) -> int:
         """The uid of ``group``, leased for as long as this backend runs (its MPS server runs as it)."""
@@ -675,27 +685,7 @@ class Sandboxes:
         box.keep = tuple(dict.fromkeys(p for p in under if any(p == c or p.startswith(c + "/") for c in covers)
                                        and p not in covers))
         box.read_only = tuple(os.path.realpath(d) for d in group.dirs if os.path.isdir(d))
-        box.dir.mkdir(mode=0o700)
-        os.chown(box.dir, box.uid, box.uid)
-        if self.cgroups is not None:
-            box.cgroup = self.cgroups.create(box.dir.name, memory_mb * 1024 * 1024)
-        extra = mount_plan(readable)
-        box.plan = {**self.plan, **{k: tuple(sorted(set(v) | set(self.plan.get(k, ())))) for k, v in extra.items()}}
-        box.hide = self.hide
-        self._own_blocks(box.uid, writable, readable)
-
-    @staticmethod
-    def _own_blocks(uid: int, writable: Sequence[str], readable: Sequence[str]) -> None:
-        for path in writable:  # its own stats block: its uid alone may write it
-            with contextlib.suppress(OSError):
-                os.chown(path, uid, uid)
-                os.chmod(path, 0o600)
-        for path in readable:  # its control block: readable, never writable by it
-            with contextlib.suppress(OSError):
-                st = os.stat(path)
-                if st.st_uid == uid or st.st_mode & 0o022:
-                    os.chown(path, 0, 0)
-                    os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+        self._prepare(box, memory_mb, writable, readable)
 
     def set_memory(self, box: Sandbox, memory_mb: int) -> None:
         """A new memory limit for a live container (no-op where memory is not enforced)."""
