@@ -33,6 +33,17 @@ def _opt(default: Any, help: str, *, flag: str | None = None, env: Sequence[str]
     return field(default=default, metadata={"help": help, "flag": flag, "env": tuple(env), "secret": secret})
 
 
+MPS_ISOLATION_TOOLS = ("unshare", "setpriv")
+"""util-linux tools the process backend runs a GPU's isolated MPS clients under (one uid, PID namespaces)."""
+
+
+def missing_mps_isolation_tools() -> list[str]:
+    """Which of `MPS_ISOLATION_TOOLS` are not on PATH."""
+    import shutil
+
+    return [t for t in MPS_ISOLATION_TOOLS if shutil.which(t) is None]
+
+
 def default_process_work_dir() -> str:
     """Where the process backend's private container dirs live unless ``--invoker-process-work-dir`` says
     otherwise (the GPU node puts the MPS pipes of isolated clients below it too)."""

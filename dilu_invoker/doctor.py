@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dilu_invoker import __version__
-from dilu_invoker.config import Config
+from dilu_invoker.config import Config, missing_mps_isolation_tools
 
 OK, MISSING, ERROR = "ok", "missing", "error"
 
@@ -80,7 +80,7 @@ def check_mps() -> Check:
     if control is None:
         return Check("mps", MISSING, "nvidia-cuda-mps-control is not on PATH; co-located GPU instances "
                      "time-slice instead of sharing SMs", "install the NVIDIA driver utilities (they bring MPS)")
-    missing = [t for t in ("unshare", "setpriv") if shutil.which(t) is None]
+    missing = missing_mps_isolation_tools()
     if os.geteuid() == 0 and missing:
         return Check("mps", MISSING, f"{control} found, but util-linux {' and '.join(missing)} not: isolated process "
                      "containers cannot share a GPU's MPS server (it serves one uid), so --gpu-mps auto "

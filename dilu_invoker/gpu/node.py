@@ -245,11 +245,9 @@ class GpuNode:
                 # Isolated containers have uids of their own, but the MPS clients of one GPU share one (its
                 # server runs as it) and are kept apart by PID and mount namespaces (backends/sandbox.py).
                 # Their server and clients must reach the pipes: outside the data dir, which is root's alone.
-                import shutil
+                from dilu_invoker.config import default_process_work_dir, missing_mps_isolation_tools
 
-                from dilu_invoker.config import default_process_work_dir
-
-                missing = [t for t in ("unshare", "setpriv") if shutil.which(t) is None]
+                missing = missing_mps_isolation_tools()
                 if missing:
                     separate = (f"process isolation runs every container as its own uid (util-linux "
                                 f"{' and '.join(missing)} not found to run a GPU's MPS clients as one uid)")

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import structlog
 
-from dilu_invoker.config import default_process_work_dir
+from dilu_invoker.config import MPS_ISOLATION_TOOLS, default_process_work_dir
 
 log = structlog.get_logger(__name__)
 
@@ -504,7 +504,7 @@ class Sandboxes:
         self.uid_range = uid_range
         self._next = secrets.randbelow(len(uid_range))
         self._kill = shutil.which("kill") or "/bin/kill"
-        self._unshare, self._setpriv = shutil.which("unshare"), shutil.which("setpriv")
+        self._unshare, self._setpriv = (shutil.which(t) for t in MPS_ISOLATION_TOOLS)
         self._groups: dict[str, tuple[int, int]] = {}  # UidGroup.key -> (uid, its lease's fd)
         self._group_lock = asyncio.Lock()
         self.cgroups: Cgroups | None = None
