@@ -315,7 +315,8 @@ class CapacityConfig:
     probe_growth: float = 2.0
     """Per period, while an instance waits for tokens at its limit with no other latency-critical demand."""
     max_probe_ratio: float = 64.0
-    """Probing never goes beyond this multiple of the highest trustworthy rate ever observed."""
+    """Probing never goes beyond this multiple of the highest rate observed: trustworthy periods' busy rates
+    and the rate the instance consumes at its quota while probing (so the bound moves up with the probe)."""
     probe_backoff_s: float = 1.0
     """After a probe that found no faster rate, the next waits this long, doubling up to ``max_probe_backoff_s``."""
     max_probe_backoff_s: float = 30.0
@@ -415,8 +416,8 @@ def estimate_capacity(
       slowly (half-life ``half_life_s``) toward newer ones.
     * Throttled at its limit while no other latency-critical instance has demand: the estimate may be
       low (the instance would run faster than share x estimate allows). Probe upward x``probe_growth``
-      per period (at most ``max_probe_ratio`` x the peak) until the quota no longer binds; the rate then
-      observed is the instance's own. A probe that found nothing faster backs off (``probe_backoff_s``
+      per period (at most ``max_probe_ratio`` x the highest rate seen, its consumed quota included) until
+      the quota no longer binds; the rate then observed is the instance's own. A probe that found nothing faster backs off (``probe_backoff_s``
       doubling), so an estimate that is right costs one short probe now and then.
     * Throttled otherwise: no information.
     """
@@ -431,7 +432,10 @@ def estimate_capacity(
             return est, f"throttled {waited:.0%}: its rate is the quota's, not its own"
         if not est.probing and obs.now < est.next_probe_at:
             return est, f"throttled at its limit; next probe in {est.next_probe_at - obs.now:.1f} s"
-        ceiling = max(est.peak_blocks_per_ms, est.learnt_blocks_per_ms or 0.0) * config.max_probe_ratio
+        # Whatever it consumed at its quota is also a rate it sustains: the ceiling follows it, so an estimate
+        # that started more than max_probe_ratio x too low keeps climbing while the quota binds.
+        sustained = obs.blocks / (period * 1000.0)
+        ceiling = max(est.peak_blocks_per_ms, est.learnt_blocks_per_ms or 0.0, sustained) * config.max_probe_ratio
         grown = min(est.blocks_per_ms * config.probe_growth, ceiling)
         if grown <= est.blocks_per_ms * (1 + 1e-9):
             return est, f"throttled at its limit; probing stopped at {config.max_probe_ratio}x the peak"
