@@ -252,6 +252,10 @@ class EntityStore:
         self.spill_path = Path(spill_path) if spill_path is not None else None
         self.retry_period_s = retry_period_s
         self._flusher: asyncio.Task[None] | None = None
+        # Records being written now (visible to reads meanwhile); per namespace, the writes' futures, so a
+        # listing waits for them and shows what was answered before it.
+        self._writing: dict[tuple[str, str], Activation] = {}
+        self._writes: dict[str, set[asyncio.Future[None]]] = {}
         #: records dropped because more than ``max_unstored`` were held (logged as errors; should stay 0)
         self.dropped = 0
         self.redis = redis
@@ -378,18 +382,38 @@ class EntityStore:
         method then returns at once: the caller may answer its client)."""
         key = (activation.namespace, activation.activation_id)
         if not self._unstored:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            writes = self._writes.setdefault(activation.namespace, set())
+            writes.add(done)
+            self._writing[key] = activation
             try:
                 await self._write_activation(activation)
                 return
             except STORE_UNAVAILABLE as exc:
                 log.warning("redis cannot take activation records; holding them until it is back",
                             error=f"{type(exc).__name__}: {exc}")
+                self._hold(key, activation)
+            finally:
+                if self._writing.get(key) is activation:
+                    del self._writing[key]
+                writes.discard(done)
+                if not writes and self._writes.get(activation.namespace) is writes:
+                    del self._writes[activation.namespace]
+                done.set_result(None)
+            return
         self._hold(key, activation)
+
+    async def _settled(self, namespace: str, timeout_s: float = 2.0) -> None:
+        """Wait (briefly) for the namespace's records being written now, so that a listing shows every
+        activation answered before it; records held while Redis is unavailable are not waited for."""
+        writes = self._writes.get(namespace)
+        if writes:
+            await asyncio.wait(set(writes), timeout=timeout_s)
 
     @property
     def unstored(self) -> int:
-        """Activation records answered to clients but not yet in Redis."""
-        return len(self._unstored)
+        """Activation records answered to clients but not yet in Redis (being written, or held)."""
+        return len(self._unstored.keys() | self._writing.keys())
 
     def _hold(self, key: tuple[str, str], activation: Activation) -> None:
         self._unstored[key] = activation
@@ -423,12 +447,17 @@ class EntityStore:
         log.info("held activation records written to redis")
 
     async def flush(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the held records to be written; True when none is left."""
+        """Wait up to ``timeout_s`` for the records being written and the held ones to be written; True when
+        none is left."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        writes = {f for fs in self._writes.values() for f in fs}
+        if writes:
+            await asyncio.wait(writes, timeout=timeout_s)
         task = self._flusher
         if task is not None and not task.done():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(task), timeout_s)
-        return not self._unstored
+                await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - asyncio.get_running_loop().time()))
+        return not self._unstored and not self._writing
 
     async def close(self, *, flush_timeout_s: float = 2.0) -> None:
         """Stop the background writer; records still held go to ``spill_path`` (or are logged as lost)."""
@@ -489,7 +518,7 @@ class EntityStore:
             await self._store_activation(keys=keys, args=args)
 
     async def get_activation(self, namespace: str, activation_id: str) -> Activation | None:
-        held = self._unstored.get((namespace, activation_id))
+        held = self._writing.get((namespace, activation_id)) or self._unstored.get((namespace, activation_id))
         if held is not None:
             return held
         doc = await self.redis.hget(self.activation_key(namespace, activation_id), "doc")
@@ -511,6 +540,7 @@ class EntityStore:
         """Newest (by ``start``) first; ``since``/``upto`` bound ``start`` in ms, both inclusive.
 
         Without ``docs`` the activations are summaries: no logs and no result."""
+        await self._settled(namespace)
         ids = await self.redis.zrevrangebyscore(
             self.activations_index_key(namespace, name),
             "+inf" if upto is None else upto,
@@ -541,6 +571,7 @@ class EntityStore:
         since: int | None = None,
         upto: int | None = None,
     ) -> int:
+        await self._settled(namespace)
         n = await self.redis.zcount(
             self.activations_index_key(namespace, name),
             "-inf" if since is None else since,

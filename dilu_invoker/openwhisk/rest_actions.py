@@ -335,6 +335,9 @@ class _Invocation:
         self.app = app
         self.req = req
         self.detached = False
+        #: the activation, once it ran: a blocking caller is answered from it while the record is written
+        #: (as OpenWhisk answers from the invoker's result ack); reads of the record see it meanwhile
+        self.ran: asyncio.Future[Activation] = asyncio.get_running_loop().create_future()
 
     async def run(self) -> Activation:
         req = self.req
@@ -350,13 +353,20 @@ class _Invocation:
         except Exception:
             log.exception("the activation runner failed", activation_id=req.activation_id)
             activation = fallback_activation(req, ActivationResponse.whisk_error(MSG_ABNORMAL_RUN))
-        if req.identity.store_activations:
-            try:
-                await self.app[STORE].store_activation(activation)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("storing the activation failed", activation_id=req.activation_id)
+        if not req.identity.store_activations:
+            self.ran.set_result(activation)
+            return activation
+        store = self.app[STORE]
+        writing = asyncio.ensure_future(store.store_activation(activation))
+        # One turn of the loop: the write has begun (the record is visible to reads) before anyone is told.
+        await asyncio.sleep(0)
+        self.ran.set_result(activation)
+        try:
+            await writing
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("storing the activation failed", activation_id=req.activation_id)
         return activation
 
 
@@ -438,13 +448,13 @@ async def invoke_action(request: web.Request) -> web.Response:
         invocation.detached = True
         return accepted
 
-    done, _ = await asyncio.wait({task}, timeout=wait_s)
+    done, _ = await asyncio.wait({task, invocation.ran}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
     if not done:
         invocation.detached = True
         log.info("blocking invoke answered 202 after the wait", activation_id=req.activation_id, wait_s=wait_s)
         return accepted
     try:
-        activation = task.result()
+        activation = invocation.ran.result() if invocation.ran.done() else task.result()
     except InvokerOverloaded:
         raise ApiError(503, Msg.OVERLOADED) from None
     return await _activation_result_response(activation, result_only=result_only, headers=headers)

@@ -259,3 +259,26 @@ async def test_shutdown_cancels_what_outlives_the_drain(make_api: Any) -> None:
     await api.client.close()  # returns after the drain bound, the activation cancelled
     assert runner.finished == []
     assert await api.store.get_activation("guest", body["activationId"]) is None
+
+
+async def test_a_blocking_answer_does_not_wait_for_the_record_which_reads_find_meanwhile(api: Api) -> None:
+    await _action(api)
+    redis = api.store.redis
+    # Writes (the record's script) wait while Redis pauses them; reads go on.
+    await redis.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+    try:
+        status, body, headers = await api.invoke("echo", {"name": "x"})
+        assert status == 200 and body["response"]["result"]["echo"]["name"] == "x"
+        aid = headers["x-openwhisk-activation-id"]
+        # Answered before the record reached Redis ...
+        assert not await redis.exists(api.store.activation_key("guest", aid))
+        assert api.store.unstored == 1
+        # ... and the API finds it meanwhile; a list waits for the write and shows it.
+        status, got, _ = await api.call("GET", f"activations/{aid}")
+        assert status == 200 and got["activationId"] == aid and got["response"]["result"] == body["response"]["result"]
+        status, listed, _ = await api.call("GET", "activations")
+        assert status == 200 and [a["activationId"] for a in listed] == [aid]
+    finally:
+        await redis.execute_command("CLIENT", "UNPAUSE")
+    assert await redis.exists(api.store.activation_key("guest", aid))
+    assert api.store.unstored == 0 and await api.store.flush(1.0)
