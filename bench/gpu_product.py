@@ -165,6 +165,18 @@ def main(args):
     return {"gpu_ms": start.elapsed_time(end), "run_ms": (time.perf_counter() - t0) * 1000}
 '''
 
+#: The stack's floor on the same host: a CPU no-op (python:3) through the same standalone, closed loop.
+NOOP_CODE = r'''
+import time
+
+
+def main(args):
+    t0 = time.perf_counter()
+    return {"gpu_ms": 0.0, "run_ms": (time.perf_counter() - t0) * 1000}
+'''
+NOOP_S = 1.0
+NOOP_COLD_S = 1.5  # its cold start and warm-up
+
 TRAIN_CODE = r'''
 import time
 try:
@@ -369,6 +381,13 @@ class Stack:
             annotations.append({"key": "gpu-slo-ms", "value": slo_ms})
         await put_gpu_action(self.session, self.api, name, code, annotations, memory_mb=8192, auth=self.auth)
 
+    async def create_cpu(self, name: str, code: str) -> None:
+        assert self.session is not None
+        body = {"exec": {"kind": "python:3", "code": code}, "limits": {"memory": 256}}
+        async with self.session.put(f"{self.api}/{name}?overwrite=true", json=body, auth=self.auth) as r:
+            if r.status != 200:
+                raise RuntimeError(f"PUT {name}: {r.status} {await r.text()}")
+
     async def invoke(self, name: str, params: dict[str, Any]) -> tuple[float, dict[str, Any] | None, int]:
         assert self.session is not None
         ms, status, data = await invoke_result(self.session, self.api, name, params, auth=self.auth)
@@ -496,7 +515,7 @@ def scenarios_of(args: argparse.Namespace) -> list[tuple[str, str, float]]:
     return out
 
 
-def stack_estimate_s(args: argparse.Namespace, mode: str, pair: str) -> float:
+def stack_estimate_s(args: argparse.Namespace, mode: str, pair: str, trial: int = 1) -> float:
     """Seconds one (mode, pair, trial) takes on the H200, by the figures above."""
     sec = args.seconds
     n = len(scenarios_of(args))
@@ -506,6 +525,8 @@ def stack_estimate_s(args: argparse.Namespace, mode: str, pair: str) -> float:
            + besides + groups * (LEAD_S + 0.5))
     if "idle" in args.scenarios:
         est += sec
+    if trial == 0:
+        est += NOOP_COLD_S + NOOP_S  # the first trial also measures the CPU no-op
     if "--gpu-mps" in MODES[mode]["flags"] and MODES[mode]["flags"][MODES[mode]["flags"].index("--gpu-mps") + 1] == "on":
         est += MPS_S
     if "share" in args.scenarios and mode in CONTROLLERS:
@@ -532,14 +553,15 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[int, str, str, float]], l
             continue  # comes with its pair's first other column
         ref = (c[0], "noshim")
         need = [x for x in dict.fromkeys((ref, c)) if x in combos and x not in kept]
-        cost = args.trials * sum(per[x] for x in need)
+        cost = args.trials * sum(per[x] for x in need) + (NOOP_COLD_S + NOOP_S) * len(need) * (args.trials > 0)
         if args.budget_s and total + cost > args.budget_s:
             continue
         kept += need
         total += cost
     order = [c for p in args.pairs for c in sorted((k for k in kept if k[0] == p), key=lambda k: k[1] != "noshim")]
-    keep = [(t, p, m, per[(p, m)]) for t in range(args.trials) for p, m in order]
-    cut = [(t, p, m, per[(p, m)]) for t in range(args.trials) for p, m in combos if (p, m) not in kept]
+    keep = [(t, p, m, stack_estimate_s(args, m, p, t)) for t in range(args.trials) for p, m in order]
+    cut = [(t, p, m, stack_estimate_s(args, m, p, t)) for t in range(args.trials) for p, m in combos
+           if (p, m) not in kept]
     return keep, cut
 
 
@@ -621,7 +643,7 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
     cell: dict[str, Any] = {"mode": mode, "what": spec["what"], "pair": pair, "trial": trial, "scenarios": {},
                             "annotations": {"inference": spec["infer"], "training": spec["train"],
                                             "inference_slo_ms": slo_ann},
-                            "flags": spec["flags"], "estimate_s": rnd(stack_estimate_s(args, mode, pair), 1)}
+                            "flags": spec["flags"], "estimate_s": rnd(stack_estimate_s(args, mode, pair, trial), 1)}
     t_start = time.time()
     async with Stack(args, mode, work) as st:
         await st.create("infer", INFER_CODE, "inference", *spec["infer"], slo_ms=slo_ann)
@@ -651,6 +673,11 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
         slo = 2 * (base.get("p99") or own_p99 or 0) or None
         capacity_rps = len(solo_ok) / args.seconds
         cell["solo"] = summarize(solo, slo)
+        if trial == 0:
+            # The stack's own floor on this host, beside the GPU figures: a CPU no-op, warm, one at a time.
+            await st.create_cpu("noop", NOOP_CODE)
+            await closed_loop(st, "noop", {}, 0.5)
+            cell["noop"] = summarize(await closed_loop(st, "noop", {}, NOOP_S), None)
         cell["capacity_rps"] = rnd(capacity_rps)
         cell["slo_ms"] = rnd(slo)
         cell["ref"] = {k: rnd(v) for k, v in base.items()}
@@ -761,7 +788,23 @@ def machine() -> dict[str, Any]:
         import torch
 
         info["torch"] = torch.__version__
+    info["fsync_p50_ms"] = rnd(fsync_p50_ms(Path(tempfile.gettempdir())), 3)
     return info
+
+
+def fsync_p50_ms(directory: Path, n: int = 100) -> float | None:
+    """What one small synced append costs on the disk the embedded Redis writes to (its AOF syncs each write
+    with the default ``--redis-appendfsync always``)."""
+    with contextlib.suppress(OSError), tempfile.NamedTemporaryFile(dir=directory) as f:
+        times = []
+        for _ in range(n):
+            f.write(b"x" * 512)
+            f.flush()
+            t = time.perf_counter()
+            os.fsync(f.fileno())
+            times.append((time.perf_counter() - t) * 1000)
+        return statistics.median(times)
+    return None
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -843,14 +886,15 @@ def report(doc: dict[str, Any]) -> str:
         mine = [c for c in cells if c["pair"] == pair]
         lines += ["", f"## {pair}", "",
                   "| mode | what | cold start infer / train (ms) | solo p50 / p99 (ms) | in-action GPU / run p50 (ms) "
-                  "| overhead p50 (ms) | capacity (req/s) | solo training (it/s) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| overhead p50 (ms) | CPU no-op p50 (ms) | capacity (req/s) | solo training (it/s) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for c in mine:
             s = c["solo"]
+            noop = c.get("noop") or {}
             lines.append(f"| {c['mode']} (trial {c['trial']}) | {c['what']} | {f(c['cold_start_ms'].get('infer'))} / "
                          f"{f(c['cold_start_ms'].get('train'))} | {f(s['p50_ms'])} / {f(s['p99_ms'])} | "
                          f"{f(s.get('gpu_p50_ms'))} / {f(s.get('run_p50_ms'))} | {f(s.get('overhead_p50_ms'))} | "
-                         f"{f(c['capacity_rps'])} | {f(c['solo_train_it_s'])} |")
+                         f"{f(noop.get('p50_ms'))} | {f(c['capacity_rps'])} | {f(c['solo_train_it_s'])} |")
         names = list(dict.fromkeys(k for c in mine for k in c["scenarios"]))
         lines += ["", "| scenario | mode | p50 (ms) | p99 (ms) | p99 / solo | SLO (ms) | violations | failed | "
                       "training it/s | training / solo |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

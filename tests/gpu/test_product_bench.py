@@ -37,6 +37,9 @@ def test_dry_run_writes_every_mode_and_scenario(tmp_path: Path) -> None:
         assert cell["scenarios"]["bursty@0.5"]["failed"] == 0 and cell["scenarios"]["bursty@0.5"]["train_vs_ref"]
         assert cell["log_levels"].get("info", 0) > 0
         assert cell["effective"]["mps"] is False  # time-slicing: --gpu-mps off in both modes
+        # The stack's floor on the host: a warm CPU no-op through the same standalone.
+        assert cell["noop"]["requests"] > 0 and cell["noop"]["failed"] == 0 and cell["noop"]["p50_ms"] > 0
+    assert doc["machine"]["fsync_p50_ms"] is not None and doc["machine"]["fsync_p50_ms"] >= 0
     # What the invoker ran, from its log: the simulated GPU's shim and manager under the selected policy.
     assert doc["cells"][0]["effective"]["shim"] is False
     assert doc["cells"][1]["effective"]["policy"] == "slo" and doc["cells"][1]["effective"]["shim"] is True
