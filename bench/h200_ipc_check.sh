@@ -3,6 +3,8 @@
 # API shares weights with) work between two processes under MPS, and between two PID namespaces?
 # Four cases: no MPS / MPS, times one PID namespace / one each (as the process backend's MPS clients run).
 #   bash bench/h200_ipc_check.sh OUT
+#   ONLY_PIDS=1 bash bench/h200_ipc_check.sh OUT   (exporter and mapper with the same PID in their namespaces,
+#                                                   and with the sandbox's distinct PID ranges)
 set -u
 OUT=${1:?usage: h200_ipc_check.sh OUT}
 mkdir -p "$OUT"
@@ -58,6 +60,14 @@ case_run() {  # NAME PIDNS(0/1/shm/tmp)
     unshare --mount sh -c "$wrap $PY $ROOT/ipc.py holder $hf" & H=$!
     sleep 0.5
     unshare --mount sh -c "$wrap timeout 40 $PY $ROOT/ipc.py mapper $hf"
+  elif [ "$ns" = samepid ] || [ "$ns" = ranges ]; then
+    # As the process backend's MPS clients: the runtime is PID 1 and the process that exports or maps is its
+    # child, in a namespace each. samepid: both children are PID 2; ranges: the sandbox's ns_last_pid slots.
+    local a=0 b=0; [ "$ns" = ranges ] && a=1000 b=2000
+    local pre='{ [ "$0" != 0 ] && echo "$0" > /proc/sys/kernel/ns_last_pid; } 2>/dev/null; exec "$@"'
+    unshare --pid --fork --kill-child --mount-proc sh -c "$pre" $a setpriv --reuid="$U" --regid="$U" --clear-groups env HOME="$ROOT" timeout 40 $PY "$ROOT/ipc.py" holder "$hf" & H=$!
+    sleep 0.5
+    unshare --pid --fork --kill-child --mount-proc sh -c "$pre" $b setpriv --reuid="$U" --regid="$U" --clear-groups env HOME="$ROOT" timeout 40 $PY "$ROOT/ipc.py" mapper "$hf"
   elif [ "$ns" = 1 ]; then
     unshare --pid --fork --kill-child --mount-proc setpriv --reuid="$U" --regid="$U" --clear-groups env HOME="$ROOT" $PY "$ROOT/ipc.py" holder "$hf" & H=$!
     sleep 0.5
@@ -69,6 +79,16 @@ case_run() {  # NAME PIDNS(0/1/shm/tmp)
   fi
   wait $H
 }
+if [ -n "${ONLY_PIDS:-}" ]; then  # same PID in both namespaces vs. the sandbox's PID ranges, without and with MPS
+  export HOLD_S=4
+  case_run nomps_samepid samepid
+  case_run nomps_ranges ranges
+  export CUDA_MPS_PIPE_DIRECTORY=$PIPE CUDA_MPS_LOG_DIRECTORY=$LOGD
+  "$CTL" -d && sleep 1
+  case_run mps_samepid samepid
+  case_run mps_ranges ranges
+  echo quit | "$CTL"; sleep 1; rm -rf "$ROOT"; echo "== done"; exit 0
+fi
 if [ -n "${ONLY_PRIVATE:-}" ]; then
   export CUDA_MPS_PIPE_DIRECTORY=$PIPE CUDA_MPS_LOG_DIRECTORY=$LOGD HOLD_S=4
   "$CTL" -d && sleep 1

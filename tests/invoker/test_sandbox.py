@@ -220,9 +220,12 @@ async def test_a_uid_group_is_one_uid_for_its_members_and_leased_apart(tmp_path:
     assert pipe.stat().st_uid == a.uid and logs.stat().st_uid == a.uid
     assert a.prefix[0].endswith("unshare") and f"--reuid={a.uid}" in a.prefix
     assert "/tmp" in a.covers and str(a.dir) in a.keep and str(pipe) in a.read_only
+    # Each member's namespace allocates PIDs from a range no other live member of its group has.
+    assert (a.pid_slot, b.pid_slot, other.pid_slot, plain.pid_slot) == (0, 1, 0, None)
+    assert "1000" in a.prefix and "2000" in b.prefix
     assert await boxes.destroy(a) and not a.dir.exists()
     again = await boxes.create("c", 64, group=group)  # still the group's uid, not handed to anyone else
-    assert again.uid == b.uid
+    assert again.uid == b.uid and again.pid_slot == 0  # the range a left
     last = await boxes.create("q", 64)  # 4 uids: two groups, the plain one, and this one
     with pytest.raises(Exception, match="in use"):
         await boxes.create("r", 64)

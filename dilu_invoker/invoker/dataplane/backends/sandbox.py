@@ -27,7 +27,12 @@ therefore run as one uid leased for that GPU, and are kept apart by namespaces i
   its own directory, so the files of the other members are not there to read; the MPS pipe and log
   directories are bound in read-only (clients connect to the daemon's sockets; they cannot replace them);
 * its own memory cgroup as every container; on destroy the namespace is killed (not every process of the
-  uid, which would kill the other members and the MPS server).
+  uid, which would kill the other members and the MPS server);
+* its **own range of PIDs** in its namespace (the namespace's ``ns_last_pid`` is set to ``PID_SLOT_SIZE`` x
+  (slot + 1) before the runtime starts, a slot no other live member of the group has): without it every
+  member's worker would be PID 2, and a CUDA IPC handle names its exporter by PID — two processes whose PIDs
+  read the same in their namespaces could take each other for the same process (the models API's
+  mapping between such members failed with CUDA error 201, invalid context, on the H200).
 
 Without root (or with ``--invoker-process-isolation off``) containers run as the invoker's user: the
 private directory, the runtime secret and the kill of every descendant (found by a per-container marker
@@ -358,6 +363,13 @@ class UidGroup:
 # -- one container's sandbox ------------------------------------------------------------------------------
 
 
+#: Group members: the PIDs of a member's processes start at PID_SLOT_SIZE x (its slot + 1) + 1 in its namespace
+PID_SLOT_SIZE = 1000
+#: slots 0..PID_SLOTS - 1: PIDs stay below 32768, the smallest pid_max a kernel has
+PID_SLOTS = 31
+_SET_LAST_PID = '{ echo "$0" > /proc/sys/kernel/ns_last_pid; } 2>/dev/null; exec "$@"'
+
+
 @dataclass(slots=True, eq=False)
 class Sandbox:
     """One container's confinement; :meth:`preexec` runs in the forked child before ``exec``."""
@@ -382,6 +394,8 @@ class Sandbox:
     """Group members: the command the runtime is started under (a private PID namespace, then the uid)."""
     leader: int | None = None
     """Group members: the pid of the process the backend started (the namespace's first process is its child)."""
+    pid_slot: int | None = None
+    """Group members: which range of PIDs its namespace allocates from (distinct among the live members)."""
     _lock_fd: int | None = None
 
     @property
@@ -506,6 +520,8 @@ class Sandboxes:
         self._kill = shutil.which("kill") or "/bin/kill"
         self._unshare, self._setpriv = (shutil.which(t) for t in MPS_ISOLATION_TOOLS)
         self._groups: dict[str, tuple[int, int]] = {}  # UidGroup.key -> (uid, its lease's fd)
+        self._pid_slots: dict[str, set[int]] = {}  # UidGroup.key -> the PID slots its live members hold
+        self._sh = shutil.which("sh")
         self._group_lock = asyncio.Lock()
         self.cgroups: Cgroups | None = None
         self.cgroup_note = "not used"
@@ -668,11 +684,36 @@ class Sandboxes:
         assert self._unshare is not None and self._setpriv is not None
         box = Sandbox(name=name, dir=self.work_root / f"g{uid}-{marker}", marker=marker, uid=uid, gid=uid,
                       group=group.key)
-        box.prefix = (self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc",
+        # As root, in the new namespace, before the uid drops: where its PIDs start (see the module docstring).
+        last_pid: tuple[str, ...] = ()
+        if self._sh is not None:
+            box.pid_slot = self._take_pid_slot(group.key)
+            last_pid = (self._sh, "-c", _SET_LAST_PID, str(PID_SLOT_SIZE * (box.pid_slot + 1)))
+        box.prefix = (self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", *last_pid,
                       self._setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
                       "--pdeathsig", "KILL", "--")
-        await asyncio.to_thread(self._prepare_member, box, memory_mb, writable, readable, group, preload)
+        try:
+            await asyncio.to_thread(self._prepare_member, box, memory_mb, writable, readable, group, preload)
+        except BaseException:
+            self._release_pid_slot(box)
+            raise
         return box
+
+    def _take_pid_slot(self, group: str) -> int:
+        """The lowest PID slot no live member of ``group`` holds (past ``PID_SLOTS`` members, one they share)."""
+        held = self._pid_slots.setdefault(group, set())
+        free = next((k for k in range(PID_SLOTS) if k not in held), None)
+        if free is None:
+            free = len(held) % PID_SLOTS
+            log.warning("more MPS clients on one GPU than PID ranges: two of them share one", group=group,
+                        members=len(held) + 1, ranges=PID_SLOTS)
+        held.add(free)
+        return free
+
+    def _release_pid_slot(self, box: Sandbox) -> None:
+        if box.group is not None and box.pid_slot is not None:
+            self._pid_slots.get(box.group, set()).discard(box.pid_slot)
+            box.pid_slot = None
 
     def _prepare_member(self, box: Sandbox, memory_mb: int, writable: Sequence[str], readable: Sequence[str],
                         group: UidGroup, preload: Sequence[str]) -> None:
@@ -718,6 +759,7 @@ class Sandboxes:
             clean = await self._kill_until_gone(lambda: pids_with_marker(box.marker), tries=5)
         clean = await asyncio.to_thread(self._remove_files, box) and clean
         if clean:
+            self._release_pid_slot(box)  # (a member whose processes outlive it keeps its range)
             self._unlock(box)
         else:
             # a process that would not die keeps its uid out of circulation until the invoker restarts
