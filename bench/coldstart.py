@@ -56,6 +56,14 @@ from loadgen import invoke_result, put_gpu_action, stop_process_tree, wait_for_a
 
 GUEST = "23bc46b1-71f6-4ed5-8c54-816aa4f8c502:123zO3xZCLrMN6v2BKK1dXYFpXlPkccOFqm12CdAsMgRU4VrNZ9lyGVCGuMDGIwP"
 
+
+def instance_of(invoke: dict[str, Any]) -> str | None:
+    """Which instance answered a share invoke: its token (older runs: its pid)."""
+    res = invoke.get("result") or {}
+    token = res.get("instance", res.get("pid"))
+    return None if token is None else str(token)
+
+
 # -- the actions' code (what a user would write) ------------------------------------------------------------
 
 MODEL_CODE = r'''
@@ -180,6 +188,9 @@ except ImportError:
     torch = None
 from dilu_invoker.actions import models
 
+# Which instance answered (PIDs repeat across the PID namespaces of isolated containers)
+INSTANCE = os.urandom(8).hex()
+
 def main(args):
     t0 = time.perf_counter()
     dev = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
@@ -194,8 +205,8 @@ def main(args):
     hold = float(args.get("hold_s", 0))
     if hold:
         time.sleep(hold)
-    return {"pid": os.getpid(), "role": m.role, "reason": m.reason, "load_s": m.seconds, "context_s": ctx_s,
-            "gib": m.nbytes / 2**30, "check": check,
+    return {"pid": os.getpid(), "instance": INSTANCE, "role": m.role, "reason": m.reason, "load_s": m.seconds,
+            "context_s": ctx_s, "gib": m.nbytes / 2**30, "check": check,
             "torch_allocated_gib": torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else 0.0}
 '''
 
@@ -502,12 +513,12 @@ async def step_share(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         await asyncio.sleep(0.5)
         res["gpu_after_first"] = gpu_memory()
         save(args.out, args.name, res)
-        first_pid = (res["first"].get("result") or {}).get("pid")
+        first_id = instance_of(res["first"])
         # Two held invokes at once: one of them lands on the instance that has not loaded yet.
         for _attempt in range(3):
             both = await asyncio.gather(*(st.invoke("shared", {"path": wf["path"], "hold_s": args.hold_s})
                                           for _ in range(2)))
-            other = [r for r in both if (r.get("result") or {}).get("pid") not in (None, first_pid)]
+            other = [r for r in both if instance_of(r) not in (None, first_id)]
             res.setdefault("attempts", []).append(both)
             if other:
                 res["second"] = other[0]
@@ -718,7 +729,7 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
     sh = data.get("share")
     if sh:
         out += ["", "## A second instance with shared weights", ""]
-        pids = {label: ((sh.get(label) or {}).get("result") or {}).get("pid") for label in ("first", "second", "first_again")}
+        pids = {label: instance_of(sh.get(label) or {}) for label in ("first", "second", "first_again")}
         for label in ("first", "second", "first_again"):
             r = sh.get(label)
             if r:
@@ -731,7 +742,7 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
                 out.append(f"* {label}: {sh[label]['used_mib']:.0f} MiB used; per process {sh[label]['processes_mib']}")
         if pids["first"] is not None and pids["first"] in (pids["second"], pids["first_again"]) \
                 and pids["second"] in (None, pids["first"]):
-            out.append(f"\n**Not measured**: every invoke ran in the first instance's process (pid {pids['first']}): "
+            out.append(f"\n**Not measured**: every invoke ran in the first instance's process ({pids['first']}): "
                        "no second instance of the function was started, so nothing was shared.")
         elif sh.get("summary"):
             s = sh["summary"]
