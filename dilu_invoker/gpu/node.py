@@ -128,6 +128,8 @@ class _Attached:
     """Redis holds its reservation (False: admitted locally while Redis was unreachable)."""
     weights: _Weights = None
     """Its function revision's shared weights (counted once per GPU in the budget), if it declares any."""
+    kept: bool = False
+    """Staged exit: its compute is released, only its weights stay reserved (`GpuNode.keep_weights`)."""
 
 
 class GpuNode:
@@ -478,6 +480,36 @@ class GpuNode:
         a.weights = weights
         return True
 
+    async def keep_weights(self, instance: str) -> bool:
+        """Staged exit: release an attached instance's compute but keep its shared weights on the GPU — its
+        SM request and limit go to 0, its reservation to the weights alone (``gpu-weights-mb``, counted once
+        with the other instances of its function revision there), and the manager stops steering it — until
+        `detach`. The next instance of the revision on the GPU then needs only the rest of its memory and
+        maps the weights from the kept process. False, changing nothing, when the instance shares no weights
+        here (no revision or `gpu-weights-mb`, or instances that cannot map each other, see `_weights_of`)."""
+        a = self._attached.get(instance)
+        if a is None or a.weights is None or a.kept:
+            return False
+        group, weights_mb = a.weights
+        kept = InstanceSpec(id=a.spec.id, function=a.spec.function, cls=InstanceClass.TRAINING, request=0.0,
+                            limit=0.0, memory_mb=weights_mb)
+        async with self._admit_lock:
+            await self._release(a.device, instance)
+            ok, reserved, why = await self._reserve(a.device, kept, a.weights)
+            if not ok:  # the weights alone must fit where the whole instance did; put it back if not
+                _ok, a.reserved, _why = await self._reserve(a.device, a.spec, a.weights)
+                log.warning("weights not kept: the GPU budget refused them", instance=instance, reason=why)
+                return False
+            self._managers[a.device.uuid].remove(instance)
+            a.spec, a.reserved, a.kept = kept, reserved, True
+        log.info("GPU compute released, weights kept", instance=instance, function=kept.function,
+                 gpu=a.device.index, weights_mb=weights_mb, group=group)
+        return True
+
+    def kept_on(self, gpu_index: int) -> list[str]:
+        """The kept instances (staged exit) on a GPU, longest kept first."""
+        return [i for i, a in self._attached.items() if a.kept and a.device.index == gpu_index]
+
     def attachment_of(self, instance: str) -> GpuAttachment | None:
         """What an attached instance was given (after a retarget: its new MPS cap among it)."""
         a = self._attached.get(instance)
@@ -487,7 +519,8 @@ class GpuNode:
         a = self._attached.pop(instance, None)
         if a is None:
             return
-        self._managers[a.device.uuid].remove(instance)
+        if not a.kept:
+            self._managers[a.device.uuid].remove(instance)
         a.control.close()
         a.stats.close()
         await asyncio.to_thread(shutil.rmtree, a.files.directory, True)

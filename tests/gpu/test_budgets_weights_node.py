@@ -266,3 +266,32 @@ def test_isolated_mps_clients_count_every_copy() -> None:
     assert _weights_of("invoker0", "guest/m", needs, "1-abc", "process") is not None
     assert _weights_of("invoker0", "guest/m", needs, "1-abc", "process", isolated_mps=True) is None
     assert _weights_of("invoker0", "guest/m", needs, "1-abc", "docker") is None
+
+
+async def test_kept_weights_release_the_compute_and_keep_only_the_weights(make_node: NodeFactory,
+                                                                          redis: aioredis.Redis) -> None:
+    """Staged exit: a kept instance holds its weights alone (no SM), the next instance of its revision needs
+    only the rest, and the weights go with the last of them."""
+    budgets = GpuBudgets(redis, prefix="twn:")
+    node = await make_node(budgets=budgets)
+    assert await node.attach("a", LLM, llm(), revision="1-abc") is not None
+    assert await node.attach("plain", "guest/plain", llm(memory_mb=1000, weights_mb=0)) is not None
+    assert not await node.keep_weights("plain")  # it declares no weights: nothing to keep
+    assert not await node.keep_weights("nobody")
+    assert await node.keep_weights("a")
+    assert not await node.keep_weights("a")  # kept already
+    budget = await _budget(budgets)
+    kept = budget.reservations["a"]
+    assert (kept.memory_mb, kept.request, kept.limit) == (5000, 0.0, 0.0)
+    assert node.kept_on(0) == ["a"] and "a" not in {spec.id for spec, _ in node.manager(0).statuses()}
+    # Beside the kept weights a new instance of the revision needs 1000, another revision a whole copy.
+    assert await node.attach("b", LLM, llm(), revision="1-abc") is not None
+    assert (await _budget(budgets)).sum_memory_mb == 5000 + 1000 + 1000
+    assert await node.attach("c", LLM, llm(), revision="2-def") is None  # 7000 + 6000 > 10000
+    # The kept process goes first: the instance that maps from it carries the weights from then on.
+    await node.detach("a")
+    assert {n: r.memory_mb for n, r in (await _budget(budgets)).reservations.items()} == {"b": 6000, "plain": 1000}
+    assert node.kept_on(0) == []
+    await node.detach("b")
+    await node.detach("plain")
+    assert (await _budget(budgets)).sum_memory_mb == 0
