@@ -6,9 +6,13 @@ placements never oversubscribe a GPU. Real Redis; the invokers' budget writes ar
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
+import aiohttp
 import msgpack
 import pytest
 import redis.asyncio as aioredis
@@ -18,19 +22,22 @@ from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity, Reservation
 from dilu_invoker.invoker.cluster.registry import FunctionRegistry
 from dilu_invoker.loadbalancer.planner import PlannerConfig, TickInput, placement_request, plan_tick
 from dilu_invoker.loadbalancer.service import Balancer, weight_groups_of
-from dilu_invoker.model import Action, Exec, Parameter, ValidationError, weights_group
+from dilu_invoker.model import GUEST_IDENTITY, Action, Exec, Parameter, ValidationError, weights_group
 from dilu_invoker.policy import ClusterSnapshot, GpuRef, GpuState, InstanceClass, PlacedInstance
+from dilu_invoker.standalone import run_standalone
 from dilu_invoker.wire import (
     Decision,
     FunctionSpec,
     GpuReport,
     InstanceCommand,
+    InstanceRecord,
     InstanceReport,
     Keys,
     LoadReport,
     decode,
     from_stream,
     pack,
+    text,
 )
 
 PREFIX = "wts:"
@@ -254,8 +261,6 @@ def _report(inv: str) -> LoadReport:
 
 def _plan(spec: FunctionSpec, held: bool = True) -> list[tuple[str, int]]:
     """invoker0's GPU holds the weights (its instance of the revision), invoker1's runs another function."""
-    from dilu_invoker.wire import InstanceRecord
-
     reports = {inv: _report(inv) for inv in ("invoker0", "invoker1")}
     records = {f"{inv}-a": InstanceRecord(id=f"{inv}-a", function=FN if inv == "invoker0" else "guest/o", rev=REV,
                                           invoker=inv, gpu=0, gpu_uuid=f"{inv}-g0", cls="inference", request=0.1,
@@ -288,3 +293,59 @@ def _plan(spec: FunctionSpec, held: bool = True) -> list[tuple[str, int]]:
 def test_planner_prefers_the_gpu_holding_the_weights(spec: FunctionSpec, held: bool,
                                                      expect: list[tuple[str, int]]) -> None:
     assert _plan(spec, held) == expect
+
+
+# -- end to end: standalone's balancer and its invoker's GPU node -----------------------------------
+
+
+async def test_standalone_places_the_second_instance_beside_the_weights(tmp_path: Path) -> None:
+    """`standalone` (one invoker, a 16 GB GPU from an inventory file, the embedded balancer): an action
+    with 10 GB of which 8 GB are weights and min-instances 2. Its invoker attaches the first with the
+    revision's group; the balancer then places the second on the same GPU, reserved 2 GB, and the
+    invoker's attach of it leaves the budget at 12 GB — one copy of the weights."""
+    (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": "GPU-w", "memory_mb": 16000}]))
+    base = config.load(environ={})
+    cfg = replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
+                  gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json")),
+                  balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0))
+    token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
+    ann = {"gpu-memory-mb": 10000, "gpu-weights-mb": 8000, "gpu-sm-request": 0.1, "gpu-sm-limit": 0.2,
+           "min-instances": 2}
+    async with run_standalone(cfg) as running, aiohttp.ClientSession(
+            headers={"Authorization": f"Basic {token}"}) as http:
+        assert running.balancer is not None
+        redis = running.balancer.redis
+        budgets = GpuBudgets(redis, cfg.redis.prefix)
+        body = {"exec": {"kind": "python:3-gpu", "code": "def main(a):\n    return a\n"},
+                "annotations": [{"key": k, "value": v} for k, v in ann.items()]}
+        async with http.put(f"{running.api_url}/api/v1/namespaces/_/actions/llm", json=body) as r:
+            assert r.status == 200, await r.text()
+        # the first activation registers the function with the balancer (as a router does); its outcome is
+        # not what this test is about (it may be refused while the second instance cannot be placed yet)
+        async with http.post(f"{running.api_url}/api/v1/namespaces/_/actions/llm", json={"n": 1}) as r:
+            assert r.status == 202
+        [uuid] = await budgets.node_gpus("invoker0")
+        deadline = time.monotonic() + 8.0
+        while True:
+            got = await budgets.get(uuid)
+            charged = sorted(r.memory_mb for r in got.reservations.values()) if got is not None else []
+            if charged == [2000, 10000] and all(r.group for r in got.reservations.values()):  # type: ignore[union-attr]
+                break
+            assert time.monotonic() < deadline, f"budget never held one copy of the weights: {got}"
+            await asyncio.sleep(0.05)
+        assert got is not None and got.sum_memory_mb == 12000
+        rev = text(await redis.hget(Keys(cfg.redis.prefix).function("guest/llm"), "rev"))
+        assert {r.group for r in got.reservations.values()} == {weights_group("invoker0", "guest/llm", rev)}
+        # both instances start and run on that GPU, and the second was placed as sharing the weights
+        while True:
+            records = [decode(InstanceRecord, raw)
+                       for raw in (await redis.hgetall(Keys(cfg.redis.prefix).instances)).values()]
+            if [r.state for r in records if r is not None] == ["ready", "ready"]:
+                break
+            assert time.monotonic() < deadline, f"instances never became ready: {records}"
+            await asyncio.sleep(0.05)
+        assert sorted((r.gpu_uuid, r.memory_mb) for r in records if r is not None) == [(uuid, 10000), (uuid, 10000)]
+        got = await budgets.get(uuid)
+        assert got is not None and got.sum_memory_mb == 12000
+        reasons = [from_stream(Decision, f).reason for _, f in await redis.xrange(Keys(cfg.redis.prefix).decisions)]
+        assert sum("weights shared there" in r for r in reasons) == 1
