@@ -444,11 +444,13 @@ def _compact(
     if inp.now < loop.next_at or any(r.replaces for r in work.records.values()):
         return cluster, seq, loop
     now, epoch = inp.now, inp.epoch
+    # Instances of a function sharing read-only weights stay: compaction sizes a move by what the instance
+    # is charged on its GPU (without the weights where it shares them), and its replacement would load a copy.
     movable = {
         r.id
         for r in work.records.values()
         if r.state == RecordState.READY and r.function in calm and r.function in inp.specs
-        and not outdated(r.rev, inp.specs[r.function].rev)
+        and not outdated(r.rev, inp.specs[r.function].rev) and not shares_weights(inp.specs[r.function])
     }
     pinned = frozenset(i for i in cluster.locations if i not in movable)
     # Stages of split instances are not moved live: placement for compaction never splits.

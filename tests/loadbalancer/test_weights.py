@@ -349,3 +349,21 @@ async def test_standalone_places_the_second_instance_beside_the_weights(tmp_path
         assert got is not None and got.sum_memory_mb == 12000
         reasons = [from_stream(Decision, f).reason for _, f in await redis.xrange(Keys(cfg.redis.prefix).decisions)]
         assert sum("weights shared there" in r for r in reasons) == 1
+
+
+def test_live_compaction_leaves_instances_sharing_weights_where_they_are() -> None:
+    """The compaction table's first case (f's a moves beside g's b): with f declaring shared weights, a
+    stays and b moves beside it instead; without weights, as before."""
+    from tests.loadbalancer.test_planner import cluster as cluster_of
+    from tests.loadbalancer.test_planner import spec as spec_of
+    from tests.loadbalancer.test_planner_compaction import ON, F, G, moves, two_gpus
+
+    reports, records = two_gpus()
+
+    def run(f_spec: FunctionSpec) -> list[tuple[str, str, str]]:
+        return moves(plan_tick(TickInput(
+            now=1000.0, epoch=7, reports=reports, known_invokers=frozenset(reports), records=records,
+            specs={F: f_spec, G: spec_of(G)}, cluster=cluster_of(reports, records), seq=1), ON))
+
+    assert run(spec_of(F)) == [(F, "a", "invoker1")]
+    assert run(spec_of(F, weights_mb=1500)) == [(G, "b", "invoker0")]
