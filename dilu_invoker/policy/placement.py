@@ -895,7 +895,7 @@ def _lit_order(
     # Within a bucket, GPUs with less free memory than the request needs fail `memory`, and
     # those whose Σ limit leaves no room for its limit fail the limit filter: the indexes by
     # free memory and by Σ limit give both sets by bisection; walk the smaller remainder.
-    need = (request.memory_mib - request.weights_mib - cluster.max_memory_mib * EPS, -1)
+    need = (request.memory_mib - cluster.max_memory_mib * EPS, -1)
     cap = None
     if FILTERS["sm-limit"] in filters:
         cap = config.gamma
