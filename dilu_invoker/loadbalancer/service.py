@@ -439,8 +439,9 @@ class Balancer:
                 # The budget saw something the snapshot did not (a concurrent admission): retry next tick.
                 log.info("GPU budget refused a placement", instance=r.id, gpu=r.gpu_uuid, reason=result.reason)
                 records.pop(r.id, None)
-                st = states.get(r.function, FunctionState())
-                states[r.function] = replace(st, owed=st.owed + 1)
+                if not r.replaces:  # a compaction replacement is not owed: its original keeps serving
+                    st = states.get(r.function, FunctionState())
+                    states[r.function] = replace(st, owed=st.owed + 1)
                 continue
             reserved.append(r)
             starts.append(order)

@@ -367,3 +367,4 @@ def test_live_compaction_leaves_instances_sharing_weights_where_they_are() -> No
 
     assert run(spec_of(F)) == [(F, "a", "invoker1")]
     assert run(spec_of(F, weights_mb=1500)) == [(G, "b", "invoker0")]
+
