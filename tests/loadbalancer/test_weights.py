@@ -316,6 +316,15 @@ async def test_standalone_places_the_second_instance_beside_the_weights(tmp_path
         assert running.balancer is not None
         redis = running.balancer.redis
         budgets = GpuBudgets(redis, cfg.redis.prefix)
+        # weights beyond the memory: 400 in OpenWhisk's error shape, and nothing is stored
+        bad = {"exec": {"kind": "python:3-gpu", "code": "def main(a):\n    return a\n"},
+               "annotations": [{"key": k, "value": v} for k, v in {**ann, "gpu-weights-mb": 12000}.items()]}
+        async with http.put(f"{running.api_url}/api/v1/namespaces/_/actions/llm", json=bad) as r:
+            assert r.status == 400
+            err = await r.json()
+            assert "gpu-weights-mb" in err["error"] and err["code"]
+        async with http.get(f"{running.api_url}/api/v1/namespaces/_/actions/llm") as r:
+            assert r.status == 404
         body = {"exec": {"kind": "python:3-gpu", "code": "def main(a):\n    return a\n"},
                 "annotations": [{"key": k, "value": v} for k, v in ann.items()]}
         async with http.put(f"{running.api_url}/api/v1/namespaces/_/actions/llm", json=body) as r:
