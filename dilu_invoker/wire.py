@@ -217,6 +217,8 @@ class FunctionSpec:
     affinity: str | None = None
     user_memory_mb: int = 0
     """The action's memory limit (``limits.memory``): what an instance holds of its invoker's user memory."""
+    weights_mb: int = 0
+    """Of ``memory_mb``, the read-only weights its instances on one GPU share (``gpu-weights-mb``)."""
 
     @classmethod
     def of(cls, action: Action) -> FunctionSpec:
@@ -255,6 +257,7 @@ class FunctionSpec:
             profile=profile,
             affinity=affinity,
             user_memory_mb=action.limits.memory_mb,
+            weights_mb=needs.weights_mb,
         )
 
     @classmethod

@@ -48,6 +48,7 @@ from dilu_invoker.policy import (
     compaction_plan,
     decide_scale,
 )
+from dilu_invoker.policy.placement import PlacementDecision, holds_weights, place_sharing
 from dilu_invoker.policy.spread import place_spread
 from dilu_invoker.wire import (
     Decision,
@@ -155,6 +156,9 @@ class TickInput:
 class Order:
     record: InstanceRecord
     reason: str
+    weights_mb: int = 0
+    """A start on a GPU that holds its revision's shared weights: how much of ``memory_mb`` they are (its
+    reservation declares them with its group, so the budget charges it the rest); 0: reserved whole."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +244,20 @@ def function_load(
     )
 
 
+def weights_identity(function: str, rev: str) -> str:
+    """A function revision's shared-weights group as a GPU's view names it (`GpuState.weight_groups`):
+    the GPU's invoker is implied (its budget group is `dilu_invoker.model.weights_group` of the three)."""
+    return f"{function}@{rev}"
+
+
+def shares_weights(spec: FunctionSpec) -> bool:
+    """Whether the function's instances may share read-only weights on a GPU: it declares them and has a
+    known revision (the invoker's budget groups them by revision)."""
+    return bool(spec.rev) and 0 < spec.weights_mb <= spec.memory_mb
+
+
 def placement_request(spec: FunctionSpec, instance: str) -> PlacementRequest:
+    shared = shares_weights(spec)
     return PlacementRequest(
         instance_id=instance,
         function=spec.fqn,
@@ -250,7 +267,20 @@ def placement_request(spec: FunctionSpec, instance: str) -> PlacementRequest:
         memory_mib=float(spec.memory_mb),
         profile=Profile(spec.profile) if spec.profile else None,
         affinity=Affinity(spec.affinity) if spec.affinity else None,
+        weights_mib=float(spec.weights_mb) if shared else 0.0,
+        weights_group=weights_identity(spec.fqn, spec.rev) if shared else "",
     )
+
+
+def _place_new(cluster: ClusterSnapshot, spec: FunctionSpec, request: PlacementRequest,
+               config: PlacementConfig) -> PlacementDecision:
+    """Where a new instance goes: a GPU holding its revision's shared weights first (unless the function
+    asks for spread explicitly: then only when spread finds no other lit GPU), else as spread places."""
+    if request.weights_mib and spec.affinity is None:
+        shared = place_sharing(cluster, request, config)
+        if shared is not None:
+            return shared
+    return place_spread(cluster, request, config)
 
 
 def victim_order(
@@ -414,11 +444,13 @@ def _compact(
     if inp.now < loop.next_at or any(r.replaces for r in work.records.values()):
         return cluster, seq, loop
     now, epoch = inp.now, inp.epoch
+    # Instances of a function sharing read-only weights stay: compaction sizes a move by what the instance
+    # is charged on its GPU (without the weights where it shares them), and its replacement would load a copy.
     movable = {
         r.id
         for r in work.records.values()
         if r.state == RecordState.READY and r.function in calm and r.function in inp.specs
-        and not outdated(r.rev, inp.specs[r.function].rev)
+        and not outdated(r.rev, inp.specs[r.function].rev) and not shares_weights(inp.specs[r.function])
     }
     pinned = frozenset(i for i in cluster.locations if i not in movable)
     # Stages of split instances are not moved live: placement for compaction never splits.
@@ -504,7 +536,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 iid = instance_id(fqn, epoch, seq)
                 request = placement_request(spec, iid)
                 fits, short = _user_memory(cluster, spec, inp.reports, work.records)
-                where = place_spread(fits, request, cfg.placement) if fits is not None else None
+                where = _place_new(fits, spec, request, cfg.placement) if fits is not None else None
                 if where is None or not where.placed:
                     reason = short if where is None else (f"{where.reason}; {short}" if short else where.reason)
                     if reason != blocked:
@@ -514,8 +546,9 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 seq += 1
                 placed += 1
                 blocked = ""
-                cluster = apply_placement(cluster, request, where)
                 ref = where.gpus[0]
+                weights = spec.weights_mb if holds_weights(cluster.gpu(ref), request) else 0
+                cluster = apply_placement(cluster, request, where)
                 rep = inp.reports.get(ref.invoker)
                 record = InstanceRecord(
                     id=iid, function=fqn, rev=spec.rev, invoker=ref.invoker, gpu=ref.gpu,
@@ -524,7 +557,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                     epoch=epoch, boot=rep.boot if rep is not None else "", user_memory_mb=spec.user_memory_mb,
                 )
                 work.records[iid] = record
-                work.starts.append(Order(record, where.reason))
+                work.starts.append(Order(record, where.reason, weights))
                 work.decisions.append(Decision(now, epoch, "place", fqn, where.reason, iid, ref.invoker, ref.gpu))
             owed -= placed
         if decision.action is ScaleAction.IN:

@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -51,7 +51,9 @@ from dilu_invoker.loadbalancer.planner import (
     TickInput,
     TickPlan,
     plan_tick,
+    weights_identity,
 )
+from dilu_invoker.model import weights_group
 from dilu_invoker.policy import (
     Affinity,
     ClusterSnapshot,
@@ -156,6 +158,21 @@ class BalancerMetrics:
 def _natural(name: str) -> tuple[str, int, str]:
     m = re.match(r"^(.*?)(\d+)$", name)
     return (m.group(1), int(m.group(2)), name) if m else (name, -1, name)
+
+
+def weight_groups_of(invoker: str, reservations: Iterable[Reservation]) -> frozenset[tuple[str, float]]:
+    """The shared weights a GPU of ``invoker`` holds, as its snapshot names them (`GpuState.weight_groups`):
+    the sharing groups of that invoker's own reservations there (another invoker's instances cannot map
+    them, so they are not shared with its new instances)."""
+    held: set[tuple[str, float]] = set()
+    for r in reservations:
+        key = r.sharing_key
+        if key is None or r.invoker != invoker:
+            continue
+        prefix = weights_group(invoker, r.function, "")
+        if key[0].startswith(prefix):
+            held.add((weights_identity(r.function, key[0][len(prefix):]), float(key[1])))
+    return frozenset(held)
 
 
 def default_holder() -> str:
@@ -385,8 +402,10 @@ class Balancer:
                         memory_mib=float(r.memory_mb),
                         profile=Profile(spec.profile) if spec is not None and spec.profile else None))
                 memory = budget.capacity.memory_mb if budget is not None else g.memory_mb
+                groups = weight_groups_of(name, budget.reservations.values()) if budget is not None else frozenset()
                 states.append(GpuState(ref=GpuRef(name, g.index), memory_mib=float(max(1, memory)), uuid=g.uuid,
-                                       sm_count=g.sm_count, instances=tuple(placed), schedulable=report.enabled))
+                                       sm_count=g.sm_count, instances=tuple(placed), schedulable=report.enabled,
+                                       weight_groups=groups))
         if not states:
             return None
         return ClusterSnapshot.build(now=now, gpus=states)
@@ -410,15 +429,19 @@ class Balancer:
             if r.gpu_uuid is None:
                 starts.append(order)
                 continue
+            # On a GPU holding its revision's weights it declares them with the group its invoker's own
+            # reservation will name, so Redis charges it the rest now and the invoker's settles the same.
             result = await self.budgets.reserve(r.gpu_uuid, Reservation(
                 instance=r.id, function=r.function, cls=r.cls, invoker=r.invoker, request=r.request,
-                limit=r.limit, memory_mb=r.memory_mb), ttl_s=ttl_s)
+                limit=r.limit, memory_mb=r.memory_mb, weights_mb=order.weights_mb,
+                group=weights_group(r.invoker, r.function, r.rev) if order.weights_mb else ""), ttl_s=ttl_s)
             if not result.ok:
                 # The budget saw something the snapshot did not (a concurrent admission): retry next tick.
                 log.info("GPU budget refused a placement", instance=r.id, gpu=r.gpu_uuid, reason=result.reason)
                 records.pop(r.id, None)
-                st = states.get(r.function, FunctionState())
-                states[r.function] = replace(st, owed=st.owed + 1)
+                if not r.replaces:  # a compaction replacement is not owed: its original keeps serving
+                    st = states.get(r.function, FunctionState())
+                    states[r.function] = replace(st, owed=st.owed + 1)
                 continue
             reserved.append(r)
             starts.append(order)

@@ -424,6 +424,7 @@ class ClusterSnapshot:
             sm_count=old.sm_count,
             instances=old.instances,
             schedulable=schedulable,
+            weight_groups=old.weight_groups,
         )
         return _copy(self, gpus=self.gpus.replace({o: new}))
 

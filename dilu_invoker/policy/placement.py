@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import accumulate, combinations, compress
 from operator import attrgetter, sub
@@ -99,6 +99,12 @@ class PlacementRequest:
     """A one-GPU instance whose memory may be split across up to this many GPUs of one invoker
     (an LLM served as pipeline stages, as Dilu does); None: `PlacementConfig.llm_max_parts` for
     `llm`, 1 (never split) for the other classes. Only strategies that split use it."""
+    weights_mib: float = 0.0
+    """How much of `memory_mib` is read-only weights that the instances of `weights_group` on one GPU
+    share: on a GPU holding the group (`GpuState.weight_groups`) the instance needs `memory_mib −
+    weights_mib`, and such GPUs are tried first (see `place`). 0: it shares nothing."""
+    weights_group: str = ""
+    """The sharing group of its weights (a function revision, `GpuState.weight_groups`)."""
 
     def __post_init__(self) -> None:
         # PlacedInstance validates id, shares, memory and width the same way.
@@ -107,6 +113,14 @@ class PlacementRequest:
             raise ValueError(f"max_parts must be >= 1, got {self.max_parts}")
         if self.gpus > 1 and (self.max_parts or 1) > 1:
             raise ValueError("a gang (gpus > 1) cannot also be split into parts")
+        if self.weights_mib:
+            if not (math.isfinite(self.weights_mib) and 0 < self.weights_mib <= self.memory_mib):
+                raise ValueError(f"weights_mib must be within 0..memory_mib ({self.memory_mib:g}), "
+                                 f"got {self.weights_mib!r}")
+            if not self.weights_group:
+                raise ValueError("weights_mib needs a weights_group")
+            if self.gpus > 1:
+                raise ValueError("a gang (gpus > 1) shares no weights")
 
     def parts_allowed(self, config: PlacementConfig) -> int:
         """How many GPUs this request's memory may be split across under `config`."""
@@ -201,7 +215,19 @@ def _f_sm_limit_static(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> 
     return g.used_limit + r.limit <= 1.0 + EPS
 
 
+def holds_weights(g: GpuState, r: PlacementRequest) -> bool:
+    """Whether `g` holds `r`'s shared weights already (it then needs only the rest of its memory)."""
+    return bool(r.weights_mib) and (r.weights_group, r.weights_mib) in g.weight_groups
+
+
+def memory_need(g: GpuState, r: PlacementRequest) -> float:
+    """The memory `r` adds to `g`: its whole memory, less its weights where `g` holds them."""
+    return r.memory_mib - r.weights_mib if holds_weights(g, r) else r.memory_mib
+
+
 def _f_memory(g: GpuState, r: PlacementRequest, c: PlacementConfig) -> bool:
+    if r.weights_mib and (r.weights_group, r.weights_mib) in g.weight_groups:
+        return g.used_memory + r.memory_mib - r.weights_mib <= g.memory_mib * (1.0 + EPS)
     return g.used_memory + r.memory_mib <= g.memory_mib * (1.0 + EPS)
 
 
@@ -258,10 +284,11 @@ FILTERS: dict[str, Filter] = {
         ),
         Filter(
             "memory",
-            "Σ memory + memory ≤ GPU memory",
+            "Σ memory + memory ≤ GPU memory (memory − weights where the GPU holds the instance's shared weights)",
             _f_memory,
             lambda g, r, c: (
-                f"{g.ref}: memory {g.used_memory:.0f} + {r.memory_mib:.0f} MiB > {g.memory_mib:.0f} MiB"
+                f"{g.ref}: memory {g.used_memory:.0f} + {memory_need(g, r):.0f} MiB > {g.memory_mib:.0f} MiB"
+                + (f" (its {r.weights_mib:.0f} MiB of weights shared)" if holds_weights(g, r) else "")
             ),
         ),
         Filter(
@@ -327,6 +354,10 @@ def _frag_score(
 def _s_fragmentation(
     g: GpuState, r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
 ) -> float:
+    if r.weights_mib and (r.weights_group, r.weights_mib) in g.weight_groups:
+        return _frag_score(
+            g.used_request + r.request, g.used_memory + r.memory_mib - r.weights_mib, g.memory_mib, c
+        )
     return _frag_score(
         g.used_request + r.request, g.used_memory + r.memory_mib, g.memory_mib, c
     )
@@ -705,7 +736,11 @@ def apply_placement(
         for part in decision.parts:
             cluster = cluster.with_instance(part.instance, (part.gpu,))
         return cluster
-    return cluster.with_instance(request.to_instance(), decision.gpus)
+    instance = request.to_instance()
+    if request.weights_mib and holds_weights(cluster.gpu(decision.gpus[0]), request):
+        # charged as its invoker's budget will charge it: the GPU's copy of the weights counts once
+        instance = replace(instance, memory_mib=request.memory_mib - request.weights_mib)
+    return cluster.with_instance(instance, decision.gpus)
 
 
 # -- the decision --------------------------------------------------------------------------------
@@ -1044,6 +1079,8 @@ def place(
     cluster: ClusterSnapshot, request: PlacementRequest, config: PlacementConfig
 ) -> PlacementDecision:
     """Choose GPU(s) for `request` on `cluster` under `config.strategy`; never raises for "no room"."""
+    if request.weights_mib:
+        return _place_weights(cluster, request, config)
     strategy = config.strategy_spec()
     filters = tuple(FILTERS[name] for name in strategy.filters)
     scorers = config.scorer_weights()
@@ -1057,6 +1094,66 @@ def place(
         split = _place_split(cluster, request, config, strategy, filters, max_parts)
         if split is not None:
             return split
+    return decision
+
+
+def place_sharing(
+    cluster: ClusterSnapshot, request: PlacementRequest, config: PlacementConfig
+) -> PlacementDecision | None:
+    """The first tier of a request declaring shared weights (`place` tries it first): the lit GPUs that
+    hold them already (there it needs only the rest of its memory and maps the weights in milliseconds
+    instead of loading a copy), ranked by the strategy's scorers; None when it declares none or none of
+    those GPUs passes the filters."""
+    decision, _ = _sharing_tier(cluster, request, config)
+    return decision if decision is not None and decision.placed else None
+
+
+def _sharing_tier(
+    cluster: ClusterSnapshot, request: PlacementRequest, config: PlacementConfig
+) -> tuple[PlacementDecision | None, str]:
+    """`place_sharing`'s decision, placed or not (None: no GPU holds the weights), and why holders were
+    refused. Looks at every GPU: only requests declaring weights come here."""
+    if not request.weights_mib:
+        return None, ""
+    strategy = config.strategy_spec()
+    filters = tuple(FILTERS[name] for name in strategy.filters)
+    scorers = config.scorer_weights()
+    rejects = _Rejects()
+    ranked: list[_Ranked] = []
+    seen = False
+    for o, g in enumerate(cluster.gpus[:]):
+        if not (g.weight_groups and g.instances and holds_weights(g, request)):
+            continue
+        seen = True
+        failed = _first_failure(g, filters, request, config)
+        if failed is not None:
+            rejects.note(failed, g, request, config)
+            continue
+        total, parts = _score(g, request, cluster, config, scorers)
+        ranked.append((total, 1, -o, (o,), parts))
+    if not seen:
+        return None, ""
+    ranked.sort(reverse=True)
+    decision = _decision(request, config, strategy, _candidates(cluster, request, ranked, scorers, config),
+                         rejects, "")
+    if decision.placed:
+        decision = replace(decision, reason=f"{decision.reason}; its {request.weights_mib:.0f} MiB of weights "
+                                            "shared there")
+    return decision, rejects.summary()
+
+
+def _place_weights(
+    cluster: ClusterSnapshot, request: PlacementRequest, config: PlacementConfig
+) -> PlacementDecision:
+    """`place` of a request declaring shared weights: on a GPU holding them if one takes it, else as
+    `place` would place it whole (where nothing holds them it needs its whole memory)."""
+    tier, why = _sharing_tier(cluster, request, config)
+    if tier is not None and tier.placed:
+        return tier
+    decision = place(cluster, replace(request, weights_mib=0.0, weights_group=""), config)
+    if tier is not None and not decision.placed:
+        decision = replace(decision, reason=f"{decision.reason}; on the GPUs holding its {request.weights_mib:.0f} "
+                                            f"MiB of weights: {why}")
     return decision
 
 

@@ -140,6 +140,10 @@ class GpuState:
     instances: tuple[PlacedInstance, ...] = ()
     schedulable: bool = True
     """False while the GPU (or its invoker) drains: nothing new lands there."""
+    weight_groups: frozenset[tuple[str, float]] = frozenset()
+    """The shared read-only weights the GPU holds, as (group, MiB): an instance of such a group placed
+    here needs its memory less the weights (its invoker's budget counts them once per GPU; docs/balancer.md
+    "Shared weights"). The group names a function revision; only the GPU's own invoker's instances count."""
     used_request: float = field(init=False)
     used_limit: float = field(init=False)
     used_memory: float = field(init=False)
@@ -188,4 +192,5 @@ class GpuState:
             sm_count=self.sm_count,
             instances=instances,
             schedulable=self.schedulable,
+            weight_groups=self.weight_groups,
         )
