@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import types
@@ -125,8 +126,13 @@ class InvokerConfig:
                                             "(their CUDA contexts)")
     preload_learn: int = _opt(8, "modules per kind learnt from what recent actions of the kind imported, "
                                  "pre-loaded besides the manifest's list (0: the list only)")
+    weights_grace_s: float = _opt(60.0, "staged exit: when the last instance of a GPU function that declares "
+                                        "gpu-weights-mb leaves a GPU, its process keeps the weights there this "
+                                        "long (its compute released) for the next instance to map; 0: off")
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.weights_grace_s) and self.weights_grace_s >= 0):
+            raise ConfigError("--invoker-weights-grace-s must be a number of seconds >= 0")
         for name in ("preload", "preload_memory_mb", "preload_budget_mb", "preload_gpu_budget_mb", "preload_learn"):
             if getattr(self, name) < 0:
                 flag = "--preload" if name == "preload" else "--invoker-" + name.replace("_", "-")

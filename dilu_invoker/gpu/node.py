@@ -480,31 +480,40 @@ class GpuNode:
         a.weights = weights
         return True
 
-    async def keep_weights(self, instance: str) -> bool:
+    async def keep_weights(self, instance: str) -> str | None:
         """Staged exit: release an attached instance's compute but keep its shared weights on the GPU — its
         SM request and limit go to 0, its reservation to the weights alone (``gpu-weights-mb``, counted once
         with the other instances of its function revision there), and the manager stops steering it — until
         `detach`. The next instance of the revision on the GPU then needs only the rest of its memory and
-        maps the weights from the kept process. False, changing nothing, when the instance shares no weights
-        here (no revision or `gpu-weights-mb`, or instances that cannot map each other, see `_weights_of`)."""
+        maps the weights from the kept process. Returns the id the kept weights are attached and reserved
+        under from then on (``<instance>-kept``: whoever placed the instance may release its reservation),
+        for `detach`; None, changing nothing, when the instance shares no weights here (no revision or
+        `gpu-weights-mb`, or instances that cannot map each other, see `_weights_of`)."""
         a = self._attached.get(instance)
-        if a is None or a.weights is None or a.kept:
-            return False
+        new_id = f"{instance}-kept"
+        if a is None or a.weights is None or a.kept or new_id in self._attached:
+            return None
         group, weights_mb = a.weights
-        kept = InstanceSpec(id=a.spec.id, function=a.spec.function, cls=InstanceClass.TRAINING, request=0.0,
-                            limit=0.0, memory_mb=weights_mb)
+        try:
+            kept = InstanceSpec(id=new_id, function=a.spec.function, cls=InstanceClass.TRAINING, request=0.0,
+                                limit=0.0, memory_mb=weights_mb)
+        except ValueError:
+            return None
         async with self._admit_lock:
+            del self._attached[instance]
             await self._release(a.device, instance)
             ok, reserved, why = await self._reserve(a.device, kept, a.weights)
             if not ok:  # the weights alone must fit where the whole instance did; put it back if not
                 _ok, a.reserved, _why = await self._reserve(a.device, a.spec, a.weights)
+                self._attached[instance] = a
                 log.warning("weights not kept: the GPU budget refused them", instance=instance, reason=why)
-                return False
+                return None
             self._managers[a.device.uuid].remove(instance)
             a.spec, a.reserved, a.kept = kept, reserved, True
-        log.info("GPU compute released, weights kept", instance=instance, function=kept.function,
+            self._attached[new_id] = a
+        log.info("GPU compute released, weights kept", instance=new_id, was=instance, function=kept.function,
                  gpu=a.device.index, weights_mb=weights_mb, group=group)
-        return True
+        return new_id
 
     def kept_on(self, gpu_index: int) -> list[str]:
         """The kept instances (staged exit) on a GPU, longest kept first."""

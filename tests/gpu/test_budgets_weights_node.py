@@ -276,20 +276,23 @@ async def test_kept_weights_release_the_compute_and_keep_only_the_weights(make_n
     node = await make_node(budgets=budgets)
     assert await node.attach("a", LLM, llm(), revision="1-abc") is not None
     assert await node.attach("plain", "guest/plain", llm(memory_mb=1000, weights_mb=0)) is not None
-    assert not await node.keep_weights("plain")  # it declares no weights: nothing to keep
-    assert not await node.keep_weights("nobody")
-    assert await node.keep_weights("a")
-    assert not await node.keep_weights("a")  # kept already
+    assert await node.keep_weights("plain") is None  # it declares no weights: nothing to keep
+    assert await node.keep_weights("nobody") is None
+    # Kept under an id of its own: whoever placed "a" may release "a"'s reservation.
+    assert await node.keep_weights("a") == "a-kept"
+    assert await node.keep_weights("a-kept") is None  # kept already
+    await budgets.release("GPU-wn-0", "a")  # the instance's placer lets go of it: the kept weights stay
     budget = await _budget(budgets)
-    kept = budget.reservations["a"]
+    assert set(budget.reservations) == {"a-kept", "plain"}
+    kept = budget.reservations["a-kept"]
     assert (kept.memory_mb, kept.request, kept.limit) == (5000, 0.0, 0.0)
-    assert node.kept_on(0) == ["a"] and "a" not in {spec.id for spec, _ in node.manager(0).statuses()}
+    assert node.kept_on(0) == ["a-kept"] and not {"a", "a-kept"} & {spec.id for spec, _ in node.manager(0).statuses()}
     # Beside the kept weights a new instance of the revision needs 1000, another revision a whole copy.
     assert await node.attach("b", LLM, llm(), revision="1-abc") is not None
     assert (await _budget(budgets)).sum_memory_mb == 5000 + 1000 + 1000
     assert await node.attach("c", LLM, llm(), revision="2-def") is None  # 7000 + 6000 > 10000
     # The kept process goes first: the instance that maps from it carries the weights from then on.
-    await node.detach("a")
+    await node.detach("a-kept")
     assert {n: r.memory_mb for n, r in (await _budget(budgets)).reservations.items()} == {"b": 6000, "plain": 1000}
     assert node.kept_on(0) == []
     await node.detach("b")

@@ -34,8 +34,9 @@ from dilu_invoker.invoker.dataplane.backends.base import (
     Mount,
 )
 from dilu_invoker.invoker.dataplane.container import ContainerProxy, Output, PoolKey, State, Transition
+from dilu_invoker.invoker.dataplane.keep import Group, WeightsKeeper, group_of
 from dilu_invoker.invoker.dataplane.metrics import InvokerMetrics
-from dilu_invoker.invoker.dataplane.pool import ContainerPool, NoContainer
+from dilu_invoker.invoker.dataplane.pool import ContainerPool, NoContainer, Reserves
 from dilu_invoker.invoker.dataplane.preload import PreloadPool, Taken
 from dilu_invoker.invoker.dataplane.runtime_client import (
     MODELS_KEY_ENV,
@@ -161,7 +162,18 @@ class Invoker:
             )
             if pool.enabled:
                 self.preload = pool
-                self.pool.reserve = pool
+        # Staged exit: the last instance of a GPU function with declared weights leaves its process (and
+        # weights) on the GPU for a grace period (keep.py); only where the GPU node can keep weights.
+        self.keeper: WeightsKeeper | None = None
+        self._stopping: set[str] = set()
+        keep_weights = getattr(gpu, "keep_weights", None)
+        if ic.weights_grace_s > 0 and keep_weights is not None:
+            self.keeper = WeightsKeeper(grace_s=ic.weights_grace_s, keep_weights=keep_weights,
+                                        destroy=self._destroy_now, members=self._members_of,
+                                        registry=self.metrics.registry)
+        reserves = [r for r in (self.keeper, self.preload) if r is not None]
+        if reserves:
+            self.pool.reserve = reserves[0] if len(reserves) == 1 else Reserves(*reserves)
 
     def start_preloading(self) -> None:
         """Fill the pre-loaded containers of every pre-loaded kind (``open_invoker`` calls it)."""
@@ -174,7 +186,13 @@ class Invoker:
 
     def _room_mb(self) -> int:
         reserve = self.preload.memory_in_use_mb if self.preload is not None else 0
+        reserve += self.keeper.memory_in_use_mb if self.keeper is not None else 0
         return self.pool.user_memory_mb - self.pool.memory_in_use_mb - reserve
+
+    def _members_of(self, group: Group) -> int:
+        """Live containers (not being removed) of a staged-exit group: its function revision on one GPU."""
+        return sum(1 for p in self.pool.containers.values()
+                   if p.state not in (State.REMOVING, State.REMOVED) and group_of(p) == group)
 
     def _preload_spec(self, name: str, runtime: RuntimeKind, env: dict[str, str]) -> ContainerSpec:
         base = {
@@ -539,9 +557,16 @@ class Invoker:
             log.warning("invalid GPU annotations; running without a GPU", action=action.fqn, error=str(exc))
             return spec
         key = gpu_key or proxy.name
-        attachment = (await self.gpu.attach(key, action.fqn, needs, gpu_index=gpu_index,
-                                            revision=action.revision or action.version)
+        revision = action.revision or action.version
+        attachment = (await self.gpu.attach(key, action.fqn, needs, gpu_index=gpu_index, revision=revision)
                       if self.gpu is not None else None)
+        if attachment is None and self.gpu is not None and self.keeper is not None:
+            # Kept weights (staged exit) give way to a container that finds no room.
+            gpus = [gpu_index] if gpu_index is not None else sorted({k.group[2] for k in self.keeper.kept.values()})
+            if sum([await self.keeper.evict_gpu(i) for i in gpus]):
+                attachment = await self.gpu.attach(key, action.fqn, needs, gpu_index=gpu_index, revision=revision)
+        if attachment is not None and self.keeper is not None and attachment.gpu_index is not None:
+            self.keeper.started_beside((action.fqn, proxy.key.revision, attachment.gpu_index))
         if attachment is None:
             if not self._cpu_fallback_logged:
                 self._cpu_fallback_logged = True
@@ -600,18 +625,38 @@ class Invoker:
             del self._gpu_queues[proxy.key]
 
     async def _destroy_container(self, proxy: ContainerProxy) -> None:
+        """Everything the container owns goes — or, staged exit, its compute goes and its process stays
+        with its weights (keep.py)."""
+        stopped = proxy.name in self._stopping
+        self._stopping.discard(proxy.name)
+        if self.keeper is not None and self._may_keep(proxy, stopped):
+            self._forget_gpu_load(proxy)
+            if await self.keeper.keep(proxy):
+                return
+        await self._destroy_now(proxy)
+
+    def _may_keep(self, proxy: ContainerProxy, stopped: bool) -> bool:
+        """Scaled in (stopped by the balancer, idle too long), not failed, and the last of its group."""
+        reason = getattr(proxy.phase, "reason", "")
+        group = group_of(proxy)
+        return (stopped or reason == "idle timeout") and group is not None and self._members_of(group) == 0
+
+    async def _destroy_now(self, proxy: ContainerProxy, container: Container | None = None,
+                           gpu_key: str | None = None) -> None:
         """Everything the container owns goes: its output readers, its processes and files (the backend),
-        its GPU share."""
+        its GPU share. A kept process (keep.py) brings its backend handle (the proxy has none any more) and
+        what its weights are attached under."""
         self._forget_gpu_load(proxy)
-        log.debug("destroying container", container=proxy.name, handle=proxy.container is not None)
+        container = container or proxy.container
+        log.debug("destroying container", container=proxy.name, handle=container is not None)
         if proxy.output is not None:
             await proxy.output.close()
-        if proxy.container is not None:
-            await proxy.container.destroy()
+        if container is not None:
+            await container.destroy()
         placement = proxy.placement
         if placement.gpu is not None and self.gpu is not None:
             with contextlib.suppress(Exception):
-                await self.gpu.detach(placement.gpu_key or proxy.name)
+                await self.gpu.detach(gpu_key or placement.gpu_key or proxy.name)
         if self._exit_hooks:
             reason = getattr(proxy.phase, "reason", "")
             event = ContainerExit(container=proxy.name, action=proxy.action.fqn, revision=proxy.key.revision,
@@ -680,6 +725,8 @@ class Invoker:
     def stop_instance(self, container: str, reason: str) -> None:
         proxy = self.pool.containers.get(container)
         if proxy is not None:
+            if proxy.state not in (State.REMOVING, State.REMOVED):
+                self._stopping.add(proxy.name)  # scaled in: its weights may be kept (staged exit)
             self.pool.remove(proxy, reason)
 
     # -- activation records --------------------------------------------------------------------
@@ -747,6 +794,8 @@ class Invoker:
 
     async def close(self, *, drain_s: float = 5.0) -> None:
         self.set_enabled(False)
+        if self.keeper is not None:
+            await self.keeper.close()  # and nothing is kept from here on
         if self.preload is not None:
             await self.preload.close()
         await self.pool.close(drain_s=drain_s)

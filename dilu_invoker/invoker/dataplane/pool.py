@@ -169,6 +169,24 @@ class Reserve(Protocol):
         ...
 
 
+class Reserves:
+    """Several reserves as one: their memory together, released in their order."""
+
+    def __init__(self, *parts: Reserve) -> None:
+        self.parts = parts
+
+    def memory_for(self, action: Action) -> int:
+        return sum(p.memory_for(action) for p in self.parts)
+
+    def shed(self, need_mb: int, action: Action) -> int:
+        released = 0
+        for part in self.parts:
+            if released >= need_mb:
+                break
+            released += part.shed(need_mb - released, action)
+        return released
+
+
 class NoContainer(RuntimeError):
     """``acquire(start=False)`` found no live container of the key (a pinned instance that is gone)."""
 

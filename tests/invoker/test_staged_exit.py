@@ -1,0 +1,138 @@
+"""Staged exit through the product: `standalone` (process backend, a simulated GPU, the embedded balancer)
+scales a GPU function that declares its weights (`gpu-weights-mb`) to zero; its last instance's process
+stays with its weights (its compute released, only the weights in the GPU budget), the next instance maps
+them from it instead of loading them, and after `--invoker-weights-grace-s` with no instance the kept
+process goes and the budget is empty. Runs on the CPU: the models API shares through a memfd there."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client import generate_latest
+
+from dilu_invoker import config
+from dilu_invoker.gpu.budgets import GpuBudgets
+from dilu_invoker.model import GUEST_IDENTITY
+from dilu_invoker.standalone import run_standalone
+
+pytestmark = pytest.mark.slow
+
+CODE = '''
+import os
+from dilu_invoker.actions import models
+
+INSTANCE = os.urandom(8).hex()
+
+
+def build():
+    import numpy as np
+    return {"w": np.arange(1 << 18, dtype=np.float32)}
+
+
+def main(args):
+    w = models.load("w", build)
+    m = models.info("w")
+    return {"instance": INSTANCE, "pid": os.getpid(), "role": m.role, "reason": m.reason,
+            "check": float(w["w"][123456])}
+'''
+ANNOTATIONS = {"gpu-memory-mb": 4000, "gpu-weights-mb": 3000, "gpu-sm-request": 0.1, "gpu-sm-limit": 0.2}
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(name + ("{" + want + "}" if want else " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def _until(what: str, check: Any, timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = await check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+async def test_the_last_instance_keeps_its_weights_for_the_next_one(tmp_path: Path) -> None:
+    (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": "GPU-keep", "memory_mb": 16000}]))
+    base = config.load(environ={})
+    cfg = replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
+                  gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json"), mps="off"),
+                  invoker=replace(base.invoker, weights_grace_s=30.0, preload=0),
+                  balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0,
+                                   scale_to_zero_after_s=1.0, cooldown_s=0.2))
+    token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
+    async with run_standalone(cfg) as running, aiohttp.ClientSession(
+            headers={"Authorization": f"Basic {token}"}) as http:
+        assert running.balancer is not None
+        invoker = running.invokers[0]
+        keeper = invoker.keeper
+        assert keeper is not None and keeper.grace_s == 30.0
+        budgets = GpuBudgets(running.balancer.redis, cfg.redis.prefix)
+        api = f"{running.api_url}/api/v1/namespaces/_/actions/llm"
+        body = {"exec": {"kind": "python:3-gpu", "code": CODE},
+                "annotations": [{"key": k, "value": v} for k, v in ANNOTATIONS.items()]}
+        async with http.put(api, json=body) as r:
+            assert r.status == 200, await r.text()
+
+        async def invoke() -> dict[str, Any]:
+            async with http.post(f"{api}?blocking=true&result=true", json={}) as r:
+                assert r.status == 200, await r.text()
+                return dict(await r.json())
+
+        async def metrics() -> str:
+            return generate_latest(invoker.metrics.registry).decode()
+
+        first = await invoke()
+        assert first["role"] == "holder" and first["check"] == 123456.0, first
+        [uuid] = await budgets.node_gpus("invoker0")
+
+        async def kept() -> bool:
+            return any(not k.gone for k in keeper.kept.values()) and not any(
+                p.action.name == "llm" for p in invoker.pool.containers.values())
+
+        # Idle: the balancer scales the function to zero; the instance's process stays with its weights only.
+        await _until("the last instance to be kept", kept)
+        [k] = keeper.kept.values()
+        assert k.container.alive and k.drain is not None and not k.drain.done()
+        got = await budgets.get(uuid)
+        assert got is not None and [(r.memory_mb, r.request, r.limit) for r in got.reservations.values()] == [
+            (3000, 0.0, 0.0)], got
+        text = await metrics()
+        assert _metric(text, "dilu_invoker_weights_kept") == 1.0
+        assert _metric(text, "dilu_invoker_weights_kept_events_total", event="kept") == 1.0
+
+        # The next instance maps the kept weights: the budget holds one copy (3000 + its own 1000).
+        second = await invoke()
+        assert second["instance"] != first["instance"] and second["role"] == "mapped", second
+        assert second["check"] == 123456.0
+        got = await budgets.get(uuid)
+        assert got is not None and got.sum_memory_mb == 4000, got
+        assert _metric(await metrics(), "dilu_invoker_weights_kept_events_total", event="reused") == 1.0
+
+        # Scaled to zero again: the mapping instance is not kept (the kept process holds the weights), and
+        # the grace (shortened here) then runs out: nothing of the function is left, on the host or in the
+        # budget.
+        keeper.grace_s = 0.5
+        async def all_gone() -> bool:
+            live = [p for p in invoker.pool.containers.values() if p.action.name == "llm"]
+            budget = await budgets.get(uuid)
+            return not live and not keeper.kept and budget is not None and budget.sum_memory_mb == 0
+
+        await _until("the kept weights to expire", all_gone)
+        assert not k.container.alive
+        text = await metrics()
+        assert _metric(text, "dilu_invoker_weights_kept_events_total", event="expired") == 1.0
+        assert _metric(text, "dilu_invoker_weights_kept_events_total", event="kept") == 1.0
+        assert _metric(text, "dilu_invoker_weights_kept") == 0.0
