@@ -357,7 +357,11 @@ def decide_scale(
         want = min(want, n + config.max_scale_out_step)
         return result(want, ScaleTrigger.OVERLOAD, f"{what}: scale out to {want} now")
 
+    idle_for = load.now - st.last_busy_at if st.last_busy_at is not None else 0.0
+    idle = n > lo and not load.busy and idle_for >= config.scale_to_zero_after_s
     if cap is None:
+        if idle:  # needs no capacity figure: a function nobody calls goes to its minimum either way
+            return result(lo, ScaleTrigger.IDLE, f"no work for {idle_for:.0f} s: scale in to min-instances {lo}")
         return result(
             n,
             ScaleTrigger.NONE,
@@ -398,8 +402,7 @@ def decide_scale(
             f"sustained underload: {counts} (≥ {config.scale_in_samples}); scale in to {want}",
         )
 
-    idle_for = load.now - st.last_busy_at if st.last_busy_at is not None else 0.0
-    if n > lo and not load.busy and idle_for >= config.scale_to_zero_after_s:
+    if idle:
         return result(
             lo,
             ScaleTrigger.IDLE,

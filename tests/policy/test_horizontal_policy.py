@@ -213,6 +213,13 @@ TICKS = {
         ScaleTrigger.NONE,
         "capacity per instance unknown",
     ),
+    "unknown-capacity-still-scales-idle-to-min": Tick(
+        FunctionLoad(function="f", now=700, instances=1, arrival_rate=0.0),
+        0,
+        ScaleTrigger.IDLE,
+        "no work for 690 s",
+        HorizontalState(last_busy_at=10.0),
+    ),
     "underload-waits-while-requests-queue": Tick(
         load(40, 1.0, 3, waiting=2),
         3,
