@@ -534,6 +534,49 @@ async def step_share(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return res
 
 
+async def step_staged(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Staged exit through the product: a function with declared weights is scaled to zero, then invoked
+    again. With ``--invoker-weights-grace-s 60`` its last process keeps the weights and the new instance maps
+    them; with ``0`` (the baseline, same run) the new instance loads them again. Time-sliced (``--gpu-mps off``):
+    between isolated MPS clients nothing is kept (docs/invoker.md)."""
+    wf = make_weights_file(Path(args.weights_file), args.weights_gib, args.dry_run)
+    res: dict[str, Any] = {"step": "staged", "file": wf, "arms": {}}
+    gmem = int(args.weights_gib * 1024 * 1.2) + 2048
+    for grace in ("60", "0"):
+        arm: dict[str, Any] = {}
+        res["arms"][grace] = arm
+        extra = ["--preload", "0", "--gpu-mps", "off", "--invoker-weights-grace-s", grace,
+                 "--balancer-scale-to-zero-after-s", "2", "--balancer-cooldown-s", "0.5"]
+        if args.dry_run:  # no GPU here: a simulated one, so that the instances are placed and scaled in
+            (work / "inventory.json").write_text(json.dumps([{"uuid": "GPU-dry-staged", "memory_mb": 81920}]))
+            extra += ["--gpu-inventory", str(work / "inventory.json")]
+        async with Stack(args, work / f"staged-{grace}", extra) as st:
+            arm["command"] = " ".join(st.command()[1:])
+            arm["gpu_before"] = gpu_memory()
+            await st.create("staged", SHARE_CODE, memory_mb=8192, gpu_memory_mb=gmem,
+                            weights_mb=min(gmem, int(wf["bytes"] / 2**20)))
+            arm["first"] = await st.invoke("staged", {"path": wf["path"]})
+            arm["gpu_after_first"] = gpu_memory()
+            # Idle: the balancer scales the function to zero (2 s), then the instance is stopped.
+            t = time.perf_counter()
+            while time.perf_counter() - t < 30:
+                text = await st.metrics_text()
+                kept = any(line.startswith("dilu_invoker_weights_kept ") and not line.endswith(" 0.0")
+                           for line in text.splitlines())
+                stopped = 'dilu_invoker_containers{state="ready"} 0.0' in text
+                if (kept if grace != "0" else stopped):
+                    break
+                await asyncio.sleep(0.2)
+            arm["scaled_in_after_s"] = rnd(time.perf_counter() - t, 2)
+            arm["kept_lines"] = [line for line in (await st.metrics_text()).splitlines()
+                                 if line.startswith("dilu_invoker_weights_kept")]
+            arm["gpu_scaled_in"] = gpu_memory()
+            arm["second"] = await st.invoke("staged", {"path": wf["path"]})
+            arm["gpu_after_second"] = gpu_memory()
+            save(args.out, args.name, res)
+    return res
+
+
 IPC_CHILD = r'''
 import json, os, sys, time
 t0 = time.perf_counter()
@@ -604,7 +647,8 @@ async def step_makefile(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"step": "makefile", "file": make_weights_file(Path(args.weights_file), args.weights_gib, args.dry_run)}
 
 
-STEPS = {"makefile": step_makefile, "cold": step_cold, "weights": step_weights, "share": step_share, "ipc": step_ipc}
+STEPS = {"makefile": step_makefile, "cold": step_cold, "weights": step_weights, "share": step_share, "ipc": step_ipc,
+         "staged": step_staged}
 
 
 async def run_step(args: argparse.Namespace) -> int:
@@ -751,6 +795,19 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
                        f"(first instance: {s['first_added_mib']:.0f} MiB). Target: ≤ 10%.")
         if not sh.get("ok"):
             out.append(f"\nThe step stopped early: {sh.get('error')}")
+    staged = data.get("staged")
+    if staged:
+        out += ["", "## Staged exit: the next instance after a scale to zero", "",
+                "| `--invoker-weights-grace-s` | first: client ms, role, load s | after the scale-in | "
+                "second: client ms, role, load s, reason |", "| --- | --- | --- | --- |"]
+        for grace, arm in (staged.get("arms") or {}).items():
+            r1 = (arm.get("first") or {}).get("result") or {}
+            r2 = (arm.get("second") or {}).get("result") or {}
+            out.append(f"| {grace} | {fmt((arm.get('first') or {}).get('client_ms'), 0)}, `{r1.get('role')}`, "
+                       f"{fmt(r1.get('load_s'), 3)} | {fmt(arm.get('scaled_in_after_s'), 1)} s; "
+                       f"{'; '.join(arm.get('kept_lines') or []) or '-'} | "
+                       f"{fmt((arm.get('second') or {}).get('client_ms'), 0)}, `{r2.get('role')}`, "
+                       f"{fmt(r2.get('load_s'), 3)}, `{r2.get('reason', r2.get('error', ''))}` |")
     ipc = data.get("ipc")
     if ipc and not ipc.get("skipped"):
         out += ["", "## The same exchange outside the product (two processes of one uid)", ""]

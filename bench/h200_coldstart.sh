@@ -47,6 +47,7 @@ run makefile 40 makefile
 log "weights file: $(ls -la "$WF" 2>&1)"
 run weights 80 weights
 run share 45 share --hold-s 6
+run staged 90 staged
 run ipc 45 ipc
 run cold_bert_preload0 40 cold --model bert --preload 0 --count 2 --warm 5
 run_preload cold_bert_preload1 50 cold --model bert --preload 1 --count 2 --warm 5 --preload-wait-s 30 \
