@@ -569,7 +569,7 @@ async def step_staged(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 await asyncio.sleep(0.2)
             arm["scaled_in_after_s"] = rnd(time.perf_counter() - t, 2)
             arm["kept_lines"] = [line for line in (await st.metrics_text()).splitlines()
-                                 if line.startswith("dilu_invoker_weights_kept")]
+                                 if line.startswith("dilu_invoker_weights_kept") and "_created" not in line]
             arm["gpu_scaled_in"] = gpu_memory()
             arm["second"] = await st.invoke("staged", {"path": wf["path"]})
             arm["gpu_after_second"] = gpu_memory()
