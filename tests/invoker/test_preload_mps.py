@@ -1,0 +1,180 @@
+"""Pre-loaded GPU containers under MPS (the fake ``nvidia-cuda-mps-control``, the fake libcuda, real runtime
+processes of the process backend): before any cold start nothing makes a CUDA context ahead; then the kind's
+pre-loaded MPS clients make theirs at the thread cap its cold starts got, a cold start of that cap takes
+one, a cold start of another cap takes the contextless one or misses, with its reason in /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from dilu_invoker import config
+from dilu_invoker.gpu.attachment import GpuAttachment
+from dilu_invoker.gpu.node import GpuNode
+from dilu_invoker.invoker.dataplane.core import PRELOAD_GPU_NEEDS, Invoker, open_invoker
+from dilu_invoker.invoker.dataplane.preload import CAP_MISS, Standby
+from dilu_invoker.invoker.manifest import RuntimeKind
+from dilu_invoker.model import (
+    GUEST_IDENTITY,
+    PRELOAD_FUNCTION_PREFIX,
+    Action,
+    ActivationRequest,
+    Exec,
+    Parameter,
+    new_activation_id,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIM = ROOT / "cuda_shim"
+FAKE_MPS = ROOT / "tests" / "gpu" / "fakes" / "nvidia-cuda-mps-control"
+KIND = "python:3-gpu"
+CAP_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+CODE = "import os\ndef main(args):\n    return {'cap': os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE')}\n"
+
+
+@pytest.fixture(scope="module")
+def fake_driver() -> Path:
+    """The shim and the fake libcuda (``make -C cuda_shim tests``); its directory goes on the loader path."""
+    if not shutil.which("gcc"):
+        pytest.skip("no C compiler")
+    r = subprocess.run(["make", "-s", "-C", str(SHIM), "tests"], capture_output=True, text=True, timeout=300,
+                       check=False)
+    if r.returncode != 0 and "cuda.h" in r.stderr:
+        pytest.skip("cuda.h not installed")
+    assert r.returncode == 0, r.stderr
+    return SHIM / "build" / "fake"
+
+
+def _cfg(tmp_path: Path, per_kind: int) -> config.Config:
+    inventory = tmp_path / "gpus.json"
+    inventory.write_text(json.dumps([{"uuid": "GPU-pm-0", "memory_mb": 80_000}]))
+    manifest = {"runtimes": {"python": [{"kind": KIND, "preload": ["json"], "preloadMemoryMB": 256,
+                                         "image": {"name": "dilu-python3-gpu-runtime"}}]}}
+    base = config.load(environ={})
+    return replace(
+        base, data_dir=str(tmp_path / "data"),
+        gpu=replace(base.gpu, inventory=str(inventory), shm_dir=str(tmp_path / "shm"), mps="on",
+                    mps_control=str(FAKE_MPS)),
+        invoker=replace(base.invoker, preload=per_kind, runtimes_manifest=json.dumps(manifest), user_memory_mb=4096,
+                        process_work_dir=str(tmp_path / "work"), idle_timeout_s=60),
+        redis=replace(base.redis, prefix=f"pm{per_kind}:"))
+
+
+def _hook(inv: Invoker) -> GpuNode:
+    """What the invoker core gives the pool on a GPU node (`PreloadPool(mps_cap=...)`, and its pre-load
+    attach passing ``mps_threads``), where this core does not give it yet."""
+    node, pool = inv.gpu, inv.preload
+    assert isinstance(node, GpuNode) and pool is not None
+    if pool.mps_cap is None:
+        pool.mps_cap = node.mps_cap
+
+        async def attach(key: str, runtime: RuntimeKind, *,
+                         mps_threads: float | None = None) -> tuple[GpuAttachment | None, int]:
+            a = await node.attach(key, f"{PRELOAD_FUNCTION_PREFIX}{runtime.kind}", PRELOAD_GPU_NEEDS,
+                                  mps_threads=mps_threads)
+            return a, PRELOAD_GPU_NEEDS.memory_mb if a is not None else 0
+
+        pool._attach_gpu = attach  # type: ignore[assignment]
+    return node
+
+
+def _action(name: str, limit: float) -> Action:
+    notes = {"gpu-class": "inference", "gpu-sm-request": 0.2, "gpu-sm-limit": limit, "gpu-memory-mb": 1000}
+    return Action(namespace="guest", name=name, exec=Exec(kind=KIND, code=CODE), revision="1-mps",
+                  annotations=tuple(Parameter(k, v) for k, v in notes.items()))
+
+
+def _req(action: Action) -> ActivationRequest:
+    return ActivationRequest(activation_id=new_activation_id(), action=action, identity=GUEST_IDENTITY, content={})
+
+
+def _metric(inv: Invoker, name: str, **labels: str) -> float:
+    return inv.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def _until(inv: Invoker, want: Callable[[list[Standby]], bool], timeout_s: float = 20.0) -> list[Standby]:
+    assert inv.preload is not None
+    for _ in range(int(timeout_s / 0.05)):
+        ready = [s for s in inv.preload.standbys.get(KIND, []) if s.state == "ready"]
+        if want(ready):
+            return ready
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"pre-loaded containers never got there: {inv.preload.standbys.get(KIND)}")
+
+
+async def _health(standby: Standby) -> dict[str, Any]:
+    container = standby.container
+    assert container is not None
+    headers = {"X-Dilu-Runtime-Secret": container.secret} if container.secret else {}
+    async with aiohttp.ClientSession() as s, s.get(f"{container.url}/health", headers=headers) as r:
+        body: dict[str, Any] = await r.json(content_type=None)
+    return body
+
+
+def _container_of(inv: Invoker, name: str) -> object:
+    return next(p.container for p in inv.pool.containers.values() if p.action.name == name)
+
+
+async def test_preloaded_mps_clients_make_their_context_at_the_learnt_cap(
+        tmp_path: Path, fake_driver: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(fake_driver))
+    async with open_invoker(_cfg(tmp_path, per_kind=2)) as inv:
+        _hook(inv)
+        assert inv.preload is not None
+        # Nothing learnt: both wait for /init to make their context (the cap of whoever takes them).
+        first = await _until(inv, lambda r: len(r) == 2)
+        assert all(s.slot is None and s.mps_cap is None and s.info["cuda"] is False for s in first)
+        assert _metric(inv, "dilu_invoker_preload_mps_threads_percent", kind=KIND) == 0
+        a = await inv.run(_req(_action("a", 0.6)))
+        assert a.annotation("preloaded") is True and a.response.result == {"cap": "60"}, a.logs
+        assert inv.preload.learnt_cap(KIND) == 60 and inv.preload.slot_caps(KIND) == [60, None]
+        # Its replacement makes its context at 60 %; the other slot stays contextless.
+        ready = await _until(inv, lambda r: any(s.mps_cap == 60 for s in r) and len(r) == 2)
+        (capped,) = [s for s in ready if s.mps_cap == 60]
+        (free,) = [s for s in ready if s.mps_cap is None]
+        assert capped.gpu is not None and capped.gpu.env[CAP_ENV] == "60"
+        health = (await _health(capped))["preload"]
+        assert health["cuda"] is True and health["mps_threads"] == "60" and health["cuda_error"] is None, health
+        assert (await _health(free))["preload"]["cuda"] is False
+        assert _metric(inv, "dilu_invoker_preload_mps_threads_percent", kind=KIND) == 60
+        # Another function of the same cap takes the container with the context ...
+        b = await inv.run(_req(_action("b", 0.6)))
+        assert b.annotation("preloaded") is True and b.response.result == {"cap": "60"}, b.logs
+        assert _container_of(inv, "b") is capped.container
+        # ... and one of another cap the contextless one, whose context /init makes at the function's cap.
+        c = await inv.run(_req(_action("c", 0.3)))
+        assert c.annotation("preloaded") is True and c.response.result == {"cap": "30"}, c.logs
+        assert _container_of(inv, "c") is free.container
+        assert _metric(inv, "dilu_invoker_preload_hits_total", kind=KIND) == 3
+        assert _metric(inv, "dilu_invoker_preload_misses_total", kind=KIND, reason=CAP_MISS) == 0
+        assert inv.preload.learnt_cap(KIND) == 60  # 60, 60, 30
+
+
+async def test_a_cold_start_of_another_cap_misses_the_only_preloaded_container(
+        tmp_path: Path, fake_driver: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(fake_driver))
+    async with open_invoker(_cfg(tmp_path, per_kind=1)) as inv:
+        _hook(inv)
+        assert inv.preload is not None
+        await _until(inv, lambda r: len(r) == 1)
+        a = await inv.run(_req(_action("a", 0.6)))
+        assert a.annotation("preloaded") is True
+        (capped,) = await _until(inv, lambda r: len(r) == 1 and r[0].mps_cap == 60)
+        assert capped.info["cuda"] is True and capped.info["mps_threads"] == "60"
+        c = await inv.run(_req(_action("c", 0.3)))
+        assert c.annotation("preloaded") is None and c.response.result == {"cap": "30"}, c.logs
+        assert _metric(inv, "dilu_invoker_preload_misses_total", kind=KIND, reason=CAP_MISS) == 1
+        # A tie (60 once, 30 once) keeps the cap in use: the container with its context stays.
+        assert inv.preload.learnt_cap(KIND) == 60 and inv.preload.standbys[KIND] == [capped]
+        b = await inv.run(_req(_action("b", 0.6)))
+        assert b.annotation("preloaded") is True and _container_of(inv, "b") is capped.container
+        assert _metric(inv, "dilu_invoker_preload_hits_total", kind=KIND) == 2
