@@ -83,7 +83,7 @@ def _hook(inv: Invoker) -> GpuNode:
                                   mps_threads=mps_threads)
             return a, PRELOAD_GPU_NEEDS.memory_mb if a is not None else 0
 
-        pool._attach_gpu = attach  # type: ignore[assignment]
+        pool._attach_gpu = attach
     return node
 
 
@@ -178,3 +178,20 @@ async def test_a_cold_start_of_another_cap_misses_the_only_preloaded_container(
         b = await inv.run(_req(_action("b", 0.6)))
         assert b.annotation("preloaded") is True and _container_of(inv, "b") is capped.container
         assert _metric(inv, "dilu_invoker_preload_hits_total", kind=KIND) == 2
+
+
+def test_a_worker_with_a_context_refuses_an_init_of_another_cap(tmp_path: Path) -> None:
+    """The last guard: a process whose context was made at one cap never runs a function at another."""
+    import socket
+
+    from dilu_invoker.actions import worker
+
+    ours, _theirs = socket.socketpair()
+    with ours, _theirs:
+        w = worker.Worker(ours, action_dir=str(tmp_path), concurrent=False)
+        w.context_cap = "60"
+        body = {"value": {"code": "def main(a):\n    return {}\n", "env": {CAP_ENV: "30"}}}
+        with pytest.raises(worker.InitFailure, match="MPS thread cap 60%, not the function's 30%"):
+            w._load(json.dumps(body).encode())
+        assert not (tmp_path / "main__.py").exists()  # refused before anything of the action was written
+    # (an /init at the context's own cap loads: the cold starts above that took a container with a context)
