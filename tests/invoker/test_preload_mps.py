@@ -195,3 +195,80 @@ def test_a_worker_with_a_context_refuses_an_init_of_another_cap(tmp_path: Path) 
             w._load(json.dumps(body).encode())
         assert not (tmp_path / "main__.py").exists()  # refused before anything of the action was written
     # (an /init at the context's own cap loads: the cold starts above that took a container with a context)
+
+
+def _pool(per_kind: int, caps: dict[str, float | None], registry: Any = None) -> Any:
+    """A pool of the GPU kind whose GPU node answers ``caps`` (function name → its cap now)."""
+    from prometheus_client import CollectorRegistry
+
+    from dilu_invoker.invoker.dataplane.preload import PreloadPool
+    from dilu_invoker.invoker.manifest import Manifest
+
+    manifest = Manifest.load(json.dumps({"runtimes": {"python": [{"kind": KIND, "preload": [],
+                                                                   "image": {"name": "x"}}]}}))
+    return PreloadPool(manifest=manifest, backend=None, session=None, per_kind=per_kind,  # type: ignore[arg-type]
+                       memory_mb=256, budget_mb=1024, gpu_budget_mb=4096, learn=0, make_spec=None,  # type: ignore[arg-type]
+                       room_mb=lambda: 0, registry=registry or CollectorRegistry(), name_prefix="t", has_gpus=True,
+                       check_importable=False, mps_cap=lambda fn, _needs, _gpu: caps[fn.split("/")[1]])
+
+
+async def test_the_learnt_cap_is_the_most_frequent_and_a_tie_keeps_the_one_in_use() -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    pool = _pool(3, {"a": 0.6, "b": 0.3, "c": 0.704, "off": None}, registry)
+    runtime = pool.kinds[KIND]
+    assert pool.learnt_cap(KIND) is None and pool.slot_caps(KIND) == [None, None, None]
+    pool.take(runtime, _action("off", 0.5))  # a GPU not under MPS: nothing learnt
+    assert pool.learnt_cap(KIND) is None
+    for name in ("a", "b"):
+        pool.take(runtime, _action(name, 0.5))
+    assert pool.learnt_cap(KIND) == 60  # a tie: the first stays
+    assert pool.slot_caps(KIND) == [60, 60, None]
+    pool.take(runtime, _action("b", 0.5))
+    assert pool.learnt_cap(KIND) == 30 and pool.slot_caps(KIND) == [30, 30, None]
+    pool.take(runtime, _action("c", 0.5))  # 0.704 is MPS's 70 %
+    pool.take(runtime, _action("c", 0.5))
+    assert pool.learnt_cap(KIND) == 30  # 60: 1, 30: 2, 70: 2 → the one in use
+    assert _pool(1, {}).slot_caps(KIND) == [None]
+    # Every take was a miss (nothing pre-loaded here), counted as such.
+    assert registry.get_sample_value("dilu_invoker_preload_misses_total",
+                                     {"kind": KIND, "reason": "none available"}) == 6
+    await asyncio.sleep(0)  # the refills (no room: nothing starts)
+    assert pool.standbys[KIND] == []
+
+
+async def test_containers_of_a_cap_no_longer_wanted_are_replaced() -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    pool = _pool(2, {"a": 0.6, "b": 0.3}, registry)
+    runtime = pool.kinds[KIND]
+    old = Standby(name="old", kind=KIND, memory_mb=256, slot=60, state="ready")
+    free = Standby(name="free", kind=KIND, memory_mb=256, slot=None, state="ready")
+    pool.standbys[KIND] = [old, free]
+    pool.take(runtime, _action("b", 0.3))  # learns 30; takes the contextless one (the 60 one does not fit)
+    assert pool.standbys[KIND] == [old] and free.state == "taken"
+    pool.refill(KIND)
+    assert pool.standbys[KIND] == [] and old.state == "removed"
+    assert registry.get_sample_value("dilu_invoker_preload_discarded_total",
+                                     {"kind": KIND, "reason": "MPS thread cap no longer wanted"}) == 1
+    await pool.close()
+
+
+async def test_without_mps_nothing_is_learnt_and_every_preloaded_container_has_its_context(
+        tmp_path: Path, fake_driver: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(fake_driver))
+    cfg = _cfg(tmp_path, per_kind=1)
+    cfg = replace(cfg, gpu=replace(cfg.gpu, mps="off"))
+    async with open_invoker(cfg) as inv:
+        _hook(inv)
+        assert inv.preload is not None
+        (standby,) = await _until(inv, lambda r: len(r) == 1)
+        # time-sliced: the context is made ahead whatever the function (the driver's, no torch here)
+        assert standby.info["cuda"] is True and standby.info["mps_threads"] is None and standby.mps_cap is None
+        a = await inv.run(_req(_action("a", 0.6)))
+        assert a.annotation("preloaded") is True and a.response.result == {"cap": None}
+        assert inv.preload.learnt_cap(KIND) is None and inv.preload.slot_caps(KIND) == [None]
+        (again,) = await _until(inv, lambda r: len(r) == 1)
+        assert again.slot is None and again.info["cuda"] is True
