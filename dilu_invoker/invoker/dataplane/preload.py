@@ -17,7 +17,7 @@ list pre-starts the interpreter and the runtime only;
 besides the list, up to ``--invoker-preload-learn`` installed modules that recent actions of the kind
 imported (their ``/init`` reports them) are pre-loaded too, the most frequent first.
 
-Under MPS (docs/runtime.md "Pre-loaded workers"): an MPS client's thread cap is fixed when it makes its
+Under MPS (docs/invoker.md, "Pre-loaded containers"): an MPS client's thread cap is fixed when it makes its
 CUDA context, so a pre-loaded MPS client makes it only at a cap chosen ahead — per kind, the most frequent
 cap that the recent cold starts of the kind got on this node (`GpuNode.mps_cap`). Of ``--preload`` per
 kind, one slot then stays contextless (its context waits for /init and the cap of whoever takes it) and the
@@ -389,7 +389,7 @@ class PreloadPool:
         kind = runtime.kind
         if kind not in self.kinds:
             return None
-        if runtime.gpu:
+        if runtime.gpu and action.limits.concurrency <= 1:  # (a concurrent action never takes one)
             self._learn_cap(kind, action, gpu_index)
         standby, reason = self._choose(kind, action, gpu_index if runtime.gpu else None)
         if standby is None:
