@@ -173,11 +173,17 @@ async def test_a_cold_start_of_another_cap_misses_the_only_preloaded_container(
         c = await inv.run(_req(_action("c", 0.3)))
         assert c.annotation("preloaded") is None and c.response.result == {"cap": "30"}, c.logs
         assert _metric(inv, "dilu_invoker_preload_misses_total", kind=KIND, reason=CAP_MISS) == 1
-        # A tie (60 once, 30 once) keeps the cap in use: the container with its context stays.
-        assert inv.preload.learnt_cap(KIND) == 60 and inv.preload.standbys[KIND] == [capped]
+        # 60 once, 30 once: with a single slot no cap is worth a context made ahead any more.
+        assert inv.preload.learnt_cap(KIND) == 60 and inv.preload.slot_caps(KIND) == [None]
+        (free,) = await _until(inv, lambda r: len(r) == 1 and r[0] is not capped)
+        assert free.slot is None and free.mps_cap is None and free.info["cuda"] is False
+        assert capped.state == "removed" and _metric(inv, "dilu_invoker_preload_discarded_total", kind=KIND,
+                                                     reason="MPS thread cap no longer wanted") == 1
         b = await inv.run(_req(_action("b", 0.6)))
-        assert b.annotation("preloaded") is True and _container_of(inv, "b") is capped.container
+        assert b.annotation("preloaded") is True and _container_of(inv, "b") is free.container
+        assert b.response.result == {"cap": "60"}
         assert _metric(inv, "dilu_invoker_preload_hits_total", kind=KIND) == 2
+        assert _metric(inv, "dilu_invoker_preload_mps_threads_percent", kind=KIND) == 0
 
 
 def test_a_worker_with_a_context_refuses_an_init_of_another_cap(tmp_path: Path) -> None:
@@ -230,7 +236,16 @@ async def test_the_learnt_cap_is_the_most_frequent_and_a_tie_keeps_the_one_in_us
     pool.take(runtime, _action("c", 0.5))  # 0.704 is MPS's 70 %
     pool.take(runtime, _action("c", 0.5))
     assert pool.learnt_cap(KIND) == 30  # 60: 1, 30: 2, 70: 2 → the one in use
-    assert _pool(1, {}).slot_caps(KIND) == [None]
+    # One slot: a context made ahead only while nearly every cold start got that cap.
+    sole = _pool(1, {"a": 0.6, "b": 0.3})
+    assert sole.slot_caps(KIND) == [None]
+    sole.take(runtime, _action("a", 0.5))
+    assert sole.slot_caps(KIND) == [60]
+    sole.take(runtime, _action("b", 0.5))
+    assert sole.learnt_cap(KIND) == 60 and sole.slot_caps(KIND) == [None]
+    for _ in range(3):
+        sole.take(runtime, _action("a", 0.5))
+    assert sole.slot_caps(KIND) == [60]  # 4 of 5
     # Every take was a miss (nothing pre-loaded here), counted as such.
     assert registry.get_sample_value("dilu_invoker_preload_misses_total",
                                      {"kind": KIND, "reason": "none available"}) == 6

@@ -21,9 +21,10 @@ Under MPS (docs/invoker.md, "Pre-loaded containers"): an MPS client's thread cap
 CUDA context, so a pre-loaded MPS client makes it only at a cap chosen ahead — per kind, the most frequent
 cap that the recent cold starts of the kind got on this node (`GpuNode.mps_cap`). Of ``--preload`` per
 kind, one slot then stays contextless (its context waits for /init and the cap of whoever takes it) and the
-others make their context at that cap (with ``--preload 1``: the one slot). A cold start takes a contextful
-one only when its function's cap there now is the container's; otherwise a contextless one, or it misses
-(``reason="MPS thread cap differs"``). Before any cap is learnt all are contextless.
+others make their context at that cap (with ``--preload 1`` the one slot does when nearly all recent cold
+starts got that cap, `CAP_SOLE_SHARE`). A cold start takes a contextful one only when its function's cap
+there now is the container's; otherwise a contextless one, or it misses (``reason="MPS thread cap
+differs"``). Before any cap is learnt all are contextless.
 
 Budgets: pre-loaded containers together hold at most ``--invoker-preload-budget-mb`` of host memory (and,
 on GPU kinds, ``--invoker-preload-gpu-budget-mb`` of GPU memory reservations); they count against the
@@ -64,6 +65,11 @@ LOAD_TIMEOUT_S = 120.0
 CAP_HISTORY = 32
 #: the miss of a cold start whose function's MPS thread cap no pre-loaded container of the kind has
 CAP_MISS = "MPS thread cap differs"
+#: with one pre-loaded container per kind, the share of recent cold starts that must have got the learnt
+#: cap for it to make its context at that cap: a context made ahead saves a cold start of that cap its
+#: context and library loading (~0.5-0.7 s on the H200) but makes every cold start of another cap miss
+#: (losing the pre-loaded imports, 2 s and more), so only when the cap is nearly the only one
+CAP_SOLE_SHARE = 0.8
 _POLL_S = 0.05
 
 
@@ -86,7 +92,7 @@ class PreloadMetrics:
                                 "containers (MB)", registry=r)
         self.cap = Gauge("dilu_invoker_preload_mps_threads_percent", "MPS thread cap (active-thread percentage) "
                          "the kind's pre-loaded MPS clients make their CUDA context at, learnt from its recent cold "
-                         "starts (0: none learnt, all make their context at /init)", ("kind",), registry=r)
+                         "starts (0: none makes it before /init)", ("kind",), registry=r)
         self.load_time = Gauge("dilu_invoker_preload_load_seconds", "Time the last pre-loaded container of the "
                                "kind took to import its libraries (and make its CUDA context)", ("kind",),
                                registry=r)
@@ -245,13 +251,15 @@ class PreloadPool:
 
     def slot_caps(self, kind: str) -> list[int | None]:
         """What each of the kind's ``per_kind`` slots is pre-loaded as: a cap (a context made at it) or None
-        (no context before /init). With a learnt cap one slot stays contextless when there are two or more
-        (it serves a cold start of any cap), the others take the cap; one slot takes the cap."""
+        (no context before /init). With a learnt cap and two or more slots, one stays contextless (it serves
+        a cold start of any cap) and the others take the cap; a single slot takes it only when at least
+        `CAP_SOLE_SHARE` of the recent cold starts got it."""
         cap = self._cap.get(kind)
         if cap is None or self.per_kind <= 0:
             return [None] * self.per_kind
         if self.per_kind == 1:
-            return [cap]
+            history = self._caps[kind]
+            return [cap] if history.count(cap) >= CAP_SOLE_SHARE * len(history) else [None]
         return [cap] * (self.per_kind - 1) + [None]
 
     def _next_slot(self, kind: str, items: list[Standby]) -> int | None:
@@ -267,7 +275,7 @@ class PreloadPool:
             for state in ("loading", "ready"):
                 n = sum(1 for s in items if (s.state == state or (state == "loading" and s.state == "starting")))
                 self.metrics.size.labels(kind, state).set(n)
-            self.metrics.cap.labels(kind).set(self._cap.get(kind) or 0)
+            self.metrics.cap.labels(kind).set(next((c for c in self.slot_caps(kind) if c is not None), 0))
         self.metrics.memory.set(self.memory_in_use_mb)
         self.metrics.gpu_memory.set(self.gpu_memory_in_use_mb)
 
@@ -284,8 +292,8 @@ class PreloadPool:
             return
         runtime = self.kinds[kind]
         memory_mb = runtime.preload_memory_mb or self.memory_mb
-        cap = self._cap.get(kind)
-        for stale in [s for s in self.standbys[kind] if s.slot is not None and s.slot != cap]:
+        wanted = self.slot_caps(kind)
+        for stale in [s for s in self.standbys[kind] if s.slot is not None and s.slot not in wanted]:
             self._discard(stale, "MPS thread cap no longer wanted")
         while len(self.standbys[kind]) < self.per_kind:
             if self.memory_in_use_mb + memory_mb > self.budget_mb or self._room_mb() < memory_mb:
