@@ -412,7 +412,9 @@ class GpuNode:
             return None
         mgr = self._managers[device.uuid]
         lc = self._lc_requests(device, besides=instance)
-        threads = mgr.mps_threads(spec, lc_requests=lc) if mps_threads is None else min(1.0, max(0.01, mps_threads))
+        threads = mgr.mps_threads(spec, lc_requests=lc)
+        if mps_threads is not None and self.mps is not None and self.mps.enabled(device.index):
+            threads = min(1.0, max(0.01, mps_threads))  # a pre-loaded client's cap, chosen ahead
         try:
             control, stats = await asyncio.to_thread(
                 abi.create_instance_files, self.root, instance, mgr.initial_quota(spec, lc_requests=lc))
