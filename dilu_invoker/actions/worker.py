@@ -8,7 +8,8 @@ the proxy notices and answers for it.
 
 A pre-loaded worker (the invoker's pool of pre-loaded containers, docs/runtime.md "Pre-loaded workers")
 imports the modules named in ``DILU_PRELOAD_MODULES`` and, with ``DILU_PRELOAD_CUDA=1``, creates its CUDA
-context before it reads its first frame; the proxy learns the outcome from one ``PRELOADED`` frame. The
+context before it reads its first frame (an MPS client: at the thread cap of its environment, which an
+/init then may not change); the proxy learns the outcome from one ``PRELOADED`` frame. The
 action it later loads still gets a fresh module of its own: only the imported libraries are shared, and
 the process serves that one action for the rest of its life.
 """
@@ -52,6 +53,10 @@ PRELOAD_MODULES_ENV = "DILU_PRELOAD_MODULES"
 PRELOAD_CUDA_ENV = "DILU_PRELOAD_CUDA"
 #: at most this many imported module names are reported after an /init (what the invoker learns from)
 MAX_REPORTED_IMPORTS = 32
+MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+MPS_THREADS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+#: CUDA_ERROR_NO_DEVICE: no GPU visible, as torch.cuda.is_available() False (no context, no error)
+_CUDA_ERROR_NO_DEVICE = 100
 
 
 class InitFailure(Exception):
@@ -71,6 +76,8 @@ class Worker:
         self._main: Callable[[Any], Any] | None = None
         #: top-level installed modules the action's module imported (reported with INIT_OK)
         self.imports: list[str] = []
+        #: the MPS thread cap (percent, as in the environment) a pre-loaded CUDA context was made at
+        self.context_cap: str | None = None
 
     # -- wire ---------------------------------------------------------------------------------------
 
@@ -126,6 +133,11 @@ class Worker:
 
     def _load(self, payload: bytes) -> Callable[[Any], Any]:
         value = json.loads(payload)["value"]
+        cap = (value.get("env") or {}).get(MPS_THREADS_ENV)
+        if self.context_cap is not None and cap is not None and _env_string(cap) != self.context_cap:
+            # The cap is fixed with the context: this process cannot run the function at its own cap.
+            raise InitFailure(Kind.INIT_START_ERROR, f"this container's CUDA context has MPS thread cap "
+                                                     f"{self.context_cap}%, not the function's {cap}%")
         for key, raw in (value.get("env") or {}).items():
             os.environ[str(key)] = _env_string(raw)
         main_name = value.get("main") or "main"
@@ -217,8 +229,10 @@ def installed_imports(before: set[str], action_dir: str) -> list[str]:
 
 def preload(modules: list[str], *, cuda: bool) -> dict[str, Any]:
     """Import ``modules`` (missing ones are tolerated and reported) and, with ``cuda``, create the CUDA
-    context through the first of torch/cupy that imported (skipped when no GPU is visible). Returns what
-    happened; ``cuda_error`` set means the process must not serve (the invoker discards it)."""
+    context through the first of torch/cupy that imported, else through the driver (libcuda: ``DILU_LIBCUDA``
+    or ``libcuda.so.1``; skipped when there is none or no GPU is visible). Returns what happened; under MPS
+    ``mps_threads`` is the thread cap the context was made at; ``cuda_error`` set means the process must not
+    serve (the invoker discards it)."""
     started = time.monotonic()
     loaded: list[str] = []
     missing: list[str] = []
@@ -232,12 +246,15 @@ def preload(modules: list[str], *, cuda: bool) -> dict[str, Any]:
             missing.append(name)
         else:
             loaded.append(name)
-    info: dict[str, Any] = {"modules": loaded, "missing": missing, "cuda": False, "cuda_error": None}
+    info: dict[str, Any] = {"modules": loaded, "missing": missing, "cuda": False, "cuda_error": None,
+                            "mps_threads": None}
     if cuda:
         try:
             info["cuda"] = _create_cuda_context()
         except BaseException as exc:  # noqa: BLE001 - reported; the invoker discards the process
             info["cuda_error"] = f"{type(exc).__name__}: {exc}"
+        if info["cuda"] and MPS_PIPE_ENV in os.environ:
+            info["mps_threads"] = os.environ.get(MPS_THREADS_ENV)
     info["ms"] = int((time.monotonic() - started) * 1000)
     return info
 
@@ -259,7 +276,30 @@ def _create_cuda_context() -> bool:
         cupy.zeros(1)
         cupy.cuda.runtime.deviceSynchronize()
         return True
-    return False
+    return _create_driver_context()
+
+
+def _create_driver_context() -> bool:
+    """The device's primary context through the driver API — the one torch and cupy use when the action
+    imports them — for a kind whose pre-load list has neither (or where they did not import)."""
+    try:
+        lib = ctypes.CDLL(os.environ.get("DILU_LIBCUDA", "libcuda.so.1"))
+    except OSError:
+        return False  # no driver on this node: nothing to create
+
+    def check(what: str, err: int) -> None:
+        if err != 0:
+            raise RuntimeError(f"{what} failed with CUDA error {err}")
+
+    rc = lib.cuInit(0)
+    if rc == _CUDA_ERROR_NO_DEVICE:
+        return False
+    check("cuInit", rc)
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), 0))
+    check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+    check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
+    return True
 
 
 def _warm_torch_libraries(torch: Any) -> None:
@@ -461,6 +501,7 @@ def main(argv: list[str]) -> int:
     worker = Worker(sock, action_dir=action_dir, concurrent=concurrent)
     if asked:
         info = preload(modules, cuda=cuda)
+        worker.context_cap = info.get("mps_threads")
         # Whatever the libraries printed while importing is not any activation's output.
         _flush_streams()
         worker._send(Kind.PRELOADED, 0, json.dumps(info).encode())

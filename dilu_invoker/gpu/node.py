@@ -40,7 +40,7 @@ from dilu_invoker.gpu.manager import (
     ManagerMetrics,
     TickRecord,
 )
-from dilu_invoker.gpu.mps import MpsSupervisor
+from dilu_invoker.gpu.mps import MpsSupervisor, active_thread_percentage
 from dilu_invoker.model import PRELOAD_FUNCTION_PREFIX, GpuNeeds, weights_group
 from dilu_invoker.policy.cluster import ClusterSnapshot
 from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
@@ -130,6 +130,9 @@ class _Attached:
     """Its function revision's shared weights (counted once per GPU in the budget), if it declares any."""
     kept: bool = False
     """Staged exit: its compute is released, only its weights stay reserved (`GpuNode.keep_weights`)."""
+    capped: bool = True
+    """Its MPS client's thread cap is fixed (False only for a pre-loaded container that makes no CUDA
+    context before /init: its cap comes with the function that takes it)."""
 
 
 class GpuNode:
@@ -378,9 +381,13 @@ class GpuNode:
     # -- attach / detach ---------------------------------------------------------------------------
 
     async def attach(self, instance: str, function: str, needs: GpuNeeds, *,
-                     gpu_index: int | None = None, revision: str | None = None) -> GpuAttachment | None:
+                     gpu_index: int | None = None, revision: str | None = None,
+                     mps_threads: float | None = None) -> GpuAttachment | None:
         """``revision``: the function's code revision; with it, ``needs.weights_mb`` count once among the
-        instances of that revision on the GPU (without it every instance reserves its whole memory)."""
+        instances of that revision on the GPU (without it every instance reserves its whole memory).
+        ``mps_threads``: a pre-loaded container's MPS thread cap, chosen ahead for the functions expected to
+        take it (it makes its CUDA context at that cap); without it a pre-loaded container is taken as one
+        that makes none before /init, and any other instance connects at what `mps_cap` gives."""
         if not self.devices:
             return None
         have = self._attached.get(instance)
@@ -406,6 +413,8 @@ class GpuNode:
         mgr = self._managers[device.uuid]
         lc = self._lc_requests(device, besides=instance)
         threads = mgr.mps_threads(spec, lc_requests=lc)
+        if mps_threads is not None and self.mps is not None and self.mps.enabled(device.index):
+            threads = min(1.0, max(0.01, mps_threads))  # a pre-loaded client's cap, chosen ahead
         try:
             control, stats = await asyncio.to_thread(
                 abi.create_instance_files, self.root, instance, mgr.initial_quota(spec, lc_requests=lc))
@@ -418,6 +427,7 @@ class GpuNode:
         attachment = self._attachment(device, files, spec, mps_threads=threads)
         mgr.add(spec, control, stats, mps_threads=threads)
         self._attached[instance] = _Attached(spec, device, files, control, stats, attachment, reserved)
+        self._attached[instance].capped = mps_threads is not None or not function.startswith(PRELOAD_FUNCTION_PREFIX)
         log.info("GPU attached", instance=instance, function=function, gpu=device.index, uuid=device.uuid,
                  cls=spec.cls.value, request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb,
                  budget="redis" if reserved else "local", reason=why)
@@ -431,7 +441,9 @@ class GpuNode:
         context stay; its spec, budget reservation and quota become the function's, under ``new_id`` when
         given (a balancer-placed instance keeps its share under the instance's id). False, changing
         nothing, when that GPU has no room for the new needs, when ``new_id`` is attached already, or when
-        an MPS client's thread cap (fixed when it connected) would have to change. ``revision`` as for
+        the instance is an MPS client whose thread cap is fixed (it made its CUDA context, or runs) and is
+        not the cap ``function`` gets there now (`mps_cap`, compared in whole percent as MPS takes it): its
+        cap cannot change, and a function never runs at another cap than its own. ``revision`` as for
         `attach`."""
         a = self._attached.get(instance)
         target = new_id or instance
@@ -445,13 +457,19 @@ class GpuNode:
             )
         except ValueError:
             return False
-        # An MPS client's cap is fixed when it makes its CUDA context; a pre-loaded one makes none before
-        # /init (which brings the new cap), so only its attachment changes.
-        contextless = a.spec.function.startswith(PRELOAD_FUNCTION_PREFIX)
-        if spec.limit != a.spec.limit and a.attachment.mps_client and not contextless:
-            return False
         mgr = self._managers[a.device.uuid]
+        # A client with a fixed cap keeps it; a pre-loaded one without a context connects at /init, which
+        # brings the function's cap, so only its attachment changes.
+        keep = a.attachment.mps_client and a.capped
         async with self._admit_lock:
+            old_threads = mgr.mps_threads_of(instance)
+            if keep and old_threads is not None:
+                wanted = mgr.mps_threads(spec, lc_requests=self._lc_requests(a.device, besides=target))
+                if active_thread_percentage(wanted) != active_thread_percentage(old_threads):
+                    log.info("GPU share not retargeted: the MPS client's thread cap is fixed at another value",
+                             instance=instance, function=function, gpu=a.device.index,
+                             cap=active_thread_percentage(old_threads), wanted=active_thread_percentage(wanted))
+                    return False
             del self._attached[instance]  # its old needs must not count against its new ones
             await self._release(a.device, instance)
             weights = _weights_of(self.node, function, needs, revision, self.backend, self._isolated_mps)
@@ -463,22 +481,43 @@ class GpuNode:
                 log.info("GPU share not retargeted: no room for the function's needs", instance=instance,
                          function=function, gpu=a.device.index, reason=why)
                 return False
-            old_threads = mgr.mps_threads_of(instance)
             mgr.remove(instance)
             lc = self._lc_requests(a.device, besides=target)
-            # A client that runs keeps the cap it connected with; a pre-loaded one connects at /init.
-            keep = a.attachment.mps_client and not contextless and old_threads is not None
             threads = old_threads if keep and old_threads is not None else mgr.mps_threads(spec, lc_requests=lc)
             a.control.write(mgr.initial_quota(spec, lc_requests=lc))
             mgr.add(spec, a.control, a.stats, mps_threads=threads)
             if a.attachment.mps_client and not keep:
                 a.attachment = self._attachment(a.device, a.files, spec, mps_threads=threads)
-            a.spec, a.reserved = spec, reserved
+            a.spec, a.reserved, a.capped = spec, reserved, True
             self._attached[target] = a
         log.info("GPU share retargeted", instance=target, was=instance, function=function, gpu=a.device.index,
                  request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb)
         a.weights = weights
         return True
+
+    def mps_cap(self, function: str, needs: GpuNeeds, gpu_index: int | None = None) -> float | None:
+        """The MPS thread cap (active-thread fraction) an instance of ``function`` with ``needs`` would
+        connect with if it started now on GPU ``gpu_index`` (None: the first GPU under MPS) — what a
+        pre-loaded container that made its CUDA context must have for ``retarget`` to give it to the
+        function. None where that GPU is not under MPS (or not on this node) or the needs are not valid."""
+        if self.mps is None:
+            return None
+        devices = [d for d in self.devices if self.mps.enabled(d.index)
+                   and (gpu_index is None or d.index == gpu_index)]
+        if not devices:
+            return None
+        device = devices[0]
+        probe = f"{function}#cap"
+        try:
+            spec = InstanceSpec(
+                id=probe, function=function, cls=InstanceClass(needs.gpu_class.value), request=needs.sm_request,
+                limit=needs.sm_limit, memory_mb=needs.memory_mb, slo_ms=needs.slo_ms,
+                capacity_blocks_per_ms=needs.capacity_blocks_per_ms,
+            )
+        except ValueError:
+            return None
+        mgr = self._managers[device.uuid]
+        return mgr.mps_threads(spec, lc_requests=self._lc_requests(device, besides=probe))
 
     async def keep_weights(self, instance: str) -> str | None:
         """Staged exit: release an attached instance's compute but keep its shared weights on the GPU — its

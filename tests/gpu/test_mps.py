@@ -264,3 +264,37 @@ def test_a_taken_mps_containers_init_environment_carries_its_cap() -> None:
     assert _mps_cap(mps) == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70"}
     assert _mps_cap(GpuAttachment(env={"CUDA_VISIBLE_DEVICES": "0"})) == {}
     assert _mps_cap(None) == {}
+
+
+async def test_a_preloaded_client_with_a_context_is_retargeted_only_at_its_own_cap(tmp_path: Path) -> None:
+    """A pre-loaded container attached at a cap chosen ahead makes its CUDA context at it: a function whose
+    cap there now is that cap takes it (the attachment, cap among it, stays); one of another cap does not,
+    and nothing changes; `mps_cap` is that comparison's other side, None without MPS."""
+    sup = MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE,
+                        check_every_s=3600)
+    node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend="process", mps=sup)
+    plain = GpuNode(node="invoker1", devices=(GPU,), shm_dir=tmp_path / "shm1", backend="process")
+    placeholder = GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.01, sm_limit=0.05, memory_mb=1024)
+    await node.start()
+    try:
+        assert node.mps_cap("guest/classify", NEEDS) == pytest.approx(0.7)
+        assert node.mps_cap("guest/classify", NEEDS, gpu_index=3) is None  # not on this node
+        assert plain.mps_cap("guest/classify", NEEDS) is None  # time-sliced: no cap
+        pre = await node.attach("pre", "preload:python:3-gpu", placeholder, mps_threads=0.7)
+        assert pre is not None and pre.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "70"
+        assert node.manager(0).mps_threads_of("pre") == pytest.approx(0.7)
+        other = GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.2, sm_limit=0.3, memory_mb=1000)
+        assert not await node.retarget("pre", "guest/other", other, new_id="inst-0")
+        kept = node.attachment_of("pre")
+        assert kept is pre and node.attachment_of("inst-0") is None
+        (still,) = [i for g in node.view() for i in g.instances]
+        assert (still.id, still.function) == ("pre", "preload:python:3-gpu")
+        # 0.704 is 70 % for MPS: the same cap
+        close = GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.4, sm_limit=0.704, memory_mb=1000)
+        assert await node.retarget("pre", "guest/classify", close, new_id="inst-1")
+        taken = node.attachment_of("inst-1")
+        assert taken is pre and node.manager(0).mps_threads_of("inst-1") == pytest.approx(0.7)
+        (mine,) = [i for g in node.view() for i in g.instances]
+        assert (mine.id, mine.function, mine.limit) == ("inst-1", "guest/classify", 0.704)
+    finally:
+        await node.close()

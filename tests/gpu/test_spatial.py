@@ -216,7 +216,8 @@ async def test_the_shim_admits_every_launch_under_spatial(tmp_path: Path, shim_b
 async def test_retargeting_under_spatial_gives_a_preloaded_client_the_cap_and_keeps_a_running_ones(
         tmp_path: Path) -> None:
     """A pre-loaded container makes no CUDA context before /init, so its retarget takes the function's spatial
-    cap; a client that runs keeps the cap it connected with, even where a start now would get another."""
+    cap; a client that runs keeps the cap it connected with, so where a start now would get another its
+    retarget is refused."""
     sup = MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE,
                         check_every_s=3600)
     node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend="process", mps=sup,
@@ -230,10 +231,12 @@ async def test_retargeting_under_spatial_gives_a_preloaded_client_the_cap_and_ke
         taken = node.attachment_of("t1")
         assert taken is not None and taken.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
         assert node.manager(0).mps_threads_of("t1") == pytest.approx(0.5)
-        # Latency-critical work arrives: a new best-effort start would get 1 - 0.7; the running one keeps 0.5.
+        # Latency-critical work arrives: a new best-effort start would get 1 - 0.7; the running one keeps 0.5
+        # and cannot be handed to a function that would start at 0.3 now.
         assert await node.attach("i1", "guest/big", BIG_INFER) is not None
         assert await node.attach("i2", "guest/classify", INFER) is not None
-        assert await node.retarget("t1", "guest/train-v2", TRAIN)
+        assert node.mps_cap("guest/train-v2", TRAIN) == pytest.approx(0.3)
+        assert not await node.retarget("t1", "guest/train-v2", TRAIN)
         kept = node.attachment_of("t1")
         assert kept is not None and kept.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
         assert node.manager(0).mps_threads_of("t1") == pytest.approx(0.5)

@@ -93,9 +93,11 @@ class GpuAllocator(Protocol):
     """The node's GPU manager as the invoker core sees it (``dilu_invoker.gpu``)."""
 
     async def attach(self, instance: str, function: str, needs: GpuNeeds, *,
-                     gpu_index: int | None = None, revision: str | None = None) -> GpuAttachment | None:
+                     gpu_index: int | None = None, revision: str | None = None,
+                     mps_threads: float | None = None) -> GpuAttachment | None:
         """Reserve a GPU share for a new container (on ``gpu_index`` when the balancer placed it, else
-        wherever the node sees fit); None when the node has no GPU for it."""
+        wherever the node sees fit); None when the node has no GPU for it. ``mps_threads``: a pre-loaded
+        container's MPS thread cap, chosen ahead (`GpuNode.attach`)."""
         ...
 
     async def detach(self, instance: str) -> None: ...
@@ -159,6 +161,7 @@ class Invoker:
                 attach_gpu=self._attach_preload_gpu if gpu is not None else None,
                 detach_gpu=self._detach_gpu, check_importable=backend.name == "process",
                 has_gpus=bool(getattr(gpu, "has_gpus", gpu is not None)),
+                mps_cap=getattr(gpu, "mps_cap", None),
             )
             if pool.enabled:
                 self.preload = pool
@@ -208,13 +211,16 @@ class Invoker:
             own_runtime=True,
         )
 
-    async def _attach_preload_gpu(self, key: str, runtime: RuntimeKind) -> tuple[GpuAttachment | None, int]:
+    async def _attach_preload_gpu(self, key: str, runtime: RuntimeKind, *,
+                                  mps_threads: float | None = None) -> tuple[GpuAttachment | None, int]:
         # A placeholder: the process only holds a CUDA context until a function takes it (then the share
         # becomes the function's), so it must not take SM share from the instances placed beside it.
         needs = PRELOAD_GPU_NEEDS
         if self.gpu is None:
             return None, 0
-        attachment = await self.gpu.attach(key, f"{PRELOAD_FUNCTION_PREFIX}{runtime.kind}", needs)
+        # mps_threads: the cap a pre-loaded MPS client makes its CUDA context at (chosen ahead by the pool)
+        attachment = await self.gpu.attach(key, f"{PRELOAD_FUNCTION_PREFIX}{runtime.kind}", needs,
+                                           mps_threads=mps_threads)
         return attachment, needs.memory_mb if attachment is not None else 0
 
     async def _detach_gpu(self, key: str) -> None:

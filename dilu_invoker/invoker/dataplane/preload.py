@@ -17,6 +17,15 @@ list pre-starts the interpreter and the runtime only;
 besides the list, up to ``--invoker-preload-learn`` installed modules that recent actions of the kind
 imported (their ``/init`` reports them) are pre-loaded too, the most frequent first.
 
+Under MPS (docs/invoker.md, "Pre-loaded containers"): an MPS client's thread cap is fixed when it makes its
+CUDA context, so a pre-loaded MPS client makes it only at a cap chosen ahead — per kind, the most frequent
+cap that the recent cold starts of the kind got on this node (`GpuNode.mps_cap`). Of ``--preload`` per
+kind, one slot then stays contextless (its context waits for /init and the cap of whoever takes it) and the
+others make their context at that cap (with ``--preload 1`` the one slot does when nearly all recent cold
+starts got that cap, `CAP_SOLE_SHARE`). A cold start takes a contextful one only when its function's cap
+there now is the container's; otherwise a contextless one, or it misses (``reason="MPS thread cap
+differs"``). Before any cap is learnt all are contextless.
+
 Budgets: pre-loaded containers together hold at most ``--invoker-preload-budget-mb`` of host memory (and,
 on GPU kinds, ``--invoker-preload-gpu-budget-mb`` of GPU memory reservations); they count against the
 invoker's user memory, and the pool sheds them before it evicts a warm container of any action.
@@ -40,10 +49,11 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from dilu_invoker.actions._ipc import installed_roots
-from dilu_invoker.gpu.attachment import GpuAttachment
+from dilu_invoker.gpu.attachment import MPS_THREADS_ENV, GpuAttachment
+from dilu_invoker.gpu.mps import active_thread_percentage
 from dilu_invoker.invoker.dataplane.backends.base import Container, ContainerBackend, ContainerSpec, Mount
 from dilu_invoker.invoker.manifest import Manifest, RuntimeKind
-from dilu_invoker.model import Action
+from dilu_invoker.model import Action, GpuNeeds, ValidationError
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +61,15 @@ PRELOAD_MODULES_ENV = "DILU_PRELOAD_MODULES"
 PRELOAD_CUDA_ENV = "DILU_PRELOAD_CUDA"
 #: how long a pre-loaded container may take to import its libraries before it is given up
 LOAD_TIMEOUT_S = 120.0
+#: how many recent cold starts of a kind its MPS thread cap is learnt from
+CAP_HISTORY = 32
+#: the miss of a cold start whose function's MPS thread cap no pre-loaded container of the kind has
+CAP_MISS = "MPS thread cap differs"
+#: with one pre-loaded container per kind, the share of recent cold starts that must have got the learnt
+#: cap for it to make its context at that cap: a context made ahead saves a cold start of that cap its
+#: context and library loading (~0.5-0.7 s on the H200) but makes every cold start of another cap miss
+#: (losing the pre-loaded imports, 2 s and more), so only when the cap is nearly the only one
+CAP_SOLE_SHARE = 0.8
 _POLL_S = 0.05
 
 
@@ -71,6 +90,9 @@ class PreloadMetrics:
                             registry=r)
         self.gpu_memory = Gauge("dilu_invoker_preload_gpu_memory_mb", "GPU memory reserved by pre-loaded "
                                 "containers (MB)", registry=r)
+        self.cap = Gauge("dilu_invoker_preload_mps_threads_percent", "MPS thread cap (active-thread percentage) "
+                         "the kind's pre-loaded MPS clients make their CUDA context at, learnt from its recent cold "
+                         "starts (0: none makes it before /init)", ("kind",), registry=r)
         self.load_time = Gauge("dilu_invoker_preload_load_seconds", "Time the last pre-loaded container of the "
                                "kind took to import its libraries (and make its CUDA context)", ("kind",),
                                registry=r)
@@ -89,6 +111,12 @@ class Standby:
     container: Container | None = None
     gpu: GpuAttachment | None = None
     gpu_key: str | None = None
+    slot: int | None = None
+    """The MPS thread cap (whole percent) it was started to make its CUDA context at; None: the slot whose
+    context waits for /init (or a kind that is not pre-loaded at a cap)."""
+    mps_cap: int | None = None
+    """The cap its MPS client made its CUDA context at, once attached; None: it is no MPS client, or it made
+    no context before /init (either way any function of the kind may take it)."""
     info: dict[str, Any] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
     drain: asyncio.Task[None] | None = None
@@ -135,7 +163,12 @@ class PreloadPool:
         detach_gpu: Callable[[str], Awaitable[None]] | None = None,
         check_importable: bool = True,
         has_gpus: bool = False,
+        mps_cap: Callable[[str, GpuNeeds, int | None], float | None] | None = None,
     ) -> None:
+        """``mps_cap``: the MPS thread cap a function with these needs would connect with now on that GPU
+        (`GpuNode.mps_cap`; None: not under MPS). Without it nothing is learnt and, under MPS, no pre-loaded
+        container makes its CUDA context before /init; with it, ``attach_gpu`` is also called with the
+        cap chosen ahead (``mps_threads=``)."""
         self.manifest = manifest
         self.backend = backend
         self.session = session
@@ -148,6 +181,10 @@ class PreloadPool:
         self._room_mb = room_mb
         self._attach_gpu = attach_gpu
         self._detach_gpu = detach_gpu
+        self.mps_cap = mps_cap
+        self._caps: dict[str, collections.deque[int]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=CAP_HISTORY))
+        self._cap: dict[str, int] = {}
         self._prefix = name_prefix
         self._counter = itertools.count(1)
         self.metrics = PreloadMetrics(registry)
@@ -197,12 +234,48 @@ class PreloadPool:
         learnt = [m for m, _n in self._learnt[kind].most_common() if m not in declared][: self.learn_limit]
         return tuple(declared + learnt)
 
+    def learnt_cap(self, kind: str) -> int | None:
+        """The MPS thread cap (whole percent) the kind's pre-loaded MPS clients make their CUDA context at:
+        the most frequent among the caps its recent cold starts got (`CAP_HISTORY`; on a tie the one in use
+        stays, else the latest); None before any was learnt."""
+        history = self._caps.get(kind)
+        if not history:
+            return None
+        counts = collections.Counter(history)
+        top = max(counts.values())
+        tied = [c for c, n in counts.items() if n == top]
+        current = self._cap.get(kind)
+        if current in tied:
+            return current
+        return next(c for c in reversed(history) if c in tied)
+
+    def slot_caps(self, kind: str) -> list[int | None]:
+        """What each of the kind's ``per_kind`` slots is pre-loaded as: a cap (a context made at it) or None
+        (no context before /init). With a learnt cap and two or more slots, one stays contextless (it serves
+        a cold start of any cap) and the others take the cap; a single slot takes it only when at least
+        `CAP_SOLE_SHARE` of the recent cold starts got it."""
+        cap = self._cap.get(kind)
+        if cap is None or self.per_kind <= 0:
+            return [None] * self.per_kind
+        if self.per_kind == 1:
+            history = self._caps[kind]
+            return [cap] if history.count(cap) >= CAP_SOLE_SHARE * len(history) else [None]
+        return [cap] * (self.per_kind - 1) + [None]
+
+    def _next_slot(self, kind: str, items: list[Standby]) -> int | None:
+        need = collections.Counter(self.slot_caps(kind))
+        for standby in items:
+            if need[standby.slot] > 0:
+                need[standby.slot] -= 1
+        return next((c for c in self.slot_caps(kind) if need[c] > 0), None)
+
     def _update_gauges(self) -> None:
         for kind in self.kinds:
             items = self.standbys.get(kind, [])
             for state in ("loading", "ready"):
                 n = sum(1 for s in items if (s.state == state or (state == "loading" and s.state == "starting")))
                 self.metrics.size.labels(kind, state).set(n)
+            self.metrics.cap.labels(kind).set(next((c for c in self.slot_caps(kind) if c is not None), 0))
         self.metrics.memory.set(self.memory_in_use_mb)
         self.metrics.gpu_memory.set(self.gpu_memory_in_use_mb)
 
@@ -219,6 +292,9 @@ class PreloadPool:
             return
         runtime = self.kinds[kind]
         memory_mb = runtime.preload_memory_mb or self.memory_mb
+        wanted = self.slot_caps(kind)
+        for stale in [s for s in self.standbys[kind] if s.slot is not None and s.slot not in wanted]:
+            self._discard(stale, "MPS thread cap no longer wanted")
         while len(self.standbys[kind]) < self.per_kind:
             if self.memory_in_use_mb + memory_mb > self.budget_mb or self._room_mb() < memory_mb:
                 if kind not in self._no_room_logged:
@@ -227,7 +303,8 @@ class PreloadPool:
                              budget_mb=self.budget_mb, preloaded_mb=self.memory_in_use_mb, room_mb=self._room_mb())
                 break
             name = f"{self._prefix}_{next(self._counter)}_preload_{_slug(kind)}"
-            standby = Standby(name=name, kind=kind, memory_mb=memory_mb, modules=self.modules_for(kind))
+            standby = Standby(name=name, kind=kind, memory_mb=memory_mb, modules=self.modules_for(kind),
+                              slot=self._next_slot(kind, self.standbys[kind]))
             self.standbys[kind].append(standby)
             standby.task = self._spawn(self._start(standby, runtime))
         self._update_gauges()
@@ -240,15 +317,23 @@ class PreloadPool:
             if runtime.gpu and self._attach_gpu is not None:
                 if self.gpu_memory_in_use_mb >= self.gpu_budget_mb:
                     raise _Skip("GPU budget of pre-loading is used up")
-                attachment, gpu_mb = await self._attach_gpu(standby.name, runtime)
+                if standby.slot is not None:
+                    attachment, gpu_mb = await self._attach_gpu(standby.name, runtime,  # type: ignore[call-arg]
+                                                                mps_threads=standby.slot / 100)
+                else:
+                    attachment, gpu_mb = await self._attach_gpu(standby.name, runtime)
                 if attachment is not None:
                     if self.gpu_memory_in_use_mb + gpu_mb > self.gpu_budget_mb:
                         standby.gpu_key = standby.name
                         raise _Skip("GPU budget of pre-loading is used up")
                     standby.gpu, standby.gpu_key, standby.gpu_memory_mb = attachment, standby.name, gpu_mb
-                    # An MPS client fixes its cap when it makes its CUDA context, so under MPS the context
-                    # waits for /init, which brings the cap of the function that takes the container.
-                    env = {**dict(spec.env), **attachment.env, PRELOAD_CUDA_ENV: "0" if attachment.mps_client else "1"}
+                    # An MPS client fixes its cap when it makes its CUDA context: it makes it now only in a
+                    # slot of a cap chosen ahead; otherwise the context waits for /init, which brings the cap
+                    # of the function that takes the container.
+                    contextful = not attachment.mps_client or standby.slot is not None
+                    if attachment.mps_client and contextful:
+                        standby.mps_cap = _percent(attachment.env.get(MPS_THREADS_ENV))
+                    env = {**dict(spec.env), **attachment.env, PRELOAD_CUDA_ENV: "1" if contextful else "0"}
                     spec = ContainerSpec(
                         name=spec.name, kind=spec.kind, image=spec.image, memory_mb=spec.memory_mb, env=env,
                         mounts=spec.mounts + tuple(Mount(m.source, m.target, m.read_only) for m in attachment.mounts),
@@ -271,7 +356,7 @@ class PreloadPool:
             self.metrics.load_time.labels(standby.kind).set(info.get("ms", 0) / 1000)
             log.info("pre-loaded container ready", container=standby.name, kind=standby.kind,
                      modules=info.get("modules"), missing=info.get("missing"), cuda=info.get("cuda"),
-                     load_ms=info.get("ms"))
+                     mps_threads=standby.mps_cap, load_ms=info.get("ms"))
             self._update_gauges()
         except asyncio.CancelledError:
             raise
@@ -306,33 +391,85 @@ class PreloadPool:
     # -- taking ----------------------------------------------------------------------------------------
 
     def take(self, runtime: RuntimeKind, action: Action, *, gpu_index: int | None = None) -> Standby | None:
-        """A pre-loaded container of the action's kind (ready ones first), or None (a miss: the caller does a
-        plain cold start). A replacement is started in the background either way."""
+        """A pre-loaded container of the action's kind (ready ones first; under MPS one whose CUDA context
+        has the thread cap the action's function gets now, else one without a context), or None (a miss:
+        the caller does a plain cold start). A replacement is started in the background either way."""
         kind = runtime.kind
         if kind not in self.kinds:
             return None
-        reason = ""
-        items = [s for s in self.standbys.get(kind, [])
-                 if gpu_index is None or (s.gpu is not None and s.gpu.gpu_index == gpu_index)]
-        if action.limits.concurrency > 1:
-            reason = "concurrent action"
-        elif not items:
-            reason = "none available"
-        if reason:
+        if runtime.gpu and action.limits.concurrency <= 1:  # (a concurrent action never takes one)
+            self._learn_cap(kind, action, gpu_index)
+        standby, reason = self._choose(kind, action, gpu_index if runtime.gpu else None)
+        if standby is None:
             self.metrics.misses.labels(kind, reason).inc()
             self._spawn_refill(kind)
             return None
-        ready = [s for s in items if s.state == "ready"]
-        usable = ready or [s for s in items if s.state in ("loading", "starting")]
-        if not usable:
-            self.metrics.misses.labels(kind, "none available").inc()
-            return None
-        standby = usable[0]
         self.standbys[kind].remove(standby)
         standby.state = "taken"
         self._update_gauges()
         self._spawn_refill(kind)
         return standby
+
+    def _choose(self, kind: str, action: Action, gpu_index: int | None) -> tuple[Standby | None, str]:
+        """The container a cold start of ``action`` would take, or None and the reason of the miss."""
+        items = [s for s in self.standbys.get(kind, [])
+                 if gpu_index is None or (s.gpu is not None and s.gpu.gpu_index == gpu_index)]
+        if action.limits.concurrency > 1:
+            return None, "concurrent action"
+        if not items:
+            return None, "none available"
+        caps: dict[int | None, int | None] = {}
+
+        def fits(s: Standby) -> bool:
+            have = s.mps_cap if s.gpu is not None else s.slot
+            if have is None:
+                return True
+            index = s.gpu.gpu_index if s.gpu is not None else gpu_index
+            if index not in caps:
+                caps[index] = self._cap_now(action, index)
+            return caps[index] == have
+
+        def ranked(group: list[Standby]) -> list[Standby]:
+            # a context made at the function's cap first: it is what pre-loading it was for
+            fitting = [s for s in group if fits(s)]
+            return sorted(fitting, key=lambda s: (s.mps_cap if s.gpu is not None else s.slot) is None)
+
+        ready = [s for s in items if s.state == "ready"]
+        usable = ranked(ready) or ranked([s for s in items if s.state in ("loading", "starting")])
+        if usable:
+            return usable[0], ""
+        if any((s.mps_cap if s.gpu is not None else s.slot) is not None for s in items):
+            return None, CAP_MISS
+        return None, "none available"
+
+    def _cap_now(self, action: Action, gpu_index: int | None) -> int | None:
+        """The MPS thread cap (whole percent) the action's function gets on that GPU now (None: unknown, not
+        under MPS, or invalid GPU annotations: then no container with a context made at a cap fits it)."""
+        if self.mps_cap is None:
+            return None
+        try:
+            needs = GpuNeeds.from_annotations(action.annotation_map)
+            threads = self.mps_cap(action.fqn, needs, gpu_index)
+        except (ValidationError, ValueError, KeyError):
+            return None
+        return active_thread_percentage(threads) if threads is not None else None
+
+    def _learn_cap(self, kind: str, action: Action, gpu_index: int | None) -> None:
+        """Record the cap this cold start of ``kind`` gets: on the GPU it was placed on, else on the GPU of
+        the kind's first pre-loaded container (the GPU node's first MPS GPU when there is none)."""
+        if self.mps_cap is None:
+            return
+        if gpu_index is None:
+            gpu_index = next((s.gpu.gpu_index for s in self.standbys.get(kind, []) if s.gpu is not None), None)
+        cap = self._cap_now(action, gpu_index)
+        if cap is None:
+            return
+        self._caps[kind].append(cap)
+        learnt = self.learnt_cap(kind)
+        if learnt is not None and learnt != self._cap.get(kind):
+            log.info("pre-loaded MPS clients of the kind make their CUDA context at a new thread cap", kind=kind,
+                     mps_threads=learnt, was=self._cap.get(kind), cold_starts=len(self._caps[kind]))
+            self._cap[kind] = learnt
 
     async def hand_over(self, standby: Standby, memory_mb: int) -> Taken | None:
         """Finish a take: wait for the container's pre-load (when it was still loading), stop draining its
@@ -389,11 +526,9 @@ class PreloadPool:
 
     def _would_take(self, action: Action) -> Standby | None:
         runtime = self.manifest.resolve(action.exec.kind)
-        if runtime is None or runtime.kind not in self.kinds or action.limits.concurrency > 1:
+        if runtime is None or runtime.kind not in self.kinds:
             return None
-        items = self.standbys.get(runtime.kind, [])
-        usable = [s for s in items if s.state == "ready"] or items
-        return usable[0] if usable else None
+        return self._choose(runtime.kind, action, None)[0]
 
     def memory_for(self, action: Action) -> int:
         spared = self._would_take(action)
@@ -493,6 +628,13 @@ def _installed_package(name: str) -> bool:
         return False
     places = [spec.origin] if spec.origin else list(spec.submodule_search_locations or ())
     return bool(places) and all(os.path.realpath(p).startswith(installed_roots()) for p in places if p)
+
+
+def _percent(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _slug(text: str) -> str:
