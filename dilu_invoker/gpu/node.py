@@ -394,11 +394,7 @@ class GpuNode:
         if have is not None:
             return have.attachment
         try:
-            spec = InstanceSpec(
-                id=instance, function=function, cls=InstanceClass(needs.gpu_class.value), request=needs.sm_request,
-                limit=needs.sm_limit, memory_mb=needs.memory_mb, slo_ms=needs.slo_ms,
-                capacity_blocks_per_ms=needs.capacity_blocks_per_ms,
-            )
+            spec = _spec_of(instance, function, needs)
             abi.instance_files(self.root, instance)
         except ValueError as exc:
             log.warning("GPU not attached: bad instance", instance=instance, error=str(exc))
@@ -450,11 +446,7 @@ class GpuNode:
         if a is None or (target != instance and target in self._attached):
             return False
         try:
-            spec = InstanceSpec(
-                id=target, function=function, cls=InstanceClass(needs.gpu_class.value), request=needs.sm_request,
-                limit=needs.sm_limit, memory_mb=needs.memory_mb, slo_ms=needs.slo_ms,
-                capacity_blocks_per_ms=needs.capacity_blocks_per_ms,
-            )
+            spec = _spec_of(target, function, needs)
         except ValueError:
             return False
         mgr = self._managers[a.device.uuid]
@@ -509,11 +501,7 @@ class GpuNode:
         device = devices[0]
         probe = f"{function}#cap"
         try:
-            spec = InstanceSpec(
-                id=probe, function=function, cls=InstanceClass(needs.gpu_class.value), request=needs.sm_request,
-                limit=needs.sm_limit, memory_mb=needs.memory_mb, slo_ms=needs.slo_ms,
-                capacity_blocks_per_ms=needs.capacity_blocks_per_ms,
-            )
+            spec = _spec_of(probe, function, needs)
         except ValueError:
             return None
         mgr = self._managers[device.uuid]
@@ -884,6 +872,13 @@ class GpuNode:
                  dropped={i: s[0] for i, s in summary.items() if s[0]},
                  restored={i: s[1] for i, s in summary.items() if s[1]})
         return True
+
+
+def _spec_of(instance: str, function: str, needs: GpuNeeds) -> InstanceSpec:
+    """The manager's view of an instance of ``function`` with ``needs`` (ValueError when they are invalid)."""
+    return InstanceSpec(id=instance, function=function, cls=InstanceClass(needs.gpu_class.value),
+                        request=needs.sm_request, limit=needs.sm_limit, memory_mb=needs.memory_mb,
+                        slo_ms=needs.slo_ms, capacity_blocks_per_ms=needs.capacity_blocks_per_ms)
 
 
 def _budgeted(spec: InstanceSpec) -> tuple[float, float]:
