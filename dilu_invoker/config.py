@@ -152,8 +152,14 @@ class RedisConfig:
     appendfsync: str = _opt("always", "embedded Redis: when its append-only file is synced (always: before each "
                                       "reply, nothing answered is lost if Redis dies; everysec: faster, may lose "
                                       "up to 2 s when the disk is slow; no)")
+    action_recheck_s: float = _opt(1.0, "an invoke trusts its in-process copy of an action this long before it "
+                                        "checks the action's revision in Redis again (a change through this "
+                                        "server is seen at once, one through another server sharing the Redis "
+                                        "within this; 0: check on every invoke)")
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.action_recheck_s) and self.action_recheck_s >= 0):
+            raise ConfigError("--redis-action-recheck-s must be a number of seconds >= 0")
         if self.pool_size < 1:
             raise ConfigError("--redis-pool-size must be at least 1")
         if self.pool_timeout_s <= 0:

@@ -34,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
@@ -240,6 +242,7 @@ class EntityStore:
         max_activations_per_namespace: int = DEFAULT_MAX_ACTIVATIONS,
         action_cache_size: int = 256,
         action_cache_max_code: int = 4 * 1024 * 1024,
+        action_recheck_s: float = 0.0,
         max_unstored: int = DEFAULT_MAX_UNSTORED,
         spill_path: str | Path | None = None,
         retry_period_s: float = 0.2,
@@ -265,8 +268,11 @@ class EntityStore:
         self._delete_action = redis.register_script(_DELETE_ACTION)
         self._store_activation = redis.register_script(_STORE_ACTIVATION)
         self.pipeliner = Pipeliner(redis)
-        # Invokes read the action every time; a revision check (one small HGET) keeps this cache exact.
+        # Invokes read the action every time; a revision check (one small HGET) keeps this cache exact, at
+        # most every ``action_recheck_s`` per action (changes made through this store update it at once).
         self._cache: OrderedDict[tuple[str, str], Action] = OrderedDict()
+        self._checked: dict[tuple[str, str], float] = {}
+        self.action_recheck_s = action_recheck_s
         self._cache_size = action_cache_size
         self._cache_max_code = action_cache_max_code
 
@@ -274,7 +280,7 @@ class EntityStore:
     def from_config(cls, redis: aioredis.Redis, cfg: RedisConfig, *,
                     spill_path: str | Path | None = None) -> EntityStore:
         return cls(redis, prefix=cfg.prefix, max_activations_per_namespace=cfg.max_activations,
-                   spill_path=spill_path)
+                   spill_path=spill_path, action_recheck_s=cfg.action_recheck_s)
 
     # ----------------------------------------------------------------------------------------
     # Keys
@@ -299,32 +305,44 @@ class EntityStore:
         key = self.action_key(namespace, name)
         cached = self._cache.get((namespace, name))
         if cached is not None:
+            now = time.monotonic()
+            if now - self._checked.get((namespace, name), -math.inf) < self.action_recheck_s:
+                self._cache.move_to_end((namespace, name))
+                return cached
             rev = _text(await self.pipeliner.call("HGET", key, "rev", shared=True))
             if rev is None:
-                self._cache.pop((namespace, name), None)
+                self._forget((namespace, name))
                 return None
             if rev == cached.revision:
                 # the hget awaited: a delete or update may have dropped the entry meanwhile
                 if (namespace, name) in self._cache:
                     self._cache.move_to_end((namespace, name))
+                    self._checked[(namespace, name)] = now
                 return cached
         raw_rev, raw_doc = await self.redis.hmget(key, ["rev", "doc"])
         if raw_rev is None or raw_doc is None:
-            self._cache.pop((namespace, name), None)
+            self._forget((namespace, name))
             return None
         action = replace(Action.from_json(await jsonutil.aloads(raw_doc)), revision=_text(raw_rev))
         self._remember(action)
         return action
 
     def _remember(self, action: Action) -> None:
+        """Cache ``action`` as just read from (or written to) Redis."""
         key = (action.namespace, action.name)
         if len(action.exec.code or "") > self._cache_max_code:
-            self._cache.pop(key, None)
+            self._forget(key)
             return
         self._cache[key] = action
         self._cache.move_to_end(key)
+        self._checked[key] = time.monotonic()
         while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+            old, _ = self._cache.popitem(last=False)
+            self._checked.pop(old, None)
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        self._cache.pop(key, None)
+        self._checked.pop(key, None)
 
     async def put_action(self, action: Action, *, expected_revision: str | None) -> Action:
         """Create (``expected_revision=None``: the action must not exist) or replace the revision the
@@ -343,7 +361,7 @@ class EntityStore:
             args=[expected_revision or "", revision, doc, summary, action.updated, action.name],
         )
         if not int(ok):
-            self._cache.pop((action.namespace, action.name), None)
+            self._forget((action.namespace, action.name))
             raise RevisionConflict(_text(current) or None)
         stored = replace(action, revision=revision)
         self._remember(stored)
@@ -351,7 +369,7 @@ class EntityStore:
 
     async def delete_action(self, namespace: str, name: str) -> Action | None:
         """Delete and return the action (None when it did not exist)."""
-        self._cache.pop((namespace, name), None)
+        self._forget((namespace, name))
         found = await self._delete_action(
             keys=[self.action_key(namespace, name), self.actions_index_key(namespace)], args=[name]
         )

@@ -63,6 +63,31 @@ async def test_cache_follows_writes_of_other_stores(redis: aioredis.Redis) -> No
     assert await reader.get_action("guest", "hello") is None
 
 
+async def test_a_cached_action_is_rechecked_only_after_the_recheck_period(redis: aioredis.Redis) -> None:
+    reader, writer = EntityStore(redis, action_recheck_s=0.3), EntityStore(redis)
+    first = await writer.put_action(action(code="v1"), expected_revision=None)
+    assert (await reader.get_action("guest", "hello")) == first
+    checks = reader.pipeliner.commands
+    second = await writer.put_action(replace(first, exec=Exec(kind="python:3", code="v2")),
+                                     expected_revision=first.revision)
+    # Within the period the reader trusts its copy (no command sent) ...
+    assert (await reader.get_action("guest", "hello")) == first and reader.pipeliner.commands == checks
+    await asyncio.sleep(0.35)
+    # ... after it, one revision check finds the other store's change.
+    seen = await reader.get_action("guest", "hello")
+    assert seen is not None and seen.revision == second.revision and reader.pipeliner.commands == checks + 1
+    # Its own changes it sees at once; a delete by another store after the period.
+    mine = await reader.put_action(replace(seen, exec=Exec(kind="python:3", code="v3")),
+                                   expected_revision=second.revision)
+    assert (await reader.get_action("guest", "hello")) == mine
+    await writer.delete_action("guest", "hello")
+    await asyncio.sleep(0.35)
+    assert await reader.get_action("guest", "hello") is None
+    await reader.put_action(action(code="v4"), expected_revision=None)
+    await reader.delete_action("guest", "hello")
+    assert await reader.get_action("guest", "hello") is None  # its own delete: at once
+
+
 async def test_cached_reads_racing_a_delete_answer_without_error(redis: aioredis.Redis) -> None:
     """A cached read awaits Redis for the revision; a delete in the same store meanwhile drops the cache
     entry. The read must still answer (the action it saw, or None), never raise."""
