@@ -273,8 +273,11 @@ Reading the figures:
   both. The same code's sequential p50 moves between about 1.5 and 12 ms with the load average on the
   2-core development VM, while its CPU per invoke moves far less; compare arms of one run, not runs.
 * The embedded Redis syncs its append-only file before each reply (`--redis-appendfsync always`): one
-  sync per stored record in the sequential phase (one per pipeline under load), a disk wait on the path
-  of every blocking invoke that no CPU figure shows.
+  sync per stored record in the sequential phase (one per pipeline under load). Since 4bbee45 and
+  c29a680 a blocking invoke is answered while its record is written and a warm invoke checks its action's
+  revision at most once a second (`--redis-action-recheck-s`), so neither that sync nor any other
+  Redis round trip is on the path of a warm invoke; `bench/standalone_ab.py` measures a checkout against
+  another side by side (docs/benchmarks/standalone-ab.md).
 * Before and after the hot-path changes that followed 741a3b7 (`python bench/standalone.py --requests 1500
   --seconds 4 --rounds 2 --gpu-dry`, run alternately in a checkout of 741a3b7 and of the change, load
   average 3.0–4.9): under 32 clients the served CPU per invoke fell from 4.18 to 2.79 ms (standalone
