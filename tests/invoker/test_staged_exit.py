@@ -136,3 +136,45 @@ async def test_the_last_instance_keeps_its_weights_for_the_next_one(tmp_path: Pa
         assert _metric(text, "dilu_invoker_weights_kept_events_total", event="expired") == 1.0
         assert _metric(text, "dilu_invoker_weights_kept_events_total", event="kept") == 1.0
         assert _metric(text, "dilu_invoker_weights_kept") == 0.0
+
+
+class _Proxy:
+    """What the keeper reads of a container proxy."""
+
+    def __init__(self, name: str, gpu_index: int = 0) -> None:
+        from dilu_invoker.gpu.attachment import GpuAttachment
+        from dilu_invoker.invoker.dataplane.container import Placement, PoolKey
+
+        self.name, self.memory_mb, self.output = name, 256, None
+        self.action = type("A", (), {"fqn": "guest/llm"})()
+        self.key = PoolKey(f"instance:{name}", "guest/llm", "1-abc")
+        self.placement = Placement(gpu=GpuAttachment(gpu_index=gpu_index, uuid="GPU-k", env={}), gpu_key=name)
+        self.container = type("C", (), {"alive": True, "stdout": asyncio.StreamReader(),
+                                        "stderr": asyncio.StreamReader()})()
+
+
+async def test_two_instances_of_a_group_removed_at_once_keep_one() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from dilu_invoker.invoker.dataplane.keep import WeightsKeeper
+
+    kept_ids: list[str] = []
+    destroyed: list[str] = []
+
+    async def keep_weights(key: str) -> str | None:
+        await asyncio.sleep(0.01)  # Redis: the other removal runs meanwhile
+        kept_ids.append(key)
+        return f"{key}-kept"
+
+    async def destroy(proxy: Any, container: Any, gpu_key: str) -> None:
+        destroyed.append(gpu_key)
+
+    keeper = WeightsKeeper(grace_s=30.0, keep_weights=keep_weights, destroy=destroy, members=lambda g: 0,
+                           registry=CollectorRegistry())
+    a, b = _Proxy("a"), _Proxy("b")
+    assert await asyncio.gather(keeper.keep(a), keeper.keep(b)) == [True, False]  # type: ignore[arg-type]
+    assert kept_ids == ["a"] and list(keeper.kept) == ["a"] and keeper.memory_in_use_mb == 256
+    # Host memory wanted: the kept process is shed (and destroyed under its kept id).
+    assert keeper.shed(100, None) == 256  # type: ignore[arg-type]
+    await keeper.close()
+    assert destroyed == ["a-kept"] and not keeper.kept

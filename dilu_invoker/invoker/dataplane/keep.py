@@ -88,6 +88,7 @@ class WeightsKeeper:
         self.metrics = KeeperMetrics(registry)
         self.kept: dict[str, Kept] = {}  # container name -> kept
         self._tasks: set[asyncio.Task[None]] = set()
+        self._keeping: set[Group] = set()
         self._loop: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -112,19 +113,24 @@ class WeightsKeeper:
         """Keep ``proxy``'s process for its weights instead of destroying it; False: destroy it as usual."""
         group = group_of(proxy)
         container = proxy.container
-        if not self.enabled or group is None or container is None or not container.alive or self.holds(group):
+        if (not self.enabled or group is None or container is None or not container.alive or self.holds(group)
+                or group in self._keeping):
             return False
-        gpu_key = await self._keep_weights(proxy.placement.gpu_key or proxy.name)
+        self._keeping.add(group)  # two instances of the group removed at once: one is kept
+        try:
+            gpu_key = await self._keep_weights(proxy.placement.gpu_key or proxy.name)
+        finally:
+            self._keeping.discard(group)
         if gpu_key is None:
             return False
         now = self._clock()
         kept = Kept(proxy=proxy, container=container, group=group, gpu_key=gpu_key, memory_mb=proxy.memory_mb,
                     since=now, until=now + self.grace_s)
+        self.kept[proxy.name] = kept
         if proxy.output is not None:
             # Its output is no activation's: stop collecting, read and drop what it still prints.
             await proxy.output.close()
         kept.drain = asyncio.create_task(_drain(container, proxy.name))
-        self.kept[proxy.name] = kept
         self.metrics.events.labels("kept").inc()
         self._update()
         log.info("instance's weights kept on the GPU (staged exit)", container=proxy.name, action=group[0],
