@@ -149,8 +149,14 @@ _EMPTY_MAP: Map[str, int] = Map()
 
 #: An entry of `ClusterSnapshot.lit_room`: (free MiB, ordinal), so a bucket sorts tightest first.
 RoomEntry = tuple[float, int]
-#: An entry of `ClusterSnapshot.node_room`: (Σ free MiB of the invoker's lit GPUs, its first ordinal).
-NodeRoom = tuple[float, int]
+#: An entry of `ClusterSnapshot.node_room`: (Σ free MiB of the invoker's lit GPUs, its first ordinal,
+#: then bounds over those lit GPUs for split placement: the largest memory × (1 + EPS) − used, the
+#: least Σ request, the least Σ limit). The first two order the entries; the bounds let a split
+#: pass over an invoker none of whose lit GPUs can take a large enough piece, without its GPUs.
+NodeRoom = tuple[float, int, float, float, float]
+
+
+_GROW = 1.0 + EPS
 
 
 def _free(g: GpuState) -> float:
@@ -162,6 +168,8 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
     few GPUs, never summed incrementally, so it always equals a fresh build's."""
     free = 0.0
     lit = False
+    most = -math.inf
+    least_request = least_limit = math.inf
     states = (
         gpus.span(invoker_ords[0], invoker_ords[-1] + 1)
         if isinstance(gpus, GpuVector)
@@ -169,9 +177,19 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
     )
     for g in states:
         if g.instances:
+            used = g.used_memory
+            # The same expression as split placement's per-GPU memory capacity, so the bound is
+            # that capacity's exact maximum.
+            room = g.memory_mib * _GROW - used
+            if room > most:
+                most = room
             lit = True
-            free += g.memory_mib - g.used_memory
-    return (free, invoker_ords[0]) if lit else None
+            free += g.memory_mib - used
+            if g.used_request < least_request:
+                least_request = g.used_request
+            if g.used_limit < least_limit:
+                least_limit = g.used_limit
+    return (free, invoker_ords[0], most, least_request, least_limit) if lit else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +217,9 @@ class ClusterSnapshot:
     """The same GPUs per bucket as (Σ limit, ordinal), ascending: those with room for a limit l
     under a cap are a prefix (when limits bind before memory does)."""
     node_room: tuple[NodeRoom, ...]
-    """(Σ free MiB over its lit GPUs, first ordinal) of every invoker with a lit GPU, ascending: the
-    invokers whose lit GPUs together hold m MiB are a suffix (splitting an instance over lit GPUs)."""
+    """(Σ free MiB over its lit GPUs, first ordinal, bounds) of every invoker with a lit GPU,
+    ascending: the invokers whose lit GPUs together hold m MiB are a suffix (splitting an instance
+    over lit GPUs); the bounds (`NodeRoom`) say how large a piece its roomiest lit GPU may take."""
     unlit: Map[str, tuple[int, ...]]
     """Invoker → ordinals (ascending) of its GPUs with nothing placed."""
     unlit_nodes: tuple[tuple[int, ...], ...]

@@ -23,7 +23,7 @@ from enum import StrEnum
 from itertools import accumulate, combinations, compress
 from operator import attrgetter, sub
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot
+from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, NodeRoom
 from dilu_invoker.policy.types import (
     EPS,
     GpuRef,
@@ -1087,12 +1087,18 @@ def split_fits(cluster: ClusterSnapshot, request: PlacementRequest, config: Plac
         return False
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
+    scan = _SplitScan(cluster, request, config, filters, max_parts)
     # The first invoker that can take it answers (placement would compare them all); those with
     # the most free memory first, as they are the likeliest to.
-    return any(
-        _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus) is not None
-        for _, cands in _split_invokers(cluster, request, config, filters, max_parts, roomiest_first=True)
-    )
+    for first, entry in scan.firsts(request, roomiest_first=True):
+        if scan.cannot_hold(entry, max_parts):
+            continue
+        cands = scan.candidates(first)
+        if len(cands) >= 2 and (
+            _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus) is not None
+        ):
+            return True
+    return False
 
 
 # Candidates are ranked by (total, lit, -ordinal): best score, then an already-lit GPU, then the
@@ -1379,64 +1385,113 @@ def _split_cannot_win(
     return least > unused + _SPLIT_SLACK_MIB
 
 
-def _split_invokers(
-    cluster: ClusterSnapshot,
-    request: PlacementRequest,
-    config: PlacementConfig,
-    filters: tuple[Filter, ...],
-    max_parts: int,
-    roomiest_first: bool = False,
-) -> Iterator[tuple[int, list[tuple[float, int]]]]:
-    """(first ordinal, [(capacity MiB, ordinal)]) of each invoker whose lit GPUs could take two
-    pieces or more of `request` (memory > 0), in the order of the node-room index."""
-    total = request.memory_mib
-    min_part = min(config.min_part_mib, total)
-    gpus = cluster.gpus
-    # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ request
-    # ≤ Σ limit, its limit) is never looked at: its bucket and the ones above are skipped.
-    bound = math.inf
-    for f in filters:
-        if f.bound is not None:
-            bound = min(bound, f.bound(_part_request(request, min_part, 0), config))
-    kmax = BUCKETS
-    if bound < math.inf:
-        kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
-    if request.only_invoker is not None:
-        invokers: list[tuple[int, ...]] = [cluster.invoker_ordinals.get(request.only_invoker, ())]
-    else:
-        # A piece never takes more than its GPU's free memory, so only invokers whose lit GPUs
-        # together have `total` free can hold the instance: a suffix of the index, not every GPU.
-        slack = EPS + 2 * max_parts * cluster.max_memory_mib * EPS
-        lo = bisect.bisect_left(cluster.node_room, (total - slack, -1))
-        invokers = [
-            cluster.invoker_ordinals[cluster.refs[first].invoker]
-            for _, first in cluster.node_room[lo:]
-        ]
+class _SplitScan:
+    """How split placement looks at the invokers whose lit GPUs could take pieces of `request`
+    (memory > 0): which invokers (`firsts`, by first ordinal), which of them cannot hold it in few
+    enough pieces without looking at their GPUs (`cannot_hold`), and each one's candidates
+    (`candidates`: [(capacity MiB, ordinal)] of its lit GPUs that could take a piece)."""
+
+    __slots__ = (
+        "cluster",
+        "entries",
+        "limit_cap",
+        "min_part",
+        "need",
+        "omega",
+        "per_limit",
+        "per_request",
+        "too_full",
+        "total",
+    )
+
+    def __init__(
+        self,
+        cluster: ClusterSnapshot,
+        request: PlacementRequest,
+        config: PlacementConfig,
+        filters: tuple[Filter, ...],
+        max_parts: int,
+    ) -> None:
+        total = request.memory_mib
+        self.cluster = cluster
+        self.total = total
+        self.min_part = min_part = min(config.min_part_mib, total)
+        # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ
+        # request ≤ Σ limit, its limit) is never looked at: its bucket and the ones above are skipped.
+        bound = math.inf
+        for f in filters:
+            if f.bound is not None:
+                bound = min(bound, f.bound(_part_request(request, min_part, 0), config))
+        kmax = BUCKETS
+        if bound < math.inf:
+            kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
+        # The most memory (MiB) one piece on a GPU may take, given that a piece's request and limit
+        # are the instance's scaled by its share of the memory; computed inline: the scan visits
+        # every lit GPU of every invoker that could hold the instance.
+        names = {f.name for f in filters}
+        self.per_request = total / request.request if "sm-request" in names and request.request > 0 else 0.0
+        limit_cap = 0.0
+        if request.limit > 0:
+            if "sm-limit" in names:
+                limit_cap = config.gamma
+            if "sm-limit-static" in names:
+                limit_cap = min(limit_cap, 1.0) if limit_cap else 1.0
+        self.per_limit = total / request.limit if limit_cap else 0.0
+        self.omega = config.omega + EPS
+        self.limit_cap = limit_cap + EPS
+        # request_bucket(u) > kmax  ⇔  u·BUCKETS + EPS ≥ kmax + 1: one comparison per GPU.
+        self.too_full = (
+            (kmax + 1 - EPS) / BUCKETS if request.only_invoker is None and kmax < BUCKETS else math.inf
+        )
+        self.need = total - EPS - _SPLIT_SLACK_MIB
+        # Node-room entries of the invokers to look at; None: only `request.only_invoker`.
+        self.entries: Sequence[NodeRoom] | None = None
+        if request.only_invoker is None:
+            # A piece never takes more than its GPU's free memory, so only invokers whose lit GPUs
+            # together have `total` free can hold the instance: a suffix of the index.
+            slack = EPS + 2 * max_parts * cluster.max_memory_mib * EPS
+            lo = bisect.bisect_left(cluster.node_room, (total - slack, -1))
+            self.entries = cluster.node_room[lo:]
+
+    def firsts(self, request: PlacementRequest, roomiest_first: bool = False) -> list[tuple[int, NodeRoom | None]]:
+        """(first ordinal, node-room entry) of the invokers to look at: in cluster order, or those
+        whose lit GPUs have the most free memory first."""
+        if self.entries is None:
+            ords = self.cluster.invoker_ordinals.get(request.only_invoker or "", ())
+            return [(ords[0], None)] if ords else []
         if roomiest_first:
-            invokers.reverse()
-    # The most memory (MiB) one piece on a GPU may take, given that a piece's request and limit are
-    # the instance's scaled by its share of the memory; computed inline: this loop visits every lit
-    # GPU of every invoker that could hold the instance.
-    names = {f.name for f in filters}
-    per_request = total / request.request if "sm-request" in names and request.request > 0 else 0.0
-    limit_cap = 0.0
-    if request.limit > 0:
-        if "sm-limit" in names:
-            limit_cap = config.gamma
-        if "sm-limit-static" in names:
-            limit_cap = min(limit_cap, 1.0) if limit_cap else 1.0
-    per_limit = total / request.limit if limit_cap else 0.0
-    omega = config.omega + EPS
-    limit_cap += EPS
-    grow = 1.0 + EPS
-    # request_bucket(u) > kmax  ⇔  u·BUCKETS + EPS ≥ kmax + 1: one comparison per GPU.
-    too_full = (kmax + 1 - EPS) / BUCKETS if request.only_invoker is None and kmax < BUCKETS else math.inf
-    # Each invoker appears once in `invokers` and its ordinals are contiguous and ascending.
-    span = gpus.span
-    for ords in invokers:
+            return [(e[1], e) for e in reversed(self.entries)]
+        return sorted((e[1], e) for e in self.entries)
+
+    def cannot_hold(self, entry: NodeRoom | None, pieces: int) -> bool:
+        """Whether the invoker cannot hold the instance in `pieces` pieces or fewer, known from its
+        node-room bounds alone: no lit GPU of it may take more than the bound (capacities are
+        min(memory × (1 + EPS) − used, (ω − Σ request) × MiB per request, (γ − Σ limit) × MiB per
+        limit), each term at least its value at any of the invoker's lit GPUs, as rounding is
+        monotone), and `pieces` such pieces hold less than the instance."""
+        if entry is None:
+            return False
+        most = entry[2]
+        if self.per_request:
+            x = (self.omega - entry[3]) * self.per_request
+            most = x if x < most else most
+        if self.per_limit:
+            x = (self.limit_cap - entry[4]) * self.per_limit
+            most = x if x < most else most
+        return pieces * most < self.need
+
+    def candidates(self, first: int) -> list[tuple[float, int]]:
+        """[(capacity MiB, ordinal)] of the invoker's lit GPUs that could take a piece."""
+        cluster = self.cluster
+        ords = cluster.invoker_ordinals[cluster.refs[first].invoker]
+        min_part = self.min_part
+        too_full = self.too_full
+        per_request, per_limit = self.per_request, self.per_limit
+        omega, limit_cap = self.omega, self.limit_cap
+        grow = 1.0 + EPS
         cands: list[tuple[float, int]] = []
-        first = ords[0]
-        for o, g in enumerate(span(first, ords[-1] + 1), first):
+        # An invoker's ordinals are contiguous and ascending.
+        for o, g in enumerate(cluster.gpus.span(first, ords[-1] + 1), first):
             if not g.instances or g.used_request >= too_full:
                 continue
             used = g.used_memory
@@ -1453,8 +1508,7 @@ def _split_invokers(
                 c = x if x < c else c
             if c >= min_part:
                 cands.append((c, o))
-        if len(cands) >= 2:
-            yield ords[0], cands
+        return cands
 
 
 def _place_split(
@@ -1479,10 +1533,16 @@ def _place_split(
         return None
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
-    # Invokers in cluster order.
-    order = sorted(_split_invokers(cluster, request, config, filters, max_parts), key=lambda e: e[0])
+    scan = _SplitScan(cluster, request, config, filters, max_parts)
     best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
-    for rank, cands in order:
+    # Invokers in cluster order; one that cannot hold the instance in as few pieces as the best
+    # plan so far cannot win, and is passed over without looking at its GPUs.
+    for rank, entry in scan.firsts(request):
+        if scan.cannot_hold(entry, max_parts if best is None else best[0][0]):
+            continue
+        cands = scan.candidates(rank)
+        if len(cands) < 2:
+            continue
         if best is not None and _split_cannot_win(cands, total, max_parts, best[0][0], best[0][1]):
             continue
         found = _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus)
