@@ -149,11 +149,15 @@ _EMPTY_MAP: Map[str, int] = Map()
 
 #: An entry of `ClusterSnapshot.lit_room`: (free MiB, ordinal), so a bucket sorts tightest first.
 RoomEntry = tuple[float, int]
+#: What split placement reads of one lit GPU: (memory × (1 + EPS) − used MiB, free MiB, Σ request,
+#: Σ limit, ordinal).
+LitRoom = tuple[float, float, float, float, int]
 #: An entry of `ClusterSnapshot.node_room`: (Σ free MiB of the invoker's lit GPUs, its first ordinal,
 #: then bounds over those lit GPUs for split placement: the largest memory × (1 + EPS) − used, the
-#: least Σ request, the least Σ limit). The first two order the entries; the bounds let a split
-#: pass over an invoker none of whose lit GPUs can take a large enough piece, without its GPUs.
-NodeRoom = tuple[float, int, float, float, float]
+#: least Σ request, the least Σ limit; then its lit GPUs as `LitRoom`s, in ordinal order). The first
+#: two order the entries; the bounds let a split pass over an invoker none of whose lit GPUs can
+#: take a large enough piece, and the `LitRoom`s let it look at the others without their states.
+NodeRoom = tuple[float, int, float, float, float, tuple[LitRoom, ...]]
 
 
 _GROW = 1.0 + EPS
@@ -167,29 +171,31 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
     """The `node_room` entry of an invoker (None when none of its GPUs is lit); recomputed from its
     few GPUs, never summed incrementally, so it always equals a fresh build's."""
     free = 0.0
-    lit = False
     most = -math.inf
     least_request = least_limit = math.inf
+    first = invoker_ords[0]
     states = (
-        gpus.span(invoker_ords[0], invoker_ords[-1] + 1)
+        gpus.span(first, invoker_ords[-1] + 1)
         if isinstance(gpus, GpuVector)
         else [gpus[o] for o in invoker_ords]
     )
-    for g in states:
+    lit: list[LitRoom] = []
+    for o, g in zip(invoker_ords, states, strict=True):
         if g.instances:
             used = g.used_memory
-            # The same expression as split placement's per-GPU memory capacity, so the bound is
-            # that capacity's exact maximum.
+            # The same expressions as split placement's per-GPU memory capacity and free memory,
+            # so the bound is that capacity's exact maximum.
             room = g.memory_mib * _GROW - used
             if room > most:
                 most = room
-            lit = True
-            free += g.memory_mib - used
+            gpu_free = g.memory_mib - used
+            free += gpu_free
             if g.used_request < least_request:
                 least_request = g.used_request
             if g.used_limit < least_limit:
                 least_limit = g.used_limit
-    return (free, invoker_ords[0], most, least_request, least_limit) if lit else None
+            lit.append((room, gpu_free, g.used_request, g.used_limit, o))
+    return (free, first, most, least_request, least_limit, tuple(lit)) if lit else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1093,7 +1093,7 @@ def split_fits(cluster: ClusterSnapshot, request: PlacementRequest, config: Plac
     for first, entry in scan.firsts(request, roomiest_first=True):
         if scan.cannot_hold(entry, max_parts):
             continue
-        cands = scan.candidates(first)
+        cands = scan.candidates(first, entry)
         if len(cands) >= 2 and (
             _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus) is not None
         ):
@@ -1454,14 +1454,15 @@ class _SplitScan:
             self.entries = cluster.node_room[lo:]
 
     def firsts(self, request: PlacementRequest, roomiest_first: bool = False) -> list[tuple[int, NodeRoom | None]]:
-        """(first ordinal, node-room entry) of the invokers to look at: in cluster order, or those
-        whose lit GPUs have the most free memory first."""
+        """(first ordinal, node-room entry) of the invokers to look at: those whose lit GPUs have
+        the least free memory in all first (the likeliest to leave the least room unused), or with
+        `roomiest_first` the most."""
         if self.entries is None:
             ords = self.cluster.invoker_ordinals.get(request.only_invoker or "", ())
             return [(ords[0], None)] if ords else []
         if roomiest_first:
             return [(e[1], e) for e in reversed(self.entries)]
-        return sorted((e[1], e) for e in self.entries)
+        return [(e[1], e) for e in self.entries]
 
     def cannot_hold(self, entry: NodeRoom | None, pieces: int) -> bool:
         """Whether the invoker cannot hold the instance in `pieces` pieces or fewer, known from its
@@ -1480,31 +1481,35 @@ class _SplitScan:
             most = x if x < most else most
         return pieces * most < self.need
 
-    def candidates(self, first: int) -> list[tuple[float, int]]:
-        """[(capacity MiB, ordinal)] of the invoker's lit GPUs that could take a piece."""
-        cluster = self.cluster
-        ords = cluster.invoker_ordinals[cluster.refs[first].invoker]
+    def candidates(self, first: int, entry: NodeRoom | None) -> list[tuple[float, int]]:
+        """[(capacity MiB, ordinal)] of the invoker's lit GPUs that could take a piece, in ordinal
+        order (from its node-room entry where there is one)."""
         min_part = self.min_part
         too_full = self.too_full
         per_request, per_limit = self.per_request, self.per_limit
         omega, limit_cap = self.omega, self.limit_cap
-        grow = 1.0 + EPS
+        if entry is None:
+            cluster = self.cluster
+            ords = cluster.invoker_ordinals[cluster.refs[first].invoker]
+            grow = 1.0 + EPS
+            lit = [
+                (g.memory_mib * grow - g.used_memory, g.memory_mib - g.used_memory, g.used_request,
+                 g.used_limit, o)
+                for o, g in enumerate(cluster.gpus.span(first, ords[-1] + 1), first)
+                if g.instances
+            ]
+        else:
+            lit = entry[5]
         cands: list[tuple[float, int]] = []
-        # An invoker's ordinals are contiguous and ascending.
-        for o, g in enumerate(cluster.gpus.span(first, ords[-1] + 1), first):
-            if not g.instances or g.used_request >= too_full:
+        for c, free, used_request, used_limit, o in lit:
+            if used_request >= too_full or free < min_part:
                 continue
-            used = g.used_memory
-            mem = g.memory_mib
-            if mem - used < min_part:
-                continue
-            c = mem * grow - used
             # `x if x < c else c` is `min(c, x)`, without the call.
             if per_request:
-                x = (omega - g.used_request) * per_request
+                x = (omega - used_request) * per_request
                 c = x if x < c else c
             if per_limit:
-                x = (limit_cap - g.used_limit) * per_limit
+                x = (limit_cap - used_limit) * per_limit
                 c = x if x < c else c
             if c >= min_part:
                 cands.append((c, o))
@@ -1535,12 +1540,14 @@ def _place_split(
     gpus = cluster.gpus
     scan = _SplitScan(cluster, request, config, filters, max_parts)
     best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
-    # Invokers in cluster order; one that cannot hold the instance in as few pieces as the best
-    # plan so far cannot win, and is passed over without looking at its GPUs.
+    # The best plan is the least key over every invoker, whatever order they are looked at in (an
+    # invoker is passed over only when its plans are all worse than the best so far); the tightest
+    # first, so that the best so far is good early. One that cannot hold the instance in as few
+    # pieces as the best so far is passed over without looking at its GPUs.
     for rank, entry in scan.firsts(request):
         if scan.cannot_hold(entry, max_parts if best is None else best[0][0]):
             continue
-        cands = scan.candidates(rank)
+        cands = scan.candidates(rank, entry)
         if len(cands) < 2:
             continue
         if best is not None and _split_cannot_win(cands, total, max_parts, best[0][0], best[0][1]):
