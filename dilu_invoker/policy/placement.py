@@ -23,7 +23,7 @@ from enum import StrEnum
 from itertools import accumulate, combinations, compress
 from operator import attrgetter, sub
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, NodeRoom
+from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, LitRoom, NodeRoom
 from dilu_invoker.policy.types import (
     EPS,
     GpuRef,
@@ -1492,7 +1492,7 @@ class _SplitScan:
             cluster = self.cluster
             ords = cluster.invoker_ordinals[cluster.refs[first].invoker]
             grow = 1.0 + EPS
-            lit = [
+            lit: Sequence[LitRoom] = [
                 (g.memory_mib * grow - g.used_memory, g.memory_mib - g.used_memory, g.used_request,
                  g.used_limit, o)
                 for o, g in enumerate(cluster.gpus.span(first, ords[-1] + 1), first)
