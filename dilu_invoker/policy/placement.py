@@ -1360,8 +1360,22 @@ def _split_cannot_win(
     A plan's pieces come from the `max_parts` largest capacities, together they hold at least
     `total` (less EPS), and each takes at most its capacity, so the room a plan leaves unused is at
     least Σ capacity of its GPUs − `total`: bounds over the few subsets of those capacities."""
-    caps = sorted((c for c, _ in cands), reverse=True)[:max_parts]
+    caps = sorted([c for c, _ in cands], reverse=True)[:max_parts]
     need = total - EPS - _SPLIT_SLACK_MIB
+    if pieces == 2 and 2 <= len(caps) <= 5:
+        # The common case inline, the same sums as below: the largest alone, or the two largest
+        # together hold it (else the fewest pieces are more than two), then the tightest pair.
+        if caps[0] >= need:
+            return False
+        if caps[0] + caps[1] < need:
+            return True
+        least = math.inf
+        for i, a in enumerate(caps):
+            for b in caps[i + 1 :]:
+                room = a + b
+                if room >= need and room - total < least:
+                    least = room - total
+        return least > unused + _SPLIT_SLACK_MIB
     held = 0.0
     fewest = 0
     for c in caps:
