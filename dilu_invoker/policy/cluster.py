@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress
-from operator import is_not
+from operator import attrgetter, is_not
 from types import MappingProxyType
 from typing import TypeVar, overload
 
@@ -196,6 +196,26 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
                 least_limit = g.used_limit
             lit.append((room, gpu_free, g.used_request, g.used_limit, o))
     return (free, first, most, least_request, least_limit, tuple(lit)) if lit else None
+
+
+def _node_room_index(
+    node_room: tuple[NodeRoom, ...], invoker_ords: Sequence[int], gpus: GpuVector
+) -> int | None:
+    """Where the invoker's entry is in `node_room` (the index of the snapshot whose GPUs are
+    `gpus`), found by its Σ free memory, computed as `_node_room` does; None: it has none."""
+    free = 0.0
+    lit = False
+    first = invoker_ords[0]
+    for g in gpus.span(first, invoker_ords[-1] + 1):
+        if g.instances:
+            lit = True
+            free += g.memory_mib - g.used_memory
+    if not lit:
+        return None
+    i = bisect.bisect_left(node_room, (free, first))
+    if i == len(node_room) or node_room[i][1] != first or node_room[i][0] != free:
+        raise AssertionError(f"index out of sync: node room of ordinal {first} missing")
+    return i
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,11 +529,12 @@ class ClusterSnapshot:
         invoker = self.refs[next(iter(changed))].invoker
         node_ords = self.invoker_ordinals[invoker]
         node_room = self.node_room
-        before = _node_room(node_ords, self.gpus)
+        at = _node_room_index(node_room, node_ords, old_gpus)
+        before = None if at is None else node_room[at]
         after = _node_room(node_ords, gpus)
         if before != after:
-            if before is not None:
-                node_room = _remove(node_room, before)
+            if at is not None:
+                node_room = node_room[:at] + node_room[at + 1 :]
             if after is not None:
                 node_room = _insert(node_room, after)
         fn_counts = self.function_counts
@@ -550,12 +571,17 @@ class ClusterSnapshot:
         )
 
 
+_FIELDS = tuple(ClusterSnapshot.__dataclass_fields__)
+_FIELD_INDEX = {name: i for i, name in enumerate(_FIELDS)}
+_ALL_FIELDS = attrgetter(*_FIELDS)
+
+
 def _copy(snap: ClusterSnapshot, **changes: object) -> ClusterSnapshot:
-    fields = {
-        name: getattr(snap, name) for name in ClusterSnapshot.__dataclass_fields__
-    }
-    fields.update(changes)
-    return ClusterSnapshot(**fields)
+    # Every field read at C speed, the changed ones replaced, the rest passed as they are.
+    values = list(_ALL_FIELDS(snap))
+    for name, value in changes.items():
+        values[_FIELD_INDEX[name]] = value
+    return ClusterSnapshot(*values)
 
 
 _T = TypeVar("_T", int, RoomEntry, NodeRoom)

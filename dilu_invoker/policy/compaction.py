@@ -636,10 +636,17 @@ def _keyed(
 ) -> list[tuple[int, int]]:
     """(Σ-request bucket, ordinal) of each of `ordinals` that is not `failed` and may be a source."""
     out: list[tuple[int, int]] = []
+    cache = _SOURCE_BUCKET
     for o in ordinals:
         if o in failed:
             continue
-        bucket = _source_bucket(gpus[o], config)
+        g = gpus[o]
+        # `_source_bucket`, its cache hit inline.
+        hit = cache.get(id(g))
+        if hit is not None and hit[0] is g and hit[1] is config:
+            bucket = hit[2]
+        else:
+            bucket = _source_bucket(g, config)
         if bucket is not None:
             out.append((bucket, o))
     return out
