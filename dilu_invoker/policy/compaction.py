@@ -563,6 +563,8 @@ def _candidates(
             max((placement.omega + EPS - g.used_request for g in lit), default=-math.inf),
             max((placement.gamma + EPS - g.used_limit for g in lit), default=-math.inf),
         )
+        # `_out_of_reach`'s slack over `most`.
+        reach = (most[0] + 1e-6, most[1] + 1e-6, most[2] + 1e-6)
         # (ordinal, invoker, free memory, Σ request, Σ limit) of each lit GPU that gained.
         rooms = [
             (og, g.ref.invoker, g.memory_mib * (1.0 + EPS) - g.used_memory, g.used_request, g.used_limit)
@@ -591,8 +593,11 @@ def _candidates(
                     continue
                 if simple:
                     # The common case, inline: one instance that needs a GPU taking it whole (the
-                    # test of `_may_help`; no pre-test: it would only repeat these comparisons).
+                    # test of `_may_help`), after `_out_of_reach`'s test of it against the most
+                    # room any GPU that gained offers (three comparisons instead of one per GPU).
                     mem, req, lim, inv = need.memory_mib, need.request, need.limit, need.invoker
+                    if back is None and not (mem <= reach[0] and req <= reach[1] and lim <= reach[2]):
+                        continue
                     helpers_now = [
                         og
                         for og, ginv, free, used_req, used_lim in room_again
