@@ -1208,7 +1208,47 @@ def _place_gang(
                     break
     ranked: list[_Ranked] = []
     memo = _unlit_memo(filters, request)
+    # An invoker with no feasible lit GPU whose unlit GPUs are all of one size chooses its first k
+    # that pass, and (built-in scorers) they score alike on every such invoker holding as many
+    # instances of the function: the mean scores are computed once per (size, that count).
+    alike_scores = memo is not None and not request.lit_only and _unlit_scores_alike(scorers)
+    by_count = any(s.name == "affinity" for s, _ in scorers)
+    unlit_means: dict[tuple[float, int], tuple[float, tuple[float, ...]]] = {}
     for inv in invokers:
+        unlit = cluster.unlit[inv]
+        if (
+            alike_scores
+            and unlit
+            and inv not in by_invoker
+            and all(gpus[o].memory_mib == gpus[unlit[0]].memory_mib for o in unlit)
+        ):
+            passing: list[int] = []
+            for o in unlit:
+                g = gpus[o]
+                failed = _unlit_failure(g, filters, request, config, memo)
+                if failed is not None:
+                    rejects.note(failed, g, request, config)
+                    continue
+                passing.append(o)
+            if len(passing) < k:
+                continue
+            key = (
+                gpus[unlit[0]].memory_mib,
+                cluster.function_count(request.function, inv) if by_count else 0,
+            )
+            means = unlit_means.get(key)
+            if means is None:
+                # The means as the general case below computes them, over k alike GPUs.
+                one = _score(gpus[passing[0]], request, cluster, config, scorers)
+                alike_k = [one] * k
+                means = unlit_means[key] = (
+                    sum(c[0] for c in alike_k) / k,
+                    tuple(sum(c[1][i] for c in alike_k) / k for i in range(len(scorers))),
+                )
+            # Equal scores: the first k by ordinal, as the sort below would choose.
+            ords = tuple(passing[:k])
+            ranked.append((means[0], 0, -ords[0], ords, means[1]))
+            continue
         per_gpu: list[tuple[float, int, int, tuple[float, ...]]] = []
         for o in by_invoker.get(inv, ()):
             total, parts = _score(gpus[o], request, cluster, config, scorers)
@@ -1247,6 +1287,15 @@ def _place_gang(
         rejects,
         examined,
     )
+
+
+#: Built-in scorers whose score of an unlit (empty) GPU depends only on its memory size and, for
+#: affinity, the function's instance count on its invoker.
+_UNLIT_SCORE_ALIKE = frozenset({"lit", "fragmentation", "sm-fit", "limit-fit", "complementarity", "affinity"})
+
+
+def _unlit_scores_alike(scorers: tuple[tuple[Scorer, float], ...]) -> bool:
+    return all(s.name in _UNLIT_SCORE_ALIKE and SCORERS.get(s.name) is s for s, _ in scorers)
 
 
 def describe_strategies() -> Mapping[str, str]:

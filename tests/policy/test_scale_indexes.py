@@ -10,6 +10,7 @@ import random
 import pytest
 from split_testlib import GIB, INF, inst
 
+import dilu_invoker.policy.placement as placement_module
 from dilu_invoker.policy import (
     ClusterSnapshot,
     CompactionConfig,
@@ -19,6 +20,7 @@ from dilu_invoker.policy import (
     PlacementConfig,
     PlacementRequest,
     compaction_plan,
+    place,
 )
 from dilu_invoker.policy.cluster import GpuVector
 from dilu_invoker.policy.compaction import NoFit, _lit_fits, _still_no_fit
@@ -262,3 +264,40 @@ def test_split_placement_passes_over_only_invokers_that_cannot_win(seed: int) ->
                     assert found is None or len(found[0]) > pieces
                     split += 1
     assert plans and split
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gang_scores_unlit_invokers_once_per_size_and_count(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gang's unlit invokers scored once per (GPU size, the function's count there) place it as
+    scoring every invoker does: the same GPUs, candidates, scores and rejections."""
+    rng = random.Random(seed)
+    gpus = []
+    n = 0
+    for node in range(24):
+        size = rng.choice((40.0, 40.0, 80.0)) * GIB
+        for k in range(4):
+            placed: list[PlacedInstance] = []
+            if rng.random() < 0.4:
+                placed.append(PlacedInstance(
+                    id=f"i{n}", function=rng.choice(("train", "f1", "f2")), cls=INF,
+                    request=0.3, limit=0.5, memory_mib=8 * GIB,
+                ))
+                n += 1
+            gpus.append(GpuState(ref=GpuRef(f"n{node}", k), memory_mib=size, instances=tuple(placed),
+                                 schedulable=rng.random() > 0.1))
+    cl = ClusterSnapshot.build(now=0.0, gpus=gpus)
+    decisions = []
+    for k in range(40):
+        q = PlacementRequest(
+            instance_id=f"g{k}", function="train", cls=InstanceClass.TRAINING,
+            request=rng.choice((0.3, 0.6, 1.0)), limit=1.0,
+            memory_mib=rng.choice((8.0, 30.0, 60.0)) * GIB, gpus=rng.choice((2, 3, 4)),
+        )
+        decisions.append((q, place(cl, q, DILU)))
+    monkeypatch.setattr(placement_module, "_unlit_scores_alike", lambda scorers: False)
+    n_placed = 0
+    for q, fast in decisions:
+        slow = place(cl, q, DILU)
+        assert fast == slow
+        n_placed += fast.placed
+    assert n_placed
