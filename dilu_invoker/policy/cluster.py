@@ -80,6 +80,12 @@ class GpuVector(Sequence[GpuState]):
     def __iter__(self) -> Iterator[GpuState]:
         return chain.from_iterable(self._chunks)
 
+    def states(self, ordinals: Iterable[int]) -> list[GpuState]:
+        """The states of `ordinals` (each 0 <= o < len), in their order: one list built at C speed
+        where indexing one by one calls `__getitem__` per ordinal."""
+        chunks = self._chunks
+        return [chunks[o >> _CHUNK_BITS][o & _LOW] for o in ordinals]
+
     def span(self, start: int, stop: int) -> tuple[GpuState, ...]:
         """The states of ordinals start..stop−1 (0 <= start < stop <= len), e.g. one invoker's GPUs
         (its ordinals are contiguous): one slice when they lie in one chunk."""

@@ -17,10 +17,11 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 
 from immutables import Map
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, request_bucket
+from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, GpuVector, request_bucket
 from dilu_invoker.policy.placement import (
     FILTERS,
     Filter,
@@ -636,16 +637,18 @@ def _candidates(
     return _keyed(out, failed, gpus, config), failed, helped, no_fit
 
 
+_SECOND = itemgetter(1)
+
+
 def _keyed(
     ordinals: Iterable[int], failed: Map[int, Need], gpus: Sequence[GpuState], config: CompactionConfig
 ) -> list[tuple[int, int]]:
     """(Σ-request bucket, ordinal) of each of `ordinals` that is not `failed` and may be a source."""
     out: list[tuple[int, int]] = []
     cache = _SOURCE_BUCKET
-    for o in ordinals:
-        if o in failed:
-            continue
-        g = gpus[o]
+    todo = [o for o in ordinals if o not in failed] if failed else list(ordinals)
+    states = gpus.states(todo) if isinstance(gpus, GpuVector) else [gpus[o] for o in todo]
+    for o, g in zip(todo, states, strict=True):
         # `_source_bucket`, its cache hit inline.
         hit = cache.get(id(g))
         if hit is not None and hit[0] is g and hit[1] is config:
@@ -688,7 +691,7 @@ def compaction_plan(
 
     heap = candidates
     heapq.heapify(heap)
-    queued = {o for _, o in heap}
+    queued = set(map(_SECOND, heap))
     pending: list[int] = []
     # GPUs a move of this plan changed besides targets and sources: the other stages of an
     # instance placed anew lose their piece (and gain room).
@@ -698,7 +701,7 @@ def compaction_plan(
         at, o = heapq.heappop(heap)
         if tried >= config.max_sources or len(moves) >= config.max_moves:
             pending.append(o)
-            pending.extend(x for _, x in heap)
+            pending.extend(map(_SECOND, heap))
             break
         gpu = work.gpus[o]
         if gpu.ref in targets or _source_bucket(gpu, config) is None:
@@ -781,7 +784,7 @@ def compaction_plan(
     next_state = CompactionState(
         seen=work,
         failed=failed,
-        pending=frozenset(o for o in pending if o not in carry),
+        pending=frozenset(pending).difference(carry) if carry else frozenset(pending),
         no_fit=tuple(no_fit),
         retry=Map(carry),
     )
