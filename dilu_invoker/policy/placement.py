@@ -1607,9 +1607,22 @@ def _place_split(
     # invoker is passed over only when its plans are all worse than the best so far); the tightest
     # first, so that the best so far is good early. One that cannot hold the instance in as few
     # pieces as the best so far is passed over without looking at its GPUs.
+    per_request, per_limit, omega, limit_cap = scan.per_request, scan.per_limit, scan.omega, scan.limit_cap
+    need = scan.need
+    pieces = max_parts
     for rank, entry in scan.firsts(request):
-        if scan.cannot_hold(entry, max_parts if best is None else best[0][0]):
-            continue
+        if entry is not None:
+            # `scan.cannot_hold(entry, pieces)` inline: this loop visits every invoker with the
+            # free memory for the instance.
+            most = entry[2]
+            if per_request:
+                x = (omega - entry[3]) * per_request
+                most = x if x < most else most
+            if per_limit:
+                x = (limit_cap - entry[4]) * per_limit
+                most = x if x < most else most
+            if pieces * most < need:
+                continue
         cands = scan.candidates(rank, entry)
         if len(cands) < 2:
             continue
@@ -1622,6 +1635,7 @@ def _place_split(
         key = (len(plan), unused, rank)
         if best is None or key < best[0]:
             best = (key, plan)
+            pieces = key[0]
     if best is None:
         return None
     parts = []
