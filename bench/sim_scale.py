@@ -13,7 +13,8 @@ time-mean lit GPUs against the fractional and the integral bound, compaction mov
 per 100 instances, and the load average (1 min) when the run ended: read wall times, and on a
 shared machine CPU times too, with it. `--repeat N` runs each trace N times in a row (the same
 decisions, checked) and reports the median CPU and wall time with the CPU range: on a shared host
-the CPU time of one run varies by tens of per cent.
+the CPU time of one run varies by tens of per cent. `decisions` is a digest of every decision a run
+carried out (`decisions_digest`): a pure speed-up of the policy keeps it.
 Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
 integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
 100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
@@ -23,6 +24,7 @@ Nothing is asserted (speed belongs here, not in tests).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import statistics
@@ -62,14 +64,17 @@ def run_one(n: int, train: float, llm: float, seed: int, policy: str, repeat: in
     walls: list[float] = []
     cpus: list[float] = []
     first: PlacementResult | None = None
+    digest = ""
     for _ in range(repeat):
+        log: list[tuple[Any, ...]] = []
         w0, c0 = time.perf_counter(), time.process_time()
-        r = simulate_placement(events, cfg)
+        r = simulate_placement(events, cfg, log=log)
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
+        h = decisions_digest(log, r)
         if first is None:
-            first = r
-        elif (r.summary, r.samples) != (first.summary, first.samples):
+            first, digest = r, h
+        elif (r.summary, r.samples, h) != (first.summary, first.samples, digest):
             raise AssertionError(f"{policy} on {n} {train}:{llm} seed {seed}: a repeat decided otherwise")
     wall, cpu = statistics.median(walls), statistics.median(cpus)
     s, d = r.summary, r.details
@@ -83,7 +88,16 @@ def run_one(n: int, train: float, llm: float, seed: int, policy: str, repeat: in
         "moves_per_100": 100.0 * d["compaction_moves"] / n,
         "cold_per_100": 100.0 * d["compaction_cold_starts"] / n,
         "splits": d["split_instances"], "rejected": s["rejected"], "load": _load().split()[0],
+        "decisions": digest,
     }
+
+
+def decisions_digest(log: list[tuple[Any, ...]], r: PlacementResult) -> str:
+    """sha256 (first 16 hex digits) of every decision the run carried out (`simulate_placement`'s
+    `log`: placements with their GPUs, refusals, compaction runs, moves) and of its summary: equal
+    digests mean the same placements, moves and splits (a speed-up must keep them)."""
+    text = repr(log) + repr(r.summary) + repr(r.details["split_instances"]) + repr(r.details["compaction_moves"])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 COLUMNS = (
@@ -105,6 +119,7 @@ COLUMNS = (
     ("cold starts /100", lambda r: f"{r['cold_per_100']:.1f}"),
     ("rejected", lambda r: str(r["rejected"])),
     ("load (1 min) after", lambda r: r["load"]),
+    ("decisions", lambda r: r["decisions"]),
 )
 
 
@@ -165,7 +180,7 @@ def main() -> int:
                         f"cpu {r['cpu_s']:6.2f} s ({r['cpu_min']:.2f}–{r['cpu_max']:.2f}) "
                         f"{r['us_per_event']:6.0f} µs/ev peak {r['peak']:5d} "
                         f"peak/int {r['peak_int']:.3f} mean/int {r['mean_int']:.3f} "
-                        f"cold/100 {r['cold_per_100']:.1f} load {_load()}",
+                        f"cold/100 {r['cold_per_100']:.1f} decisions {r['decisions']} load {_load()}",
                         flush=True,
                     )
     if args.serving:

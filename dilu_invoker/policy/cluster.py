@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress
-from operator import is_not
+from operator import attrgetter, is_not
 from types import MappingProxyType
 from typing import TypeVar, overload
 
@@ -79,6 +79,12 @@ class GpuVector(Sequence[GpuState]):
 
     def __iter__(self) -> Iterator[GpuState]:
         return chain.from_iterable(self._chunks)
+
+    def states(self, ordinals: Iterable[int]) -> list[GpuState]:
+        """The states of `ordinals` (each 0 <= o < len), in their order: one list built at C speed
+        where indexing one by one calls `__getitem__` per ordinal."""
+        chunks = self._chunks
+        return [chunks[o >> _CHUNK_BITS][o & _LOW] for o in ordinals]
 
     def span(self, start: int, stop: int) -> tuple[GpuState, ...]:
         """The states of ordinals start..stop−1 (0 <= start < stop <= len), e.g. one invoker's GPUs
@@ -149,8 +155,18 @@ _EMPTY_MAP: Map[str, int] = Map()
 
 #: An entry of `ClusterSnapshot.lit_room`: (free MiB, ordinal), so a bucket sorts tightest first.
 RoomEntry = tuple[float, int]
-#: An entry of `ClusterSnapshot.node_room`: (Σ free MiB of the invoker's lit GPUs, its first ordinal).
-NodeRoom = tuple[float, int]
+#: What split placement reads of one lit GPU: (memory × (1 + EPS) − used MiB, free MiB, Σ request,
+#: Σ limit, ordinal).
+LitRoom = tuple[float, float, float, float, int]
+#: An entry of `ClusterSnapshot.node_room`: (Σ free MiB of the invoker's lit GPUs, its first ordinal,
+#: then bounds over those lit GPUs for split placement: the largest memory × (1 + EPS) − used, the
+#: least Σ request, the least Σ limit; then its lit GPUs as `LitRoom`s, in ordinal order). The first
+#: two order the entries; the bounds let a split pass over an invoker none of whose lit GPUs can
+#: take a large enough piece, and the `LitRoom`s let it look at the others without their states.
+NodeRoom = tuple[float, int, float, float, float, tuple[LitRoom, ...]]
+
+
+_GROW = 1.0 + EPS
 
 
 def _free(g: GpuState) -> float:
@@ -161,17 +177,51 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
     """The `node_room` entry of an invoker (None when none of its GPUs is lit); recomputed from its
     few GPUs, never summed incrementally, so it always equals a fresh build's."""
     free = 0.0
-    lit = False
+    most = -math.inf
+    least_request = least_limit = math.inf
+    first = invoker_ords[0]
     states = (
-        gpus.span(invoker_ords[0], invoker_ords[-1] + 1)
+        gpus.span(first, invoker_ords[-1] + 1)
         if isinstance(gpus, GpuVector)
         else [gpus[o] for o in invoker_ords]
     )
-    for g in states:
+    lit: list[LitRoom] = []
+    for o, g in zip(invoker_ords, states, strict=True):
+        if g.instances:
+            used = g.used_memory
+            # The same expressions as split placement's per-GPU memory capacity and free memory,
+            # so the bound is that capacity's exact maximum.
+            room = g.memory_mib * _GROW - used
+            if room > most:
+                most = room
+            gpu_free = g.memory_mib - used
+            free += gpu_free
+            if g.used_request < least_request:
+                least_request = g.used_request
+            if g.used_limit < least_limit:
+                least_limit = g.used_limit
+            lit.append((room, gpu_free, g.used_request, g.used_limit, o))
+    return (free, first, most, least_request, least_limit, tuple(lit)) if lit else None
+
+
+def _node_room_index(
+    node_room: tuple[NodeRoom, ...], invoker_ords: Sequence[int], gpus: GpuVector
+) -> int | None:
+    """Where the invoker's entry is in `node_room` (the index of the snapshot whose GPUs are
+    `gpus`), found by its Σ free memory, computed as `_node_room` does; None: it has none."""
+    free = 0.0
+    lit = False
+    first = invoker_ords[0]
+    for g in gpus.span(first, invoker_ords[-1] + 1):
         if g.instances:
             lit = True
             free += g.memory_mib - g.used_memory
-    return (free, invoker_ords[0]) if lit else None
+    if not lit:
+        return None
+    i = bisect.bisect_left(node_room, (free, first))
+    if i == len(node_room) or node_room[i][1] != first or node_room[i][0] != free:
+        raise AssertionError(f"index out of sync: node room of ordinal {first} missing")
+    return i
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +249,9 @@ class ClusterSnapshot:
     """The same GPUs per bucket as (Σ limit, ordinal), ascending: those with room for a limit l
     under a cap are a prefix (when limits bind before memory does)."""
     node_room: tuple[NodeRoom, ...]
-    """(Σ free MiB over its lit GPUs, first ordinal) of every invoker with a lit GPU, ascending: the
-    invokers whose lit GPUs together hold m MiB are a suffix (splitting an instance over lit GPUs)."""
+    """(Σ free MiB over its lit GPUs, first ordinal, bounds) of every invoker with a lit GPU,
+    ascending: the invokers whose lit GPUs together hold m MiB are a suffix (splitting an instance
+    over lit GPUs); the bounds (`NodeRoom`) say how large a piece its roomiest lit GPU may take."""
     unlit: Map[str, tuple[int, ...]]
     """Invoker → ordinals (ascending) of its GPUs with nothing placed."""
     unlit_nodes: tuple[tuple[int, ...], ...]
@@ -485,11 +536,12 @@ class ClusterSnapshot:
         invoker = self.refs[next(iter(changed))].invoker
         node_ords = self.invoker_ordinals[invoker]
         node_room = self.node_room
-        before = _node_room(node_ords, self.gpus)
+        at = _node_room_index(node_room, node_ords, old_gpus)
+        before = None if at is None else node_room[at]
         after = _node_room(node_ords, gpus)
         if before != after:
-            if before is not None:
-                node_room = _remove(node_room, before)
+            if at is not None:
+                node_room = node_room[:at] + node_room[at + 1 :]
             if after is not None:
                 node_room = _insert(node_room, after)
         fn_counts = self.function_counts
@@ -526,12 +578,17 @@ class ClusterSnapshot:
         )
 
 
+_FIELDS = tuple(ClusterSnapshot.__dataclass_fields__)
+_FIELD_INDEX = {name: i for i, name in enumerate(_FIELDS)}
+_ALL_FIELDS = attrgetter(*_FIELDS)
+
+
 def _copy(snap: ClusterSnapshot, **changes: object) -> ClusterSnapshot:
-    fields = {
-        name: getattr(snap, name) for name in ClusterSnapshot.__dataclass_fields__
-    }
-    fields.update(changes)
-    return ClusterSnapshot(**fields)
+    # Every field read at C speed, the changed ones replaced, the rest passed as they are.
+    values = list(_ALL_FIELDS(snap))
+    for name, value in changes.items():
+        values[_FIELD_INDEX[name]] = value
+    return ClusterSnapshot(*values)
 
 
 _T = TypeVar("_T", int, RoomEntry, NodeRoom)

@@ -17,10 +17,11 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 
 from immutables import Map
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, request_bucket
+from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, GpuVector, request_bucket
 from dilu_invoker.policy.placement import (
     FILTERS,
     Filter,
@@ -563,6 +564,8 @@ def _candidates(
             max((placement.omega + EPS - g.used_request for g in lit), default=-math.inf),
             max((placement.gamma + EPS - g.used_limit for g in lit), default=-math.inf),
         )
+        # `_out_of_reach`'s slack over `most`.
+        reach = (most[0] + 1e-6, most[1] + 1e-6, most[2] + 1e-6)
         # (ordinal, invoker, free memory, Σ request, Σ limit) of each lit GPU that gained.
         rooms = [
             (og, g.ref.invoker, g.memory_mib * (1.0 + EPS) - g.used_memory, g.used_request, g.used_limit)
@@ -591,8 +594,11 @@ def _candidates(
                     continue
                 if simple:
                     # The common case, inline: one instance that needs a GPU taking it whole (the
-                    # test of `_may_help`; no pre-test: it would only repeat these comparisons).
+                    # test of `_may_help`), after `_out_of_reach`'s test of it against the most
+                    # room any GPU that gained offers (three comparisons instead of one per GPU).
                     mem, req, lim, inv = need.memory_mib, need.request, need.limit, need.invoker
+                    if back is None and not (mem <= reach[0] and req <= reach[1] and lim <= reach[2]):
+                        continue
                     helpers_now = [
                         og
                         for og, ginv, free, used_req, used_lim in room_again
@@ -631,15 +637,24 @@ def _candidates(
     return _keyed(out, failed, gpus, config), failed, helped, no_fit
 
 
+_SECOND = itemgetter(1)
+
+
 def _keyed(
     ordinals: Iterable[int], failed: Map[int, Need], gpus: Sequence[GpuState], config: CompactionConfig
 ) -> list[tuple[int, int]]:
     """(Σ-request bucket, ordinal) of each of `ordinals` that is not `failed` and may be a source."""
     out: list[tuple[int, int]] = []
-    for o in ordinals:
-        if o in failed:
-            continue
-        bucket = _source_bucket(gpus[o], config)
+    cache = _SOURCE_BUCKET
+    todo = [o for o in ordinals if o not in failed] if failed else list(ordinals)
+    states = gpus.states(todo) if isinstance(gpus, GpuVector) else [gpus[o] for o in todo]
+    for o, g in zip(todo, states, strict=True):
+        # `_source_bucket`, its cache hit inline.
+        hit = cache.get(id(g))
+        if hit is not None and hit[0] is g and hit[1] is config:
+            bucket = hit[2]
+        else:
+            bucket = _source_bucket(g, config)
         if bucket is not None:
             out.append((bucket, o))
     return out
@@ -676,7 +691,7 @@ def compaction_plan(
 
     heap = candidates
     heapq.heapify(heap)
-    queued = {o for _, o in heap}
+    queued = set(map(_SECOND, heap))
     pending: list[int] = []
     # GPUs a move of this plan changed besides targets and sources: the other stages of an
     # instance placed anew lose their piece (and gain room).
@@ -686,7 +701,7 @@ def compaction_plan(
         at, o = heapq.heappop(heap)
         if tried >= config.max_sources or len(moves) >= config.max_moves:
             pending.append(o)
-            pending.extend(x for _, x in heap)
+            pending.extend(map(_SECOND, heap))
             break
         gpu = work.gpus[o]
         if gpu.ref in targets or _source_bucket(gpu, config) is None:
@@ -769,7 +784,7 @@ def compaction_plan(
     next_state = CompactionState(
         seen=work,
         failed=failed,
-        pending=frozenset(o for o in pending if o not in carry),
+        pending=frozenset(pending).difference(carry) if carry else frozenset(pending),
         no_fit=tuple(no_fit),
         retry=Map(carry),
     )

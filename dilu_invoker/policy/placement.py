@@ -23,7 +23,7 @@ from enum import StrEnum
 from itertools import accumulate, combinations, compress
 from operator import attrgetter, sub
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot
+from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, LitRoom, NodeRoom
 from dilu_invoker.policy.types import (
     EPS,
     GpuRef,
@@ -1184,12 +1184,18 @@ def split_fits(cluster: ClusterSnapshot, request: PlacementRequest, config: Plac
         return False
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
+    scan = _SplitScan(cluster, request, config, filters, max_parts)
     # The first invoker that can take it answers (placement would compare them all); those with
     # the most free memory first, as they are the likeliest to.
-    return any(
-        _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus) is not None
-        for _, cands in _split_invokers(cluster, request, config, filters, max_parts, roomiest_first=True)
-    )
+    for first, entry in scan.firsts(request, roomiest_first=True):
+        if scan.cannot_hold(entry, max_parts):
+            continue
+        cands = scan.candidates(first, entry)
+        if len(cands) >= 2 and (
+            _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus) is not None
+        ):
+            return True
+    return False
 
 
 # Candidates are ranked by (total, lit, -ordinal): best score, then an already-lit GPU, then the
@@ -1299,7 +1305,47 @@ def _place_gang(
                     break
     ranked: list[_Ranked] = []
     memo = _unlit_memo(filters, request)
+    # An invoker with no feasible lit GPU whose unlit GPUs are all of one size chooses its first k
+    # that pass, and (built-in scorers) they score alike on every such invoker holding as many
+    # instances of the function: the mean scores are computed once per (size, that count).
+    alike_scores = memo is not None and not request.lit_only and _unlit_scores_alike(scorers)
+    by_count = any(s.name == "affinity" for s, _ in scorers)
+    unlit_means: dict[tuple[float, int], tuple[float, tuple[float, ...]]] = {}
     for inv in invokers:
+        unlit = cluster.unlit[inv]
+        if (
+            alike_scores
+            and unlit
+            and inv not in by_invoker
+            and all(gpus[o].memory_mib == gpus[unlit[0]].memory_mib for o in unlit)
+        ):
+            passing: list[int] = []
+            for o in unlit:
+                g = gpus[o]
+                failed = _unlit_failure(g, filters, request, config, memo)
+                if failed is not None:
+                    rejects.note(failed, g, request, config)
+                    continue
+                passing.append(o)
+            if len(passing) < k:
+                continue
+            key = (
+                gpus[unlit[0]].memory_mib,
+                cluster.function_count(request.function, inv) if by_count else 0,
+            )
+            means = unlit_means.get(key)
+            if means is None:
+                # The means as the general case below computes them, over k alike GPUs.
+                one = _score(gpus[passing[0]], request, cluster, config, scorers)
+                alike_k = [one] * k
+                means = unlit_means[key] = (
+                    sum(c[0] for c in alike_k) / k,
+                    tuple(sum(c[1][i] for c in alike_k) / k for i in range(len(scorers))),
+                )
+            # Equal scores: the first k by ordinal, as the sort below would choose.
+            ords = tuple(passing[:k])
+            ranked.append((means[0], 0, -ords[0], ords, means[1]))
+            continue
         per_gpu: list[tuple[float, int, int, tuple[float, ...]]] = []
         for o in by_invoker.get(inv, ()):
             total, parts = _score(gpus[o], request, cluster, config, scorers)
@@ -1338,6 +1384,15 @@ def _place_gang(
         rejects,
         examined,
     )
+
+
+#: Built-in scorers whose score of an unlit (empty) GPU depends only on its memory size and, for
+#: affinity, the function's instance count on its invoker.
+_UNLIT_SCORE_ALIKE = frozenset({"lit", "fragmentation", "sm-fit", "limit-fit", "complementarity", "affinity"})
+
+
+def _unlit_scores_alike(scorers: tuple[tuple[Scorer, float], ...]) -> bool:
+    return all(s.name in _UNLIT_SCORE_ALIKE and SCORERS.get(s.name) is s for s, _ in scorers)
 
 
 def describe_strategies() -> Mapping[str, str]:
@@ -1451,8 +1506,22 @@ def _split_cannot_win(
     A plan's pieces come from the `max_parts` largest capacities, together they hold at least
     `total` (less EPS), and each takes at most its capacity, so the room a plan leaves unused is at
     least Σ capacity of its GPUs − `total`: bounds over the few subsets of those capacities."""
-    caps = sorted((c for c, _ in cands), reverse=True)[:max_parts]
+    caps = sorted([c for c, _ in cands], reverse=True)[:max_parts]
     need = total - EPS - _SPLIT_SLACK_MIB
+    if pieces == 2 and 2 <= len(caps) <= 5:
+        # The common case inline, the same sums as below: the largest alone, or the two largest
+        # together hold it (else the fewest pieces are more than two), then the tightest pair.
+        if caps[0] >= need:
+            return False
+        if caps[0] + caps[1] < need:
+            return True
+        least = math.inf
+        for i, a in enumerate(caps):
+            for b in caps[i + 1 :]:
+                room = a + b
+                if room >= need and room - total < least:
+                    least = room - total
+        return least > unused + _SPLIT_SLACK_MIB
     held = 0.0
     fewest = 0
     for c in caps:
@@ -1476,82 +1545,135 @@ def _split_cannot_win(
     return least > unused + _SPLIT_SLACK_MIB
 
 
-def _split_invokers(
-    cluster: ClusterSnapshot,
-    request: PlacementRequest,
-    config: PlacementConfig,
-    filters: tuple[Filter, ...],
-    max_parts: int,
-    roomiest_first: bool = False,
-) -> Iterator[tuple[int, list[tuple[float, int]]]]:
-    """(first ordinal, [(capacity MiB, ordinal)]) of each invoker whose lit GPUs could take two
-    pieces or more of `request` (memory > 0), in the order of the node-room index."""
-    total = request.memory_mib
-    min_part = min(config.min_part_mib, total)
-    gpus = cluster.gpus
-    # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ request
-    # ≤ Σ limit, its limit) is never looked at: its bucket and the ones above are skipped.
-    bound = math.inf
-    for f in filters:
-        if f.bound is not None:
-            bound = min(bound, f.bound(_part_request(request, min_part, 0), config))
-    kmax = BUCKETS
-    if bound < math.inf:
-        kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
-    if request.only_invoker is not None:
-        invokers: list[tuple[int, ...]] = [cluster.invoker_ordinals.get(request.only_invoker, ())]
-    else:
-        # A piece never takes more than its GPU's free memory, so only invokers whose lit GPUs
-        # together have `total` free can hold the instance: a suffix of the index, not every GPU.
-        slack = EPS + 2 * max_parts * cluster.max_memory_mib * EPS
-        lo = bisect.bisect_left(cluster.node_room, (total - slack, -1))
-        invokers = [
-            cluster.invoker_ordinals[cluster.refs[first].invoker]
-            for _, first in cluster.node_room[lo:]
-        ]
+class _SplitScan:
+    """How split placement looks at the invokers whose lit GPUs could take pieces of `request`
+    (memory > 0): which invokers (`firsts`, by first ordinal), which of them cannot hold it in few
+    enough pieces without looking at their GPUs (`cannot_hold`), and each one's candidates
+    (`candidates`: [(capacity MiB, ordinal)] of its lit GPUs that could take a piece)."""
+
+    __slots__ = (
+        "cluster",
+        "entries",
+        "limit_cap",
+        "min_part",
+        "need",
+        "omega",
+        "per_limit",
+        "per_request",
+        "too_full",
+        "total",
+    )
+
+    def __init__(
+        self,
+        cluster: ClusterSnapshot,
+        request: PlacementRequest,
+        config: PlacementConfig,
+        filters: tuple[Filter, ...],
+        max_parts: int,
+    ) -> None:
+        total = request.memory_mib
+        self.cluster = cluster
+        self.total = total
+        self.min_part = min_part = min(config.min_part_mib, total)
+        # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ
+        # request ≤ Σ limit, its limit) is never looked at: its bucket and the ones above are skipped.
+        bound = math.inf
+        for f in filters:
+            if f.bound is not None:
+                bound = min(bound, f.bound(_part_request(request, min_part, 0), config))
+        kmax = BUCKETS
+        if bound < math.inf:
+            kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
+        # The most memory (MiB) one piece on a GPU may take, given that a piece's request and limit
+        # are the instance's scaled by its share of the memory; computed inline: the scan visits
+        # every lit GPU of every invoker that could hold the instance.
+        names = {f.name for f in filters}
+        self.per_request = total / request.request if "sm-request" in names and request.request > 0 else 0.0
+        limit_cap = 0.0
+        if request.limit > 0:
+            if "sm-limit" in names:
+                limit_cap = config.gamma
+            if "sm-limit-static" in names:
+                limit_cap = min(limit_cap, 1.0) if limit_cap else 1.0
+        self.per_limit = total / request.limit if limit_cap else 0.0
+        self.omega = config.omega + EPS
+        self.limit_cap = limit_cap + EPS
+        # request_bucket(u) > kmax  ⇔  u·BUCKETS + EPS ≥ kmax + 1: one comparison per GPU.
+        self.too_full = (
+            (kmax + 1 - EPS) / BUCKETS if request.only_invoker is None and kmax < BUCKETS else math.inf
+        )
+        self.need = total - EPS - _SPLIT_SLACK_MIB
+        # Node-room entries of the invokers to look at; None: only `request.only_invoker`.
+        self.entries: Sequence[NodeRoom] | None = None
+        if request.only_invoker is None:
+            # A piece never takes more than its GPU's free memory, so only invokers whose lit GPUs
+            # together have `total` free can hold the instance: a suffix of the index.
+            slack = EPS + 2 * max_parts * cluster.max_memory_mib * EPS
+            lo = bisect.bisect_left(cluster.node_room, (total - slack, -1))
+            self.entries = cluster.node_room[lo:]
+
+    def firsts(self, request: PlacementRequest, roomiest_first: bool = False) -> list[tuple[int, NodeRoom | None]]:
+        """(first ordinal, node-room entry) of the invokers to look at: those whose lit GPUs have
+        the least free memory in all first (the likeliest to leave the least room unused), or with
+        `roomiest_first` the most."""
+        if self.entries is None:
+            ords = self.cluster.invoker_ordinals.get(request.only_invoker or "", ())
+            return [(ords[0], None)] if ords else []
         if roomiest_first:
-            invokers.reverse()
-    # The most memory (MiB) one piece on a GPU may take, given that a piece's request and limit are
-    # the instance's scaled by its share of the memory; computed inline: this loop visits every lit
-    # GPU of every invoker that could hold the instance.
-    names = {f.name for f in filters}
-    per_request = total / request.request if "sm-request" in names and request.request > 0 else 0.0
-    limit_cap = 0.0
-    if request.limit > 0:
-        if "sm-limit" in names:
-            limit_cap = config.gamma
-        if "sm-limit-static" in names:
-            limit_cap = min(limit_cap, 1.0) if limit_cap else 1.0
-    per_limit = total / request.limit if limit_cap else 0.0
-    omega = config.omega + EPS
-    limit_cap += EPS
-    grow = 1.0 + EPS
-    # request_bucket(u) > kmax  ⇔  u·BUCKETS + EPS ≥ kmax + 1: one comparison per GPU.
-    too_full = (kmax + 1 - EPS) / BUCKETS if request.only_invoker is None and kmax < BUCKETS else math.inf
-    # Each invoker appears once in `invokers` and its ordinals are contiguous and ascending.
-    span = gpus.span
-    for ords in invokers:
+            return [(e[1], e) for e in reversed(self.entries)]
+        return [(e[1], e) for e in self.entries]
+
+    def cannot_hold(self, entry: NodeRoom | None, pieces: int) -> bool:
+        """Whether the invoker cannot hold the instance in `pieces` pieces or fewer, known from its
+        node-room bounds alone: no lit GPU of it may take more than the bound (capacities are
+        min(memory × (1 + EPS) − used, (ω − Σ request) × MiB per request, (γ − Σ limit) × MiB per
+        limit), each term at least its value at any of the invoker's lit GPUs, as rounding is
+        monotone), and `pieces` such pieces hold less than the instance."""
+        if entry is None:
+            return False
+        most = entry[2]
+        if self.per_request:
+            x = (self.omega - entry[3]) * self.per_request
+            most = x if x < most else most
+        if self.per_limit:
+            x = (self.limit_cap - entry[4]) * self.per_limit
+            most = x if x < most else most
+        return pieces * most < self.need
+
+    def candidates(self, first: int, entry: NodeRoom | None) -> list[tuple[float, int]]:
+        """[(capacity MiB, ordinal)] of the invoker's lit GPUs that could take a piece, in ordinal
+        order (from its node-room entry where there is one)."""
+        min_part = self.min_part
+        too_full = self.too_full
+        per_request, per_limit = self.per_request, self.per_limit
+        omega, limit_cap = self.omega, self.limit_cap
+        if entry is None:
+            cluster = self.cluster
+            ords = cluster.invoker_ordinals[cluster.refs[first].invoker]
+            grow = 1.0 + EPS
+            lit: Sequence[LitRoom] = [
+                (g.memory_mib * grow - g.used_memory, g.memory_mib - g.used_memory, g.used_request,
+                 g.used_limit, o)
+                for o, g in enumerate(cluster.gpus.span(first, ords[-1] + 1), first)
+                if g.instances
+            ]
+        else:
+            lit = entry[5]
         cands: list[tuple[float, int]] = []
-        first = ords[0]
-        for o, g in enumerate(span(first, ords[-1] + 1), first):
-            if not g.instances or g.used_request >= too_full:
+        for c, free, used_request, used_limit, o in lit:
+            if used_request >= too_full or free < min_part:
                 continue
-            used = g.used_memory
-            mem = g.memory_mib
-            if mem - used < min_part:
-                continue
-            c = mem * grow - used
             # `x if x < c else c` is `min(c, x)`, without the call.
             if per_request:
-                x = (omega - g.used_request) * per_request
+                x = (omega - used_request) * per_request
                 c = x if x < c else c
             if per_limit:
-                x = (limit_cap - g.used_limit) * per_limit
+                x = (limit_cap - used_limit) * per_limit
                 c = x if x < c else c
             if c >= min_part:
                 cands.append((c, o))
-        if len(cands) >= 2:
-            yield ords[0], cands
+        return cands
 
 
 def _place_split(
@@ -1576,10 +1698,31 @@ def _place_split(
         return None
     min_part = min(config.min_part_mib, total)
     gpus = cluster.gpus
-    # Invokers in cluster order.
-    order = sorted(_split_invokers(cluster, request, config, filters, max_parts), key=lambda e: e[0])
+    scan = _SplitScan(cluster, request, config, filters, max_parts)
     best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
-    for rank, cands in order:
+    # The best plan is the least key over every invoker, whatever order they are looked at in (an
+    # invoker is passed over only when its plans are all worse than the best so far); the tightest
+    # first, so that the best so far is good early. One that cannot hold the instance in as few
+    # pieces as the best so far is passed over without looking at its GPUs.
+    per_request, per_limit, omega, limit_cap = scan.per_request, scan.per_limit, scan.omega, scan.limit_cap
+    need = scan.need
+    pieces = max_parts
+    for rank, entry in scan.firsts(request):
+        if entry is not None:
+            # `scan.cannot_hold(entry, pieces)` inline: this loop visits every invoker with the
+            # free memory for the instance.
+            most = entry[2]
+            if per_request:
+                x = (omega - entry[3]) * per_request
+                most = x if x < most else most
+            if per_limit:
+                x = (limit_cap - entry[4]) * per_limit
+                most = x if x < most else most
+            if pieces * most < need:
+                continue
+        cands = scan.candidates(rank, entry)
+        if len(cands) < 2:
+            continue
         if best is not None and _split_cannot_win(cands, total, max_parts, best[0][0], best[0][1]):
             continue
         found = _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus)
@@ -1589,6 +1732,7 @@ def _place_split(
         key = (len(plan), unused, rank)
         if best is None or key < best[0]:
             best = (key, plan)
+            pieces = key[0]
     if best is None:
         return None
     parts = []

@@ -10,6 +10,7 @@ import random
 import pytest
 from split_testlib import GIB, INF, inst
 
+import dilu_invoker.policy.placement as placement_module
 from dilu_invoker.policy import (
     ClusterSnapshot,
     CompactionConfig,
@@ -19,10 +20,20 @@ from dilu_invoker.policy import (
     PlacementConfig,
     PlacementRequest,
     compaction_plan,
+    place,
 )
 from dilu_invoker.policy.cluster import GpuVector
 from dilu_invoker.policy.compaction import NoFit, _lit_fits, _still_no_fit
-from dilu_invoker.policy.placement import FILTERS, _Rejects, _scan_lit, lit_fits
+from dilu_invoker.policy.placement import (
+    FILTERS,
+    _place_split,
+    _Rejects,
+    _scan_lit,
+    _split_plan,
+    _SplitScan,
+    lit_fits,
+    split_fits,
+)
 from dilu_invoker.policy.types import InstanceClass, PlacedInstance
 
 DILU = PlacementConfig()
@@ -184,3 +195,109 @@ def test_gpu_vector_span_is_the_states_of_the_range() -> None:
     c = ClusterSnapshot.uniform(invokers=50, gpus_per_invoker=4, memory_mib=40 * GIB)
     for ords in c.invoker_ordinals.values():
         assert ords == tuple(range(ords[0], ords[-1] + 1))  # contiguous, as span's callers assume
+
+
+def _split_reference(
+    cl: ClusterSnapshot, q: PlacementRequest, config: PlacementConfig
+) -> tuple[tuple[int, float, int], list[tuple[int, float]]] | None:
+    """The best split plan by a plain walk: every invoker, its candidates read from its GPU states,
+    no bound, no pruning; the least (pieces, unused room, first ordinal)."""
+    filters = tuple(FILTERS[name] for name in config.strategy_spec().filters)
+    scan = _SplitScan(cl, q, config, filters, config.llm_max_parts)
+    total = q.memory_mib
+    min_part = min(config.min_part_mib, total)
+    best = None
+    for inv in cl.invokers:
+        first = cl.invoker_ordinals[inv][0]
+        if not any(cl.gpus[o].lit for o in cl.invoker_ordinals[inv]):
+            continue
+        if sum(cl.gpus[o].free_memory for o in cl.invoker_ordinals[inv] if cl.gpus[o].lit) < total - 1e-3:
+            continue
+        cands = scan.candidates(first, None)
+        if len(cands) < 2:
+            continue
+        found = _split_plan(cands, q, config, filters, total, min_part, config.llm_max_parts, cl.gpus)
+        if found is not None:
+            key = (len(found[0]), found[1], first)
+            if best is None or key < best[0]:
+                best = (key, found[0])
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_placement_passes_over_only_invokers_that_cannot_win(seed: int) -> None:
+    """Split placement's bounds (the node-room entries' roomiest GPU, the two-piece test, the
+    tightest invokers first) choose what a plain walk of every invoker chooses, and `split_fits`
+    says yes exactly when there is a plan."""
+    rng = random.Random(seed)
+    cl = random_cluster(rng, nodes=16)
+    config = PlacementConfig(llm_max_parts=rng.choice((2, 3, 4)))
+    filters = tuple(FILTERS[name] for name in config.strategy_spec().filters)
+    split = plans = 0
+    for k in range(200):
+        r = rng.choice((0.1, 0.3, 0.45, 0.6))
+        q = PlacementRequest(
+            instance_id=f"q{k}", function="llm", cls=InstanceClass.LLM, request=r,
+            limit=min(1.0, r + rng.choice((0.0, 0.2, 0.4))),
+            memory_mib=rng.choice((6.0, 12.0, 20.0, 26.0, 30.0, 45.0)) * GIB,
+        )
+        want = _split_reference(cl, q, config)
+        got = _place_split(cl, q, config, config.strategy_spec(), filters, config.llm_max_parts)
+        if want is None:
+            assert got is None
+        else:
+            assert got is not None
+            assert [(cl.ordinals[p.gpu], p.instance.memory_mib) for p in got.parts] == want[1]
+            plans += 1
+        assert split_fits(cl, q, config) == (want is not None)
+        # The bound never passes over an invoker that has a plan of that many pieces or fewer.
+        scan = _SplitScan(cl, q, config, filters, config.llm_max_parts)
+        for e in cl.node_room:
+            cands = scan.candidates(e[1], e)
+            assert cands == scan.candidates(e[1], None)
+            for pieces in range(2, config.llm_max_parts + 1):
+                if scan.cannot_hold(e, pieces) and len(cands) >= 2:
+                    found = _split_plan(
+                        cands, q, config, filters, q.memory_mib,
+                        min(config.min_part_mib, q.memory_mib), config.llm_max_parts, cl.gpus,
+                    )
+                    assert found is None or len(found[0]) > pieces
+                    split += 1
+    assert plans and split
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gang_scores_unlit_invokers_once_per_size_and_count(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gang's unlit invokers scored once per (GPU size, the function's count there) place it as
+    scoring every invoker does: the same GPUs, candidates, scores and rejections."""
+    rng = random.Random(seed)
+    gpus = []
+    n = 0
+    for node in range(24):
+        size = rng.choice((40.0, 40.0, 80.0)) * GIB
+        for k in range(4):
+            placed: list[PlacedInstance] = []
+            if rng.random() < 0.4:
+                placed.append(PlacedInstance(
+                    id=f"i{n}", function=rng.choice(("train", "f1", "f2")), cls=INF,
+                    request=0.3, limit=0.5, memory_mib=8 * GIB,
+                ))
+                n += 1
+            gpus.append(GpuState(ref=GpuRef(f"n{node}", k), memory_mib=size, instances=tuple(placed),
+                                 schedulable=rng.random() > 0.1))
+    cl = ClusterSnapshot.build(now=0.0, gpus=gpus)
+    decisions = []
+    for k in range(40):
+        q = PlacementRequest(
+            instance_id=f"g{k}", function="train", cls=InstanceClass.TRAINING,
+            request=rng.choice((0.3, 0.6, 1.0)), limit=1.0,
+            memory_mib=rng.choice((8.0, 30.0, 60.0)) * GIB, gpus=rng.choice((2, 3, 4)),
+        )
+        decisions.append((q, place(cl, q, DILU)))
+    monkeypatch.setattr(placement_module, "_unlit_scores_alike", lambda scorers: False)
+    n_placed = 0
+    for q, fast in decisions:
+        slow = place(cl, q, DILU)
+        assert fast == slow
+        n_placed += fast.placed
+    assert n_placed
