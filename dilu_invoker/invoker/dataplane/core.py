@@ -515,6 +515,8 @@ class Invoker:
             current = attachment_of(gpu_key or taken.gpu_key) if attachment_of is not None else None
             if current is not None:
                 taken = replace(taken, gpu=current)
+            if self.keeper is not None and taken.gpu is not None and taken.gpu.gpu_index is not None:
+                self.keeper.started_beside((req.action.fqn, proxy.key.revision, taken.gpu.gpu_index))
             proxy.placement = replace(proxy.placement, gpu=taken.gpu, gpu_key=gpu_key or taken.gpu_key)
         preload.hit(runtime.kind)
         proxy.preloaded = True
