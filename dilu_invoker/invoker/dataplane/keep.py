@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from dilu_invoker.invoker.dataplane.backends.base import Container
+from dilu_invoker.invoker.dataplane.backends.base import Container, drain_output
 from dilu_invoker.invoker.dataplane.container import ContainerProxy
 from dilu_invoker.model import Action
 
@@ -130,7 +130,7 @@ class WeightsKeeper:
         if proxy.output is not None:
             # Its output is no activation's: stop collecting, read and drop what it still prints.
             await proxy.output.close()
-        kept.drain = asyncio.create_task(_drain(container, proxy.name))
+        kept.drain = asyncio.create_task(drain_output(container, proxy.name, "kept for its weights"))
         self.metrics.events.labels("kept").inc()
         self._update()
         log.info("instance's weights kept on the GPU (staged exit)", container=proxy.name, action=group[0],
@@ -228,18 +228,3 @@ class WeightsKeeper:
             if not k.gone:
                 self._let_go(k, "closed")
         await self._settle()
-
-
-async def _drain(container: Container, name: str) -> None:
-    """What a kept process prints is no activation's output: read and dropped (a full pipe would block it)."""
-
-    async def one(stream: asyncio.StreamReader) -> None:
-        while await stream.read(65536):
-            pass
-
-    try:
-        await asyncio.gather(one(container.stdout), one(container.stderr))
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the process goes its way; nothing to collect
-        log.debug("kept process output not drained", container=name, error=repr(exc))

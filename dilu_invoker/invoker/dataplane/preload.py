@@ -51,7 +51,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from dilu_invoker.actions._ipc import installed_roots
 from dilu_invoker.gpu.attachment import MPS_THREADS_ENV, GpuAttachment
 from dilu_invoker.gpu.mps import active_thread_percentage
-from dilu_invoker.invoker.dataplane.backends.base import Container, ContainerBackend, ContainerSpec, Mount
+from dilu_invoker.invoker.dataplane.backends.base import (
+    Container,
+    ContainerBackend,
+    ContainerSpec,
+    Mount,
+    drain_output,
+)
 from dilu_invoker.invoker.manifest import Manifest, RuntimeKind
 from dilu_invoker.model import Action, GpuNeeds, ValidationError
 
@@ -344,7 +350,7 @@ class PreloadPool:
             if standby.state == "removed":
                 raise _Skip("removed while starting")
             standby.state = "loading"
-            standby.drain = asyncio.create_task(_drain(container, standby.name))
+            standby.drain = asyncio.create_task(drain_output(container, standby.name, "pre-loading"))
             self._update_gauges()
             info = await self._wait_loaded(container)
             standby.info = info
@@ -595,20 +601,6 @@ class PreloadPool:
 
 class _Skip(Exception):
     pass
-
-
-async def _drain(container: Container, name: str) -> None:
-    """What a pre-loaded container prints while it imports is no activation's output: read and dropped."""
-
-    async def one(stream: asyncio.StreamReader, which: str) -> None:
-        while True:
-            chunk = await stream.read(65536)
-            if not chunk:
-                return
-            log.debug("pre-load output", container=name, stream=which, bytes=len(chunk))
-
-    with contextlib.suppress(Exception):
-        await asyncio.gather(one(container.stdout, "stdout"), one(container.stderr, "stderr"))
 
 
 def _importable(module: str) -> bool:

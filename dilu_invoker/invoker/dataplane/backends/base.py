@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import structlog
+
+log = structlog.get_logger(__name__)
 
 
 class BackendError(RuntimeError):
@@ -75,3 +80,15 @@ class ContainerBackend(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+async def drain_output(container: Container, name: str, why: str) -> None:
+    """Read and drop what ``container`` prints that is no activation's output (``why``: whose it is), so that
+    a full pipe never blocks it; returns when both streams end (or the task is cancelled)."""
+
+    async def one(stream: asyncio.StreamReader, which: str) -> None:
+        while chunk := await stream.read(65536):
+            log.debug("container output dropped", container=name, stream=which, bytes=len(chunk), why=why)
+
+    with contextlib.suppress(Exception):
+        await asyncio.gather(one(container.stdout, "stdout"), one(container.stderr, "stderr"))
