@@ -542,10 +542,6 @@ class GpuNode:
                  gpu=a.device.index, weights_mb=weights_mb, group=group)
         return new_id
 
-    def kept_on(self, gpu_index: int) -> list[str]:
-        """The kept instances (staged exit) on a GPU, longest kept first."""
-        return [i for i, a in self._attached.items() if a.kept and a.device.index == gpu_index]
-
     def attachment_of(self, instance: str) -> GpuAttachment | None:
         """What an attached instance was given (after a retarget: its new MPS cap among it)."""
         a = self._attached.get(instance)

@@ -286,7 +286,8 @@ async def test_kept_weights_release_the_compute_and_keep_only_the_weights(make_n
     assert set(budget.reservations) == {"a-kept", "plain"}
     kept = budget.reservations["a-kept"]
     assert (kept.memory_mb, kept.request, kept.limit) == (5000, 0.0, 0.0)
-    assert node.kept_on(0) == ["a-kept"] and not {"a", "a-kept"} & {spec.id for spec, _ in node.manager(0).statuses()}
+    assert node.attachment_of("a-kept") is not None and node.attachment_of("a") is None
+    assert not {"a", "a-kept"} & {spec.id for spec, _ in node.manager(0).statuses()}
     # Beside the kept weights a new instance of the revision needs 1000, another revision a whole copy.
     assert await node.attach("b", LLM, llm(), revision="1-abc") is not None
     assert (await _budget(budgets)).sum_memory_mb == 5000 + 1000 + 1000
@@ -294,7 +295,7 @@ async def test_kept_weights_release_the_compute_and_keep_only_the_weights(make_n
     # The kept process goes first: the instance that maps from it carries the weights from then on.
     await node.detach("a-kept")
     assert {n: r.memory_mb for n, r in (await _budget(budgets)).reservations.items()} == {"b": 6000, "plain": 1000}
-    assert node.kept_on(0) == []
+    assert node.attachment_of("a-kept") is None
     await node.detach("b")
     await node.detach("plain")
     assert (await _budget(budgets)).sum_memory_mb == 0

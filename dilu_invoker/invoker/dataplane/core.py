@@ -570,8 +570,7 @@ class Invoker:
                       if self.gpu is not None else None)
         if attachment is None and self.gpu is not None and self.keeper is not None:
             # Kept weights (staged exit) give way to a container that finds no room.
-            gpus = [gpu_index] if gpu_index is not None else sorted({k.group[2] for k in self.keeper.kept.values()})
-            if sum([await self.keeper.evict_gpu(i) for i in gpus]):
+            if await self.keeper.evict_gpu(gpu_index):
                 attachment = await self.gpu.attach(key, action.fqn, needs, gpu_index=gpu_index, revision=revision)
         if attachment is not None and self.keeper is not None and attachment.gpu_index is not None:
             self.keeper.started_beside((action.fqn, proxy.key.revision, attachment.gpu_index))

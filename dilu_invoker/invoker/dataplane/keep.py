@@ -103,10 +103,6 @@ class WeightsKeeper:
     def holds(self, group: Group) -> bool:
         return any(k.group == group and not k.gone for k in self.kept.values())
 
-    def on_gpu(self, gpu_index: int) -> list[Kept]:
-        return sorted((k for k in self.kept.values() if k.group[2] == gpu_index and not k.gone),
-                      key=lambda k: k.since)
-
     # -- keeping -------------------------------------------------------------------------------------
 
     async def keep(self, proxy: ContainerProxy) -> bool:
@@ -186,9 +182,9 @@ class WeightsKeeper:
             self.kept.pop(k.proxy.name, None)
             self._update()
 
-    async def evict_gpu(self, gpu_index: int) -> int:
-        """Release every kept process on a GPU (a container found no room there); how many."""
-        victims = self.on_gpu(gpu_index)
+    async def evict_gpu(self, gpu_index: int | None) -> int:
+        """Release every kept process on a GPU (None: on every GPU) where a container found no room; how many."""
+        victims = [k for k in self.kept.values() if not k.gone and gpu_index in (None, k.group[2])]
         for k in victims:
             self._let_go(k, "evicted")
         await self._settle()
