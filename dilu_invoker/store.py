@@ -257,8 +257,7 @@ class EntityStore:
         self._flusher: asyncio.Task[None] | None = None
         # Records being written now (visible to reads meanwhile); per namespace, the writes' futures, so a
         # listing waits for them and shows what was answered before it.
-        self._writing: dict[tuple[str, str], Activation] = {}
-        self._writes: dict[str, set[asyncio.Future[None]]] = {}
+        self._writing: dict[tuple[str, str], tuple[Activation, asyncio.Future[None]]] = {}
         #: records dropped because more than ``max_unstored`` were held (logged as errors; should stay 0)
         self.dropped = 0
         self.redis = redis
@@ -401,9 +400,7 @@ class EntityStore:
         key = (activation.namespace, activation.activation_id)
         if not self._unstored:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            writes = self._writes.setdefault(activation.namespace, set())
-            writes.add(done)
-            self._writing[key] = activation
+            self._writing[key] = (activation, done)
             try:
                 await self._write_activation(activation)
                 return
@@ -412,11 +409,8 @@ class EntityStore:
                             error=f"{type(exc).__name__}: {exc}")
                 self._hold(key, activation)
             finally:
-                if self._writing.get(key) is activation:
+                if self._writing.get(key, (None, None))[1] is done:
                     del self._writing[key]
-                writes.discard(done)
-                if not writes and self._writes.get(activation.namespace) is writes:
-                    del self._writes[activation.namespace]
                 done.set_result(None)
             return
         self._hold(key, activation)
@@ -424,9 +418,9 @@ class EntityStore:
     async def _settled(self, namespace: str, timeout_s: float = 2.0) -> None:
         """Wait (briefly) for the namespace's records being written now, so that a listing shows every
         activation answered before it; records held while Redis is unavailable are not waited for."""
-        writes = self._writes.get(namespace)
+        writes = {done for (ns, _), (_, done) in self._writing.items() if ns == namespace}
         if writes:
-            await asyncio.wait(set(writes), timeout=timeout_s)
+            await asyncio.wait(writes, timeout=timeout_s)
 
     @property
     def unstored(self) -> int:
@@ -468,7 +462,7 @@ class EntityStore:
         """Wait up to ``timeout_s`` for the records being written and the held ones to be written; True when
         none is left."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        writes = {f for fs in self._writes.values() for f in fs}
+        writes = {done for _, done in self._writing.values()}
         if writes:
             await asyncio.wait(writes, timeout=timeout_s)
         task = self._flusher
@@ -536,7 +530,8 @@ class EntityStore:
             await self._store_activation(keys=keys, args=args)
 
     async def get_activation(self, namespace: str, activation_id: str) -> Activation | None:
-        held = self._writing.get((namespace, activation_id)) or self._unstored.get((namespace, activation_id))
+        writing = self._writing.get((namespace, activation_id))
+        held = writing[0] if writing is not None else self._unstored.get((namespace, activation_id))
         if held is not None:
             return held
         doc = await self.redis.hget(self.activation_key(namespace, activation_id), "doc")
