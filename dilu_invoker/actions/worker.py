@@ -267,6 +267,7 @@ def _create_cuda_context() -> bool:
         torch.cuda.init()
         torch.empty(1, device="cuda")  # a tiny allocation: the primary context and the allocator exist now
         _warm_torch_libraries(torch)
+        _warm_torch_layers(torch)
         torch.cuda.synchronize()
         return True
     cupy = sys.modules.get("cupy")
@@ -315,6 +316,46 @@ def _warm_torch_libraries(torch: Any) -> None:
                 x = torch.ones((1, 8, 16, 16), device="cuda", dtype=dtype)
                 w = torch.ones((8, 8, 3, 3), device="cuda", dtype=dtype)
                 functional.relu(functional.conv2d(x, w, padding=1))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _warm_torch_layers(torch: Any) -> None:
+    """Run the common layers of vision and language models once, at the sizes they usually run at (batch 8;
+    convolutions 1x1, 3x3 and 7x7 at strides 1 and 2 over 64-2048 channels and 7-112 pixels, as ImageNet CNNs
+    have them; batch norm, pooling, linear, layer norm, softmax, GELU, attention, embedding), in fp16 and
+    fp32: with lazy module loading each kernel is loaded on its first launch, and cuDNN picks its kernels by
+    shape, so a few tiny launches (`_warm_torch_libraries`) leave most of a first inference's loading to the
+    request. On the H200 a mapped ResNet-50's first inference (batch 8, fp16) took 80-87 ms after this
+    against 169-204 ms after the tiny launches alone and 323-959 ms after none; the warm-up took 0.6-1.0 s
+    in the pre-loaded process and kept 88 MiB more GPU memory (cuDNN and cuBLAS state, loaded kernels)
+    (`bench/h200_first_infer.sh`, docs/benchmarks/coldstart.md)."""
+    functional = torch.nn.functional
+    convs = ((3, 64, 7, 2, 112), (64, 64, 1, 1, 56), (64, 64, 3, 1, 56), (64, 256, 1, 1, 56), (128, 128, 3, 2, 56),
+             (128, 512, 1, 1, 28), (256, 256, 3, 2, 28), (256, 1024, 1, 1, 14), (512, 512, 3, 2, 14),
+             (512, 2048, 1, 1, 7), (256, 512, 1, 2, 28))
+    with torch.inference_mode():
+        for dtype in (torch.float16, torch.float32):
+            for cin, cout, k, stride, size in convs:
+                x = torch.ones((8, cin, size, size), device="cuda", dtype=dtype)
+                w = torch.ones((cout, cin, k, k), device="cuda", dtype=dtype)
+                y = functional.conv2d(x, w, stride=stride, padding=k // 2)
+                ones = torch.ones(cout, device="cuda", dtype=dtype)
+                y = functional.relu(functional.batch_norm(y, ones, ones, ones, ones, training=False))
+                (y + y).sum()
+            x = torch.ones((8, 64, 112, 112), device="cuda", dtype=dtype)
+            functional.max_pool2d(x, 3, 2, 1)
+            functional.adaptive_avg_pool2d(x, 1).flatten(1)
+            for n in (768, 2048):
+                a = torch.ones((8 * 128, n), device="cuda", dtype=dtype)
+                lin = torch.ones((n, n), device="cuda", dtype=dtype)
+                y = functional.linear(a, lin, torch.ones(n, device="cuda", dtype=dtype))
+                y = functional.gelu(functional.layer_norm(y, (n,)))
+                functional.softmax(y, dim=-1).sum()
+            q = torch.ones((8, 12, 128, 64), device="cuda", dtype=dtype)
+            functional.scaled_dot_product_attention(q, q, q).sum()
+            functional.embedding(torch.zeros((8, 128), device="cuda", dtype=torch.long),
+                                 torch.ones((30522, 768), device="cuda", dtype=dtype)).sum()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
 
