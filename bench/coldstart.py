@@ -879,6 +879,26 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
                        f"{'; '.join(arm.get('kept_lines') or []) or '-'} | "
                        f"{fmt((arm.get('second') or {}).get('client_ms'), 0)}, `{r2.get('role')}`, "
                        f"{fmt(r2.get('load_s'), 3)}, `{r2.get('reason', r2.get('error', ''))}` |")
+    rewake = data.get("rewake")
+    if rewake and not rewake.get("skipped"):
+        out += ["", "## Woken from zero: ResNet-50 through `models.load` on a pre-loaded container", "",
+                "Each cycle: idle until the balancer scaled the function to zero, a pre-loaded container ready "
+                "again, one cold invoke (client ms; in the action: the models API's role and load s, first "
+                "inference ms).", "",
+                "| `--invoker-weights-grace-s` | first cold (never ran here) | woken cold invokes | woken median "
+                "| warm median (ms) |", "| --- | --- | --- | --- | --- |"]
+        for grace, arm in (rewake.get("arms") or {}).items():
+            def cell(c: dict[str, Any]) -> str:
+                r = c.get("result") or {}
+                return (f"{fmt(c.get('client_ms'), 0)} (`{r.get('role')}`, {fmt(r.get('load_s'), 3)} s, "
+                        f"infer {fmt(r.get('infer_ms'), 0)})")
+            colds = arm.get("cold") or []
+            summ = arm.get("summary") or {}
+            out.append(f"| {grace} | {cell(colds[0]) if colds else '-'} | "
+                       f"{'; '.join(cell(c) for c in colds[1:]) or '-'} | {fmt(summ.get('woken_median_ms'), 0)} | "
+                       f"{fmt(summ.get('warm_median_ms'), 2)} |")
+        if not rewake.get("ok"):
+            out.append(f"\nThe step stopped early: {rewake.get('error')}")
     ipc = data.get("ipc")
     if ipc and not ipc.get("skipped"):
         out += ["", "## The same exchange outside the product (two processes of one uid)", ""]
