@@ -7,21 +7,31 @@ kept reservations are the ones `GpuNode.keep_weights` writes."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
+import aiohttp
 import msgpack
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import generate_latest
 
 from dilu_invoker import config
 from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity, Reservation
 from dilu_invoker.invoker.cluster.registry import FunctionRegistry
 from dilu_invoker.loadbalancer.planner import Evictable, PlannerConfig, TickInput, TickPlan, plan_tick
 from dilu_invoker.loadbalancer.service import Balancer, evictable_of
-from dilu_invoker.model import Action, Exec, Parameter, weights_group
+from dilu_invoker.model import GUEST_IDENTITY, Action, Exec, Parameter, weights_group
 from dilu_invoker.policy import ClusterSnapshot, GpuRef, GpuState, InstanceClass, PlacedInstance
+from dilu_invoker.standalone import run_standalone
 from dilu_invoker.wire import (
+    Decision,
     FunctionSpec,
     GpuReport,
     InstanceCommand,
@@ -29,6 +39,7 @@ from dilu_invoker.wire import (
     InstanceReport,
     Keys,
     LoadReport,
+    decode,
     from_stream,
     pack,
 )
@@ -311,3 +322,95 @@ async def test_an_evicting_instance_of_the_revision_does_not_share_with_kept_wei
     assert evicting.ok and (evicting.memory_mb, evicting.shares_weights, evicting.sum_memory_mb) == (10000, False, 10000)
     plain = await budgets.reserve(UUID, replace(new, instance="llm-4"), ttl_s=TTL)
     assert plain.ok and (plain.memory_mb, plain.shares_weights) == (2000, True)
+
+
+# -- end to end: standalone's balancer, its invoker's GPU node and keeper -----------------------------
+
+KEEP_CODE = '''
+import os
+from dilu_invoker.actions import models
+
+
+def build():
+    import numpy as np
+    return {"w": np.arange(1 << 16, dtype=np.float32)}
+
+
+def main(args):
+    models.load("w", build)
+    return {"role": models.info("w").role, "gpu": os.environ.get("DILU_GPU_UUID", "")}
+'''
+BIG_CODE = '''
+import os
+
+
+def main(args):
+    return {"gpu": os.environ.get("DILU_GPU_UUID", "")}
+'''
+
+
+@pytest.mark.slow
+async def test_standalone_evicts_kept_weights_for_what_the_balancer_placed_on_their_room(tmp_path: Path) -> None:
+    """`standalone` (process backend, a 16 GB GPU, the embedded balancer): ``llm`` (4 GB, 3 GB weights) is
+    scaled to zero and its process kept with its 3 GB of weights. ``big`` (14 GB) fits only once they go:
+    the balancer places it on the GPU, the invoker evicts the kept process and attaches it there, and it
+    answers from the GPU; the budget then holds ``big`` alone."""
+    (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": "GPU-kept", "memory_mb": 16000}]))
+    base = config.load(environ={})
+    cfg = replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
+                  gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json"), mps="off"),
+                  invoker=replace(base.invoker, weights_grace_s=30.0, preload=0),
+                  balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0,
+                                   scale_to_zero_after_s=1.0, cooldown_s=0.2))
+    token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
+    async with run_standalone(cfg) as running, aiohttp.ClientSession(
+            headers={"Authorization": f"Basic {token}"}) as http:
+        assert running.balancer is not None
+        invoker = running.invokers[0]
+        keeper = invoker.keeper
+        assert keeper is not None
+        redis = running.balancer.redis
+        budgets = GpuBudgets(redis, cfg.redis.prefix)
+        api = f"{running.api_url}/api/v1/namespaces/_/actions"
+        for name, code, ann in (("llm", KEEP_CODE, {"gpu-memory-mb": 4000, "gpu-weights-mb": 3000}),
+                                ("big", BIG_CODE, {"gpu-memory-mb": 14000})):
+            body = {"exec": {"kind": "python:3-gpu", "code": code},
+                    "annotations": [{"key": k, "value": v} for k, v in
+                                    {**ann, "gpu-sm-request": 0.1, "gpu-sm-limit": 0.2}.items()]}
+            async with http.put(f"{api}/{name}", json=body) as r:
+                assert r.status == 200, await r.text()
+
+        async def invoke(name: str) -> dict[str, Any]:
+            async with http.post(f"{api}/{name}?blocking=true&result=true", json={}) as r:
+                assert r.status == 200, await r.text()
+                return dict(await r.json())
+
+        async def until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float = 15.0) -> None:
+            deadline = time.monotonic() + timeout_s
+            while not await check():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                await asyncio.sleep(0.05)
+
+        first = await invoke("llm")
+        assert first["role"] == "holder" and first["gpu"] == "GPU-kept", first
+        [uuid] = await budgets.node_gpus("invoker0")
+
+        async def kept() -> bool:
+            got = await budgets.get(uuid)
+            return got is not None and [(r.memory_mb, r.kept) for r in got.reservations.values()] == [(3000, True)]
+
+        await until("llm's weights to be kept", kept)
+        assert len([k for k in keeper.kept.values() if not k.gone]) == 1
+
+        answer = await invoke("big")
+        assert answer["gpu"] == "GPU-kept", answer  # attached to the GPU, not run on the CPU
+        got = await budgets.get(uuid)
+        assert got is not None and [(r.function, r.memory_mb) for r in got.reservations.values()] == [
+            ("guest/big", 14000)], got
+        assert not keeper.kept
+        text = generate_latest(invoker.metrics.registry).decode()
+        assert 'dilu_invoker_weights_kept_events_total{event="evicted"} 1.0' in text
+        records = [decode(InstanceRecord, raw) for raw in (await redis.hgetall(Keys(cfg.redis.prefix).instances)).values()]
+        assert [(r.function, r.gpu_uuid) for r in records if r is not None] == [("guest/big", uuid)]
+        reasons = [from_stream(Decision, f).reason for _, f in await redis.xrange(Keys(cfg.redis.prefix).decisions)]
+        assert sum("evicts the kept weights there (3000 MiB" in r for r in reasons) == 1
