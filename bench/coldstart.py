@@ -20,6 +20,11 @@ of value, each under its own timeout):
 * ``share``: two instances of one function that ``models.load`` the weights file: the first holds them, the
   second maps them through CUDA IPC; GPU memory (NVML through nvidia-smi) before, after the first and after
   the second, and per process.
+* ``staged``: staged exit time-sliced — a function with declared weights scaled to zero and invoked again,
+  with ``--invoker-weights-grace-s 60`` (its weights kept, the new instance maps them) and ``0``.
+* ``rewake``: ResNet-50 written with ``models.load``, pre-loading on, default sharing (MPS under isolation):
+  cold, then ``--count`` cycles of scale-to-zero and a cold invoke on a pre-loaded container, with the
+  weights kept (grace 60) and not (grace 0), side by side.
 * ``ipc``: the same two-instance exchange outside the product (two processes of one uid, a 1 GiB model), to
   tell a product-side failure from a driver-side one.
 
@@ -92,10 +97,24 @@ def _bert_like():
             return self.enc(self.emb(ids) + self.pos(pos))
     return Encoder()
 
-def _build(name, batch):
+def _build(name, batch, via_models=False):
     global _model, _make
     dev = "cuda"
     t = time.perf_counter()
+    if name == "resnet50" and via_models:  # the models API: the first instance holds, the next ones map
+        import torchvision
+        from dilu_invoker.actions import models
+        _stages["import_model_lib_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        torch.empty(1, device=dev)
+        _stages["cuda_context_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        _model = models.load("resnet50", lambda: torchvision.models.resnet50(weights=None).half().eval(), device=dev)
+        torch.cuda.synchronize()
+        info = models.info("resnet50")
+        _stages.update(load_s=time.perf_counter() - t, role=info.role, reason=info.reason)
+        _make = lambda: torch.randn(batch, 3, 224, 224, dtype=torch.half, device=dev)
+        return
     if name == "resnet50":
         import torchvision
         _stages["import_model_lib_s"] = time.perf_counter() - t
@@ -131,7 +150,7 @@ def main(args):
         time.sleep(float(args.get("dry_ms", 5)) / 1000)
         return {"run_ms": (time.perf_counter() - t0) * 1000, "first": first, "import_torch_s": T_IMPORT}
     if first:
-        _build(args.get("model", "resnet50"), int(args.get("batch", 8)))
+        _build(args.get("model", "resnet50"), int(args.get("batch", 8)), bool(args.get("via_models")))
     t = time.perf_counter()
     with torch.inference_mode():
         out = _model(_make())
@@ -577,6 +596,58 @@ async def step_staged(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return res
 
 
+async def step_rewake(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """A function woken after it was scaled to zero, as most serverless cold starts are: ResNet-50 written
+    with the models API, pre-loading on, the defaults' sharing (MPS under isolation). Each cycle: the
+    function is idle until the balancer scales it to zero (2 s), a pre-loaded container is ready again, then
+    one cold invoke. With ``--invoker-weights-grace-s 60`` the last process kept the weights (staged exit)
+    and the new instance maps them; with ``0`` (same run, the baseline) it builds and loads them."""
+    has = cli_has_preload()
+    if not has:
+        return {"step": "rewake", "skipped": "this dilu-invoker has no --preload flag"}
+    res: dict[str, Any] = {"step": "rewake", "arms": {}, "model": "resnet50"}
+    dry = {"dry": True} if args.dry_run else {}
+    for grace in ("60", "0"):
+        arm: dict[str, Any] = {"cold": [], "warm": [], "scale_in": []}
+        res["arms"][grace] = arm
+        extra = [*preload_flags(args, has), "--invoker-weights-grace-s", grace,
+                 "--balancer-scale-to-zero-after-s", "2", "--balancer-cooldown-s", "0.5"]
+        if args.dry_run:
+            (work / "inventory.json").write_text(json.dumps([{"uuid": "GPU-dry-rewake", "memory_mb": 81920}]))
+            extra += ["--gpu-inventory", str(work / "inventory.json")]
+        async with Stack(args, work / f"rewake-{grace}", extra) as st:
+            arm["command"] = " ".join(st.command()[1:])
+            await st.create("rn", MODEL_CODE, sm_limit=0.5, gpu_memory_mb=4096, weights_mb=64)
+            params = {"model": "resnet50", "batch": 8, "via_models": True, **dry}
+            for cycle in range(args.count + 1):
+                if cycle:  # idle: scaled to zero, the instance stopped (and its weights kept, or not)
+                    t = time.perf_counter()
+                    while time.perf_counter() - t < 30:
+                        text = await st.metrics_text()
+                        if 'dilu_invoker_containers{state="ready"} 0.0' in text:
+                            break
+                        await asyncio.sleep(0.2)
+                    arm["scale_in"].append({"after_s": rnd(time.perf_counter() - t, 2), "kept": [
+                        ln for ln in (await st.metrics_text()).splitlines()
+                        if ln.startswith("dilu_invoker_weights_kept") and "_created" not in ln]})
+                least = args.preload_min_wait_s if cycle == 0 else args.refill_min_wait_s
+                most = args.preload_wait_s if cycle == 0 else args.refill_wait_s
+                arm.setdefault("preload_wait", []).append(await st.wait_preloaded(least, most))
+                arm["cold"].append(await st.invoke("rn", params))
+                for _ in range(args.warm):
+                    arm["warm"].append(await st.invoke("rn", params))
+                save(args.out, args.name, res)
+            arm["preload_metrics"] = await st.preload_lines()
+        woken = [c["client_ms"] for c in arm["cold"][1:] if c["status"] == 200]
+        warm = [c["client_ms"] for c in arm["warm"] if c["status"] == 200]
+        arm["summary"] = {"first_ms": arm["cold"][0]["client_ms"], "woken_ms": woken,
+                          "woken_median_ms": rnd(statistics.median(woken), 1) if woken else None,
+                          "warm_median_ms": rnd(statistics.median(warm), 2) if warm else None}
+        save(args.out, args.name, res)
+    res["summary"] = {g: a.get("summary") for g, a in res["arms"].items()}
+    return res
+
+
 IPC_CHILD = r'''
 import json, os, sys, time
 t0 = time.perf_counter()
@@ -648,7 +719,7 @@ async def step_makefile(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 STEPS = {"makefile": step_makefile, "cold": step_cold, "weights": step_weights, "share": step_share, "ipc": step_ipc,
-         "staged": step_staged}
+         "staged": step_staged, "rewake": step_rewake}
 
 
 async def run_step(args: argparse.Namespace) -> int:

@@ -42,6 +42,9 @@ if [ -f "$OUT/cold_resnet50_preload0.json" ] && ! $PY -c "import json,sys; d=jso
 fi
 run_preload cold_resnet50_preload1 75 cold --model resnet50 --preload 1 --count 3 --warm 10 --preload-wait-s 30 \
   --refill-wait-s 12 --extra="$PRE_EXTRA"
+# A function woken from zero on a pre-loaded container, its weights kept (grace 60) or not (0).
+run_preload rewake 150 rewake --preload 1 --count 3 --warm 5 --preload-wait-s 30 --refill-wait-s 12 \
+  --extra="$PRE_EXTRA"
 # The weights file, after the cold-start steps (its writing would compete with their imports for the disk).
 run makefile 40 makefile
 log "weights file: $(ls -la "$WF" 2>&1)"

@@ -104,16 +104,23 @@ instances of its group on its GPU (`GpuNeeds.weights_mb`, docs/runtime.md "GPU m
 
 
 def _weights_of(node: str, function: str, needs: GpuNeeds, revision: str | None, backend: str,
-                isolated_mps: bool = False) -> _Weights:
+                same_pids: bool = False) -> _Weights:
     """Only a known revision shares (its instances at other revisions have other weights), and only where
     the models API can share: not between Docker containers (each has its own network namespace, so no
-    holder's endpoint is reachable and every instance loads its own copy), and not between the isolated MPS
-    clients of a GPU (PID namespaces of their own): on the H200 the second instance's mapping failed there
-    (cuIpcOpenMemHandle, CUDA error 201) and it loaded a copy of its own, so the budget counts every copy."""
+    holder's endpoint is reachable and every instance loads its own copy), and not between processes whose
+    PIDs read the same in their PID namespaces (``same_pids``: isolated MPS clients on a kernel without
+    ``ns_last_pid``, so without the sandbox's PID ranges): a CUDA IPC handle names its exporter by PID, and
+    on the H200 two such workers, both PID 2, failed to map (cuIpcOpenMemHandle, CUDA error 201) while the
+    same pair with distinct PIDs mapped (coldstart run 7), so there the budget counts every copy."""
     if not revision or needs.weights_mb <= 0 or function.startswith(PRELOAD_FUNCTION_PREFIX) \
-            or backend == "docker" or isolated_mps:
+            or backend == "docker" or same_pids:
         return None
     return weights_group(node, function, revision), needs.weights_mb
+
+
+def pid_ranges_available() -> bool:
+    """Whether this kernel lets the sandbox give each PID namespace its own PID range (``ns_last_pid``)."""
+    return Path("/proc/sys/kernel/ns_last_pid").exists()
 
 
 @dataclass(slots=True)
@@ -334,9 +341,11 @@ class GpuNode:
             self._sync_task = asyncio.create_task(self._sync_loop(), name=f"gpu-budgets-{self.node}")
 
     @property
-    def _isolated_mps(self) -> bool:
-        """The node's GPU containers are MPS clients in PID namespaces of their own (shared-uid isolation)."""
-        return self.mps is not None and self.mps.shared_uid and bool(self.mps.daemons)
+    def _same_pids(self) -> bool:
+        """The node's GPU containers are MPS clients in PID namespaces of their own (shared-uid isolation)
+        whose PIDs may read the same: the kernel has no ``ns_last_pid`` for the sandbox's PID ranges."""
+        return self.mps is not None and self.mps.shared_uid and bool(self.mps.daemons) \
+            and not pid_ranges_available()
 
     def _choose_policies(self) -> None:
         """Each GPU's vertical policy, now that its sharing mode is known (`resolve_vertical`): logged and in
@@ -400,7 +409,7 @@ class GpuNode:
             log.warning("GPU not attached: bad instance", instance=instance, error=str(exc))
             return None
         async with self._admit_lock:
-            weights = _weights_of(self.node, function, needs, revision, self.backend, self._isolated_mps)
+            weights = _weights_of(self.node, function, needs, revision, self.backend, self._same_pids)
             device, reserved, why = await self._admit(spec, gpu_index, weights)
         if device is None:
             log.warning("no GPU for the instance: it runs on the CPU", instance=instance, function=function,
@@ -464,7 +473,7 @@ class GpuNode:
                     return False
             del self._attached[instance]  # its old needs must not count against its new ones
             await self._release(a.device, instance)
-            weights = _weights_of(self.node, function, needs, revision, self.backend, self._isolated_mps)
+            weights = _weights_of(self.node, function, needs, revision, self.backend, self._same_pids)
             ok, reserved, why = await self._reserve(a.device, spec, weights)
             if not ok:
                 _ok, old_reserved, _why = await self._reserve(a.device, a.spec, a.weights)

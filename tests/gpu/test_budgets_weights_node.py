@@ -18,7 +18,7 @@ from dilu_invoker.gpu import abi
 from dilu_invoker.gpu.budgets import GpuBudget, GpuBudgets
 from dilu_invoker.gpu.devices import GpuDevice
 from dilu_invoker.gpu.node import GpuNode
-from dilu_invoker.model import GpuClass, GpuNeeds, ValidationError
+from dilu_invoker.model import GpuClass, GpuNeeds, ValidationError, weights_group
 from tests.gpu.support import ShimBuild
 
 NodeFactory = Callable[..., Coroutine[Any, Any, GpuNode]]
@@ -257,15 +257,18 @@ async def test_through_the_invoker_two_instances_of_a_revision_fit_beside_one_co
         assert budget.sum_memory_mb == 7000
 
 
-def test_isolated_mps_clients_count_every_copy() -> None:
-    """Between the isolated MPS clients of a GPU the second instance's mapping failed on the H200 and it
-    loaded its own copy: there the budget must count every copy (docs/runtime.md, "GPU memory budget")."""
+def test_clients_whose_pids_read_the_same_count_every_copy() -> None:
+    """Isolated MPS clients whose workers have the same PID in their namespaces could not map each other's
+    weights on the H200 (CUDA error 201) and each loaded its own copy: there the budget counts every copy.
+    With the sandbox's PID ranges (a kernel with ``ns_last_pid``) they mapped, and the copy counts once."""
     from dilu_invoker.gpu.node import _weights_of
 
     needs = GpuNeeds(memory_mb=20000, weights_mb=14000)
-    assert _weights_of("invoker0", "guest/m", needs, "1-abc", "process") is not None
-    assert _weights_of("invoker0", "guest/m", needs, "1-abc", "process", isolated_mps=True) is None
+    assert _weights_of("invoker0", "guest/m", needs, "1-abc", "process") == (
+        weights_group("invoker0", "guest/m", "1-abc"), 14000)
+    assert _weights_of("invoker0", "guest/m", needs, "1-abc", "process", same_pids=True) is None
     assert _weights_of("invoker0", "guest/m", needs, "1-abc", "docker") is None
+    assert _weights_of("invoker0", "guest/m", needs, None, "process") is None  # no revision: no sharing
 
 
 async def test_kept_weights_release_the_compute_and_keep_only_the_weights(make_node: NodeFactory,

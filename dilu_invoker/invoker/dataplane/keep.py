@@ -11,7 +11,8 @@ on that GPU (while instances live there it stays: they may map from it), when th
 needed (the pool sheds kept processes before pre-loaded ones and before it evicts a warm container), when a
 GPU container cannot be attached for want of room (the kept processes go first, then the attach is tried
 again), and when the invoker stops. Only where instances can map each other's weights (the node counts them
-once: the process backend, not between Docker containers nor between isolated MPS clients yet).
+once: the process backend, not between Docker containers, nor between isolated MPS clients on a kernel
+without ``ns_last_pid``, see `gpu.node._weights_of`).
 """
 
 from __future__ import annotations
