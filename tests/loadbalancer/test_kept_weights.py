@@ -414,3 +414,39 @@ async def test_standalone_evicts_kept_weights_for_what_the_balancer_placed_on_th
         assert [(r.function, r.gpu_uuid) for r in records if r is not None] == [("guest/big", uuid)]
         reasons = [from_stream(Decision, f).reason for _, f in await redis.xrange(Keys(cfg.redis.prefix).decisions)]
         assert sum("evicts the kept weights there (3000 MiB" in r for r in reasons) == 1
+
+
+async def test_the_node_marks_kept_weights_and_a_resync_keeps_the_mark(tmp_path: Path, redis: aioredis.Redis) -> None:
+    """`GpuNode.keep_weights` reserves the weights alone under `<instance>-kept`, marked kept; a re-sync
+    after Redis lost the GPU's reservations restores them marked, so the balancer still sees them as
+    evictable."""
+    from dilu_invoker.gpu.devices import GpuDevice
+    from dilu_invoker.gpu.node import GpuNode
+    from dilu_invoker.model import GpuClass, GpuNeeds
+
+    budgets = GpuBudgets(redis, PREFIX)
+    device = GpuDevice(index=0, uuid="GPU-kn-0", name="Test GPU", memory_mb=16000, sm_count=132, simulated=True)
+    node = GpuNode(node="invoker0", devices=(device,), shm_dir=tmp_path / "shm", budgets=budgets, sync_period_s=3600)
+    await node.start()
+    try:
+        needs = GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.1, sm_limit=0.2, memory_mb=4000, weights_mb=3000)
+        assert await node.attach("a", LLM, needs, revision=REV) is not None
+        assert await node.keep_weights("a") == "a-kept"
+
+        async def marks() -> list[tuple[str, int, float, bool]]:
+            got = await budgets.get("GPU-kn-0")
+            assert got is not None
+            return [(r.instance, r.memory_mb, r.request, r.kept) for r in got.reservations.values()]
+
+        assert await marks() == [("a-kept", 3000, 0.0, True)]
+        await redis.delete(budgets.gpu_key("GPU-kn-0"))  # Redis restarted without persistence
+        await node._sync_once()  # the renewal finds it gone; registers the GPU and reconciles
+        await node._sync_once()
+        assert await marks() == [("a-kept", 3000, 0.0, True)]
+        got = await budgets.get("GPU-kn-0")
+        assert got is not None
+        ev = evictable_of("invoker0", got.reservations.values())
+        assert ev is not None and (ev.instances, ev.memory_mib, ev.weight_groups) == (
+            frozenset({"a-kept"}), 3000.0, frozenset())
+    finally:
+        await node.close()
