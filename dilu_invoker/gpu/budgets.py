@@ -5,7 +5,7 @@ Keyspace (msgpack values; documented in docs/redis-keyspace.md)::
     {prefix}gpu:{uuid}          hash   cap          -> {node, index, name, memory_mb, sm_count, gamma, omega}
                                        r:{instance} -> {instance, function, cls, invoker, request, limit,
                                                         memory_mb, expires_ms, weights_mb, group,
-                                                        shares_weights}
+                                                        shares_weights, kept}
                                        s:{instance} -> current SM share (float, written by the GPU manager)
     {prefix}node:{node}:gpus    set    uuids of the GPUs a node registered
 
@@ -26,6 +26,14 @@ id), so the weights stay counted until the group's last reservation on the GPU i
 whichever instance left first. ``memory_mb`` as stored is what a reservation is charged: summing it is the
 budget's memory use. Reservations whose weights sizes differ belong to different groups (the weights
 cannot be the same).
+
+Kept weights (staged exit) are evictable. A reservation with ``kept`` holds only the weights a process keeps
+on the GPU after its function's last instance there left (``GpuNode.keep_weights``); its invoker releases
+it when a container of its own finds no room on that GPU. A reservation made with ``evict`` (the balancer,
+placing on such room) is admitted as if the GPU's kept reservations were gone: their memory counts as free
+and their weights are shared with no one; the invoker's own attach, which does not evict in Redis, then
+finds no room, lets the kept processes of that GPU go and is admitted. A record without ``kept`` (written
+before the field existed) is not kept.
 """
 
 from __future__ import annotations
@@ -107,13 +115,26 @@ local r = cmsgpack.unpack(ARGV[2])
 local g = gkey(r)
 local sreq, slim, smem = 0, 0, 0
 r.shares_weights = false
+-- Evicting (ARGV[5]): kept reservations count as gone; a group whose kept carrier goes is carried by its
+-- next live member (its weights counted once more), and only live members share with the new one.
+local evict = ARGV[5] == '1'
+local gone, heirs = {}, {}
 for _, inst in ipairs(order) do
-  if inst ~= skip then
-    local o = live[inst]
+  local o = live[inst]
+  if evict and inst ~= skip and o.kept and gkey(o) ~= nil and not o.shares_weights then gone[gkey(o)] = true end
+end
+for _, inst in ipairs(order) do
+  local o = live[inst]
+  if inst ~= skip and not (evict and o.kept) then
     sreq = sreq + o.request
     slim = slim + o.limit
     smem = smem + o.memory_mb
-    if g ~= nil and gkey(o) == g and not o.shares_weights then r.shares_weights = true end
+    local og = gkey(o)
+    if g ~= nil and og == g and (evict or not o.shares_weights) then r.shares_weights = true end
+    if og ~= nil and gone[og] and not heirs[og] then
+      heirs[og] = true
+      smem = smem + o.weights_mb
+    end
   end
 end
 if r.shares_weights then r.memory_mb = r.memory_mb - r.weights_mb end
@@ -212,6 +233,8 @@ class Reservation:
     """The sharing group (`dilu_invoker.model.weights_group`); empty: shares nothing."""
     shares_weights: bool = False
     """Another reservation of the group carries the weights: this one is charged ``memory_mb`` without them."""
+    kept: bool = False
+    """Staged exit: only weights a kept process holds, which its invoker evicts for room (`reserve`'s ``evict``)."""
 
     def __post_init__(self) -> None:
         if self.weights_mb < 0 or self.weights_mb > self.declared_mb:
@@ -305,9 +328,12 @@ class GpuBudgets:
         pipe.sadd(self.node_key(capacity.node), uuid)
         await pipe.execute()
 
-    async def reserve(self, uuid: str, reservation: Reservation, *, ttl_s: float, force: bool = False) -> ReserveResult:
+    async def reserve(self, uuid: str, reservation: Reservation, *, ttl_s: float, force: bool = False,
+                      evict: bool = False) -> ReserveResult:
         """Atomically admit ``reservation`` on GPU ``uuid`` (re-reserving an instance replaces it); its
-        ``memory_mb`` is the declared need, less ``weights_mb`` when its group already has them there."""
+        ``memory_mb`` is the declared need, less ``weights_mb`` when its group already has them there.
+        ``evict``: admit it as if the GPU's kept reservations were gone (their invoker evicts them when it
+        attaches the instance); the sums returned are those after the eviction."""
         body = asdict(reservation)
         body.pop("expires_ms")
         body["memory_mb"] = reservation.declared_mb
@@ -316,7 +342,7 @@ class GpuBudgets:
             body["weights_mb"], body["group"] = 0, ""
         ok, detail = await self._reserve(
             keys=[self.gpu_key(uuid)],
-            args=[reservation.instance, _pack(body), int(ttl_s * 1000), "1" if force else "0"],
+            args=[reservation.instance, _pack(body), int(ttl_s * 1000), "1" if force else "0", "1" if evict else "0"],
         )
         detail = detail.decode() if isinstance(detail, bytes) else str(detail)
         if not ok:

@@ -538,7 +538,7 @@ class GpuNode:
         async with self._admit_lock:
             del self._attached[instance]
             await self._release(a.device, instance)
-            ok, reserved, why = await self._reserve(a.device, kept, a.weights)
+            ok, reserved, why = await self._reserve(a.device, kept, a.weights, kept=True)
             if not ok:  # the weights alone must fit where the whole instance did; put it back if not
                 _ok, a.reserved, _why = await self._reserve(a.device, a.spec, a.weights)
                 self._attached[instance] = a
@@ -740,13 +740,13 @@ class GpuNode:
         return True, "admitted against the local view"
 
     async def _reserve(self, device: GpuDevice, spec: InstanceSpec,
-                       weights: _Weights = None) -> tuple[bool, bool, str]:
-        """(admitted, held in Redis, detail)."""
+                       weights: _Weights = None, *, kept: bool = False) -> tuple[bool, bool, str]:
+        """(admitted, held in Redis, detail). ``kept``: a kept process's weights (evictable, see `keep_weights`)."""
         budgets = self._budgets
         if budgets is None or not self._redis_ok:
             ok, why = self._fits_locally(device, spec, weights)
             return ok, False, why + ("" if budgets is None else " (Redis unreachable)")
-        reservation = self._reservation(spec, weights)
+        reservation = self._reservation(spec, weights, kept=kept)
         for _ in range(2):
             result = await self._call("reserve", partial(budgets.reserve, device.uuid, reservation, ttl_s=self.ttl_s))
             if isinstance(result, _Failed):
@@ -767,14 +767,14 @@ class GpuNode:
             return  # the next re-sync drops reservations of instances that are gone
         await self._call("release", partial(budgets.release, device.uuid, instance))
 
-    def _reservation(self, spec: InstanceSpec, weights: _Weights = None) -> Reservation:
+    def _reservation(self, spec: InstanceSpec, weights: _Weights = None, *, kept: bool = False) -> Reservation:
         from dilu_invoker.gpu.budgets import Reservation
 
         request, limit = _budgeted(spec)
         group, weights_mb = weights if weights is not None else ("", 0)
         return Reservation(instance=spec.id, function=spec.function, cls=spec.cls.value, invoker=self.node,
                            request=request, limit=limit, memory_mb=spec.memory_mb, weights_mb=weights_mb,
-                           group=group)
+                           group=group, kept=kept)
 
     # -- Redis -------------------------------------------------------------------------------------
 
@@ -859,7 +859,7 @@ class GpuNode:
         for d in self.devices:
             if isinstance(await self._call("register", partial(self._register, d)), _Failed):
                 return False
-            live = {a.spec.id: self._reservation(a.spec, a.weights) for a in self._attached.values()
+            live = {a.spec.id: self._reservation(a.spec, a.weights, kept=a.kept) for a in self._attached.values()
                     if a.device.uuid == d.uuid}
             done = await self._call("reconcile", partial(budgets.reconcile, d.uuid, invoker=self.node, live=live,
                                                          ttl_s=self.ttl_s))

@@ -150,6 +150,22 @@ class TickInput:
     seq: int = 1
     """Sequence number of the next instance id (unique per epoch)."""
     compaction: CompactionLoop = field(default_factory=CompactionLoop)
+    evictable: Mapping[GpuRef, Evictable] = field(default_factory=dict)
+    """The GPUs of ``cluster`` that hold kept weights (staged exit), with what is left once they go."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evictable:
+    """Kept weights on a GPU (staged exit): placed instances of `cluster` that hold only weights a process
+    kept there after its function's last instance left, which the GPU's invoker evicts when a start finds no
+    room (docs/balancer.md, "Kept weights")."""
+
+    instances: frozenset[str]
+    """The kept reservations' ids (placed instances of the GPU)."""
+    weight_groups: frozenset[tuple[str, float]]
+    """The GPU's `GpuState.weight_groups` once they are gone (what the other instances still hold)."""
+    memory_mib: float
+    """What they are charged: the room their eviction frees."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +175,8 @@ class Order:
     weights_mb: int = 0
     """A start on a GPU that holds its revision's shared weights: how much of ``memory_mb`` they are (its
     reservation declares them with its group, so the budget charges it the rest); 0: reserved whole."""
+    evicts: bool = False
+    """Placed on room that kept weights hold: reserved as if they were gone (their invoker evicts them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +299,54 @@ def _place_new(cluster: ClusterSnapshot, spec: FunctionSpec, request: PlacementR
         if shared is not None:
             return shared
     return place_spread(cluster, request, config)
+
+
+def without_kept(cluster: ClusterSnapshot, evictable: Mapping[GpuRef, Evictable]) -> ClusterSnapshot:
+    """The cluster as it is once the kept weights of those GPUs are evicted."""
+    gpus = []
+    for g in cluster.gpus:
+        ev = evictable.get(g.ref)
+        if ev is not None:
+            g = replace(g, instances=tuple(i for i in g.instances if i.id not in ev.instances),
+                        weight_groups=ev.weight_groups)
+        gpus.append(g)
+    return ClusterSnapshot.build(now=cluster.now, gpus=gpus)
+
+
+def _place_or_evict(cluster: ClusterSnapshot, spec: FunctionSpec, request: PlacementRequest,
+                    config: PlacementConfig, evictable: Mapping[GpuRef, Evictable],
+                    ) -> tuple[PlacementDecision, GpuRef | None]:
+    """`_place_new`, or on a GPU whose kept weights go to make room (the GPU returned with it): when nothing
+    fits without evicting, or when the GPU scores better once they are gone than where the instance fits
+    without (all else equal, no eviction). Never where the GPU's invoker has a GPU that takes the instance as
+    it is: the invoker tries its other GPUs before it evicts. One GPU only (no gang, no split)."""
+    decision = _place_new(cluster, spec, request, config)
+    held = {ref: ev for ref, ev in evictable.items() if ref in cluster.ordinals and cluster.gpu(ref).schedulable}
+    if not held or request.gpus > 1:
+        return decision, None
+    freed = without_kept(cluster, held)
+    alt = _place_new(freed, spec, request, config)
+    if not alt.placed or alt.split or alt.gpus[0] not in held:
+        return decision, None
+    ref = alt.gpus[0]
+    if _place_new(cluster, spec, replace(request, only_invoker=ref.invoker), config).placed:
+        return decision, None
+    rival = decision.total
+    if decision.placed and not decision.split:
+        # the GPU it fits without eviction, scored in the same world (once the kept weights are gone)
+        at = decision.gpus[0]
+        others = frozenset(r for r in cluster.ordinals if r.invoker == at.invoker and r != at)
+        there = _place_new(freed, spec, replace(request, only_invoker=at.invoker,
+                                                avoid_gpus=request.avoid_gpus | others), config)
+        rival = there.total if there.placed else -math.inf
+    if decision.placed and alt.total <= rival + 1e-9:
+        return decision, None
+    ev = held[ref]
+    why = (f"{alt.reason}; evicts the kept weights there ({ev.memory_mib:.0f} MiB: "
+           f"{', '.join(sorted(ev.instances))})")
+    if decision.placed:
+        why += f", over {', '.join(map(str, decision.gpus))} without eviction (score {rival:.1f} < {alt.total:.1f})"
+    return replace(alt, reason=why), ref
 
 
 def victim_order(
@@ -496,6 +562,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     states = dict(inp.states)
     scale: list[ScaleDecision] = []
     calm: set[str] = set()
+    evictable = dict(inp.evictable)
     # Every registered function, idle ones included: min-instances holds without traffic.
     functions = sorted(inp.specs)
     # Without any GPU there is nothing to place: routers run GPU functions in their own pools (on the CPU)
@@ -536,7 +603,8 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 iid = instance_id(fqn, epoch, seq)
                 request = placement_request(spec, iid)
                 fits, short = _user_memory(cluster, spec, inp.reports, work.records)
-                where = _place_new(fits, spec, request, cfg.placement) if fits is not None else None
+                where, evicts = (_place_or_evict(fits, spec, request, cfg.placement, evictable)
+                                 if fits is not None else (None, None))
                 if where is None or not where.placed:
                     reason = short if where is None else (f"{where.reason}; {short}" if short else where.reason)
                     if reason != blocked:
@@ -547,6 +615,8 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 placed += 1
                 blocked = ""
                 ref = where.gpus[0]
+                if evicts is not None:  # the kept weights there go: this tick's next placements see the room
+                    cluster = without_kept(cluster, {evicts: evictable.pop(evicts)})
                 weights = spec.weights_mb if holds_weights(cluster.gpu(ref), request) else 0
                 cluster = apply_placement(cluster, request, where)
                 rep = inp.reports.get(ref.invoker)
@@ -557,7 +627,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                     epoch=epoch, boot=rep.boot if rep is not None else "", user_memory_mb=spec.user_memory_mb,
                 )
                 work.records[iid] = record
-                work.starts.append(Order(record, where.reason, weights))
+                work.starts.append(Order(record, where.reason, weights, evicts=evicts is not None))
                 work.decisions.append(Decision(now, epoch, "place", fqn, where.reason, iid, ref.invoker, ref.gpu))
             owed -= placed
         if decision.action is ScaleAction.IN:

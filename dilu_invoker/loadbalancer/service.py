@@ -45,6 +45,7 @@ from dilu_invoker.loadbalancer.lease import LeaderLease, Leadership, Ops
 from dilu_invoker.loadbalancer.planner import (
     LIVE_COMPACTION,
     CompactionLoop,
+    Evictable,
     FunctionState,
     LiveCompaction,
     PlannerConfig,
@@ -173,6 +174,18 @@ def weight_groups_of(invoker: str, reservations: Iterable[Reservation]) -> froze
         if key[0].startswith(prefix):
             held.add((weights_identity(r.function, key[0][len(prefix):]), float(key[1])))
     return frozenset(held)
+
+
+def evictable_of(invoker: str, reservations: Iterable[Reservation]) -> Evictable | None:
+    """The kept weights (staged exit) on a GPU of ``invoker`` that its invoker evicts for room: its own
+    reservations marked ``kept``, with the GPU's weight groups once they are gone; None when it holds none."""
+    every = list(reservations)
+    kept = [r for r in every if r.kept and r.invoker == invoker]
+    if not kept:
+        return None
+    ids = frozenset(r.instance for r in kept)
+    return Evictable(instances=ids, weight_groups=weight_groups_of(invoker, [r for r in every if r.instance not in ids]),
+                     memory_mib=float(sum(r.memory_mb for r in kept)))
 
 
 def default_holder() -> str:
@@ -322,12 +335,12 @@ class Balancer:
         now = time.time()
         reports, known = await self._read_reports()
         specs = await self._read_specs()
-        cluster = await self._cluster(now, reports, specs)
+        cluster, evictable = await self._cluster(now, reports, specs)
         self._demand = {f: t for f, t in self._demand.items() if now - t < 60}
         plan = plan_tick(
             TickInput(now=now, epoch=lead.epoch, reports=reports, known_invokers=known, records=self._records,
                       specs=specs, cluster=cluster, demand=self._demand, states=self._states,
-                      routes=self._routes, seq=self._seq, compaction=self._compaction),
+                      routes=self._routes, seq=self._seq, compaction=self._compaction, evictable=evictable),
             self.planner,
         )
         ok = await self._apply(lead, plan)
@@ -374,10 +387,12 @@ class Balancer:
                 specs[name] = spec
         return specs
 
-    async def _cluster(self, now: float, reports: dict[str, LoadReport],
-                       specs: dict[str, FunctionSpec]) -> ClusterSnapshot | None:
-        """The live invokers' GPUs with what their budgets hold (the node's own admission sees the same)."""
+    async def _cluster(self, now: float, reports: dict[str, LoadReport], specs: dict[str, FunctionSpec],
+                       ) -> tuple[ClusterSnapshot | None, dict[GpuRef, Evictable]]:
+        """The live invokers' GPUs with what their budgets hold (the node's own admission sees the same), and
+        the kept weights among it that their invokers evict for room (`evictable_of`)."""
         states: list[GpuState] = []
+        evictable: dict[GpuRef, Evictable] = {}
         seen_uuid: set[str] = set()
         seen_instance: set[str] = set()
         for name, report in reports.items():
@@ -403,12 +418,16 @@ class Balancer:
                         profile=Profile(spec.profile) if spec is not None and spec.profile else None))
                 memory = budget.capacity.memory_mb if budget is not None else g.memory_mb
                 groups = weight_groups_of(name, budget.reservations.values()) if budget is not None else frozenset()
-                states.append(GpuState(ref=GpuRef(name, g.index), memory_mib=float(max(1, memory)), uuid=g.uuid,
+                ref = GpuRef(name, g.index)
+                states.append(GpuState(ref=ref, memory_mib=float(max(1, memory)), uuid=g.uuid,
                                        sm_count=g.sm_count, instances=tuple(placed), schedulable=report.enabled,
                                        weight_groups=groups))
+                kept = evictable_of(name, budget.reservations.values()) if budget is not None else None
+                if kept is not None and kept.instances <= {p.id for p in placed}:
+                    evictable[ref] = kept
         if not states:
-            return None
-        return ClusterSnapshot.build(now=now, gpus=states)
+            return None, {}
+        return ClusterSnapshot.build(now=now, gpus=states), evictable
 
     # -- applying a plan -------------------------------------------------------------------------
 
@@ -434,7 +453,8 @@ class Balancer:
             result = await self.budgets.reserve(r.gpu_uuid, Reservation(
                 instance=r.id, function=r.function, cls=r.cls, invoker=r.invoker, request=r.request,
                 limit=r.limit, memory_mb=r.memory_mb, weights_mb=order.weights_mb,
-                group=weights_group(r.invoker, r.function, r.rev) if order.weights_mb else ""), ttl_s=ttl_s)
+                group=weights_group(r.invoker, r.function, r.rev) if order.weights_mb else ""), ttl_s=ttl_s,
+                evict=order.evicts)
             if not result.ok:
                 # The budget saw something the snapshot did not (a concurrent admission): retry next tick.
                 log.info("GPU budget refused a placement", instance=r.id, gpu=r.gpu_uuid, reason=result.reason)
