@@ -412,7 +412,7 @@ class GpuNode:
             weights = _weights_of(self.node, function, needs, revision, self.backend, self._same_pids)
             device, reserved, why = await self._admit(spec, gpu_index, weights)
         if device is None:
-            log.warning("no GPU for the instance: it runs on the CPU", instance=instance, function=function,
+            log.warning("no GPU admitted the instance", instance=instance, function=function,
                         reason=why)
             return None
         mgr = self._managers[device.uuid]
