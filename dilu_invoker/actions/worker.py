@@ -267,7 +267,10 @@ def _create_cuda_context() -> bool:
         torch.cuda.init()
         torch.empty(1, device="cuda")  # a tiny allocation: the primary context and the allocator exist now
         _warm_torch_libraries(torch)
-        _warm_torch_layers(torch)
+        try:
+            _warm_torch_layers(torch)
+        except torch.cuda.OutOfMemoryError:  # a small GPU memory cap: the layers load on first use instead
+            torch.cuda.empty_cache()
         torch.cuda.synchronize()
         return True
     cupy = sys.modules.get("cupy")
