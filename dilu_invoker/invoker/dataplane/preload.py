@@ -519,6 +519,7 @@ class PreloadPool:
         if kind not in self.kinds or self.learn_limit <= 0:
             return
         counter = self._learnt[kind]
+        before = self.modules_for(kind)
         for name in imports:
             # The report comes from the action's own process: only names of installed packages that this
             # node has in site-packages are believed (never the standard library, never the action's files).
@@ -527,6 +528,18 @@ class PreloadPool:
         # Bounded: keep the most frequent few times the limit, so an endless stream of names stays small.
         if len(counter) > 4 * self.learn_limit:
             self._learnt[kind] = collections.Counter(dict(counter.most_common(2 * self.learn_limit)))
+        wanted = self.modules_for(kind)
+        if wanted != before and not self._closed:
+            # The replacement a cold start spawned when it took its container started before that start's
+            # imports were learnt: a pre-loaded container without a module now wanted is started again,
+            # so the next cold start of the kind finds it imported.
+            lacking = [st for st in self.standbys[kind] if set(wanted) - set(st.modules)]
+            for standby in lacking:
+                self._discard(standby, "modules learnt since it started")
+            if lacking:
+                log.info("pre-loaded containers restarted with learnt modules", kind=kind, modules=list(wanted),
+                         restarted=len(lacking))
+                self._spawn_refill(kind)
 
     # -- shedding and removal ------------------------------------------------------------------------
 
