@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +16,10 @@ import aiohttp
 import pytest
 from prometheus_client import generate_latest
 
-from dilu_invoker import config
 from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.model import GUEST_IDENTITY
 from dilu_invoker.standalone import run_standalone
+from tests.invoker.staged_support import staged_config
 
 pytestmark = pytest.mark.slow
 
@@ -65,13 +63,7 @@ async def _until(what: str, check: Any, timeout_s: float = 20.0) -> Any:
 
 
 async def test_the_last_instance_keeps_its_weights_for_the_next_one(tmp_path: Path) -> None:
-    (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": "GPU-keep", "memory_mb": 16000}]))
-    base = config.load(environ={})
-    cfg = replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
-                  gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json"), mps="off"),
-                  invoker=replace(base.invoker, weights_grace_s=30.0, preload=0),
-                  balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0,
-                                   scale_to_zero_after_s=1.0, cooldown_s=0.2))
+    cfg = staged_config(tmp_path, "GPU-keep")
     token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
     async with run_standalone(cfg) as running, aiohttp.ClientSession(
             headers={"Authorization": f"Basic {token}"}) as http:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -43,6 +42,7 @@ from dilu_invoker.wire import (
     from_stream,
     pack,
 )
+from tests.invoker.staged_support import staged_config
 
 NOW = 1000.0
 REV = "1-x"
@@ -355,13 +355,7 @@ async def test_standalone_evicts_kept_weights_for_what_the_balancer_placed_on_th
     scaled to zero and its process kept with its 3 GB of weights. ``big`` (14 GB) fits only once they go:
     the balancer places it on the GPU, the invoker evicts the kept process and attaches it there, and it
     answers from the GPU; the budget then holds ``big`` alone."""
-    (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": "GPU-kept", "memory_mb": 16000}]))
-    base = config.load(environ={})
-    cfg = replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
-                  gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json"), mps="off"),
-                  invoker=replace(base.invoker, weights_grace_s=30.0, preload=0),
-                  balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0,
-                                   scale_to_zero_after_s=1.0, cooldown_s=0.2))
+    cfg = staged_config(tmp_path, "GPU-kept")
     token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
     async with run_standalone(cfg) as running, aiohttp.ClientSession(
             headers={"Authorization": f"Basic {token}"}) as http:

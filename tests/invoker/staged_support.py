@@ -1,0 +1,20 @@
+"""What the staged-exit tests through `standalone` share: one simulated GPU, weights kept for 30 s, no
+pre-loading, a balancer that scales an idle function to zero after 1 s."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from dilu_invoker import config
+
+
+def staged_config(tmp_path: Path, uuid: str, memory_mb: int = 16000) -> config.Config:
+    (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": uuid, "memory_mb": memory_mb}]))
+    base = config.load(environ={})
+    return replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
+                   gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json"), mps="off"),
+                   invoker=replace(base.invoker, weights_grace_s=30.0, preload=0),
+                   balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0,
+                                    scale_to_zero_after_s=1.0, cooldown_s=0.2))
