@@ -136,7 +136,7 @@ async def test_admission_in_redis_view_and_detach(make_node: NodeFactory, redis:
     assert a is not None and b is not None
     with capture_logs() as logs:
         assert await node.attach("c", "guest/more", needs("inference", 0.1, 0.1)) is None
-    refused = [e for e in logs if e["event"].startswith("no GPU for")]
+    refused = [e for e in logs if e["event"] == "no GPU admitted the instance"]
     assert refused and "sm-request" in refused[0]["reason"]
 
     budget = await budgets.get("GPU-only")
