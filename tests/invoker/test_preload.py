@@ -212,10 +212,16 @@ async def test_learns_installed_modules_actions_import(invoker: Invoker) -> None
     assert "msgpack" in (ready[0].info.get("modules") or [])
     assert _metric(invoker, "dilu_invoker_preload_discarded_total", kind="python:3",
                    reason="modules learnt since it started") == 1
+    # At most one such restart per kind in RELEARN_MIN_S: a new name right after waits for the next refill.
+    invoker.preload.learn("python:3", ["structlog"])
+    assert "structlog" in invoker.preload.modules_for("python:3")
+    assert _metric(invoker, "dilu_invoker_preload_discarded_total", kind="python:3",
+                   reason="modules learnt since it started") == 1
+    assert all("structlog" not in s.modules for s in invoker.preload.standbys["python:3"])
     # The report comes from the action's process: the standard library, unknown names and the action's
     # own modules are never learnt.
     invoker.preload.learn("python:3", ["json", "antigravity", "no_such_package", "main__", "os.path"])
-    assert invoker.preload.modules_for("python:3") == ("decimal", "msgpack")
+    assert invoker.preload.modules_for("python:3") == ("decimal", "msgpack", "structlog")
 
 
 def test_manifest_preload_lists_are_checked() -> None:

@@ -38,6 +38,7 @@ import collections
 import contextlib
 import importlib.util
 import itertools
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -67,6 +68,9 @@ PRELOAD_MODULES_ENV = "DILU_PRELOAD_MODULES"
 PRELOAD_CUDA_ENV = "DILU_PRELOAD_CUDA"
 #: how long a pre-loaded container may take to import its libraries before it is given up
 LOAD_TIMEOUT_S = 120.0
+#: pre-loaded containers of a kind are restarted for newly learnt modules at most once in this many seconds
+#: (actions with ever-changing imports must not keep every container from becoming ready)
+RELEARN_MIN_S = 30.0
 #: how many recent cold starts of a kind its MPS thread cap is learnt from
 CAP_HISTORY = 32
 #: the miss of a cold start whose function's MPS thread cap no pre-loaded container of the kind has
@@ -196,6 +200,7 @@ class PreloadPool:
         self.metrics = PreloadMetrics(registry)
         self.standbys: dict[str, list[Standby]] = collections.defaultdict(list)
         self._learnt: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self._restarted_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self.kinds: dict[str, RuntimeKind] = {}
@@ -529,7 +534,8 @@ class PreloadPool:
         if len(counter) > 4 * self.learn_limit:
             self._learnt[kind] = collections.Counter(dict(counter.most_common(2 * self.learn_limit)))
         wanted = self.modules_for(kind)
-        if wanted != before and not self._closed:
+        now = time.monotonic()
+        if wanted != before and not self._closed and now >= self._restarted_at.get(kind, -math.inf) + RELEARN_MIN_S:
             # The replacement a cold start spawned when it took its container started before that start's
             # imports were learnt: a pre-loaded container without a module now wanted is started again,
             # so the next cold start of the kind finds it imported.
@@ -537,6 +543,7 @@ class PreloadPool:
             for standby in lacking:
                 self._discard(standby, "modules learnt since it started")
             if lacking:
+                self._restarted_at[kind] = now
                 log.info("pre-loaded containers restarted with learnt modules", kind=kind, modules=list(wanted),
                          restarted=len(lacking))
                 self._spawn_refill(kind)
