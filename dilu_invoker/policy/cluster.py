@@ -160,10 +160,13 @@ RoomEntry = tuple[float, int]
 LitRoom = tuple[float, float, float, float, int]
 #: An entry of `ClusterSnapshot.node_room`: (Σ free MiB of the invoker's lit GPUs, its first ordinal,
 #: then bounds over those lit GPUs for split placement: the largest memory × (1 + EPS) − used, the
-#: least Σ request, the least Σ limit; then its lit GPUs as `LitRoom`s, in ordinal order). The first
-#: two order the entries; the bounds let a split pass over an invoker none of whose lit GPUs can
-#: take a large enough piece, and the `LitRoom`s let it look at the others without their states.
-NodeRoom = tuple[float, int, float, float, float, tuple[LitRoom, ...]]
+#: least Σ request, the least Σ limit; then its lit GPUs as `LitRoom`s, in ordinal order; then the
+#: greatest Σ request and Σ limit over them, and the sums of memory × (1 + EPS) − used over every
+#: pair of them, ascending). The first two order the entries; the bounds let a split pass over an
+#: invoker none of whose lit GPUs can take a large enough piece, the `LitRoom`s let it look at the
+#: others without their states, and the pair sums let a split that needs two pieces pass over an
+#: invoker whose pieces would all leave more room unused than the best plan so far.
+NodeRoom = tuple[float, int, float, float, float, tuple[LitRoom, ...], float, float, tuple[float, ...]]
 
 
 _GROW = 1.0 + EPS
@@ -185,6 +188,7 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
         if isinstance(gpus, GpuVector)
         else [gpus[o] for o in invoker_ords]
     )
+    most_request = most_limit = -math.inf
     lit: list[LitRoom] = []
     for o, g in zip(invoker_ords, states, strict=True):
         if g.instances:
@@ -198,10 +202,18 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
             free += gpu_free
             if g.used_request < least_request:
                 least_request = g.used_request
+            if g.used_request > most_request:
+                most_request = g.used_request
             if g.used_limit < least_limit:
                 least_limit = g.used_limit
+            if g.used_limit > most_limit:
+                most_limit = g.used_limit
             lit.append((room, gpu_free, g.used_request, g.used_limit, o))
-    return (free, first, most, least_request, least_limit, tuple(lit)) if lit else None
+    if not lit:
+        return None
+    rooms = [e[0] for e in lit]
+    pairs = sorted([a + b for i, a in enumerate(rooms) for b in rooms[i + 1 :]])
+    return (free, first, most, least_request, least_limit, tuple(lit), most_request, most_limit, tuple(pairs))
 
 
 def _node_room_index(

@@ -1545,6 +1545,11 @@ def _split_cannot_win(
     return least > unused + _SPLIT_SLACK_MIB
 
 
+#: Slack (MiB) of the two-piece window of `_place_split` against rounding: a pair of GPUs whose
+#: memory rooms add up to within this of the window is looked at.
+_PAIR_SLACK_MIB = 1e-3
+
+
 class _SplitScan:
     """How split placement looks at the invokers whose lit GPUs could take pieces of `request`
     (memory > 0): which invokers (`firsts`, by first ordinal), which of them cannot hold it in few
@@ -1641,6 +1646,23 @@ class _SplitScan:
             most = x if x < most else most
         return pieces * most < self.need
 
+    def outside_window(self, entry: NodeRoom | None, window: float) -> bool:
+        """Whether the invoker has no two-piece plan whose capacities add up to at most `window`
+        (`total` + the best two-piece plan's unused room + `_PAIR_SLACK_MIB`), known from its
+        node-room entry alone: on none of its lit GPUs does the request's or limit's room hold a
+        piece back below the memory room (both at their tightest GPU, by monotone rounding, are
+        above its roomiest GPU's memory room), so a capacity is the memory room, and no pair of
+        those rooms adds up to between the instance (less `_PAIR_SLACK_MIB`) and `window`."""
+        if entry is None:
+            return False
+        if self.per_request and (self.omega - entry[6]) * self.per_request < entry[2]:
+            return False
+        if self.per_limit and (self.limit_cap - entry[7]) * self.per_limit < entry[2]:
+            return False
+        pairs = entry[8]
+        i = bisect.bisect_left(pairs, self.need - _PAIR_SLACK_MIB)
+        return i == len(pairs) or pairs[i] > window
+
     def candidates(self, first: int, entry: NodeRoom | None) -> list[tuple[float, int]]:
         """[(capacity MiB, ordinal)] of the invoker's lit GPUs that could take a piece, in ordinal
         order (from its node-room entry where there is one)."""
@@ -1707,6 +1729,13 @@ def _place_split(
     per_request, per_limit, omega, limit_cap = scan.per_request, scan.per_limit, scan.omega, scan.limit_cap
     need = scan.need
     pieces = max_parts
+    # Once the best plan so far has two pieces, only a two-piece plan leaving no more room unused
+    # can beat it, and such a plan uses two GPUs whose capacities add up to between `need` and
+    # `total` + its unused room. An invoker on which no piece is held back by
+    # its request or limit (capacity = memory × (1 + EPS) − used on each of its lit GPUs) and no pair
+    # of lit GPUs' memory rooms adds up to that window is passed over: one bisection of its pair sums.
+    window = -math.inf
+    low = need - _PAIR_SLACK_MIB
     for rank, entry in scan.firsts(request):
         if entry is not None:
             # `scan.cannot_hold(entry, pieces)` inline: this loop visits every invoker with the
@@ -1720,6 +1749,16 @@ def _place_split(
                 most = x if x < most else most
             if pieces * most < need:
                 continue
+            # `scan.outside_window(entry, window)` inline.
+            if (
+                window > low
+                and (not per_request or (omega - entry[6]) * per_request >= entry[2])
+                and (not per_limit or (limit_cap - entry[7]) * per_limit >= entry[2])
+            ):
+                pairs = entry[8]
+                i = bisect.bisect_left(pairs, low)
+                if i == len(pairs) or pairs[i] > window:
+                    continue
         cands = scan.candidates(rank, entry)
         if len(cands) < 2:
             continue
@@ -1733,6 +1772,8 @@ def _place_split(
         if best is None or key < best[0]:
             best = (key, plan)
             pieces = key[0]
+            if pieces == 2:
+                window = total + unused + _PAIR_SLACK_MIB
     if best is None:
         return None
     parts = []

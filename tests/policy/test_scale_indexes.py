@@ -301,3 +301,47 @@ def test_gang_scores_unlit_invokers_once_per_size_and_count(seed: int, monkeypat
         assert fast == slow
         n_placed += fast.placed
     assert n_placed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_two_piece_window_passes_over_only_invokers_that_cannot_win(seed: int) -> None:
+    """The node-room entries' pair sums and greatest Σ request / Σ limit are those of the invoker's
+    lit GPUs, and an invoker that the two-piece window passes over has no plan of two pieces leaving
+    no more room unused than the best two-piece plan of a plain walk (so split placement, which
+    passes over such invokers, chooses what the plain walk chooses, as the test above checks)."""
+    rng = random.Random(50 + seed)
+    cl = random_cluster(rng, nodes=16)
+    for e in cl.node_room:
+        lit = [g for g in cl.gpus.span(e[1], e[1] + 4) if g.lit]
+        rooms = [g.memory_mib * (1 + 1e-9) - g.used_memory for g in lit]
+        assert e[6] == max(g.used_request for g in lit) and e[7] == max(g.used_limit for g in lit)
+        assert list(e[8]) == sorted(a + b for i, a in enumerate(rooms) for b in rooms[i + 1:])
+    config = PlacementConfig(llm_max_parts=rng.choice((2, 3, 4)))
+    filters = tuple(FILTERS[name] for name in config.strategy_spec().filters)
+    passed_over = looked_at = 0
+    for k in range(200):
+        r = rng.choice((0.05, 0.1, 0.3, 0.45, 0.6))
+        q = PlacementRequest(
+            instance_id=f"q{k}", function="llm", cls=InstanceClass.LLM, request=r,
+            limit=min(1.0, r + rng.choice((0.0, 0.2, 0.4))),
+            memory_mib=rng.choice((6.0, 12.0, 20.0, 26.0, 30.0, 45.0)) * GIB,
+        )
+        want = _split_reference(cl, q, config)
+        if want is None or want[0][0] != 2:
+            continue
+        scan = _SplitScan(cl, q, config, filters, config.llm_max_parts)
+        # The best plan's window, and tighter ones (as a walk meets them before the best).
+        for unused in (want[0][1], want[0][1] * 0.5, 0.0):
+            window = q.memory_mib + unused + placement_module._PAIR_SLACK_MIB
+            for e in cl.node_room:
+                if not scan.outside_window(e, window):
+                    looked_at += 1
+                    continue
+                passed_over += 1
+                cands = scan.candidates(e[1], None)
+                found = None if len(cands) < 2 else _split_plan(
+                    cands, q, config, filters, q.memory_mib, min(config.min_part_mib, q.memory_mib),
+                    config.llm_max_parts, cl.gpus,
+                )
+                assert found is None or len(found[0]) > 2 or found[1] > unused
+    assert passed_over and looked_at
