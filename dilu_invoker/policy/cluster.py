@@ -156,8 +156,9 @@ _EMPTY_MAP: Map[str, int] = Map()
 #: An entry of `ClusterSnapshot.lit_room`: (free MiB, ordinal), so a bucket sorts tightest first.
 RoomEntry = tuple[float, int]
 #: What split placement reads of one lit GPU: (memory × (1 + EPS) − used MiB, free MiB, Σ request,
-#: Σ limit, ordinal).
-LitRoom = tuple[float, float, float, float, int]
+#: Σ limit, ordinal, used MiB, memory × (1 + EPS) MiB, schedulable): the last three for its memory
+#: and schedulable filters, computed as the filters compute them.
+LitRoom = tuple[float, float, float, float, int, float, float, bool]
 #: An entry of `ClusterSnapshot.node_room`: (Σ free MiB of the invoker's lit GPUs, its first ordinal,
 #: then bounds over those lit GPUs for split placement: the largest memory × (1 + EPS) − used, the
 #: least Σ request, the least Σ limit; then its lit GPUs as `LitRoom`s, in ordinal order; then the
@@ -195,7 +196,8 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
             used = g.used_memory
             # The same expressions as split placement's per-GPU memory capacity and free memory,
             # so the bound is that capacity's exact maximum.
-            room = g.memory_mib * _GROW - used
+            grown = g.memory_mib * _GROW
+            room = grown - used
             if room > most:
                 most = room
             gpu_free = g.memory_mib - used
@@ -208,7 +210,7 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
                 least_limit = g.used_limit
             if g.used_limit > most_limit:
                 most_limit = g.used_limit
-            lit.append((room, gpu_free, g.used_request, g.used_limit, o))
+            lit.append((room, gpu_free, g.used_request, g.used_limit, o, used, grown, g.schedulable))
     if not lit:
         return None
     rooms = [e[0] for e in lit]

@@ -23,7 +23,7 @@ from enum import StrEnum
 from itertools import accumulate, combinations, compress
 from operator import attrgetter, sub
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, LitRoom, NodeRoom
+from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, LitRoom, NodeRoom, _node_room
 from dilu_invoker.policy.types import (
     EPS,
     GpuRef,
@@ -1545,6 +1545,56 @@ def _split_cannot_win(
     return least > unused + _SPLIT_SLACK_MIB
 
 
+class _InlinePieceFilters:
+    """`_piece_passes` for the registered size filters and `schedulable` read from a lit GPU's
+    `LitRoom`, for a request that avoids nothing and keeps to no invoker (so `avoid` passes): the
+    same expressions as the filters, so the same verdicts."""
+
+    __slots__ = ("gamma", "limit", "memory", "omega", "request", "schedulable", "sm_limit", "sm_request",
+                 "static", "total")
+
+    def __init__(self, request: PlacementRequest, config: PlacementConfig, names: frozenset[str]) -> None:
+        self.total = request.memory_mib
+        self.request, self.limit = request.request, request.limit
+        self.omega, self.gamma = config.omega + EPS, config.gamma + EPS
+        self.sm_request = "sm-request" in names
+        self.sm_limit = "sm-limit" in names
+        self.static = "sm-limit-static" in names
+        self.memory = "memory" in names
+        self.schedulable = "schedulable" in names
+
+    @classmethod
+    def of(
+        cls, request: PlacementRequest, config: PlacementConfig, filters: tuple[Filter, ...]
+    ) -> _InlinePieceFilters | None:
+        """The inline verdicts for `request`'s pieces, or None where `_piece_passes` must be asked
+        (another filter, or a request that avoids GPUs or invokers or keeps to one invoker)."""
+        if request.only_invoker is not None or request.avoid_gpus or request.avoid_invokers:
+            return None
+        if not all(FILTERS.get(f.name) is f and f.name in _INLINE_PIECE_FILTERS for f in filters):
+            return None
+        return cls(request, config, frozenset(f.name for f in filters))
+
+    def passes(self, lr: LitRoom, memory_mib: float) -> bool:
+        """Whether the GPU `lr` describes passes every filter for a piece of `memory_mib`."""
+        if self.schedulable and not lr[7]:
+            return False
+        if self.memory and not lr[5] + memory_mib <= lr[6]:
+            return False
+        # `_part_request`'s request and limit of the piece, as `_piece_passes` computes them.
+        f = memory_mib / self.total
+        r = min(self.request, self.request * f)
+        lim = min(self.limit, self.limit * f)
+        if self.sm_request and not lr[2] + r <= self.omega:
+            return False
+        if self.sm_limit and not lr[3] + lim <= self.gamma:
+            return False
+        return not (self.static and not lr[3] + lim <= 1.0 + EPS)
+
+
+_INLINE_PIECE_FILTERS = frozenset({"schedulable", "avoid", "sm-request", "sm-limit", "sm-limit-static", "memory"})
+
+
 #: Slack (MiB) of the two-piece window of `_place_split` against rounding: a pair of GPUs whose
 #: memory rooms add up to within this of the window is looked at.
 _PAIR_SLACK_MIB = 1e-3
@@ -1673,17 +1723,12 @@ class _SplitScan:
         if entry is None:
             cluster = self.cluster
             ords = cluster.invoker_ordinals[cluster.refs[first].invoker]
-            grow = 1.0 + EPS
-            lit: Sequence[LitRoom] = [
-                (g.memory_mib * grow - g.used_memory, g.memory_mib - g.used_memory, g.used_request,
-                 g.used_limit, o)
-                for o, g in enumerate(cluster.gpus.span(first, ords[-1] + 1), first)
-                if g.instances
-            ]
+            built = _node_room(ords, cluster.gpus)
+            lit: Sequence[LitRoom] = () if built is None else built[5]
         else:
             lit = entry[5]
         cands: list[tuple[float, int]] = []
-        for c, free, used_request, used_limit, o in lit:
+        for c, free, used_request, used_limit, o, _, _, _ in lit:
             if used_request >= too_full or free < min_part:
                 continue
             # `x if x < c else c` is `min(c, x)`, without the call.
@@ -1736,39 +1781,101 @@ def _place_split(
     # of lit GPUs' memory rooms adds up to that window is passed over: one bisection of its pair sums.
     window = -math.inf
     low = need - _PAIR_SLACK_MIB
-    for rank, entry in scan.firsts(request):
-        if entry is not None:
-            # `scan.cannot_hold(entry, pieces)` inline: this loop visits every invoker with the
-            # free memory for the instance.
-            most = entry[2]
-            if per_request:
-                x = (omega - entry[3]) * per_request
-                most = x if x < most else most
-            if per_limit:
-                x = (limit_cap - entry[4]) * per_limit
-                most = x if x < most else most
-            if pieces * most < need:
+    if scan.entries is not None:
+        entries: Sequence[NodeRoom] = scan.entries
+    else:
+        # The one invoker the request keeps to, its entry built as the snapshot builds them.
+        ords = cluster.invoker_ordinals.get(request.only_invoker or "", ())
+        one = _node_room(ords, gpus) if ords else None
+        entries = () if one is None else (one,)
+    too_full = scan.too_full
+    inline = _InlinePieceFilters.of(request, config, filters)
+    for entry in entries:
+        # `scan.cannot_hold(entry, pieces)` inline: this loop visits every invoker with the free
+        # memory for the instance.
+        most = entry[2]
+        if per_request:
+            x = (omega - entry[3]) * per_request
+            most = x if x < most else most
+        if per_limit:
+            x = (limit_cap - entry[4]) * per_limit
+            most = x if x < most else most
+        if pieces * most < need:
+            continue
+        # `scan.outside_window(entry, window)` inline.
+        if (
+            window > low
+            and (not per_request or (omega - entry[6]) * per_request >= entry[2])
+            and (not per_limit or (limit_cap - entry[7]) * per_limit >= entry[2])
+        ):
+            pairs = entry[8]
+            i = bisect.bisect_left(pairs, low)
+            if i == len(pairs) or pairs[i] > window:
                 continue
-            # `scan.outside_window(entry, window)` inline.
-            if (
-                window > low
-                and (not per_request or (omega - entry[6]) * per_request >= entry[2])
-                and (not per_limit or (limit_cap - entry[7]) * per_limit >= entry[2])
-            ):
-                pairs = entry[8]
-                i = bisect.bisect_left(pairs, low)
-                if i == len(pairs) or pairs[i] > window:
+        if inline is None:
+            # `scan.candidates(entry[1], entry)` inline.
+            cands: list[tuple[float, int]] = []
+            for c, free, used_request, used_limit, o, _, _, _ in entry[5]:
+                if used_request >= too_full or free < min_part:
                     continue
-        cands = scan.candidates(rank, entry)
-        if len(cands) < 2:
-            continue
-        if best is not None and _split_cannot_win(cands, total, max_parts, best[0][0], best[0][1]):
-            continue
-        found = _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus)
-        if found is None:
-            continue
-        plan, unused = found
-        key = (len(plan), unused, rank)
+                if per_request:
+                    x = (omega - used_request) * per_request
+                    c = x if x < c else c
+                if per_limit:
+                    x = (limit_cap - used_limit) * per_limit
+                    c = x if x < c else c
+                if c >= min_part:
+                    cands.append((c, o))
+            if len(cands) < 2:
+                continue
+            if best is not None and _split_cannot_win(cands, total, max_parts, best[0][0], best[0][1]):
+                continue
+            found = _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus)
+            if found is None:
+                continue
+            plan, unused = found
+        else:
+            # `scan.candidates` and `_split_plan` inline, the pieces' filters read from the entry
+            # (`_InlinePieceFilters`): the same candidates, order, pieces and sums.
+            caps: list[float] = []
+            ranked: list[tuple[float, int, LitRoom]] = []
+            for lr in entry[5]:
+                c, free, used_request, used_limit, o = lr[0], lr[1], lr[2], lr[3], lr[4]
+                if used_request >= too_full or free < min_part:
+                    continue
+                if per_request:
+                    x = (omega - used_request) * per_request
+                    c = x if x < c else c
+                if per_limit:
+                    x = (limit_cap - used_limit) * per_limit
+                    c = x if x < c else c
+                if c >= min_part:
+                    caps.append(c if c < total else total)
+                    ranked.append((-c, o, lr))
+            if len(ranked) < 2 or sum(caps) < total - EPS:
+                continue
+            ranked.sort()  # (-capacity, ordinal): `_split_plan`'s order (ordinals are unique)
+            remaining = total
+            plan = []
+            unused = 0.0
+            for neg, o, lr in ranked[:max_parts]:
+                cap = -neg
+                take = remaining if remaining < cap else cap
+                left = remaining - take
+                if 0 < left < min_part:
+                    take = remaining - min_part
+                    if take < min_part:
+                        continue
+                if not inline.passes(lr, take):
+                    continue
+                plan.append((o, take))
+                unused += cap - take
+                remaining -= take
+                if remaining <= EPS:
+                    break
+            if remaining > EPS or len(plan) < 2:
+                continue
+        key = (len(plan), unused, entry[1])
         if best is None or key < best[0]:
             best = (key, plan)
             pieces = key[0]
