@@ -1187,8 +1187,14 @@ def split_fits(cluster: ClusterSnapshot, request: PlacementRequest, config: Plac
     scan = _SplitScan(cluster, request, config, filters, max_parts)
     # The first invoker that can take it answers (placement would compare them all); those with
     # the most free memory first, as they are the likeliest to.
+    inline = _InlineSplit.of(scan, request, config, filters, max_parts)
     for first, entry in scan.firsts(request, roomiest_first=True):
         if scan.cannot_hold(entry, max_parts):
+            continue
+        if inline is not None:
+            lit = entry[5] if entry is not None else scan.lit(first)
+            if inline.plan(lit) is not None:
+                return True
             continue
         cands = scan.candidates(first, entry)
         if len(cands) >= 2 and (
@@ -1545,39 +1551,63 @@ def _split_cannot_win(
     return least > unused + _SPLIT_SLACK_MIB
 
 
-class _InlinePieceFilters:
-    """`_piece_passes` for the registered size filters and `schedulable` read from a lit GPU's
-    `LitRoom`, for a request that avoids nothing and keeps to no invoker (so `avoid` passes): the
-    same expressions as the filters, so the same verdicts."""
+class _InlineSplit:
+    """`scan.candidates` and `_split_plan` of one invoker in one pass over its node-room entry, the
+    pieces' filters (`_piece_passes`) read from its `LitRoom`s, for the registered size filters,
+    `schedulable` and `avoid`: the same candidates, order, pieces, sums and verdicts (the same
+    expressions as the filters), so the same plan."""
 
-    __slots__ = ("gamma", "limit", "memory", "omega", "request", "schedulable", "sm_limit", "sm_request",
-                 "static", "total")
+    __slots__ = ("avoid", "gamma", "limit", "limit_cap", "max_parts", "memory", "min_part", "omega",
+                 "omega_eps", "per_limit", "per_request", "request", "schedulable", "sm_limit",
+                 "sm_request", "static", "too_full", "total")
 
-    def __init__(self, request: PlacementRequest, config: PlacementConfig, names: frozenset[str]) -> None:
-        self.total = request.memory_mib
+    def __init__(
+        self,
+        scan: _SplitScan,
+        request: PlacementRequest,
+        config: PlacementConfig,
+        names: frozenset[str],
+        max_parts: int,
+        avoid: frozenset[int],
+    ) -> None:
+        self.total, self.min_part, self.max_parts = scan.total, scan.min_part, max_parts
+        self.too_full, self.per_request, self.per_limit = scan.too_full, scan.per_request, scan.per_limit
+        self.omega, self.limit_cap = scan.omega, scan.limit_cap
         self.request, self.limit = request.request, request.limit
-        self.omega, self.gamma = config.omega + EPS, config.gamma + EPS
+        self.omega_eps, self.gamma = config.omega + EPS, config.gamma + EPS
         self.sm_request = "sm-request" in names
         self.sm_limit = "sm-limit" in names
         self.static = "sm-limit-static" in names
         self.memory = "memory" in names
         self.schedulable = "schedulable" in names
+        self.avoid = avoid if "avoid" in names else frozenset()
 
     @classmethod
     def of(
-        cls, request: PlacementRequest, config: PlacementConfig, filters: tuple[Filter, ...]
-    ) -> _InlinePieceFilters | None:
-        """The inline verdicts for `request`'s pieces, or None where `_piece_passes` must be asked
-        (another filter, or a request that avoids GPUs or invokers or keeps to one invoker)."""
-        if request.only_invoker is not None or request.avoid_gpus or request.avoid_invokers:
-            return None
+        cls,
+        scan: _SplitScan,
+        request: PlacementRequest,
+        config: PlacementConfig,
+        filters: tuple[Filter, ...],
+        max_parts: int,
+    ) -> _InlineSplit | None:
+        """The inline plan for `request`, or None where `_piece_passes` must be asked (a filter
+        other than those)."""
         if not all(FILTERS.get(f.name) is f and f.name in _INLINE_PIECE_FILTERS for f in filters):
             return None
-        return cls(request, config, frozenset(f.name for f in filters))
+        # `avoid` as ordinals: the GPUs and invokers the request excludes (a request keeping to
+        # one invoker looks at that invoker's GPUs only).
+        cluster = scan.cluster
+        avoid = {o for ref in request.avoid_gpus if (o := cluster.ordinals.get(ref)) is not None}
+        for inv in request.avoid_invokers:
+            avoid.update(cluster.invoker_ordinals.get(inv, ()))
+        return cls(scan, request, config, frozenset(f.name for f in filters), max_parts, frozenset(avoid))
 
     def passes(self, lr: LitRoom, memory_mib: float) -> bool:
-        """Whether the GPU `lr` describes passes every filter for a piece of `memory_mib`."""
+        """`_piece_passes` of a piece of `memory_mib` on the lit GPU `lr` describes."""
         if self.schedulable and not lr[7]:
+            return False
+        if self.avoid and lr[4] in self.avoid:
             return False
         if self.memory and not lr[5] + memory_mib <= lr[6]:
             return False
@@ -1585,11 +1615,57 @@ class _InlinePieceFilters:
         f = memory_mib / self.total
         r = min(self.request, self.request * f)
         lim = min(self.limit, self.limit * f)
-        if self.sm_request and not lr[2] + r <= self.omega:
+        if self.sm_request and not lr[2] + r <= self.omega_eps:
             return False
         if self.sm_limit and not lr[3] + lim <= self.gamma:
             return False
         return not (self.static and not lr[3] + lim <= 1.0 + EPS)
+
+    def plan(self, lit: Sequence[LitRoom]) -> tuple[list[tuple[int, float]], float] | None:
+        """`_split_plan(scan.candidates(...), ...)` of the invoker whose lit GPUs `lit` describes
+        (in ordinal order): the pieces (ordinal, MiB) and the room they leave unused, or None."""
+        total, min_part, too_full = self.total, self.min_part, self.too_full
+        per_request, per_limit, omega, limit_cap = self.per_request, self.per_limit, self.omega, self.limit_cap
+        caps: list[float] = []
+        ranked: list[tuple[float, int, LitRoom]] = []
+        for lr in lit:
+            c, free, used_request, used_limit = lr[0], lr[1], lr[2], lr[3]
+            if used_request >= too_full or free < min_part:
+                continue
+            if per_request:
+                x = (omega - used_request) * per_request
+                c = x if x < c else c
+            if per_limit:
+                x = (limit_cap - used_limit) * per_limit
+                c = x if x < c else c
+            if c >= min_part:
+                caps.append(c if c < total else total)
+                ranked.append((-c, lr[4], lr))
+        if len(ranked) < 2 or sum(caps) < total - EPS:
+            return None
+        ranked.sort()  # (-capacity, ordinal): `_split_plan`'s order (ordinals are unique)
+        remaining = total
+        plan: list[tuple[int, float]] = []
+        unused = 0.0
+        for neg, o, lr in ranked[: self.max_parts]:
+            cap = -neg
+            take = remaining if remaining < cap else cap
+            left = remaining - take
+            if 0 < left < min_part:
+                # Leave a last piece that is not too small to be a stage.
+                take = remaining - min_part
+                if take < min_part:
+                    continue
+            if not self.passes(lr, take):
+                continue
+            plan.append((o, take))
+            unused += cap - take
+            remaining -= take
+            if remaining <= EPS:
+                break
+        if remaining > EPS or len(plan) < 2:
+            return None
+        return plan, unused
 
 
 _INLINE_PIECE_FILTERS = frozenset({"schedulable", "avoid", "sm-request", "sm-limit", "sm-limit-static", "memory"})
@@ -1713,6 +1789,13 @@ class _SplitScan:
         i = bisect.bisect_left(pairs, self.need - _PAIR_SLACK_MIB)
         return i == len(pairs) or pairs[i] > window
 
+    def lit(self, first: int) -> tuple[LitRoom, ...]:
+        """The `LitRoom`s of the lit GPUs of the invoker whose first ordinal is `first`, as its
+        node-room entry holds them."""
+        cluster = self.cluster
+        built = _node_room(cluster.invoker_ordinals[cluster.refs[first].invoker], cluster.gpus)
+        return () if built is None else built[5]
+
     def candidates(self, first: int, entry: NodeRoom | None) -> list[tuple[float, int]]:
         """[(capacity MiB, ordinal)] of the invoker's lit GPUs that could take a piece, in ordinal
         order (from its node-room entry where there is one)."""
@@ -1720,13 +1803,7 @@ class _SplitScan:
         too_full = self.too_full
         per_request, per_limit = self.per_request, self.per_limit
         omega, limit_cap = self.omega, self.limit_cap
-        if entry is None:
-            cluster = self.cluster
-            ords = cluster.invoker_ordinals[cluster.refs[first].invoker]
-            built = _node_room(ords, cluster.gpus)
-            lit: Sequence[LitRoom] = () if built is None else built[5]
-        else:
-            lit = entry[5]
+        lit = entry[5] if entry is not None else self.lit(first)
         cands: list[tuple[float, int]] = []
         for c, free, used_request, used_limit, o, _, _, _ in lit:
             if used_request >= too_full or free < min_part:
@@ -1789,7 +1866,7 @@ def _place_split(
         one = _node_room(ords, gpus) if ords else None
         entries = () if one is None else (one,)
     too_full = scan.too_full
-    inline = _InlinePieceFilters.of(request, config, filters)
+    inline = _InlineSplit.of(scan, request, config, filters, max_parts)
     for entry in entries:
         # `scan.cannot_hold(entry, pieces)` inline: this loop visits every invoker with the free
         # memory for the instance.
@@ -1835,46 +1912,10 @@ def _place_split(
                 continue
             plan, unused = found
         else:
-            # `scan.candidates` and `_split_plan` inline, the pieces' filters read from the entry
-            # (`_InlinePieceFilters`): the same candidates, order, pieces and sums.
-            caps: list[float] = []
-            ranked: list[tuple[float, int, LitRoom]] = []
-            for lr in entry[5]:
-                c, free, used_request, used_limit, o = lr[0], lr[1], lr[2], lr[3], lr[4]
-                if used_request >= too_full or free < min_part:
-                    continue
-                if per_request:
-                    x = (omega - used_request) * per_request
-                    c = x if x < c else c
-                if per_limit:
-                    x = (limit_cap - used_limit) * per_limit
-                    c = x if x < c else c
-                if c >= min_part:
-                    caps.append(c if c < total else total)
-                    ranked.append((-c, o, lr))
-            if len(ranked) < 2 or sum(caps) < total - EPS:
+            found = inline.plan(entry[5])
+            if found is None:
                 continue
-            ranked.sort()  # (-capacity, ordinal): `_split_plan`'s order (ordinals are unique)
-            remaining = total
-            plan = []
-            unused = 0.0
-            for neg, o, lr in ranked[:max_parts]:
-                cap = -neg
-                take = remaining if remaining < cap else cap
-                left = remaining - take
-                if 0 < left < min_part:
-                    take = remaining - min_part
-                    if take < min_part:
-                        continue
-                if not inline.passes(lr, take):
-                    continue
-                plan.append((o, take))
-                unused += cap - take
-                remaining -= take
-                if remaining <= EPS:
-                    break
-            if remaining > EPS or len(plan) < 2:
-                continue
+            plan, unused = found
         key = (len(plan), unused, entry[1])
         if best is None or key < best[0]:
             best = (key, plan)

@@ -353,32 +353,42 @@ def test_two_piece_window_passes_over_only_invokers_that_cannot_win(seed: int) -
     ("schedulable", "avoid", "sm-limit-static", "memory"),
     ("avoid", "sm-request"),
 ])
-def test_inline_piece_filters_give_the_filters_verdicts(names: tuple[str, ...]) -> None:
-    """Split placement's inline piece filters, read from node-room entries, say what
-    `_piece_passes` says on the GPU states: pieces at, just under and just over each GPU's
-    capacity and memory room (where rounding decides), on schedulable and draining GPUs; a request
-    that avoids GPUs or keeps to an invoker, or another filter, is left to `_piece_passes`."""
+def test_inline_split_gives_the_filters_verdicts_and_the_plan(names: tuple[str, ...]) -> None:
+    """Split placement's inline pass over a node-room entry says what `_piece_passes` says on the
+    GPU states (pieces at, just under and just over each GPU's capacity and memory room, where
+    rounding decides; draining GPUs; requests avoiding GPUs or invokers or keeping to one), and plans
+    what `_split_plan` plans from `candidates`; another filter is left to `_piece_passes`."""
     rng = random.Random(len(names))
     cl = random_cluster(rng, nodes=16)
     cl = ClusterSnapshot.build(now=0.0, gpus=[
         GpuState(ref=g.ref, memory_mib=g.memory_mib, instances=g.instances, schedulable=rng.random() > 0.2)
         for g in cl.gpus
     ])
-    config = PlacementConfig(llm_max_parts=4)
     filters = tuple(FILTERS[n] for n in names)
     verdicts = {True: 0, False: 0}
+    plans = 0
     for k in range(60):
+        config = PlacementConfig(llm_max_parts=rng.choice((2, 3, 4)))
         r = rng.choice((0.05, 0.1, 0.3, 0.45, 0.6))
         q = PlacementRequest(
             instance_id=f"q{k}", function="llm", cls=InstanceClass.LLM, request=r,
             limit=min(1.0, r + rng.choice((0.0, 0.2, 0.4))),
             memory_mib=rng.choice((6.0, 12.0, 20.0, 26.0, 30.0)) * GIB,
         )
-        inline = placement_module._InlinePieceFilters.of(q, config, filters)
+        shape = rng.choice(("plain", "gpus", "invokers", "only"))
+        if shape == "gpus":
+            q = replace(q, avoid_gpus=frozenset(rng.sample(cl.refs, 12)))
+        elif shape == "invokers":
+            q = replace(q, avoid_invokers=frozenset(rng.sample(cl.invokers, 4)))
+        elif shape == "only":
+            q = replace(q, only_invoker=rng.choice(cl.invokers))
+        scan = _SplitScan(cl, q, config, filters, config.llm_max_parts)
+        inline = placement_module._InlineSplit.of(scan, q, config, filters, config.llm_max_parts)
         assert inline is not None
-        scan = _SplitScan(cl, q, config, filters, 4)
         caps = dict((o, c) for e in cl.node_room for c, o in scan.candidates(e[1], e))
         for e in cl.node_room:
+            if q.only_invoker is not None and cl.refs[e[1]].invoker != q.only_invoker:
+                continue  # the walk looks at that invoker only
             for lr in e[5]:
                 g = cl.gpus[lr[4]]
                 for take in {caps.get(lr[4], lr[0]), lr[0], lr[1], lr[0] * (1 - 1e-15), lr[0] * (1 + 1e-15),
@@ -386,11 +396,14 @@ def test_inline_piece_filters_give_the_filters_verdicts(names: tuple[str, ...]) 
                     want = placement_module._piece_passes(g, q, take, config, filters)
                     assert inline.passes(lr, take) == want
                     verdicts[want] += 1
-    assert verdicts[True] and verdicts[False]
-    avoiding = PlacementRequest(instance_id="a", function="llm", cls=InstanceClass.LLM, request=0.3,
-                                limit=0.5, memory_mib=20 * GIB, avoid_gpus=frozenset({cl.refs[0]}))
-    assert placement_module._InlinePieceFilters.of(avoiding, config, filters) is None
-    assert placement_module._InlinePieceFilters.of(
-        replace(avoiding, avoid_gpus=frozenset(), only_invoker="n1"), config, filters) is None
-    assert placement_module._InlinePieceFilters.of(
-        replace(avoiding, avoid_gpus=frozenset()), config, filters + (FILTERS["priority-pair"],)) is None
+            cands = scan.candidates(e[1], e)
+            planned = None if len(cands) < 2 else _split_plan(
+                cands, q, config, filters, q.memory_mib, min(config.min_part_mib, q.memory_mib),
+                config.llm_max_parts, cl.gpus,
+            )
+            assert inline.plan(e[5]) == planned
+            plans += planned is not None
+    assert verdicts[True] and verdicts[False] and plans
+    other = filters + (FILTERS["priority-pair"],)
+    scan = _SplitScan(cl, q, config, other, 2)
+    assert placement_module._InlineSplit.of(scan, q, config, other, 2) is None
