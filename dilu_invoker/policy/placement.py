@@ -23,7 +23,15 @@ from enum import StrEnum
 from itertools import accumulate, combinations, compress
 from operator import attrgetter, sub
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, LitRoom, NodeRoom, _node_room
+from dilu_invoker.policy.cluster import (
+    BUCKETS,
+    SPLIT_GAMMA,
+    SPLIT_OMEGA,
+    ClusterSnapshot,
+    LitRoom,
+    NodeRoom,
+    _node_room,
+)
 from dilu_invoker.policy.types import (
     EPS,
     GpuRef,
@@ -1671,6 +1679,10 @@ class _InlineSplit:
 _INLINE_PIECE_FILTERS = frozenset({"schedulable", "avoid", "sm-request", "sm-limit", "sm-limit-static", "memory"})
 
 
+#: Relative slack of `_SplitScan.memory_bound_ratios` against the rounding of the capacities.
+_RATIO_SLACK = 1.0 + 1e-6
+
+
 #: Slack (MiB) of the two-piece window of `_place_split` against rounding: a pair of GPUs whose
 #: memory rooms add up to within this of the window is looked at.
 _PAIR_SLACK_MIB = 1e-3
@@ -1772,6 +1784,18 @@ class _SplitScan:
             most = x if x < most else most
         return pieces * most < self.need
 
+    def memory_bound_ratios(self) -> tuple[float, float]:
+        """Bounds on a node-room entry's last two fields (`SPLIT_OMEGA`) under which memory alone
+        holds a piece back on every lit GPU of the invoker: the instance's MiB per unit of request
+        (limit), less a relative slack far above rounding, where its caps are at least Dilu's (else
+        −∞: the entry's greatest Σ request and Σ limit decide)."""
+        ratio_request = ratio_limit = -math.inf
+        if self.omega >= SPLIT_OMEGA:
+            ratio_request = self.per_request / _RATIO_SLACK
+        if self.limit_cap >= SPLIT_GAMMA:
+            ratio_limit = self.per_limit / _RATIO_SLACK
+        return ratio_request, ratio_limit
+
     def outside_window(self, entry: NodeRoom | None, window: float) -> bool:
         """Whether the invoker has no two-piece plan whose capacities add up to at most `window`
         (`total` + the best two-piece plan's unused room + `_PAIR_SLACK_MIB`), known from its
@@ -1781,9 +1805,14 @@ class _SplitScan:
         those rooms adds up to between the instance (less `_PAIR_SLACK_MIB`) and `window`."""
         if entry is None:
             return False
-        if self.per_request and (self.omega - entry[6]) * self.per_request < entry[2]:
+        ratio_request, ratio_limit = self.memory_bound_ratios()
+        if (
+            self.per_request
+            and entry[9] > ratio_request
+            and (self.omega - entry[6]) * self.per_request < entry[2]
+        ):
             return False
-        if self.per_limit and (self.limit_cap - entry[7]) * self.per_limit < entry[2]:
+        if self.per_limit and entry[10] > ratio_limit and (self.limit_cap - entry[7]) * self.per_limit < entry[2]:
             return False
         pairs = entry[8]
         i = bisect.bisect_left(pairs, self.need - _PAIR_SLACK_MIB)
@@ -1866,6 +1895,7 @@ def _place_split(
         one = _node_room(ords, gpus) if ords else None
         entries = () if one is None else (one,)
     too_full = scan.too_full
+    ratio_request, ratio_limit = scan.memory_bound_ratios()
     inline = _InlineSplit.of(scan, request, config, filters, max_parts)
     for entry in entries:
         # `scan.cannot_hold(entry, pieces)` inline: this loop visits every invoker with the free
@@ -1882,8 +1912,8 @@ def _place_split(
         # `scan.outside_window(entry, window)` inline.
         if (
             window > low
-            and (not per_request or (omega - entry[6]) * per_request >= entry[2])
-            and (not per_limit or (limit_cap - entry[7]) * per_limit >= entry[2])
+            and (not per_request or entry[9] <= ratio_request or (omega - entry[6]) * per_request >= entry[2])
+            and (not per_limit or entry[10] <= ratio_limit or (limit_cap - entry[7]) * per_limit >= entry[2])
         ):
             pairs = entry[8]
             i = bisect.bisect_left(pairs, low)

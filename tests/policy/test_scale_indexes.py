@@ -38,6 +38,7 @@ from dilu_invoker.policy.placement import (
 from dilu_invoker.policy.types import InstanceClass, PlacedInstance
 
 DILU = PlacementConfig()
+INF_MIB = float("inf")
 
 
 def test_gpu_vector_replace_shares_and_leaves_the_old_one() -> None:
@@ -317,6 +318,10 @@ def test_two_piece_window_passes_over_only_invokers_that_cannot_win(seed: int) -
         rooms = [g.memory_mib * (1 + 1e-9) - g.used_memory for g in lit]
         assert e[6] == max(g.used_request for g in lit) and e[7] == max(g.used_limit for g in lit)
         assert list(e[8]) == sorted(a + b for i, a in enumerate(rooms) for b in rooms[i + 1:])
+        assert e[9] == max(x / (1.0 - g.used_request) if g.used_request < 1.0 else INF_MIB
+                           for x, g in zip(rooms, lit, strict=True))
+        assert e[10] == max(x / (1.5 - g.used_limit) if g.used_limit < 1.5 else INF_MIB
+                            for x, g in zip(rooms, lit, strict=True))
     config = PlacementConfig(llm_max_parts=rng.choice((2, 3, 4)))
     filters = tuple(FILTERS[name] for name in config.strategy_spec().filters)
     passed_over = looked_at = 0
