@@ -807,11 +807,13 @@ def compaction_plan(
     # A source retried for room some GPUs gained, but not reached, stays failed with those GPUs:
     # the next call retries it only while one of them may still help (see `CompactionState.retry`).
     carry: dict[int, tuple[int, ...]] = {}
-    for o in pending:
-        r = helped.get(o)
-        if r is not None and o not in touched and o not in failures:
-            failures[o] = r[0]
-            carry[o] = tuple(r[1])
+    if helped:
+        # The retried sources among the (many) pending ones: by the few retried, not the pending.
+        waiting = set(pending)
+        for o, r in helped.items():
+            if o in waiting and o not in touched and o not in failures:
+                failures[o] = r[0]
+                carry[o] = tuple(r[1])
     failed = failures.finish()
     next_state = CompactionState(
         seen=work,
