@@ -17,7 +17,8 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from operator import itemgetter
+from itertools import compress
+from operator import and_, is_, itemgetter
 
 from immutables import Map
 
@@ -669,12 +670,13 @@ def _keyed(
     if failed:
         todo_set.difference_update(failed)
     if before is not None and before.config is config and before.keys and isinstance(gpus, GpuVector):
-        now = gpus.states([o for _, o in before.keys])
-        for k, old, g in zip(before.keys, before.states, now, strict=True):
-            if old is g and k[1] in todo_set:
-                keys.append(k)
-                states_out.append(g)
-        todo_set.difference_update([k[1] for k in keys])
+        ords = list(map(_SECOND, before.keys))
+        now = gpus.states(ords)
+        # Still wanted and the same state: one mask, built at C speed.
+        same = list(map(and_, map(is_, before.states, now), map(todo_set.__contains__, ords)))
+        keys = list(compress(before.keys, same))
+        states_out = list(compress(now, same))
+        todo_set.difference_update(compress(ords, same))
     todo = list(todo_set)
     cache = _SOURCE_BUCKET
     states = gpus.states(todo) if isinstance(gpus, GpuVector) else [gpus[o] for o in todo]
@@ -723,7 +725,8 @@ def compaction_plan(
 
     heap = candidates
     heapq.heapify(heap)
-    queued = set(map(_SECOND, heap))
+    # The ordinals ever queued in this call (made when first needed: a split instance placed anew).
+    queued: set[int] | None = None
     pending: list[int] = []
     # GPUs a move of this plan changed besides targets and sources: the other stages of an
     # instance placed anew lose their piece (and gain room).
@@ -784,6 +787,8 @@ def compaction_plan(
             gained = [(work.ordinals[r], work.gpu(r)) for r in opened if work.gpu(r).lit]
             known = failures.finish()
             failures = known.mutate()
+            if queued is None:
+                queued = set(map(_SECOND, keyed.keys))
             retry_now = [og for og, _ in gained if og not in queued or og in known]
             for f, need in known.items():
                 if _helpers(work, gained, need, placement, f):
@@ -807,9 +812,9 @@ def compaction_plan(
     # A source retried for room some GPUs gained, but not reached, stays failed with those GPUs:
     # the next call retries it only while one of them may still help (see `CompactionState.retry`).
     carry: dict[int, tuple[int, ...]] = {}
+    waiting = frozenset(pending)
     if helped:
         # The retried sources among the (many) pending ones: by the few retried, not the pending.
-        waiting = set(pending)
         for o, r in helped.items():
             if o in waiting and o not in touched and o not in failures:
                 failures[o] = r[0]
@@ -818,7 +823,7 @@ def compaction_plan(
     next_state = CompactionState(
         seen=work,
         failed=failed,
-        pending=frozenset(pending).difference(carry) if carry else frozenset(pending),
+        pending=waiting.difference(carry) if carry else waiting,
         no_fit=tuple(no_fit),
         retry=Map(carry),
         keyed=keyed,
