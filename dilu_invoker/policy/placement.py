@@ -1722,9 +1722,24 @@ class _SplitScan:
         # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ
         # request ≤ Σ limit, its limit) is never looked at: its bucket and the ones above are skipped.
         bound = math.inf
+        # The smallest piece's request and limit as `_part_request` computes them; the size
+        # filters' bounds on them inline (the same expressions), others on the built piece.
+        share = min_part / total
+        piece_request = min(request.request, request.request * share)
+        piece_limit = min(request.limit, request.limit * share)
+        piece: PlacementRequest | None = None
         for f in filters:
             if f.bound is not None:
-                bound = min(bound, f.bound(_part_request(request, min_part, 0), config))
+                if f is _F_SM_REQUEST:
+                    b = config.omega - piece_request
+                elif f is _F_SM_LIMIT:
+                    b = config.gamma - piece_limit
+                elif f is _F_SM_LIMIT_STATIC:
+                    b = 1.0 - piece_limit
+                else:
+                    piece = piece or _part_request(request, min_part, 0)
+                    b = f.bound(piece, config)
+                bound = min(bound, b)
         kmax = BUCKETS
         if bound < math.inf:
             kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))

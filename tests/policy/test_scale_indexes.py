@@ -412,3 +412,37 @@ def test_inline_split_gives_the_filters_verdicts_and_the_plan(names: tuple[str, 
     other = filters + (FILTERS["priority-pair"],)
     scan = _SplitScan(cl, q, config, other, 2)
     assert placement_module._InlineSplit.of(scan, q, config, other, 2) is None
+
+
+def test_split_scan_bounds_equal_the_filters_bounds_on_the_smallest_piece() -> None:
+    """The split scan's Σ-request cut-off (`too_full`), from the size filters' bounds computed
+    inline, equals the one from every filter's bound on the smallest piece built as a request."""
+    import math
+
+    from dilu_invoker.policy.cluster import BUCKETS
+    from dilu_invoker.policy.placement import _part_request
+
+    rng = random.Random(7)
+    cl = random_cluster(rng, nodes=4)
+    for k in range(300):
+        names = rng.choice([
+            ("schedulable", "avoid", "sm-request", "sm-limit", "memory"),
+            ("schedulable", "avoid", "sm-limit-static", "memory"),
+            ("avoid", "sm-request", "sm-limit-static", "exclusive"),
+            ("memory",),
+        ])
+        filters = tuple(FILTERS[n] for n in names)
+        config = PlacementConfig(omega=rng.choice((1.0, 0.8)), gamma=rng.choice((1.5, 1.0, 2.0)),
+                                 min_part_mib=rng.choice((2048.0, 4096.0, 512.0)))
+        r = rng.choice((0.05, 0.1, 0.3, 0.45, 0.6, 0.9))
+        q = PlacementRequest(
+            instance_id=f"q{k}", function="llm", cls=InstanceClass.LLM, request=r,
+            limit=min(1.0, r + rng.choice((0.0, 0.2, 0.4))),
+            memory_mib=rng.choice((1.0, 6.0, 20.0, 30.0)) * GIB,
+        )
+        min_part = min(config.min_part_mib, q.memory_mib)
+        piece = _part_request(q, min_part, 0)
+        bound = min((f.bound(piece, config) for f in filters if f.bound is not None), default=math.inf)
+        kmax = BUCKETS if bound == math.inf else (-1 if bound < -1e-9 else min(BUCKETS, math.floor((bound + 1e-9) * BUCKETS)))
+        want = (kmax + 1 - 1e-9) / BUCKETS if kmax < BUCKETS else math.inf
+        assert _SplitScan(cl, q, config, filters, 4).too_full == want
