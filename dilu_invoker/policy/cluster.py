@@ -156,14 +156,26 @@ _EMPTY_MAP: Map[str, int] = Map()
 #: An entry of `ClusterSnapshot.lit_room`: (free MiB, ordinal), so a bucket sorts tightest first.
 RoomEntry = tuple[float, int]
 #: What split placement reads of one lit GPU: (memory × (1 + EPS) − used MiB, free MiB, Σ request,
-#: Σ limit, ordinal).
-LitRoom = tuple[float, float, float, float, int]
+#: Σ limit, ordinal, used MiB, memory × (1 + EPS) MiB, schedulable): the last three for its memory
+#: and schedulable filters, computed as the filters compute them.
+LitRoom = tuple[float, float, float, float, int, float, float, bool]
 #: An entry of `ClusterSnapshot.node_room`: (Σ free MiB of the invoker's lit GPUs, its first ordinal,
 #: then bounds over those lit GPUs for split placement: the largest memory × (1 + EPS) − used, the
-#: least Σ request, the least Σ limit; then its lit GPUs as `LitRoom`s, in ordinal order). The first
-#: two order the entries; the bounds let a split pass over an invoker none of whose lit GPUs can
-#: take a large enough piece, and the `LitRoom`s let it look at the others without their states.
-NodeRoom = tuple[float, int, float, float, float, tuple[LitRoom, ...]]
+#: least Σ request, the least Σ limit; then its lit GPUs as `LitRoom`s, in ordinal order; then the
+#: greatest Σ request and Σ limit over them, the sums of memory × (1 + EPS) − used over every
+#: pair of them, ascending, and the MiB per unit of request and of limit above which memory alone
+#: holds a piece back on every one of them, see `SPLIT_OMEGA`). The first two order the entries; the bounds let a split pass over an
+#: invoker none of whose lit GPUs can take a large enough piece, the `LitRoom`s let it look at the
+#: others without their states, and the pair sums let a split that needs two pieces pass over an
+#: invoker whose pieces would all leave more room unused than the best plan so far.
+NodeRoom = tuple[
+    float, int, float, float, float, tuple[LitRoom, ...], float, float, tuple[float, ...], float, float
+]
+#: Σ request and Σ limit caps (Dilu's ω and γ) of the last two fields of a `NodeRoom`: the most MiB
+#: per unit of request (limit) among its lit GPUs' memory room / (cap − Σ request (limit)). A split
+#: whose instance has at least that many MiB per unit of request (limit), under caps at least these,
+#: is held back by memory alone on every lit GPU of the invoker (∞: some GPU is at the cap).
+SPLIT_OMEGA, SPLIT_GAMMA = 1.0, 1.5
 
 
 _GROW = 1.0 + EPS
@@ -185,23 +197,43 @@ def _node_room(invoker_ords: Sequence[int], gpus: Sequence[GpuState]) -> NodeRoo
         if isinstance(gpus, GpuVector)
         else [gpus[o] for o in invoker_ords]
     )
+    most_request = most_limit = -math.inf
+    per_request = per_limit = -math.inf
     lit: list[LitRoom] = []
     for o, g in zip(invoker_ords, states, strict=True):
         if g.instances:
             used = g.used_memory
             # The same expressions as split placement's per-GPU memory capacity and free memory,
             # so the bound is that capacity's exact maximum.
-            room = g.memory_mib * _GROW - used
+            grown = g.memory_mib * _GROW
+            room = grown - used
             if room > most:
                 most = room
             gpu_free = g.memory_mib - used
             free += gpu_free
             if g.used_request < least_request:
                 least_request = g.used_request
+            if g.used_request > most_request:
+                most_request = g.used_request
             if g.used_limit < least_limit:
                 least_limit = g.used_limit
-            lit.append((room, gpu_free, g.used_request, g.used_limit, o))
-    return (free, first, most, least_request, least_limit, tuple(lit)) if lit else None
+            if g.used_limit > most_limit:
+                most_limit = g.used_limit
+            x = room / (SPLIT_OMEGA - g.used_request) if g.used_request < SPLIT_OMEGA else math.inf
+            if x > per_request:
+                per_request = x
+            x = room / (SPLIT_GAMMA - g.used_limit) if g.used_limit < SPLIT_GAMMA else math.inf
+            if x > per_limit:
+                per_limit = x
+            lit.append((room, gpu_free, g.used_request, g.used_limit, o, used, grown, g.schedulable))
+    if not lit:
+        return None
+    rooms = [e[0] for e in lit]
+    pairs = sorted([a + b for i, a in enumerate(rooms) for b in rooms[i + 1 :]])
+    return (
+        free, first, most, least_request, least_limit, tuple(lit), most_request, most_limit, tuple(pairs),
+        per_request, per_limit,
+    )
 
 
 def _node_room_index(

@@ -17,7 +17,8 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from operator import itemgetter
+from itertools import compress
+from operator import and_, is_, itemgetter
 
 from immutables import Map
 
@@ -220,6 +221,18 @@ class CompactionState:
     get to (max_sources, max_moves): source ordinal → those GPUs. The next call retries such a
     source only if one of them (or a GPU that gained room since) may still take what it needs;
     room the others took meanwhile would make it fail again where it failed before."""
+    keyed: _Keyed | None = field(default=None, compare=False, repr=False)
+    """The call's sources as it keyed them (a cache, not part of the state's value): the next
+    call reuses a key where the GPU's state is the same object under the same config."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Keyed:
+    """(Σ-request bucket, ordinal) of sources, the GPU states they were keyed from, the config."""
+
+    keys: list[tuple[int, int]]
+    states: list[GpuState]
+    config: CompactionConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -514,8 +527,8 @@ def _candidates(
     placement: PlacementConfig,
     config: CompactionConfig,
     state: CompactionState,
-) -> tuple[list[tuple[int, int]], Map[int, Need], dict[int, tuple[Need, list[int]]], list[NoFit]]:
-    """The sources worth trying as (Σ-request bucket, ordinal), unordered; the failures still known
+) -> tuple[_Keyed, Map[int, Need], dict[int, tuple[Need, list[int]]], list[NoFit]]:
+    """The sources worth trying as (Σ-request bucket, ordinal), unordered (with their states); the failures still known
     to be hopeless, the failed sources retried because GPUs gained room (with those GPUs'
     ordinals), and the `NoFit` entries still true."""
     gpus = cluster.gpus
@@ -523,7 +536,7 @@ def _candidates(
     if seen is None or (seen.refs is not cluster.refs and seen.refs != cluster.refs):
         top = request_bucket(config.source_max_request)
         every = [o for k in range(min(top, BUCKETS) + 1) for o in cluster.lit_buckets[k]]
-        return _keyed(every, Map(), gpus, config), Map(), {}, []
+        return _keyed(every, Map(), gpus, config, None), Map(), {}, []
     old = seen.gpus
     changed = [o for o in gpus.changed_since(old) if old[o] != gpus[o]]
     failed = state.failed
@@ -634,19 +647,38 @@ def _candidates(
                     assert joined is not None
                     m[o] = joined
             failed = m.finish()
-    return _keyed(out, failed, gpus, config), failed, helped, no_fit
+    return _keyed(out, failed, gpus, config, state.keyed), failed, helped, no_fit
 
 
 _SECOND = itemgetter(1)
 
 
 def _keyed(
-    ordinals: Iterable[int], failed: Map[int, Need], gpus: Sequence[GpuState], config: CompactionConfig
-) -> list[tuple[int, int]]:
-    """(Σ-request bucket, ordinal) of each of `ordinals` that is not `failed` and may be a source."""
-    out: list[tuple[int, int]] = []
+    ordinals: Iterable[int],
+    failed: Map[int, Need],
+    gpus: Sequence[GpuState],
+    config: CompactionConfig,
+    before: _Keyed | None,
+) -> _Keyed:
+    """(Σ-request bucket, ordinal) of each of `ordinals` that is not `failed` and may be a source,
+    with the states they were keyed from. A key of `before` (the previous call's) is reused where
+    the GPU's state is the same object under the same config (its bucket is a function of both):
+    the sources carried over from call to call are compared at C speed, not re-judged one by one."""
+    keys: list[tuple[int, int]] = []
+    states_out: list[GpuState] = []
+    todo_set = set(ordinals)
+    if failed:
+        todo_set.difference_update(failed)
+    if before is not None and before.config is config and before.keys and isinstance(gpus, GpuVector):
+        ords = list(map(_SECOND, before.keys))
+        now = gpus.states(ords)
+        # Still wanted and the same state: one mask, built at C speed.
+        same = list(map(and_, map(is_, before.states, now), map(todo_set.__contains__, ords)))
+        keys = list(compress(before.keys, same))
+        states_out = list(compress(now, same))
+        todo_set.difference_update(compress(ords, same))
+    todo = list(todo_set)
     cache = _SOURCE_BUCKET
-    todo = [o for o in ordinals if o not in failed] if failed else list(ordinals)
     states = gpus.states(todo) if isinstance(gpus, GpuVector) else [gpus[o] for o in todo]
     for o, g in zip(todo, states, strict=True):
         # `_source_bucket`, its cache hit inline.
@@ -656,8 +688,9 @@ def _keyed(
         else:
             bucket = _source_bucket(g, config)
         if bucket is not None:
-            out.append((bucket, o))
-    return out
+            keys.append((bucket, o))
+            states_out.append(g)
+    return _Keyed(keys, states_out, config)
 
 
 def compaction_plan(
@@ -683,7 +716,8 @@ def compaction_plan(
     targets: set[GpuRef] = set()
     tried = 0
     trials = 0  # sources tried by placing their instances (`max_trials`)
-    candidates, failed, helped, no_fit = _candidates(cluster, placement, config, state)
+    keyed, failed, helped, no_fit = _candidates(cluster, placement, config, state)
+    candidates = list(keyed.keys)
     gpus0 = cluster.gpus
 
     def key(o: int) -> tuple[int, int]:
@@ -691,7 +725,8 @@ def compaction_plan(
 
     heap = candidates
     heapq.heapify(heap)
-    queued = set(map(_SECOND, heap))
+    # The ordinals ever queued in this call (made when first needed: a split instance placed anew).
+    queued: set[int] | None = None
     pending: list[int] = []
     # GPUs a move of this plan changed besides targets and sources: the other stages of an
     # instance placed anew lose their piece (and gain room).
@@ -752,6 +787,8 @@ def compaction_plan(
             gained = [(work.ordinals[r], work.gpu(r)) for r in opened if work.gpu(r).lit]
             known = failures.finish()
             failures = known.mutate()
+            if queued is None:
+                queued = set(map(_SECOND, keyed.keys))
             retry_now = [og for og, _ in gained if og not in queued or og in known]
             for f, need in known.items():
                 if _helpers(work, gained, need, placement, f):
@@ -775,18 +812,21 @@ def compaction_plan(
     # A source retried for room some GPUs gained, but not reached, stays failed with those GPUs:
     # the next call retries it only while one of them may still help (see `CompactionState.retry`).
     carry: dict[int, tuple[int, ...]] = {}
-    for o in pending:
-        r = helped.get(o)
-        if r is not None and o not in touched and o not in failures:
-            failures[o] = r[0]
-            carry[o] = tuple(r[1])
+    waiting = frozenset(pending)
+    if helped:
+        # The retried sources among the (many) pending ones: by the few retried, not the pending.
+        for o, r in helped.items():
+            if o in waiting and o not in touched and o not in failures:
+                failures[o] = r[0]
+                carry[o] = tuple(r[1])
     failed = failures.finish()
     next_state = CompactionState(
         seen=work,
         failed=failed,
-        pending=frozenset(pending).difference(carry) if carry else frozenset(pending),
+        pending=waiting.difference(carry) if carry else waiting,
         no_fit=tuple(no_fit),
         retry=Map(carry),
+        keyed=keyed,
     )
     plan = CompactionPlan(
         moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state

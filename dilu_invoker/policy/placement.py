@@ -23,7 +23,15 @@ from enum import StrEnum
 from itertools import accumulate, combinations, compress
 from operator import attrgetter, sub
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, LitRoom, NodeRoom
+from dilu_invoker.policy.cluster import (
+    BUCKETS,
+    SPLIT_GAMMA,
+    SPLIT_OMEGA,
+    ClusterSnapshot,
+    LitRoom,
+    NodeRoom,
+    _node_room,
+)
 from dilu_invoker.policy.types import (
     EPS,
     GpuRef,
@@ -1187,8 +1195,14 @@ def split_fits(cluster: ClusterSnapshot, request: PlacementRequest, config: Plac
     scan = _SplitScan(cluster, request, config, filters, max_parts)
     # The first invoker that can take it answers (placement would compare them all); those with
     # the most free memory first, as they are the likeliest to.
+    inline = _InlineSplit.of(scan, request, config, filters, max_parts)
     for first, entry in scan.firsts(request, roomiest_first=True):
         if scan.cannot_hold(entry, max_parts):
+            continue
+        if inline is not None:
+            lit = entry[5] if entry is not None else scan.lit(first)
+            if inline.plan(lit) is not None:
+                return True
             continue
         cands = scan.candidates(first, entry)
         if len(cands) >= 2 and (
@@ -1545,6 +1559,135 @@ def _split_cannot_win(
     return least > unused + _SPLIT_SLACK_MIB
 
 
+class _InlineSplit:
+    """`scan.candidates` and `_split_plan` of one invoker in one pass over its node-room entry, the
+    pieces' filters (`_piece_passes`) read from its `LitRoom`s, for the registered size filters,
+    `schedulable` and `avoid`: the same candidates, order, pieces, sums and verdicts (the same
+    expressions as the filters), so the same plan."""
+
+    __slots__ = ("avoid", "gamma", "limit", "limit_cap", "max_parts", "memory", "min_part", "omega",
+                 "omega_eps", "per_limit", "per_request", "request", "schedulable", "sm_limit",
+                 "sm_request", "static", "too_full", "total")
+
+    def __init__(
+        self,
+        scan: _SplitScan,
+        request: PlacementRequest,
+        config: PlacementConfig,
+        names: frozenset[str],
+        max_parts: int,
+        avoid: frozenset[int],
+    ) -> None:
+        self.total, self.min_part, self.max_parts = scan.total, scan.min_part, max_parts
+        self.too_full, self.per_request, self.per_limit = scan.too_full, scan.per_request, scan.per_limit
+        self.omega, self.limit_cap = scan.omega, scan.limit_cap
+        self.request, self.limit = request.request, request.limit
+        self.omega_eps, self.gamma = config.omega + EPS, config.gamma + EPS
+        self.sm_request = "sm-request" in names
+        self.sm_limit = "sm-limit" in names
+        self.static = "sm-limit-static" in names
+        self.memory = "memory" in names
+        self.schedulable = "schedulable" in names
+        self.avoid = avoid if "avoid" in names else frozenset()
+
+    @classmethod
+    def of(
+        cls,
+        scan: _SplitScan,
+        request: PlacementRequest,
+        config: PlacementConfig,
+        filters: tuple[Filter, ...],
+        max_parts: int,
+    ) -> _InlineSplit | None:
+        """The inline plan for `request`, or None where `_piece_passes` must be asked (a filter
+        other than those)."""
+        if not all(FILTERS.get(f.name) is f and f.name in _INLINE_PIECE_FILTERS for f in filters):
+            return None
+        # `avoid` as ordinals: the GPUs and invokers the request excludes (a request keeping to
+        # one invoker looks at that invoker's GPUs only).
+        cluster = scan.cluster
+        avoid = {o for ref in request.avoid_gpus if (o := cluster.ordinals.get(ref)) is not None}
+        for inv in request.avoid_invokers:
+            avoid.update(cluster.invoker_ordinals.get(inv, ()))
+        return cls(scan, request, config, frozenset(f.name for f in filters), max_parts, frozenset(avoid))
+
+    def passes(self, lr: LitRoom, memory_mib: float) -> bool:
+        """`_piece_passes` of a piece of `memory_mib` on the lit GPU `lr` describes."""
+        if self.schedulable and not lr[7]:
+            return False
+        if self.avoid and lr[4] in self.avoid:
+            return False
+        if self.memory and not lr[5] + memory_mib <= lr[6]:
+            return False
+        # `_part_request`'s request and limit of the piece, as `_piece_passes` computes them.
+        f = memory_mib / self.total
+        r = min(self.request, self.request * f)
+        lim = min(self.limit, self.limit * f)
+        if self.sm_request and not lr[2] + r <= self.omega_eps:
+            return False
+        if self.sm_limit and not lr[3] + lim <= self.gamma:
+            return False
+        return not (self.static and not lr[3] + lim <= 1.0 + EPS)
+
+    def plan(self, lit: Sequence[LitRoom]) -> tuple[list[tuple[int, float]], float] | None:
+        """`_split_plan(scan.candidates(...), ...)` of the invoker whose lit GPUs `lit` describes
+        (in ordinal order): the pieces (ordinal, MiB) and the room they leave unused, or None."""
+        total, min_part, too_full = self.total, self.min_part, self.too_full
+        per_request, per_limit, omega, limit_cap = self.per_request, self.per_limit, self.omega, self.limit_cap
+        caps: list[float] = []
+        ranked: list[tuple[float, int, LitRoom]] = []
+        for lr in lit:
+            c, free, used_request, used_limit = lr[0], lr[1], lr[2], lr[3]
+            if used_request >= too_full or free < min_part:
+                continue
+            if per_request:
+                x = (omega - used_request) * per_request
+                c = x if x < c else c
+            if per_limit:
+                x = (limit_cap - used_limit) * per_limit
+                c = x if x < c else c
+            if c >= min_part:
+                caps.append(c if c < total else total)
+                ranked.append((-c, lr[4], lr))
+        if len(ranked) < 2 or sum(caps) < total - EPS:
+            return None
+        ranked.sort()  # (-capacity, ordinal): `_split_plan`'s order (ordinals are unique)
+        remaining = total
+        plan: list[tuple[int, float]] = []
+        unused = 0.0
+        for neg, o, lr in ranked[: self.max_parts]:
+            cap = -neg
+            take = remaining if remaining < cap else cap
+            left = remaining - take
+            if 0 < left < min_part:
+                # Leave a last piece that is not too small to be a stage.
+                take = remaining - min_part
+                if take < min_part:
+                    continue
+            if not self.passes(lr, take):
+                continue
+            plan.append((o, take))
+            unused += cap - take
+            remaining -= take
+            if remaining <= EPS:
+                break
+        if remaining > EPS or len(plan) < 2:
+            return None
+        return plan, unused
+
+
+_INLINE_PIECE_FILTERS = frozenset({"schedulable", "avoid", "sm-request", "sm-limit", "sm-limit-static", "memory"})
+
+
+#: Relative slack of `_SplitScan.memory_bound_ratios` against the rounding of the capacities.
+_RATIO_SLACK = 1.0 + 1e-6
+
+
+#: Slack (MiB) of the two-piece window of `_place_split` against rounding: a pair of GPUs whose
+#: memory rooms add up to within this of the window is looked at.
+_PAIR_SLACK_MIB = 1e-3
+
+
 class _SplitScan:
     """How split placement looks at the invokers whose lit GPUs could take pieces of `request`
     (memory > 0): which invokers (`firsts`, by first ordinal), which of them cannot hold it in few
@@ -1579,9 +1722,24 @@ class _SplitScan:
         # A GPU whose Σ request leaves no room for even the smallest piece's request (or, as Σ
         # request ≤ Σ limit, its limit) is never looked at: its bucket and the ones above are skipped.
         bound = math.inf
+        # The smallest piece's request and limit as `_part_request` computes them; the size
+        # filters' bounds on them inline (the same expressions), others on the built piece.
+        share = min_part / total
+        piece_request = min(request.request, request.request * share)
+        piece_limit = min(request.limit, request.limit * share)
+        piece: PlacementRequest | None = None
         for f in filters:
             if f.bound is not None:
-                bound = min(bound, f.bound(_part_request(request, min_part, 0), config))
+                if f is _F_SM_REQUEST:
+                    b = config.omega - piece_request
+                elif f is _F_SM_LIMIT:
+                    b = config.gamma - piece_limit
+                elif f is _F_SM_LIMIT_STATIC:
+                    b = 1.0 - piece_limit
+                else:
+                    piece = piece or _part_request(request, min_part, 0)
+                    b = f.bound(piece, config)
+                bound = min(bound, b)
         kmax = BUCKETS
         if bound < math.inf:
             kmax = -1 if bound < -EPS else min(BUCKETS, math.floor((bound + EPS) * BUCKETS))
@@ -1641,6 +1799,47 @@ class _SplitScan:
             most = x if x < most else most
         return pieces * most < self.need
 
+    def memory_bound_ratios(self) -> tuple[float, float]:
+        """Bounds on a node-room entry's last two fields (`SPLIT_OMEGA`) under which memory alone
+        holds a piece back on every lit GPU of the invoker: the instance's MiB per unit of request
+        (limit), less a relative slack far above rounding, where its caps are at least Dilu's (else
+        −∞: the entry's greatest Σ request and Σ limit decide)."""
+        ratio_request = ratio_limit = -math.inf
+        if self.omega >= SPLIT_OMEGA:
+            ratio_request = self.per_request / _RATIO_SLACK
+        if self.limit_cap >= SPLIT_GAMMA:
+            ratio_limit = self.per_limit / _RATIO_SLACK
+        return ratio_request, ratio_limit
+
+    def outside_window(self, entry: NodeRoom | None, window: float) -> bool:
+        """Whether the invoker has no two-piece plan whose capacities add up to at most `window`
+        (`total` + the best two-piece plan's unused room + `_PAIR_SLACK_MIB`), known from its
+        node-room entry alone: on none of its lit GPUs does the request's or limit's room hold a
+        piece back below the memory room (both at their tightest GPU, by monotone rounding, are
+        above its roomiest GPU's memory room), so a capacity is the memory room, and no pair of
+        those rooms adds up to between the instance (less `_PAIR_SLACK_MIB`) and `window`."""
+        if entry is None:
+            return False
+        ratio_request, ratio_limit = self.memory_bound_ratios()
+        if (
+            self.per_request
+            and entry[9] > ratio_request
+            and (self.omega - entry[6]) * self.per_request < entry[2]
+        ):
+            return False
+        if self.per_limit and entry[10] > ratio_limit and (self.limit_cap - entry[7]) * self.per_limit < entry[2]:
+            return False
+        pairs = entry[8]
+        i = bisect.bisect_left(pairs, self.need - _PAIR_SLACK_MIB)
+        return i == len(pairs) or pairs[i] > window
+
+    def lit(self, first: int) -> tuple[LitRoom, ...]:
+        """The `LitRoom`s of the lit GPUs of the invoker whose first ordinal is `first`, as its
+        node-room entry holds them."""
+        cluster = self.cluster
+        built = _node_room(cluster.invoker_ordinals[cluster.refs[first].invoker], cluster.gpus)
+        return () if built is None else built[5]
+
     def candidates(self, first: int, entry: NodeRoom | None) -> list[tuple[float, int]]:
         """[(capacity MiB, ordinal)] of the invoker's lit GPUs that could take a piece, in ordinal
         order (from its node-room entry where there is one)."""
@@ -1648,20 +1847,9 @@ class _SplitScan:
         too_full = self.too_full
         per_request, per_limit = self.per_request, self.per_limit
         omega, limit_cap = self.omega, self.limit_cap
-        if entry is None:
-            cluster = self.cluster
-            ords = cluster.invoker_ordinals[cluster.refs[first].invoker]
-            grow = 1.0 + EPS
-            lit: Sequence[LitRoom] = [
-                (g.memory_mib * grow - g.used_memory, g.memory_mib - g.used_memory, g.used_request,
-                 g.used_limit, o)
-                for o, g in enumerate(cluster.gpus.span(first, ords[-1] + 1), first)
-                if g.instances
-            ]
-        else:
-            lit = entry[5]
+        lit = entry[5] if entry is not None else self.lit(first)
         cands: list[tuple[float, int]] = []
-        for c, free, used_request, used_limit, o in lit:
+        for c, free, used_request, used_limit, o, _, _, _ in lit:
             if used_request >= too_full or free < min_part:
                 continue
             # `x if x < c else c` is `min(c, x)`, without the call.
@@ -1707,32 +1895,78 @@ def _place_split(
     per_request, per_limit, omega, limit_cap = scan.per_request, scan.per_limit, scan.omega, scan.limit_cap
     need = scan.need
     pieces = max_parts
-    for rank, entry in scan.firsts(request):
-        if entry is not None:
-            # `scan.cannot_hold(entry, pieces)` inline: this loop visits every invoker with the
-            # free memory for the instance.
-            most = entry[2]
-            if per_request:
-                x = (omega - entry[3]) * per_request
-                most = x if x < most else most
-            if per_limit:
-                x = (limit_cap - entry[4]) * per_limit
-                most = x if x < most else most
-            if pieces * most < need:
+    # Once the best plan so far has two pieces, only a two-piece plan leaving no more room unused
+    # can beat it, and such a plan uses two GPUs whose capacities add up to between `need` and
+    # `total` + its unused room. An invoker on which no piece is held back by
+    # its request or limit (capacity = memory × (1 + EPS) − used on each of its lit GPUs) and no pair
+    # of lit GPUs' memory rooms adds up to that window is passed over: one bisection of its pair sums.
+    window = -math.inf
+    low = need - _PAIR_SLACK_MIB
+    if scan.entries is not None:
+        entries: Sequence[NodeRoom] = scan.entries
+    else:
+        # The one invoker the request keeps to, its entry built as the snapshot builds them.
+        ords = cluster.invoker_ordinals.get(request.only_invoker or "", ())
+        one = _node_room(ords, gpus) if ords else None
+        entries = () if one is None else (one,)
+    too_full = scan.too_full
+    ratio_request, ratio_limit = scan.memory_bound_ratios()
+    inline = _InlineSplit.of(scan, request, config, filters, max_parts)
+    for entry in entries:
+        # `scan.cannot_hold(entry, pieces)` inline: this loop visits every invoker with the free
+        # memory for the instance.
+        most = entry[2]
+        if per_request:
+            x = (omega - entry[3]) * per_request
+            most = x if x < most else most
+        if per_limit:
+            x = (limit_cap - entry[4]) * per_limit
+            most = x if x < most else most
+        if pieces * most < need:
+            continue
+        # `scan.outside_window(entry, window)` inline.
+        if (
+            window > low
+            and (not per_request or entry[9] <= ratio_request or (omega - entry[6]) * per_request >= entry[2])
+            and (not per_limit or entry[10] <= ratio_limit or (limit_cap - entry[7]) * per_limit >= entry[2])
+        ):
+            pairs = entry[8]
+            i = bisect.bisect_left(pairs, low)
+            if i == len(pairs) or pairs[i] > window:
                 continue
-        cands = scan.candidates(rank, entry)
-        if len(cands) < 2:
-            continue
-        if best is not None and _split_cannot_win(cands, total, max_parts, best[0][0], best[0][1]):
-            continue
-        found = _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus)
-        if found is None:
-            continue
-        plan, unused = found
-        key = (len(plan), unused, rank)
+        if inline is None:
+            # `scan.candidates(entry[1], entry)` inline.
+            cands: list[tuple[float, int]] = []
+            for c, free, used_request, used_limit, o, _, _, _ in entry[5]:
+                if used_request >= too_full or free < min_part:
+                    continue
+                if per_request:
+                    x = (omega - used_request) * per_request
+                    c = x if x < c else c
+                if per_limit:
+                    x = (limit_cap - used_limit) * per_limit
+                    c = x if x < c else c
+                if c >= min_part:
+                    cands.append((c, o))
+            if len(cands) < 2:
+                continue
+            if best is not None and _split_cannot_win(cands, total, max_parts, best[0][0], best[0][1]):
+                continue
+            found = _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus)
+            if found is None:
+                continue
+            plan, unused = found
+        else:
+            found = inline.plan(entry[5])
+            if found is None:
+                continue
+            plan, unused = found
+        key = (len(plan), unused, entry[1])
         if best is None or key < best[0]:
             best = (key, plan)
             pieces = key[0]
+            if pieces == 2:
+                window = total + unused + _PAIR_SLACK_MIB
     if best is None:
         return None
     parts = []

@@ -4,7 +4,7 @@ could use, and the moves equal those of a call without the state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from split_testlib import GIB, INF, LLM, SPLIT, inst
@@ -173,3 +173,45 @@ def test_stateful_compaction_finds_what_stateless_does_along_a_trace() -> None:
                                 del where[k]
                     where[m.instance_id] = tuple(p.instance.id for p in m.parts) or (m.instance_id,)
     assert checked > 40 and moved > 0
+
+
+def test_carried_source_keys_equal_keying_every_source_anew() -> None:
+    """With few sources per call (most carried over to the next), the keys a call reuses from the
+    previous call's (`CompactionState.keyed`, where a GPU's state is the same object) give the plan
+    and the next state that keying every source anew gives."""
+    config = CompactionConfig(source_max_request=1.0, max_sources=2, move_pieces=True)
+    cluster = ClusterSnapshot.uniform(invokers=80, gpus_per_invoker=4, memory_mib=40 * GIB)
+    state: CompactionState | None = None
+    where: dict[str, tuple[str, ...]] = {}
+    checked = reused = 0
+    for n, ev in enumerate(dilu_mix(240, seed=6)):
+        if ev.spec is not None:
+            s = ev.spec
+            req = PlacementRequest(
+                instance_id=s.instance, function=s.function, cls=s.cls, request=s.sm_request,
+                limit=s.sm_limit, memory_mib=s.memory_mib, gpus=s.gpus,
+            )
+            d = place(cluster, req, SPLIT)
+            assert d.placed, d.reason
+            cluster = apply_placement(cluster, req, d)
+            where[s.instance] = tuple(p.instance.id for p in d.parts) or (s.instance,)
+        else:
+            for pid in where.pop(ev.instance, ()):
+                cluster = cluster.without_instance(pid)
+        if n % 5 == 4:
+            cached = compaction_plan(cluster, SPLIT, config, state)
+            anew = compaction_plan(cluster, SPLIT, config, None if state is None else replace(state, keyed=None))
+            assert cached.moves == anew.moves and cached.freed == anew.freed, f"event {n}"
+            assert cached.state == anew.state, f"event {n}"
+            assert cached.state is not None and cached.state.keyed is not None
+            if state is not None and state.keyed is not None:
+                reused += len({o for _, o in state.keyed.keys} & {o for _, o in cached.state.keyed.keys})
+            checked += 1
+            cluster, state = cached.cluster, cached.state
+            for m in cached.moves:
+                for old in m.replaces:
+                    for k, ids in list(where.items()):
+                        if old in ids:
+                            del where[k]
+                where[m.instance_id] = tuple(p.instance.id for p in m.parts) or (m.instance_id,)
+    assert checked > 40 and reused > 100

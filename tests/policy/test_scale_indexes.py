@@ -6,6 +6,7 @@ GPU took (`NoFit`)."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from split_testlib import GIB, INF, inst
@@ -37,6 +38,7 @@ from dilu_invoker.policy.placement import (
 from dilu_invoker.policy.types import InstanceClass, PlacedInstance
 
 DILU = PlacementConfig()
+INF_MIB = float("inf")
 
 
 def test_gpu_vector_replace_shares_and_leaves_the_old_one() -> None:
@@ -301,3 +303,146 @@ def test_gang_scores_unlit_invokers_once_per_size_and_count(seed: int, monkeypat
         assert fast == slow
         n_placed += fast.placed
     assert n_placed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_two_piece_window_passes_over_only_invokers_that_cannot_win(seed: int) -> None:
+    """The node-room entries' pair sums and greatest Σ request / Σ limit are those of the invoker's
+    lit GPUs, and an invoker that the two-piece window passes over has no plan of two pieces leaving
+    no more room unused than the best two-piece plan of a plain walk (so split placement, which
+    passes over such invokers, chooses what the plain walk chooses, as the test above checks)."""
+    rng = random.Random(50 + seed)
+    cl = random_cluster(rng, nodes=16)
+    for e in cl.node_room:
+        lit = [g for g in cl.gpus.span(e[1], e[1] + 4) if g.lit]
+        rooms = [g.memory_mib * (1 + 1e-9) - g.used_memory for g in lit]
+        assert e[6] == max(g.used_request for g in lit) and e[7] == max(g.used_limit for g in lit)
+        assert list(e[8]) == sorted(a + b for i, a in enumerate(rooms) for b in rooms[i + 1:])
+        assert e[9] == max(x / (1.0 - g.used_request) if g.used_request < 1.0 else INF_MIB
+                           for x, g in zip(rooms, lit, strict=True))
+        assert e[10] == max(x / (1.5 - g.used_limit) if g.used_limit < 1.5 else INF_MIB
+                            for x, g in zip(rooms, lit, strict=True))
+    config = PlacementConfig(llm_max_parts=rng.choice((2, 3, 4)))
+    filters = tuple(FILTERS[name] for name in config.strategy_spec().filters)
+    passed_over = looked_at = 0
+    for k in range(200):
+        r = rng.choice((0.05, 0.1, 0.3, 0.45, 0.6))
+        q = PlacementRequest(
+            instance_id=f"q{k}", function="llm", cls=InstanceClass.LLM, request=r,
+            limit=min(1.0, r + rng.choice((0.0, 0.2, 0.4))),
+            memory_mib=rng.choice((6.0, 12.0, 20.0, 26.0, 30.0, 45.0)) * GIB,
+        )
+        want = _split_reference(cl, q, config)
+        if want is None or want[0][0] != 2:
+            continue
+        scan = _SplitScan(cl, q, config, filters, config.llm_max_parts)
+        # The best plan's window, and tighter ones (as a walk meets them before the best).
+        for unused in (want[0][1], want[0][1] * 0.5, 0.0):
+            window = q.memory_mib + unused + placement_module._PAIR_SLACK_MIB
+            for e in cl.node_room:
+                if not scan.outside_window(e, window):
+                    looked_at += 1
+                    continue
+                passed_over += 1
+                cands = scan.candidates(e[1], None)
+                found = None if len(cands) < 2 else _split_plan(
+                    cands, q, config, filters, q.memory_mib, min(config.min_part_mib, q.memory_mib),
+                    config.llm_max_parts, cl.gpus,
+                )
+                assert found is None or len(found[0]) > 2 or found[1] > unused
+    assert passed_over and looked_at
+
+
+@pytest.mark.parametrize("names", [
+    ("schedulable", "avoid", "sm-request", "sm-limit", "memory"),
+    ("schedulable", "avoid", "sm-limit-static", "memory"),
+    ("avoid", "sm-request"),
+])
+def test_inline_split_gives_the_filters_verdicts_and_the_plan(names: tuple[str, ...]) -> None:
+    """Split placement's inline pass over a node-room entry says what `_piece_passes` says on the
+    GPU states (pieces at, just under and just over each GPU's capacity and memory room, where
+    rounding decides; draining GPUs; requests avoiding GPUs or invokers or keeping to one), and plans
+    what `_split_plan` plans from `candidates`; another filter is left to `_piece_passes`."""
+    rng = random.Random(len(names))
+    cl = random_cluster(rng, nodes=16)
+    cl = ClusterSnapshot.build(now=0.0, gpus=[
+        GpuState(ref=g.ref, memory_mib=g.memory_mib, instances=g.instances, schedulable=rng.random() > 0.2)
+        for g in cl.gpus
+    ])
+    filters = tuple(FILTERS[n] for n in names)
+    verdicts = {True: 0, False: 0}
+    plans = 0
+    for k in range(60):
+        config = PlacementConfig(llm_max_parts=rng.choice((2, 3, 4)))
+        r = rng.choice((0.05, 0.1, 0.3, 0.45, 0.6))
+        q = PlacementRequest(
+            instance_id=f"q{k}", function="llm", cls=InstanceClass.LLM, request=r,
+            limit=min(1.0, r + rng.choice((0.0, 0.2, 0.4))),
+            memory_mib=rng.choice((6.0, 12.0, 20.0, 26.0, 30.0)) * GIB,
+        )
+        shape = rng.choice(("plain", "gpus", "invokers", "only"))
+        if shape == "gpus":
+            q = replace(q, avoid_gpus=frozenset(rng.sample(cl.refs, 12)))
+        elif shape == "invokers":
+            q = replace(q, avoid_invokers=frozenset(rng.sample(cl.invokers, 4)))
+        elif shape == "only":
+            q = replace(q, only_invoker=rng.choice(cl.invokers))
+        scan = _SplitScan(cl, q, config, filters, config.llm_max_parts)
+        inline = placement_module._InlineSplit.of(scan, q, config, filters, config.llm_max_parts)
+        assert inline is not None
+        caps = dict((o, c) for e in cl.node_room for c, o in scan.candidates(e[1], e))
+        for e in cl.node_room:
+            if q.only_invoker is not None and cl.refs[e[1]].invoker != q.only_invoker:
+                continue  # the walk looks at that invoker only
+            for lr in e[5]:
+                g = cl.gpus[lr[4]]
+                for take in {caps.get(lr[4], lr[0]), lr[0], lr[1], lr[0] * (1 - 1e-15), lr[0] * (1 + 1e-15),
+                             q.memory_mib / 2, 2048.0}:
+                    want = placement_module._piece_passes(g, q, take, config, filters)
+                    assert inline.passes(lr, take) == want
+                    verdicts[want] += 1
+            cands = scan.candidates(e[1], e)
+            planned = None if len(cands) < 2 else _split_plan(
+                cands, q, config, filters, q.memory_mib, min(config.min_part_mib, q.memory_mib),
+                config.llm_max_parts, cl.gpus,
+            )
+            assert inline.plan(e[5]) == planned
+            plans += planned is not None
+    assert verdicts[True] and verdicts[False] and plans
+    other = filters + (FILTERS["priority-pair"],)
+    scan = _SplitScan(cl, q, config, other, 2)
+    assert placement_module._InlineSplit.of(scan, q, config, other, 2) is None
+
+
+def test_split_scan_bounds_equal_the_filters_bounds_on_the_smallest_piece() -> None:
+    """The split scan's Σ-request cut-off (`too_full`), from the size filters' bounds computed
+    inline, equals the one from every filter's bound on the smallest piece built as a request."""
+    import math
+
+    from dilu_invoker.policy.cluster import BUCKETS
+    from dilu_invoker.policy.placement import _part_request
+
+    rng = random.Random(7)
+    cl = random_cluster(rng, nodes=4)
+    for k in range(300):
+        names = rng.choice([
+            ("schedulable", "avoid", "sm-request", "sm-limit", "memory"),
+            ("schedulable", "avoid", "sm-limit-static", "memory"),
+            ("avoid", "sm-request", "sm-limit-static", "exclusive"),
+            ("memory",),
+        ])
+        filters = tuple(FILTERS[n] for n in names)
+        config = PlacementConfig(omega=rng.choice((1.0, 0.8)), gamma=rng.choice((1.5, 1.0, 2.0)),
+                                 min_part_mib=rng.choice((2048.0, 4096.0, 512.0)))
+        r = rng.choice((0.05, 0.1, 0.3, 0.45, 0.6, 0.9))
+        q = PlacementRequest(
+            instance_id=f"q{k}", function="llm", cls=InstanceClass.LLM, request=r,
+            limit=min(1.0, r + rng.choice((0.0, 0.2, 0.4))),
+            memory_mib=rng.choice((1.0, 6.0, 20.0, 30.0)) * GIB,
+        )
+        min_part = min(config.min_part_mib, q.memory_mib)
+        piece = _part_request(q, min_part, 0)
+        bound = min((f.bound(piece, config) for f in filters if f.bound is not None), default=math.inf)
+        kmax = BUCKETS if bound == math.inf else (-1 if bound < -1e-9 else min(BUCKETS, math.floor((bound + 1e-9) * BUCKETS)))
+        want = (kmax + 1 - 1e-9) / BUCKETS if kmax < BUCKETS else math.inf
+        assert _SplitScan(cl, q, config, filters, 4).too_full == want
