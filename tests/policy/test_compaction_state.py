@@ -5,6 +5,7 @@ could use, and the moves equal those of a call without the state."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 from split_testlib import GIB, INF, LLM, SPLIT, inst
@@ -134,6 +135,35 @@ def test_split_llm_source_is_retried_when_its_node_gains_room_for_the_pieces() -
     assert A0 in plan.freed
 
 
+def _replay(cluster: ClusterSnapshot, where: dict[str, tuple[str, ...]], ev: Any) -> ClusterSnapshot:
+    """One trace event: a create placed (the cluster is big enough for the trace), a delete removed with
+    every piece it was split into; ``where`` maps an instance to its placed ids."""
+    if ev.spec is not None:
+        s = ev.spec
+        req = PlacementRequest(
+            instance_id=s.instance, function=s.function, cls=s.cls, request=s.sm_request,
+            limit=s.sm_limit, memory_mib=s.memory_mib, gpus=s.gpus,
+        )
+        d = place(cluster, req, SPLIT)
+        assert d.placed, d.reason
+        where[s.instance] = tuple(p.instance.id for p in d.parts) or (s.instance,)
+        return apply_placement(cluster, req, d)
+    for pid in where.pop(ev.instance, ()):
+        cluster = cluster.without_instance(pid)
+    return cluster
+
+
+def _follow(where: dict[str, tuple[str, ...]], moves: Any) -> None:
+    """Compaction's moves: what a move replaces is forgotten, the moved instance's placed ids recorded."""
+    for m in moves:
+        if m.replaces or m.parts:
+            for old in m.replaces:
+                for k, ids in list(where.items()):
+                    if old in ids:
+                        del where[k]
+            where[m.instance_id] = tuple(p.instance.id for p in m.parts) or (m.instance_id,)
+
+
 def test_stateful_compaction_finds_what_stateless_does_along_a_trace() -> None:
     """Replay a small Dilu-mix trace; at every compaction point the plan with the carried state and a
     plan from scratch make the same moves (no cap on sources, so both try every candidate)."""
@@ -143,19 +173,7 @@ def test_stateful_compaction_finds_what_stateless_does_along_a_trace() -> None:
     where: dict[str, tuple[str, ...]] = {}
     checked = moved = 0
     for n, ev in enumerate(dilu_mix(240, seed=5)):
-        if ev.spec is not None:
-            s = ev.spec
-            req = PlacementRequest(
-                instance_id=s.instance, function=s.function, cls=s.cls, request=s.sm_request,
-                limit=s.sm_limit, memory_mib=s.memory_mib, gpus=s.gpus,
-            )
-            d = place(cluster, req, SPLIT)
-            assert d.placed, d.reason  # the cluster is big enough for the trace
-            cluster = apply_placement(cluster, req, d)
-            where[s.instance] = tuple(p.instance.id for p in d.parts) or (s.instance,)
-        else:
-            for pid in where.pop(ev.instance, ()):
-                cluster = cluster.without_instance(pid)
+        cluster = _replay(cluster, where, ev)
         if n % 7 == 6:
             with_state = compaction_plan(cluster, SPLIT, config, state)
             fresh = compaction_plan(cluster, SPLIT, config)
@@ -165,13 +183,7 @@ def test_stateful_compaction_finds_what_stateless_does_along_a_trace() -> None:
             checked += 1
             moved += len(with_state.moves)
             cluster, state = with_state.cluster, with_state.state
-            for m in with_state.moves:
-                if m.replaces or m.parts:
-                    for old in m.replaces:
-                        for k, ids in list(where.items()):
-                            if old in ids:
-                                del where[k]
-                    where[m.instance_id] = tuple(p.instance.id for p in m.parts) or (m.instance_id,)
+            _follow(where, with_state.moves)
     assert checked > 40 and moved > 0
 
 
@@ -185,19 +197,7 @@ def test_carried_source_keys_equal_keying_every_source_anew() -> None:
     where: dict[str, tuple[str, ...]] = {}
     checked = reused = 0
     for n, ev in enumerate(dilu_mix(240, seed=6)):
-        if ev.spec is not None:
-            s = ev.spec
-            req = PlacementRequest(
-                instance_id=s.instance, function=s.function, cls=s.cls, request=s.sm_request,
-                limit=s.sm_limit, memory_mib=s.memory_mib, gpus=s.gpus,
-            )
-            d = place(cluster, req, SPLIT)
-            assert d.placed, d.reason
-            cluster = apply_placement(cluster, req, d)
-            where[s.instance] = tuple(p.instance.id for p in d.parts) or (s.instance,)
-        else:
-            for pid in where.pop(ev.instance, ()):
-                cluster = cluster.without_instance(pid)
+        cluster = _replay(cluster, where, ev)
         if n % 5 == 4:
             cached = compaction_plan(cluster, SPLIT, config, state)
             anew = compaction_plan(cluster, SPLIT, config, None if state is None else replace(state, keyed=None))
@@ -208,10 +208,5 @@ def test_carried_source_keys_equal_keying_every_source_anew() -> None:
                 reused += len({o for _, o in state.keyed.keys} & {o for _, o in cached.state.keyed.keys})
             checked += 1
             cluster, state = cached.cluster, cached.state
-            for m in cached.moves:
-                for old in m.replaces:
-                    for k, ids in list(where.items()):
-                        if old in ids:
-                            del where[k]
-                where[m.instance_id] = tuple(p.instance.id for p in m.parts) or (m.instance_id,)
+            _follow(where, cached.moves)
     assert checked > 40 and reused > 100
