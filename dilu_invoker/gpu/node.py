@@ -22,7 +22,7 @@ import os
 import shutil
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -118,8 +118,10 @@ def _weights_of(node: str, function: str, needs: GpuNeeds, revision: str | None,
     return weights_group(node, function, revision), needs.weights_mb
 
 
+@cache
 def pid_ranges_available() -> bool:
-    """Whether this kernel lets the sandbox give each PID namespace its own PID range (``ns_last_pid``)."""
+    """Whether this kernel lets the sandbox give each PID namespace its own PID range (``ns_last_pid``);
+    asked once per process (a kernel feature does not come or go)."""
     return Path("/proc/sys/kernel/ns_last_pid").exists()
 
 
