@@ -37,6 +37,8 @@ class Kind(enum.IntEnum):
     RESULT_NOT_JSON = 22  # payload: UTF-8 message saying why the result could not be encoded
     BAD_REQUEST = 23  # payload: UTF-8 message; the run body was not usable
     PRELOADED = 30  # unsolicited (request id 0), once: JSON {modules, missing, cuda, ms} of the pre-load
+    RUN_IMPORTS = 31  # unsolicited (request id 0), at most once, just before the first run's result: JSON list of
+    # the top-level installed modules that run imported first (those `main` imports lazily)
 
 
 def pack(kind: Kind, request_id: int, payload: bytes = b"") -> bytes:

@@ -192,6 +192,8 @@ class WorkerProcess:
         self._reader_task: asyncio.Task[None] | None = None
         #: what the worker pre-loaded (its PRELOADED frame), None until it says (or when it pre-loads nothing)
         self.preload: dict[str, Any] | None = None
+        #: installed modules the action's first run imported first (its RUN_IMPORTS frame)
+        self.run_imports: list[str] = []
 
     async def start(self) -> None:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -257,6 +259,11 @@ class WorkerProcess:
         if kind == Kind.PRELOADED:
             with contextlib.suppress(ValueError):
                 self.preload = json.loads(payload)
+            return
+        if kind == Kind.RUN_IMPORTS:
+            with contextlib.suppress(ValueError):
+                names = json.loads(payload)
+                self.run_imports = [str(name) for name in names] if isinstance(names, list) else []
             return
         pending = self._pending.pop(request_id, None)
         if pending is None:
@@ -574,6 +581,7 @@ class Runtime:
                 "active_runs": worker.pending_runs() if worker else 0,
                 "preload": self._preload_state(),
                 "imports": self.imports,
+                "run_imports": worker.run_imports if worker else [],
             }
         )
 

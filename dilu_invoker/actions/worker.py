@@ -76,6 +76,8 @@ class Worker:
         self._main: Callable[[Any], Any] | None = None
         #: top-level installed modules the action's module imported (reported with INIT_OK)
         self.imports: list[str] = []
+        #: sys.modules before the action's module was imported; None once the first run's imports were reported
+        self._before_init: set[str] | None = None
         #: the MPS thread cap (percent, as in the environment) a pre-loaded CUDA context was made at
         self.context_cap: str | None = None
 
@@ -171,6 +173,7 @@ class Worker:
         if not callable(main):
             raise InitFailure(Kind.INIT_START_ERROR, f"The action has no function named '{main_name}'.")
         self.imports = installed_imports(before, self._action_dir)
+        self._before_init = before
         return main
 
     # -- /run ---------------------------------------------------------------------------------------
@@ -203,7 +206,21 @@ class Worker:
             result = {"error": str(exc)}
         kind, out = _encode_result(result)
         _end_activation_output()
+        self._report_run_imports()
         self._send(kind, request_id, out)
+
+    def _report_run_imports(self) -> None:
+        """Once, after the first run: the installed modules it imported first (a `main` that imports its
+        libraries lazily), sent before its result so the proxy knows them when the invoker asks."""
+        before, self._before_init = self._before_init, None
+        if before is None:
+            return
+        try:
+            late = [name for name in installed_imports(before, self._action_dir) if name not in self.imports]
+        except RuntimeError:  # sys.modules changed under a concurrent run: nothing reported
+            return
+        if late:
+            self._send(Kind.RUN_IMPORTS, 0, json.dumps(late).encode())
 
 
 def installed_imports(before: set[str], action_dir: str) -> list[str]:

@@ -224,6 +224,32 @@ async def test_learns_installed_modules_actions_import(invoker: Invoker) -> None
     assert invoker.preload.modules_for("python:3") == ("decimal", "msgpack", "structlog")
 
 
+async def test_learns_modules_main_imports_lazily_after_the_first_run(invoker: Invoker) -> None:
+    """A `main` that imports its library on its first call (common for heavy libraries): /init reports
+    nothing new, the first run reports it (before its result) and the invoker learns it from that."""
+    await _ready(invoker)
+    code = "def main(a):\n    import msgpack\n    return {'packed': len(msgpack.packb([1, 2]))}\n"
+    result = await invoker.run(_req(_action(code, "lazy")))
+    assert result.response.result == {"packed": 3}
+    assert invoker.preload is not None
+    for _ in range(100):
+        if "msgpack" in invoker.preload.modules_for("python:3"):
+            break
+        await asyncio.sleep(0.05)
+    assert invoker.preload.modules_for("python:3") == ("decimal", "msgpack")
+    proxy = next(p for p in invoker.pool.containers.values() if p.action.name == "lazy")
+    assert proxy.run_imports_learnt and proxy.container is not None
+    async with aiohttp.ClientSession() as s, s.get(f"{proxy.container.url}/health", headers={
+            "X-Dilu-Runtime-Secret": proxy.container.secret or ""}) as r:
+        health = await r.json()
+    assert health["imports"] == [] and health["run_imports"] == ["msgpack"]
+    # Reported once: a second run of the same container neither reports nor counts it again.
+    again = await invoker.run(_req(_action(code, "lazy")))
+    assert again.response.result == {"packed": 3}
+    await asyncio.sleep(0.2)
+    assert invoker.preload._learnt["python:3"]["msgpack"] == 1
+
+
 def test_manifest_preload_lists_are_checked() -> None:
     assert Manifest.load(_manifest(["torch", "a.b"])).runtimes["python:3"].preload == ("torch", "a.b")
     assert Manifest.load(_manifest(None)).runtimes["python:3"].preload is None

@@ -180,6 +180,8 @@ class ContainerProxy:
     output: Output | None = None
     #: started from a pre-loaded container (its libraries were imported before the action's /init)
     preloaded: bool = False
+    #: what its first finished run imported was asked for (the invoker learns pre-loads from it)
+    run_imports_learnt: bool = False
     #: resolved once, by :meth:`transition`: None when READY, else the failure (an activation response, or
     #: the removal's reason when there is none)
     ready: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())

@@ -344,6 +344,10 @@ class Invoker:
                 release_reason = "runtime is shutting down"
                 return None
             healthy = outcome.keeps_container and not outcome.timed_out
+            if healthy and not proxy.run_imports_learnt and proxy.container is not None \
+                    and self.preload is not None and self.preload.covers(runtime.kind):
+                proxy.run_imports_learnt = True
+                self._in_background(self._learn_imports(runtime.kind, proxy.container, "run_imports"))
             release_reason = "" if healthy else (
                 "timed out" if outcome.timed_out else f"activation failed with status {outcome.status_code}")
             response = ActivationResponse(ActivationStatus(outcome.status_code), outcome.result, outcome.size)
@@ -524,14 +528,16 @@ class Invoker:
                  modules=list(taken.modules))
         return taken
 
-    async def _learn_imports(self, kind: str, container: Container) -> None:
+    async def _learn_imports(self, kind: str, container: Container, field: str = "imports") -> None:
+        """Learn from the runtime's /health what the action imported: ``imports`` at /init, ``run_imports``
+        what its first run imported first (libraries `main` imports lazily)."""
         headers = {"X-Dilu-Runtime-Secret": container.secret} if container.secret else {}
         with contextlib.suppress(Exception):
             async with self._session.get(f"{container.url}/health", headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 body = await resp.json(content_type=None)
-            if self.preload is not None and isinstance(body.get("imports"), list):
-                self.preload.learn(kind, body["imports"])
+            if self.preload is not None and isinstance(body.get(field), list) and body[field]:
+                self.preload.learn(kind, body[field])
 
     def _in_background(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(coro)
