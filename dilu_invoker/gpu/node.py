@@ -22,7 +22,7 @@ import os
 import shutil
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -118,13 +118,6 @@ def _weights_of(node: str, function: str, needs: GpuNeeds, revision: str | None,
     return weights_group(node, function, revision), needs.weights_mb
 
 
-@cache
-def pid_ranges_available() -> bool:
-    """Whether this kernel lets the sandbox give each PID namespace its own PID range (``ns_last_pid``);
-    asked once per process (a kernel feature does not come or go)."""
-    return Path("/proc/sys/kernel/ns_last_pid").exists()
-
-
 @dataclass(slots=True)
 class _Attached:
     spec: InstanceSpec
@@ -171,6 +164,7 @@ class GpuNode:
         utilization: Callable[[GpuDevice], float | None] | None = None,
         observers: tuple[Callable[[TickRecord], None], ...] = (),
         mps: MpsSupervisor | None = None,
+        distinct_pids: bool = True,
     ) -> None:
         if backend == "docker" and docker_gpu_mode not in DOCKER_GPU_MODES:
             raise ValueError(f"docker GPU mode must be one of {DOCKER_GPU_MODES}, not {docker_gpu_mode!r}")
@@ -181,6 +175,8 @@ class GpuNode:
         self.no_gpu_reason = no_gpu_reason if not self.devices else ""
         self.root = Path(shm_dir) / node
         self.backend = backend
+        #: the backend's word: its containers' workers never read the same PID (`ProcessBackend.distinct_pids`)
+        self.distinct_pids = distinct_pids
         self.docker_gpu_mode = docker_gpu_mode
         self.gamma = gamma
         self.omega = omega
@@ -229,6 +225,7 @@ class GpuNode:
         redis: aioredis.Redis | None = None,
         backend: str = "process",
         registry: CollectorRegistry | None = None,
+        distinct_pids: bool = True,
     ) -> GpuNode:
         """Discovery (NVML, or ``--gpu-inventory``), budgets on ``redis`` and metrics in ``registry``."""
         from dilu_invoker.gpu.devices import discover, sm_utilization
@@ -278,7 +275,7 @@ class GpuNode:
             backend=backend, docker_gpu_mode=cfg.invoker.docker_gpu_mode, shim_library=g.shim_path,
             budgets=budgets, gamma=g.gamma, reservation_ttl_s=g.reservation_ttl_s,
             period_s=g.manager_period_ms / 1000, metrics=metrics, utilization=sm_utilization,
-            vertical=g.vertical(),
+            vertical=g.vertical(), distinct_pids=distinct_pids,
         )
 
     # -- state -------------------------------------------------------------------------------------
@@ -345,9 +342,8 @@ class GpuNode:
     @property
     def _same_pids(self) -> bool:
         """The node's GPU containers are MPS clients in PID namespaces of their own (shared-uid isolation)
-        whose PIDs may read the same: the kernel has no ``ns_last_pid`` for the sandbox's PID ranges."""
-        return self.mps is not None and self.mps.shared_uid and bool(self.mps.daemons) \
-            and not pid_ranges_available()
+        whose PIDs may read the same: the backend cannot give them PID ranges of their own."""
+        return self.mps is not None and self.mps.shared_uid and bool(self.mps.daemons) and not self.distinct_pids
 
     def _choose_policies(self) -> None:
         """Each GPU's vertical policy, now that its sharing mode is known (`resolve_vertical`): logged and in

@@ -271,6 +271,33 @@ def test_clients_whose_pids_read_the_same_count_every_copy() -> None:
     assert _weights_of("invoker0", "guest/m", needs, None, "process") is None  # no revision: no sharing
 
 
+@pytest.mark.parametrize("distinct_pids", [True, False])
+async def test_the_backend_says_whether_isolated_mps_clients_can_share(make_node: NodeFactory, redis: aioredis.Redis,
+                                                                       tmp_path: Path, distinct_pids: bool) -> None:
+    """Between MPS clients kept apart by PID namespaces (one uid per GPU's daemon) the weights count once only
+    when the backend gives its containers PIDs of their own (`ProcessBackend.distinct_pids`)."""
+    from dilu_invoker.gpu.mps import MpsMode, MpsSupervisor
+
+    fake = str(Path(__file__).resolve().parent / "fakes" / "nvidia-cuda-mps-control")
+    sup = MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "mps", gpus=((0, "GPU-wn-0"),), control=fake,
+                        check_every_s=3600, shared_uid=True)
+    budgets = GpuBudgets(redis, prefix=f"tdp{int(distinct_pids)}:")
+    node = await make_node(budgets=budgets, mps=sup, distinct_pids=distinct_pids)
+    assert node.mps is not None and node.mps.daemons
+    assert await node.attach("a", LLM, llm(memory_mb=4000, weights_mb=3000), revision="1-abc") is not None
+    assert await node.attach("b", LLM, llm(memory_mb=4000, weights_mb=3000), revision="1-abc") is not None
+    assert (await _budget(budgets)).sum_memory_mb == (5000 if distinct_pids else 8000)
+
+
+def test_the_process_backend_gives_mps_clients_pid_ranges_where_it_can() -> None:
+    from dilu_invoker.invoker.dataplane.backends.process import ProcessBackend
+
+    backend = ProcessBackend(isolation="off")
+    assert backend.distinct_pids is backend.sandboxes.member_pid_ranges
+    backend.sandboxes.member_pid_ranges = False
+    assert backend.distinct_pids is False
+
+
 async def test_kept_weights_release_the_compute_and_keep_only_the_weights(make_node: NodeFactory,
                                                                           redis: aioredis.Redis) -> None:
     """Staged exit: a kept instance holds its weights alone (no SM), the next instance of its revision needs

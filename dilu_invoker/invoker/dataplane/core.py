@@ -862,7 +862,8 @@ async def open_invoker(
     if gpu is None:
         # NVML discovery can take a while on a big host: off the event loop.
         gpu_node = await asyncio.to_thread(GpuNode.from_config, cfg, redis=redis, backend=backend.name,
-                                           registry=metrics.registry)
+                                           registry=metrics.registry,
+                                           distinct_pids=getattr(backend, "distinct_pids", True))
         await gpu_node.start()
         gpu = gpu_node
     invoker = Invoker(cfg, manifest=manifest, backend=backend, session=session, gpu=gpu, metrics=metrics)

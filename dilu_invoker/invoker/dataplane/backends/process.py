@@ -135,6 +135,13 @@ class ProcessBackend:
         self.sandboxes = Sandboxes(mode=isolation, uid_range=parse_uid_range(uid_range), work_dir=work_dir,
                                    hide=hide)
 
+    @property
+    def distinct_pids(self) -> bool:
+        """Whether the workers of two containers always have different PIDs as they see them (what a CUDA IPC
+        handle names its exporter by): yes, except for MPS clients in PID namespaces of their own without
+        the sandbox's PID ranges."""
+        return self.sandboxes.member_pid_ranges
+
     @staticmethod
     def uid_group(env: dict[str, str]) -> UidGroup | None:
         """The MPS clients of one GPU's daemon share a uid (an MPS daemon serves one uid at a time)."""

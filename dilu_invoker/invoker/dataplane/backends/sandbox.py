@@ -524,6 +524,9 @@ class Sandboxes:
         self._pid_slots: dict[str, set[int]] = {}  # UidGroup.key -> the PID slots its live members hold
         self._sh = shutil.which("sh")
         self._group_lock = asyncio.Lock()
+        #: members of one uid group get PID ranges of their own (a shell to set ``ns_last_pid`` with, on a
+        #: kernel that has it); without them every member's worker reads the same PID in its namespace
+        self.member_pid_ranges = self._sh is not None and Path("/proc/sys/kernel/ns_last_pid").exists()
         self.cgroups: Cgroups | None = None
         self.cgroup_note = "not used"
         self.work_root.mkdir(parents=True, exist_ok=True)
@@ -687,7 +690,7 @@ class Sandboxes:
                       group=group.key)
         # As root, in the new namespace, before the uid drops: where its PIDs start (see the module docstring).
         last_pid: tuple[str, ...] = ()
-        if self._sh is not None:
+        if self.member_pid_ranges and self._sh is not None:
             box.pid_slot = self._take_pid_slot(group.key)
             last_pid = (self._sh, "-c", _SET_LAST_PID, str(PID_SLOT_SIZE * (box.pid_slot + 1)))
         box.prefix = (self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", *last_pid,
