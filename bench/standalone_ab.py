@@ -32,7 +32,8 @@ def rev_of(tree: str) -> str:
     out = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
-    return (out.stdout.strip() or "?") + ("+changes" if dirty else "")
+    # Without a .git (a copied tree, as on the GPU machine) the tree is named by its directory.
+    return (out.stdout.strip() or Path(tree).resolve().name) + ("+changes" if dirty else "")
 
 
 def pct(values: list[float], q: float) -> float:

@@ -9,7 +9,7 @@ import socket
 import textwrap
 import time
 import tracemalloc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from dilu_invoker.invoker.dataplane.runtime_client import (
     ActivationContext,
     ActivationLogReader,
     ActivationStatus,
+    RunConnections,
     RuntimeClient,
     RuntimeOutcome,
     build_init_body,
@@ -54,6 +55,18 @@ INVALID = "The action did not produce a valid JSON or JSON Array response"
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+ClientFactory = Callable[[str], RuntimeClient]
+
+
+@pytest.fixture(params=["aiohttp", "kept"])
+async def make_client(request: pytest.FixtureRequest, http: aiohttp.ClientSession) -> AsyncIterator[ClientFactory]:
+    """/run through aiohttp (any runtime) and through the kept connections (the project's own runtime)."""
+    connections = RunConnections() if request.param == "kept" else None
+    yield lambda url: RuntimeClient(http, url, connections=connections)
+    if connections is not None:
+        connections.close()
 
 
 def code(source: str) -> str:
@@ -369,11 +382,11 @@ SCENARIO_SOURCE = code(
 
 
 @RUNTIMES
-async def test_contract_rows_through_the_client(http: aiohttp.ClientSession, module: str) -> None:
+async def test_contract_rows_through_the_client(http: aiohttp.ClientSession, make_client: ClientFactory, module: str) -> None:
     async with running_runtime(module, frames=False) as rt:
         assert rt.process.stdout is not None and rt.process.stderr is not None
         reader = ActivationLogReader(rt.process.stdout, rt.process.stderr)
-        client = RuntimeClient(http, rt.url)
+        client = make_client(rt.url)
 
         collection = reader.start(limit_bytes=1 << 20)
         early = await client.run(build_run_body({}, context()), 10)
@@ -453,33 +466,33 @@ async def test_init_gives_up_at_the_timeout(http: aiohttp.ClientSession) -> None
     assert outcome.result == {"error": "The action exceeded its time limits of 300 milliseconds during initialization."}
 
 
-async def test_run_is_not_retried(http: aiohttp.ClientSession) -> None:
-    client = RuntimeClient(http, f"http://127.0.0.1:{free_port()}")
+async def test_run_is_not_retried(http: aiohttp.ClientSession, make_client: ClientFactory) -> None:
+    client = make_client(f"http://127.0.0.1:{free_port()}")
     outcome = await client.run(build_run_body({}, context()), 30)
     assert outcome.result == {"error": MSG_ABNORMAL_RUN}
     assert not outcome.timed_out
 
 
-async def test_run_and_init_timeouts(http: aiohttp.ClientSession) -> None:
+async def test_run_and_init_timeouts(http: aiohttp.ClientSession, make_client: ClientFactory) -> None:
     hang_in_main = "import time\n\ndef main(args):\n    time.sleep(3600)\n"
     async with running_runtime(args=["--shutdown-grace-s", "0"]) as rt:
-        client = RuntimeClient(http, rt.url)
+        client = make_client(rt.url)
         assert (await client.init(init_payload(hang_in_main), 10)).ok
         outcome = await client.run(build_run_body({}, context()), 0.5)
         assert outcome.timed_out and outcome.status_code is S.DEVELOPER_ERROR
         assert outcome.result == {"error": "The action exceeded its time limits of 500 milliseconds."}
     async with running_runtime(args=["--shutdown-grace-s", "0"]) as rt:
-        outcome = await RuntimeClient(http, rt.url).init(init_payload("import time\ntime.sleep(3600)\n"), 0.5)
+        outcome = await make_client(rt.url).init(init_payload("import time\ntime.sleep(3600)\n"), 0.5)
         assert outcome.timed_out
         assert outcome.result == {
             "error": "The action exceeded its time limits of 500 milliseconds during initialization."
         }
 
 
-async def test_oversized_result_from_a_live_runtime(http: aiohttp.ClientSession) -> None:
+async def test_oversized_result_from_a_live_runtime(http: aiohttp.ClientSession, make_client: ClientFactory) -> None:
     source = "def main(args):\n    return {'blob': 'x' * args['n']}\n"
     async with running_runtime() as rt:
-        client = RuntimeClient(http, rt.url)
+        client = make_client(rt.url)
         await client.init(init_payload(source), 10)
         n = 3 * DEFAULT_MAX_RESULT_BYTES
         outcome = await client.run(build_run_body({"n": n}, context()), 30)
@@ -495,10 +508,10 @@ async def test_oversized_result_from_a_live_runtime(http: aiohttp.ClientSession)
         assert (await client.run(build_run_body({"n": 3}, context()), 10)).result == {"blob": "xxx"}
 
 
-async def test_a_crashing_action_and_a_dead_runtime(http: aiohttp.ClientSession) -> None:
+async def test_a_crashing_action_and_a_dead_runtime(http: aiohttp.ClientSession, make_client: ClientFactory) -> None:
     source = "import ctypes\n\ndef main(args):\n    ctypes.string_at(0)\n"
     async with running_runtime() as rt:
-        client = RuntimeClient(http, rt.url)
+        client = make_client(rt.url)
         await client.init(init_payload(source), 10)
         crashed = await client.run(build_run_body({}, context()), 10)
         assert crashed.result == {"error": "command exited"} and not crashed.keeps_container
@@ -508,7 +521,7 @@ async def test_a_crashing_action_and_a_dead_runtime(http: aiohttp.ClientSession)
         assert gone.result == {"error": MSG_ABNORMAL_RUN}
 
 
-async def test_shutting_down_runtime_asks_for_a_reschedule(http: aiohttp.ClientSession, tmp_path: Path) -> None:
+async def test_shutting_down_runtime_asks_for_a_reschedule(http: aiohttp.ClientSession, make_client: ClientFactory, tmp_path: Path) -> None:
     release = tmp_path / "go"
     source = code(
         f"""
@@ -521,7 +534,7 @@ async def test_shutting_down_runtime_asks_for_a_reschedule(http: aiohttp.ClientS
         """
     )
     async with running_runtime(args=["--shutdown-grace-s", "60"]) as rt:
-        client = RuntimeClient(http, rt.url)
+        client = make_client(rt.url)
         await client.init(init_payload(source), 10)
         busy = asyncio.create_task(client.run(build_run_body({}, context()), 60))
         await wait_for_active_runs(http, rt.url, 1)
@@ -704,3 +717,76 @@ async def test_init_stops_retrying_once_the_runtime_has_exited(http: aiohttp.Cli
     assert not outcome.timed_out
     assert outcome.result == {"error": MSG_ABNORMAL_INIT}
     assert outcome.elapsed_s < 20
+
+
+# -- kept connections for /run ----------------------------------------------------------------------------------
+
+
+async def _raw_server(answers: list[bytes]) -> tuple[asyncio.Server, list[int], str]:
+    """A loopback server answering each request (read to its body) with the next of ``answers``; counts the
+    connections it accepted."""
+    accepted: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        try:
+            while answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                writer.write(answers.pop(0))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, accepted, f"http://127.0.0.1:{port}"
+
+
+def _answer(body: bytes, *extra: str) -> bytes:
+    head = "".join(f"{h}\r\n" for h in extra)
+    return f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+async def test_kept_connections_are_reused_and_close_where_the_answer_says(http: aiohttp.ClientSession) -> None:
+    answers = [_answer(b'{"a":1}'), _answer(b'{"a":2}'), _answer(b'{"a":3}', "Connection: close"), _answer(b'{"a":4}')]
+    server, accepted, url = await _raw_server(answers)
+    connections = RunConnections()
+    client = RuntimeClient(http, url, connections=connections, secret="s3")
+    try:
+        results = [(await client.run(build_run_body({}, context()), 5)).result for _ in range(4)]
+        assert results == [{"a": 1}, {"a": 2}, {"a": 3}, {"a": 4}]
+        assert len(accepted) == 2  # one connection until the answer that closed it
+        connections.discard(*client.address)
+        assert not connections._idle
+    finally:
+        connections.close()
+        server.close()
+
+
+@pytest.mark.parametrize(("answer", "reused"), [
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\n{\"a\":1}\r\n0\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", True),
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 7\r\n\r\n{\"a\":1}", False),
+    (b"garbage\r\n\r\n", False),
+], ids=["chunked", "empty", "http-1.0", "garbage"])
+async def test_kept_connections_map_odd_answers_as_aiohttp_does(http: aiohttp.ClientSession, answer: bytes,
+                                                                reused: bool) -> None:
+    server, accepted, url = await _raw_server([answer, _answer(b'{"next":true}')])
+    connections = RunConnections()
+    kept = RuntimeClient(http, url, connections=connections)
+    try:
+        outcome = await kept.run(build_run_body({}, context()), 5)
+        if answer.startswith(b"HTTP/1.0"):
+            assert outcome.result == {"a": 1}
+        else:  # no usable entity: OpenWhisk's "no response"
+            assert outcome.result == {"error": MSG_ABNORMAL_RUN}
+        assert (await kept.run(build_run_body({}, context()), 5)).result == {"next": True}
+        assert len(accepted) == (1 if reused else 2)
+    finally:
+        connections.close()
+        server.close()

@@ -44,12 +44,14 @@ from dilu_invoker.invoker.dataplane.runtime_client import (
     ActivationLogReader,
     ActivationLogs,
     LogCollection,
+    RunConnections,
     RuntimeClient,
     RuntimeOutcome,
     build_init_body,
     build_run_body,
     encode_body,
     models_key,
+    url_address,
 )
 from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
 from dilu_invoker.logs import bind_activation, reset_activation
@@ -126,6 +128,8 @@ class Invoker:
         self.gpu = gpu
         self.metrics = metrics or InvokerMetrics()
         self._session = session
+        #: kept connections for the /run of the project's own runtimes (the warm path's HTTP hop)
+        self._run_connections = RunConnections()
         self.instance_id = cfg.invoker.id
         self.name = f"invoker{self.instance_id}"
         self._enabled = True
@@ -596,7 +600,8 @@ class Invoker:
         assert proxy.container is not None
         action = req.action
         client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
-                               secret=proxy.container.secret)
+                               secret=proxy.container.secret,
+                               connections=self._run_connections if proxy.spec.own_runtime else None)
         value = req.content
         if isinstance(value, dict) and req.init_args:
             value = {k: v for k, v in value.items() if k not in req.init_args}
@@ -662,6 +667,9 @@ class Invoker:
         self._forget_gpu_load(proxy)
         container = container or proxy.container
         log.debug("destroying container", container=proxy.name, handle=container is not None)
+        if container is not None:
+            with contextlib.suppress(ValueError):
+                self._run_connections.discard(*url_address(container.url))
         if proxy.output is not None:
             await proxy.output.close()
         if container is not None:
@@ -812,6 +820,7 @@ class Invoker:
         if self.preload is not None:
             await self.preload.close()
         await self.pool.close(drain_s=drain_s)
+        self._run_connections.close()
         for task in list(self._background):
             task.cancel()
         if self._background:
