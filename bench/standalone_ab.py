@@ -29,11 +29,12 @@ from bench.standalone import GUEST, NOOP, free_port, wait_http
 
 
 def rev_of(tree: str) -> str:
+    if not (Path(tree) / ".git").exists():  # not a checkout of its own (a copied or archived tree): its directory
+        return Path(tree).resolve().name
     out = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
-    # Without a .git (a copied tree, as on the GPU machine) the tree is named by its directory.
-    return (out.stdout.strip() or Path(tree).resolve().name) + ("+changes" if dirty else "")
+    return (out.stdout.strip() or "?") + ("+changes" if dirty else "")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -47,7 +48,9 @@ async def run(trees: list[str], batches: int, per: int) -> dict[str, list[float]
     servers: list[tuple[subprocess.Popen[bytes], int]] = []
     for tree in trees:
         port = free_port()
-        env = {**os.environ, "PYTHONPATH": tree, "DILU_LOG_LEVEL": "warning"}
+        inherited = os.environ.get("PYTHONPATH")  # where the dependencies may live (the GPU machine's wheels)
+        env = {**os.environ, "PYTHONPATH": tree + (os.pathsep + inherited if inherited else ""),
+               "DILU_LOG_LEVEL": "warning"}
         proc = subprocess.Popen([sys.executable, "-m", "dilu_invoker", "standalone", "--data-dir",
                                  tempfile.mkdtemp(prefix="dilu-ab-"), "--api-port", str(port)],
                                 env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
