@@ -225,13 +225,23 @@ class Worker:
 
 def installed_imports(before: set[str], action_dir: str) -> list[str]:
     """Top-level modules imported since ``before`` that are installed packages (site-packages), not the
-    action's own files nor its virtualenv: what a pre-loaded worker of the kind could import ahead."""
+    action's own files nor its virtualenv: what a pre-loaded worker of the kind could import ahead. The
+    packages the action imported itself come first: importlib moves a module to the end of ``sys.modules``
+    once it has finished loading, so a package ends after every dependency it pulled in, and the newest
+    finished are read first (``import transformers`` reports ``transformers`` before the dozens it imports,
+    which the bounded list would otherwise cut it from)."""
     roots = installed_roots()
     own = os.path.realpath(action_dir) + os.sep
-    names: set[str] = set()
-    for name in set(sys.modules) - before:
+    names: list[str] = []
+    seen: set[str] = set()
+    for name in reversed(list(sys.modules)):
+        if name in before:
+            continue
         top = name.partition(".")[0]
-        if top in names or top == MODULE_NAME or top.startswith("_") or not top.isidentifier():
+        if top in seen:
+            continue
+        seen.add(top)
+        if top == MODULE_NAME or top.startswith("_") or not top.isidentifier():
             continue
         module = sys.modules.get(top)
         path = getattr(module, "__file__", None)
@@ -240,8 +250,10 @@ def installed_imports(before: set[str], action_dir: str) -> list[str]:
         real = os.path.realpath(path)
         if real.startswith(own) or not real.startswith(roots):
             continue
-        names.add(top)
-    return sorted(names)[:MAX_REPORTED_IMPORTS]
+        names.append(top)
+        if len(names) >= MAX_REPORTED_IMPORTS:
+            break
+    return names
 
 
 def preload(modules: list[str], *, cuda: bool) -> dict[str, Any]:

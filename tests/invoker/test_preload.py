@@ -250,6 +250,21 @@ async def test_learns_modules_main_imports_lazily_after_the_first_run(invoker: I
     assert invoker.preload._learnt["python:3"]["msgpack"] == 1
 
 
+async def test_the_package_an_action_imports_is_learnt_before_what_it_pulls_in() -> None:
+    """`import yarl` also imports idna, multidict and propcache (all installed): with room to learn one
+    module, the one learnt is the package the action imported, not the first of its dependencies by name."""
+    async with open_invoker(_cfg(user_memory_mb=1024, idle_timeout_s=60, preload_learn=1)) as inv:
+        await _ready(inv)
+        result = await inv.run(_req(_action("import yarl\ndef main(a):\n    return {}\n", "pulls")))
+        assert result.response.status.api_string == "success"
+        assert inv.preload is not None
+        for _ in range(100):
+            if len(inv.preload.modules_for("python:3")) > 1:
+                break
+            await asyncio.sleep(0.05)
+        assert inv.preload.modules_for("python:3") == ("decimal", "yarl")
+
+
 def test_manifest_preload_lists_are_checked() -> None:
     assert Manifest.load(_manifest(["torch", "a.b"])).runtimes["python:3"].preload == ("torch", "a.b")
     assert Manifest.load(_manifest(None)).runtimes["python:3"].preload is None
