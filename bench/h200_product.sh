@@ -11,7 +11,8 @@
 #                                               PLAN=1 (default) the core columns, PLAN=2 the rest, PLAN=3 the
 #                                               defaults and MPS columns of the ResNet pair, PLAN=4 the defaults
 #                                               (MPS + spatial) beside noshim, mps50 and rckm time-sliced, PLAN=5
-#                                               the defaults and baselines on the BERT pair; the plan and its
+#                                               the defaults and baselines on the BERT pair, PLAN=6 the defaults
+#                                               beside noshim, mps50 and mps70 (ResNet pair); the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -71,7 +72,9 @@ elif [ "$what" = matrix ]; then
        prio="resnet50+train:noshim,shim,mps50,shim-ts" ;;              # isolation) against the baselines and rckm
     5) modes=noshim,shim,mps50; pairs=bert+train; bert=noshim,shim,mps50  # the same on the BERT pair
        prio="bert+train:noshim,shim,mps50" ;;
-    *) echo "PLAN is 1 to 5"; exit 2 ;;
+    6) modes=noshim,shim,mps50,mps70; pairs=resnet50+train; bert=""  # the defaults beside both static MPS
+       prio="resnet50+train:noshim,shim,mps50,mps70" ;;              # splits of issue 17 (50/50, 70/30)
+    *) echo "PLAN is 1 to 6"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
