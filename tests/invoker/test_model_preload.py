@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from dilu_invoker.gpu.budgets import GpuBudgets
-from dilu_invoker.invoker.dataplane.model_preload import ModelPreloader, ModelPreloads
+from dilu_invoker.invoker.dataplane.model_preload import ModelPreloader, ModelPreloads, models_served
 from dilu_invoker.model import GUEST_IDENTITY
 from dilu_invoker.standalone import Running, run_standalone
 from tests.invoker.staged_support import staged_config
@@ -43,6 +43,7 @@ def build():
 
 
 W = models.load("w", build)  # at module level: a pre-load's /init loads it
+time.sleep({after_s})
 
 
 def main(args):
@@ -51,12 +52,12 @@ def main(args):
 '''
 SLOW = "time.sleep(float(os.environ.get(\"SLOW_INIT_S\", \"0\")))"
 IN_MAIN = CODE.replace("W = models.load", "def _later():\n    return models.load").replace(
-    "def main(args):\n", "def main(args):\n    W = _later()\n")
+    "def main(args):\n", "def main(args):\n    W = _later()\n").replace("{after_s}", "0")
 RAISES = "import os\nraise RuntimeError('no model today')\ndef main(args):\n    return {}\n"
 
 
-def _code(mark: str, *, slow_s: float = 0.0) -> str:
-    code = CODE.format(mark=mark)
+def _code(mark: str, *, slow_s: float = 0.0, after_s: float = 0.0) -> str:
+    code = CODE.format(mark=mark, after_s=after_s)
     return code.replace(SLOW, f"time.sleep({slow_s})") if slow_s else code
 
 
@@ -107,7 +108,7 @@ class Product:
         return sorted((r.function, r.memory_mb, r.kept) for r in got.reservations.values())
 
 
-async def _until(what: str, check: Callable[[], Awaitable[bool] | bool], timeout_s: float = 8.0) -> None:
+async def _until(what: str, check: Callable[[], Awaitable[bool] | bool], timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         got = check()
@@ -152,8 +153,8 @@ async def test_a_created_action_is_loaded_ahead_and_its_first_request_maps_the_w
         assert sorted(m for _, m, _ in await p.kept()) == [1000, 3000]
 
 
-async def test_failures_and_the_cap_are_counted_and_never_fail_the_put(tmp_path: Path) -> None:
-    async with _product(tmp_path, "GPU-cap", model_preload_mb=4000) as p:
+async def test_an_init_that_raises_or_loads_nothing_is_counted_and_never_fails_the_put(tmp_path: Path) -> None:
+    async with _product(tmp_path, "GPU-bad") as p:
         await p.put("bad", RAISES, weights_mb=1000)  # answered 200 although its pre-load fails
         await _until("the failed pre-load", lambda: p.events("failed") == 1.0)
         assert await p.kept() == [] and p.metric("dilu_invoker_model_preload_memory_mb") == 0.0
@@ -163,17 +164,25 @@ async def test_failures_and_the_cap_are_counted_and_never_fail_the_put(tmp_path:
         await _until("the pre-load that held no model", lambda: p.events("no_model") == 1.0)
         assert await p.kept() == [] and p.preloader.holding("guest/lazy") is None
 
+        await p.put("bad", _code("fixed"), weights_mb=1000)  # fixed: pre-loaded now
+        await _until("the fixed action's pre-load", lambda: p.events("ready") == 1.0)
+        assert await p.kept() == [("guest/bad", 1000, True)]
+        assert (p.events("started"), p.events("failed"), p.events("no_model")) == (3.0, 1.0, 1.0)
+
+
+async def test_the_cap_bounds_what_pre_loads_hold(tmp_path: Path) -> None:
+    async with _product(tmp_path, "GPU-cap", model_preload_mb=4000) as p:
         await p.put("a", _code("a"))
         await _until("a's pre-load", lambda: p.events("ready") == 1.0)
         await p.put("b", _code("b"))  # 3000 + 3000 > 4000: skipped
         await _until("b's pre-load to be skipped", lambda: p.events("skipped") == 1.0)
-        assert [r for r in await p.kept() if r[2]] == [("guest/a", 3000, True)]
-
-        await p.put("bad", _code("fixed"), weights_mb=1000)  # fixed: 3000 + 1000 fit
-        await _until("the fixed action's pre-load", lambda: p.events("ready") == 2.0)
-        assert [r for r in await p.kept() if r[2]] == [("guest/a", 3000, True), ("guest/bad", 1000, True)]
+        assert await p.kept() == [("guest/a", 3000, True)]
+        await p.put("c", _code("c"), weights_mb=1000)  # 3000 + 1000 fit
+        await _until("c's pre-load", lambda: p.events("ready") == 2.0)
+        assert await p.kept() == [("guest/a", 3000, True), ("guest/c", 1000, True)]
         assert p.metric("dilu_invoker_model_preload_memory_mb") == 4000.0
-        assert (p.events("started"), p.events("failed")) == (4.0, 1.0)
+        assert p.metric("dilu_invoker_model_preloads_held") == 2.0
+        assert (p.events("started"), p.events("failed")) == (2.0, 0.0)
 
 
 async def test_an_action_changed_or_deleted_while_it_loads_keeps_only_what_is_current(tmp_path: Path) -> None:
@@ -202,3 +211,45 @@ async def test_an_action_changed_or_deleted_while_it_loads_keeps_only_what_is_cu
 
 async def _eq(got: Awaitable[Any], want: Any) -> bool:
     return bool(await got == want)
+
+
+async def test_a_first_request_during_the_pre_load_maps_it_and_the_pre_load_is_kept_once_it_is_alone(
+        tmp_path: Path) -> None:
+    """The first request arrives while the pre-load's /init still runs, after its models.load: its instance
+    maps the pre-load's weights; the pre-load stays (idle, pinned) while that instance lives and is kept by
+    staged exit once the balancer has scaled the function to zero, holding the weights for the next one."""
+    async with _product(tmp_path, "GPU-race") as p:
+        invoker = p.running.invokers[0]
+        await p.put("llm", _code("race", after_s=1.2))
+        await _until("the pre-load to start", lambda: p.events("started") == 1.0)
+        [loading] = p.preloader.live()
+
+        async def holds() -> bool:
+            for c in list(invoker.pool.containers.values()):
+                if c.key.namespace == f"instance:{loading.instance}" and c.container is not None:
+                    return bool(await asyncio.to_thread(models_served, getattr(c.container, "pid", -1)))
+            return False
+
+        await _until("the pre-load's holder", holds)
+        first = await p.invoke("llm")
+        assert first["role"] == "mapped", first
+        assert p.events("ready") == 0.0  # still an instance: the first request's may map from it
+        await _until("the pre-load to be kept once alone", lambda: p.events("ready") == 1.0)
+        assert await p.kept() == [("guest/llm", 3000, True)]
+        assert p.metric("dilu_invoker_weights_kept_events_total", event="kept") == 1.0
+
+
+async def test_a_standalone_stopping_during_a_pre_load_leaves_nothing(tmp_path: Path) -> None:
+    pids: list[int] = []
+    async with _product(tmp_path, "GPU-stop") as p:
+        invoker = p.running.invokers[0]
+        await p.put("llm", _code("stop", slow_s=3.0))
+        await _until("the pre-load to start", lambda: p.events("started") == 1.0)
+
+        def started() -> bool:
+            pids.extend(getattr(c.container, "pid", 0) for c in invoker.pool.containers.values()
+                        if c.key.namespace.startswith("instance:model-") and c.container is not None)
+            return bool(pids)
+
+        await _until("its container", started)
+    assert pids and not any(Path(f"/proc/{pid}").exists() for pid in pids), pids

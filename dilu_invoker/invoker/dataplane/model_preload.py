@@ -39,6 +39,7 @@ from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.gpu.devices import GpuDevice
 from dilu_invoker.invoker.dataplane.container import State
 from dilu_invoker.invoker.dataplane.core import Invoker
+from dilu_invoker.invoker.dataplane.keep import Group, group_of
 from dilu_invoker.model import Action, GpuNeeds, ValidationError
 
 log = structlog.get_logger(__name__)
@@ -48,6 +49,10 @@ log = structlog.get_logger(__name__)
 DEBOUNCE_S = 0.5
 #: how long the hand-over of a loaded instance to staged exit may take
 HAND_OVER_S = 30.0
+#: how long closing waits for pre-loads whose containers it removed to end
+CLOSE_WAIT_S = 3.0
+#: how often a loaded instance whose function started an instance beside it looks whether that one has gone
+DEFER_CHECK_S = 0.25
 
 #: the abstract Unix socket a holder of the models API serves its weights on (``models.endpoint``)
 MODELS_SOCKET_PREFIX = "@dilu-models-"
@@ -302,6 +307,9 @@ class ModelPreloader:
         if failure:
             p.phase = Phase.GONE
             self.preloads.pop(p.instance, None)
+            if self._closed:
+                log.info("model pre-load stopped: the invoker stops", action=action.fqn, instance=p.instance)
+                return failure
             no_model = failure == NO_MODEL
             self.metrics.events.labels("no_model" if no_model else "failed").inc()
             (log.info if no_model else log.warning)("model pre-load failed", action=action.fqn,
@@ -339,21 +347,33 @@ class ModelPreloader:
             inv.pool.remove(proxy, "model pre-load holds no model")
             await self._removed(name)
             return NO_MODEL if served == 0 else "cannot see whether the instance holds its model (/proc)"
-        # Straight to staged exit: compute released, the weights kept (keep.py).
-        inv.stop_instance(name, "model pre-loaded")
+        # Straight to staged exit: compute released, the weights kept (keep.py) — unless the function's first
+        # instance started beside it meanwhile and may map from it: then it stays (idle, pinned: no activation
+        # reaches it) until that one has gone and it is the last of its group, which staged exit keeps, or
+        # until the pool's idle timeout removes it.
+        group = group_of(proxy)
+        while (group is not None and self._others(group, name) and name in inv.pool.containers
+               and p.released is None and not self._closed):
+            await asyncio.sleep(DEFER_CHECK_S)
+        if name in inv.pool.containers:
+            inv.stop_instance(name, "model pre-loaded")
         if not await self._removed(name):
             return "the hand-over to staged exit did not finish"
         keeper = inv.keeper
         k = keeper.kept.get(name) if keeper is not None else None
         if k is None or k.gone:
-            return ("its weights could not be kept (the GPU budget refused them, or an instance of the function "
-                    "started meanwhile)")
+            return "its weights could not be kept (the GPU budget refused them, or it was removed meanwhile)"
         # Held until its room is needed, the action changes or the invoker stops; once an instance has run
         # beside it, the keeper's grace applies (it restarts the clock while instances are there).
         k.until = math.inf
         p.container = name
         p.phase = Phase.READY
         return ""
+
+    def _others(self, group: Group, name: str) -> int:
+        """Live containers of ``group`` (the function revision on that GPU) other than ``name``."""
+        return sum(1 for c in self.invoker.pool.containers.values() if c.name != name and group_of(c) == group
+                   and c.state not in (State.REMOVING, State.REMOVED))
 
     async def _removed(self, name: str) -> bool:
         """Wait until the pool has finished removing container ``name`` (kept or destroyed); False: not in time."""
@@ -391,7 +411,12 @@ class ModelPreloader:
         keeper.check()
 
     def close(self) -> None:
+        """Take no more; a pre-load still loading loses its container (its load then ends as failed)."""
         self._closed = True
+        loading = {f"instance:{p.instance}" for p in self.preloads.values() if p.phase is Phase.LOADING}
+        for proxy in list(self.invoker.pool.containers.values()):
+            if proxy.key.namespace in loading:
+                self.invoker.pool.remove(proxy, "invoker shutting down")
 
 
 class ModelPreloads:
@@ -465,12 +490,15 @@ class ModelPreloads:
 
     async def close(self) -> None:
         """Stop pre-loading (before the invokers close: what is held goes with their keepers)."""
+        for waiting in self._waiting.values():
+            waiting.cancel()
         for p in self.preloaders:
             p.close()
         tasks = list(self._tasks) + list(self._loading.values())
-        for task in tasks:
-            task.cancel()
-        if tasks:
+        if tasks:  # the loads end once their containers are gone; what does not in time is cancelled
+            _, late = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+            for task in late:
+                task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         self._waiting.clear()
         self._loading.clear()
