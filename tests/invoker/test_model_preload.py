@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -253,3 +254,34 @@ async def test_a_standalone_stopping_during_a_pre_load_leaves_nothing(tmp_path: 
 
         await _until("its container", started)
     assert pids and not any(Path(f"/proc/{pid}").exists() for pid in pids), pids
+
+
+async def test_with_two_invokers_one_pre_loads_and_the_first_request_maps_there(tmp_path: Path) -> None:
+    """`standalone --invokers 2`: the action's pre-load runs on one invoker (chosen by its name); the balancer
+    places the first request's instance beside those weights, whichever invoker the request reached."""
+    cfg = staged_config(tmp_path, "GPU-two")
+    assert cfg.gpu.inventory is not None  # one GPU per invoker, each its own
+    Path(cfg.gpu.inventory).write_text(json.dumps({"invokers": {str(i): [{"uuid": f"GPU-two-{i}", "memory_mb": 16000}]
+                                                                for i in (0, 1)}}))
+    cfg = replace(cfg, invoker=replace(cfg.invoker, model_preload_mb=32768),
+                  standalone=replace(cfg.standalone, invokers=2))
+    token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
+    async with run_standalone(cfg) as running, aiohttp.ClientSession(
+            headers={"Authorization": f"Basic {token}"}) as http:
+        assert running.balancer is not None and running.model_preloads is not None
+        running.model_preloads.debounce_s = 0.2
+        p = Product(running, http, GpuBudgets(running.balancer.redis, cfg.redis.prefix), running.model_preloads)
+        await p.put("llm", _code("two"))
+        preloaders = running.model_preloads.preloaders
+
+        def ready() -> bool:
+            return sum(len(x.held()) for x in preloaders) == 1
+
+        await _until("one invoker's pre-load", ready)
+        [holder] = [x for x in preloaders if x.held()]
+        first = await p.invoke("llm")
+        assert first["role"] == "mapped" and first["check"] == 123456.0, first
+        # the first request's instance runs where the weights are
+        assert [c.action.name for c in holder.invoker.pool.containers.values()] == ["llm"]
+        assert sum(_metric(generate_latest(x.invoker.metrics.registry).decode(), "dilu_invoker_model_preloads_total",
+                           event="started") for x in preloaders) == 1.0
