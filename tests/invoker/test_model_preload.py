@@ -122,9 +122,11 @@ async def _until(what: str, check: Callable[[], Awaitable[bool] | bool], timeout
 
 
 @asynccontextmanager
-async def _product(tmp_path: Path, uuid: str, **invoker: Any) -> AsyncIterator[Product]:
+async def _product(tmp_path: Path, uuid: str, *, scale_to_zero_after_s: float = 1.0,
+                   **invoker: Any) -> AsyncIterator[Product]:
     cfg = staged_config(tmp_path, uuid)
-    cfg = replace(cfg, invoker=replace(cfg.invoker, **{"model_preload_mb": 32768, **invoker}))
+    cfg = replace(cfg, invoker=replace(cfg.invoker, **{"model_preload_mb": 32768, **invoker}),
+                  balancer=replace(cfg.balancer, scale_to_zero_after_s=scale_to_zero_after_s))
     token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
     async with run_standalone(cfg) as running, aiohttp.ClientSession(
             headers={"Authorization": f"Basic {token}"}) as http:
@@ -219,7 +221,7 @@ async def test_a_first_request_during_the_pre_load_maps_it_and_the_pre_load_is_k
     """The first request arrives while the pre-load's /init still runs, after its models.load: its instance
     maps the pre-load's weights; the pre-load stays (idle, pinned) while that instance lives and is kept by
     staged exit once the balancer has scaled the function to zero, holding the weights for the next one."""
-    async with _product(tmp_path, "GPU-race") as p:
+    async with _product(tmp_path, "GPU-race", scale_to_zero_after_s=0.5) as p:
         invoker = p.running.invokers[0]
         await p.put("llm", _code("race", after_s=1.2))
         await _until("the pre-load to start", lambda: p.events("started") == 1.0)
