@@ -719,8 +719,11 @@ async def step_first_after_put(args: argparse.Namespace, work: Path) -> dict[str
         async with Stack(args, work / f"first-after-put-{cap}", extra) as st:
             arm["command"] = " ".join(st.command()[1:])
             # The first pre-loaded container is ready before the first PUT (a model pre-load takes one).
-            arm["container_wait"].append(await st.wait_preloaded(args.preload_min_wait_s if has and args.preload
-                                                                 else 0.0, args.preload_wait_s))
+            first_wait = await st.wait_preloaded(args.preload_min_wait_s if has and args.preload else 0.0,
+                                                 args.preload_wait_s) if has and args.preload else {"ready": None}
+            arm["container_wait"].append(first_wait)
+            # none ever came (a dry run: the kind's libraries cannot be pre-imported here): no waiting for more
+            refills = bool(first_wait.get("ready"))
             params = {"model": "resnet50", "batch": 8, **dry}
             for i in range(args.count):
                 name = f"fap{i}"
@@ -731,7 +734,7 @@ async def step_first_after_put(args: argparse.Namespace, work: Path) -> dict[str
                     wait = await wait_model_preloads(st, i + 1, args.preload_wait_s)
                     wait["put_ms"] = rnd(put_ms, 1)
                     arm["preload"].append(wait)
-                if has and args.preload:  # the model pre-load took a pre-loaded container: until it is back
+                if refills:  # the model pre-load (or the last first request) took a pre-loaded container
                     arm["container_wait"].append(await st.wait_preloaded(0.0, args.refill_wait_s))
                 arm["first"].append(await st.invoke(name, params))
                 for _ in range(args.warm):

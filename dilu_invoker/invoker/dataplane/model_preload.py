@@ -9,6 +9,8 @@ module-level code, so its ``models.load`` builds the model and becomes the weigh
 goes straight to staged exit (keep.py): its compute is released, its process stays with the weights alone in
 the GPU budget, marked kept. The balancer places the function's first instance beside them (the sharing
 tier) and that instance maps the weights instead of loading them, as a function woken after a scale-in does.
+(A first request that came during the pre-load may map it already: the pre-load then stays an idle instance
+until that one has gone, and is kept as the last of its group.)
 
 A pre-loaded model is held until its GPU room or host memory is needed (kept weights are evicted and shed
 first, keep.py), the action is updated (a new revision's pre-load replaces it) or deleted, or the invoker
