@@ -287,3 +287,15 @@ async def test_with_two_invokers_one_pre_loads_and_the_first_request_maps_there(
         assert [c.action.name for c in holder.invoker.pool.containers.values()] == ["llm"]
         assert sum(_metric(generate_latest(x.invoker.metrics.registry).decode(), "dilu_invoker_model_preloads_total",
                            event="started") for x in preloaders) == 1.0
+
+
+async def test_a_pre_load_uses_idle_room_only_and_evicts_nothing(tmp_path: Path) -> None:
+    """16 GB: a's pre-load keeps 11 GB of weights; b (8 GB) would fit only if a's kept weights went, as they
+    would for an instance the balancer places: its pre-load is skipped and a's weights stay."""
+    async with _product(tmp_path, "GPU-idle") as p:
+        await p.put("a", _code("a"), weights_mb=11000, memory_mb=12000)
+        await _until("a's pre-load", lambda: p.events("ready") == 1.0)
+        await p.put("b", _code("b"), weights_mb=3000, memory_mb=8000)
+        await _until("b's pre-load to be skipped", lambda: p.events("skipped") == 1.0)
+        assert await p.kept() == [("guest/a", 11000, True)]
+        assert (p.events("started"), p.metric("dilu_invoker_weights_kept_events_total", event="evicted")) == (1.0, 0.0)
