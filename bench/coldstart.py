@@ -25,6 +25,10 @@ of value, each under its own timeout):
 * ``rewake``: ResNet-50 written with ``models.load``, pre-loading on, default sharing (MPS under isolation):
   cold, then ``--count`` cycles of scale-to-zero and a cold invoke on a pre-loaded container, with the
   weights kept (grace 60) and not (grace 0), side by side.
+* ``first_after_put``: a function's very first request on the node, ResNet-50 written with ``models.load``
+  at module level: PUT, wait until the invoker has pre-loaded the model (``--invoker-model-preload-mb``, the
+  metric ``dilu_invoker_model_preloads_total{event="ready"}``) and a pre-loaded container is ready, invoke;
+  ``--count`` functions, each invoked first once, with model pre-loading on and off (``0``), side by side.
 * ``ipc``: the same two-instance exchange outside the product (two processes of one uid, a 1 GiB model), to
   tell a product-side failure from a driver-side one.
 
@@ -229,6 +233,29 @@ def main(args):
             "torch_allocated_gib": torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else 0.0}
 '''
 
+# The model at module level, so that /init loads it — a model pre-load's /init too (docs/runtime.md, "Fast
+# cold starts, what to write"); the first call reports how it came.
+FIRST_AFTER_PUT_CODE = MODEL_CODE + r'''
+_T_MODULE0 = time.perf_counter()
+if torch is not None and torch.cuda.is_available():
+    _build("resnet50", 8, True)
+else:  # a dry run: a small array through the models API's CPU path (a memfd)
+    import numpy as np
+    from dilu_invoker.actions import models
+    models.load("dry", lambda: {"w": np.zeros(1 << 16, dtype=np.float32)})
+    _stages.update(role=models.info("dry").role, load_s=models.info("dry").seconds)
+_stages["module_init_s"] = time.perf_counter() - _T_MODULE0
+_module_main = main
+_calls = []
+
+def main(args):
+    res = _module_main(args)
+    if not _calls:
+        res.update(_stages, first=True)
+    _calls.append(1)
+    return res
+'''
+
 # -- small helpers ------------------------------------------------------------------------------------------
 
 
@@ -247,6 +274,13 @@ def save(out: Path, name: str, data: dict[str, Any]) -> None:
     tmp = out / f".{name}.json.tmp"
     tmp.write_text(json.dumps(data, indent=1, default=str))
     os.replace(tmp, out / f"{name}.json")
+
+
+def cli_has_flag(flag: str) -> bool:
+    r = subprocess.run([sys.executable, "-m", "dilu_invoker", "standalone", "--help-all"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return flag in r.stdout
 
 
 def cli_has_preload() -> bool:
@@ -648,6 +682,79 @@ async def step_rewake(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return res
 
 
+async def wait_model_preloads(st: Stack, done: float, most: float) -> dict[str, Any]:
+    """Until ``done`` model pre-loads have ended (ready, failed, no_model or skipped), at most ``most`` s."""
+    t = time.perf_counter()
+    lines: list[str] = []
+    while time.perf_counter() - t < most:
+        lines = [ln for ln in (await st.metrics_text()).splitlines()
+                 if ln.startswith("dilu_invoker_model_preload") and "_created" not in ln]
+        ended = sum(_value(ln) for ln in lines if ln.startswith("dilu_invoker_model_preloads_total")
+                    and any(f'event="{e}"' in ln for e in ("ready", "failed", "no_model", "skipped")))
+        if ended >= done:
+            break
+        await asyncio.sleep(0.1)
+    return {"waited_s": rnd(time.perf_counter() - t, 2), "metrics": lines}
+
+
+async def step_first_after_put(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """A function's first request on the node, after it was created: ResNet-50 through ``models.load`` at
+    module level, pre-loaded processes on. With model pre-loading (``--invoker-model-preload-mb 32768``) the
+    invoker loads the model on idle GPU room after the PUT and keeps only its weights (staged exit), and the
+    first request's instance maps them; with ``0`` (same run, the baseline) the first request builds and loads
+    it. Each of ``--count`` functions is created, waited for (its model pre-load, a pre-loaded container
+    ready), then invoked once cold and ``--warm`` times warm."""
+    if not cli_has_flag("--invoker-model-preload-mb"):
+        return {"step": "first_after_put", "skipped": "this dilu-invoker has no --invoker-model-preload-mb flag"}
+    has = cli_has_preload()
+    res: dict[str, Any] = {"step": "first_after_put", "arms": {}, "model": "resnet50"}
+    dry = {"dry": True} if args.dry_run else {}
+    for cap in ("32768", "0"):
+        arm: dict[str, Any] = {"first": [], "warm": [], "preload": [], "container_wait": []}
+        res["arms"][cap] = arm
+        extra = [*preload_flags(args, has), "--invoker-model-preload-mb", cap, "--invoker-weights-grace-s", "60"]
+        if args.dry_run:
+            (work / "inventory.json").write_text(json.dumps([{"uuid": "GPU-dry-fap", "memory_mb": 81920}]))
+            extra += ["--gpu-inventory", str(work / "inventory.json")]
+        async with Stack(args, work / f"first-after-put-{cap}", extra) as st:
+            arm["command"] = " ".join(st.command()[1:])
+            # The first pre-loaded container is ready before the first PUT (a model pre-load takes one).
+            first_wait = await st.wait_preloaded(args.preload_min_wait_s if has and args.preload else 0.0,
+                                                 args.preload_wait_s) if has and args.preload else {"ready": None}
+            arm["container_wait"].append(first_wait)
+            # none ever came (a dry run: the kind's libraries cannot be pre-imported here): no waiting for more
+            refills = bool(first_wait.get("ready"))
+            params = {"model": "resnet50", "batch": 8, **dry}
+            for i in range(args.count):
+                name = f"fap{i}"
+                t = time.perf_counter()
+                await st.create(name, FIRST_AFTER_PUT_CODE, sm_limit=0.5, gpu_memory_mb=4096, weights_mb=64)
+                put_ms = (time.perf_counter() - t) * 1000
+                if cap != "0":
+                    wait = await wait_model_preloads(st, i + 1, args.preload_wait_s)
+                    wait["put_ms"] = rnd(put_ms, 1)
+                    arm["preload"].append(wait)
+                if refills:  # the model pre-load (or the last first request) took a pre-loaded container
+                    arm["container_wait"].append(await st.wait_preloaded(0.0, args.refill_wait_s))
+                arm["first"].append(await st.invoke(name, params))
+                for _ in range(args.warm):
+                    arm["warm"].append(await st.invoke(name, params))
+                save(args.out, args.name, res)
+            arm["metrics"] = [ln for ln in (await st.metrics_text()).splitlines()
+                              if ln.startswith(("dilu_invoker_model_preload", "dilu_invoker_weights_kept"))
+                              and "_created" not in ln]
+        with contextlib.suppress(OSError):  # each arm's standalone log (tail) beside the data
+            (args.out / f"{args.name}.{cap}.standalone.log").write_bytes(st.log_path.read_bytes()[-20000:])
+        firsts = [c["client_ms"] for c in arm["first"] if c["status"] == 200]
+        warm = [c["client_ms"] for c in arm["warm"] if c["status"] == 200]
+        arm["summary"] = {"first_ms": firsts, "first_median_ms": rnd(statistics.median(firsts), 1) if firsts else None,
+                          "roles": [(c.get("result") or {}).get("role") for c in arm["first"]],
+                          "warm_median_ms": rnd(statistics.median(warm), 2) if warm else None}
+        save(args.out, args.name, res)
+    res["summary"] = {cap: a.get("summary") for cap, a in res["arms"].items()}
+    return res
+
+
 IPC_CHILD = r'''
 import json, os, sys, time
 t0 = time.perf_counter()
@@ -719,7 +826,7 @@ async def step_makefile(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 STEPS = {"makefile": step_makefile, "cold": step_cold, "weights": step_weights, "share": step_share, "ipc": step_ipc,
-         "staged": step_staged, "rewake": step_rewake}
+         "staged": step_staged, "rewake": step_rewake, "first_after_put": step_first_after_put}
 
 
 async def run_step(args: argparse.Namespace) -> int:
@@ -899,6 +1006,28 @@ def report(data: dict[str, dict[str, Any]], command: str) -> str:
                        f"{fmt(summ.get('warm_median_ms'), 2)} |")
         if not rewake.get("ok"):
             out.append(f"\nThe step stopped early: {rewake.get('error')}")
+    fap = data.get("first_after_put")
+    if fap and not fap.get("skipped"):
+        out += ["", "## A function's first request after its PUT: model pre-loading", "",
+                "Each function (ResNet-50 through `models.load` at module level) created, then — with model "
+                "pre-loading on — waited for until the invoker had pre-loaded its model (PUT to ready), a "
+                "pre-loaded container ready, and invoked once: its first request on the node (client ms; in the "
+                "action: the models API's role and load s, first inference ms).", "",
+                "| `--invoker-model-preload-mb` | PUT → pre-load ready (s) | first requests | median | warm median "
+                "(ms) |", "| --- | --- | --- | --- | --- |"]
+        for cap, arm in (fap.get("arms") or {}).items():
+            def first_cell(c: dict[str, Any]) -> str:
+                r = c.get("result") or {}
+                if c.get("status") != 200:
+                    return f"HTTP {c.get('status')}"
+                return (f"{fmt(c.get('client_ms'), 0)} (`{r.get('role')}`, {fmt(r.get('load_s'), 3)} s, "
+                        f"infer {fmt(r.get('infer_ms'), 0)})")
+            summ = arm.get("summary") or {}
+            waits = ", ".join(fmt(w.get("waited_s"), 2) for w in arm.get("preload") or []) or "— (off)"
+            out.append(f"| {cap} | {waits} | {'; '.join(first_cell(c) for c in arm.get('first') or []) or '-'} | "
+                       f"{fmt(summ.get('first_median_ms'), 0)} | {fmt(summ.get('warm_median_ms'), 2)} |")
+        if not fap.get("ok"):
+            out.append(f"\nThe step stopped early: {fap.get('error')}")
     ipc = data.get("ipc")
     if ipc and not ipc.get("skipped"):
         out += ["", "## The same exchange outside the product (two processes of one uid)", ""]

@@ -45,6 +45,10 @@ run_preload cold_resnet50_preload1 75 cold --model resnet50 --preload 1 --count 
 # A function woken from zero on a pre-loaded container, its weights kept (grace 60) or not (0).
 run_preload rewake 150 rewake --preload 1 --count 3 --warm 5 --preload-wait-s 30 --refill-wait-s 12 \
   --extra="$PRE_EXTRA"
+# A function's first request after its PUT: its model pre-loaded by the invoker (--invoker-model-preload-mb
+# 32768) or not (0), side by side.
+run_preload first_after_put 150 first_after_put --preload 1 --count 3 --warm 5 --preload-wait-s 30 \
+  --refill-wait-s 12 --extra="$PRE_EXTRA"
 # The weights file, after the cold-start steps (its writing would compete with their imports for the disk).
 run makefile 40 makefile
 log "weights file: $(ls -la "$WF" 2>&1)"

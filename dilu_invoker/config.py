@@ -129,10 +129,17 @@ class InvokerConfig:
     weights_grace_s: float = _opt(60.0, "staged exit: when the last instance of a GPU function that declares "
                                         "gpu-weights-mb leaves a GPU, its process keeps the weights there this "
                                         "long (its compute released) for the next instance to map; 0: off")
+    model_preload_mb: int = _opt(32768, "model pre-loading: GPU memory (declared gpu-weights-mb) one invoker "
+                                        "may hold in models loaded ahead of a GPU function's first request "
+                                        "(standalone loads an action that declares gpu-weights-mb when it is "
+                                        "created or updated, on idle GPU room only, released first when the "
+                                        "room is needed; needs staged exit); 0: off")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weights_grace_s) and self.weights_grace_s >= 0):
             raise ConfigError("--invoker-weights-grace-s must be a number of seconds >= 0")
+        if self.model_preload_mb < 0:
+            raise ConfigError("--invoker-model-preload-mb must not be negative")
         for name in ("preload", "preload_memory_mb", "preload_budget_mb", "preload_gpu_budget_mb", "preload_learn"):
             if getattr(self, name) < 0:
                 flag = "--preload" if name == "preload" else "--invoker-" + name.replace("_", "-")

@@ -36,11 +36,13 @@ from aiohttp import web
 from dilu_invoker import logs
 from dilu_invoker.banner import standalone_banner
 from dilu_invoker.config import Config
+from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.health import HEALTH, add_invoker_health
 from dilu_invoker.invoker.api import ActivationRunner, InvokerOverloaded
 from dilu_invoker.invoker.cluster.reports import gpu_view_of
 from dilu_invoker.invoker.cluster.routing import devices_for, enable_balancer_routing
 from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
+from dilu_invoker.invoker.dataplane.model_preload import ModelPreloader, ModelPreloads, budget_room
 from dilu_invoker.invoker.manifest import Manifest
 from dilu_invoker.invoker.server import build_app as build_invoker_app
 from dilu_invoker.invoker.server import invoker_credentials, serve_app
@@ -68,6 +70,8 @@ class Running:
     balancer: Balancer | None = None
     #: each invoker's endpoint server (``/ping``, ``/invoker/...``), in invoker order
     endpoints: tuple[web.AppRunner, ...] = ()
+    #: model pre-loading of actions stored through the REST API (dataplane/model_preload.py)
+    model_preloads: ModelPreloads | None = None
 
 
 def _is_enabled(invoker: Invoker) -> bool:
@@ -185,6 +189,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
         runners: list[ActivationRunner] = []
         endpoints: list[web.AppRunner] = []
         first_credentials: tuple[str, str] | None = None
+        preloaders: list[ModelPreloader] = []
         for k in range(n):
             icfg = replace(cfg, invoker=replace(cfg.invoker, id=cfg.invoker.id + k,
                                                 port=cfg.invoker.port + k if cfg.invoker.port else 0))
@@ -201,6 +206,8 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
                 runner = await stack.enter_async_context(enable_balancer_routing(
                     invoker, icfg, redis=redis, devices=devices_for(icfg, invoker_id=icfg.invoker.id, invokers=n),
                     gpu_view=gpu_view_of(invoker.gpu)))
+            preloaders.append(ModelPreloader(invoker, cap_mb=icfg.invoker.model_preload_mb, room=budget_room(
+                GpuBudgets(redis, prefix=cfg.redis.prefix), getattr(invoker.gpu, "devices", ()))))
             invokers.append(invoker)
             urls.append(f"http://{icfg.invoker.host}:{inv_port}")
             runners.append(runner)
@@ -208,14 +215,18 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
         if cfg.standalone.balancer:
             balancer = await stack.enter_async_context(open_balancer(cfg, redis))
         front: ActivationRunner = runners[0] if n == 1 else RoundRobin(runners, invokers)
+        # Closed before the invokers (and after the API stops taking changes): what it holds goes with them.
+        model_preloads = ModelPreloads(preloaders)
+        stack.push_async_callback(model_preloads.close)
         api = build_api(cfg.api, store=store, runner=front, manifest=manifest, auth=Authenticator.from_config(cfg.api),
-                        action_fit=_action_fit(cfg, invokers))
+                        action_fit=_action_fit(cfg, invokers),
+                        action_listener=model_preloads if model_preloads.enabled else None)
         api[HEALTH] = health
         api_runner, api_port = await serve_api(api, cfg.api.host, cfg.api.port)
         stack.push_async_callback(api_runner.cleanup)
         assert first_credentials is not None
         running = Running(f"http://{cfg.api.host}:{api_port}", urls[0], invokers[0], first_credentials,
-                          tuple(invokers), tuple(urls), tuple(runners), balancer, tuple(endpoints))
+                          tuple(invokers), tuple(urls), tuple(runners), balancer, tuple(endpoints), model_preloads)
         log.info("standalone ready", api=running.api_url, invokers=urls, balancer=balancer is not None,
                  routing=cfg.balancer.routing, backend=cfg.invoker.backend, kinds=manifest.kinds,
                  credentials_file=str(cfg.data_path / f"invoker{cfg.invoker.id}-credentials"))

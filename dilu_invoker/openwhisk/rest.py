@@ -127,6 +127,7 @@ def build_api(
     auth: Authenticator,
     drain_timeout_s: float = 10.0,
     action_fit: rest_actions.ActionFit | None = None,
+    action_listener: rest_actions.ActionListener | None = None,
 ) -> web.Application:
     """The REST application. On cleanup, activations still running for answered requests get
     ``drain_timeout_s`` to finish (and be stored) before they are cancelled."""
@@ -142,6 +143,8 @@ def build_api(
     app[AUTH] = auth
     if action_fit is not None:
         app[rest_actions.ACTION_FIT] = action_fit
+    if action_listener is not None:
+        app[rest_actions.ACTION_LISTENER] = action_listener
     running: set[asyncio.Task[Any]] = set()
     app[TASKS] = running
 

@@ -7,7 +7,7 @@ import binascii
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
@@ -89,6 +89,30 @@ class ActionFit:
 
 
 ACTION_FIT: web.AppKey[ActionFit] = web.AppKey("action_fit", ActionFit)
+
+
+class ActionListener(Protocol):
+    """Told of every action this API stored or deleted, after the store has it (standalone's model
+    pre-loading, `dataplane.model_preload.ModelPreloads`); it must not block nor raise."""
+
+    def stored(self, action: Action) -> None: ...
+
+    def deleted(self, action: Action) -> None: ...
+
+
+ACTION_LISTENER: web.AppKey[ActionListener] = web.AppKey("action_listener", ActionListener)
+
+
+def _tell(app: web.Application, event: str, action: Action) -> None:
+    listener = app.get(ACTION_LISTENER)
+    if listener is None:
+        return
+    try:
+        getattr(listener, event)(action)
+    except Exception:  # a listener never fails the request that changed the action
+        log.exception("action listener failed", action=action.fqn, event=event)
+
+
 _SEMVER_RE = re.compile(r"\A\d+\.\d+\.\d+\Z")
 #: JSON framing around code and parameters in a PUT body that the size limits do not count
 _PUT_SLACK = 64 * 1024
@@ -288,6 +312,7 @@ async def put_action(request: web.Request) -> web.Response:
     except RevisionConflict:
         raise ApiError(409, Msg.CONFLICT) from None
     log.info("action stored", action=stored.fqn, revision=stored.revision, kind=stored.exec.kind)
+    _tell(app, "stored", stored)
     return await _action_response(stored)
 
 
@@ -306,6 +331,7 @@ async def delete_action(request: web.Request) -> web.Response:
     if action is None:
         raise ApiError(404, Msg.NOT_FOUND)
     log.info("action deleted", action=action.fqn)
+    _tell(request.app, "deleted", action)
     return await _action_response(action)
 
 

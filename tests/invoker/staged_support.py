@@ -1,5 +1,5 @@
 """What the staged-exit tests through `standalone` share: one simulated GPU, weights kept for 30 s, no
-pre-loading, a balancer that scales an idle function to zero after 1 s."""
+pre-loading (of processes or models), a balancer that scales an idle function to zero after 1 s."""
 
 from __future__ import annotations
 
@@ -15,6 +15,6 @@ def staged_config(tmp_path: Path, uuid: str, memory_mb: int = 16000) -> config.C
     base = config.load(environ={})
     return replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
                    gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json"), mps="off"),
-                   invoker=replace(base.invoker, weights_grace_s=30.0, preload=0),
+                   invoker=replace(base.invoker, weights_grace_s=30.0, preload=0, model_preload_mb=0),
                    balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0,
                                     scale_to_zero_after_s=1.0, cooldown_s=0.2))

@@ -407,7 +407,7 @@ class Invoker:
 
     async def _start_and_init(
         self, proxy: ContainerProxy, req: ActivationRequest, runtime: RuntimeKind, *,
-        gpu_index: int | None = None, gpu_key: str | None = None,
+        gpu_index: int | None = None, gpu_key: str | None = None, idle_room_only: bool = False,
     ) -> tuple[ActivationResponse | None, int | None, tuple[str, ...]]:
         """Start the container and send /init; returns (failure or None, init ms, init logs)."""
         action = req.action
@@ -420,9 +420,10 @@ class Invoker:
         if taken is not None:
             container = taken.container
         else:
-            if runtime.gpu:
-                spec = await self._attach_gpu(proxy, action, spec, gpu_index=gpu_index, gpu_key=gpu_key)
             try:
+                if runtime.gpu:
+                    spec = await self._attach_gpu(proxy, action, spec, gpu_index=gpu_index, gpu_key=gpu_key,
+                                                  idle_room_only=idle_room_only)
                 container = await self.backend.start(spec)
             except ImageError as exc:
                 failure = ActivationResponse.developer_error(str(exc))
@@ -568,7 +569,8 @@ class Invoker:
         )
 
     async def _attach_gpu(self, proxy: ContainerProxy, action: Action, spec: ContainerSpec, *,
-                          gpu_index: int | None = None, gpu_key: str | None = None) -> ContainerSpec:
+                          gpu_index: int | None = None, gpu_key: str | None = None,
+                          idle_room_only: bool = False) -> ContainerSpec:
         try:
             needs = GpuNeeds.from_annotations(action.annotation_map)
         except ValidationError as exc:
@@ -578,6 +580,8 @@ class Invoker:
         revision = action.revision or action.version
         attachment = (await self.gpu.attach(key, action.fqn, needs, gpu_index=gpu_index, revision=revision)
                       if self.gpu is not None else None)
+        if attachment is None and idle_room_only:
+            raise BackendError("no GPU has idle room for it")
         if attachment is None and self.gpu is not None and self.keeper is not None:
             # Kept weights (staged exit) give way to a container that finds no room.
             if await self.keeper.evict_gpu(gpu_index):
@@ -702,9 +706,11 @@ class Invoker:
     def instance_key(instance_id: str, action: Action) -> PoolKey:
         return PoolKey(f"instance:{instance_id}", action.fqn, action.revision or "")
 
-    async def start_instance(self, instance_id: str, action: Action, *, gpu_index: int | None = None
-                             ) -> tuple[str | None, ActivationResponse | None]:
-        """Start and initialize the instance's container; (container name, failure or None)."""
+    async def start_instance(self, instance_id: str, action: Action, *, gpu_index: int | None = None,
+                             idle_room_only: bool = False) -> tuple[str | None, ActivationResponse | None]:
+        """Start and initialize the instance's container; (container name, failure or None).
+        ``idle_room_only`` (a model pre-load, model_preload.py): on a GPU with idle room or not at all —
+        no kept weights are evicted for it, and no GPU means a failure, not a run on the CPU."""
         runtime = self._runtime_of(action)
         if runtime is None:
             return None, ActivationResponse.whisk_error("Action version is not compatible and cannot be invoked.")
@@ -723,7 +729,7 @@ class Invoker:
         failure: ActivationResponse | None = None
         try:
             failure, _init_ms, _logs = await self._start_and_init(proxy, req, runtime, gpu_index=gpu_index,
-                                                                  gpu_key=instance_id)
+                                                                  gpu_key=instance_id, idle_room_only=idle_room_only)
         except Exception as exc:  # reported as the instance's failure
             log.exception("instance start failed", instance=instance_id)
             failure = ActivationResponse.whisk_error(f"instance start failed: {exc!r}")
