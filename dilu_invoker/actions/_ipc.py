@@ -37,6 +37,8 @@ class Kind(enum.IntEnum):
     RESULT_NOT_JSON = 22  # payload: UTF-8 message saying why the result could not be encoded
     BAD_REQUEST = 23  # payload: UTF-8 message; the run body was not usable
     PRELOADED = 30  # unsolicited (request id 0), once: JSON {modules, missing, cuda, ms} of the pre-load
+    HELD_MODELS = 32  # unsolicited (request id 0), just before INIT_OK when /init left this process holding models
+    # (the models API): JSON list of their names, what the invoker's model pre-loading keeps
     RUN_IMPORTS = 31  # unsolicited (request id 0), at most once, just before the first run's result: JSON list of
     # the top-level installed modules that run imported first (those `main` imports lazily)
 

@@ -194,6 +194,8 @@ class WorkerProcess:
         self.preload: dict[str, Any] | None = None
         #: installed modules the action's first run imported first (its RUN_IMPORTS frame)
         self.run_imports: list[str] = []
+        #: the models /init left this process holding (its HELD_MODELS frame)
+        self.held_models: list[str] = []
 
     async def start(self) -> None:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -259,6 +261,11 @@ class WorkerProcess:
         if kind == Kind.PRELOADED:
             with contextlib.suppress(ValueError):
                 self.preload = json.loads(payload)
+            return
+        if kind == Kind.HELD_MODELS:
+            with contextlib.suppress(ValueError):
+                names = json.loads(payload)
+                self.held_models = [str(name) for name in names] if isinstance(names, list) else []
             return
         if kind == Kind.RUN_IMPORTS:
             with contextlib.suppress(ValueError):
@@ -582,6 +589,7 @@ class Runtime:
                 "preload": self._preload_state(),
                 "imports": self.imports,
                 "run_imports": worker.run_imports if worker else [],
+                "models": worker.held_models if worker else [],
             }
         )
 

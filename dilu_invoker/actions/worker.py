@@ -131,6 +131,9 @@ class Worker:
             _end_activation_output()
             self._send(Kind.INIT_START_ERROR, request_id, b"the action's module failed to load")
             return
+        held = held_models()
+        if held:
+            self._send(Kind.HELD_MODELS, 0, json.dumps(held).encode())
         self._send(Kind.INIT_OK, request_id, json.dumps(self.imports).encode())
 
     def _load(self, payload: bytes) -> Callable[[Any], Any]:
@@ -221,6 +224,15 @@ class Worker:
             return
         if late:
             self._send(Kind.RUN_IMPORTS, 0, json.dumps(late).encode())
+
+
+def held_models() -> list[str]:
+    """The models this process serves to other instances as their holder (`dilu_invoker.actions.models`;
+    nothing when the action never imported it)."""
+    api = sys.modules.get("dilu_invoker.actions.models")
+    if api is None:
+        return []
+    return sorted(name for name, model in list(api._models.items()) if model.role == "holder")
 
 
 def installed_imports(before: set[str], action_dir: str) -> list[str]:

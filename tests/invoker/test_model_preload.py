@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -22,10 +24,45 @@ import pytest
 from prometheus_client import generate_latest
 
 from dilu_invoker.gpu.budgets import GpuBudgets
-from dilu_invoker.invoker.dataplane.model_preload import ModelPreloader, ModelPreloads, models_served
+from dilu_invoker.invoker.dataplane.model_preload import ModelPreloader, ModelPreloads
 from dilu_invoker.model import GUEST_IDENTITY
 from dilu_invoker.standalone import Running, run_standalone
 from tests.invoker.staged_support import staged_config
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry.name}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    out, todo = {root}, [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def models_served(pid: int) -> int:
+    """How many models the process tree of ``pid`` serves as holder, seen from outside while its /init still
+    runs (abstract sockets named like the models API's endpoints among its open files)."""
+    inodes: set[int] = set()
+    for p in _descendants(pid):
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{p}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd.path)
+                    if target.startswith("socket:["):
+                        inodes.add(int(target[8:-1]))
+    with open("/proc/net/unix") as f:
+        lines = f.read().splitlines()[1:]
+    return sum(1 for cols in (line.split() for line in lines)
+               if len(cols) >= 8 and cols[7].startswith("@dilu-models-") and cols[6].isdigit()
+               and int(cols[6]) in inodes)
+
 
 pytestmark = pytest.mark.slow
 

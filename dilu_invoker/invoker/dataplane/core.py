@@ -14,7 +14,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -533,16 +533,22 @@ class Invoker:
                  modules=list(taken.modules))
         return taken
 
-    async def _learn_imports(self, kind: str, container: Container, field: str = "imports") -> None:
-        """Learn from the runtime's /health what the action imported: ``imports`` at /init, ``run_imports``
-        what its first run imported first (libraries `main` imports lazily)."""
+    async def runtime_health(self, container: Container) -> dict[str, Any] | None:
+        """The runtime's ``GET /health`` (docs/runtime.md); None when it does not answer with a JSON object."""
         headers = {"X-Dilu-Runtime-Secret": container.secret} if container.secret else {}
         with contextlib.suppress(Exception):
             async with self._session.get(f"{container.url}/health", headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 body = await resp.json(content_type=None)
-            if self.preload is not None and isinstance(body.get(field), list) and body[field]:
-                self.preload.learn(kind, body[field])
+            return body if isinstance(body, dict) else None
+        return None
+
+    async def _learn_imports(self, kind: str, container: Container, field: str = "imports") -> None:
+        """Learn from the runtime's /health what the action imported: ``imports`` at /init, ``run_imports``
+        what its first run imported first (libraries `main` imports lazily)."""
+        body = await self.runtime_health(container)
+        if body is not None and self.preload is not None and isinstance(body.get(field), list) and body[field]:
+            self.preload.learn(kind, body[field])
 
     def _in_background(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(coro)

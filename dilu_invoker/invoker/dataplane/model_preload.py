@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import secrets
 import time
 import zlib
@@ -55,9 +54,6 @@ HAND_OVER_S = 30.0
 CLOSE_WAIT_S = 3.0
 #: how often a loaded instance whose function started an instance beside it looks whether that one has gone
 DEFER_CHECK_S = 0.25
-
-#: the abstract Unix socket a holder of the models API serves its weights on (``models.endpoint``)
-MODELS_SOCKET_PREFIX = "@dilu-models-"
 
 RoomFn = Callable[[], Awaitable[Mapping[int, int]]]
 """GPU index → idle GPU memory (MB) of this invoker's GPUs, as their budgets show it."""
@@ -113,52 +109,6 @@ def budget_room(budgets: GpuBudgets, devices: Sequence[GpuDevice]) -> RoomFn:
         return out
 
     return room
-
-
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = {root}, [root]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
-def models_served(pid: int) -> int | None:
-    """How many models the process tree of ``pid`` serves as their holder (abstract sockets named like the
-    models API's endpoints among its open files); None when it cannot be seen (no /proc, no permission)."""
-    inodes: set[int] = set()
-    try:
-        pids = _descendants(pid)
-        for p in pids:
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                for fd in os.scandir(f"/proc/{p}/fd"):
-                    with contextlib.suppress(OSError):
-                        target = os.readlink(fd.path)
-                        if target.startswith("socket:["):
-                            inodes.add(int(target[8:-1]))
-        with open("/proc/net/unix") as f:
-            lines = f.read().splitlines()[1:]
-    except (OSError, ValueError):
-        return None
-    served = 0
-    for line in lines:
-        cols = line.split()
-        if len(cols) >= 8 and cols[7].startswith(MODELS_SOCKET_PREFIX) and cols[6].isdigit() \
-                and int(cols[6]) in inodes:
-            served += 1
-    return served
 
 
 class ModelPreloadMetrics:
@@ -342,13 +292,14 @@ class ModelPreloader:
             await self._removed(name)
             return "the instance got no GPU"
         # Only a process that holds a model is worth keeping: code that loads it on its first call instead of
-        # at module level left nothing on the GPU (nor a process that mapped another instance's copy).
-        pid = getattr(proxy.container, "pid", None)
-        served = await asyncio.to_thread(models_served, pid) if isinstance(pid, int) else None
-        if not served:
+        # at module level left nothing on the GPU (nor a process that mapped another instance's copy). The
+        # runtime says which models /init left its process holding (/health "models").
+        health = await inv.runtime_health(proxy.container) if proxy.container is not None else None
+        held = health.get("models") if health is not None else None
+        if not held:
             inv.pool.remove(proxy, "model pre-load holds no model")
             await self._removed(name)
-            return NO_MODEL if served == 0 else "cannot see whether the instance holds its model (/proc)"
+            return NO_MODEL if isinstance(held, list) else "the runtime does not say which models it holds"
         # Straight to staged exit: compute released, the weights kept (keep.py) — unless the function's first
         # instance started beside it meanwhile and may map from it: then it stays (idle, pinned: no activation
         # reaches it) until that one has gone and it is the last of its group, which staged exit keeps, or
