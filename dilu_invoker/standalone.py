@@ -193,7 +193,8 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
         for k in range(n):
             icfg = replace(cfg, invoker=replace(cfg.invoker, id=cfg.invoker.id + k,
                                                 port=cfg.invoker.port + k if cfg.invoker.port else 0))
-            invoker = await stack.enter_async_context(open_invoker(icfg, manifest=manifest, redis=redis))
+            invoker = await stack.enter_async_context(open_invoker(icfg, manifest=manifest, redis=redis, slot=k,
+                                                                   invokers=n))
             credentials = invoker_credentials(icfg)
             first_credentials = first_credentials or credentials
             inv_app = build_invoker_app(invoker, user=credentials[0], password=credentials[1])
@@ -204,7 +205,7 @@ async def run_standalone(cfg: Config) -> AsyncIterator[Running]:
             runner: ActivationRunner = invoker
             if cfg.balancer.routing:
                 runner = await stack.enter_async_context(enable_balancer_routing(
-                    invoker, icfg, redis=redis, devices=devices_for(icfg, invoker_id=icfg.invoker.id, invokers=n),
+                    invoker, icfg, redis=redis, devices=devices_for(icfg, slot=k, invokers=n),
                     gpu_view=gpu_view_of(invoker.gpu)))
             preloaders.append(ModelPreloader(invoker, cap_mb=icfg.invoker.model_preload_mb, room=budget_room(
                 GpuBudgets(redis, prefix=cfg.redis.prefix), getattr(invoker.gpu, "devices", ()))))

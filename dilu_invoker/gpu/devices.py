@@ -16,7 +16,7 @@ Fields per GPU: ``uuid`` (required), ``index`` (default: position), ``name``, ``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,32 @@ def load_inventory(path: str | Path, invoker_id: int = 0) -> tuple[GpuDevice, ..
             memory_mb=int(e.get("memory_mb", 81920)), sm_count=int(e.get("sm_count", 132)), simulated=True,
         ))
     return tuple(out)
+
+
+def discover_for(*, enabled: bool = True, inventory: str | None = None, invoker_id: int = 0, slot: int = 0,
+                 invokers: int = 1) -> Discovery:
+    """The GPUs of invoker ``invoker_id``, the ``slot``-th (0-based) of ``invokers`` on one machine (standalone
+    ``--invokers N``): they must not claim a GPU twice. Real GPUs are dealt out round robin (GPU i to slot
+    i mod N); an inventory in the list form (every invoker reads the same list) gets per-invoker UUIDs
+    (``<uuid>-i<id>``: test inventories only); the ``{"invokers": {id: [...]}}`` form lists each one's own.
+    The GPU node and the invoker's load reports both use this, so the balancer sees the GPUs the node
+    manages."""
+    found = discover(enabled=enabled, inventory=inventory, invoker_id=invoker_id)
+    if invokers <= 1:
+        return found
+    if inventory:
+        try:
+            listed = isinstance(json.loads(Path(inventory).read_text()), list)
+        except (OSError, ValueError):
+            listed = False
+        if not listed:
+            return found
+        return Discovery(tuple(replace(d, uuid=f"{d.uuid}-i{invoker_id}") for d in found.devices), found.reason,
+                         found.driver_version)
+    mine = tuple(d for d in found.devices if d.index % invokers == slot % invokers)
+    reason = found.reason if not found.devices else (
+        "" if mine else f"this machine's {len(found.devices)} GPU(s) are dealt to its other invokers")
+    return Discovery(mine, reason, found.driver_version)
 
 
 def discover_nvml() -> Discovery:

@@ -226,13 +226,17 @@ class GpuNode:
         backend: str = "process",
         registry: CollectorRegistry | None = None,
         distinct_pids: bool = True,
+        slot: int = 0,
+        invokers: int = 1,
     ) -> GpuNode:
-        """Discovery (NVML, or ``--gpu-inventory``), budgets on ``redis`` and metrics in ``registry``."""
-        from dilu_invoker.gpu.devices import discover, sm_utilization
+        """Discovery (NVML, or ``--gpu-inventory``), budgets on ``redis`` and metrics in ``registry``; the
+        ``slot``-th of ``invokers`` on the machine gets its share of the GPUs (`devices.discover_for`)."""
+        from dilu_invoker.gpu.devices import discover_for, sm_utilization
 
         g = cfg.gpu
         try:
-            found = discover(enabled=g.enabled, inventory=g.inventory, invoker_id=cfg.invoker.id)
+            found = discover_for(enabled=g.enabled, inventory=g.inventory, invoker_id=cfg.invoker.id, slot=slot,
+                                 invokers=invokers)
             devices, reason = found.devices, found.reason
         except (OSError, ValueError) as exc:
             devices, reason = (), f"the GPU inventory could not be read: {exc}"

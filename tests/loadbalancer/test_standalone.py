@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from dilu_invoker import config
 from dilu_invoker.invoker.cluster.routing import BalancedRunner, devices_for
@@ -28,11 +29,15 @@ def _cfg(tmp_path: Path, inventory: object, **balancer: object) -> config.Config
 
 async def test_two_invokers_share_one_instance(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, [{"uuid": "GPU-x", "memory_mb": 16000}])
-    assert [d.uuid for d in devices_for(cfg, invoker_id=1, invokers=2)] == ["GPU-x-i1"]
+    second = replace(cfg, invoker=replace(cfg.invoker, id=1))
+    assert [d.uuid for d in devices_for(second, slot=1, invokers=2)] == ["GPU-x-i1"]
     token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
     async with run_standalone(cfg) as running, aiohttp.ClientSession(
             headers={"Authorization": f"Basic {token}"}) as http:
         assert [i.instance_id for i in running.invokers] == [0, 1]
+        # The GPU node manages the GPU its load reports name (the balancer reads its budget under that UUID).
+        assert [[d.uuid for d in getattr(i.gpu, "devices", ())] for i in running.invokers] == [["GPU-x-i0"],
+                                                                                                ["GPU-x-i1"]]
         assert len(set(running.invoker_urls)) == 2 and running.balancer is not None
         body = {"exec": {"kind": "python:3-gpu", "code": CODE}}
         async with http.put(f"{running.api_url}/api/v1/namespaces/_/actions/g", json=body) as r:
@@ -56,3 +61,18 @@ async def test_routing_off_runs_in_each_pool(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, {"invokers": {"0": [{"uuid": "GPU-a"}], "1": [{"uuid": "GPU-b"}]}}, routing=False)
     async with run_standalone(cfg) as running:
         assert running.runners == running.invokers
+
+
+def test_real_gpus_are_dealt_out_round_robin_among_a_machines_invokers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an inventory (NVML; faked here: no GPU driver in CI) the slot-th of N invokers gets GPUs
+    i with i mod N = slot, and one that gets none says why."""
+    from dilu_invoker.gpu import devices as devs
+
+    found = devs.Discovery(tuple(devs.GpuDevice(index=i, uuid=f"GPU-{i}", name="H200", memory_mb=143771,
+                                                sm_count=132) for i in range(3)), "", "580")
+    monkeypatch.setattr(devs, "discover", lambda **_kw: found)
+    dealt = [[d.uuid for d in devs.discover_for(invoker_id=7 + k, slot=k, invokers=2).devices] for k in range(2)]
+    assert dealt == [["GPU-0", "GPU-2"], ["GPU-1"]]
+    none = devs.discover_for(invoker_id=9, slot=3, invokers=4)
+    assert none.devices == () and "dealt to its other invokers" in none.reason
+    assert devs.discover_for(invoker_id=7).devices == found.devices

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -34,7 +32,7 @@ from redis.exceptions import RedisError
 
 from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import Config
-from dilu_invoker.gpu.devices import GpuDevice, discover
+from dilu_invoker.gpu.devices import GpuDevice, discover_for
 from dilu_invoker.invoker.api import ActivationRunner
 from dilu_invoker.invoker.cluster.agent import Agent
 from dilu_invoker.invoker.cluster.forwarding import Forwarder
@@ -331,23 +329,11 @@ class BalancedRunner:
 # -- devices ------------------------------------------------------------------------------------------
 
 
-def devices_for(cfg: Config, *, invoker_id: int, invokers: int = 1) -> tuple[GpuDevice, ...]:
-    """This invoker's GPUs. Several invokers on one machine (standalone ``--invokers N``) must not claim
-    the same GPU twice: real GPUs are dealt out round robin; an inventory in the list form (every invoker
-    gets the same list) gets per-invoker UUIDs (``<uuid>-i<id>``) — test inventories only."""
-    found = discover(enabled=cfg.gpu.enabled, inventory=cfg.gpu.inventory, invoker_id=invoker_id).devices
-    if invokers <= 1:
-        return found
-    if cfg.gpu.inventory:
-        try:
-            listed = isinstance(json.loads(Path(cfg.gpu.inventory).read_text()), list)
-        except (OSError, ValueError):
-            listed = False
-        if listed:
-            return tuple(replace(d, uuid=f"{d.uuid}-i{invoker_id}") for d in found)
-        return found
-    base = cfg.invoker.id
-    return tuple(d for d in found if d.index % invokers == (invoker_id - base) % invokers)
+def devices_for(cfg: Config, *, slot: int = 0, invokers: int = 1) -> tuple[GpuDevice, ...]:
+    """This invoker's GPUs (``cfg.invoker.id``, the ``slot``-th of ``invokers`` on the machine:
+    `gpu.devices.discover_for`)."""
+    return discover_for(enabled=cfg.gpu.enabled, inventory=cfg.gpu.inventory, invoker_id=cfg.invoker.id,
+                        slot=slot, invokers=invokers).devices
 
 
 # -- the seam -----------------------------------------------------------------------------------------
@@ -374,7 +360,7 @@ async def enable_balancer_routing(
     agent = Agent.of(invoker, redis, prefix=cfg.redis.prefix, boot=secrets.token_hex(8))
     name, boot = agent.name, agent.boot
     if devices is None:
-        devices = devices_for(cfg, invoker_id=cfg.invoker.id)
+        devices = devices_for(cfg)
     instances = InstanceManager(agent, reservation_ttl_s=cfg.gpu.reservation_ttl_s)
     forwarder = Forwarder(agent, instances=instances, result_ttl_s=cfg.balancer.result_ttl_s)
     routes = RouteCache(redis, agent.keys)

@@ -867,6 +867,8 @@ async def open_invoker(
     backend: ContainerBackend | None = None,
     gpu: GpuAllocator | None = None,
     redis: aioredis.Redis | None = None,
+    slot: int = 0,
+    invokers: int = 1,
 ) -> AsyncIterator[Invoker]:
     """Start an invoker and tear it down in reverse order (drain, remove containers, stop the GPU managers,
     close the backend). Without ``gpu`` it runs this node's :class:`GpuNode` (budgets in ``redis`` when
@@ -884,7 +886,8 @@ async def open_invoker(
         # NVML discovery can take a while on a big host: off the event loop.
         gpu_node = await asyncio.to_thread(GpuNode.from_config, cfg, redis=redis, backend=backend.name,
                                            registry=metrics.registry,
-                                           distinct_pids=getattr(backend, "distinct_pids", True))
+                                           distinct_pids=getattr(backend, "distinct_pids", True),
+                                           slot=slot, invokers=invokers)
         await gpu_node.start()
         gpu = gpu_node
     invoker = Invoker(cfg, manifest=manifest, backend=backend, session=session, gpu=gpu, metrics=metrics)
