@@ -572,10 +572,7 @@ class ClusterSnapshot:
         before = None if at is None else node_room[at]
         after = _node_room(node_ords, gpus)
         if before != after:
-            if at is not None:
-                node_room = node_room[:at] + node_room[at + 1 :]
-            if after is not None:
-                node_room = _insert(node_room, after)
+            node_room = _replace_sorted(node_room, at, after)
         fn_counts = self.function_counts
         per_inv = fn_counts.get(instance.function, _EMPTY_MAP)
         count = per_inv.get(invoker, 0) + sign
@@ -629,6 +626,18 @@ _T = TypeVar("_T", int, RoomEntry, NodeRoom)
 def _insert(ordered: tuple[_T, ...], value: _T) -> tuple[_T, ...]:
     i = bisect.bisect_left(ordered, value)
     return ordered[:i] + (value,) + ordered[i:]
+
+
+def _replace_sorted(ordered: tuple[_T, ...], at: int | None, value: _T | None) -> tuple[_T, ...]:
+    """`ordered` without its item at index `at` (None: none) and with `value` inserted in order
+    (None: none), copied once: a list of the items, the removal and insertion moving pointers only,
+    then the tuple (where removing and inserting by slices copy the items four times)."""
+    items = list(ordered)
+    if at is not None:
+        del items[at]
+    if value is not None:
+        bisect.insort_left(items, value)
+    return tuple(items)
 
 
 def _remove(ordered: tuple[_T, ...], value: _T) -> tuple[_T, ...]:
