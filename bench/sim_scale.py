@@ -3,7 +3,7 @@ serving simulation on the one-day trace (issue 7).
 
     PYTHONPATH=. python3 bench/sim_scale.py [--sizes 3200,32000] [--mixes 0:0,0.2:0.2,...]
         [--seeds 1,2] [--big-seeds 1] [--policies exclusive,infless-l,infless-r,fastgs,dilu]
-        [--repeat N] [--out docs/benchmarks/sim-scale.md] [--serving [--profiles FILE]]
+        [--repeat N] [--baseline DIR] [--out docs/benchmarks/sim-scale.md] [--serving [--profiles FILE]]
 
 For each size, each mix `train:llm` (training fraction : LLM fraction of `dilu_mix`, 40 GiB GPUs, one
 create per second) and each seed, every policy replays the same trace, one after another in this
@@ -14,7 +14,10 @@ per 100 instances, and the load average (1 min) when the run ended: read wall ti
 shared machine CPU times too, with it. `--repeat N` runs each trace N times in a row (the same
 decisions, checked) and reports the median CPU and wall time with the CPU range: on a shared host
 the CPU time of one run varies by tens of per cent. `decisions` is a digest of every decision a run
-carried out (`decisions_digest`): a pure speed-up of the policy keeps it.
+carried out (`decisions_digest`): a pure speed-up of the policy keeps it. `--baseline DIR` (a
+checkout of other code, e.g. `git worktree add DIR COMMIT`) replays each `dilu` trace with DIR's
+code in a child process at the same time as this code replays it, so both see the same load, and
+tabulates the baseline's CPU seconds, the ratio and whether the decisions are the same.
 Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
 integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
 100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
@@ -25,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +48,16 @@ from dilu_invoker.sim.placement import PLACEMENT_POLICIES, PlacementResult, Plac
 
 DILU_COMPACT_EVERY_S = 2.0
 DEFAULT_MIXES = "0:0,0:0.2,0:0.4,0.2:0,0.2:0.2,0.2:0.4,0.4:0,0.4:0.2,0.4:0.4"
+
+
+def _describe(root: Path) -> str:
+    """The baseline's commit, where git can tell."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return str(root)
+    return out.stdout.strip() or str(root)
 
 
 def _load() -> str:
@@ -92,6 +107,46 @@ def run_one(n: int, train: float, llm: float, seed: int, policy: str, repeat: in
     }
 
 
+#: The child that replays one trace with the code of another checkout (`--baseline`): argv is
+#: DIR N TRAIN LLM SEED POLICY REPEAT; it prints the median CPU and wall seconds and the digest.
+_BASELINE_CHILD = """
+import hashlib, json, statistics, sys, time
+root, n, train, llm, seed, policy, repeat = sys.argv[1:8]
+sys.path.insert(0, root)
+from dilu_invoker.sim.generate import dilu_mix
+from dilu_invoker.sim.placement import PlacementSimConfig, simulate_placement
+events = dilu_mix(int(n), train_fraction=float(train), llm_fraction=float(llm), seed=int(seed))
+cfg = PlacementSimConfig(policy=policy, gpu_memory_gib=40.0, compact_every_s=float(sys.argv[8]))
+cpus, walls = [], []
+for _ in range(int(repeat)):
+    log = []
+    w0, c0 = time.perf_counter(), time.process_time()
+    r = simulate_placement(events, cfg, log=log)
+    walls.append(time.perf_counter() - w0)
+    cpus.append(time.process_time() - c0)
+# As `decisions_digest` computes it (the baseline's bench may not have it).
+text = repr(log) + repr(r.summary) + repr(r.details["split_instances"]) + repr(r.details["compaction_moves"])
+print(json.dumps({"cpu_s": statistics.median(cpus), "wall_s": statistics.median(walls),
+                  "decisions": hashlib.sha256(text.encode()).hexdigest()[:16]}))
+"""
+
+
+def start_baseline(root: Path, n: int, train: float, llm: float, seed: int, policy: str, repeat: int) -> subprocess.Popen[str]:
+    """The baseline's replay of the trace, started now (`--baseline`); `finish_baseline` reads it."""
+    every = DILU_COMPACT_EVERY_S if policy == "dilu" else 0.0
+    argv = [sys.executable, "-c", _BASELINE_CHILD, str(root), str(n), repr(train), repr(llm), str(seed), policy,
+            str(repeat), repr(every)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=root)
+
+
+def finish_baseline(child: subprocess.Popen[str], row: dict[str, Any]) -> None:
+    out, _ = child.communicate()
+    if child.returncode != 0:
+        raise RuntimeError(f"the baseline's replay failed (exit {child.returncode})")
+    got = json.loads(out.strip().splitlines()[-1])
+    row["base_cpu_s"], row["base_wall_s"], row["base_decisions"] = got["cpu_s"], got["wall_s"], got["decisions"]
+
+
 def decisions_digest(log: list[tuple[Any, ...]], r: PlacementResult) -> str:
     """sha256 (first 16 hex digits) of every decision the run carried out (`simulate_placement`'s
     `log`: placements with their GPUs, refusals, compaction runs, moves) and of its summary: equal
@@ -123,10 +178,19 @@ COLUMNS = (
 )
 
 
+BASELINE_COLUMNS = (
+    ("baseline CPU s", lambda r: f"{r['base_cpu_s']:.2f}" if "base_cpu_s" in r else "–"),
+    ("CPU / baseline", lambda r: f"{r['cpu_s'] / r['base_cpu_s']:.2f}" if r.get("base_cpu_s") else "–"),
+    ("baseline decisions", lambda r: ("same" if r["base_decisions"] == r["decisions"] else r["base_decisions"])
+     if "base_decisions" in r else "–"),
+)
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = "| " + " | ".join(c for c, _ in COLUMNS) + " |"
-    sep = "| " + " | ".join("---" for _ in COLUMNS) + " |"
-    return "\n".join([head, sep, *("| " + " | ".join(f(r) for _, f in COLUMNS) + " |" for r in rows)])
+    columns = COLUMNS + (BASELINE_COLUMNS if any("base_cpu_s" in r for r in rows) else ())
+    head = "| " + " | ".join(c for c, _ in columns) + " |"
+    sep = "| " + " | ".join("---" for _ in columns) + " |"
+    return "\n".join([head, sep, *("| " + " | ".join(f(r) for _, f in columns) + " |" for r in rows)])
 
 
 def serving(profiles_path: str) -> None:
@@ -158,6 +222,8 @@ def main() -> int:
     ap.add_argument("--serving", action="store_true", help="also time the one-day serving trace per policy")
     ap.add_argument("--profiles", default="tests/sim/data/synthetic_profiles.json")
     ap.add_argument("--repeat", type=int, default=1, help="runs per trace and policy (median CPU reported)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a checkout of other code: replay each dilu trace with it at the same time")
     args = ap.parse_args()
 
     def mixes(spec: str) -> list[tuple[float, float]]:
@@ -173,7 +239,12 @@ def main() -> int:
         for train, llm in mixes(args.big_mixes if big and args.big_mixes else args.mixes):
             for seed in seeds:
                 for policy in policies:
+                    child = None
+                    if args.baseline is not None and policy == "dilu":
+                        child = start_baseline(args.baseline.resolve(), n, train, llm, seed, policy, args.repeat)
                     r = run_one(n, train, llm, seed, policy, args.repeat)
+                    if child is not None:
+                        finish_baseline(child, r)
                     rows.append(r)
                     print(
                         f"{n:6d} {train:g}:{llm:g} seed {seed} {policy:10s} wall {r['wall_s']:6.2f} s "
@@ -183,6 +254,11 @@ def main() -> int:
                         f"cold/100 {r['cold_per_100']:.1f} decisions {r['decisions']} load {_load()}",
                         flush=True,
                     )
+                    if child is not None:
+                        same = "the same decisions" if r["base_decisions"] == r["decisions"] else (
+                            f"OTHER decisions {r['base_decisions']}")
+                        print(f"  baseline cpu {r['base_cpu_s']:6.2f} s ({r['cpu_s'] / r['base_cpu_s']:.2f}×), {same}",
+                              flush=True)
     if args.serving:
         serving(args.profiles)
     total = time.perf_counter() - t0
@@ -190,6 +266,8 @@ def main() -> int:
     print(f"total {total:.0f} s; load average before {load_before}, after {load_after}")
     if args.out is not None:
         cmd = "PYTHONPATH=. python3 bench/sim_scale.py " + " ".join(sys.argv[1:])
+        if args.baseline is not None:
+            cmd += f" (baseline: {_describe(args.baseline)})"
         text = "\n".join(
             [
                 "# Placement simulation at scale",
