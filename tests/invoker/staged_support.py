@@ -10,6 +10,15 @@ from pathlib import Path
 from dilu_invoker import config
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """A sample of a Prometheus text exposition (0.0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(name + ("{" + want + "}" if want else " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def staged_config(tmp_path: Path, uuid: str, memory_mb: int = 16000) -> config.Config:
     (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": uuid, "memory_mb": memory_mb}]))
     base = config.load(environ={})

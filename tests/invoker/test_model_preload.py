@@ -27,6 +27,7 @@ from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.invoker.dataplane.model_preload import ModelPreloader, ModelPreloads
 from dilu_invoker.model import GUEST_IDENTITY
 from dilu_invoker.standalone import Running, run_standalone
+from tests.invoker.staged_support import metric as _metric
 from tests.invoker.staged_support import staged_config
 
 
@@ -97,14 +98,6 @@ RAISES = "import os\nraise RuntimeError('no model today')\ndef main(args):\n    
 def _code(mark: str, *, slow_s: float = 0.0, after_s: float = 0.0) -> str:
     code = CODE.format(mark=mark, after_s=after_s)
     return code.replace(SLOW, f"time.sleep({slow_s})") if slow_s else code
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(name + ("{" + want + "}" if want else " ")):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @dataclass

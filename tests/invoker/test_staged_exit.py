@@ -19,6 +19,7 @@ from prometheus_client import generate_latest
 from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.model import GUEST_IDENTITY
 from dilu_invoker.standalone import run_standalone
+from tests.invoker.staged_support import metric as _metric
 from tests.invoker.staged_support import staged_config
 
 pytestmark = pytest.mark.slow
@@ -42,14 +43,6 @@ def main(args):
             "check": float(w["w"][123456])}
 '''
 ANNOTATIONS = {"gpu-memory-mb": 4000, "gpu-weights-mb": 3000, "gpu-sm-request": 0.1, "gpu-sm-limit": 0.2}
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(name + ("{" + want + "}" if want else " ")):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 async def _until(what: str, check: Any, timeout_s: float = 20.0) -> Any:

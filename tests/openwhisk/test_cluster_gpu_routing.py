@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 from ow_cluster.harness import ControllerHarness, check_ack
 from ow_cluster.peers import PouchServer, TansuBroker, free_port
-from ow_cluster.support import invoker_env, put_action
+from ow_cluster.support import invoker_env, put_action, stop_processes
 
 from dilu_invoker.redis_embedded import EmbeddedRedis
 
@@ -88,11 +87,4 @@ async def test_gpu_activation_is_routed_to_the_placed_instance_and_acked_by_the_
             assert after - before == 3, logs()
             assert await asyncio.to_thread(_activations_counted, ports[31]) == 0, logs()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                await asyncio.to_thread(p.wait, 30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        await stop_processes(procs.values())

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 from ow_cluster.harness import ControllerHarness
 from ow_cluster.peers import PouchServer, TansuBroker, free_port
-from ow_cluster.support import MANIFEST_JSON, invoker_env, put_action
+from ow_cluster.support import MANIFEST_JSON, invoker_env, put_action, stop_processes
 
 from dilu_invoker.redis_embedded import EmbeddedRedis
 
@@ -130,11 +129,4 @@ async def test_a_cluster_invoker_keeps_the_weights_of_a_function_scaled_to_zero(
             assert second["role"] == "mapped" and second["check"] == 123456.0, (second, logs())
             assert _metric(_metrics(port), "dilu_invoker_weights_kept_events_total", event="reused") == 1.0, logs()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                await asyncio.to_thread(p.wait, 30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        await stop_processes(procs.values())

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import signal
+import subprocess
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +85,19 @@ async def running_front(broker: TansuBroker, pouch: PouchServer, manifest: Manif
     async with build_front(cfg, runner=runner, manifest=manifest, **front) as started:
         await asyncio.wait_for(started.assigned.wait(), 30)
         yield started
+
+
+async def stop_processes(procs: Iterable[subprocess.Popen[bytes]], *, wait_s: float = 30.0) -> None:
+    """SIGTERM every process still running, then wait for each (killed after ``wait_s``)."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            await asyncio.to_thread(p.wait, wait_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 async def wait_until(predicate: Callable[[], bool], *, timeout: float = 30.0, what: str = "condition") -> None:
