@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "or static (every instance at its limit)")
     s.add_argument("--sample-every", type=_positive(float), default=60.0, help="time-series resolution (s)")
     s.add_argument("--gamma", type=_positive(float), default=1.5, help="dilu's Σ-limit oversubscription γ")
+    s.add_argument("--placement-strategy", default=None, metavar="STRATEGY",
+                   help="what-if: place with this strategy (e.g. infless-r) instead of the policy's own, at --gamma; "
+                        "shares still run the policy's way (docs/simulator.md)")
+    s.add_argument("--capacity-share", choices=("request", "limit"), default=None,
+                   help="what-if: size instances for horizontal scaling at their request or limit share")
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true")
@@ -391,6 +396,7 @@ def _placement_plots(where: Path, results: dict[str, Any], report: Any) -> None:
 
 
 def _serving(args: argparse.Namespace) -> int:
+    from dilu_invoker.policy import PlacementConfig
     from dilu_invoker.policy.vertical import VerticalConfig
     from dilu_invoker.policy.vertical_slo import SloConfig, StaticConfig
     from dilu_invoker.sim import report
@@ -417,6 +423,13 @@ def _serving(args: argparse.Namespace) -> int:
     )
     out: Path = args.out or DEFAULT_OUT / "serving"
     policies = list(SERVING_POLICIES) if args.policy == "all" else [args.policy]
+    placement = None
+    if args.placement_strategy is not None:
+        try:
+            placement = PlacementConfig(strategy=args.placement_strategy, gamma=args.gamma)
+        except ValueError as exc:
+            print(f"dilu-invoker simulate serving: error: --placement-strategy: {exc}", file=sys.stderr)
+            return 2
     results: dict[str, ServingResult] = {}
     if profiles.synthetic:
         print(f"NOTE: {args.profiles} is a SYNTHETIC profile set ({profiles.source}), not measurements")
@@ -438,6 +451,8 @@ def _serving(args: argparse.Namespace) -> int:
             seed=args.seed,
             gamma=args.gamma,
             vertical={"slo": SloConfig, "static": StaticConfig}.get(args.vertical_policy, VerticalConfig)(),
+            placement=placement,
+            capacity_share=args.capacity_share,
         )
 
     def run_serving(policy: str, bar: Progress | None) -> ServingResult:
