@@ -467,6 +467,7 @@ def _serving(args: argparse.Namespace) -> int:
         where = out / policy if len(policies) > 1 else out
         report.write_json(where / "summary.json", result.summary)
         report.write_json(where / "functions.json", result.functions)
+        report.write_json(where / "details.json", result.details)
         report.write_csv(where / "timeseries.csv", SERVING_TIMESERIES_COLUMNS, result.samples)
         if not args.no_plots:
             _serving_plots(where, {policy: result}, report)

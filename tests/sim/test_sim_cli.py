@@ -151,6 +151,8 @@ def test_serving_what_if_placement_and_sizing_flags(tmp_path: Path, capsys: pyte
     # Eight instances at request 0.1 / limit 0.3 (synthetic resnet50, bert 0.4): Σ limit ≤ 1.5 needs two GPUs,
     # Σ request ≤ 1 one.
     assert runs["by-request"]["gpus_peak"] < runs["plain"]["gpus_peak"]
+    details = json.loads((tmp_path / "by-request" / "details.json").read_text())
+    assert details["placement_strategy"] == "infless-r" and details["packing"]["request_per_lit_gpu"] <= 1.0
     rc = main(["serving", "--trace", str(trace), "--profiles", str(SYNTHETIC_PROFILES), "--policy", "dilu",
                "--gpus", "4", "--out", str(tmp_path / "bad"), "--quiet", "--no-plots", "--placement-strategy", "nope"])
     assert rc == 2 and "--placement-strategy" in capsys.readouterr().err
