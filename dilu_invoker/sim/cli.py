@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="until a taken pre-loaded process is replaced (default: the measured 4.2 s)")
     s.add_argument("--timeout-s", type=_positive(float), default=30.0, help="drop requests waiting longer")
     s.add_argument("--interference", type=_nonneg_float, default=0.1, help="co-location slowdown κ (docs)")
+    s.add_argument("--interference-training", type=_nonneg_float, default=None,
+                   help="κ for training instances (default: --interference; the H200 fit gives 0)")
     s.add_argument("--vertical-period", type=_positive(float), default=0.5,
                    help="seconds between vertical re-decisions of a GPU with training (the slo policy counts its windows "
                         "in these periods and is calibrated at the live manager's 0.05 s: docs/benchmarks/vertical-sim.md)")
@@ -446,6 +448,7 @@ def _serving(args: argparse.Namespace) -> int:
             **({} if args.preload_refill_s is None else {"preload_refill_s": args.preload_refill_s}),
             timeout_s=args.timeout_s,
             interference=args.interference,
+            interference_training=args.interference_training,
             vertical_period_s=args.vertical_period,
             sample_every_s=args.sample_every,
             seed=args.seed,

@@ -142,6 +142,9 @@ class ServingSimConfig:
     preload_refill_s: float = MEASURED_COLD_START_S
     timeout_s: float = 30.0
     interference: float = 0.1
+    interference_training: float | None = None
+    """κ for training (best-effort) instances; None: `interference`. The H200 matrix measures training
+    beside inference no slower than alone (docs/benchmarks/colocation-fit.md: training κ ≈ 0)."""
     vertical_period_s: float = 0.5
     sample_every_s: float = 60.0
     seed: int = 1
@@ -169,6 +172,10 @@ class ServingSimConfig:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
         if self.preload_per_node < 0:
             raise ValueError(f"preload_per_node must be >= 0, got {self.preload_per_node!r}")
+        if self.interference_training is not None and not (
+            math.isfinite(self.interference_training) and self.interference_training >= 0
+        ):
+            raise ValueError(f"interference_training must be >= 0, got {self.interference_training!r}")
         for name in ("cold_start_s", "interference", "preloaded_start_s", "preload_refill_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
@@ -469,6 +476,7 @@ class _Sim:
             return
         mode = self.mode
         kappa = self.cfg.interference
+        kappa_t = kappa if self.cfg.interference_training is None else self.cfg.interference_training
         rates: list[float] = []
         if mode == "exclusive":
             for inst in busy:
@@ -505,8 +513,9 @@ class _Sim:
                 s = used if scale < 1.0 else inst.cap
                 inst.share_eff = used
                 r = self._speed(inst.fn, inst.b, s)
-                if kappa and len(busy) > 1:
-                    r /= 1.0 + kappa * (used_total - used)
+                k = kappa_t if inst.training else kappa
+                if k and len(busy) > 1:
+                    r /= 1.0 + k * (used_total - used)
                 rates.append(r)
         for inst, r in zip(busy, rates, strict=True):
             if inst.training:

@@ -234,3 +234,18 @@ def test_capacity_share_sizes_instances_at_the_request_or_is_refused(synthetic_p
     at_limit = simulate_serving(trace(heavy), synthetic_profiles, cfg("dilu", gpus=4))
     at_request = simulate_serving(trace(heavy), synthetic_profiles, cfg("dilu", gpus=4, capacity_share="request"))
     assert at_request.details["packing"]["instance_seconds"] > at_limit.details["packing"]["instance_seconds"]
+
+
+def test_training_has_its_own_interference_when_given(synthetic_profiles: ProfileSet) -> None:
+    busy = FunctionTrace("f", "resnet50", np.full(2, 12000, dtype=np.int64), bin_s=60.0)
+    t = trace(busy, jobs=(TrainingJob("t", "train-resnet50", 0.0, 120.0),))
+
+    def samples(**kw: object) -> float:
+        return simulate_serving(t, synthetic_profiles, cfg("mps-static", gpus=1, **kw)).summary["training_samples"]
+
+    alone_k = samples(interference=0.0)
+    slowed = samples(interference=0.5)
+    assert slowed < alone_k * 0.99  # training beside busy inference, slowed by κ
+    assert samples(interference=0.5, interference_training=0.0) == pytest.approx(alone_k, rel=1e-6)
+    with pytest.raises(ValueError, match="interference_training"):
+        cfg("dilu", interference_training=-1.0)
