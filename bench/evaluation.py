@@ -205,8 +205,12 @@ def calibration_note(path: Path = CALIBRATION) -> list[str]:
         L[0] += (" With it, on the reduced traces (" + ", ".join(f"{t[0]} first {t[3] / 60:g} min" for t in doc["traces"])
                  + f", seeds {', '.join(map(str, seeds))}), `dilu` reaches "
                  + ", ".join(f"{mean(t, 'dilu') / mean(t, 'mps-static'):.2f}× (`{t}`)" for t in traces)
-                 + " `mps-static`'s throughput per GPU; why (Σ limit ≤ γ at admission), every candidate change and the "
-                 "verdict are in docs/benchmarks/colocation-fit.md.")
+                 + " `mps-static`'s throughput per GPU")
+        level = [v for v in dict.fromkeys(r["policy"] for r in rows)
+                 if v not in ("mps-static", "exclusive", "dilu") and all(mean(t, v) >= mean(t, "mps-static") for t in traces)]
+        L[0] += ((", and " + ", ".join(f"`{v}`" for v in level) + " reach 1.00× on both" if level else "")
+                 + "; why (Σ limit ≤ γ at admission), every candidate change and the verdict are in "
+                 "docs/benchmarks/colocation-fit.md.")
     else:
         L[0] += " The calibrated comparison is in docs/benchmarks/colocation-fit.md."
     return [*L, ""]

@@ -518,7 +518,12 @@ def _serving_md(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[str]
         f"### Every variant (κ {kappa:g}; mean over seeds, min–max in brackets)",
         "",
         "`wins`: seeds on which the variant's throughput per GPU is ≥ mps-static's and its SLO violations ≤ "
-        "mps-static's on the same seed (the issue's target).",
+        "mps-static's on the same seed (the issue's target), compared unrounded."
+        + "".join(f" On `{t}` every variant's throughput per GPU is the same on every seed (the seed moves arrivals "
+                  "within a trace bin, which changes no scaling decision there); p99 and violations move in the third digit."
+                  for t in traces if len(seeds) > 1 and all(
+                      len({r["throughput_per_gpu"] for r in _rows(rows, t, v, kappa)}) == 1 for v in variants
+                      if _rows(rows, t, v, kappa))),
         "",
         "| trace | variant | req per GPU-s | × mps-static | × exclusive | SLO violations | p99 ms | GPUs peak | training samples/s | wins |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
