@@ -29,6 +29,7 @@ import gzip
 import json
 import multiprocessing
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -444,10 +445,14 @@ def markdown(result: dict[str, Any], command: str) -> str:
         f"{_f(s['kappa_gpu']['max'], 2)}, wider than the value; the 90% interval of the median is "
         + (f"{s['kappa_gpu']['ci90'][0]:.2f}–{s['kappa_gpu']['ci90'][1]:.2f}" if s["kappa_gpu"].get("ci90") else "–")
         + f" (the old default {DEFAULT_KAPPA} is inside it). Training beside inference is not "
-        "measurably slower than training alone (training κ ≈ 0; the noise floor, training beside idle inference, "
+        f"measurably slower than training alone (training κ {_f(s['kappa_train']['median'], 2)}, interval "
+        + (f"{s['kappa_train']['ci90'][0]:.2f}–{s['kappa_train']['ci90'][1]:.2f}" if s["kappa_train"].get("ci90") else "–")
+        + "; the noise floor, training beside idle inference, "
         "moves as much): the model's one κ, applied to training too, overstates training's loss. And the 50% cap "
         "itself costs neither side measurably against the full GPU: both jobs fit in half an H200 — the reason static "
-        "MPS is strong here (the profile's training curve says 16% at the cap; the matrix's trials straddle 1).",
+        + (f"MPS is strong here (the profile's training curve says {100 * (1 - pc['training_speed_at_cap']):.0f}% at the cap; "
+           f"the matrix's trials give {_f(s['cap_training_speed']['min'], 2)}–{_f(s['cap_training_speed']['max'], 2)}, "
+           f"median {_f(s['cap_training_speed']['median'], 2)})." if pc else "MPS is strong here."),
         "",
         "What it cannot say: one model pair under MPS (BERT's MPS cells were cut), 1.5 s windows, one split "
         "(50/50), so κ's dependence on the neighbour's share (the model's linearity) is not tested; the solo is measured "
@@ -704,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serving", action="store_true", help="also run the reduced serving comparison (minutes)")
     ap.add_argument("--bursty-s", type=float, default=1800.0, help="bursty trace: simulate its first N seconds")
     ap.add_argument("--day-s", type=float, default=14400.0, help="day trace: simulate its first N seconds")
+    ap.add_argument("--traces", default="bursty,azure-day", help="which serving traces (comma-separated)")
+    ap.add_argument("--no-sensitivity", action="store_true", help="only the fitted κ (no other-κ runs)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--partial", type=Path, default=Path("out/colocation_fit.partial.jsonl"),
                     help="serving rows as they finish; rows already there are reused (resume)")
@@ -715,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads(args.out.read_text())
         args.doc.write_text(markdown(saved, saved["command"]))
         return 0
-    command = "PYTHONPATH=. python3 bench/fit_colocation.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    command = "PYTHONPATH=. python3 bench/fit_colocation.py" + (" " + shlex.join(argv if argv is not None else sys.argv[1:])).rstrip()
     cells = load_cells(list(args.inputs))
     result: dict[str, Any] = {"command": command, "generated_on": platform.platform(),
                               "inputs": [p.name for p in args.inputs],
@@ -726,6 +733,9 @@ def main(argv: list[str] | None = None) -> int:
         others = sorted({DEFAULT_KAPPA, upper} - {kappa})
         traces = [("bursty", "examples/serving/bursty.jsonl.gz", 16, args.bursty_s),
                   ("azure-day", "examples/serving/azure-day.jsonl.gz", 64, args.day_s)]
+        traces = [t for t in traces if t[0] in args.traces.split(",")]
+        if args.no_sensitivity:
+            others = []
         seeds = [int(x) for x in args.seeds.split(",") if x]
         variants = [v for v in args.variants.split(",") if v]
         unknown = [v for v in variants if v not in VARIANTS]
