@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="until a taken pre-loaded process is replaced (default: the measured 4.2 s)")
     s.add_argument("--timeout-s", type=_positive(float), default=30.0, help="drop requests waiting longer")
     s.add_argument("--interference", type=_nonneg_float, default=0.1, help="co-location slowdown κ (docs)")
+    s.add_argument("--interference-training", type=_nonneg_float, default=None,
+                   help="κ for training instances (default: --interference; the H200 fit gives 0)")
     s.add_argument("--vertical-period", type=_positive(float), default=0.5,
                    help="seconds between vertical re-decisions of a GPU with training (the slo policy counts its windows "
                         "in these periods and is calibrated at the live manager's 0.05 s: docs/benchmarks/vertical-sim.md)")
@@ -136,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "or static (every instance at its limit)")
     s.add_argument("--sample-every", type=_positive(float), default=60.0, help="time-series resolution (s)")
     s.add_argument("--gamma", type=_positive(float), default=1.5, help="dilu's Σ-limit oversubscription γ")
+    s.add_argument("--placement-strategy", default=None, metavar="STRATEGY",
+                   help="what-if: place with this strategy (e.g. infless-r) instead of the policy's own, at --gamma; "
+                        "shares still run the policy's way (docs/simulator.md)")
+    s.add_argument("--capacity-share", choices=("request", "limit"), default=None,
+                   help="what-if: size instances for horizontal scaling at their request or limit share")
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true")
@@ -391,6 +398,7 @@ def _placement_plots(where: Path, results: dict[str, Any], report: Any) -> None:
 
 
 def _serving(args: argparse.Namespace) -> int:
+    from dilu_invoker.policy import PlacementConfig
     from dilu_invoker.policy.vertical import VerticalConfig
     from dilu_invoker.policy.vertical_slo import SloConfig, StaticConfig
     from dilu_invoker.sim import report
@@ -417,6 +425,13 @@ def _serving(args: argparse.Namespace) -> int:
     )
     out: Path = args.out or DEFAULT_OUT / "serving"
     policies = list(SERVING_POLICIES) if args.policy == "all" else [args.policy]
+    placement = None
+    if args.placement_strategy is not None:
+        try:
+            placement = PlacementConfig(strategy=args.placement_strategy, gamma=args.gamma)
+        except ValueError as exc:
+            print(f"dilu-invoker simulate serving: error: --placement-strategy: {exc}", file=sys.stderr)
+            return 2
     results: dict[str, ServingResult] = {}
     if profiles.synthetic:
         print(f"NOTE: {args.profiles} is a SYNTHETIC profile set ({profiles.source}), not measurements")
@@ -433,11 +448,14 @@ def _serving(args: argparse.Namespace) -> int:
             **({} if args.preload_refill_s is None else {"preload_refill_s": args.preload_refill_s}),
             timeout_s=args.timeout_s,
             interference=args.interference,
+            interference_training=args.interference_training,
             vertical_period_s=args.vertical_period,
             sample_every_s=args.sample_every,
             seed=args.seed,
             gamma=args.gamma,
             vertical={"slo": SloConfig, "static": StaticConfig}.get(args.vertical_policy, VerticalConfig)(),
+            placement=placement,
+            capacity_share=args.capacity_share,
         )
 
     def run_serving(policy: str, bar: Progress | None) -> ServingResult:
@@ -452,6 +470,7 @@ def _serving(args: argparse.Namespace) -> int:
         where = out / policy if len(policies) > 1 else out
         report.write_json(where / "summary.json", result.summary)
         report.write_json(where / "functions.json", result.functions)
+        report.write_json(where / "details.json", result.details)
         report.write_csv(where / "timeseries.csv", SERVING_TIMESERIES_COLUMNS, result.samples)
         if not args.no_plots:
             _serving_plots(where, {policy: result}, report)

@@ -142,6 +142,9 @@ class ServingSimConfig:
     preload_refill_s: float = MEASURED_COLD_START_S
     timeout_s: float = 30.0
     interference: float = 0.1
+    interference_training: float | None = None
+    """κ for training (best-effort) instances; None: `interference`. The H200 matrix measures training
+    beside inference no slower than alone (docs/benchmarks/colocation-fit.md: training κ ≈ 0)."""
     vertical_period_s: float = 0.5
     sample_every_s: float = 60.0
     seed: int = 1
@@ -151,6 +154,12 @@ class ServingSimConfig:
     horizontal: HorizontalConfig = field(default_factory=HorizontalConfig)
     vertical: AnyVerticalConfig = field(default_factory=VerticalConfig)
     """The vertical policy's configuration; its type selects the policy (`SloConfig`: `slo`)."""
+    placement: PlacementConfig | None = None
+    """A what-if: this placement configuration (strategy, ω, γ, scorer weights) instead of the policy's
+    strategy with `gamma`; the policy still decides how shares run and how instances are sized."""
+    capacity_share: str | None = None
+    """A what-if: size instances for horizontal scaling at their `request` or `limit` share instead of the
+    policy's own rule (`dilu`: the limit; `mps-static`: the request)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_SPEC:
@@ -163,12 +172,18 @@ class ServingSimConfig:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
         if self.preload_per_node < 0:
             raise ValueError(f"preload_per_node must be >= 0, got {self.preload_per_node!r}")
+        if self.interference_training is not None and not (
+            math.isfinite(self.interference_training) and self.interference_training >= 0
+        ):
+            raise ValueError(f"interference_training must be >= 0, got {self.interference_training!r}")
         for name in ("cold_start_s", "interference", "preloaded_start_s", "preload_refill_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be >= 0, got {v!r}")
         if not 0 <= self.tgs_opportunistic_share <= 1 or not 0 <= self.tgs_production_slowdown < 1:
             raise ValueError("tgs shares must be fractions")
+        if self.capacity_share not in (None, "request", "limit"):
+            raise ValueError(f"capacity_share must be 'request' or 'limit', got {self.capacity_share!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +345,7 @@ class _Sim:
         self.cfg = config
         self.trace = trace
         strategy, self.mode = POLICY_SPEC[config.policy]
-        self.pconf = PlacementConfig(strategy=strategy, gamma=config.gamma)
+        self.pconf = config.placement or PlacementConfig(strategy=strategy, gamma=config.gamma)
         nodes = math.ceil(config.gpus / config.gpus_per_node)
         names = [f"node{i:03d}" for i in range(nodes)]
         cluster = ClusterSnapshot.uniform(
@@ -379,12 +394,18 @@ class _Sim:
         self.samples: list[tuple[float, ...]] = []
         self.win = [0, 0, 0, 0.0]  # arrivals, completed, violations, training samples in this interval
         self.training_samples = 0.0
+        # packing: ∫ over lit GPUs of (instances, Σ request, Σ limit, Σ memory fraction) dt, and per
+        # placement that lit a GPU, the constraint the lit GPUs failed (or "score": one passed every check)
+        self.pack_area = [0.0, 0.0, 0.0, 0.0]
+        self.lit_by: dict[str, int] = {}
 
     # -- helpers ------------------------------------------------------------------------------
 
     def _capacity(self, fn: _Fn) -> float:
         """Requests/s one instance sustains at the share this policy runs it at (for scaling)."""
         b = fn.batch
+        if self.cfg.capacity_share is not None:
+            return fn.prof.throughput_rps(fn.request if self.cfg.capacity_share == "request" else fn.limit, b)
         if self.mode in ("exclusive", "priority"):
             return fn.prof.throughput_rps(1.0, b)
         if self.mode == "temporal":
@@ -414,6 +435,13 @@ class _Sim:
             span = max(0.0, end - self.t_acct)
             lit = self.cluster.lit_count
             self.lit_area += span * lit
+            if lit and span > 0:
+                area = self.pack_area
+                for g in self.cluster.lit_gpus():
+                    area[0] += span * len(g.instances)
+                    area[1] += span * g.used_request
+                    area[2] += span * g.used_limit
+                    area[3] += span * g.used_memory / g.memory_mib
             if lit:
                 self.sm_area += span * self.frag.sm_mean
                 self.mem_area += span * self.frag.memory_mean
@@ -448,6 +476,7 @@ class _Sim:
             return
         mode = self.mode
         kappa = self.cfg.interference
+        kappa_t = kappa if self.cfg.interference_training is None else self.cfg.interference_training
         rates: list[float] = []
         if mode == "exclusive":
             for inst in busy:
@@ -484,8 +513,9 @@ class _Sim:
                 s = used if scale < 1.0 else inst.cap
                 inst.share_eff = used
                 r = self._speed(inst.fn, inst.b, s)
-                if kappa and len(busy) > 1:
-                    r /= 1.0 + kappa * (used_total - used)
+                k = kappa_t if inst.training else kappa
+                if k and len(busy) > 1:
+                    r /= 1.0 + k * (used_total - used)
                 rates.append(r)
         for inst, r in zip(busy, rates, strict=True):
             if inst.training:
@@ -619,10 +649,15 @@ class _Sim:
             limit=fn.limit,
             memory_mib=fn.memory_mib,
         )
-        d = place(self.cluster.at(self.now), req, self.pconf)
+        snap = self.cluster.at(self.now)
+        d = place(snap, req, self.pconf)
         if not d.placed:
             self.placement_failures += 1
+            self.lit_by["failed"] = self.lit_by.get("failed", 0) + 1
             return None
+        if not snap.gpu(d.gpus[0]).lit:
+            why = self._why_unlit(snap, req)
+            self.lit_by[why] = self.lit_by.get(why, 0) + 1
         self._account()
         self.cluster = apply_placement(self.cluster, req, d)
         self._cluster_changed()
@@ -641,6 +676,29 @@ class _Sim:
         if self.mode == "dynamic":
             self._vertical_now(g)
         return inst
+
+    def _why_unlit(self, snap: ClusterSnapshot, req: PlacementRequest) -> str:
+        """Why a placement lit a GPU: the first check every lit, schedulable GPU failed, in the order
+        Σ request ≤ ω, Σ limit ≤ γ, memory, or `score` where some lit GPU passed all three (the scorer or a
+        filter of the strategy other than these preferred an unlit GPU)."""
+        c = self.pconf
+        worst = ""
+        order = ("sm-request", "sm-limit", "memory")
+        for g in snap.lit_gpus():
+            if not g.schedulable:
+                continue
+            if g.used_request + req.request > c.omega + 1e-9:
+                fail = "sm-request"
+            elif c.strategy == "dilu" and g.used_limit + req.limit > c.gamma + 1e-9:
+                fail = "sm-limit"
+            elif g.used_memory + req.memory_mib > g.memory_mib:
+                fail = "memory"
+            else:
+                return "score"
+            # the check that let the most GPUs through: the one that binds last
+            if not worst or order.index(fail) > order.index(worst):
+                worst = fail
+        return f"{worst}-bound" if worst else "none-lit"
 
     def _start_cost(self, node: int) -> float:
         """Seconds until a new instance on ``node`` serves: a pre-loaded process's when one is available
@@ -1042,6 +1100,14 @@ def simulate_serving(
         "preloaded_starts": sim.preloaded_starts,
         "plain_cold_starts": sim.cold_starts - sim.preloaded_starts,
         "vertical_calls": sim.vertical_calls,
+        "packing": {
+            "instances_per_lit_gpu": round(sim.pack_area[0] / gpu_seconds, 4) if gpu_seconds else 0.0,
+            "request_per_lit_gpu": round(sim.pack_area[1] / gpu_seconds, 4) if gpu_seconds else 0.0,
+            "limit_per_lit_gpu": round(sim.pack_area[2] / gpu_seconds, 4) if gpu_seconds else 0.0,
+            "memory_per_lit_gpu": round(sim.pack_area[3] / gpu_seconds, 4) if gpu_seconds else 0.0,
+            "instance_seconds": round(sim.pack_area[0], 1),
+            "lit_by": dict(sorted(sim.lit_by.items())),
+        },
         "vertical_memo_hits": sim.vertical_memo_hits,
         "profiles_synthetic": profiles.synthetic,
         "profiles_source": profiles.source,

@@ -136,3 +136,23 @@ def test_wired_as_dilu_invoker_simulate(events: Path, tmp_path: Path) -> None:
     out = tmp_path / "top"
     assert top_main(["simulate", "placement", "--events", str(events), "--policy", "exclusive", "--out", str(out), "--quiet", "--no-plots"]) == 0
     assert json.loads((out / "summary.json").read_text())["policy"] == "exclusive"
+
+
+def test_serving_what_if_placement_and_sizing_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["gen", "serving", "--pattern", "poisson", "--functions", "8", "--duration", "120", "--rate", "8",
+                 "--profiles", str(SYNTHETIC_PROFILES), "--out", str(trace)]) == 0
+    runs = {}
+    for name, extra in (("plain", []), ("by-request", ["--placement-strategy", "infless-r", "--capacity-share", "request"])):
+        out = tmp_path / name
+        assert main(["serving", "--trace", str(trace), "--profiles", str(SYNTHETIC_PROFILES), "--policy", "dilu",
+                     "--gpus", "4", "--out", str(out), "--quiet", "--no-plots", *extra]) == 0
+        runs[name] = json.loads((out / "summary.json").read_text())
+    # Eight instances at request 0.1 / limit 0.3 (synthetic resnet50, bert 0.4): Σ limit ≤ 1.5 needs two GPUs,
+    # Σ request ≤ 1 one.
+    assert runs["by-request"]["gpus_peak"] < runs["plain"]["gpus_peak"]
+    details = json.loads((tmp_path / "by-request" / "details.json").read_text())
+    assert details["placement_strategy"] == "infless-r" and details["packing"]["request_per_lit_gpu"] <= 1.0
+    rc = main(["serving", "--trace", str(trace), "--profiles", str(SYNTHETIC_PROFILES), "--policy", "dilu",
+               "--gpus", "4", "--out", str(tmp_path / "bad"), "--quiet", "--no-plots", "--placement-strategy", "nope"])
+    assert rc == 2 and "--placement-strategy" in capsys.readouterr().err

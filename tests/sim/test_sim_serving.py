@@ -199,3 +199,53 @@ def test_preloaded_processes_hide_cold_starts_and_refill(synthetic_profiles: Pro
     assert two.summary["latency_p99_ms"] < plain.summary["latency_p99_ms"]
     with pytest.raises(ValueError, match="preload_per_node"):
         cfg("dilu", preload_per_node=-1)
+
+
+def six_functions() -> ServingTrace:
+    return trace(*(sparse(f"f{i}", minutes=3) for i in range(6)))
+
+
+def test_packing_names_the_limit_when_sigma_limit_lights_the_second_gpu(synthetic_profiles: ProfileSet) -> None:
+    # Six instances at request 0.1, limit 0.3: Σ limit ≤ 1.5 holds five per GPU, Σ request ≤ 1 ten.
+    r = simulate_serving(six_functions(), synthetic_profiles, cfg("dilu"))
+    pk = r.details["packing"]
+    assert r.summary["gpus_peak"] == 2
+    assert pk["lit_by"] == {"none-lit": 1, "sm-limit-bound": 1}
+    assert pk["instance_seconds"] == pytest.approx(pk["instances_per_lit_gpu"] * r.summary["gpu_seconds"], rel=1e-3)
+    assert pk["limit_per_lit_gpu"] == pytest.approx(3 * pk["request_per_lit_gpu"], rel=1e-3)
+    assert pk["request_per_lit_gpu"] <= 1.0
+
+
+def test_a_larger_gamma_or_a_request_placement_packs_the_six_on_one_gpu(synthetic_profiles: ProfileSet) -> None:
+    from dilu_invoker.policy import PlacementConfig
+
+    for c in (cfg("dilu", gamma=2.0), cfg("dilu", placement=PlacementConfig(strategy="infless-r")), cfg("mps-static")):
+        r = simulate_serving(six_functions(), synthetic_profiles, c)
+        assert r.summary["gpus_peak"] == 1, c
+        assert r.details["packing"]["lit_by"] == {"none-lit": 1}
+        assert r.details["placement_strategy"] == ("infless-r" if c.policy == "mps-static" or c.placement else "dilu")
+
+
+def test_capacity_share_sizes_instances_at_the_request_or_is_refused(synthetic_profiles: ProfileSet) -> None:
+    with pytest.raises(ValueError, match="capacity_share"):
+        cfg("dilu", capacity_share="half")
+    # Sized at its request, each dilu instance counts for less capacity: a heavy function gets more instances.
+    heavy = FunctionTrace("h", "resnet50", np.full(2, 30000, dtype=np.int64), bin_s=60.0)
+    at_limit = simulate_serving(trace(heavy), synthetic_profiles, cfg("dilu", gpus=4))
+    at_request = simulate_serving(trace(heavy), synthetic_profiles, cfg("dilu", gpus=4, capacity_share="request"))
+    assert at_request.details["packing"]["instance_seconds"] > at_limit.details["packing"]["instance_seconds"]
+
+
+def test_training_has_its_own_interference_when_given(synthetic_profiles: ProfileSet) -> None:
+    busy = FunctionTrace("f", "resnet50", np.full(2, 12000, dtype=np.int64), bin_s=60.0)
+    t = trace(busy, jobs=(TrainingJob("t", "train-resnet50", 0.0, 120.0),))
+
+    def samples(**kw: object) -> float:
+        return simulate_serving(t, synthetic_profiles, cfg("mps-static", gpus=1, **kw)).summary["training_samples"]
+
+    alone_k = samples(interference=0.0)
+    slowed = samples(interference=0.5)
+    assert slowed < alone_k * 0.99  # training beside busy inference, slowed by κ
+    assert samples(interference=0.5, interference_training=0.0) == pytest.approx(alone_k, rel=1e-6)
+    with pytest.raises(ValueError, match="interference_training"):
+        cfg("dilu", interference_training=-1.0)
