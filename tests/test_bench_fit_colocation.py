@@ -40,7 +40,7 @@ def test_kappa_is_the_stretch_over_the_neighbours_share_median_of_trials(tmp_pat
     assert [t["kappa_gpu"] for t in r["trials"]] == pytest.approx([0.1, 0.2, 0.4])
     assert r["kappa"] == pytest.approx(0.2)
     assert r["summary"]["kappa_gpu"] == {"n": 3, "median": pytest.approx(0.2), "min": pytest.approx(0.1),
-                                         "max": pytest.approx(0.4)}
+                                         "max": pytest.approx(0.4), "ci90": pytest.approx((0.1, 0.4))}
     assert [x["scenario"] for x in r["trials"][0]["scenarios"]] == ["paced@0.5", "poisson@0.3", "poisson@0.5", "poisson@0.7"]
     # Client p50 includes a fixed 5 ms: a smaller relative stretch.
     assert r["trials"][0]["kappa_client"] == pytest.approx((15.5 / 15.0 - 1) / 0.5, abs=1e-4)
@@ -75,23 +75,19 @@ def test_no_cells_of_the_mode_is_a_clear_error(tmp_path: Path) -> None:
         fit(load_cells([src]))
 
 
-def test_serving_section_states_whether_dilu_meets_mps_static(tmp_path: Path) -> None:
-    from fit_colocation import WHAT_IF, markdown
+def test_the_verdict_says_whether_dilu_meets_mps_static() -> None:
+    from fit_colocation import _verdict
 
-    src = _matrix(tmp_path / "m.json.gz", [_cell("mps50", 0, 10.0, 10.5, 40.0, 40.0)])
-    fitted = fit(load_cells([src]))
-    kappas = [0.1]
+    def row(policy: str, seed: int, tput: float, viol: float) -> dict:
+        return {"trace": "t", "policy": policy, "kappa": 0.2, "seed": seed, "throughput_per_gpu": tput,
+                "slo_violation_rate": viol, "latency_p99_ms": 9.0, "gpus_peak": 2, "training_samples_per_s": 5.0,
+                "limits": {"resnet50": [0.2, 0.7]}}
 
-    def row(policy: str, tput: float, viol: float) -> dict:
-        return {"trace": "t", "policy": policy, "kappa": 0.1, "throughput_per_gpu": tput, "slo_violation_rate": viol,
-                "latency_p99_ms": 9.0, "gpus_peak": 2, "training_samples_per_s": 5.0, "wall_s": 1.0}
-
-    rows = [row("exclusive", 1.0, 0.01), row("mps-static", 4.0, 0.01), row("dilu", 2.0, 0.01), row(WHAT_IF, 4.0, 0.01)]
-    result = {"fit": fitted, "inputs": ["m.json.gz"], "kappas": kappas, "traces": [("t", "x", 4, 60.0)], "jobs": 1,
-              "serving": rows}
-    text = markdown(result, "cmd")
-    assert "| t | 0.1 | dilu | 2.000 | 2.00× | 1.00% |" in text
-    assert "dilu at 0.50× mps-static's throughput per GPU" in text
-    assert "**not met**" in text and f"{WHAT_IF} on t: 1.00× mps-static" in text
-    rows[2] = row("dilu", 4.5, 0.005)
-    assert "**met**" in markdown(result, "cmd")
+    result = {"kappa": 0.2, "traces": [("t", "x", 4, 60.0)], "variants": ["mps-static", "dilu", "dilu γ 6"]}
+    rows = [row("mps-static", s, 4.0, 0.01) for s in (1, 2)] + [row("dilu", s, 2.0, 0.01) for s in (1, 2)] \
+        + [row("dilu γ 6", s, 4.0, 0.01) for s in (1, 2)]
+    text = "\n".join(_verdict(rows, result))
+    assert "The shipped `dilu` at the fitted κ 0.2: **not met** — t 0.50× mps-static" in text
+    assert "`dilu γ 6` (t 1.00×)" in text
+    rows[2:4] = [row("dilu", s, 4.5, 0.005) for s in (1, 2)]
+    assert "**met** — t 1.12× mps-static" in "\n".join(_verdict(rows, result))
