@@ -12,13 +12,12 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 from ow_cluster.harness import ControllerHarness, check_ack
 from ow_cluster.peers import PouchServer, TansuBroker, free_port
-from ow_cluster.support import invoker_env, put_action, stop_processes
+from ow_cluster.support import invoker_env, metric_sum, put_action, stop_processes
 
 from dilu_invoker.redis_embedded import EmbeddedRedis
 
@@ -35,10 +34,7 @@ def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 
 
 def _activations_counted(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("openwhisk_action_activations_total{"))
+    return metric_sum(port, "openwhisk_action_activations_total")
 
 
 @pytest.mark.asyncio(loop_scope="module")

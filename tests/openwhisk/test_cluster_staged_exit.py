@@ -13,14 +13,13 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from ow_cluster.harness import ControllerHarness
 from ow_cluster.peers import PouchServer, TansuBroker, free_port
-from ow_cluster.support import MANIFEST_JSON, invoker_env, put_action, stop_processes
+from ow_cluster.support import MANIFEST_JSON, invoker_env, metric_sum, put_action, stop_processes
 
 from dilu_invoker.redis_embedded import EmbeddedRedis
 
@@ -56,17 +55,6 @@ def _manifest() -> str:
         if entry["kind"] == "python:3-gpu":
             entry["preload"] = []
     return json.dumps(manifest)
-
-
-def _metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return str(resp.read().decode())
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + ("{" + want if want else " ")))
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -107,8 +95,8 @@ async def test_a_cluster_invoker_keeps_the_weights_of_a_function_scaled_to_zero(
     try:
         async with ControllerHarness(broker.bootstrap, invoker=41) as harness:
             await harness.wait_ping(lambda p: p["name"]["instance"] == 41 and p["isEnabled"], timeout=90)
-            await until("a pre-loaded GPU container", lambda: _metric(
-                _metrics(port), "dilu_invoker_preload_containers", kind="python:3-gpu", state="ready") >= 1)
+            await until("a pre-loaded GPU container", lambda: metric_sum(
+                port, "dilu_invoker_preload_containers", kind="python:3-gpu", state="ready") >= 1)
 
             async def invoke() -> dict[str, Any]:
                 msg = harness.message(path="guest", name="llm", revision=rev, blocking=True, content={})
@@ -120,13 +108,13 @@ async def test_a_cluster_invoker_keeps_the_weights_of_a_function_scaled_to_zero(
 
             first = await invoke()
             assert first["role"] == "holder" and first["check"] == 123456.0, (first, logs())
-            assert _metric(_metrics(port), "dilu_invoker_preload_hits_total", kind="python:3-gpu") >= 1, logs()
+            assert metric_sum(port, "dilu_invoker_preload_hits_total", kind="python:3-gpu") >= 1, logs()
             # Idle: the balancer scales the function to zero, and its last process stays with the weights.
             await until("the last instance's weights to be kept",
-                        lambda: _metric(_metrics(port), "dilu_invoker_weights_kept") == 1.0)
+                        lambda: metric_sum(port, "dilu_invoker_weights_kept") == 1.0)
             second = await invoke()
             assert second["instance"] != first["instance"], (second, logs())
             assert second["role"] == "mapped" and second["check"] == 123456.0, (second, logs())
-            assert _metric(_metrics(port), "dilu_invoker_weights_kept_events_total", event="reused") == 1.0, logs()
+            assert metric_sum(port, "dilu_invoker_weights_kept_events_total", event="reused") == 1.0, logs()
     finally:
         await stop_processes(procs.values())

@@ -9,6 +9,7 @@ import base64
 import json
 import signal
 import subprocess
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -85,6 +86,16 @@ async def running_front(broker: TansuBroker, pouch: PouchServer, manifest: Manif
     async with build_front(cfg, runner=runner, manifest=manifest, **front) as started:
         await asyncio.wait_for(started.assigned.wait(), 30)
         yield started
+
+
+def metric_sum(port: int, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on the /metrics of the invoker at ``port`` whose labels start with
+    ``labels`` (every sample of the metric when none are given)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    prefixes = (name + "{" + want,) if want else (name + "{", name + " ")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefixes))
 
 
 async def stop_processes(procs: Iterable[subprocess.Popen[bytes]], *, wait_s: float = 30.0) -> None:
