@@ -1,0 +1,195 @@
+"""Where a warm GPU invoke's time goes outside the function: one `dilu-invoker standalone` (its defaults:
+process backend, embedded Redis, the GPU manager, the shim, MPS where it runs), four actions created over the
+REST API and invoked one after another in batches that alternate between them, so the machine's noise hits
+each alike:
+
+* ``cpu-noop``  — ``python:3``, returns at once (the stack's floor);
+* ``gpu-noop``  — ``python:3-gpu``, the same code (the GPU kind's path: a GPU instance, its shim, its share);
+* ``gpu-tiny``  — ``python:3-gpu``, one tiny torch kernel and a synchronize (a CUDA context in use);
+* ``resnet50``  — ``python:3-gpu``, ResNet-50 fp16 batch 8 (bench/gpu_product.py's inference action).
+
+Per action: the client's p50 and p99, the function's own time (``run_ms``, measured inside ``main``), the
+overhead (client p50 − run p50, the definition of docs/benchmarks/gpu-product.md) and the CPU each process
+spends per invoke (the standalone process: REST API, controller, invoker, GPU manager; the runtime proxies;
+the action workers; redis-server; this load generator).
+
+    python bench/warm_path.py [--batches 12] [--per 100] [--out FILE.json] [--write]
+    python bench/warm_path.py --dry ...    # no GPU: a listed GPU, the actions' CPU fallbacks
+
+With --write the table goes to docs/benchmarks/warm-path.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from bench.gpu_product import INFER_CODE, NOOP_CODE
+from bench.loadgen import cpu_by_part, cpu_ms_per, percentile, put_gpu_action
+from bench.standalone import GUEST, free_port, wait_http
+from ow_support.faults import children
+
+TINY_CODE = r'''
+import time
+try:
+    import torch
+except ImportError:
+    torch = None
+_x = []
+
+def main(args):
+    t0 = time.perf_counter()
+    if torch is not None and torch.cuda.is_available():
+        if not _x:
+            _x.append(torch.ones(1, device="cuda"))
+        (_x[0] + 1).sum().item()
+    return {"gpu_ms": 0.0, "run_ms": (time.perf_counter() - t0) * 1000}
+'''
+
+
+
+def gpu_annotations(request: float, limit: float) -> list[dict[str, Any]]:
+    return [{"key": "gpu-class", "value": "inference"}, {"key": "gpu-sm-request", "value": request},
+            {"key": "gpu-sm-limit", "value": limit}, {"key": "gpu-memory-mb", "value": 2048}]
+
+
+#: name: (kind, code, params, GPU annotations). ResNet-50 has bench/gpu_product.py's SM request and limit; the two
+#: small ones take little, so all three fit one GPU under the default γ (Σ limit 1.4 ≤ 1.5).
+ACTIONS: dict[str, tuple[str, str, dict[str, Any], list[dict[str, Any]]]] = {
+    "cpu-noop": ("python:3", NOOP_CODE, {}, []),
+    "gpu-noop": ("python:3-gpu", NOOP_CODE, {}, gpu_annotations(0.1, 0.3)),
+    "gpu-tiny": ("python:3-gpu", TINY_CODE, {}, gpu_annotations(0.1, 0.3)),
+    "resnet50": ("python:3-gpu", INFER_CODE, {"model": "resnet50", "batch": 8}, gpu_annotations(0.5, 0.8)),
+}
+
+
+async def invoke(session: aiohttp.ClientSession, url: str, params: dict[str, Any]) -> tuple[float, float]:
+    t = time.perf_counter()
+    async with session.post(f"{url}?blocking=true&result=true", json=params) as r:
+        body = await r.read()
+        status = r.status
+    ms = (time.perf_counter() - t) * 1000
+    data = json.loads(body) if status == 200 else None
+    if not isinstance(data, dict) or "run_ms" not in data:
+        raise RuntimeError(f"{url} answered {status}: {body[:300]!r}")
+    return ms, float(data["run_ms"])
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    data_dir = tempfile.mkdtemp(prefix="dilu-warm-")
+    port = free_port()
+    flags = ["--data-dir", data_dir, "--api-port", str(port), "--invoker-user-memory-mb", "32768"]
+    if args.dry:
+        inventory = Path(data_dir) / "inventory.json"
+        inventory.write_text(json.dumps([{"uuid": "GPU-dry-run-0", "name": "dry-run GPU", "memory_mb": 81920}]))
+        flags += ["--gpu-inventory", str(inventory), "--gpu-mps", "off"]
+    inherited = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + inherited if inherited else ""),
+           "DILU_LOG_LEVEL": "warning"}
+    server = subprocess.Popen([sys.executable, "-m", "dilu_invoker", "standalone", *flags], env=env, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    names = [n for n in args.actions.split(",") if n]
+    api = f"http://127.0.0.1:{port}/api/v1/namespaces/_/actions"
+    user, key = GUEST.split(":")
+    out: dict[str, Any] = {n: {"client_ms": [], "run_ms": [], "cpu": [], "batch_overhead_ms": []} for n in names}
+    try:
+        async with aiohttp.ClientSession(auth=aiohttp.BasicAuth(user, key)) as session:
+            await wait_http(session, f"http://127.0.0.1:{port}/api/v1", 90)
+            for name in names:
+                kind, code, _, annotations = ACTIONS[name]
+                if kind == "python:3":
+                    body = {"exec": {"kind": kind, "code": code}, "limits": {"memory": 256}}
+                    async with session.put(f"{api}/{name}?overwrite=true", json=body) as r:
+                        assert r.status == 200, await r.text()
+                else:
+                    await put_gpu_action(session, api, name, code, annotations, memory_mb=4096)
+            params = {n: {**ACTIONS[n][2], **({"dry": True} if args.dry else {})} for n in names}
+            for name in names:  # cold start and warm-up (lazy kernels, allocator, connections)
+                for _ in range(args.warmup):
+                    await invoke(session, f"{api}/{name}", params[name])
+            for _ in range(args.batches):
+                for name in names:
+                    before = cpu_by_part(server.pid, children(server.pid))
+                    batch = [await invoke(session, f"{api}/{name}", params[name]) for _ in range(args.per)]
+                    out[name]["client_ms"] += [ms for ms, _ in batch]
+                    out[name]["run_ms"] += [run_ms for _, run_ms in batch]
+                    out[name]["batch_overhead_ms"].append(round(statistics.median(ms for ms, _ in batch)
+                                                                - statistics.median(r for _, r in batch), 3))
+                    out[name]["cpu"].append(cpu_ms_per(before, cpu_by_part(server.pid, children(server.pid)),
+                                                       args.per))
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return out
+
+
+def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for name, r in raw.items():
+        client, run_ms = r["client_ms"], r["run_ms"]
+        cpu = {part: round(statistics.median(b[part] for b in r["cpu"]), 3) for part in r["cpu"][0]}
+        p50, run50 = statistics.median(client), statistics.median(run_ms)
+        rows[name] = {"n": len(client), "p50_ms": round(p50, 3), "p99_ms": round(percentile(client, 0.99), 3),
+                      "run_p50_ms": round(run50, 3), "overhead_p50_ms": round(p50 - run50, 3),
+                      "batch_overhead_ms": r["batch_overhead_ms"],
+                      "cpu_ms_per_invoke": cpu}
+    return rows
+
+
+def render(rows: dict[str, Any], cmd: str, machine: str) -> str:
+    parts = list(next(iter(rows.values()))["cpu_ms_per_invoke"])
+    lines = ["# Warm path: where a warm invoke's time goes outside the function", "",
+             f"Machine: {machine}. Command: `{cmd}`. Written by `bench/warm_path.py`.", "",
+             "| action | invokes | client p50 (ms) | client p99 (ms) | run p50 (ms) | overhead p50 (ms) | "
+             "overhead per batch, min–max (ms) | " + " | ".join(f"CPU {p} (ms/invoke)" for p in parts) + " |",
+             "| --- " * (7 + len(parts)) + "|"]
+    for name, r in rows.items():
+        cpu = r["cpu_ms_per_invoke"]
+        lines.append(f"| {name} | {r['n']} | {r['p50_ms']} | {r['p99_ms']} | {r['run_p50_ms']} | "
+                     f"{r['overhead_p50_ms']} | {min(r['batch_overhead_ms'])}–{max(r['batch_overhead_ms'])} | " + " | ".join(str(cpu[p]) for p in parts) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--actions", default=",".join(ACTIONS))
+    ap.add_argument("--batches", type=int, default=12)
+    ap.add_argument("--per", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--dry", action="store_true", help="no GPU here: a listed GPU, the actions' CPU fallbacks")
+    ap.add_argument("--out", help="raw samples and the summary as JSON")
+    ap.add_argument("--write", action="store_true", help="write docs/benchmarks/warm-path.md")
+    args = ap.parse_args()
+    raw = asyncio.run(run(args))
+    rows = summarize(raw)
+    machine = f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    cmd = "python bench/warm_path.py " + " ".join(sys.argv[1:])
+    text = render(rows, cmd, machine)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": machine, "command": cmd, "summary": rows, "raw": raw}))
+    if args.write:
+        (ROOT / "docs" / "benchmarks" / "warm-path.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
