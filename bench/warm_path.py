@@ -6,7 +6,9 @@ each alike:
 * ``cpu-noop``  — ``python:3``, returns at once (the stack's floor);
 * ``gpu-noop``  — ``python:3-gpu``, the same code (the GPU kind's path: a GPU instance, its shim, its share);
 * ``gpu-tiny``  — ``python:3-gpu``, one tiny torch kernel and a synchronize (a CUDA context in use);
-* ``resnet50``  — ``python:3-gpu``, ResNet-50 fp16 batch 8 (bench/gpu_product.py's inference action).
+* ``resnet50``  — ``python:3-gpu``, ResNet-50 fp16 batch 8 (bench/gpu_product.py's inference action);
+* ``cpu-sleep`` — ``python:3``, sleeps 7 ms (as long as ResNet-50 runs, without a GPU: what the stack's
+  processes pay for having slept meanwhile).
 
 Per action: the client's p50 and p99, the function's own time (``run_ms``, measured inside ``main``), the
 overhead (client p50 − run p50, the definition of docs/benchmarks/gpu-product.md) and the CPU each process
@@ -15,6 +17,7 @@ the action workers; redis-server; this load generator).
 
     python bench/warm_path.py [--batches 12] [--per 100] [--out FILE.json] [--write]
     python bench/warm_path.py --dry ...    # no GPU: a listed GPU, the actions' CPU fallbacks
+    python bench/warm_path.py --from-json RUN1.json[=TITLE],RUN2.json --write    # render recorded runs
 
 With --write the table goes to docs/benchmarks/warm-path.md.
 """
@@ -39,10 +42,11 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+from ow_support.faults import children
+
 from bench.gpu_product import INFER_CODE, NOOP_CODE
 from bench.loadgen import cpu_by_part, cpu_ms_per, percentile, put_gpu_action
 from bench.standalone import GUEST, free_port, wait_http
-from ow_support.faults import children
 
 TINY_CODE = r'''
 import time
@@ -63,6 +67,16 @@ def main(args):
 
 
 
+SLEEP_CODE = r'''
+import time
+
+def main(args):
+    t0 = time.perf_counter()
+    time.sleep(float(args.get("sleep_ms", 7)) / 1000)
+    return {"gpu_ms": 0.0, "run_ms": (time.perf_counter() - t0) * 1000}
+'''
+
+
 def gpu_annotations(request: float, limit: float) -> list[dict[str, Any]]:
     return [{"key": "gpu-class", "value": "inference"}, {"key": "gpu-sm-request", "value": request},
             {"key": "gpu-sm-limit", "value": limit}, {"key": "gpu-memory-mb", "value": 2048}]
@@ -75,6 +89,7 @@ ACTIONS: dict[str, tuple[str, str, dict[str, Any], list[dict[str, Any]]]] = {
     "gpu-noop": ("python:3-gpu", NOOP_CODE, {}, gpu_annotations(0.1, 0.3)),
     "gpu-tiny": ("python:3-gpu", TINY_CODE, {}, gpu_annotations(0.1, 0.3)),
     "resnet50": ("python:3-gpu", INFER_CODE, {"model": "resnet50", "batch": 8}, gpu_annotations(0.5, 0.8)),
+    "cpu-sleep": ("python:3", SLEEP_CODE, {"sleep_ms": 7}, []),
 }
 
 
@@ -154,18 +169,55 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     return rows
 
 
-def render(rows: dict[str, Any], cmd: str, machine: str) -> str:
+PREAMBLE = """# Warm path: where a warm invoke's time goes outside the function
+
+Written by `bench/warm_path.py` (its docstring says what each action is). One standalone with its defaults
+per run; the actions' batches alternate, so the machine's noise hits each alike. *Overhead* is the client's
+p50 less the function's own p50 (`run_ms`, timed inside `main`), the definition of issue 13's target and of
+docs/benchmarks/gpu-product.md. CPU is per invoke, the median over batches, from `/proc` (10 ms ticks over
+batches of 100 invokes: 0.1 ms resolution), and includes what each process does in the background meanwhile
+(the GPU manager's 50 ms ticks, lease renewals), so it grows with the time an invoke takes.
+
+The differences below each table split the overhead:
+
+* *GPU kind*: `gpu-noop` − `cpu-noop`, the same code on a GPU instance (its share, its shim, MPS client);
+* *sleeping*: `cpu-sleep` − `cpu-noop`, what the stack's processes pay for having slept while the function
+  ran (their wake-ups on the way back: runtime proxy, standalone, client);
+* *GPU work*: `resnet50` − `cpu-sleep`, what is left once a function of the same length is accounted for.
+"""
+
+
+def derived(rows: dict[str, Any]) -> list[str]:
+    def diff(a: str, b: str) -> str:
+        if a not in rows or b not in rows:
+            return "n/a"
+        return f"{rows[a]['overhead_p50_ms'] - rows[b]['overhead_p50_ms']:+.3f} ms"
+    return [f"* GPU kind: {diff('gpu-noop', 'cpu-noop')}; sleeping: {diff('cpu-sleep', 'cpu-noop')}; "
+            f"GPU work: {diff('resnet50', 'cpu-sleep')}"]
+
+
+def render_run(title: str, rows: dict[str, Any], cmd: str, machine: str) -> str:
     parts = list(next(iter(rows.values()))["cpu_ms_per_invoke"])
-    lines = ["# Warm path: where a warm invoke's time goes outside the function", "",
-             f"Machine: {machine}. Command: `{cmd}`. Written by `bench/warm_path.py`.", "",
+    lines = [f"## {title}", "", f"Machine: {machine}. Command: `{cmd}`.", "",
              "| action | invokes | client p50 (ms) | client p99 (ms) | run p50 (ms) | overhead p50 (ms) | "
              "overhead per batch, min–max (ms) | " + " | ".join(f"CPU {p} (ms/invoke)" for p in parts) + " |",
              "| --- " * (7 + len(parts)) + "|"]
     for name, r in rows.items():
         cpu = r["cpu_ms_per_invoke"]
         lines.append(f"| {name} | {r['n']} | {r['p50_ms']} | {r['p99_ms']} | {r['run_p50_ms']} | "
-                     f"{r['overhead_p50_ms']} | {min(r['batch_overhead_ms'])}–{max(r['batch_overhead_ms'])} | " + " | ".join(str(cpu[p]) for p in parts) + " |")
-    return "\n".join(lines) + "\n"
+                     f"{r['overhead_p50_ms']} | {min(r['batch_overhead_ms'])}–{max(r['batch_overhead_ms'])} | "
+                     + " | ".join(str(cpu[p]) for p in parts) + " |")
+    return "\n".join([*lines, "", *derived(rows)]) + "\n"
+
+
+def machine_line() -> str:
+    gpu = ""
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    return f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}" + (f", {gpu}" if gpu else "")
 
 
 def main() -> int:
@@ -176,16 +228,26 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--dry", action="store_true", help="no GPU here: a listed GPU, the actions' CPU fallbacks")
     ap.add_argument("--out", help="raw samples and the summary as JSON")
+    ap.add_argument("--from-json", help="render these runs instead of running: --out files, comma-separated, "
+                    "each FILE or FILE=TITLE")
     ap.add_argument("--write", action="store_true", help="write docs/benchmarks/warm-path.md")
     args = ap.parse_args()
-    raw = asyncio.run(run(args))
-    rows = summarize(raw)
-    machine = f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    cmd = "python bench/warm_path.py " + " ".join(sys.argv[1:])
-    text = render(rows, cmd, machine)
+    if args.from_json:
+        sections = []
+        for i, item in enumerate(args.from_json.split(",")):
+            path, _, title = item.partition("=")
+            r = json.loads(Path(path).read_text())
+            sections.append(render_run(f"Run {i + 1}: {title or Path(path).name}", r["summary"], r["command"],
+                                       r.get("machine", "?")))
+    else:
+        raw = asyncio.run(run(args))
+        cmd = "python bench/warm_path.py " + " ".join(sys.argv[1:])
+        result = {"machine": machine_line(), "command": cmd, "summary": summarize(raw), "raw": raw}
+        if args.out:
+            Path(args.out).write_text(json.dumps(result))
+        sections = [render_run("This run", result["summary"], cmd, result["machine"])]
+    text = "\n".join([PREAMBLE, *sections])
     print(text)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine, "command": cmd, "summary": rows, "raw": raw}))
     if args.write:
         (ROOT / "docs" / "benchmarks" / "warm-path.md").write_text(text)
     return 0
