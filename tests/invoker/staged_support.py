@@ -19,6 +19,16 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+def gpu_kind_preloaded(manifest: dict) -> str:
+    """``manifest`` (a runtimes manifest) as JSON, its GPU kind pre-loaded with an empty list: the interpreter
+    and the runtime only (torch is not here to import), so its pre-loaded containers start on this machine."""
+    manifest = json.loads(json.dumps(manifest))
+    for entry in manifest["runtimes"]["python"]:
+        if entry["kind"] == "python:3-gpu":
+            entry["preload"] = []
+    return json.dumps(manifest)
+
+
 def staged_config(tmp_path: Path, uuid: str, memory_mb: int = 16000) -> config.Config:
     (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": uuid, "memory_mb": memory_mb}]))
     base = config.load(environ={})

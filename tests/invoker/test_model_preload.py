@@ -23,10 +23,12 @@ import aiohttp
 import pytest
 from prometheus_client import generate_latest
 
+from dilu_invoker.actions import models
 from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.invoker.dataplane.model_preload import ModelPreloader, ModelPreloads
 from dilu_invoker.model import GUEST_IDENTITY
 from dilu_invoker.standalone import Running, run_standalone
+from tests.invoker.staged_support import gpu_kind_preloaded
 from tests.invoker.staged_support import metric as _metric
 from tests.invoker.staged_support import staged_config
 
@@ -184,6 +186,27 @@ async def test_a_created_action_is_loaded_ahead_and_its_first_request_maps_the_w
         assert (p.events("started"), p.events("failed"), p.events("skipped")) == (1.0, 0.0, 0.0)
         # one copy of the weights in the budget: the kept 3000 + the instance's own 1000
         assert sorted(m for _, m, _ in await p.kept()) == [1000, 3000]
+
+
+async def test_a_pre_load_leaves_the_last_pre_loaded_container_to_the_first_request(tmp_path: Path) -> None:
+    """With one pre-loaded container of the GPU kind, a model pre-load starts a container of its own: taking
+    that one would leave the function's first request, if it came before the replacement is ready, waiting
+    for it (or for a plain cold start). The first request then takes it, and maps the weights."""
+    kind = "python:3-gpu"
+    bundled = json.loads((Path(models.__file__).parent / "runtimes.json").read_text())
+    async with _product(tmp_path, "GPU-spare", preload=1, user_memory_mb=8192,
+                        runtimes_manifest=gpu_kind_preloaded(bundled)) as p:
+        ready = lambda: p.metric("dilu_invoker_preload_containers", kind=kind, state="ready")  # noqa: E731
+        await _until("a pre-loaded container", lambda: ready() == 1.0, timeout_s=30)
+        await p.put("llm", _code("spare"))
+        await _until("the pre-load to be ready", lambda: p.events("ready") == 1.0, timeout_s=30)
+        # (restarted meanwhile with the module the pre-load's /init imported, learnt: numpy)
+        await _until("the pre-loaded container ready again", lambda: ready() == 1.0, timeout_s=30)
+        assert p.metric("dilu_invoker_preload_hits_total", kind=kind) == 0.0
+        assert p.metric("dilu_invoker_preload_misses_total", kind=kind, reason="left for requests") == 1.0
+        first = await p.invoke("llm")
+        assert first["role"] == "mapped" and first["check"] == 123456.0, first
+        assert p.metric("dilu_invoker_preload_hits_total", kind=kind) == 1.0  # the request took it
 
 
 async def test_an_init_that_raises_or_loads_nothing_is_counted_and_never_fails_the_put(tmp_path: Path) -> None:

@@ -416,7 +416,10 @@ class Invoker:
         encoding: asyncio.Future[bytes] | None = None
         if len(action.exec.code or "") > _PARALLEL_ENCODE_BYTES:
             encoding = asyncio.ensure_future(asyncio.to_thread(lambda: encode_body(self._init_body(req))))
-        taken = await self._take_preloaded(proxy, req, runtime, gpu_index=gpu_index, gpu_key=gpu_key)
+        # A model pre-load (idle_room_only) is background work: it leaves the last pre-loaded container to
+        # the requests that may come meanwhile, the function's first one among them.
+        taken = await self._take_preloaded(proxy, req, runtime, gpu_index=gpu_index, gpu_key=gpu_key,
+                                           spare_last=idle_room_only)
         if taken is not None:
             container = taken.container
         else:
@@ -493,13 +496,14 @@ class Invoker:
                                main=action.exec.main, env=init_env, context=self._context(req))
 
     async def _take_preloaded(self, proxy: ContainerProxy, req: ActivationRequest, runtime: RuntimeKind, *,
-                              gpu_index: int | None, gpu_key: str | None) -> Taken | None:
+                              gpu_index: int | None, gpu_key: str | None, spare_last: bool = False) -> Taken | None:
         """A pre-loaded container of the kind for this cold start, bound to the action (its memory limit,
         its GPU share); None: a plain cold start."""
         preload = self.preload
         if preload is None or not preload.covers(runtime.kind):
             return None
-        standby = preload.take(runtime, req.action, gpu_index=gpu_index if runtime.gpu else None)
+        standby = preload.take(runtime, req.action, gpu_index=gpu_index if runtime.gpu else None,
+                               spare_last=spare_last)
         if standby is None:
             return None
         taken = await preload.hand_over(standby, req.action.limits.memory_mb)

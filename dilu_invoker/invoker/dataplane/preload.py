@@ -75,6 +75,9 @@ RELEARN_MIN_S = 30.0
 CAP_HISTORY = 32
 #: the miss of a cold start whose function's MPS thread cap no pre-loaded container of the kind has
 CAP_MISS = "MPS thread cap differs"
+#: the miss of a model pre-load (background work) that would have taken the last pre-loaded container a
+#: request's cold start could take there: it starts a container of its own instead
+SPARED = "left for requests"
 #: with one pre-loaded container per kind, the share of recent cold starts that must have got the learnt
 #: cap for it to make its context at that cap: a context made ahead saves a cold start of that cap its
 #: context and library loading (~0.5-0.7 s on the H200) but makes every cold start of another cap miss
@@ -401,12 +404,18 @@ class PreloadPool:
 
     # -- taking ----------------------------------------------------------------------------------------
 
-    def take(self, runtime: RuntimeKind, action: Action, *, gpu_index: int | None = None) -> Standby | None:
+    def take(self, runtime: RuntimeKind, action: Action, *, gpu_index: int | None = None,
+             spare_last: bool = False) -> Standby | None:
         """A pre-loaded container of the action's kind (ready ones first; under MPS one whose CUDA context
         has the thread cap the action's function gets now, else one without a context), or None (a miss:
-        the caller does a plain cold start). A replacement is started in the background either way."""
+        the caller does a plain cold start). A replacement is started in the background either way.
+        ``spare_last`` (background work, a model pre-load): never the last one there (counted as a miss,
+        `SPARED`): a request's cold start would wait for its replacement instead (~10 s on the H200)."""
         kind = runtime.kind
         if kind not in self.kinds:
+            return None
+        if spare_last and len(self._on_gpu(kind, gpu_index if runtime.gpu else None)) <= 1:
+            self.metrics.misses.labels(kind, SPARED).inc()
             return None
         if runtime.gpu and action.limits.concurrency <= 1:  # (a concurrent action never takes one)
             self._learn_cap(kind, action, gpu_index)
@@ -421,10 +430,14 @@ class PreloadPool:
         self._spawn_refill(kind)
         return standby
 
+    def _on_gpu(self, kind: str, gpu_index: int | None) -> list[Standby]:
+        """The kind's pre-loaded containers a cold start on that GPU (None: any, or not a GPU kind) may take."""
+        return [s for s in self.standbys.get(kind, [])
+                if gpu_index is None or (s.gpu is not None and s.gpu.gpu_index == gpu_index)]
+
     def _choose(self, kind: str, action: Action, gpu_index: int | None) -> tuple[Standby | None, str]:
         """The container a cold start of ``action`` would take, or None and the reason of the miss."""
-        items = [s for s in self.standbys.get(kind, [])
-                 if gpu_index is None or (s.gpu is not None and s.gpu.gpu_index == gpu_index)]
+        items = self._on_gpu(kind, gpu_index)
         if action.limits.concurrency > 1:
             return None, "concurrent action"
         if not items:
