@@ -28,9 +28,8 @@ from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.invoker.dataplane.model_preload import ModelPreloader, ModelPreloads
 from dilu_invoker.model import GUEST_IDENTITY
 from dilu_invoker.standalone import Running, run_standalone
-from tests.invoker.staged_support import gpu_kind_preloaded
+from tests.invoker.staged_support import gpu_kind_preloaded, staged_config
 from tests.invoker.staged_support import metric as _metric
-from tests.invoker.staged_support import staged_config
 
 
 def _descendants(root: int) -> set[int]:
