@@ -155,7 +155,8 @@ class WhiskChanges:
         url = self.client.url(self.db, "_changes", params=params)
         # One long response: no total timeout; a silence longer than two heartbeats means CouchDB is gone.
         timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=2 * self.heartbeat_s)
-        async with session.get(url, timeout=timeout) as resp:
+        # Uncompressed: a compressing server (pouchdb-server's express) would hold each change in its buffer.
+        async with session.get(url, timeout=timeout, headers={"Accept-Encoding": "identity"}) as resp:
             if resp.status != 200:
                 body = await resp.read()
                 raise CouchError(f"GET /{self.db}/_changes: HTTP {resp.status} {body[:200]!r}")
