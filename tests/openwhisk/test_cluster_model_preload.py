@@ -6,8 +6,8 @@ released), so the first activation from the controller's topic maps the weights 
 A deleted document releases the pre-load; CouchDB going away and coming back neither stops the balancer
 nor loses the feed.
 
-Real processes: Tansu (Kafka protocol), pouchdb-server (CouchDB API), redis-server, one balancer and one
-invoker (`python -m dilu_invoker …`, process backend, one simulated GPU). Runs on the CPU: the models API
+Real processes: Tansu (Kafka protocol), pouchdb-server (CouchDB API), redis-server, one balancer and two
+invokers (`python -m dilu_invoker …`, process backend, one simulated GPU each). Runs on the CPU: the models API
 shares through a memfd there. The processes are started once for the module (about 3 s); each test then
 takes a few seconds."""
 
@@ -37,8 +37,11 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.couchdb,
               pytest.mark.asyncio(loop_scope="module")]
 
-INVOKER = 43
-GPU = f"GPU-test-{INVOKER}-0"
+INVOKERS = (43, 44)
+
+
+def gpu_of(invoker: int) -> str:
+    return f"GPU-test-{invoker}-0"
 
 CODE = '''
 import os
@@ -69,18 +72,21 @@ class Cluster:
     broker: TansuBroker
     pouch: PouchServer
     redis: EmbeddedRedis
-    port: int
+    ports: dict[int, int]
     procs: dict[str, subprocess.Popen[bytes]]
     logs_of: dict[str, Path]
 
     def logs(self) -> str:
-        return "\n".join(f"--- {n}\n{p.read_text(errors='replace')[-5000:]}" for n, p in self.logs_of.items())
+        return "\n".join(f"--- {n}\n{p.read_text(errors='replace')[-4000:]}" for n, p in self.logs_of.items())
 
     def events(self, event: str) -> float:
-        return metric_sum(self.port, "dilu_invoker_model_preloads_total", event=event)
+        """Pre-load events of both invokers."""
+        return self.metric("dilu_invoker_model_preloads_total", event=event)
 
-    def metric(self, name: str, **labels: str) -> float:
-        return metric_sum(self.port, name, **labels)
+    def metric(self, name: str, *, invoker: int | None = None, **labels: str) -> float:
+        """A metric of one invoker, or summed over both."""
+        ports = [self.ports[invoker]] if invoker is not None else list(self.ports.values())
+        return sum(metric_sum(port, name, **labels) for port in ports)
 
     def balancer_log(self, message: str, *, of: str = "balancer") -> int:
         """How many lines of the balancer's (or the invoker's) log carry ``message`` as their event."""
@@ -102,14 +108,18 @@ class Cluster:
             assert time.monotonic() < deadline, f"timed out waiting for {what}\n{self.logs()}"
             await asyncio.sleep(0.1)
 
-    async def kept(self) -> list[tuple[str, int, bool]]:
+    async def kept(self, invoker: int | None = None) -> list[tuple[str, int, bool]]:
+        """(function, MB, kept) of the reservations on one invoker's GPU, or on both."""
         client = redis_client(self.redis.url)
+        out: list[tuple[str, int, bool]] = []
         try:
-            got = await GpuBudgets(client, "dilu:").get(GPU)
+            for inv in [invoker] if invoker is not None else INVOKERS:
+                got = await GpuBudgets(client, "dilu:").get(gpu_of(inv))
+                assert got is not None
+                out += [(r.function, r.memory_mb, r.kept) for r in got.reservations.values()]
         finally:
             await client.aclose()
-        assert got is not None
-        return sorted((r.function, r.memory_mb, r.kept) for r in got.reservations.values())
+        return sorted(out)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -119,26 +129,28 @@ async def cluster(broker: TansuBroker, pouch: PouchServer,
     redis = EmbeddedRedis(tmp / "redis")
     await redis.start()
     inventory = tmp / "gpus.json"
-    inventory.write_text(json.dumps({"invokers": {str(INVOKER): [{"uuid": GPU, "memory_mb": 16000}]}}))
-    port = free_port()
+    inventory.write_text(json.dumps({"invokers": {str(i): [{"uuid": gpu_of(i), "memory_mb": 16000}] for i in INVOKERS}}))
+    ports = {i: free_port() for i in INVOKERS}
     common = {**os.environ, **invoker_env(broker, pouch), "PYTHONPATH": str(ROOT), "DILU_LOG_JSON": "true",
               "DILU_REDIS_URL": redis.url, "DILU_GPU_INVENTORY": str(inventory), "DILU_GPU_MPS": "off",
               "DILU_INVOKER_BACKEND": "process", "DILU_DATA_DIR": str(tmp), "RUNTIMES_MANIFEST": json.dumps(MANIFEST_JSON),
               "DILU_INVOKER_PRELOAD": "0", "DILU_INVOKER_WEIGHTS_GRACE_S": "30",
               "DILU_BALANCER_TICK_S": "0.2", "DILU_BALANCER_REPORT_PERIOD_S": "0.2", "DILU_BALANCER_REPORT_TTL_S": "2",
               "DILU_BALANCER_COOLDOWN_S": "0.2"}
-    logs_of = {"balancer": tmp / "balancer.log", "invoker": tmp / f"invoker{INVOKER}.log"}
+    runs = [("balancer", ["balancer"], common)] + [
+        (f"invoker{i}", ["invoker", "--id", str(i)], {**common, "PORT": str(ports[i])}) for i in INVOKERS]
+    logs_of = {name: tmp / f"{name}.log" for name, _, _ in runs}
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    for name, argv, env in (("balancer", ["balancer"], common),
-                            ("invoker", ["invoker", "--id", str(INVOKER)], {**common, "PORT": str(port)})):
+    for name, argv, env in runs:
         with open(logs_of[name], "ab") as out:
             procs[name] = subprocess.Popen([sys.executable, "-m", "dilu_invoker", *argv], env=env, stdout=out,
                                            stderr=subprocess.STDOUT, cwd=tmp)
-    c = Cluster(broker, pouch, redis, port, procs, logs_of)
+    c = Cluster(broker, pouch, redis, ports, procs, logs_of)
     try:
         await c.until("the balancer's changes feed", lambda: c.balancer_log("couchdb changes feed connected") >= 1)
-        # its routing joined the balancer's cluster and its pre-loads take commands
-        await c.until("the invoker's pre-loading", lambda: c.balancer_log("invoker.model_preload", of="invoker") >= 1)
+        for i in INVOKERS:  # its routing joined the balancer's cluster and its pre-loads take commands
+            await c.until(f"invoker{i}'s pre-loading", lambda i=i: c.balancer_log("invoker.model_preload",
+                                                                                  of=f"invoker{i}") >= 1)
         yield c
     finally:
         await stop_processes(procs.values())
@@ -160,24 +172,31 @@ def _delete(pouch: PouchServer, name: str) -> None:
 
 async def test_an_action_written_to_couchdb_is_pre_loaded_and_its_first_activation_maps_the_weights(
         cluster: Cluster) -> None:
+    """The controller sends the first activation to the invoker that does not hold the weights: it is routed
+    to the instance the balancer placed beside them, which maps them."""
     c = cluster
-    async with ControllerHarness(c.broker.bootstrap, invoker=INVOKER) as harness:
-        rev = await asyncio.to_thread(_put, c.pouch, "llm", "one")  # a document, then its code: two revisions
-        await c.until("the pre-load to be held", lambda: c.metric("dilu_invoker_model_preloads_held") == 1.0)
-        # Its compute released, its weights alone reserved on the chosen invoker's GPU, marked kept.
-        assert await c.kept() == [("guest/llm", 3000, True)], c.logs()
-        assert c.events("started") == 1.0 and c.events("failed") == 0.0, c.logs()  # one load for both revisions
-        assert c.metric("dilu_invoker_model_preload_memory_mb") == 3000.0
+    rev = await asyncio.to_thread(_put, c.pouch, "llm", "one")  # a document, then its code: two revisions
+    await c.until("the pre-load to be held", lambda: c.metric("dilu_invoker_model_preloads_held") == 1.0)
+    [holder] = [i for i in INVOKERS if c.metric("dilu_invoker_model_preloads_held", invoker=i) == 1.0]
+    [other] = [i for i in INVOKERS if i != holder]
+    # Its compute released, its weights alone reserved on the chosen invoker's GPU, marked kept; one load for
+    # the two revisions, on the invoker the balancer chose by placing the first instance.
+    assert await c.kept(holder) == [("guest/llm", 3000, True)] and await c.kept(other) == [], c.logs()
+    assert c.events("started") == 1.0 and c.events("failed") == 0.0, c.logs()
+    assert c.metric("dilu_invoker_model_preload_memory_mb") == 3000.0
+    assert c.balancer_log("balancer model pre-load") == 1, c.logs()
 
-        await harness.wait_ping(lambda p: p["name"]["instance"] == INVOKER and p["isEnabled"], timeout=30)
+    async with ControllerHarness(c.broker.bootstrap, invoker=other) as harness:
+        await harness.wait_ping(lambda p: p["name"]["instance"] == other and p["isEnabled"], timeout=30)
         msg = harness.message(path="guest", name="llm", revision=rev, blocking=True, content={})
         await harness.publish(msg)
         acks = await harness.wait_completion(msg["activationId"], timeout=30)
-        [result] = [a.activation["response"]["result"] for a in acks if a.activation is not None]
-        # The first instance was placed beside the kept weights and mapped them: it did not load a copy.
-        assert result["role"] == "mapped" and result["check"] == 123456.0, (result, c.logs())
-        assert c.metric("dilu_invoker_weights_kept_events_total", event="reused") == 1.0, c.logs()
-        assert sorted(m for _, m, _ in await c.kept()) == [1000, 3000]  # one copy of the weights in the budget
+    [result] = [a.activation["response"]["result"] for a in acks if a.activation is not None]
+    # The first instance was placed beside the kept weights and mapped them: it did not load a copy.
+    assert result["role"] == "mapped" and result["check"] == 123456.0, (result, c.logs())
+    assert c.metric("dilu_invoker_weights_kept_events_total", invoker=holder, event="reused") == 1.0, c.logs()
+    assert sorted(m for _, m, _ in await c.kept(holder)) == [1000, 3000]  # one copy of the weights in the budget
+    assert await c.kept(other) == []
 
 
 async def test_a_deleted_action_document_releases_its_pre_load(cluster: Cluster) -> None:
@@ -224,7 +243,9 @@ async def test_couchdb_stopped_and_restarted_leaves_the_balancer_running_and_the
     await asyncio.sleep(1.0)  # a few reconnection attempts against nothing
     assert c.procs["balancer"].poll() is None, c.logs()
     await asyncio.to_thread(c.pouch.start)
-    await c.until("the feed to reconnect", lambda: c.balancer_log("couchdb changes feed connected") > connected)
+    # Written at once, most likely before the feed is back (it backs off): it resumes from its last sequence,
+    # not from "now", so the change is not missed either way.
     await asyncio.to_thread(_put, c.pouch, "after", "after")
+    await c.until("the feed to reconnect", lambda: c.balancer_log("couchdb changes feed connected") > connected)
     await c.until("the pre-load of an action written after the restart", lambda: c.events("ready") == ready + 1)
-    assert c.procs["balancer"].poll() is None and c.procs["invoker"].poll() is None, c.logs()
+    assert all(p.poll() is None for p in c.procs.values()), c.logs()
