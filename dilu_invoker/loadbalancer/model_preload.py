@@ -16,8 +16,9 @@ writes a document, then its code attachment, as two revisions. Then, while this 
   ``release`` (reason ``replaced``) on every other live invoker's, in one fenced write; the first
   instance is then placed beside the weights (the sharing tier), which is where the routers send the
   first activation;
-* a deleted action (or one that no longer declares weights, or no longer reads): ``release`` (reason
-  ``deleted``/``no weights declared``) on every live invoker's stream.
+* a deleted action, a GPU action that declares no weights (any more), or one that no longer reads:
+  ``release`` (reason ``deleted``/``no weights declared``) on every live invoker's stream; an action no
+  longer of a GPU kind, when this leader had it pre-loaded.
 
 The invoker runs the same ``ModelPreloader`` as standalone, with its cap and its checks (idle GPU room and
 host memory); nothing here reserves GPU memory. A standby ignores the feed (its leader handles it); a
@@ -178,9 +179,8 @@ class ModelPreloadFollower:
             self.metrics.commands.labels("invalid").inc()
             return f"invalid GPU annotations: {exc}"
         if not shares_weights(spec):
-            if event.fqn in self.sent:
-                return await self._release_all(lead, event.fqn, "no weights declared")
-            return "declares no weights"
+            # Told to every invoker (not only the one this leader told): a predecessor may have sent it.
+            return await self._release_all(lead, event.fqn, "no weights declared")
         reports, invoker, gpu, uuid, reason = await b.first_placement(spec)
         if not invoker:
             self.metrics.commands.labels("no_room").inc()
