@@ -89,9 +89,13 @@ def balancer_main(cfg: config.Config, args: argparse.Namespace | None = None) ->
 
     feed = None
     if cfg.balancer.model_preload and cfg.couchdb.host:
+        from dilu_invoker.invoker.manifest import ManifestError
         from dilu_invoker.openwhisk.changes import WhiskChanges
 
-        feed = WhiskChanges.from_config(cfg).follow
+        try:
+            feed = WhiskChanges.from_config(cfg).follow
+        except (ManifestError, ValueError) as exc:  # the runtimes manifest, --invoker-gpu-images
+            raise config.ConfigError(f"model pre-loading (--balancer-model-preload): {exc}") from exc
     return service.main(cfg, args, action_feed=feed)
 
 

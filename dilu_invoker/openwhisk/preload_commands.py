@@ -73,6 +73,10 @@ class PreloadCommands:
         if self._generation.get(cmd.function) != generation:
             log.info("model pre-load dropped: a later command for the action came meanwhile", action=cmd.function)
             return
+        held = self.preloader.holding(action.fqn)
+        if held is not None and held.action.revision == action.revision:
+            log.info("model pre-load already held", action=action.fqn, rev=action.revision)
+            return
         log.info("model pre-load commanded by the balancer", action=action.fqn, rev=action.revision, gpu=cmd.gpu,
                  reason=cmd.reason)
         self.preloads.stored(gpu_image_action(action, self.gpu), gpu_index=cmd.gpu)

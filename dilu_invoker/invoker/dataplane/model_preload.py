@@ -1,7 +1,8 @@
 """Model pre-loading (Tyche's opportunistic pre-loading): a GPU function that declares its read-only weights
 (``gpu-weights-mb``) gets its model loaded on a GPU of this invoker ahead of its first request.
 
-When such an action is created or updated (standalone's REST API tells `ModelPreloads`), after a short
+When such an action is created or updated (standalone's REST API tells `ModelPreloads`; in a cluster the
+balancer's ``preload`` command does, openwhisk/preload_commands.py), after a short
 debounce and in the background, one invoker starts one instance of it on the GPU with the most idle room —
 room its budget in Redis does not hold for anything, kept weights included: nothing is evicted for a
 pre-load, and without such room (or host memory for its process) it is skipped. /init runs the action's
