@@ -176,7 +176,11 @@ async def test_an_action_written_to_couchdb_is_pre_loaded_and_its_first_activati
     to the instance the balancer placed beside them, which maps them."""
     c = cluster
     rev = await asyncio.to_thread(_put, c.pouch, "llm", "one")  # a document, then its code: two revisions
+    stored = time.monotonic()
+    await c.until("the pre-load to start", lambda: c.events("started") == 1.0)
+    started = time.monotonic()
     await c.until("the pre-load to be held", lambda: c.metric("dilu_invoker_model_preloads_held") == 1.0)
+    held = time.monotonic()
     [holder] = [i for i in INVOKERS if c.metric("dilu_invoker_model_preloads_held", invoker=i) == 1.0]
     [other] = [i for i in INVOKERS if i != holder]
     # Its compute released, its weights alone reserved on the chosen invoker's GPU, marked kept; one load for
@@ -189,8 +193,13 @@ async def test_an_action_written_to_couchdb_is_pre_loaded_and_its_first_activati
     async with ControllerHarness(c.broker.bootstrap, invoker=other) as harness:
         await harness.wait_ping(lambda p: p["name"]["instance"] == other and p["isEnabled"], timeout=30)
         msg = harness.message(path="guest", name="llm", revision=rev, blocking=True, content={})
+        sent = time.monotonic()
         await harness.publish(msg)
         acks = await harness.wait_completion(msg["activationId"], timeout=30)
+        answered = time.monotonic()
+    print(f"stored -> pre-load started {started - stored:.2f} s (debounce 0.5 s), -> held {held - stored:.2f} s; "
+          f"first activation via invoker{other} to the instance beside invoker{holder}'s weights: "
+          f"{(answered - sent) * 1000:.0f} ms")
     [result] = [a.activation["response"]["result"] for a in acks if a.activation is not None]
     # The first instance was placed beside the kept weights and mapped them: it did not load a copy.
     assert result["role"] == "mapped" and result["check"] == 123456.0, (result, c.logs())
