@@ -111,7 +111,10 @@ class ModelPreloadFollower:
         self.metrics = PreloadMetrics(balancer.metrics.registry)
         #: fqn -> the invoker last told to pre-load it (a later change releases it elsewhere)
         self.sent: dict[str, str] = {}
-        self._pending: dict[str, asyncio.Task[None]] = {}
+        self._pending: dict[str, asyncio.Task[None]] = {}  # fqn -> its change, waiting or being handled
+        self._debouncing: set[asyncio.Task[None]] = set()  # those still in their debounce (cancelled by a change)
+        # One change handled at a time: a later change of an action never overtakes an earlier one half way.
+        self._handling = asyncio.Lock()
         self.handled = 0
 
     async def run(self) -> None:
@@ -136,13 +139,15 @@ class ModelPreloadFollower:
 
     def changed(self, event: ActionEvent) -> None:
         previous = self._pending.pop(event.fqn, None)
-        if previous is not None:
-            previous.cancel()
+        if previous is not None and previous in self._debouncing:
+            previous.cancel()  # a change being handled finishes; this one comes after it
         task = asyncio.ensure_future(self._later(event))
+        self._debouncing.add(task)
         self._pending[event.fqn] = task
         task.add_done_callback(partial(self._done, event.fqn))
 
     def _done(self, fqn: str, task: asyncio.Task[None]) -> None:
+        self._debouncing.discard(task)  # one cancelled before it ran
         if self._pending.get(fqn) is task:
             del self._pending[fqn]
         if not task.cancelled() and task.exception() is not None:
@@ -150,9 +155,13 @@ class ModelPreloadFollower:
                       error=repr(task.exception()))
 
     async def _later(self, event: ActionEvent) -> None:
-        await asyncio.sleep(self.debounce_s)
         try:
-            outcome = await self.handle(event)
+            await asyncio.sleep(self.debounce_s)
+        finally:
+            self._debouncing.discard(asyncio.current_task())
+        try:
+            async with self._handling:
+                outcome = await self.handle(event)
         except RedisError as exc:
             outcome = f"redis: {exc}"
             log.warning("model pre-load not sent: Redis", action=event.fqn, error=str(exc))
