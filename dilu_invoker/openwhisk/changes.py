@@ -174,9 +174,18 @@ class WhiskChanges:
                 if not line:
                     continue  # a heartbeat
                 row = json.loads(line)
+                if not isinstance(row, dict):
+                    self.stats.skipped += 1
+                    log.warning("unreadable row in the changes feed; skipped", row=line[:200])
+                    continue
                 if "last_seq" in row and "id" not in row:
                     raise CouchError("the changes feed ended")
-                change = self._change(row)
+                try:
+                    change = self._change(row)
+                except (TypeError, AttributeError, IndexError, KeyError) as exc:  # a row of an odd shape
+                    self.stats.skipped += 1
+                    log.warning("unreadable row in the changes feed; skipped", id=row.get("id"), error=repr(exc))
+                    change = None
                 self.seq = row.get("seq", self.seq)
                 if change is not None:
                     self.stats.changes += 1
