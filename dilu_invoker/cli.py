@@ -62,7 +62,7 @@ _COMMANDS: dict[str, tuple[str, Sequence[str], str]] = {
     "invoker": ("dilu_invoker.openwhisk.invoker_main:main",
                 ("log", "invoker", "redis", "gpu", "kafka", "couchdb", "balancer"),
                 "an OpenWhisk invoker speaking Kafka and CouchDB"),
-    "balancer": ("dilu_invoker.loadbalancer.service:main", ("log", "redis", "gpu", "balancer"),
+    "balancer": ("dilu_invoker.cli:balancer_main", ("log", "redis", "gpu", "balancer", "couchdb"),
                  "the cluster balancer (placement, horizontal scaling, routing tables)"),
     "doctor": ("dilu_invoker.doctor:main", ("log", "api", "invoker", "redis", "gpu"),
                "check this machine: GPUs/NVML, the CUDA shim, MPS, Redis, Docker; each missing piece with its fix"),
@@ -80,6 +80,23 @@ _EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "simulate": ("sim", ("numpy", "matplotlib")),
     "profile": ("sim", ("numpy",)),
 }
+
+
+def balancer_main(cfg: config.Config, args: argparse.Namespace | None = None) -> int:
+    """``dilu-invoker balancer``, with the whisks database's changes feed when CouchDB is configured (model
+    pre-loading of actions the controller creates or updates; ``--no-balancer-model-preload`` turns it off)."""
+    from dilu_invoker.loadbalancer import service
+
+    feed = None
+    if cfg.balancer.model_preload and cfg.couchdb.host:
+        from dilu_invoker.invoker.manifest import ManifestError
+        from dilu_invoker.openwhisk.changes import WhiskChanges
+
+        try:
+            feed = WhiskChanges.from_config(cfg).follow
+        except (ManifestError, ValueError) as exc:  # the runtimes manifest, --invoker-gpu-images
+            raise config.ConfigError(f"model pre-loading (--balancer-model-preload): {exc}") from exc
+    return service.main(cfg, args, action_feed=feed)
 
 
 def _resolve(target: str) -> Callable[..., int]:

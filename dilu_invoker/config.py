@@ -307,6 +307,9 @@ class BalancerConfig:
     compaction_period_s: float = _opt(30.0, "at most one compaction run this often (none while a move is in "
                                             "flight)")
     compaction_max_moves: int = _opt(2, "instances one compaction run may move")
+    model_preload: bool = _opt(True, "cluster mode: pre-load the models of GPU actions that declare gpu-weights-mb "
+                                     "when the controller creates or updates them (follows CouchDB's changes of the "
+                                     "whisks database, so the balancer needs the CouchDB settings)")
 
     def __post_init__(self) -> None:
         if not self.compaction_period_s > 0:

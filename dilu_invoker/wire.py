@@ -370,6 +370,10 @@ class LoadReport:
 class CommandOp(enum.StrEnum):
     START = "start"
     STOP = "stop"
+    #: load ``function`` at ``rev`` ahead of its first request (model pre-loading, docs/balancer.md)
+    PRELOAD = "preload"
+    #: let go of the model pre-loaded for ``function`` (its action was deleted, or replaced elsewhere)
+    RELEASE = "release"
 
 
 @dataclass(frozen=True, slots=True)

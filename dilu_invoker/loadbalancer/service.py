@@ -42,6 +42,7 @@ from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import Config, ConfigError
 from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
 from dilu_invoker.loadbalancer.lease import LeaderLease, Leadership, Ops
+from dilu_invoker.loadbalancer.model_preload import ActionFeed, following, place_first
 from dilu_invoker.loadbalancer.planner import (
     LIVE_COMPACTION,
     CompactionLoop,
@@ -429,6 +430,24 @@ class Balancer:
             return None, {}
         return ClusterSnapshot.build(now=now, gpus=states), evictable
 
+    # -- model pre-loading (loadbalancer/model_preload.py) ------------------------------------------
+
+    async def read_reports(self) -> dict[str, LoadReport]:
+        """The live invokers' load reports."""
+        reports, _known = await self._read_reports()
+        return reports
+
+    async def first_placement(self, spec: FunctionSpec) -> tuple[dict[str, LoadReport], str, int, str | None, str]:
+        """The live reports, and where a first instance of ``spec`` would be placed now (invoker, GPU index,
+        GPU uuid, reason; invoker "" when nowhere): the snapshot a tick would build, not reserved."""
+        now = time.time()
+        reports, _known = await self._read_reports()
+        cluster, _evictable = await self._cluster(now, reports, await self._read_specs())
+        if cluster is None:
+            return reports, "", -1, None, "no GPU in the cluster"
+        return (reports, *place_first(cluster, spec, reports=reports, records=self._records,
+                                      config=self.planner.placement))
+
     # -- applying a plan -------------------------------------------------------------------------
 
     async def _apply(self, lead: Leadership, plan: TickPlan) -> bool:
@@ -554,18 +573,22 @@ class Balancer:
 
 
 @contextlib.asynccontextmanager
-async def open_balancer(cfg: Config, redis: aioredis.Redis, *, holder: str | None = None) -> AsyncIterator[Balancer]:
+async def open_balancer(cfg: Config, redis: aioredis.Redis, *, holder: str | None = None,
+                        action_feed: ActionFeed | None = None) -> AsyncIterator[Balancer]:
     """Run a balancer (campaigning, then leading) for the duration of the block; a leader leaving
-    releases the lease so a standby takes over at once."""
+    releases the lease so a standby takes over at once. With ``action_feed`` (the whisks database's
+    changes, in a cluster) and ``--balancer-model-preload`` on, the leader pre-loads the models of GPU
+    actions created or updated there (loadbalancer/model_preload.py)."""
     balancer = Balancer(redis, cfg, holder=holder)
     task = asyncio.create_task(balancer.run(), name="balancer")
     try:
-        yield balancer
+        async with following(balancer, action_feed if cfg.balancer.model_preload else None):
+            yield balancer
     finally:
         await cancel_and_wait(task)
 
 
-async def _main(cfg: Config) -> int:
+async def _main(cfg: Config, action_feed: ActionFeed | None = None) -> int:
     from dilu_invoker.redis_embedded import configured_client
 
     stop = asyncio.Event()
@@ -576,16 +599,18 @@ async def _main(cfg: Config) -> int:
     redis = configured_client(cfg.redis.url, cfg.redis)
     try:
         await redis.ping()
-        async with open_balancer(cfg, redis) as balancer:
+        async with open_balancer(cfg, redis, action_feed=action_feed) as balancer:
             log.info("balancer started", holder=balancer.holder, prefix=cfg.redis.prefix,
-                     strategy=cfg.balancer.strategy)
+                     strategy=cfg.balancer.strategy,
+                     model_preload=bool(action_feed is not None and cfg.balancer.model_preload))
             await stop.wait()
     finally:
         await redis.aclose()
     return 0
 
 
-def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
+def main(cfg: Config, args: argparse.Namespace | None = None, *, action_feed: ActionFeed | None = None) -> int:
+    """``action_feed``: the whisks database's changes (the CLI wires CouchDB's feed in when configured)."""
     logs.configure(cfg.log)
     if not cfg.redis.url:
         print("dilu-invoker balancer: --redis-url (DILU_REDIS_URL) is required: the balancer shares the "
@@ -593,7 +618,7 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         return 2
     try:
         planner_config(cfg)
-        return asyncio.run(_main(cfg))
+        return asyncio.run(_main(cfg, action_feed))
     except ConfigError as exc:
         print(f"dilu-invoker balancer: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import structlog
@@ -30,6 +31,7 @@ from dilu_invoker.openwhisk.messages import InvokerInstance
 from dilu_invoker.openwhisk.routing import GpuImages, LocalRouter, Router, split_list
 
 if TYPE_CHECKING:
+    from dilu_invoker.invoker.cluster.routing import BalancedRunner
     from dilu_invoker.invoker.dataplane.core import Invoker
     from dilu_invoker.redis_embedded import RedisHealth
 
@@ -173,10 +175,29 @@ async def _main(cfg: Config) -> int:
             routed = await stack.enter_async_context(enable_balancer_routing(
                 invoker, cfg, redis=redis, gpu_view=gpu_view_of(invoker.gpu)))
             log.info("invoker.balancer_routing", redis=cfg.redis.url.rsplit("@", 1)[-1])
+            await stack.enter_async_context(_model_preloads(cfg, invoker, routed, manifest=manifest))
             await serve(cfg, runner=routed, manifest=manifest, stop=stop, control=invoker, router=routed)
         else:
             await serve(cfg, runner=invoker, manifest=manifest, stop=stop, control=invoker)
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _model_preloads(cfg: Config, invoker: Invoker, routed: BalancedRunner, *,
+                          manifest: Manifest) -> AsyncIterator[None]:
+    """The balancer's model pre-load commands (openwhisk/preload_commands.py), the action read from CouchDB
+    through a client of their own."""
+    from dilu_invoker.openwhisk.preload_commands import preload_commands
+
+    couch = CouchClient(cfg.couchdb)
+    try:
+        async with preload_commands(invoker, routed.instances, ActionStore(couch, cfg.whisks_db, manifest=manifest),
+                                    cap_mb=cfg.invoker.model_preload_mb, gpu=front_options(cfg, manifest).gpu) as commands:
+            log.info("invoker.model_preload", enabled=commands.preloads.enabled,
+                     reason=commands.preloader.why_off or None, cap_mb=cfg.invoker.model_preload_mb)
+            yield
+    finally:
+        await couch.close()
 
 
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:

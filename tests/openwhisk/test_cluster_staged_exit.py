@@ -70,7 +70,9 @@ async def test_a_cluster_invoker_keeps_the_weights_of_a_function_scaled_to_zero(
               "DILU_INVOKER_PRELOAD": "1", "DILU_INVOKER_WEIGHTS_GRACE_S": "30",
               "DILU_BALANCER_TICK_S": "0.2", "DILU_BALANCER_REPORT_PERIOD_S": "0.2",
               "DILU_BALANCER_REPORT_TTL_S": "2", "DILU_BALANCER_SCALE_TO_ZERO_AFTER_S": "1",
-              "DILU_BALANCER_COOLDOWN_S": "0.2"}
+              "DILU_BALANCER_COOLDOWN_S": "0.2",
+              # the first instance must load the weights itself (model pre-loading at PUT is another test's)
+              "DILU_BALANCER_MODEL_PRELOAD": "false"}
     logs_of = {"balancer": tmp_path / "balancer.log", "invoker": tmp_path / "invoker41.log"}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     for name, argv, env in (("balancer", ["balancer"], common),

@@ -160,6 +160,8 @@ class InstanceManager:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: called when an instance becomes ready, fails or is gone (the report goes out at once)
         self.on_change: Callable[[], None] = lambda: None
+        #: handlers of the commands that concern no instance (``preload``, ``release``: model pre-loading)
+        self.other_ops: dict[str, Callable[[InstanceCommand], str]] = {}
         self._closing = False
         invoker.pool.observe(self._on_transition)
 
@@ -207,6 +209,9 @@ class InstanceManager:
             if inst.started:  # else the start stops it when it is over
                 self._spawn(self._stop(inst))
             return "stop"
+        other = self.other_ops.get(cmd.op)
+        if other is not None:
+            return other(cmd)
         log.warning("unknown instance command", op=cmd.op)
         return "unknown-op"
 

@@ -1,7 +1,8 @@
 """Model pre-loading (Tyche's opportunistic pre-loading): a GPU function that declares its read-only weights
 (``gpu-weights-mb``) gets its model loaded on a GPU of this invoker ahead of its first request.
 
-When such an action is created or updated (standalone's REST API tells `ModelPreloads`), after a short
+When such an action is created or updated (standalone's REST API tells `ModelPreloads`; in a cluster the
+balancer's ``preload`` command does, openwhisk/preload_commands.py), after a short
 debounce and in the background, one invoker starts one instance of it on the GPU with the most idle room —
 room its budget in Redis does not hold for anything, kept weights included: nothing is evicted for a
 pre-load, and without such room (or host memory for its process) it is skipped. /init runs the action's
@@ -204,8 +205,9 @@ class ModelPreloader:
 
     # -- loading ---------------------------------------------------------------------------------------
 
-    async def _why_not(self, action: Action, weights_mb: int) -> tuple[str, int | None]:
-        """Why it cannot be pre-loaded here now ('' when it can), and the GPU to put it on."""
+    async def _why_not(self, action: Action, weights_mb: int, prefer: int | None = None) -> tuple[str, int | None]:
+        """Why it cannot be pre-loaded here now ('' when it can), and the GPU to put it on (``prefer`` when it
+        has the room)."""
         if not self.enabled:
             return self.why_off or "closed", None
         if not self.invoker.enabled:
@@ -232,13 +234,16 @@ class ModelPreloader:
         if not fits:
             return (f"no GPU has {needs.memory_mb} MB of idle room (free: "
                     f"{', '.join(f'GPU {i}: {m} MB' for i, m in sorted(room.items())) or 'none'})"), None
+        if prefer is not None and room.get(prefer, -1) >= needs.memory_mb:
+            return "", prefer
         return "", -fits[0][1]
 
-    async def load(self, action: Action) -> str:
-        """Pre-load ``action`` here: '' when its weights are held now, else why not ('no room: …' when another
-        invoker may have room)."""
+    async def load(self, action: Action, *, gpu_index: int | None = None) -> str:
+        """Pre-load ``action`` here (on GPU ``gpu_index`` when it has the room, as the cluster's balancer
+        chose): '' when its weights are held now, else why not ('no room: …' when another invoker may have
+        room)."""
         weights_mb = declared_weights_mb(action)
-        why, gpu_index = await self._why_not(action, weights_mb)
+        why, gpu_index = await self._why_not(action, weights_mb, gpu_index)
         if why:
             self.metrics.events.labels("skipped").inc()
             log.info("model pre-load skipped", action=action.fqn, revision=action.revision, invoker=self.invoker.name,
@@ -387,17 +392,22 @@ class ModelPreloads:
     def enabled(self) -> bool:
         return any(p.enabled for p in self.preloaders)
 
-    def stored(self, action: Action) -> None:
+    def stored(self, action: Action, *, gpu_index: int | None = None) -> None:
+        """``gpu_index``: the GPU to load it on where it has the room (a cluster balancer's choice)."""
         self._forget(action.fqn, "replaced")
         if not any(p.enabled and p.wants(action) for p in self.preloaders):
             return
-        task = asyncio.ensure_future(self._later(action))
+        task = asyncio.ensure_future(self._later(action, gpu_index))
         self._waiting[action.fqn] = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def deleted(self, action: Action) -> None:
         self._forget(action.fqn, "deleted")
+
+    def released(self, fqn: str, why: str) -> None:
+        """The pre-load of action ``fqn`` goes, whatever its revision (a cluster balancer's ``release``)."""
+        self._forget(fqn, why)
 
     def _forget(self, fqn: str, why: str) -> None:
         waiting = self._waiting.pop(fqn, None)
@@ -414,7 +424,7 @@ class ModelPreloads:
         start = zlib.crc32(fqn.encode()) % len(ready)
         return ready[start:] + ready[:start]
 
-    async def _later(self, action: Action) -> None:
+    async def _later(self, action: Action, gpu_index: int | None = None) -> None:
         fqn = action.fqn
         await asyncio.sleep(self.debounce_s)
         previous = self._loading.get(fqn)
@@ -424,7 +434,7 @@ class ModelPreloads:
         if self._waiting.get(fqn) is not asyncio.current_task():
             return
         del self._waiting[fqn]
-        load = asyncio.ensure_future(self._load(action))
+        load = asyncio.ensure_future(self._load(action, gpu_index))
         self._loading[fqn] = load
         try:
             await asyncio.shield(load)
@@ -432,12 +442,12 @@ class ModelPreloads:
             if self._loading.get(fqn) is load:
                 del self._loading[fqn]
 
-    async def _load(self, action: Action) -> None:
+    async def _load(self, action: Action, gpu_index: int | None = None) -> None:
         if any(runs_here(p.invoker, action) for p in self.preloaders):
             log.info("model pre-load skipped: the function already runs", action=action.fqn)
             return
         for preloader in self._order(action.fqn):
-            outcome = await preloader.load(action)
+            outcome = await preloader.load(action, gpu_index=gpu_index)
             if not outcome.startswith("no room: "):
                 return
 
