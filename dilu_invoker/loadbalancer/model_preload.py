@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter
 from redis.exceptions import RedisError
 
 from dilu_invoker.loadbalancer.lease import Leadership, Ops
-from dilu_invoker.loadbalancer.planner import _place_new, _user_memory, instance_id, placement_request, shares_weights
+from dilu_invoker.loadbalancer.planner import instance_id, place_new, placement_request, shares_weights, user_memory_fits
 from dilu_invoker.model import Action, ValidationError
 from dilu_invoker.policy import ClusterSnapshot, PlacementConfig
 from dilu_invoker.wire import CommandOp, FunctionSpec, InstanceCommand, InstanceRecord, LoadReport, pack
@@ -80,10 +80,10 @@ def place_first(cluster: ClusterSnapshot, spec: FunctionSpec, *, reports: Mappin
     """Where the tick would place the function's first instance now: (invoker, GPU index, GPU uuid, the
     placement's reason), or ("", -1, None, why not)."""
     request = placement_request(spec, instance_id(spec.fqn, 0, 0))
-    fits, short = _user_memory(cluster, spec, reports, records)
+    fits, short = user_memory_fits(cluster, spec, reports, records)
     if fits is None:
         return "", -1, None, short
-    where = _place_new(fits, spec, request, config)
+    where = place_new(fits, spec, request, config)
     if not where.placed:
         return "", -1, None, where.reason
     ref = where.gpus[0]

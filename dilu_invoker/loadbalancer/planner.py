@@ -290,7 +290,7 @@ def placement_request(spec: FunctionSpec, instance: str) -> PlacementRequest:
     )
 
 
-def _place_new(cluster: ClusterSnapshot, spec: FunctionSpec, request: PlacementRequest,
+def place_new(cluster: ClusterSnapshot, spec: FunctionSpec, request: PlacementRequest,
                config: PlacementConfig) -> PlacementDecision:
     """Where a new instance goes: a GPU holding its revision's shared weights first (unless the function
     asks for spread explicitly: then only when spread finds no other lit GPU), else as spread places."""
@@ -316,27 +316,27 @@ def without_kept(cluster: ClusterSnapshot, evictable: Mapping[GpuRef, Evictable]
 def _place_or_evict(cluster: ClusterSnapshot, spec: FunctionSpec, request: PlacementRequest,
                     config: PlacementConfig, evictable: Mapping[GpuRef, Evictable],
                     ) -> tuple[PlacementDecision, GpuRef | None]:
-    """`_place_new`, or on a GPU whose kept weights go to make room (the GPU returned with it): when nothing
+    """`place_new`, or on a GPU whose kept weights go to make room (the GPU returned with it): when nothing
     fits without evicting, or when the GPU scores better once they are gone than where the instance fits
     without (all else equal, no eviction). Never where the GPU's invoker has a GPU that takes the instance as
     it is: the invoker tries its other GPUs before it evicts. One GPU only (no gang, no split)."""
-    decision = _place_new(cluster, spec, request, config)
+    decision = place_new(cluster, spec, request, config)
     held = {ref: ev for ref, ev in evictable.items() if ref in cluster.ordinals and cluster.gpu(ref).schedulable}
     if not held or request.gpus > 1:
         return decision, None
     freed = without_kept(cluster, held)
-    alt = _place_new(freed, spec, request, config)
+    alt = place_new(freed, spec, request, config)
     if not alt.placed or alt.split or alt.gpus[0] not in held:
         return decision, None
     ref = alt.gpus[0]
-    if _place_new(cluster, spec, replace(request, only_invoker=ref.invoker), config).placed:
+    if place_new(cluster, spec, replace(request, only_invoker=ref.invoker), config).placed:
         return decision, None
     rival = decision.total
     if decision.placed and not decision.split:
         # the GPU it fits without eviction, scored in the same world (once the kept weights are gone)
         at = decision.gpus[0]
         others = frozenset(r for r in cluster.ordinals if r.invoker == at.invoker and r != at)
-        there = _place_new(freed, spec, replace(request, only_invoker=at.invoker,
+        there = place_new(freed, spec, replace(request, only_invoker=at.invoker,
                                                 avoid_gpus=request.avoid_gpus | others), config)
         rival = there.total if there.placed else -math.inf
     if decision.placed and alt.total <= rival + 1e-9:
@@ -602,7 +602,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
             for _ in range(owed):
                 iid = instance_id(fqn, epoch, seq)
                 request = placement_request(spec, iid)
-                fits, short = _user_memory(cluster, spec, inp.reports, work.records)
+                fits, short = user_memory_fits(cluster, spec, inp.reports, work.records)
                 where, evicts = (_place_or_evict(fits, spec, request, cfg.placement, evictable)
                                  if fits is not None else (None, None))
                 if where is None or not where.placed:
@@ -666,7 +666,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     )
 
 
-def _user_memory(cluster: ClusterSnapshot, spec: FunctionSpec, reports: Mapping[str, LoadReport],
+def user_memory_fits(cluster: ClusterSnapshot, spec: FunctionSpec, reports: Mapping[str, LoadReport],
                  records: Mapping[str, InstanceRecord]) -> tuple[ClusterSnapshot | None, str]:
     """The cluster without the GPUs of invokers whose user memory cannot hold one more instance of ``spec``.
 
