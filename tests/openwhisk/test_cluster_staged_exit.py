@@ -22,6 +22,7 @@ from ow_cluster.peers import PouchServer, TansuBroker, free_port
 from ow_cluster.support import MANIFEST_JSON, invoker_env, metric_sum, put_action, stop_processes
 
 from dilu_invoker.redis_embedded import EmbeddedRedis
+from tests.invoker.staged_support import gpu_kind_preloaded
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.couchdb]
@@ -48,13 +49,8 @@ def main(args):
 
 
 def _manifest() -> str:
-    """The cluster tests' manifest, the GPU kind pre-loaded (an empty list: the interpreter and the runtime
-    only; torch is not there to import)."""
-    manifest = json.loads(json.dumps(MANIFEST_JSON))
-    for entry in manifest["runtimes"]["python"]:
-        if entry["kind"] == "python:3-gpu":
-            entry["preload"] = []
-    return json.dumps(manifest)
+    """The cluster tests' manifest, the GPU kind pre-loaded with nothing but the interpreter and the runtime."""
+    return gpu_kind_preloaded(MANIFEST_JSON)
 
 
 @pytest.mark.asyncio(loop_scope="module")
