@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from ow_support.faults import children
 
 from bench.gpu_product import INFER_CODE, NOOP_CODE
-from bench.loadgen import cpu_by_part, cpu_ms_per, percentile, put_gpu_action
+from bench.loadgen import cpu_by_part, cpu_ms_per, percentile, put_gpu_action, stop_process_tree
 from bench.standalone import GUEST, free_port, wait_http
 
 TINY_CODE = r'''
@@ -148,11 +148,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     out[name]["cpu"].append(cpu_ms_per(before, cpu_by_part(server.pid, children(server.pid)),
                                                        args.per))
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        await stop_process_tree(server, grace_s=30)
     return out
 
 
