@@ -21,14 +21,15 @@ writes a document, then its code attachment, as two revisions. Then, while this 
   longer of a GPU kind, when this leader had it pre-loaded.
 
 The invoker runs the same ``ModelPreloader`` as standalone, with its cap and its checks (idle GPU room and
-host memory); nothing here reserves GPU memory. A standby ignores the feed (its leader handles it); a
-change that arrives while no balancer leads is not pre-loaded (its first request loads the model itself).
+host memory); nothing here reserves GPU memory. A standby writes nothing: it remembers the latest change of
+each GPU action (or deletion) it saw and handles them once it leads, so a failover loses none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
@@ -50,6 +51,11 @@ log = structlog.get_logger(__name__)
 
 #: changes of one action within this collapse into the last one
 DEBOUNCE_S = 0.5
+#: the latest change of at most this many actions is remembered while this balancer does not lead, for when
+#: it does (the oldest forgotten first)
+MAX_UNHANDLED = 1024
+#: how often a balancer that remembers such changes checks whether it leads now
+CATCH_UP_S = 1.0
 COMMAND_STREAM_MAXLEN = 1000
 
 
@@ -116,11 +122,16 @@ class ModelPreloadFollower:
         # One change handled at a time: a later change of an action never overtakes an earlier one half way.
         self._handling = asyncio.Lock()
         self.handled = 0
+        #: fqn -> its latest change seen while no balancer of ours led (handled once this one leads: a
+        #: failover loses no pre-load; the leader of the time may have handled it already, and a repeat is
+        #: harmless: an invoker holding that revision does not load it again)
+        self.unhandled: OrderedDict[str, ActionEvent] = OrderedDict()
 
     async def run(self) -> None:
         """Until cancelled; a fault in handling one change never stops the feed, nor one of the feed the
         balancer (it is followed again a second later)."""
         stop = asyncio.Event()
+        catch_up = asyncio.create_task(self._catch_up(), name="balancer-model-preload-catch-up")
         try:
             while True:
                 try:
@@ -132,12 +143,32 @@ class ModelPreloadFollower:
                 await asyncio.sleep(1.0)
         finally:
             stop.set()
-            tasks = list(self._pending.values())
+            catch_up.cancel()
+            tasks = [catch_up, *self._pending.values()]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _catch_up(self) -> None:
+        """Once this balancer leads, the changes it remembered while it did not are handled."""
+        while True:
+            await asyncio.sleep(CATCH_UP_S)
+            if self.unhandled and self.balancer.leading is not None:
+                events = list(self.unhandled.values())
+                self.unhandled.clear()
+                log.info("balancer model pre-load: handling the changes seen while not leading", count=len(events))
+                for event in events:
+                    if event.fqn not in self._pending:  # a newer change of it is on its way already
+                        self.changed(event)
+
+    def _remember(self, event: ActionEvent) -> None:
+        self.unhandled[event.fqn] = event
+        self.unhandled.move_to_end(event.fqn)
+        while len(self.unhandled) > MAX_UNHANDLED:
+            self.unhandled.popitem(last=False)
+
     def changed(self, event: ActionEvent) -> None:
+        self.unhandled.pop(event.fqn, None)
         previous = self._pending.pop(event.fqn, None)
         if previous is not None and previous in self._debouncing:
             previous.cancel()  # a change being handled finishes; this one comes after it
@@ -174,7 +205,9 @@ class ModelPreloadFollower:
         lead = b.leading
         if lead is None:
             self.metrics.commands.labels("not_leading").inc()
-            return "not leading"
+            if event.action is None or event.gpu:
+                self._remember(event)
+            return "not leading (remembered for when this balancer leads)"
         action = event.action
         if action is None:
             return await self._release_all(lead, event.fqn, "deleted")
@@ -206,6 +239,7 @@ class ModelPreloadFollower:
             boot=report.boot if report is not None else "", reason=reason)), maxlen=COMMAND_STREAM_MAXLEN)
         if not await b.lease.apply(lead, ops):
             self.metrics.commands.labels("not_leading").inc()
+            self._remember(event)
             return "lost the lease"
         self.sent[event.fqn] = invoker
         self.metrics.commands.labels("sent").inc()

@@ -151,7 +151,8 @@ async def test_no_room_an_invalid_spec_and_actions_without_weights_send_no_prelo
         assert _outcome(balancer, "sent") == 0.0
 
 
-async def test_a_standby_writes_nothing_and_a_failing_feed_is_followed_again(redis: aioredis.Redis) -> None:
+async def test_a_standby_writes_nothing_until_it_leads_then_handles_what_it_saw_and_a_failing_feed_is_followed_again(
+        redis: aioredis.Redis) -> None:
     await _invoker(redis, "invoker0")
     await redis.set(KEYS.lease, "other|99", px=60_000)  # another balancer leads
     feed = Feed()
@@ -166,6 +167,13 @@ async def test_a_standby_writes_nothing_and_a_failing_feed_is_followed_again(red
 
         await redis.delete(KEYS.lease)  # the leader went: this one leads
         await _leading(balancer)
+
+        # what it saw as a standby is handled now (its leader may have died before handling it)
+        async def caught_up() -> bool:
+            return _outcome(balancer, "sent") == 1.0
+
+        await _until(caught_up)
+        assert [(c.op, c.rev) for c in await _commands(redis, "invoker0")] == [("preload", "1-a")]
         feed.queue.put_nowait(RuntimeError("the feed broke"))
 
         async def again() -> bool:
@@ -175,7 +183,7 @@ async def test_a_standby_writes_nothing_and_a_failing_feed_is_followed_again(red
         feed.queue.put_nowait(_change("llm", "2-b", **WEIGHTS))
 
         async def sent() -> bool:
-            return _outcome(balancer, "sent") == 1.0
+            return _outcome(balancer, "sent") == 2.0
 
         await _until(sent)
-        assert [(c.op, c.rev) for c in await _commands(redis, "invoker0")] == [("preload", "2-b")]
+        assert [(c.op, c.rev) for c in await _commands(redis, "invoker0")] == [("preload", "1-a"), ("preload", "2-b")]
