@@ -1887,7 +1887,7 @@ _TABLE_SLACK_MIB = 1e-6
 #: Whether split placement uses them (tests switch them off to compare with the walk), and from how
 #: many invokers on (fewer are walked faster than numpy is called).
 _VECTOR_BOUNDS = True
-_VECTOR_MIN_ENTRIES = 128
+_VECTOR_MIN_ENTRIES = 256
 
 
 class _LitTable:
