@@ -15,9 +15,11 @@ shared machine CPU times too, with it. `--repeat N` runs each trace N times in a
 decisions, checked) and reports the median CPU and wall time with the CPU range: on a shared host
 the CPU time of one run varies by tens of per cent. `decisions` is a digest of every decision a run
 carried out (`decisions_digest`): a pure speed-up of the policy keeps it. `--baseline DIR` (a
-checkout of other code, e.g. `git worktree add DIR COMMIT`) replays each `dilu` trace with DIR's
-code in a child process at the same time as this code replays it, so both see the same load, and
-tabulates the baseline's CPU seconds, the ratio and whether the decisions are the same.
+checkout of other code, e.g. `git worktree add DIR COMMIT`) then replays each `dilu` trace twice
+more, with DIR's code and with this code, in two child processes started together, so both see the
+same load and run in the same kind of process; the row's CPU and wall seconds are then this code's
+paired replay (its run alone is kept as `alone_cpu_s`), beside the baseline's CPU seconds, the ratio
+and whether the decisions are the same.
 Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
 integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
 100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
@@ -27,6 +29,7 @@ Nothing is asserted (speed belongs here, not in tests).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -80,6 +83,11 @@ def run_one(n: int, train: float, llm: float, seed: int, policy: str, repeat: in
     cpus: list[float] = []
     first: PlacementResult | None = None
     digest = ""
+    # What is alive now (modules, the trace) out of the collector's way, in this process as in the
+    # baseline's child: the two replays then pay the same for garbage collection, whatever else
+    # this process imported.
+    gc.collect()
+    gc.freeze()
     for _ in range(repeat):
         log: list[tuple[Any, ...]] = []
         w0, c0 = time.perf_counter(), time.process_time()
@@ -91,6 +99,7 @@ def run_one(n: int, train: float, llm: float, seed: int, policy: str, repeat: in
             first, digest = r, h
         elif (r.summary, r.samples, h) != (first.summary, first.samples, digest):
             raise AssertionError(f"{policy} on {n} {train}:{llm} seed {seed}: a repeat decided otherwise")
+    gc.unfreeze()
     wall, cpu = statistics.median(walls), statistics.median(cpus)
     s, d = r.summary, r.details
     return {
@@ -110,7 +119,7 @@ def run_one(n: int, train: float, llm: float, seed: int, policy: str, repeat: in
 #: The child that replays one trace with the code of another checkout (`--baseline`): argv is
 #: DIR N TRAIN LLM SEED POLICY REPEAT; it prints the median CPU and wall seconds and the digest.
 _BASELINE_CHILD = """
-import hashlib, json, statistics, sys, time
+import gc, hashlib, json, statistics, sys, time
 root, n, train, llm, seed, policy, repeat = sys.argv[1:8]
 sys.path.insert(0, root)
 from dilu_invoker.sim.generate import dilu_mix
@@ -118,6 +127,8 @@ from dilu_invoker.sim.placement import PlacementSimConfig, simulate_placement
 events = dilu_mix(int(n), train_fraction=float(train), llm_fraction=float(llm), seed=int(seed))
 cfg = PlacementSimConfig(policy=policy, gpu_memory_gib=40.0, compact_every_s=float(sys.argv[8]))
 cpus, walls = [], []
+gc.collect()
+gc.freeze()
 for _ in range(int(repeat)):
     log = []
     w0, c0 = time.perf_counter(), time.process_time()
@@ -239,12 +250,24 @@ def main() -> int:
         for train, llm in mixes(args.big_mixes if big and args.big_mixes else args.mixes):
             for seed in seeds:
                 for policy in policies:
+                    r = run_one(n, train, llm, seed, policy, args.repeat)
                     child = None
                     if args.baseline is not None and policy == "dilu":
+                        # This code and the baseline's, each in a child process of its own started
+                        # together (the same load, and the same kind of process: a replay in this
+                        # process, which imported more, ran 5-15 % slower than the same code in a
+                        # child); the times reported are those of the pair, the other columns this
+                        # process's run's.
                         child = start_baseline(args.baseline.resolve(), n, train, llm, seed, policy, args.repeat)
-                    r = run_one(n, train, llm, seed, policy, args.repeat)
-                    if child is not None:
+                        mine = start_baseline(ROOT, n, train, llm, seed, policy, args.repeat)
                         finish_baseline(child, r)
+                        paired: dict[str, Any] = {}
+                        finish_baseline(mine, paired)
+                        if paired["base_decisions"] != r["decisions"]:
+                            raise AssertionError(f"{n} {train}:{llm} seed {seed}: the paired replay decided otherwise")
+                        r["alone_cpu_s"] = r["cpu_s"]
+                        r["cpu_s"], r["wall_s"] = paired["base_cpu_s"], paired["base_wall_s"]
+                        r["us_per_event"] = 1e6 * r["cpu_s"] / r["events"]
                     rows.append(r)
                     print(
                         f"{n:6d} {train:g}:{llm:g} seed {seed} {policy:10s} wall {r['wall_s']:6.2f} s "
@@ -275,8 +298,10 @@ def main() -> int:
                 f"Generated by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
                 f"{os.cpu_count()} CPU(s), {cpu_model()}, Python {platform.python_version()}; "
                 f"load average (1/5/15 min) {load_before} before, {load_after} after ({total:.0f} s in all). "
-                "The machine is shared: wall times include waiting for a core; CPU seconds are this "
-                "process's own (`time.process_time`).",
+                "The machine is shared: wall times include waiting for a core; CPU seconds are the "
+                "replaying process's own (`time.process_time`)"
+                + ("; for `dilu`, those of this code's replay in a child process started together with "
+                   "the baseline's." if args.baseline is not None else "."),
                 "",
                 "Traces: `dilu_mix(N, train_fraction, llm_fraction, seed)` (`dilu-invoker simulate gen "
                 "placement --instances N --train-fraction T --llm-fraction L --seed S`), 40 GiB GPUs, 4 per "

@@ -20,8 +20,9 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from itertools import accumulate, combinations, compress
+from itertools import accumulate, combinations, compress, repeat
 from operator import attrgetter, sub
+from typing import Any
 
 from dilu_invoker.policy.cluster import (
     BUCKETS,
@@ -1196,6 +1197,15 @@ def split_fits(cluster: ClusterSnapshot, request: PlacementRequest, config: Plac
     # The first invoker that can take it answers (placement would compare them all); those with
     # the most free memory first, as they are the likeliest to.
     inline = _InlineSplit.of(scan, request, config, filters, max_parts)
+    if inline is not None and scan.entries is not None and _VECTOR_BOUNDS:
+        bounds = _split_bounds(scan, inline, scan.entries, max_parts)
+        if bounds is not None:
+            # Only the invokers whose bound leaves room for a plan: those whose plan is known
+            # first, then the others, the roomiest first.
+            entries = scan.entries
+            sel, exact = bounds[0], bounds[4]
+            order = [*sel[exact][::-1].tolist(), *sel[~exact][::-1].tolist()]
+            return any(inline.plan(entries[k][5]) is not None for k in order)
     for first, entry in scan.firsts(request, roomiest_first=True):
         if scan.cannot_hold(entry, max_parts):
             continue
@@ -1864,6 +1874,272 @@ class _SplitScan:
         return cands
 
 
+#: Split placement's vectorised bounds (`_LitTable`) need numpy (the `[sim]` extra); without it
+#: the walk below runs alone, to the same decisions.
+try:
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy is installed with the `[sim]` and `[test]` extras
+    _np = None  # type: ignore[assignment]
+
+#: Slack (MiB) of `_split_bounds` against the rounding of the plan's own sums (float64 in numpy is
+#: IEEE double as Python's float, but its sums are taken in another order).
+_TABLE_SLACK_MIB = 1e-6
+#: Whether split placement uses them (tests switch them off to compare with the walk), and from how
+#: many invokers on (fewer are walked faster than numpy is called).
+_VECTOR_BOUNDS = True
+_VECTOR_MIN_ENTRIES = 256
+
+
+class _LitTable:
+    """The `LitRoom`s of node-room entries as rows of one array, so that split placement bounds
+    every invoker's plan at C speed and plans only those whose bound may beat the best so far.
+
+    A row is made the first time a split meets an entry and kept by the entry's identity (entries
+    are immutable tuples shared by the snapshots derived from one another while the invoker is
+    unchanged; the table keeps each entry it holds alive, so its id is not reused). A cache, not
+    part of any snapshot's value: it starts afresh when full."""
+
+    __slots__ = ("first", "keep", "rows", "size", "values", "width")
+
+    MAX_ENTRIES = 1 << 17
+    #: A row's fields per lit GPU: memory room, free memory, Σ request, Σ limit, used memory, grown
+    #: memory, ordinal, schedulable (1.0 / 0.0); an empty slot has no free memory (-∞), so it is
+    #: never a candidate.
+    FIELDS = 8
+
+    def __init__(self, width: int = 4, size: int = 4096) -> None:
+        self.width, self.size = width, size
+        self.rows: dict[int, int] = {}
+        self.keep: list[NodeRoom] = []
+        self.values = self._empty(size)
+        self.first = _np.zeros(size, dtype=_np.int64)
+
+    def _empty(self, size: int) -> Any:
+        values = _np.zeros((size, self.FIELDS, self.width))
+        values[:, 1] = -_np.inf
+        return values
+
+    def indexes(self, entries: Sequence[NodeRoom]) -> Any:
+        """The rows of `entries` (made where missing), as an array in their order; None when an
+        entry has more lit GPUs than the table is wide."""
+        rows = self.rows
+        got = list(map(rows.get, map(id, entries), repeat(-1)))
+        if -1 in got:
+            missing = [k for k, r in enumerate(got) if r < 0]
+            if len(self.keep) + len(missing) > self.MAX_ENTRIES:
+                self.__init__(self.width, self.size)  # type: ignore[misc]
+                return self.indexes(entries)
+            width = self.width
+            if any(len(entries[k][5]) > width for k in missing):
+                return None
+            start = len(self.keep)
+            for k in missing:
+                e = entries[k]
+                rows[id(e)] = got[k] = len(self.keep)
+                self.keep.append(e)
+            if len(self.keep) > self.size:
+                size = self.size
+                while size < len(self.keep):
+                    size *= 2
+                values, first = self._empty(size), _np.zeros(size, dtype=_np.int64)
+                values[: self.size] = self.values
+                first[: self.size] = self.first
+                self.values, self.first, self.size = values, first, size
+            # The new rows in one assignment: (row, slot) of each lit GPU and its fields.
+            where_row: list[int] = []
+            where_slot: list[int] = []
+            fields: list[tuple[float, ...]] = []
+            for r in range(start, len(self.keep)):
+                lit = self.keep[r][5]
+                where_row.extend([r] * len(lit))
+                where_slot.extend(range(len(lit)))
+                fields.extend((lr[0], lr[1], lr[2], lr[3], lr[5], lr[6], lr[4], lr[7]) for lr in lit)
+            self.first[start : len(self.keep)] = [e[1] for e in self.keep[start:]]
+            if fields:
+                self.values[where_row, :, where_slot] = fields
+        return _np.array(got, dtype=_np.int64)
+
+
+_TABLE: list[_LitTable] = []
+
+
+def _table_rows(entries: Sequence[NodeRoom]) -> tuple[_LitTable, Any]:
+    """The table and the rows of `entries` in it (a wider table replaces it when an entry needs
+    one)."""
+    if not _TABLE:
+        _TABLE.append(_LitTable())
+    idx = _TABLE[0].indexes(entries)
+    if idx is None:
+        _TABLE[0] = _LitTable(width=max(len(e[5]) for e in entries))
+        idx = _TABLE[0].indexes(entries)
+    return _TABLE[0], idx
+
+
+#: `_split_bounds`' answer: for the invokers that may hold a plan, their indexes in the entries, the
+#: lower bounds on their plan's pieces and unused room, their first ordinals, and whether the bound
+#: is the plan's own (pieces, unused room).
+_Bounds = tuple[Any, Any, Any, Any, Any]
+
+
+def _split_bounds(
+    scan: _SplitScan, inline: _InlineSplit, entries: Sequence[NodeRoom], max_parts: int
+) -> _Bounds | None:
+    """Bounds on the plans of `inline` of the invokers of `entries` (see `_Bounds`); an invoker
+    left out has no plan. None: numpy is missing or there are too few invokers to be worth it
+    (walk instead).
+
+    The bounds, from the capacities `inline.plan` computes (the same float64 expressions):
+
+    * A plan's pieces lie on GPUs that pass the piece filters, so not on a GPU the request avoids or
+      a draining one (where those filters apply); each takes at most its capacity and together they
+      take the instance (less EPS): at least as many pieces as the fewest largest of those
+      capacities that add up to the instance, and two; a plan of two pieces leaves unused at least
+      the least sum of two capacities that holds the instance, less the instance; any plan leaves
+      unused at least nothing.
+    * Where the plan is known from its first steps, exactly: its first piece goes to the roomiest
+      such GPU (then the first in ordinal order); if that GPU takes the whole instance (its filters,
+      evaluated as `_InlineSplit.passes` does, pass), there is no plan; if it takes its capacity c₀
+      and leaves a rest r = instance − c₀ of at least the smallest piece, and the next such GPU
+      (capacity c₁ ≥ r, ranked among the `max_parts` largest candidates) passes for r, the plan is
+      those two pieces and leaves c₁ − r unused."""
+    if _np is None or len(entries) < _VECTOR_MIN_ENTRIES:
+        return None
+    table, idx = _table_rows(entries)
+    np = _np
+    n = len(idx)
+    cols = np.arange(n)
+    values = np.ascontiguousarray(table.values.take(idx, axis=0).transpose(1, 2, 0))
+    cap, free, request, limit, used, grown, ordinal, schedulable = values
+    base = free >= scan.min_part
+    if scan.too_full < math.inf:
+        base &= request < scan.too_full
+    # `x if x < c else c` as `inline.plan` takes it: the same value as the least of the two.
+    if scan.per_request:
+        cap = np.minimum(cap, (scan.omega - request) * scan.per_request)
+    if scan.per_limit:
+        cap = np.minimum(cap, (scan.limit_cap - limit) * scan.per_limit)
+    base &= cap >= scan.min_part
+    usable = base
+    if inline.schedulable:
+        usable = usable & (schedulable > 0.0)
+    for o in inline.avoid:
+        usable = usable & (ordinal != o)
+    total = scan.total
+    need = total - EPS - _TABLE_SLACK_MIB
+    # The two roomiest usable GPUs, the first in ordinal order among equals (the plan's order).
+    u = np.where(usable, cap, -np.inf)
+    i0 = u.argmax(axis=0)
+    c0 = u[i0, cols]
+    u[i0, cols] = -np.inf
+    i1 = u.argmax(axis=0)
+    c1 = u[i1, cols]
+    u[i0, cols] = c0
+    count = usable.sum(axis=0)
+    two_hold = c0 + c1 >= need
+    maybe = (count >= 2) & two_hold
+    pieces = np.full(n, 2)
+    if max_parts > 2:
+        # Three or more pieces: the fewest largest capacities that hold the instance.
+        more = np.flatnonzero((count >= 3) & ~two_hold)
+        if len(more):
+            held = np.cumsum(np.maximum(-np.sort(-u[:, more], axis=0), 0.0), axis=0)
+            reach = held >= need
+            fewest = reach.argmax(axis=0) + 1
+            ok = reach[-1] & (fewest <= max_parts)
+            maybe[more[ok]] = True
+            pieces[more] = fewest
+    known = maybe & two_hold
+    if max_parts < len(cap):
+        # Where the second one ranks among the plan's candidates (the first ranks before it).
+        ahead = (cap > c1) | ((cap == c1) & (np.arange(len(cap))[:, None] < i1))
+        known &= (ahead & base).sum(axis=0) < max_parts
+
+    def passes(at: Any, take: Any) -> Any:
+        # `_InlineSplit.passes` of a piece of `take` on the GPU in slot `at` of each invoker
+        # (schedulable and avoid are in `usable`).
+        ok = np.ones(n, dtype=bool)
+        if inline.memory:
+            ok &= used[at, cols] + take <= grown[at, cols]
+        f = take / total
+        if inline.sm_request:
+            ok &= request[at, cols] + np.minimum(inline.request, inline.request * f) <= inline.omega_eps
+        if inline.sm_limit or inline.static:
+            lim = limit[at, cols] + np.minimum(inline.limit, inline.limit * f)
+            if inline.sm_limit:
+                ok &= lim <= inline.gamma
+            if inline.static:
+                ok &= lim <= 1.0 + EPS
+        return ok
+
+    whole = maybe & (c0 >= total)
+    if whole.any():
+        # Its first piece takes all of it (and passes): one piece, no plan.
+        maybe &= ~(whole & passes(i0, np.full(n, total)))
+    rest = total - c0
+    take1 = np.where(rest < c1, rest, c1)
+    exact = known & (c0 < total) & (rest >= scan.min_part) & (c1 >= rest)
+    if exact.any():
+        exact &= passes(i0, c0) & passes(i1, take1)
+    sel = np.flatnonzero(maybe)
+    pieces = pieces[sel]
+    unused = np.zeros(len(sel))
+    exact = exact[sel]
+    at = sel[exact]
+    unused[exact] = c1[at] - take1[at]
+    loose = np.flatnonzero(~exact & (pieces == 2))
+    if len(loose):
+        w = len(cap)
+        a, b = _PAIRS.get(w) or _PAIRS.setdefault(w, np.triu_indices(w, 1))
+        sub = u[:, sel[loose]]
+        pairs = sub[a] + sub[b]
+        least = np.where(pairs >= need, pairs, np.inf).min(axis=0) - total - _TABLE_SLACK_MIB
+        unused[loose] = np.maximum(least, 0.0)
+    return sel, pieces, unused, table.first[idx[sel]], exact
+
+
+_PAIRS: dict[int, tuple[Any, Any]] = {}
+
+
+def _best_first(
+    bounds: _Bounds, plan_of: Callable[[int], tuple[list[tuple[int, float]], float] | None]
+) -> tuple[tuple[int, float, int], list[tuple[int, float]]] | None:
+    """The least (pieces, unused room, first ordinal) and its plan over the invokers `bounds`
+    describes, `plan_of(k)` planning the invoker of index k: the one of least bound first, then,
+    in the order of their bounds, those whose bound is less than the best plan so far (every plan's
+    key is at least its bound's, so no other can be less)."""
+    sel, pieces, unused, first, _ = bounds
+    if not len(sel):
+        return None
+    np = _np
+    best: tuple[tuple[int, float, int], list[tuple[int, float]]] | None = None
+    # The least bound, found without sorting them all.
+    m = pieces == pieces.min()
+    m &= unused == unused[m].min()
+    j = int(np.flatnonzero(m & (first == first[m].min()))[0])
+    found = plan_of(int(sel[j]))
+    if found is not None:
+        best = ((len(found[0]), found[1], int(first[j])), found[0])
+        p, u, f = best[0]
+        below = (pieces < p) | ((pieces == p) & ((unused < u) | ((unused == u) & (first < f))))
+        below[j] = False
+        rest = np.flatnonzero(below)
+    else:
+        rest = np.flatnonzero(np.arange(len(sel)) != j)
+    if len(rest):
+        rest = rest[np.lexsort((first[rest], unused[rest], pieces[rest]))]
+        for k, lb_p, lb_u, f in zip(sel[rest].tolist(), pieces[rest].tolist(), unused[rest].tolist(),
+                                    first[rest].tolist(), strict=True):
+            if best is not None and (lb_p, lb_u, f) >= best[0]:
+                break
+            found = plan_of(k)
+            if found is None:
+                continue
+            key = (len(found[0]), found[1], f)
+            if best is None or key < best[0]:
+                best = (key, found[0])
+    return best
+
+
 def _place_split(
     cluster: ClusterSnapshot,
     request: PlacementRequest,
@@ -1912,6 +2188,13 @@ def _place_split(
     too_full = scan.too_full
     ratio_request, ratio_limit = scan.memory_bound_ratios()
     inline = _InlineSplit.of(scan, request, config, filters, max_parts)
+    bounds = None
+    if inline is not None and scan.entries is not None and _VECTOR_BOUNDS:
+        bounds = _split_bounds(scan, inline, entries, max_parts)
+    if bounds is not None:
+        # Best first, by the bounds (the same least key as the walk below).
+        best = _best_first(bounds, lambda k: inline.plan(entries[k][5]))  # type: ignore[union-attr]
+        entries = ()
     for entry in entries:
         # `scan.cannot_hold(entry, pieces)` inline: this loop visits every invoker with the free
         # memory for the instance.

@@ -22,6 +22,9 @@ ALLOWED = {
     # Persistent maps (values, no I/O, no clock): snapshots derive in O(log n) instead of copying.
     "immutables",
     "math",
+    # Optional (the `[sim]` extra): split placement's bounds at C speed; without it the walk
+    # decides alike. Arrays, no I/O, no clock.
+    "numpy",
     "types",
     "typing",
 }
