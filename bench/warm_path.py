@@ -10,7 +10,8 @@ each alike:
 * ``cpu-sleep`` — ``python:3``, sleeps 7 ms (as long as ResNet-50 runs, without a GPU: what the stack's
   processes pay for having slept meanwhile).
 
-Per action: the client's p50 and p99, the function's own time (``run_ms``, measured inside ``main``), the
+The standalone runs at its own log level unless ``--log-level`` says otherwise. Per action: the client's p50
+and p99, the function's own time (``run_ms``, measured inside ``main``), the
 overhead (client p50 − run p50, the definition of docs/benchmarks/gpu-product.md) and the CPU each process
 spends per invoke (the standalone process: REST API, controller, invoker, GPU manager; the runtime proxies;
 the action workers; redis-server; this load generator).
@@ -114,8 +115,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         inventory.write_text(json.dumps([{"uuid": "GPU-dry-run-0", "name": "dry-run GPU", "memory_mb": 81920}]))
         flags += ["--gpu-inventory", str(inventory), "--gpu-mps", "off"]
     inherited = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + inherited if inherited else ""),
-           "DILU_LOG_LEVEL": "warning"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + inherited if inherited else "")}
+    env.pop("DILU_LOG_LEVEL", None)
+    if args.log_level:
+        env["DILU_LOG_LEVEL"] = args.log_level
     server = subprocess.Popen([sys.executable, "-m", "dilu_invoker", "standalone", *flags], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     names = [n for n in args.actions.split(",") if n]
@@ -168,7 +171,10 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
 PREAMBLE = """# Warm path: where a warm invoke's time goes outside the function
 
 Written by `bench/warm_path.py` (its docstring says what each action is). One standalone with its defaults
-per run; the actions' batches alternate, so the machine's noise hits each alike. *Overhead* is the client's
+per run, except in runs 1 and 2 below its log level (`DILU_LOG_LEVEL=warning`; the default, info, adds the
+invoker's one `activation finished` line per invoke: 28 µs of CPU on the 2-core development VM; `--log-level`
+sets it now, the default leaves it alone); the actions' batches alternate, so the machine's noise hits each
+alike. *Overhead* is the client's
 p50 less the function's own p50 (`run_ms`, timed inside `main`), the definition of issue 13's target and of
 docs/benchmarks/gpu-product.md. CPU is per invoke, the median over batches, from `/proc` (10 ms ticks over
 batches of 100 invokes: 0.1 ms resolution), and includes what each process does in the background meanwhile
@@ -222,6 +228,8 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=12)
     ap.add_argument("--per", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--log-level", default="", help="the standalone's DILU_LOG_LEVEL (default: its own, info; "
+                    "the runs of 2026-12-02 used warning)")
     ap.add_argument("--dry", action="store_true", help="no GPU here: a listed GPU, the actions' CPU fallbacks")
     ap.add_argument("--out", help="raw samples and the summary as JSON")
     ap.add_argument("--from-json", help="render these runs instead of running: --out files, comma-separated, "
