@@ -57,6 +57,8 @@ log = structlog.get_logger(__name__)
 DEFAULT_MAX_ACTIVATIONS = 10_000
 #: activation records held in memory while Redis cannot take them
 DEFAULT_MAX_UNSTORED = 10_000
+#: the longest an activation record's write waits for the blocking caller's answer to go out first
+AFTER_WAIT_S = 1.0
 
 #: what redis-py raises while Redis cannot serve: down, restarting (``BusyLoadingError``), or no pooled
 #: connection free within the pool timeout (``MaxConnectionsError``, "No connection available.")
@@ -394,14 +396,19 @@ class EntityStore:
     # ----------------------------------------------------------------------------------------
     # Activations
     # ----------------------------------------------------------------------------------------
-    async def store_activation(self, activation: Activation) -> None:
+    async def store_activation(self, activation: Activation, *, after: asyncio.Future[None] | None = None) -> None:
         """Write the record; while Redis cannot take it, hold it and write it when Redis is back (this
-        method then returns at once: the caller may answer its client)."""
+        method then returns at once: the caller may answer its client).
+
+        The record is readable from the call on. `after`: the write (encoding the record, the Redis call)
+        begins once it is done, or after `AFTER_WAIT_S`: a blocking caller's answer goes out first."""
         key = (activation.namespace, activation.activation_id)
         if not self._unstored:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._writing[key] = (activation, done)
             try:
+                if after is not None and not after.done():
+                    await asyncio.wait({after}, timeout=AFTER_WAIT_S)
                 await self._write_activation(activation)
                 return
             except STORE_UNAVAILABLE as exc:

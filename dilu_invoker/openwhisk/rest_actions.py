@@ -364,6 +364,13 @@ class _Invocation:
         #: the activation, once it ran: a blocking caller is answered from it while the record is written
         #: (as OpenWhisk answers from the invoker's result ack); reads of the record see it meanwhile
         self.ran: asyncio.Future[Activation] = asyncio.get_running_loop().create_future()
+        #: done once the caller's answer is built (or the caller is gone): the record's write waits for it,
+        #: so encoding and writing the record is not on a blocking caller's path
+        self.answered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def answer_built(self) -> None:
+        if not self.answered.done():
+            self.answered.set_result(None)
 
     async def run(self) -> Activation:
         req = self.req
@@ -386,7 +393,7 @@ class _Invocation:
         # readable (store_activation registers it before its first await) when the caller is told.
         self.ran.set_result(activation)
         try:
-            await self.app[STORE].store_activation(activation)
+            await self.app[STORE].store_activation(activation, after=None if self.detached else self.answered)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -463,25 +470,29 @@ async def invoke_action(request: web.Request) -> web.Response:
     headers = {ACTIVATION_ID_HEADER: req.activation_id}
     accepted = json_response({"activationId": req.activation_id}, status=202, headers=headers)
 
-    if not blocking:
-        # One turn of the loop lets the runner refuse at once (queue full) so the caller gets 503, not
-        # an id that will only ever show an overload record.
-        await asyncio.sleep(0)
-        if task.done() and isinstance(task.exception(), _OVERLOAD):
-            raise ApiError(503, Msg.OVERLOADED)
-        invocation.detached = True
-        return accepted
-
-    done, _ = await asyncio.wait({task, invocation.ran}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-    if not done:
-        invocation.detached = True
-        log.info("blocking invoke answered 202 after the wait", activation_id=req.activation_id, wait_s=wait_s)
-        return accepted
     try:
-        activation = invocation.ran.result() if invocation.ran.done() else task.result()
-    except InvokerOverloaded:
-        raise ApiError(503, Msg.OVERLOADED) from None
-    return await _activation_result_response(activation, result_only=result_only, headers=headers)
+        if not blocking:
+            # One turn of the loop lets the runner refuse at once (queue full) so the caller gets 503, not
+            # an id that will only ever show an overload record.
+            await asyncio.sleep(0)
+            if task.done() and isinstance(task.exception(), _OVERLOAD):
+                raise ApiError(503, Msg.OVERLOADED)
+            invocation.detached = True
+            return accepted
+
+        done, _ = await asyncio.wait({task, invocation.ran}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            invocation.detached = True
+            log.info("blocking invoke answered 202 after the wait", activation_id=req.activation_id, wait_s=wait_s)
+            return accepted
+        try:
+            activation = invocation.ran.result() if invocation.ran.done() else task.result()
+        except InvokerOverloaded:
+            raise ApiError(503, Msg.OVERLOADED) from None
+        return await _activation_result_response(activation, result_only=result_only, headers=headers)
+    finally:
+        # The record's write begins on a later turn of the loop, after this answer has been written out.
+        invocation.answer_built()
 
 
 _HTTP_STATUS = {

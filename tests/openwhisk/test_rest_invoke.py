@@ -282,3 +282,38 @@ async def test_a_blocking_answer_does_not_wait_for_the_record_which_reads_find_m
         await redis.execute_command("CLIENT", "UNPAUSE")
     assert await redis.exists(api.store.activation_key("guest", aid))
     assert api.store.unstored == 0 and await api.store.flush(1.0)
+
+
+async def test_the_record_is_encoded_and_written_after_the_blocking_answer_is_built(
+        api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Encoding and writing the record is off a blocking caller's path: it begins once the answer is built."""
+    from dilu_invoker.openwhisk import rest_actions
+
+    await _action(api)
+    order: list[str] = []
+    answer, write = rest_actions._activation_result_response, api.store._write_activation
+
+    async def answering(*args: Any, **kwargs: Any) -> Any:
+        order.append("answer")
+        return await answer(*args, **kwargs)
+
+    async def writing(activation: Any) -> None:
+        order.append("write")
+        await write(activation)
+
+    monkeypatch.setattr(rest_actions, "_activation_result_response", answering)
+    monkeypatch.setattr(api.store, "_write_activation", writing)
+    for result in (False, True):
+        status, body, headers = await api.invoke("echo", {"name": "x"}, result=result)
+        assert status == 200, body
+        assert await api.store.flush(1.0)
+        assert await api.store.get_activation("guest", headers["x-openwhisk-activation-id"]) is not None
+    assert order == ["answer", "write"] * 2
+    # A non-blocking invoke has nobody to answer first: its record is written at once.
+    status, body, _ = await api.invoke("echo", {"name": "y"}, blocking=False)
+    assert status == 202
+    for _ in range(100):
+        if len(order) == 5:
+            break
+        await asyncio.sleep(0.01)
+    assert order[4:] == ["write"]
