@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
+from structlog.testing import capture_logs
 
 from dilu_invoker import config
 from dilu_invoker.invoker.dataplane.container import State, Transition
@@ -71,6 +72,22 @@ async def test_cold_then_warm_reuses_the_container(invoker: Invoker) -> None:
         (State.STARTING, State.STARTING), (State.STARTING, State.INITIALIZING), (State.INITIALIZING, State.READY)]
     assert first.annotation("path") == "guest/echo" and first.annotation("kind") == "python:3"
     assert first.annotation("limits") == action.limits.to_json()
+
+
+async def test_activation_finished_is_at_info_for_a_cold_start_or_a_failure_and_at_debug_otherwise(
+        invoker: Invoker) -> None:
+    action = _action()
+    failing = _action("def main(a):\n    raise ValueError('boom')\n", name="bad")
+    with capture_logs() as logs:
+        await invoker.run(_req(action, {"n": 1}))
+        await invoker.run(_req(action, {"n": 2}))
+        await invoker.run(_req(failing))
+        await invoker.run(_req(failing))
+    finished = [(e["log_level"], e["action"], e["status"], e["cold"]) for e in logs
+                if e["event"] == "activation finished"]
+    assert finished == [
+        ("info", "guest/echo", "success", True), ("debug", "guest/echo", "success", False),
+        ("info", "guest/bad", "application error", True), ("info", "guest/bad", "application error", False)]
 
 
 async def test_updated_action_gets_a_new_container(invoker: Invoker) -> None:

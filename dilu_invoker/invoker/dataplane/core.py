@@ -815,8 +815,12 @@ class Invoker:
         )
         self.metrics.record(activation, kind=runtime.kind, memory_mb=action.limits.memory_mb,
                             wait_ms=wait_ms, init_ms=init_ms)
-        log.info("activation finished", action=action.fqn, status=response.status.api_string,
-                 duration_ms=activation.duration, cold=init_ms is not None)
+        # Per activation at info only when it tells something (a cold start, a failure): a warm success
+        # is counted in /metrics, and writing its line cost more than the rest of finishing it.
+        notable = init_ms is not None or response.status is not ActivationStatus.SUCCESS
+        (log.info if notable else log.debug)("activation finished", action=action.fqn,
+                                              status=response.status.api_string,
+                                              duration_ms=activation.duration, cold=init_ms is not None)
         return activation
 
     def refuse(self, req: ActivationRequest, message: str) -> Activation:
