@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import platform
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -106,6 +109,60 @@ async def invoke(session: aiohttp.ClientSession, url: str, params: dict[str, Any
     return ms, float(data["run_ms"])
 
 
+class SocketClient:
+    """The leanest client: HTTP/1.1 on one kept, blocking socket (no event loop, no client library), so that
+    its own time in the client p50 is a few µs, where aiohttp's is ~0.4 ms of CPU per invoke on these
+    machines. The invokes are sequential, so blocking the bench's loop holds nothing up."""
+
+    def __init__(self, host: str, port: int, user: str, key: str) -> None:
+        self.host, self.port = host, port
+        self.auth = base64.b64encode(f"{user}:{key}".encode()).decode()
+        self.sock = socket.create_connection((host, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the API closed the connection")
+        self.buf += chunk
+
+    def post(self, path: str, payload: Any) -> tuple[int, bytes]:
+        body = json.dumps(payload).encode()
+        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nAuthorization: Basic {self.auth}"
+                          f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        while b"\r\n\r\n" not in self.buf:
+            self._more()
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        if "content-length" not in fields:
+            raise RuntimeError(f"no Content-Length in the answer: {head!r}")
+        length = int(fields["content-length"])
+        while len(self.buf) < length:
+            self._more()
+        out, self.buf = self.buf[:length], self.buf[length:]
+        return int(lines[0].split(" ", 2)[1]), out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def invoke_socket(client: SocketClient, path: str, params: dict[str, Any]) -> tuple[float, float]:
+    t = time.perf_counter()
+    status, body = client.post(f"{path}?blocking=true&result=true", params)
+    ms = (time.perf_counter() - t) * 1000
+    data = json.loads(body) if status == 200 else None
+    if not isinstance(data, dict) or "run_ms" not in data:
+        raise RuntimeError(f"{path} answered {status}: {body[:300]!r}")
+    return ms, float(data["run_ms"])
+
+
+def row_name(action: str, client: str) -> str:
+    """A summary row: the action's name for the aiohttp client (as in the first runs), `name · socket` else."""
+    return action if client == "aiohttp" else f"{action} · {client}"
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     data_dir = tempfile.mkdtemp(prefix="dilu-warm-")
     port = free_port()
@@ -124,7 +181,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [n for n in args.actions.split(",") if n]
     api = f"http://127.0.0.1:{port}/api/v1/namespaces/_/actions"
     user, key = GUEST.split(":")
-    out: dict[str, Any] = {n: {"client_ms": [], "run_ms": [], "cpu": [], "batch_overhead_ms": []} for n in names}
+    clients = [c for c in args.clients.split(",") if c]
+    unknown = set(clients) - {"aiohttp", "socket"}
+    if unknown or not clients:
+        raise SystemExit(f"--clients: aiohttp and/or socket, not {args.clients!r}")
+    out: dict[str, Any] = {row_name(n, c): {"client_ms": [], "run_ms": [], "cpu": [], "batch_overhead_ms": []}
+                           for n in names for c in clients}
+    lean: SocketClient | None = None
     try:
         async with aiohttp.ClientSession(auth=aiohttp.BasicAuth(user, key)) as session:
             await wait_http(session, f"http://127.0.0.1:{port}/api/v1", 90)
@@ -140,18 +203,33 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for name in names:  # cold start and warm-up (lazy kernels, allocator, connections)
                 for _ in range(args.warmup):
                     await invoke(session, f"{api}/{name}", params[name])
+            if "socket" in clients:
+                lean = SocketClient("127.0.0.1", port, user, key)
+                for name in names:
+                    for _ in range(5):
+                        invoke_socket(lean, f"/api/v1/namespaces/_/actions/{name}", params[name])
             for _ in range(args.batches):
                 for name in names:
-                    before = cpu_by_part(server.pid, children(server.pid))
-                    batch = [await invoke(session, f"{api}/{name}", params[name]) for _ in range(args.per)]
-                    out[name]["client_ms"] += [ms for ms, _ in batch]
-                    out[name]["run_ms"] += [run_ms for _, run_ms in batch]
-                    out[name]["batch_overhead_ms"].append(round(statistics.median(ms for ms, _ in batch)
-                                                                - statistics.median(r for _, r in batch), 3))
-                    out[name]["cpu"].append(cpu_ms_per(before, cpu_by_part(server.pid, children(server.pid)),
-                                                       args.per))
+                    for client in clients:
+                        row = out[row_name(name, client)]
+                        before = cpu_by_part(server.pid, children(server.pid))
+                        if client == "socket":
+                            assert lean is not None
+                            path = f"/api/v1/namespaces/_/actions/{name}"
+                            batch = [invoke_socket(lean, path, params[name]) for _ in range(args.per)]
+                        else:
+                            batch = [await invoke(session, f"{api}/{name}", params[name]) for _ in range(args.per)]
+                        row["client_ms"] += [ms for ms, _ in batch]
+                        row["run_ms"] += [run_ms for _, run_ms in batch]
+                        row["batch_overhead_ms"].append(round(statistics.median(ms for ms, _ in batch)
+                                                              - statistics.median(r for _, r in batch), 3))
+                        row["cpu"].append(cpu_ms_per(before, cpu_by_part(server.pid, children(server.pid)),
+                                                     args.per))
     finally:
+        if lean is not None:
+            lean.close()
         await stop_process_tree(server, grace_s=30)
+        shutil.rmtree(data_dir, ignore_errors=True)
     return out
 
 
@@ -190,12 +268,17 @@ The differences below each table split the overhead:
 
 
 def derived(rows: dict[str, Any]) -> list[str]:
-    def diff(a: str, b: str) -> str:
-        if a not in rows or b not in rows:
-            return "n/a"
-        return f"{rows[a]['overhead_p50_ms'] - rows[b]['overhead_p50_ms']:+.3f} ms"
-    return [f"* GPU kind: {diff('gpu-noop', 'cpu-noop')}; sleeping: {diff('cpu-sleep', 'cpu-noop')}; "
-            f"GPU work: {diff('resnet50', 'cpu-sleep')}"]
+    out = []
+    for client in ("aiohttp", "socket"):
+        def diff(a: str, b: str, client: str = client) -> str:
+            a, b = row_name(a, client), row_name(b, client)
+            if a not in rows or b not in rows:
+                return "n/a"
+            return f"{rows[a]['overhead_p50_ms'] - rows[b]['overhead_p50_ms']:+.3f} ms"
+        if any(name == row_name(name.split(" · ")[0], client) for name in rows):
+            out.append(f"* {client} client: GPU kind: {diff('gpu-noop', 'cpu-noop')}; sleeping: "
+                       f"{diff('cpu-sleep', 'cpu-noop')}; GPU work: {diff('resnet50', 'cpu-sleep')}")
+    return out
 
 
 def render_run(title: str, rows: dict[str, Any], cmd: str, machine: str) -> str:
@@ -228,6 +311,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=12)
     ap.add_argument("--per", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--clients", default="aiohttp,socket",
+                    help="the load generator's clients, each in batches of its own: aiohttp (the bench's other "
+                    "clients), socket (HTTP/1.1 on a blocking socket: the stack's overhead without a client's)")
     ap.add_argument("--log-level", default="", help="the standalone's DILU_LOG_LEVEL (default: its own, info; "
                     "the runs of 2026-12-02 used warning)")
     ap.add_argument("--dry", action="store_true", help="no GPU here: a listed GPU, the actions' CPU fallbacks")
