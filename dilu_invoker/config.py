@@ -105,6 +105,9 @@ class InvokerConfig:
     process_uid_range: str = _opt("200000-200999", "process backend: uids (and gids) of containers, FIRST-LAST")
     process_work_dir: str | None = _opt(None, "process backend: where private container dirs live "
                                         "(default: /tmp/dilu-work)")
+    process_direct_lane: bool = _opt(True, "process backend: /run goes straight to the action's worker over a "
+                                           "private socket pair, not through its runtime proxy's HTTP (false: "
+                                           "always HTTP)")
     container_prefix: str = _opt("wsk", "name prefix of action containers (OpenWhisk's 'wsk{id}_…')")
     log_chunk_kb: int = _opt(64, "read size for action logs (KB)")
     max_queue: int = _opt(10_000, "activations waiting for capacity before new ones are rejected")

@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from dilu_invoker.actions._ipc import HEADER, SENTINEL_LINE, Kind, pack
+from dilu_invoker.actions._ipc import HEADER, MSG_EXITED, SENTINEL_LINE, Kind, pack, run_answer
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -43,8 +43,6 @@ MSG_NO_CODE = "Missing main/no code to execute."
 MSG_COMPILE = "The action failed to generate or locate a binary. See logs for details."
 MSG_START = "Cannot start action. Check logs for details."
 MSG_NO_ACTION = "no action defined yet"
-MSG_EXITED = "command exited"
-MSG_NOT_DICT = "The action did not return a dictionary or array."
 MSG_DEADLINE = "The action did not finish by its deadline and was stopped."
 MSG_SHUTTING_DOWN = "The action runtime is shutting down."
 MSG_FORBIDDEN = "This runtime answers only the invoker that started it."
@@ -95,6 +93,9 @@ class RuntimeOptions:
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     #: when set, every request but /ping must carry it in SECRET_HEADER (the invoker's own calls do)
     secret: str | None = None
+    #: the worker's end of the invoker's direct lane (an inherited socket), handed to each worker started
+    #: and closed here once one is initialised: from then on only that worker holds it
+    direct_fd: int | None = None
 
 
 def _json_response(status: int, error: str) -> web.Response:
@@ -180,8 +181,11 @@ class _Frames(asyncio.Protocol):
 class WorkerProcess:
     """One worker and the socket to it; requests are matched to replies by id."""
 
-    def __init__(self, *, allow_concurrent: bool) -> None:
+    def __init__(self, *, allow_concurrent: bool, direct_fd: int | None = None) -> None:
         self._allow_concurrent = allow_concurrent
+        self._direct_fd = direct_fd
+        #: lane request ids of the direct runs the worker has begun and not yet answered
+        self.direct_runs: set[int] = set()
         self.action_dir = tempfile.mkdtemp(prefix="dilu-action-")
         self.process: asyncio.subprocess.Process | None = None
         self._frames: _Frames | None = None
@@ -209,8 +213,9 @@ class WorkerProcess:
                 self.action_dir,
                 "1" if self._allow_concurrent else "0",
                 str(os.getpid()),
+                *(() if self._direct_fd is None else (str(self._direct_fd),)),
                 stdin=asyncio.subprocess.DEVNULL,
-                pass_fds=(child_end.fileno(),),
+                pass_fds=(child_end.fileno(), *(() if self._direct_fd is None else (self._direct_fd,))),
                 # Terminal signals (Ctrl-C) go to the proxy, which decides the worker's fate.
                 start_new_session=True,
             )
@@ -258,6 +263,12 @@ class WorkerProcess:
         self.kill()
 
     def _on_frame(self, kind: int, request_id: int, payload: bytes) -> None:
+        if kind == Kind.DIRECT_BEGIN:
+            self.direct_runs.add(request_id)
+            return
+        if kind == Kind.DIRECT_END:
+            self.direct_runs.discard(request_id)
+            return
         if kind == Kind.PRELOADED:
             with contextlib.suppress(ValueError):
                 self.preload = json.loads(payload)
@@ -296,7 +307,9 @@ class WorkerProcess:
             reason = "the action process was stopped because an activation ran past its deadline"
         self._exit = WorkerExited(reason, deadline=self._deadline_killed)
         pending, self._pending = self._pending, {}
-        runs = sum(1 for item in pending.values() if item.is_run)
+        # Runs on the direct lane end the same way: their caller sees the lane close.
+        runs = sum(1 for item in pending.values() if item.is_run) + len(self.direct_runs)
+        self.direct_runs.clear()
         if runs:
             # Every run that was in the worker gets its log frame, even if its caller went away.
             # (A dying /init is framed by the init handler, which knows the failure's wording.)
@@ -332,6 +345,7 @@ class Runtime:
     def __init__(self, options: RuntimeOptions) -> None:
         self.options = options
         self.state = State.UNINITIALIZED
+        self._direct_fd = options.direct_fd
         self.worker: WorkerProcess | None = None
         self._standby: asyncio.Task[WorkerProcess] | None = None
         self._run_lock = asyncio.Lock()
@@ -353,7 +367,7 @@ class Runtime:
         self._standby = asyncio.create_task(self._spawn())
 
     async def _spawn(self) -> WorkerProcess:
-        worker = WorkerProcess(allow_concurrent=self.options.allow_concurrent)
+        worker = WorkerProcess(allow_concurrent=self.options.allow_concurrent, direct_fd=self._direct_fd)
         await worker.start()
         return worker
 
@@ -443,6 +457,7 @@ class Runtime:
                 self.imports = [str(name) for name in imports] if isinstance(imports, list) else []
             if self.state is State.INITIALIZING:
                 self.state = State.READY
+            self._close_direct()
             return web.json_response({"ok": True})
         # The worker wrote its own sentinels after explaining the failure on stderr.
         self._discard(worker)
@@ -451,6 +466,14 @@ class Runtime:
         if kind is Kind.INIT_DECODE_ERROR:
             return _json_response(400, detail.decode("utf-8", "replace"))
         return _json_response(502, MSG_COMPILE if kind is Kind.INIT_COMPILE_ERROR else MSG_START)
+
+    def _close_direct(self) -> None:
+        """The initialised worker holds the direct lane now: the proxy's copy goes, so the invoker sees the
+        lane close when that worker dies. A worker started later (a standby) gets no lane."""
+        fd, self._direct_fd = self._direct_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _init_failed(self, status: int, error: str, *, note: str | None = None) -> web.Response:
         if self.state is State.INITIALIZING:
@@ -538,11 +561,8 @@ class Runtime:
             if exited.deadline:
                 return _json_response(502, MSG_DEADLINE)
             return _json_response(400, MSG_EXITED)
-        if kind is Kind.RESULT:
-            return web.Response(status=200, body=payload, content_type="application/json")
-        if kind is Kind.RESULT_NOT_DICT:
-            return _json_response(502, MSG_NOT_DICT)
-        return _json_response(502 if kind is Kind.RESULT_NOT_JSON else 400, payload.decode("utf-8", "replace"))
+        status, answer = run_answer(kind, payload)
+        return web.Response(status=status, body=answer, content_type="application/json")
 
     def _guard_delay(self, message: dict[str, Any]) -> float | None:
         grace = self.options.deadline_grace_s
@@ -698,6 +718,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=int(os.environ.get("DILU_RUNTIME_PORT", DEFAULT_PORT)))
     parser.add_argument("--listen-fd", type=int, default=None,
                         help="serve on this inherited, listening socket instead of binding --host/--port")
+    parser.add_argument("--direct-fd", type=int, default=None,
+                        help="an inherited socket: the worker's end of the invoker's direct lane for /run")
     parser.add_argument(
         "--deadline-grace-ms",
         type=int,
@@ -724,6 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         allow_concurrent=_env_flag("__OW_ALLOW_CONCURRENT"),
         deadline_grace_s=None if args.deadline_grace_ms < 0 else args.deadline_grace_ms / 1000,
         shutdown_grace_s=max(args.shutdown_grace_s, 0.0),
+        direct_fd=args.direct_fd,
     )
     return asyncio.run(serve(args.host, args.port, options, listen_fd=args.listen_fd))
 

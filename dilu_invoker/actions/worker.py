@@ -26,6 +26,7 @@ import importlib
 import io
 import json
 import os
+import select
 import signal
 import site
 import socket
@@ -39,12 +40,12 @@ from typing import Any
 
 from dilu_invoker.actions._ipc import (
     ESCAPED_SENTINEL,
-    HEADER,
     SENTINEL,
     SENTINEL_LINE,
     Kind,
     installed_roots,
     pack,
+    read_frame,
 )
 
 MODULE_NAME = "main__"
@@ -66,10 +67,13 @@ class InitFailure(Exception):
 
 
 class Worker:
-    def __init__(self, sock: socket.socket, *, action_dir: str, concurrent: bool) -> None:
+    def __init__(self, sock: socket.socket, *, action_dir: str, concurrent: bool,
+                 direct: socket.socket | None = None) -> None:
         self._sock = sock
-        self._rfile = sock.makefile("rb")
+        #: the direct lane to the invoker (runs only), or None
+        self._direct = direct
         self._send_lock = threading.Lock()
+        self._direct_lock = threading.Lock()
         self._env_lock = threading.Lock()
         self._action_dir = action_dir
         self._concurrent = concurrent
@@ -88,31 +92,40 @@ class Worker:
         with self._send_lock:
             self._sock.sendall(frame)
 
-    def _receive(self) -> tuple[int, int, bytes] | None:
-        header = self._rfile.read(HEADER.size)
-        if len(header) < HEADER.size:
-            return None
-        kind, request_id, length = HEADER.unpack(header)
-        payload = self._rfile.read(length) if length else b""
-        if len(payload) < length:
-            return None
-        return kind, request_id, payload
+    def _send_direct(self, kind: Kind, request_id: int, payload: bytes = b"") -> None:
+        assert self._direct is not None
+        frame = pack(kind, request_id, payload)
+        with contextlib.suppress(OSError), self._direct_lock:  # the invoker went away: nobody to answer
+            self._direct.sendall(frame)
 
     def serve(self) -> None:
+        channels = [self._sock] if self._direct is None else [self._sock, self._direct]
         while True:
-            frame = self._receive()
-            if frame is None:
-                # The proxy is gone: nobody can use our answers any more.
-                _flush_streams()
-                os._exit(0)
-            kind, request_id, payload = frame
-            if kind == Kind.INIT:
-                self._handle_init(request_id, payload)
-            elif kind == Kind.RUN:
-                if self._concurrent:
-                    threading.Thread(target=self._handle_run, args=(request_id, payload), daemon=True).start()
-                else:
-                    self._handle_run(request_id, payload)
+            # Frames are read unbuffered (`read_frame`), so a socket with nothing readable has no frame waiting.
+            ready = [self._sock] if len(channels) == 1 else select.select(channels, [], [])[0]
+            for channel in ready:
+                frame = read_frame(channel)
+                if frame is None and channel is self._sock:
+                    # The proxy is gone: nobody can use our answers any more.
+                    _flush_streams()
+                    os._exit(0)
+                if frame is None:
+                    # The invoker closed the lane (it keeps using the proxy's /run).
+                    channels.remove(channel)
+                    continue
+                self._dispatch(*frame, direct=channel is not self._sock)
+
+    def _dispatch(self, kind: int, request_id: int, payload: bytes, *, direct: bool) -> None:
+        if kind == Kind.INIT and not direct:
+            self._handle_init(request_id, payload)
+        elif kind == Kind.RUN:
+            if direct:
+                # The proxy counts it, so that if this process dies meanwhile the run's logs still end.
+                self._send(Kind.DIRECT_BEGIN, request_id)
+            if self._concurrent:
+                threading.Thread(target=self._handle_run, args=(request_id, payload, direct), daemon=True).start()
+            else:
+                self._handle_run(request_id, payload, direct)
 
     # -- /init --------------------------------------------------------------------------------------
 
@@ -181,15 +194,22 @@ class Worker:
 
     # -- /run ---------------------------------------------------------------------------------------
 
-    def _handle_run(self, request_id: int, payload: bytes) -> None:
-        assert self._main is not None
+    def _handle_run(self, request_id: int, payload: bytes, direct: bool = False) -> None:
+        reply = self._send_direct if direct else self._send
+        if self._main is None:  # a lane used before /init (not by the invoker): answered as the proxy would
+            reply(Kind.BAD_REQUEST, request_id, b"no action defined yet")
+            if direct:
+                self._send(Kind.DIRECT_END, request_id)
+            return
         try:
             body = json.loads(payload)
             if not isinstance(body, dict):
                 raise TypeError("the run body is not a JSON object")
         except (ValueError, TypeError) as exc:
             _end_activation_output()
-            self._send(Kind.BAD_REQUEST, request_id, str(exc).encode())
+            reply(Kind.BAD_REQUEST, request_id, str(exc).encode())
+            if direct:
+                self._send(Kind.DIRECT_END, request_id)
             return
         args = body.get("value", {})
         # Process-wide, as in the upstream launcher: with concurrent runs the last one to start wins.
@@ -210,7 +230,9 @@ class Worker:
         kind, out = _encode_result(result)
         _end_activation_output()
         self._report_run_imports()
-        self._send(kind, request_id, out)
+        reply(kind, request_id, out)
+        if direct:
+            self._send(Kind.DIRECT_END, request_id)
 
     def _report_run_imports(self) -> None:
         """Once, after the first run: the installed modules it imported first (a `main` that imports its
@@ -580,10 +602,11 @@ def main(argv: list[str]) -> int:
     fd, action_dir, concurrent, parent = int(argv[0]), argv[1], argv[2] == "1", int(argv[3])
     _die_with_parent(parent)
     sock = socket.socket(fileno=fd)
+    direct = socket.socket(fileno=int(argv[4])) if len(argv) > 4 else None
     asked = PRELOAD_MODULES_ENV in os.environ or PRELOAD_CUDA_ENV in os.environ
     modules = [m.strip() for m in os.environ.pop(PRELOAD_MODULES_ENV, "").split(",") if m.strip()]
     cuda = os.environ.pop(PRELOAD_CUDA_ENV, "") == "1"
-    worker = Worker(sock, action_dir=action_dir, concurrent=concurrent)
+    worker = Worker(sock, action_dir=action_dir, concurrent=concurrent, direct=direct)
     if asked:
         info = preload(modules, cuda=cuda)
         worker.context_cap = info.get("mps_threads")

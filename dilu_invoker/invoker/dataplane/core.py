@@ -615,7 +615,8 @@ class Invoker:
         action = req.action
         client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
                                secret=proxy.container.secret,
-                               connections=self._run_connections if proxy.spec.own_runtime else None)
+                               connections=self._run_connections if proxy.spec.own_runtime else None,
+                               lane=getattr(proxy.container, "lane", None))
         value = req.content
         if isinstance(value, dict) and req.init_args:
             value = {k: v for k, v in value.items() if k not in req.init_args}
@@ -864,7 +865,7 @@ def make_backend(cfg: Config) -> ContainerBackend:
 
     ic = cfg.invoker
     return ProcessBackend(isolation=ic.process_isolation, uid_range=ic.process_uid_range,
-                          work_dir=ic.process_work_dir, hide=(str(cfg.data_path),))
+                          work_dir=ic.process_work_dir, hide=(str(cfg.data_path),), direct_lane=ic.process_direct_lane)
 
 
 @contextlib.asynccontextmanager

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import aiohttp
 import structlog
 
+from dilu_invoker.actions._ipc import HEADER, MSG_EXITED, Kind, error_body, pack, run_answer
 from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN
 from dilu_invoker.model import ActivationStatus
 
@@ -400,6 +401,122 @@ def _parse_head(head: bytes) -> tuple[int, int | None, bool]:
     return status, length, reuse
 
 
+class LaneClosed(Exception):
+    """The direct lane is closed: before the request went out (`sent` False: nothing ran, use `/run`), or with
+    the request in the worker (its process died)."""
+
+    def __init__(self, *, sent: bool) -> None:
+        super().__init__("the direct lane is closed")
+        self.sent = sent
+
+
+class DirectLane(asyncio.Protocol):
+    """The invoker's end of a process container's direct lane: RUN frames to the worker the runtime proxy
+    initialised and its answers back, without the proxy (docs/runtime.md, "The direct lane"). The worker holds
+    the other end alone once initialised, so the lane closes exactly when that worker dies.
+
+    An answer longer than the request's limit is read to its end but kept only up to the limit (memory stays
+    bounded whatever the action returns); anything that is not a frame closes the lane."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        #: request id -> (future of (kind, kept payload, full length), bytes to keep)
+        self._pending: dict[int, tuple[asyncio.Future[tuple[Kind, bytes, int]], int]] = {}
+        self._next_id = 0
+        #: the frame being skipped past its limit: (request id, kind, full length, bytes still to come)
+        self._skipping: tuple[int, Kind, int, int] | None = None
+        self._kept = bytearray()
+        self.closed = False
+        #: runs sent on the lane
+        self.runs = 0
+
+    @classmethod
+    async def open(cls, sock: Any) -> DirectLane:
+        lane = cls()
+        await asyncio.get_running_loop().create_unix_connection(lambda: lane, sock=sock)
+        return lane
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        try:
+            self._parse()
+        except ValueError:
+            log.debug("runtime.lane_garbled")
+            if self.transport is not None:
+                self.transport.close()
+
+    def _parse(self) -> None:
+        buf = self._buf
+        while True:
+            if self._skipping is not None:
+                request_id, kind, length, left = self._skipping
+                take = min(left, len(buf))
+                room = self._limit_of(request_id) - len(self._kept)
+                if room > 0:
+                    self._kept += buf[:min(take, room)]
+                del buf[:take]
+                left -= take
+                if left:
+                    self._skipping = (request_id, kind, length, left)
+                    return
+                self._skipping = None
+                self._deliver(request_id, kind, bytes(self._kept), length)
+                self._kept = bytearray()
+                continue
+            if len(buf) < HEADER.size:
+                return
+            raw_kind, request_id, length = HEADER.unpack_from(buf)
+            kind = Kind(raw_kind)  # ValueError: not one of ours
+            if len(buf) - HEADER.size >= length:
+                payload = bytes(buf[HEADER.size:HEADER.size + length])
+                del buf[:HEADER.size + length]
+                self._deliver(request_id, kind, payload[:self._limit_of(request_id)], length)
+                continue
+            del buf[:HEADER.size]
+            self._skipping = (request_id, kind, length, length)
+
+    def _limit_of(self, request_id: int) -> int:
+        entry = self._pending.get(request_id)
+        return entry[1] if entry is not None else 0
+
+    def _deliver(self, request_id: int, kind: Kind, payload: bytes, length: int) -> None:
+        entry = self._pending.pop(request_id, None)
+        if entry is not None and not entry[0].done():
+            entry[0].set_result((kind, payload, length))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        pending, self._pending = self._pending, {}
+        for future, _ in pending.values():
+            if not future.done():
+                future.set_exception(LaneClosed(sent=True))
+
+    async def request(self, payload: bytes, *, limit: int) -> tuple[Kind, bytes, int]:
+        """One RUN: (answer kind, its payload up to `limit` bytes, the payload's full length)."""
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            raise LaneClosed(sent=False)
+        self._next_id += 1
+        request_id = self._next_id
+        future: asyncio.Future[tuple[Kind, bytes, int]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = (future, limit)
+        try:
+            transport.write(pack(Kind.RUN, request_id, payload))
+            self.runs += 1
+            return await future
+        finally:
+            self._pending.pop(request_id, None)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
 class RuntimeClient:
     """Drives one runtime (one container or process) at `base_url`, e.g. `http://127.0.0.1:8080`.
 
@@ -416,8 +533,11 @@ class RuntimeClient:
         secret: str | None = None,
         alive: Callable[[], bool] | None = None,
         connections: RunConnections | None = None,
+        lane: DirectLane | None = None,
     ) -> None:
         self._session = session
+        #: the container's direct lane for /run (process backend), tried before HTTP
+        self._lane = lane
         #: keep-alive connections for /run (only for the project's own runtime, see `RunConnections`)
         self._connections = connections
         #: whether the container still runs: /init stops retrying a connection to one that died
@@ -440,8 +560,27 @@ class RuntimeClient:
         return await self._call("/init", payload, timeout_s, retry=True, mapping=init_outcome)
 
     async def run(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
-        """POST /run once (never retried: the action may have started)."""
+        """POST /run once (never retried: the action may have started) — on the direct lane where the
+        container has one open, else over HTTP."""
         return await self._call("/run", payload, timeout_s, retry=False, mapping=run_outcome)
+
+    async def _run_direct(self, lane: DirectLane, data: bytes, timeout_s: float) -> _Exchange | None:
+        """The run on the lane, as the proxy would have answered it; None: the lane was closed before the
+        request went out (nothing ran: the caller uses HTTP, where the proxy says what became of its worker)."""
+        start = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout_s):
+                kind, payload, length = await lane.request(data, limit=self._max_result_bytes)
+        except TimeoutError:
+            return _Exchange(None, b"", None, max(time.monotonic() - start, timeout_s))
+        except LaneClosed as closed:
+            if not closed.sent:
+                return None
+            # The worker died with the run in it: the proxy's answer to that over HTTP.
+            body = error_body(MSG_EXITED)
+            return _Exchange(400, body, len(body), time.monotonic() - start)
+        status, body = run_answer(kind, payload)
+        return _Exchange(status, body, length if kind is Kind.RESULT else len(body), time.monotonic() - start)
 
     async def _call(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool,
                     mapping: Callable[..., RuntimeOutcome]) -> RuntimeOutcome:
@@ -465,6 +604,10 @@ class RuntimeClient:
 
     async def _post(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool) -> _Exchange:
         data = payload if isinstance(payload, bytes) else encode_body(payload)
+        if self._lane is not None and path == "/run":
+            exchange = await self._run_direct(self._lane, data, timeout_s)
+            if exchange is not None:
+                return exchange
         if self._connections is not None and not retry:
             return await self._post_kept(path, data, timeout_s, self._connections)
         url = self._base_url + path

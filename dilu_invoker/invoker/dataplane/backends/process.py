@@ -30,6 +30,7 @@ from dilu_invoker.invoker.dataplane.backends.sandbox import (
     UidGroup,
     parse_uid_range,
 )
+from dilu_invoker.invoker.dataplane.runtime_client import DirectLane
 
 log = structlog.get_logger(__name__)
 
@@ -46,8 +47,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ProcessContainer:
     def __init__(self, backend: ProcessBackend, name: str, proc: asyncio.subprocess.Process, port: int,
-                 sandbox: Sandbox, secret: str) -> None:
+                 sandbox: Sandbox, secret: str, lane: DirectLane | None = None) -> None:
         self.name = name
+        #: /run straight to the initialised worker (docs/runtime.md, "The direct lane")
+        self.lane = lane
         self.url = f"http://127.0.0.1:{port}"
         self.port = port
         self.secret: str | None = secret
@@ -88,6 +91,8 @@ class ProcessContainer:
         if self._destroyed:
             return
         self._destroyed = True
+        if self.lane is not None:
+            self.lane.close()
         self._oom = self.sandbox.oom_killed(self._backend.sandboxes.cgroups)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)
@@ -129,8 +134,10 @@ class ProcessBackend:
     name = "process"
 
     def __init__(self, *, python: str | None = None, isolation: str = "auto", uid_range: str = "200000-200999",
-                 work_dir: str | None = None, hide: tuple[str, ...] = ()) -> None:
+                 work_dir: str | None = None, hide: tuple[str, ...] = (), direct_lane: bool = True) -> None:
         self._python = python or sys.executable
+        #: containers get a direct lane for /run (docs/runtime.md, "The direct lane")
+        self.direct_lane = direct_lane
         self._live: set[ProcessContainer] = set()
         self.sandboxes = Sandboxes(mode=isolation, uid_range=parse_uid_range(uid_range), work_dir=work_dir,
                                    hide=hide)
@@ -172,6 +179,8 @@ class ProcessBackend:
             # The invoker binds and listens, the runtime inherits the socket: probing for a free port and
             # binding it later let two containers started at once get the same port (one then exited).
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            # The direct lane: our end stays here, the other goes to the runtime, which hands it to its worker.
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 listener.bind(("127.0.0.1", 0))
                 listener.listen(128)
@@ -179,7 +188,7 @@ class ProcessBackend:
                 fd = listener.fileno()
                 proc = await asyncio.create_subprocess_exec(
                     *box.command([self._python, "-m", "dilu_invoker.actions.runtime", "--host", "127.0.0.1",
-                                  "--port", str(port), "--listen-fd", str(fd)]),
+                                  "--port", str(port), "--listen-fd", str(fd), "--direct-fd", str(theirs.fileno())]),
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
@@ -187,16 +196,28 @@ class ProcessBackend:
                     cwd=str(box.dir),
                     start_new_session=True,
                     preexec_fn=box.preexec(),
-                    pass_fds=(fd,),
+                    pass_fds=(fd, theirs.fileno()),
                     limit=1 << 20,
                 )
             except (OSError, subprocess.SubprocessError) as exc:
                 last_error = exc
+                ours.close()
                 continue
             finally:
-                listener.close()  # the runtime holds its own copy
+                listener.close()  # the runtime holds its own copies
+                theirs.close()
             box.leader = proc.pid
-            container = ProcessContainer(self, spec.name, proc, port, box, secret)
+            lane: DirectLane | None = None
+            if self.direct_lane:
+                try:
+                    lane = await DirectLane.open(ours)
+                except OSError as exc:
+                    log.warning("no direct lane to the runtime; /run goes over HTTP", container=spec.name,
+                                error=str(exc))
+                    ours.close()
+            else:
+                ours.close()
+            container = ProcessContainer(self, spec.name, proc, port, box, secret, lane)
             self._live.add(container)
             log.debug("process container started", container=spec.name, pid=proc.pid, port=port, uid=box.uid)
             return container
