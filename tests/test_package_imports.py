@@ -43,6 +43,9 @@ EXCEPTIONS: dict[str, set[str]] = {
     # pre-loading learns only modules of installed packages, by the same site-packages roots the worker
     # reports its imports against (stdlib-only framing module shared with the runtime)
     "invoker.dataplane.preload": {"dilu_invoker.actions._ipc"},
+    # the direct lane speaks the worker's own frames (kinds, header, the run answer and its error shape), so
+    # the invoker and the runtime cannot drift apart on the wire
+    "invoker.dataplane.runtime_client": {"dilu_invoker.actions._ipc"},
 }
 #: composition roots: they put everything together
 ROOTS = {"standalone", "cli", "__main__", "doctor", "banner"}
