@@ -264,6 +264,12 @@ The differences below each table split the overhead:
 * *sleeping*: `cpu-sleep` − `cpu-noop`, what the stack's processes pay for having slept while the function
   ran (their wake-ups on the way back: runtime proxy, standalone, client);
 * *GPU work*: `resnet50` − `cpu-sleep`, what is left once a function of the same length is accounted for.
+
+Runs 3 and 4 each ran in one call on one fresh H200 machine (`bench/h200_warm.sh`), alternating rounds of
+this tree and of commit 17a2a38 (the product before the warm-path work, with this bench script): the ratio
+between trees in one call is what counts, the machines are noisy. Run 3 is before the direct lane (a warm
+/run from the invoker straight to the initialised worker, docs/runtime.md); run 4 has it, and adds this
+tree with the lane off (`DILU_INVOKER_PROCESS_DIRECT_LANE=false`) in each round.
 """
 
 
@@ -295,6 +301,19 @@ def render_run(title: str, rows: dict[str, Any], cmd: str, machine: str) -> str:
     return "\n".join([*lines, "", *derived(rows)]) + "\n"
 
 
+def render_summary(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """One row per run: the overhead p50 of the no-op and ResNet-50 actions with each client, against the
+    issue's 2 ms target for a GPU action."""
+    cols = [(a, c) for a in ("cpu-noop", "resnet50") for c in ("aiohttp", "socket")]
+    lines = ["## Summary: overhead p50 (ms) per run", "",
+             "| run | " + " | ".join(f"{a} · {c}" for a, c in cols) + " |", "| --- " * (1 + len(cols)) + "|"]
+    for title, rows in runs:
+        cells = [f"{rows[row_name(a, c)]['overhead_p50_ms']:.2f}" if row_name(a, c) in rows else "—"
+                 for a, c in cols]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def machine_line() -> str:
     gpu = ""
     try:
@@ -323,12 +342,14 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="write docs/benchmarks/warm-path.md")
     args = ap.parse_args()
     if args.from_json:
-        sections = []
+        sections, runs = [], []
         for i, item in enumerate(args.from_json.split(",")):
             path, _, title = item.partition("=")
             r = json.loads(Path(path).read_text())
+            runs.append((title.split(" (")[0] or Path(path).name, r["summary"]))
             sections.append(render_run(f"Run {i + 1}: {title or Path(path).name}", r["summary"], r["command"],
                                        r.get("machine", "?")))
+        sections.insert(0, render_summary(runs))
     else:
         raw = asyncio.run(run(args))
         # the standalone inherits the environment: its DILU_* settings belong to the command

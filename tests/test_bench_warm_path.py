@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.warm_path import derived, render_run, summarize  # noqa: E402
+from bench.warm_path import derived, render_run, render_summary, summarize  # noqa: E402
 
 
 def _raw(client_ms: list[float], run_ms: list[float]) -> dict:
@@ -88,3 +88,13 @@ async def test_the_socket_client_keeps_its_connection_and_reads_exactly_each_ans
     assert second[0] == 502 and json.loads(second[1])["n"] == 2
     assert [(p, b) for p, b, _ in seen] == [("/a?x=1", {"v": 1}), ("/a", {"v": 2})]
     assert seen[0][2] == "Basic dTpr"  # base64("u:k")
+
+
+def test_the_summary_has_a_row_per_run_and_a_dash_where_a_run_lacks_an_action_or_a_client() -> None:
+    old = summarize({"cpu-noop": _raw([2.0, 2.2, 2.4], [0.0, 0.0, 0.0]),
+                     "resnet50": _raw([9.6, 9.8, 30.0], [7.0, 7.1, 7.2])})
+    new = summarize({"resnet50 · socket": _raw([8.0, 8.5, 9.0], [7.0, 7.1, 7.2])})
+    lines = render_summary([("old", old), ("new", new)]).splitlines()
+    assert lines[2] == "| run | cpu-noop · aiohttp | cpu-noop · socket | resnet50 · aiohttp | resnet50 · socket |"
+    assert lines[4] == "| old | 2.20 | — | 2.70 | — |"
+    assert lines[5] == "| new | — | — | — | 1.40 |"
