@@ -13,36 +13,18 @@ from dataclasses import replace
 import pytest
 from structlog.testing import capture_logs
 
-from dilu_invoker import config
 from dilu_invoker.invoker.dataplane.container import State, Transition
 from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
-from dilu_invoker.model import (
-    GUEST_IDENTITY,
-    Action,
-    ActionLimits,
-    ActivationRequest,
-    ActivationStatus,
-    Exec,
-    Parameter,
-    new_activation_id,
-)
+from dilu_invoker.model import Action, ActivationStatus, Exec, Parameter
+from tests.ow_support.invoker import activation as _req
+from tests.ow_support.invoker import config_with as _cfg
+from tests.ow_support.invoker import python_action
 
 ECHO = "def main(args):\n    print('hello', args.get('n'))\n    return {'n': args.get('n')}\n"
 
 
-def _cfg(**invoker: object) -> config.Config:
-    base = config.load(environ={})
-    return replace(base, invoker=replace(base.invoker, **invoker))  # type: ignore[arg-type]
-
-
-def _action(code: str = ECHO, *, name: str = "echo", kind: str = "python:3", **limits: int) -> Action:
-    return Action(namespace="guest", name=name, exec=Exec(kind=kind, code=code),
-                  limits=replace(ActionLimits(), **limits), revision=f"1-{abs(hash(code))}")
-
-
-def _req(action: Action, content: object = None, **kw: object) -> ActivationRequest:
-    return ActivationRequest(activation_id=new_activation_id(), action=action, identity=GUEST_IDENTITY,
-                             content=content, **kw)  # type: ignore[arg-type]
+def _action(code: str = ECHO, **kw: object) -> Action:
+    return python_action(code, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture

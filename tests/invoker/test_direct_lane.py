@@ -6,40 +6,22 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import pytest
 
-from dilu_invoker import config
 from dilu_invoker.actions._ipc import Kind, pack
 from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.invoker.dataplane.runtime_client import DirectLane, LaneClosed
-from dilu_invoker.model import (
-    GUEST_IDENTITY,
-    Action,
-    ActionLimits,
-    ActivationRequest,
-    ActivationStatus,
-    Exec,
-    new_activation_id,
-)
+from dilu_invoker.model import Action, ActivationStatus
+from tests.ow_support.invoker import activation as _req
+from tests.ow_support.invoker import config_with as _cfg
+from tests.ow_support.invoker import python_action
 
 ECHO = "def main(args):\n    print('run', args.get('n'))\n    return {'n': args.get('n')}\n"
 
 
-def _cfg(**invoker: object) -> config.Config:
-    base = config.load(environ={})
-    return replace(base, invoker=replace(base.invoker, **invoker))  # type: ignore[arg-type]
-
-
-def _action(code: str = ECHO, *, name: str = "echo") -> Action:
-    return Action(namespace="guest", name=name, exec=Exec(kind="python:3", code=code), limits=ActionLimits(),
-                  revision=f"1-{abs(hash(code))}")
-
-
-def _req(action: Action, content: object = None) -> ActivationRequest:
-    return ActivationRequest(activation_id=new_activation_id(), action=action, identity=GUEST_IDENTITY,
-                             content=content if content is not None else {})
+def _action(code: str = ECHO, **kw: object) -> Action:
+    return python_action(code, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -50,7 +32,8 @@ async def invoker() -> AsyncIterator[Invoker]:
 
 def _lane(inv: Invoker) -> DirectLane:
     (proxy,) = [p for p in inv.pool.containers.values() if p.container is not None]
-    lane = getattr(proxy.container, "lane", None)
+    assert proxy.container is not None
+    lane = proxy.container.lane
     assert isinstance(lane, DirectLane)
     return lane
 

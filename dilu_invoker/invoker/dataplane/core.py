@@ -616,7 +616,7 @@ class Invoker:
         client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
                                secret=proxy.container.secret,
                                connections=self._run_connections if proxy.spec.own_runtime else None,
-                               lane=getattr(proxy.container, "lane", None))
+                               lane=proxy.container.lane)
         value = req.content
         if isinstance(value, dict) and req.init_args:
             value = {k: v for k, v in value.items() if k not in req.init_args}

@@ -6,9 +6,12 @@ import asyncio
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
+
+if TYPE_CHECKING:
+    from dilu_invoker.invoker.dataplane.runtime_client import DirectLane
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +56,9 @@ class Container(Protocol):
     secret: str | None
     stdout: asyncio.StreamReader
     stderr: asyncio.StreamReader
+    #: warm /run straight to the initialised worker (the process backend; docs/runtime.md, "The direct
+    #: lane"); None: /run goes over the runtime's HTTP
+    lane: DirectLane | None
 
     @property
     def alive(self) -> bool: ...

@@ -20,7 +20,7 @@ import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import docker
 import docker.errors
@@ -28,6 +28,9 @@ import structlog
 from docker.types import DeviceRequest, Ulimit
 
 from dilu_invoker.invoker.dataplane.backends.base import BackendError, ContainerSpec, ImageError
+
+if TYPE_CHECKING:
+    from dilu_invoker.invoker.dataplane.runtime_client import DirectLane
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +44,8 @@ class DockerContainer:
         self.name = name
         self.url = url
         self.secret = secret
+        #: no direct lane into a docker container: /run goes over the runtime's HTTP
+        self.lane: DirectLane | None = None
         loop = asyncio.get_running_loop()
         self.stdout = asyncio.StreamReader(limit=1 << 20, loop=loop)
         self.stderr = asyncio.StreamReader(limit=1 << 20, loop=loop)
