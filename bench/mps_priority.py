@@ -123,6 +123,7 @@ def main() -> int:
                 row["infer"] = finish(inf)
             results["conditions"].append(row)
             print(json.dumps(row), flush=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))  # a clipped run keeps what it measured
     finally:
         subprocess.run([ctl], input="quit\n", env=base, text=True)
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -212,6 +212,10 @@ class GpuConfig:
                                   "(experiments; docs/policies.md §1)")
     mps: str = _opt("auto", "run GPU containers as MPS clients of a daemon the invoker starts per GPU: auto (where "
                             "nvidia-cuda-mps-control exists and the compute mode allows it), on, off (time-slicing)")
+    mps_best_effort_priority: bool = _opt(True, "MPS clients of best-effort instances (gpu-class training) "
+                                          "connect at below-normal priority, so that where both wait "
+                                          "the GPU runs latency-critical clients' kernels first (false: all "
+                                          "normal)")
     mps_control: str = _opt("nvidia-cuda-mps-control", "the MPS control binary (a name on PATH or a path)")
     mps_dir: str | None = _opt(None, "directory (0700) of the MPS pipe and log directories (default: DATA_DIR/mps)")
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 #: set in an MPS client's environment: the daemon's pipe directory, and the spatial cap it connects with
 MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 MPS_THREADS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+#: MPS client priority (read when the client makes its context): 0 normal, 1 below normal; where clients of
+#: both levels have work waiting, the GPU schedules the normal ones' kernels first
+MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+MPS_PRIORITY_BELOW_NORMAL = "1"
 
 
 @dataclass(frozen=True, slots=True)

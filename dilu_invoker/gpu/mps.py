@@ -34,6 +34,7 @@ from typing import Any
 import structlog
 
 from dilu_invoker.aiotasks import cancel_and_wait
+from dilu_invoker.gpu.attachment import MPS_PRIORITY_BELOW_NORMAL, MPS_PRIORITY_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -217,14 +218,17 @@ class MpsDaemon:
         else:
             log.info("MPS daemon stopped", gpu=self.gpu_index)
 
-    def client(self, limit: float, *, backend: str) -> MpsClientConfig:
-        pct = str(active_thread_percentage(limit))
+    def client(self, limit: float, *, backend: str, below_normal: bool = False) -> MpsClientConfig:
+        """What a client connects with: the pipe and log directories, its active-thread cap and, where
+        ``below_normal``, MPS's below-normal client priority (both fixed when it makes its context)."""
+        own = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(active_thread_percentage(limit))}
+        if below_normal:
+            own[MPS_PRIORITY_ENV] = MPS_PRIORITY_BELOW_NORMAL
         if backend == "docker":
-            env = {"CUDA_MPS_PIPE_DIRECTORY": CONTAINER_PIPE_DIR, "CUDA_MPS_LOG_DIRECTORY": CONTAINER_LOG_DIR,
-                   "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": pct}
+            env = {"CUDA_MPS_PIPE_DIRECTORY": CONTAINER_PIPE_DIR, "CUDA_MPS_LOG_DIRECTORY": CONTAINER_LOG_DIR, **own}
             mounts = ((str(self.pipe_dir), CONTAINER_PIPE_DIR, False), (str(self.log_dir), CONTAINER_LOG_DIR, False))
             return MpsClientConfig(env=env, mounts=mounts, ipc_host=True)
-        return MpsClientConfig(env={**self.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": pct})
+        return MpsClientConfig(env={**self.env, **own})
 
 
 class MpsMetrics:
@@ -266,8 +270,11 @@ class MpsSupervisor:
         metrics: MpsMetrics | None = None,
         separate_uids: str | None = None,
         shared_uid: bool = False,
+        best_effort_priority: bool = True,
     ) -> None:
         self.mode = mode
+        #: best-effort clients at MPS's below-normal priority (`--gpu-mps-best-effort-priority`)
+        self.best_effort_priority = best_effort_priority
         self.separate_uids = separate_uids
         self.shared_uid = shared_uid
         self.root = root
@@ -313,9 +320,13 @@ class MpsSupervisor:
         if self.daemons:
             self._task = asyncio.create_task(self._supervise(), name="mps-supervisor")
 
-    def client(self, index: int, limit: float, *, backend: str) -> MpsClientConfig | None:
+    def client(self, index: int, limit: float, *, backend: str, best_effort: bool = False) -> MpsClientConfig | None:
+        """The MPS client configuration of an instance on GPU ``index`` (None: the GPU time-slices); a
+        best-effort instance's client runs at below-normal priority unless ``best_effort_priority`` is off."""
         daemon = self.daemons.get(index)
-        return daemon.client(limit, backend=backend) if daemon is not None else None
+        if daemon is None:
+            return None
+        return daemon.client(limit, backend=backend, below_normal=best_effort and self.best_effort_priority)
 
     def enabled(self, index: int) -> bool:
         return index in self.daemons

@@ -273,7 +273,7 @@ class GpuNode:
                 mode=MpsMode.parse(g.mps), root=mps_root / f"invoker{cfg.invoker.id}",
                 gpus=tuple((d.index, d.uuid) for d in devices),
                 control=g.mps_control, compute_mode=compute_mode, metrics=MpsMetrics(registry),
-                separate_uids=separate, shared_uid=shared_uid)
+                separate_uids=separate, shared_uid=shared_uid, best_effort_priority=g.mps_best_effort_priority)
         return cls(
             node=f"invoker{cfg.invoker.id}", devices=devices, no_gpu_reason=reason, shm_dir=g.shm_dir, mps=mps,
             backend=backend, docker_gpu_mode=cfg.invoker.docker_gpu_mode, shim_library=g.shim_path,
@@ -600,11 +600,14 @@ class GpuNode:
         env: dict[str, str] = {"DILU_GPU_UUID": device.uuid}
         mounts: tuple[GpuMount, ...] = ()
         threads = spec.limit if mps_threads is None else mps_threads
-        client = self.mps.client(device.index, threads, backend=self.backend) if self.mps is not None else None
+        client = (self.mps.client(device.index, threads, backend=self.backend,
+                                  best_effort=not spec.cls.latency_critical)
+                  if self.mps is not None else None)
         if client is not None:
             # An MPS client of the GPU's daemon; its spatial cap (active threads) is what the policy chose for
-            # its start (`GpuManager.mps_threads`: its SM limit, a best-effort one lower under `slo`), fixed
-            # when it connects. The docker backend shares the host's IPC namespace for it.
+            # its start (`GpuManager.mps_threads`: its SM limit, a best-effort one lower under `slo`), and a
+            # best-effort one runs at below-normal priority; both fixed when it connects. The docker backend
+            # shares the host's IPC namespace for it.
             env.update(client.env)
             mounts += tuple(GpuMount(src, dst, ro) for src, dst, ro in client.mounts)
         devices: tuple[str, ...] = ()

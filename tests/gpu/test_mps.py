@@ -232,6 +232,46 @@ async def test_the_policy_chooses_each_clients_active_threads_at_start(tmp_path:
         await node.close()
 
 
+@pytest.mark.parametrize("on", [True, False], ids=["priority", "priority-off"])
+async def test_best_effort_clients_connect_below_normal_priority(tmp_path: Path, on: bool) -> None:
+    """A training instance's MPS client gets CUDA_MPS_CLIENT_PRIORITY=1 (below normal), so that where both
+    have kernels waiting the GPU runs the latency-critical client's first; an inference instance's gets none
+    (normal), and with `--gpu-mps-best-effort-priority false` neither does. A pre-loaded container's worker
+    makes its context after /init, so the priority travels in its init environment with the cap."""
+    from dilu_invoker.invoker.dataplane.core import _mps_cap
+
+    sup = MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE,
+                        check_every_s=3600, best_effort_priority=on)
+    node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend="process", mps=sup)
+    train = GpuNeeds(gpu_class=GpuClass.TRAINING, sm_request=0.2, sm_limit=0.7, memory_mb=1000)
+    await node.start()
+    try:
+        t = await node.attach("t1", "guest/train", train)
+        i = await node.attach("i1", "guest/infer", NEEDS)
+        assert t is not None and i is not None
+        assert t.env.get("CUDA_MPS_CLIENT_PRIORITY") == ("1" if on else None)
+        assert "CUDA_MPS_CLIENT_PRIORITY" not in i.env
+        assert _mps_cap(t) == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": t.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"],
+                               **({"CUDA_MPS_CLIENT_PRIORITY": "1"} if on else {})}
+        await node.detach("t1")  # room under γ for a second training instance
+        pre = await node.attach("pre", "preload:python:3-gpu",
+                                GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.01, sm_limit=0.05, memory_mb=1024))
+        assert pre is not None and "CUDA_MPS_CLIENT_PRIORITY" not in pre.env
+        assert await node.retarget("pre", "guest/train2", train, new_id="t2")
+        taken = node.attachment_of("t2")
+        assert taken is not None and taken.env.get("CUDA_MPS_CLIENT_PRIORITY") == ("1" if on else None)
+    finally:
+        await node.close()
+
+
+def test_a_docker_best_effort_client_carries_its_priority(tmp_path: Path) -> None:
+    from dilu_invoker.gpu.mps import MpsDaemon
+
+    daemon = MpsDaemon(gpu_index=0, gpu_uuid=GPU.uuid, directory=tmp_path / "gpu0", control=FAKE)
+    assert daemon.client(0.5, backend="docker", below_normal=True).env["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in daemon.client(0.5, backend="docker").env
+
+
 async def test_a_preloaded_mps_client_takes_the_functions_cap_and_a_running_one_keeps_its_own(tmp_path: Path) -> None:
     """An MPS client's cap is fixed with its CUDA context. A pre-loaded container makes none before /init
     (the pool tells it not to), so retargeting its placeholder gives it the function's cap; an instance

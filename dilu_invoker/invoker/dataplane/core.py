@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from dilu_invoker.config import Config
-from dilu_invoker.gpu.attachment import MPS_THREADS_ENV, GpuAttachment
+from dilu_invoker.gpu.attachment import MPS_PRIORITY_ENV, MPS_THREADS_ENV, GpuAttachment
 from dilu_invoker.gpu.load import InstanceLoad, KeyQueue
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN, InvokerOverloaded, never_ran_for
@@ -916,7 +916,8 @@ async def open_invoker(
 
 
 def _mps_cap(attachment: GpuAttachment | None) -> dict[str, str]:
-    """The MPS active-thread cap of a pre-loaded GPU container that was taken (empty when not an MPS client)."""
+    """The MPS active-thread cap and client priority of a pre-loaded GPU container that was taken (empty when
+    not an MPS client): its worker makes its CUDA context after /init, with these."""
     if attachment is None or not attachment.mps_client or MPS_THREADS_ENV not in attachment.env:
         return {}
-    return {MPS_THREADS_ENV: attachment.env[MPS_THREADS_ENV]}
+    return {k: attachment.env[k] for k in (MPS_THREADS_ENV, MPS_PRIORITY_ENV) if k in attachment.env}
