@@ -229,20 +229,25 @@ MPS_ON = ["--gpu-mps", "on"]
 """MPS with process isolation on, as the defaults run it: an MPS daemon serves one uid at a time, so the MPS
 clients of one GPU share a uid leased for it and PID and mount namespaces keep them apart (docs/invoker.md)."""
 TS = ["--gpu-mps", "off"]
+PLAIN_MPS = [*MPS_ON, "--no-gpu-mps-best-effort-priority"]
+"""MPS as a static split runs it: every client at normal priority (the product's default gives a best-effort
+client below-normal priority)."""
 ISOLATION_OFF = ("--invoker-process-isolation", "off")
 SHIM_ANN = {"infer": (0.5, 0.8), "train": (0.3, 0.7)}
 
 MODES: dict[str, dict[str, Any]] = {
     "noshim": {"flags": [*NO_SHIM, *TS], **SHIM_ANN, "what": "no shim, time-slicing (no control)", "baseline": True},
-    "mps50": {"flags": [*NO_SHIM, *MPS_ON], "infer": (0.5, 0.5), "train": (0.5, 0.5),
-              "what": "static MPS 50/50 (no shim; 50% active threads each)", "baseline": True},
-    "mps70": {"flags": [*NO_SHIM, *MPS_ON], "infer": (0.7, 0.7), "train": (0.3, 0.3),
+    "mps50": {"flags": [*NO_SHIM, *PLAIN_MPS], "infer": (0.5, 0.5), "train": (0.5, 0.5),
+              "what": "static MPS 50/50 (no shim; 50% active threads each, both at normal priority)", "baseline": True},
+    "mps70": {"flags": [*NO_SHIM, *PLAIN_MPS], "infer": (0.7, 0.7), "train": (0.3, 0.3),
               "what": "static MPS 70/30 (no shim; inference 70%, training 30% active threads)", "baseline": True},
     "static30": {"flags": ["--gpu-vertical-policy", "static", *TS], "infer": (0.5, 0.7), "train": (0.3, 0.3),
                  "what": "static shim shares 70/30 (policy static: each at its limit), time-slicing", "baseline": True},
     "shim": {"flags": [], **SHIM_ANN,
              "what": "the defaults: shim, --gpu-vertical-policy auto (spatial under MPS, rckm time-sliced), "
                      "--gpu-mps auto, isolation auto"},
+    "shim-noprio": {"flags": ["--no-gpu-mps-best-effort-priority"], **SHIM_ANN,
+                    "what": "the defaults with every MPS client at normal priority (no below-normal best-effort)"},
     "shim-mps": {"flags": ["--gpu-vertical-policy", "rckm", *MPS_ON], **SHIM_ANN,
                  "what": "shim + rckm policy, MPS (--gpu-mps on)"},
     "shim-ts": {"flags": ["--gpu-vertical-policy", "rckm", *TS], **SHIM_ANN,
