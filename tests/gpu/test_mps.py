@@ -206,7 +206,8 @@ async def test_the_policy_chooses_each_clients_active_threads_at_start(tmp_path:
                                                                        infer_pct: str) -> None:
     """`ShareDecision.mps_threads` applied where MPS can take it, at the container's start: under `slo` a
     best-effort client starts at `mps_best_effort_threads` (0.6 here, below its limit 0.7); a latency-critical
-    one, and every client under the other policies, at its SM limit."""
+    one, and every client under the other policies, at its SM limit. Under every policy a best-effort client
+    connects at below-normal priority."""
     from dilu_invoker.policy.vertical import VerticalConfig
     from dilu_invoker.policy.vertical_slo import SloConfig, StaticConfig
 
@@ -225,6 +226,8 @@ async def test_the_policy_chooses_each_clients_active_threads_at_start(tmp_path:
         assert t is not None and i is not None
         assert t.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == train_pct
         assert i.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == infer_pct
+        # best-effort clients at MPS's below-normal priority, latency-critical ones at normal (the default)
+        assert t.env["CUDA_MPS_CLIENT_PRIORITY"] == "1" and "CUDA_MPS_CLIENT_PRIORITY" not in i.env
         await node.detach("t1")
         s = await node.attach("t2", "guest/small", small)  # a limit below the cap stays the cap
         assert s is not None and s.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
@@ -233,33 +236,26 @@ async def test_the_policy_chooses_each_clients_active_threads_at_start(tmp_path:
 
 
 @pytest.mark.parametrize("on", [True, False], ids=["priority", "priority-off"])
-async def test_best_effort_clients_connect_below_normal_priority(tmp_path: Path, on: bool) -> None:
-    """A training instance's MPS client gets CUDA_MPS_CLIENT_PRIORITY=1 (below normal), so that where both
-    have kernels waiting the GPU runs the latency-critical client's first; an inference instance's gets none
-    (normal), and with `--gpu-mps-best-effort-priority false` neither does. A pre-loaded container's worker
-    makes its context after /init, so the priority travels in its init environment with the cap."""
+async def test_a_retargeted_preload_takes_the_functions_priority_unless_switched_off(tmp_path: Path, on: bool) -> None:
+    """A pre-loaded container's worker makes its context after /init, so a training function that takes it
+    gets below-normal priority with its cap (both travel in its init environment); with
+    `--no-gpu-mps-best-effort-priority` every client stays at normal priority."""
     from dilu_invoker.invoker.dataplane.core import _mps_cap
 
     sup = MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE,
                         check_every_s=3600, best_effort_priority=on)
     node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend="process", mps=sup)
-    train = GpuNeeds(gpu_class=GpuClass.TRAINING, sm_request=0.2, sm_limit=0.7, memory_mb=1000)
     await node.start()
     try:
-        t = await node.attach("t1", "guest/train", train)
-        i = await node.attach("i1", "guest/infer", NEEDS)
-        assert t is not None and i is not None
-        assert t.env.get("CUDA_MPS_CLIENT_PRIORITY") == ("1" if on else None)
-        assert "CUDA_MPS_CLIENT_PRIORITY" not in i.env
-        assert _mps_cap(t) == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": t.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"],
-                               **({"CUDA_MPS_CLIENT_PRIORITY": "1"} if on else {})}
-        await node.detach("t1")  # room under γ for a second training instance
         pre = await node.attach("pre", "preload:python:3-gpu",
                                 GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.01, sm_limit=0.05, memory_mb=1024))
         assert pre is not None and "CUDA_MPS_CLIENT_PRIORITY" not in pre.env
-        assert await node.retarget("pre", "guest/train2", train, new_id="t2")
-        taken = node.attachment_of("t2")
+        train = GpuNeeds(gpu_class=GpuClass.TRAINING, sm_request=0.2, sm_limit=0.7, memory_mb=1000)
+        assert await node.retarget("pre", "guest/train", train, new_id="t1")
+        taken = node.attachment_of("t1")
         assert taken is not None and taken.env.get("CUDA_MPS_CLIENT_PRIORITY") == ("1" if on else None)
+        assert _mps_cap(taken) == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70",
+                                   **({"CUDA_MPS_CLIENT_PRIORITY": "1"} if on else {})}
     finally:
         await node.close()
 
