@@ -14,7 +14,7 @@
 #                                               the defaults and baselines on the BERT pair, PLAN=6 the defaults
 #                                               beside noshim, mps50 and mps70 (ResNet pair), PLAN=7 the defaults
 #                                               with and without best-effort MPS priority beside noshim and
-#                                               mps50 (ResNet pair); the plan and its
+#                                               mps50 (ResNet pair), PLAN=8 the same without mps50; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -78,7 +78,9 @@ elif [ "$what" = matrix ]; then
        prio="resnet50+train:noshim,shim,mps50,mps70" ;;              # splits of issue 17 (50/50, 70/30)
     7) modes=noshim,shim,shim-noprio,mps50; pairs=resnet50+train; bert=""  # the defaults with and without
        prio="resnet50+train:noshim,shim,shim-noprio,mps50" ;;             # best-effort MPS priority
-    *) echo "PLAN is 1 to 7"; exit 2 ;;
+    8) modes=noshim,shim,shim-noprio; pairs=resnet50+train; bert=""  # PLAN 7 without mps50 (a short call)
+       prio="resnet50+train:noshim,shim,shim-noprio" ;;
+    *) echo "PLAN is 1 to 8"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
