@@ -29,7 +29,7 @@ INSTALL_COMMAND = ["npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund"]
 
 
 def install_pouchdb() -> str | None:
-    """Install pouchdb-server from ``node/package-lock.json`` if it is not there yet (about a minute the
+    """Install pouchdb-server from ``node/package-lock.json`` if it is not there yet (some ten seconds the
     first time); None when it is usable, else why not."""
     if POUCHDB_BIN.exists():
         return None
