@@ -5,7 +5,8 @@
     .venv/bin/python scripts/run_tests.py tests/x.py   # plain pytest on those arguments (`make test TESTS=…`)
 
 Most of the suite's wall time goes to a few tests that mostly wait: the Ansible converge, the soak, the
-product and vertical bench dry runs, the container tests. They run in the lane ``waiting`` (the files in
+product, vertical and shim bench dry runs, a cluster compaction, the container tests (measured with
+``--durations``, which each lane prints). They run in the lane ``waiting`` (the files in
 WAITING, by pytest's own paths); every other file runs in the lane ``rest`` (the same paths as
 ``--ignore``), so a new test file lands in ``rest`` without a change here. Every test that talks to
 podman is in ``waiting``: a docker-backend invoker removes the ``wsk{id}_`` containers it finds at start,
@@ -35,6 +36,8 @@ WAITING = (
     "tests/gpu/test_product_bench.py",
     "tests/gpu/test_vertical_bench.py",
     "tests/gpu/test_product_matrix.py",
+    "tests/cuda_shim/test_shim_bench.py",
+    "tests/loadbalancer/test_compaction_cluster.py",
     "tests/invoker/test_isolation.py",
     "tests/invoker/test_docker_backend.py",
     "tests/actions/test_image.py",
