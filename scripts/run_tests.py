@@ -11,7 +11,7 @@ WAITING, by pytest's own paths); every other file runs in the lane ``rest`` (the
 ``--ignore``), so a new test file lands in ``rest`` without a change here. Every test that talks to
 podman is in ``waiting``: a docker-backend invoker removes the ``wsk{id}_`` containers it finds at start,
 whoever made them. What the two lanes may still share is made safe where it is set up: the runtime
-image build and the npm installs take a file lock (tests/conftest.py, tests/ow_support/), ports are free
+image build and the npm installs take a file lock (tests/host_lock.py), ports are free
 ones, uids are leased host-wide.
 
 Each lane's output goes to a file and is printed whole once that lane ends, then one closing line sums
