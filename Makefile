@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# `make test TESTS=tests/test_cli.py` runs a part of the suite
+# `make test` runs the suite in two pytest processes side by side (scripts/run_tests.py);
+# `make test TESTS=tests/test_cli.py` runs plain pytest on a part of it
 TESTS ?=
 
 .PHONY: venv shim test lint clean
@@ -18,7 +19,9 @@ shim:
 	$(MAKE) -C cuda_shim
 
 test: venv shim
-	$(PY) -m pytest -q $(TESTS)
+	@# the shim's test programs too, before two pytest processes would both ask make for them
+	$(MAKE) -s -C cuda_shim tests
+	$(PY) scripts/run_tests.py $(TESTS)
 
 lint: venv
 	$(PY) -m ruff check dilu_invoker tests bench

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from dilu_invoker.redis_embedded import EmbeddedRedis, redis_client
+from tests.host_lock import host_lock
 
 # --------------------------------------------------------------------------------------------
 # Event-loop guard
@@ -170,7 +171,8 @@ def runtime_images() -> list[str]:
     reason = _can_run_containers()
     if reason:
         pytest.skip(reason)
-    built = subprocess.run([str(IMAGE_BUILD)], check=True, capture_output=True, text=True, timeout=900)
+    with host_lock("runtime-images"):  # one build at a time, whichever pytest process asks
+        built = subprocess.run([str(IMAGE_BUILD)], check=True, capture_output=True, text=True, timeout=900)
     return built.stdout.split()
 
 

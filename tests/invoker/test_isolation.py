@@ -25,7 +25,11 @@ from tests.invoker import isolation_actions as attacks
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="isolation needs root")]
 HOST_ULIMITS = "nofile=1024:1024,nproc=32768:32768"
-UID_RANGE = range(200000, 201000)
+# Uids and container names of this module's own: the checks below look for what is left of *these*
+# containers, and another invoker of the host (the other pytest process of `make test`) has the default
+# range and prefix.
+UID_RANGE = range(236000, 236100)
+CONTAINER_PREFIX = "wskiso"
 
 
 @dataclass
@@ -60,7 +64,8 @@ def _cfg(tmp_path: Path, backend: str, podman: str | None) -> config.Config:
     (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": "GPU-iso", "memory_mb": 16000}]))
     base = config.load(environ={})
     invoker = replace(base.invoker, backend=backend, process_work_dir=str(tmp_path / "work"), idle_timeout_s=60,
-                      pause_grace_s=30)
+                      pause_grace_s=30, container_prefix=CONTAINER_PREFIX,
+                      process_uid_range=f"{UID_RANGE.start}-{UID_RANGE.stop - 1}")
     if backend == "docker":
         invoker = replace(invoker, docker_url=podman, docker_ulimits=HOST_ULIMITS, docker_gpu_mode="devices")
     return replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0), invoker=invoker,
@@ -183,7 +188,8 @@ async def test_every_escape_is_denied_or_cleaned(product: Product) -> None:
     if p.podman:
         client = docker.DockerClient(base_url=p.podman)
         try:
-            assert not client.containers.list(all=True, filters={"label": "dilu.invoker"})
+            left = client.containers.list(all=True, filters={"label": "dilu.invoker"})
+            assert not [c.name for c in left if c.name.startswith(CONTAINER_PREFIX)]
         finally:
             client.close()
 

@@ -21,19 +21,24 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.host_lock import host_lock
+
 NODE_DIR = Path(__file__).parent / "node"
 POUCHDB_BIN = NODE_DIR / "node_modules" / ".bin" / "pouchdb-server"
-INSTALL_COMMAND = ["npm", "ci", "--no-audit", "--no-fund"]
+INSTALL_COMMAND = ["npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund"]
 
 
 def install_pouchdb() -> str | None:
-    """Install pouchdb-server from ``node/package-lock.json`` if it is not there yet (about a minute the
+    """Install pouchdb-server from ``node/package-lock.json`` if it is not there yet (some ten seconds the
     first time); None when it is usable, else why not."""
     if POUCHDB_BIN.exists():
         return None
     if shutil.which("npm") is None or shutil.which("node") is None:
         return "node and npm are not installed"
-    done = subprocess.run(INSTALL_COMMAND, cwd=NODE_DIR, capture_output=True, timeout=600, check=False)
+    with host_lock("pouchdb-install"):
+        if POUCHDB_BIN.exists():  # another pytest process installed it meanwhile
+            return None
+        done = subprocess.run(INSTALL_COMMAND, cwd=NODE_DIR, capture_output=True, timeout=600, check=False)
     if done.returncode != 0 or not POUCHDB_BIN.exists():
         return f"npm ci in {NODE_DIR} failed: {done.stdout.decode(errors='replace')[-2000:]}"
     return None

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
+
+from tests.host_lock import host_lock
 
 NPM_DIR = Path(__file__).resolve().parents[1] / "e2e" / "npm"
 
@@ -22,8 +25,14 @@ async def run_command(*argv: str, cwd: Path, env: dict[str, str] | None = None, 
 
 
 async def install_client() -> None:
-    if (NPM_DIR / "node_modules" / "openwhisk" / "package.json").exists():
+    installed = NPM_DIR / "node_modules" / "openwhisk" / "package.json"
+    if installed.exists():
         return
-    command = "ci" if (NPM_DIR / "package-lock.json").exists() else "install"
-    rc, out = await run_command("npm", command, "--no-audit", "--no-fund", cwd=NPM_DIR, timeout_s=300)
-    assert rc == 0, f"npm {command} failed:\n{out}"
+    async with contextlib.AsyncExitStack() as stack:
+        # The other pytest process of `make test` may be installing it too: one at a time.
+        await asyncio.to_thread(stack.enter_context, host_lock("npm-client-install"))
+        if installed.exists():
+            return
+        command = "ci" if (NPM_DIR / "package-lock.json").exists() else "install"
+        rc, out = await run_command("npm", command, "--no-audit", "--no-fund", cwd=NPM_DIR, timeout_s=300)
+        assert rc == 0, f"npm {command} failed:\n{out}"
