@@ -183,7 +183,9 @@ def podman_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if reason:
         pytest.skip(reason)
     sock = tmp_path_factory.mktemp("podman") / "api.sock"
-    proc = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"],
+    # In its own directory: conmon, the service's child per container, inherits the working directory and
+    # writes an `oom` marker file there when a container is OOM-killed.
+    proc = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"], cwd=sock.parent,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while not sock.exists() and time.monotonic() < deadline:
