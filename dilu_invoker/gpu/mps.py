@@ -311,7 +311,9 @@ class MpsSupervisor:
                 else:
                     shared = ("; isolated clients share one uid, kept apart by PID and mount namespaces"
                               if self.shared_uid else "")
-                    decision = MpsDecision(True, f"{decision.reason}; {what}{shared}")
+                    priority = ("; best-effort clients at below-normal priority" if self.best_effort_priority
+                                else "; every client at normal priority")
+                    decision = MpsDecision(True, f"{decision.reason}; {what}{shared}{priority}")
                     self.daemons[index] = daemon
             self.decisions[index] = decision
             self.metrics.mode(index, uuid, decision)

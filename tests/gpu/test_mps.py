@@ -247,6 +247,9 @@ async def test_a_retargeted_preload_takes_the_functions_priority_unless_switched
     node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend="process", mps=sup)
     await node.start()
     try:
+        # the GPU's mode says it (the `GPU sharing mode` log line and dilu_gpu_mps_enabled's reason)
+        said = "best-effort clients at below-normal priority" if on else "every client at normal priority"
+        assert sup.decisions[0].enabled and said in sup.decisions[0].reason
         pre = await node.attach("pre", "preload:python:3-gpu",
                                 GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.01, sm_limit=0.05, memory_mb=1024))
         assert pre is not None and "CUDA_MPS_CLIENT_PRIORITY" not in pre.env
