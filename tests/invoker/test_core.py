@@ -7,7 +7,6 @@ import base64
 import io
 import time
 import zipfile
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
@@ -16,21 +15,10 @@ from structlog.testing import capture_logs
 from dilu_invoker.invoker.dataplane.container import State, Transition
 from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.model import Action, ActivationStatus, Exec, Parameter
+from tests.ow_support.invoker import ECHO
 from tests.ow_support.invoker import activation as _req
 from tests.ow_support.invoker import config_with as _cfg
-from tests.ow_support.invoker import python_action
-
-ECHO = "def main(args):\n    print('hello', args.get('n'))\n    return {'n': args.get('n')}\n"
-
-
-def _action(code: str = ECHO, **kw: object) -> Action:
-    return python_action(code, **kw)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-async def invoker() -> AsyncIterator[Invoker]:
-    async with open_invoker(_cfg(user_memory_mb=1024, idle_timeout_s=60)) as inv:
-        yield inv
+from tests.ow_support.invoker import python_action as _action
 
 
 def _transitions(inv: Invoker) -> list[Transition]:

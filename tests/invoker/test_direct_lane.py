@@ -5,29 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
 
 import pytest
 
 from dilu_invoker.actions._ipc import Kind, pack
 from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
 from dilu_invoker.invoker.dataplane.runtime_client import DirectLane, LaneClosed
-from dilu_invoker.model import Action, ActivationStatus
+from dilu_invoker.model import ActivationStatus
 from tests.ow_support.invoker import activation as _req
 from tests.ow_support.invoker import config_with as _cfg
-from tests.ow_support.invoker import python_action
-
-ECHO = "def main(args):\n    print('run', args.get('n'))\n    return {'n': args.get('n')}\n"
-
-
-def _action(code: str = ECHO, **kw: object) -> Action:
-    return python_action(code, **kw)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-async def invoker() -> AsyncIterator[Invoker]:
-    async with open_invoker(_cfg(user_memory_mb=1024, idle_timeout_s=60)) as inv:
-        yield inv
+from tests.ow_support.invoker import python_action as _action
 
 
 def _lane(inv: Invoker) -> DirectLane:
@@ -45,7 +32,7 @@ async def test_warm_runs_take_the_lane_and_answer_as_over_http(invoker: Invoker)
     for n in (2, 3):
         got = await invoker.run(_req(action, {"n": n}))
         assert got.response.status is ActivationStatus.SUCCESS and got.response.result == {"n": n}
-        assert [line.split(" stdout: ")[1] for line in got.logs] == [f"run {n}"]
+        assert [line.split(" stdout: ")[1] for line in got.logs] == [f"hello {n}"]
     assert first.response.result == {"n": 1} and lane.runs == 3
 
 

@@ -8,6 +8,9 @@ from dataclasses import replace
 from dilu_invoker import config
 from dilu_invoker.model import GUEST_IDENTITY, Action, ActionLimits, ActivationRequest, Exec, new_activation_id
 
+#: prints and returns its parameter ``n``
+ECHO = "def main(args):\n    print('hello', args.get('n'))\n    return {'n': args.get('n')}\n"
+
 
 def config_with(**invoker: object) -> config.Config:
     """The defaults (no environment) with these ``invoker`` settings."""
@@ -15,7 +18,7 @@ def config_with(**invoker: object) -> config.Config:
     return replace(base, invoker=replace(base.invoker, **invoker))  # type: ignore[arg-type]
 
 
-def python_action(code: str, *, name: str = "echo", kind: str = "python:3", **limits: int) -> Action:
+def python_action(code: str = ECHO, *, name: str = "echo", kind: str = "python:3", **limits: int) -> Action:
     """An action in the guest namespace whose revision follows its code (a new code: a new container)."""
     return Action(namespace="guest", name=name, exec=Exec(kind=kind, code=code),
                   limits=replace(ActionLimits(), **limits), revision=f"1-{abs(hash(code))}")
