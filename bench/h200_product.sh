@@ -14,7 +14,8 @@
 #                                               the defaults and baselines on the BERT pair, PLAN=6 the defaults
 #                                               beside noshim, mps50 and mps70 (ResNet pair), PLAN=7 the defaults
 #                                               with and without best-effort MPS priority beside noshim and
-#                                               mps50 (ResNet pair), PLAN=8 the same without mps50; the plan and its
+#                                               mps50 (ResNet pair), PLAN=8 the same without mps50, PLAN=9 PLAN 7's
+#                                               modes on the BERT pair; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -80,7 +81,9 @@ elif [ "$what" = matrix ]; then
        prio="resnet50+train:noshim,shim,shim-noprio,mps50" ;;             # best-effort MPS priority
     8) modes=noshim,shim,shim-noprio; pairs=resnet50+train; bert=""  # PLAN 7 without mps50 (a short call)
        prio="resnet50+train:noshim,shim,shim-noprio" ;;
-    *) echo "PLAN is 1 to 8"; exit 2 ;;
+    9) modes=noshim,shim,shim-noprio,mps50; pairs=bert+train; bert=noshim,shim,shim-noprio,mps50  # PLAN 7 on
+       prio="bert+train:noshim,shim,shim-noprio,mps50" ;;                                            # the BERT pair
+    *) echo "PLAN is 1 to 9"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
