@@ -81,8 +81,8 @@ elif [ "$what" = matrix ]; then
        prio="resnet50+train:noshim,shim,shim-noprio,mps50" ;;             # best-effort MPS priority
     8) modes=noshim,shim,shim-noprio; pairs=resnet50+train; bert=""  # PLAN 7 without mps50 (a short call)
        prio="resnet50+train:noshim,shim,shim-noprio" ;;
-    9) modes=noshim,shim,shim-noprio,mps50; pairs=bert+train; bert=noshim,shim,shim-noprio,mps50  # PLAN 7 on
-       prio="bert+train:noshim,shim,shim-noprio,mps50" ;;                                            # the BERT pair
+    9) modes=noshim,shim,shim-noprio,mps50; pairs=bert+train; bert=""  # PLAN 7 on
+       prio="bert+train:noshim,shim,shim-noprio,mps50" ;;  # the BERT pair
     *) echo "PLAN is 1 to 9"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
