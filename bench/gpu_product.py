@@ -15,7 +15,9 @@ splits 50/50 and inference 70 / training 30 active threads, no shim), ``static30
 ``spatial`` (the shim loaded but no token caps; MPS thread caps fixed at each client's start, MPS on).
 Controllers: ``shim`` (the defaults as they are: ``--gpu-vertical-policy auto``, ``--gpu-mps auto``, process
 isolation auto — on an MPS-capable GPU that is MPS and so ``spatial``; where auto picks time-slicing, rckm),
-``shim-mps`` / ``shim-ts`` (rckm under MPS / time-slicing), ``slo`` / ``slo-ts`` (the SLO controller under MPS /
+``shim-lc50`` (the defaults with ``--gpu-vertical-spatial-lc-threads 0.5``: latency-critical MPS caps at
+max(request, 0.5), where training's cap starts), ``shim-noprio`` (the defaults without the best-effort MPS
+priority), ``shim-mps`` / ``shim-ts`` (rckm under MPS / time-slicing), ``slo`` / ``slo-ts`` (the SLO controller under MPS /
 time-slicing). MPS modes pass ``--gpu-mps on`` with isolation on, as the defaults run: the MPS clients of a
 GPU share a uid, kept apart by namespaces. Every cell records what the invoker actually ran
 (``effective``: MPS or not and why, the policy, the shim) from its log and /metrics. Actions declare
@@ -246,6 +248,9 @@ MODES: dict[str, dict[str, Any]] = {
     "shim": {"flags": [], **SHIM_ANN,
              "what": "the defaults: shim, --gpu-vertical-policy auto (spatial under MPS, rckm time-sliced), "
                      "--gpu-mps auto, isolation auto"},
+    "shim-lc50": {"flags": ["--gpu-vertical-spatial-lc-threads", "0.5"], **SHIM_ANN,
+                  "what": "the defaults with latency-critical MPS caps at max(request, 0.5): inference 50%, "
+                          "training 50% of the SMs (the caps meet instead of overlapping)"},
     "shim-noprio": {"flags": ["--no-gpu-mps-best-effort-priority"], **SHIM_ANN,
                     "what": "the defaults with every MPS client at normal priority (no below-normal best-effort)"},
     "shim-mps": {"flags": ["--gpu-vertical-policy", "rckm", *MPS_ON], **SHIM_ANN,
@@ -602,8 +607,10 @@ def print_plan(args: argparse.Namespace, keep: list[tuple[int, str, str, float]]
 
 def effective_mode(log_text: str, trace: list[tuple[float, str, str, float]]) -> dict[str, Any]:
     """What the invoker actually ran, from its log: the sharing mode (MPS or time-slicing) and why, the vertical
-    policy, and whether the shim was loaded."""
-    out: dict[str, Any] = {"mps": None, "mps_reason": None, "policy": None, "shim": None, "gpu_attached": 0}
+    policy, whether the shim was loaded, and the MPS active-thread fraction each class's instances started with
+    (``mps_threads``: class → the values logged by "instance added")."""
+    out: dict[str, Any] = {"mps": None, "mps_reason": None, "policy": None, "shim": None, "gpu_attached": 0,
+                           "mps_threads": {}}
     for line in log_text.splitlines():
         try:
             rec = json.loads(line)
@@ -620,6 +627,8 @@ def effective_mode(log_text: str, trace: list[tuple[float, str, str, float]]) ->
             out["policy"] = rec.get("policy")
         elif event == "GPU attached":
             out["gpu_attached"] += 1
+        elif event == "instance added" and rec.get("mps_threads") is not None:
+            out["mps_threads"].setdefault(str(rec.get("cls")), []).append(rec["mps_threads"])
         elif "shim" in event.lower() and ("not found" in event.lower() or "without" in event.lower()):
             out["shim"] = False
     for _t, metric, who, v in trace:
@@ -854,7 +863,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         brief = {k: (cell["scenarios"][k].get("p99_ms"), cell["scenarios"][k].get("train_vs_ref"))
                  for k in cell["scenarios"]}
         eff = cell["effective"]
-        print(f"   {cell['wall_s']} s; effective: mps={eff['mps']} policy={eff['policy']} shim={eff['shim']}; solo p50 "
+        print(f"   {cell['wall_s']} s; effective: mps={eff['mps']} policy={eff['policy']} shim={eff['shim']} "
+              f"threads={eff.get('mps_threads')}; solo p50 "
               f"{cell['solo']['p50_ms']} p99 {cell['solo']['p99_ms']} ms, train {cell['solo_train_it_s']} it/s, "
               f"cold {cell['cold_start_ms']}; (p99 ms, training/ref) {brief}", flush=True)
         if args.out:  # progressively: a run cut short keeps every finished cell

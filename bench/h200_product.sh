@@ -15,7 +15,9 @@
 #                                               beside noshim, mps50 and mps70 (ResNet pair), PLAN=7 the defaults
 #                                               with and without best-effort MPS priority beside noshim and
 #                                               mps50 (ResNet pair), PLAN=8 the same without mps50, PLAN=9 PLAN 7's
-#                                               modes on the BERT pair; the plan and its
+#                                               modes on the BERT pair, PLAN=10 the defaults beside
+#                                               shim-lc50 (latency-critical caps at 0.5), noshim and mps50
+#                                               (ResNet pair), PLAN=11 the same on the BERT pair; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -83,7 +85,11 @@ elif [ "$what" = matrix ]; then
        prio="resnet50+train:noshim,shim,shim-noprio" ;;
     9) modes=noshim,shim,shim-noprio,mps50; pairs=bert+train; bert=""  # PLAN 7 on
        prio="bert+train:noshim,shim,shim-noprio,mps50" ;;  # the BERT pair
-    *) echo "PLAN is 1 to 9"; exit 2 ;;
+    10) modes=noshim,shim,shim-lc50,mps50; pairs=resnet50+train; bert=""  # the defaults beside latency-
+        prio="resnet50+train:noshim,shim,shim-lc50,mps50" ;;               # critical caps that meet training's
+    11) modes=noshim,shim,shim-lc50,mps50; pairs=bert+train; bert=""  # PLAN 10 on the BERT pair
+        prio="bert+train:noshim,shim,shim-lc50,mps50" ;;
+    *) echo "PLAN is 1 to 11"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \

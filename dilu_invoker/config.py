@@ -208,6 +208,9 @@ class GpuConfig:
     vertical_spatial_lc_reserve: float = _opt(0.5, "spatial policy: fraction of the SMs a best-effort MPS client's "
                                               "cap leaves to latency-critical instances (at least the sum of "
                                               "their SM requests on the GPU at its start)")
+    vertical_spatial_lc_threads: float = _opt(1.0, "spatial policy: the largest fraction of the SMs a "
+                                              "latency-critical MPS client's cap takes beyond its SM request "
+                                              "(min(limit, max(request, this)); 1.0: its limit)")
     vertical_rckm: str = _opt("", "rckm policy: overrides of its VerticalConfig fields, key=value,… "
                                   "(experiments; docs/policies.md §1)")
     mps: str = _opt("auto", "run GPU containers as MPS clients of a daemon the invoker starts per GPU: auto (where "
@@ -251,7 +254,8 @@ class GpuConfig:
             return StaticConfig()
         if self.vertical_policy in ("auto", "spatial"):
             return PerGpuVertical(name=self.vertical_policy,
-                                  mps=SpatialConfig(lc_reserve=self.vertical_spatial_lc_reserve),
+                                  mps=SpatialConfig(lc_reserve=self.vertical_spatial_lc_reserve,
+                                                    lc_threads=self.vertical_spatial_lc_threads),
                                   time_sliced=VerticalConfig.parse(self.vertical_rckm))
         raise ValueError(f"--gpu-vertical-policy must be one of {', '.join(GPU_VERTICAL_POLICIES)}, "
                          f"not {self.vertical_policy!r}")

@@ -59,8 +59,11 @@ def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
                           environ={"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=0.8"}).gpu.vertical()
     assert spatial == PerGpuVertical(name="spatial", mps=SpatialConfig(lc_reserve=0.3),
                                      time_sliced=VerticalConfig(busy_ceiling=0.8))
-    reserve = config.load(environ={"DILU_GPU_VERTICAL_SPATIAL_LC_RESERVE": "0.25"}).gpu.vertical()
-    assert reserve.mps == SpatialConfig(lc_reserve=0.25)
+    reserve = config.load(environ={"DILU_GPU_VERTICAL_SPATIAL_LC_RESERVE": "0.25",
+                                   "DILU_GPU_VERTICAL_SPATIAL_LC_THREADS": "0.6"}).gpu.vertical()
+    assert reserve.mps == SpatialConfig(lc_reserve=0.25, lc_threads=0.6)
+    flag = cli.build_parser().parse_args(["invoker", "--gpu-vertical-spatial-lc-threads", "0.5"])
+    assert config.load(flag, environ={}).gpu.vertical().mps == SpatialConfig(lc_threads=0.5)
     assert config.load(environ={"DILU_GPU_VERTICAL_POLICY": "rckm"}).gpu.vertical() == VerticalConfig()
     env = {"DILU_GPU_VERTICAL_POLICY": "slo", "DILU_GPU_VERTICAL_DEADBAND": "0.2", "DILU_GPU_VERTICAL_DWELL_S": "0.3"}
     args = cli.build_parser().parse_args(["invoker", "--gpu-vertical-decrease", "0.5",
@@ -79,12 +82,13 @@ def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
     [
         ({"DILU_GPU_VERTICAL_POLICY": "pid"}, "--gpu-vertical-policy must be one of auto, rckm, slo, static, spatial"),
         ({"DILU_GPU_VERTICAL_SPATIAL_LC_RESERVE": "1.5"}, "lc_reserve must be in"),
+        ({"DILU_GPU_VERTICAL_SPATIAL_LC_THREADS": "0"}, "lc_threads must be in"),
         ({"DILU_GPU_VERTICAL_POLICY": "slo", "DILU_GPU_VERTICAL_DECREASE": "1.5"}, "decrease must be in"),
         ({"DILU_GPU_VERTICAL_RCKM": "no_such_knob=1"}, "no_such_knob"),
         ({"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=lots"}, "busy_ceiling"),
         ({"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=1.5"}, "busy_ceiling must be within"),
     ],
-    ids=["unknown-policy", "spatial-reserve-out-of-range", "slo-knob-out-of-range", "unknown-rckm-field", "rckm-not-a-number", "rckm-invalid"],
+    ids=["unknown-policy", "spatial-reserve-out-of-range", "spatial-lc-threads-zero", "slo-knob-out-of-range", "unknown-rckm-field", "rckm-not-a-number", "rckm-invalid"],
 )
 def test_invalid_vertical_settings_fail_at_start_up(environ: dict[str, str], message: str) -> None:
     with pytest.raises(config.ConfigError, match=message):

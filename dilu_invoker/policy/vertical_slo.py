@@ -627,10 +627,19 @@ class SpatialConfig:
     at least Σ the SM requests of those on the GPU when it starts, this much when fewer (room for those that
     arrive later, since an MPS client's cap cannot change while it runs)."""
 
+    lc_threads: float = 1.0
+    """Fraction of the SMs, (0, 1]: the largest cap a latency-critical client starts with beyond its own SM
+    request, min(limit, max(request, lc_threads)). 1.0: its limit. At `lc_reserve` the latency-critical and
+    best-effort caps meet instead of overlapping (inference 0.5 / 0.8 and training 0.3 / 0.7 at 0.5: 50% and
+    50% of the SMs, against 80% and 50% at 1.0)."""
+
     def __post_init__(self) -> None:
         v = self.lc_reserve
         if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0):
             raise ValueError(f"lc_reserve must be in [0, 1], got {v!r}")
+        t = self.lc_threads
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and 0.0 < t <= 1.0):
+            raise ValueError(f"lc_threads must be in (0, 1], got {t!r}")
 
     @property
     def idle_after_s(self) -> float:
@@ -639,11 +648,12 @@ class SpatialConfig:
 
 def spatial_threads(cls: InstanceClass, limit: float, *, request: float, lc_requests: float,
                     config: SpatialConfig) -> float:
-    """An MPS client's active-thread fraction under `spatial`: a latency-critical instance gets its SM limit;
-    a best-effort one min(limit, max(request, 1 − reserve)), reserve = max(`lc_requests`, `lc_reserve`): the
-    SMs latency-critical work needs stay out of its reach, never below its own request. Within [0.01, 1]."""
+    """An MPS client's active-thread fraction under `spatial`: a latency-critical instance gets
+    min(limit, max(request, `lc_threads`)), its SM limit by default; a best-effort one min(limit, max(request,
+    1 − reserve)), reserve = max(`lc_requests`, `lc_reserve`): the SMs latency-critical work needs stay out of
+    its reach, never below its own request. Within [0.01, 1]."""
     if cls.latency_critical:
-        cap = limit
+        cap = min(limit, max(request, config.lc_threads))
     else:
         reserve = max(lc_requests, config.lc_reserve)
         cap = min(limit, max(request, 1.0 - reserve))

@@ -43,6 +43,8 @@ def test_dry_run_writes_every_mode_and_scenario(tmp_path: Path) -> None:
     # What the invoker ran, from its log: the simulated GPU's shim and manager under the selected policy.
     assert doc["cells"][0]["effective"]["shim"] is False
     assert doc["cells"][1]["effective"]["policy"] == "slo" and doc["cells"][1]["effective"]["shim"] is True
+    # Each class's start cap as the manager logged it: time-sliced, every client at its limit.
+    assert doc["cells"][1]["effective"]["mps_threads"] == {"inference": [0.8], "training": [0.7]}
     shim = doc["cells"][1]["scenarios"]
     assert {"share@0.5", "share@0.8", "share@1"} <= set(shim)
     assert shim["share@0.5"]["p50_vs_unlimited"] is not None

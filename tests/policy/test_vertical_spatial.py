@@ -39,8 +39,14 @@ LC, BE = InstanceClass.INFERENCE, InstanceClass.TRAINING
     (BE, 0.2, 1.0, 0.0, SpatialConfig(lc_reserve=0.0), 1.0),  # no reserve: the whole GPU up to its limit
     (BE, 0.2, 1.0, 0.25, SpatialConfig(lc_reserve=0.0), 0.75),
     (BE, 0.0, 0.9, 1.0, CFG, 0.01),  # MPS takes 1% at least
+    (LC, 0.5, 0.8, 0.0, SpatialConfig(lc_threads=0.5), 0.5),  # capped where the best-effort cap starts
+    (LC, 0.3, 0.8, 0.0, SpatialConfig(lc_threads=0.5), 0.5),
+    (LC, 0.6, 0.8, 0.0, SpatialConfig(lc_threads=0.5), 0.6),  # ... never below its own request
+    (LC, 0.1, 0.4, 0.0, SpatialConfig(lc_threads=0.5), 0.4),  # ... nor above its limit
+    (BE, 0.3, 0.7, 0.0, SpatialConfig(lc_threads=0.5), 0.5),  # best-effort caps do not depend on it
 ], ids=["lc-alone", "lc-beside-lc", "be-alone", "be-small-lc", "be-large-lc", "be-own-request", "be-own-limit",
-        "no-reserve", "no-reserve-lc", "floor"])
+        "no-reserve", "no-reserve-lc", "floor", "lc-threads", "lc-threads-small-request", "lc-threads-own-request",
+        "lc-threads-own-limit", "lc-threads-be"])
 def test_spatial_threads(cls: InstanceClass, req: float, limit: float, lc_requests: float, config: SpatialConfig,
                          threads: float) -> None:
     assert spatial_threads(cls, limit, request=req, lc_requests=lc_requests, config=config) == threads
@@ -52,6 +58,9 @@ def test_the_reserve_is_a_fraction() -> None:
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="lc_reserve"):
             SpatialConfig(lc_reserve=bad)
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="lc_threads"):
+            SpatialConfig(lc_threads=bad)
 
 
 def test_only_spatial_leaves_launches_ungated() -> None:
