@@ -17,7 +17,10 @@
 #                                               mps50 (ResNet pair), PLAN=8 the same without mps50, PLAN=9 PLAN 7's
 #                                               modes on the BERT pair, PLAN=10 the defaults beside
 #                                               shim-lc50 (latency-critical caps at 0.5), noshim and mps50
-#                                               (ResNet pair), PLAN=11 the same on the BERT pair; the plan and its
+#                                               (ResNet pair), PLAN=11 the same on the BERT pair, PLAN=12 issue 13's
+#                                               paced cell alone (solo and paced 50%; the defaults, noshim, mps50)
+#                                               with SECONDS_PER=6 windows, so that the p99s are not a window's
+#                                               last few requests; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -63,7 +66,7 @@ elif [ "$what" = matrix ]; then
   # three loads, bursty (a modulated Poisson process) at 70%, the 5x burst, idle; 3 trials.
   budget=${BUDGET_S:-$(( 540 - ( $(date +%s) - start ) ))}
   [ "$budget" -gt 500 ] && budget=500
-  besides=paced@0.5,poisson@0.3,poisson@0.5,poisson@0.7,bursty@0.7,burst
+  besides=paced@0.5,poisson@0.3,poisson@0.5,poisson@0.7,bursty@0.7,burst; scen=cold,solo,idle
   pairs=resnet50+train,bert+train; slo_ms=0
   case "${3:-1}" in
     1) modes=noshim,static30,slo-ts,mps50,slo; bert=noshim,slo-ts,static30
@@ -89,12 +92,14 @@ elif [ "$what" = matrix ]; then
         prio="resnet50+train:noshim,shim,shim-lc50,mps50" ;;               # critical caps that meet training's
     11) modes=noshim,shim,shim-lc50,mps50; pairs=bert+train; bert=""  # PLAN 10 on the BERT pair
         prio="bert+train:noshim,shim,shim-lc50,mps50" ;;
-    *) echo "PLAN is 1 to 11"; exit 2 ;;
+    12) modes=noshim,shim,mps50; pairs=resnet50+train; bert=""; besides=paced@0.5; scen=cold,solo
+        prio="resnet50+train:noshim,shim,mps50" ;;  # the paced cell alone, long windows (SECONDS_PER=6)
+    *) echo "PLAN is 1 to 12"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
     --pairs "$pairs" ${bert:+--pair-modes "bert+train=$bert"} --priority "$prio" \
-    --besides "$besides" --slo-ms "$slo_ms" --scenarios cold,solo,idle --seconds "${SECONDS_PER:-1.5}" --trials "${TRIALS:-3}" \
+    --besides "$besides" --slo-ms "$slo_ms" --scenarios "$scen" --seconds "${SECONDS_PER:-1.5}" --trials "${TRIALS:-3}" \
     --budget-s "$budget" --deadline-s "$budget" --isolation-fallback --out "$out/$name.json" --report "$out/$name.md" \
     --matrix "$out/gpu-product-matrix.md" 2>&1 | grep -v '^|' | tail -60
 fi
