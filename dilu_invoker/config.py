@@ -185,7 +185,8 @@ class GpuConfig:
         None, "TESTING ONLY: a JSON file describing GPUs instead of NVML (control plane on machines without GPUs)",
         flag="--gpu-inventory")
     manager_period_ms: int = _opt(50, "period of the per-GPU vertical manager")
-    gamma: float = _opt(1.5, "oversubscription bound of SM limits per GPU (sum of limits <= gamma)")
+    gamma: float = _opt(math.inf, "bound of the SM limits per GPU (sum of limits <= gamma); default inf: none, "
+                                  "placement admits by request and a limit is a ceiling, not a reservation")
     shm_dir: str = _opt("/dev/shm/dilu", "directory of the per-instance control and stats blocks")
     shim_path: str | None = _opt(None, "libdilu_shim.so (default: the built one)")
     reservation_ttl_s: float = _opt(30.0, "lease of a GPU budget reservation; renewed while the instance lives")

@@ -10,11 +10,11 @@ Keyspace (msgpack values; documented in docs/redis-keyspace.md)::
     {prefix}node:{node}:gpus    set    uuids of the GPUs a node registered
 
 A reservation is admitted only if, counting every unexpired reservation of the GPU,
-``Σ request ≤ omega`` (1.0), ``Σ limit ≤ gamma`` (1.5) and ``Σ memory ≤ capacity``. The check and the write
-are one Lua script, so two concurrent placements can never oversubscribe a GPU. Reservations carry a lease
-(``expires_ms``, from Redis's own clock) that the owning invoker renews; a dead invoker's reservations
-expire and are dropped by the next script that looks at that GPU. :meth:`GpuBudgets.reconcile` lets a
-restarted invoker make Redis agree with the containers that really run.
+``Σ request ≤ omega`` (1.0), ``Σ limit ≤ gamma`` (``--gpu-gamma``; by default +inf, no bound) and
+``Σ memory ≤ capacity``. The check and the write are one Lua script, so two concurrent placements can never
+oversubscribe a GPU. Reservations carry a lease (``expires_ms``, from Redis's own clock) that the owning
+invoker renews; a dead invoker's reservations expire and are dropped by the next script that looks at that GPU.
+:meth:`GpuBudgets.reconcile` lets a restarted invoker make Redis agree with the containers that really run.
 
 Shared weights count once. A reservation may declare that ``weights_mb`` of its ``memory_mb`` are read-only
 weights shared by every instance of its ``group`` on the GPU (one function revision started by one invoker,
@@ -38,6 +38,7 @@ before the field existed) is not kept.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, cast
@@ -211,7 +212,7 @@ class GpuCapacity:
     name: str
     memory_mb: int
     sm_count: int
-    gamma: float = 1.5
+    gamma: float = math.inf  # no Σ-limit bound (PlacementConfig.gamma)
     omega: float = 1.0
 
 

@@ -151,7 +151,7 @@ class GpuNode:
         docker_gpu_mode: str = "device-requests",
         shim_library: Path | str | None = None,
         budgets: GpuBudgets | None = None,
-        gamma: float = 1.5,
+        gamma: float = math.inf,
         omega: float = 1.0,
         reservation_ttl_s: float = 30.0,
         sync_period_s: float | None = None,

@@ -449,6 +449,14 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
     whole = need.split_mib
     if whole is None or free < min(placement.min_part_mib, whole):
         return False
+    if (
+        free >= whole
+        and g.used_request + need.split_request <= placement.omega + EPS
+        and g.used_limit + need.split_limit <= placement.gamma + EPS
+        and cluster.ordinals[g.ref] not in need.avoid
+    ):
+        # The whole instance placed anew on `g` alone (a piece's instance may go to any node so).
+        return True
     # A piece takes the instance's request and limit in proportion to its memory: what each lit
     # GPU of the node can hold is bounded by its free memory and by its request and limit room.
     per_request = whole / need.split_request if need.split_request > 0 else math.inf
@@ -839,7 +847,7 @@ def compaction_plan(
 
 
 def _strategy_filters(placement: PlacementConfig) -> tuple[Filter, ...]:
-    return tuple(FILTERS[name] for name in placement.strategy_spec().filters)
+    return placement.filters()
 
 
 def _lit_fits(

@@ -607,8 +607,11 @@ class PlacementConfig:
     strategy: str = "dilu"
     omega: float = 1.0
     """ω: Σ request per GPU may reach ω·1. Dilu's 1: requests are guarantees."""
-    gamma: float = 1.5
-    """γ: Σ limit per GPU may reach γ·1. Dilu's 1.5: limits oversubscribed by 50%."""
+    gamma: float = math.inf
+    """γ: Σ limit per GPU may reach γ·1. The default, no bound: placement admits by request (ω) and memory,
+    and a limit is the ceiling the vertical policy may grant from idle neighbours' share, not a
+    reservation (docs/policies.md §2). A finite γ (Dilu's 1.5) keeps the `sm-limit` filter: headroom
+    for bursts reserved at placement, paid for in GPUs lit."""
     sm_weight: float = 0.6
     """Weight of SM fragmentation in the fragmentation scorer (Dilu's 0.6)."""
     memory_weight: float = 0.4
@@ -634,7 +637,7 @@ class PlacementConfig:
         get_strategy(self.strategy)
         if not (math.isfinite(self.omega) and 0 < self.omega):
             raise ValueError(f"omega must be > 0, got {self.omega!r}")
-        if not (math.isfinite(self.gamma) and self.gamma >= self.omega):
+        if not self.gamma >= self.omega:  # NaN fails too; +inf is "no bound"
             raise ValueError(
                 f"gamma must be >= omega ({self.omega}), got {self.gamma!r}"
             )
@@ -659,6 +662,14 @@ class PlacementConfig:
 
     def strategy_spec(self) -> Strategy:
         return get_strategy(self.strategy)
+
+    def filters(self) -> tuple[Filter, ...]:
+        """The strategy's filters, in order; without `sm-limit` when γ is unbounded (it would pass every
+        GPU, and the scans' limit indexes are then not needed)."""
+        names = self.strategy_spec().filters
+        if math.isinf(self.gamma):
+            names = tuple(n for n in names if n != "sm-limit")
+        return tuple(FILTERS[name] for name in names)
 
     def scorer_weights(self) -> tuple[tuple[Scorer, float], ...]:
         pairs = (
@@ -1091,7 +1102,7 @@ def place(
     if request.weights_mib:
         return _place_weights(cluster, request, config)
     strategy = config.strategy_spec()
-    filters = tuple(FILTERS[name] for name in strategy.filters)
+    filters = config.filters()
     scorers = config.scorer_weights()
     if request.gpus > 1:
         return _place_gang(cluster, request, config, strategy, filters, scorers)
@@ -1125,7 +1136,7 @@ def _sharing_tier(
     if not request.weights_mib:
         return None, ""
     strategy = config.strategy_spec()
-    filters = tuple(FILTERS[name] for name in strategy.filters)
+    filters = config.filters()
     scorers = config.scorer_weights()
     rejects = _Rejects()
     ranked: list[_Ranked] = []
@@ -1172,8 +1183,7 @@ def lit_fits(
     """Up to `limit` lit GPUs that pass every filter for a one-GPU `request`, whole (no split, no
     scoring): the cheap necessary condition of a lit-only `place` of an instance that may not
     split. Fewer than `limit` means these are all there are."""
-    strategy = config.strategy_spec()
-    filters = tuple(FILTERS[name] for name in strategy.filters)
+    filters = config.filters()
     return tuple(cluster.refs[o] for o in _scan_lit(cluster, filters, request, config, limit, _NO_REJECTS))
 
 
@@ -1187,7 +1197,7 @@ def split_fits(cluster: ClusterSnapshot, request: PlacementRequest, config: Plac
     strategy = config.strategy_spec()
     if not strategy.splits:
         return False
-    filters = tuple(FILTERS[name] for name in strategy.filters)
+    filters = config.filters()
     total = request.memory_mib
     if total <= 0:
         return False

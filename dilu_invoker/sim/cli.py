@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output directory (default out/placement)")
     p.add_argument("--gpus", type=_positive(int), default=None, help="cluster size (default: enough for the trace)")
     p.add_argument("--gpus-per-node", type=_positive(int), default=4)
-    p.add_argument("--gamma", type=_positive(float), default=1.5, help="dilu's Σ-limit oversubscription γ")
+    p.add_argument("--gamma", type=_positive(float), default=math.inf,
+                   help="dilu's Σ-limit bound γ per GPU (default: none, admission by request; Dilu's 1.5 reserves "
+                        "burst headroom)")
     p.add_argument(
         "--llm-split-parts",
         type=_positive(int),
@@ -137,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dilu's vertical share policy: rckm (cycle ratios), slo (the SLO controller, docs/policies.md) "
                         "or static (every instance at its limit)")
     s.add_argument("--sample-every", type=_positive(float), default=60.0, help="time-series resolution (s)")
-    s.add_argument("--gamma", type=_positive(float), default=1.5, help="dilu's Σ-limit oversubscription γ")
+    s.add_argument("--gamma", type=_positive(float), default=math.inf,
+                   help="dilu's Σ-limit bound γ per GPU (default: none, admission by request; Dilu's 1.5 reserves "
+                        "burst headroom)")
     s.add_argument("--placement-strategy", default=None, metavar="STRATEGY",
                    help="what-if: place with this strategy (e.g. infless-r) instead of the policy's own, at --gamma; "
                         "shares still run the policy's way (docs/simulator.md)")

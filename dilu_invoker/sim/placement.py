@@ -78,7 +78,8 @@ class PlacementSimConfig:
     """Cluster size; None: enough for the trace (Σ gpus of the live instances at their peak,
     plus room for gangs, rounded up to whole nodes)."""
     gpus_per_node: int = 4
-    gamma: float = 1.5
+    gamma: float = math.inf
+    """dilu's Σ-limit bound γ per GPU; the default, none: admission by request (PlacementConfig.gamma)."""
     llm_split_parts: int = 4
     """dilu may split an LLM's memory over up to this many GPUs of one node (Dilu's artifact);
     1 turns splitting off. Baselines never split."""
@@ -380,7 +381,7 @@ def simulate_placement(
         "cluster_gpus": len(cluster),
         "gpus_per_node": config.gpus_per_node,
         "gpu_memory_gib": config.gpu_memory_gib,
-        "gamma": config.gamma,
+        "gamma": config.gamma if math.isfinite(config.gamma) else None,  # None: no Σ-limit bound (JSON has no inf)
         "span_s": span,
         "gpus_mean": round(mean_lit, 3),
         "lower_bound_peak": peak_bound,

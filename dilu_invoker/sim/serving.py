@@ -148,7 +148,8 @@ class ServingSimConfig:
     vertical_period_s: float = 0.5
     sample_every_s: float = 60.0
     seed: int = 1
-    gamma: float = 1.5
+    gamma: float = math.inf
+    """dilu's Σ-limit bound γ per GPU; the default, none: admission by request (PlacementConfig.gamma)."""
     tgs_opportunistic_share: float = 0.05
     tgs_production_slowdown: float = 0.03
     horizontal: HorizontalConfig = field(default_factory=HorizontalConfig)

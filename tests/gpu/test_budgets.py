@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -15,9 +16,12 @@ def _res(name: str, request: float = 0.1, limit: float = 0.2, memory: int = 1000
 
 
 @pytest.fixture
-async def budgets(redis):
+async def budgets(redis, request):
+    """A GPU with Dilu's Σ limit ≤ 1.5, or the bound a test names (`gamma` parameter)."""
+    gamma = request.node.callspec.params.get("gamma", 1.5) if hasattr(request.node, "callspec") else 1.5
     b = GpuBudgets(redis, prefix="t:")
-    await b.register_gpu(UUID, GpuCapacity(node="0", index=0, name="Test", memory_mb=80_000, sm_count=132))
+    await b.register_gpu(UUID, GpuCapacity(node="0", index=0, name="Test", memory_mb=80_000, sm_count=132,
+                                           gamma=gamma))
     return b
 
 
@@ -46,6 +50,18 @@ async def test_admission_rules(budgets: GpuBudgets, first: Reservation, second: 
     result = await budgets.reserve(UUID, second, ttl_s=30)
     assert result.ok is ok
     assert reason in result.reason
+
+
+@pytest.mark.parametrize("gamma", [math.inf])
+async def test_without_a_limit_bound_requests_and_memory_admit(budgets: GpuBudgets, gamma: float) -> None:
+    # The default capacity (no Σ-limit bound) travels through msgpack and the Lua script as +inf.
+    assert GpuCapacity(node="0", index=0, name="x", memory_mb=1, sm_count=1).gamma == gamma
+    budget = await budgets.get(UUID)
+    assert budget is not None and budget.capacity.gamma == gamma
+    for n in range(4):  # Σ limit 4.0, Σ request 0.8
+        assert (await budgets.reserve(UUID, _res(f"i{n}", 0.2, 1.0), ttl_s=30)).ok
+    result = await budgets.reserve(UUID, _res("over", 0.3, 1.0), ttl_s=30)
+    assert not result.ok and "SM requests" in result.reason
 
 
 async def test_reservation_expires_unless_renewed(budgets: GpuBudgets) -> None:

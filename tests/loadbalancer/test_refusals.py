@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,13 +23,13 @@ CODE = "def main(a):\n    return {'ok': True}\n"
 BROKEN = "def main(a):\n    return {'ok': True}\nraise RuntimeError('model weights missing')\n"
 
 
-def _cfg(tmp_path: Path, *, user_memory_mb: int = 4096) -> config.Config:
+def _cfg(tmp_path: Path, *, user_memory_mb: int = 4096, gamma: float = math.inf) -> config.Config:
     (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": "GPU-r", "memory_mb": 16000, "name": "Test"}]))
     base = config.load(environ={})
     # route_wait_s stays long: a refusal must come from the reason, not from the wait running out.
     return replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
                    invoker=replace(base.invoker, user_memory_mb=user_memory_mb),
-                   gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json"), mps="off"),
+                   gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json"), mps="off", gamma=gamma),
                    balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0,
                                     route_wait_s=60.0))
 
@@ -59,7 +60,8 @@ async def _activation(http: aiohttp.ClientSession, api: str, aid: str) -> Any:
 
 
 async def test_sum_of_limits_above_gamma_is_refused_at_once_with_the_numbers(tmp_path: Path) -> None:
-    async with run_standalone(_cfg(tmp_path)) as running, _session() as http:
+    # An operator's Σ-limit bound (`--gpu-gamma 1.5`; the default has none).
+    async with run_standalone(_cfg(tmp_path, gamma=1.5)) as running, _session() as http:
         api = running.api_url
         for name in ("a", "b"):
             status, _ = await _put(http, api, name, gpu_sm_request=0.4, gpu_sm_limit=1.0)
@@ -76,6 +78,25 @@ async def test_sum_of_limits_above_gamma_is_refused_at_once_with_the_numbers(tmp
         assert waited < 10, waited
         stored = await _activation(http, api, body["activationId"])
         assert stored["response"]["result"]["error"] == error
+
+
+async def test_sum_of_requests_above_one_is_refused_at_once_and_limits_alone_are_not(tmp_path: Path) -> None:
+    async with run_standalone(_cfg(tmp_path)) as running, _session() as http:
+        api = running.api_url
+        # Without a Σ-limit bound (the default) two limits of 1.0 share the GPU: requests 0.4 + 0.4 fit.
+        for name in ("a", "b"):
+            status, _ = await _put(http, api, name, gpu_sm_request=0.4, gpu_sm_limit=1.0)
+            assert status == 200
+            status, body, _ = await _invoke(http, api, name)
+            assert status == 200 and body["response"]["result"] == {"ok": True}, body
+        # A third request of 0.4 would reach Σ request 1.2 > ω 1: refused with the numbers.
+        status, _ = await _put(http, api, "c", gpu_sm_request=0.4, gpu_sm_limit=1.0)
+        assert status == 200
+        status, body, waited = await _invoke(http, api, "c")
+        assert status == 500, body
+        error = body["response"]["result"]["error"]
+        assert error.startswith("The action cannot run: ") and "Σ request 0.80 + 0.40 > ω 1.00" in error, error
+        assert waited < 10, waited
 
 
 async def test_pinned_instances_do_not_starve_another_function_of_user_memory(tmp_path: Path) -> None:

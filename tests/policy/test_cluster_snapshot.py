@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -216,9 +218,10 @@ def test_incremental_index_equals_fresh_build(
         )
 
 
-def test_placements_through_the_policy_keep_the_index_consistent() -> None:
+@pytest.mark.parametrize("gamma", [1.5, math.inf], ids=["gamma-1.5", "no-limit-bound"])
+def test_placements_through_the_policy_keep_the_index_consistent(gamma: float) -> None:
     c = ClusterSnapshot.uniform(invokers=4, gpus_per_invoker=2, memory_mib=40 * GIB)
-    config = PlacementConfig()
+    config = PlacementConfig(gamma=gamma)
     for i in range(20):
         r = PlacementRequest(
             instance_id=f"i{i}",
@@ -238,6 +241,6 @@ def test_placements_through_the_policy_keep_the_index_consistent() -> None:
     for g in c.gpus:
         assert (
             g.used_request <= 1.0 + 1e-9
-            and g.used_limit <= 1.5 + 1e-9
+            and g.used_limit <= gamma + 1e-9
             and g.used_memory <= g.memory_mib
         )

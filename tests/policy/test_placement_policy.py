@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -33,6 +34,8 @@ from dilu_invoker.policy import (
 GIB = 1024.0
 INF, LLM, TRAIN = InstanceClass.INFERENCE, InstanceClass.LLM, InstanceClass.TRAINING
 DILU = PlacementConfig()
+DILU_15 = PlacementConfig(gamma=1.5)
+"""Dilu's own Σ limit ≤ 1.5 (the default has no Σ-limit bound)."""
 
 
 def placed(
@@ -175,7 +178,7 @@ FILTER_CASES = {
 
 @pytest.mark.parametrize("case", FILTER_CASES.values(), ids=FILTER_CASES.keys())
 def test_filter(case: FilterCase) -> None:
-    result = FILTERS[case.filter].check(case.gpu, case.request, DILU)
+    result = FILTERS[case.filter].check(case.gpu, case.request, DILU_15)
     assert result.ok is case.ok
     assert result.status is (
         FilterStatus.SUCCESS if case.ok else FilterStatus.UNSCHEDULABLE
@@ -190,7 +193,7 @@ def test_filter_bounds_never_skip_a_passing_gpu() -> None:
     for name, f in FILTERS.items():
         if f.bound is None:
             continue
-        bound = f.bound(request, DILU)
+        bound = f.bound(request, DILU_15)
         for used in [x / 100 for x in range(151)]:
             g = gpu(
                 "a",
@@ -198,7 +201,7 @@ def test_filter_bounds_never_skip_a_passing_gpu() -> None:
                 placed("x", min(used, 1.0), min(1.0, used)),
                 placed("y", max(0.0, used - 1.0), max(0.0, used - 1.0)),
             )
-            if f.passes(g, request, DILU):
+            if f.passes(g, request, DILU_15):
                 assert g.used_request <= bound + 1e-9, (name, used)
 
 
@@ -362,6 +365,17 @@ PLACE_CASES = {
         ),
         req(request=0.3, limit=0.5),
         (B0,),
+        config=DILU_15,
+    ),
+    # The same GPUs without a Σ-limit bound (the default): a/0's Σ limit 1.8 is no obstacle, its request
+    # room is, and the fuller GPU wins.
+    "dilu-default-admits-by-request": PlaceCase(
+        (
+            gpu("a", 0, placed("x", 0.3, 1.0), placed("y", 0.1, 0.3)),
+            gpu("b", 0, placed("z", 0.2, 0.3)),
+        ),
+        req(request=0.3, limit=0.5),
+        (A0,),
     ),
     "dilu-memory-pushes-elsewhere": PlaceCase(
         (
@@ -454,6 +468,7 @@ class NoRoomCase:
     request: PlacementRequest
     rejected_by: set[str]
     strategy: str = "dilu"
+    gamma: float = math.inf
 
 
 NO_ROOM_CASES = {
@@ -464,6 +479,15 @@ NO_ROOM_CASES = {
         ),
         req(),
         {"sm-request", "sm-limit"},
+        gamma=1.5,
+    ),
+    "everything-full-by-request": NoRoomCase(
+        (
+            gpu("a", 0, placed("x", 0.9, 1.0)),
+            gpu("a", 1, placed("y", 0.5, 0.7), placed("z", 0.5, 0.7)),
+        ),
+        req(),
+        {"sm-request"},
     ),
     "too-big-for-any-gpu": NoRoomCase((gpu("a", 0),), req(mem_gib=41), {"memory"}),
     "exclusive-with-every-gpu-taken": NoRoomCase(
@@ -490,7 +514,7 @@ NO_ROOM_CASES = {
 @pytest.mark.parametrize("case", NO_ROOM_CASES.values(), ids=NO_ROOM_CASES.keys())
 def test_no_room(case: NoRoomCase) -> None:
     d = place(
-        cluster(*case.gpus), case.request, PlacementConfig(strategy=case.strategy)
+        cluster(*case.gpus), case.request, PlacementConfig(strategy=case.strategy, gamma=case.gamma)
     )
     assert not d.placed and d.gpus == () and d.invoker is None
     assert d.reason.startswith("no GPU fits new")

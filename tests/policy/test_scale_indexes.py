@@ -155,7 +155,9 @@ def test_no_fit_entries_that_a_changed_gpu_may_satisfy_are_dropped() -> None:
     dark = GpuState(ref=b0, memory_mib=40 * GIB)
     assert _still_no_fit(entries, [dark], DILU) == list(entries)
     busy = b.with_instances(b.instances + (inst("g", 0.1, 1.0, 1.0, INF),))
-    assert _still_no_fit(entries, [busy], DILU) == list(entries)
+    assert _still_no_fit(entries, [busy], PlacementConfig(gamma=1.5)) == list(entries)
+    # Without a Σ-limit bound (the default) the same GPU may take the 10 GiB request.
+    assert [e.request.instance_id for e in _still_no_fit(entries, [busy], DILU)] == ["q30"]
 
 
 def test_memory_of_no_fit_keeps_compaction_equal_to_a_stateless_run() -> None:

@@ -143,7 +143,9 @@ def test_serving_what_if_placement_and_sizing_flags(tmp_path: Path, capsys: pyte
     assert main(["gen", "serving", "--pattern", "poisson", "--functions", "8", "--duration", "120", "--rate", "8",
                  "--profiles", str(SYNTHETIC_PROFILES), "--out", str(trace)]) == 0
     runs = {}
-    for name, extra in (("plain", []), ("by-request", ["--placement-strategy", "infless-r", "--capacity-share", "request"])):
+    for name, extra in (("plain", ["--gamma", "1.5"]),
+                        ("by-request", ["--gamma", "1.5", "--placement-strategy", "infless-r", "--capacity-share", "request"]),
+                        ("default", [])):
         out = tmp_path / name
         assert main(["serving", "--trace", str(trace), "--profiles", str(SYNTHETIC_PROFILES), "--policy", "dilu",
                      "--gpus", "4", "--out", str(out), "--quiet", "--no-plots", *extra]) == 0
@@ -151,6 +153,8 @@ def test_serving_what_if_placement_and_sizing_flags(tmp_path: Path, capsys: pyte
     # Eight instances at request 0.1 / limit 0.3 (synthetic resnet50, bert 0.4): Σ limit ≤ 1.5 needs two GPUs,
     # Σ request ≤ 1 one.
     assert runs["by-request"]["gpus_peak"] < runs["plain"]["gpus_peak"]
+    # The default has no Σ-limit bound: it admits by request, as the what-if does.
+    assert runs["default"]["gpus_peak"] == runs["by-request"]["gpus_peak"]
     details = json.loads((tmp_path / "by-request" / "details.json").read_text())
     assert details["placement_strategy"] == "infless-r" and details["packing"]["request_per_lit_gpu"] <= 1.0
     rc = main(["serving", "--trace", str(trace), "--profiles", str(SYNTHETIC_PROFILES), "--policy", "dilu",

@@ -207,7 +207,7 @@ def six_functions() -> ServingTrace:
 
 def test_packing_names_the_limit_when_sigma_limit_lights_the_second_gpu(synthetic_profiles: ProfileSet) -> None:
     # Six instances at request 0.1, limit 0.3: Σ limit ≤ 1.5 holds five per GPU, Σ request ≤ 1 ten.
-    r = simulate_serving(six_functions(), synthetic_profiles, cfg("dilu"))
+    r = simulate_serving(six_functions(), synthetic_profiles, cfg("dilu", gamma=1.5))
     pk = r.details["packing"]
     assert r.summary["gpus_peak"] == 2
     assert pk["lit_by"] == {"none-lit": 1, "sm-limit-bound": 1}
@@ -219,7 +219,8 @@ def test_packing_names_the_limit_when_sigma_limit_lights_the_second_gpu(syntheti
 def test_a_larger_gamma_or_a_request_placement_packs_the_six_on_one_gpu(synthetic_profiles: ProfileSet) -> None:
     from dilu_invoker.policy import PlacementConfig
 
-    for c in (cfg("dilu", gamma=2.0), cfg("dilu", placement=PlacementConfig(strategy="infless-r")), cfg("mps-static")):
+    for c in (cfg("dilu"), cfg("dilu", gamma=2.0), cfg("dilu", placement=PlacementConfig(strategy="infless-r")),
+              cfg("mps-static")):
         r = simulate_serving(six_functions(), synthetic_profiles, c)
         assert r.summary["gpus_peak"] == 1, c
         assert r.details["packing"]["lit_by"] == {"none-lit": 1}

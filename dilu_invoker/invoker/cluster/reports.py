@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -88,7 +89,7 @@ class Reporter:
         gpu_view: GpuView | None = None,
         period_s: float = 1.0,
         ttl_s: float = 3.0,
-        gamma: float = 1.5,
+        gamma: float = math.inf,
     ) -> None:
         self.redis = agent.redis
         self.keys = agent.keys
