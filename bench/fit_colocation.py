@@ -500,15 +500,17 @@ def _serving_md(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[str]
         "(`examples/profiles.json`: resnet50 request 0.2 / limit 0.7, bert-base 0.1 / 0.5, train-resnet50 0.5 / 1.0) "
         f"at the fitted κ {kappa:g}, each trace truncated to its first "
         + ", ".join(f"{t[0]}: {t[3] / 60:g} min on {t[2]} GPUs" for t in result["traces"])
-        + f" (docs/evaluation.md's tables are the full hour and day at the old κ 0.1), arrival seeds "
+        + f" (docs/evaluation.md's tables are the full hour and day, with the shipped admission), arrival seeds "
         f"{', '.join(str(x) for x in seeds)} (a trace fixes the counts per bin, the seed draws the arrival times "
         f"within them). {len(rows)} runs, {result['jobs']} worker processes, "
         f"{result.get('serving_wall_s', 0) / 60:.0f} min. Training runs at the same κ as inference here (the fit's "
         "training κ ≈ 0 would raise every sharing policy's training figure alike; `--interference-training`). Variants:",
         "",
-        "- `dilu`: the shipped policy (placement `dilu`: Σ request ≤ 1, Σ limit ≤ γ = 1.5, memory, then lit GPUs first, "
-        "fragmentation, complementarity, spread; the rckm vertical policy; horizontal sizing at the limit).",
-        "- `dilu γ N`: the same with Σ limit ≤ N (the `--gpu-gamma` default).",
+        "- `dilu`: Dilu's admission, the shipped default when this comparison was made (placement `dilu`: Σ request ≤ 1, "
+        "Σ limit ≤ γ = 1.5, memory, then lit GPUs first, fragmentation, complementarity, spread; the rckm vertical "
+        "policy; horizontal sizing at the limit). Since then the default admits by request (`--gpu-gamma` inf, "
+        "docs/policies.md §2 \"Admission by request\"): what the `dilu γ 6` and `dilu on infless-r` rows do here.",
+        "- `dilu γ N`: the same with Σ limit ≤ N (`--gpu-gamma`).",
         "- `dilu limit gain G`: limits from the profiler's own rule replayed over the measured points with a larger "
         "`limit_gain` (the limit stops where throughput grows less than G per step; 0.1 is the default), γ 1.5: "
         "limit gain 0.3 gives resnet50 0.3, bert-base 0.4; 0.5 gives 0.2 and 0.2 (the request); training keeps 1.0.",
@@ -726,9 +728,9 @@ def _verdict(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[str]:
         + (f"`{WHAT_IF}` meets the target on every trace here ({', '.join(f'{t} {ratio(t, WHAT_IF):.2f}×' for t in traces)}; "
            f"{beside(WHAT_IF)})." if both.get(WHAT_IF) else
            f"`{WHAT_IF}` does not meet it on every seed ({', '.join(f'{t} {ratio(t, WHAT_IF):.2f}×' for t in traces)}).")
-        + " The placement code is not changed here (`dilu_invoker/policy/placement.py`): in the model the γ default "
-        "already gives it; in the code the cleaner form is the `dilu` strategy without its `sm-limit` filter (Σ request ≤ ω "
-        "and memory), the limit kept as the vertical policy's ceiling.",
+        + " Adopted: the `dilu` strategy now runs without its `sm-limit` filter by default (Σ request ≤ ω and memory; "
+        "`PlacementConfig.gamma` and `--gpu-gamma` default to inf), the limit kept as the vertical policy's ceiling; "
+        "docs/evaluation.md runs the full traces with it at the fitted κ.",
         "",
         "Limits: "
         + (f"here the reservation matters: the sharing variants' violations run from {lo_v[0]:.2f}% (`{lo_v[1]}`) to "
