@@ -20,7 +20,9 @@
 #                                               (ResNet pair), PLAN=11 the same on the BERT pair, PLAN=12 issue 13's
 #                                               paced cell alone (solo and paced 50%; the defaults, noshim, mps50)
 #                                               with SECONDS_PER=6 windows, so that the p99s are not a window's
-#                                               last few requests; the plan and its
+#                                               last few requests, PLAN=13 latency-critical caps at 0.5 (shim-lc50)
+#                                               beside noshim and mps50 on both pairs, then the defaults on BERT as
+#                                               the budget allows (TRIALS=2); the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -94,7 +96,9 @@ elif [ "$what" = matrix ]; then
         prio="bert+train:noshim,shim,shim-lc50,mps50" ;;
     12) modes=noshim,shim,mps50; pairs=resnet50+train; bert=""; besides=paced@0.5; scen=cold,solo
         prio="resnet50+train:noshim,shim,mps50" ;;  # the paced cell alone, long windows (SECONDS_PER=6)
-    *) echo "PLAN is 1 to 12"; exit 2 ;;
+    13) modes=noshim,shim,shim-lc50,mps50; bert=""  # shim-lc50 against the strongest static split, both pairs
+        prio="resnet50+train:noshim,shim-lc50;bert+train:noshim,shim-lc50;resnet50+train:mps50;bert+train:mps50;bert+train:shim;resnet50+train:shim" ;;
+    *) echo "PLAN is 1 to 13"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
