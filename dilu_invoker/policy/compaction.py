@@ -64,6 +64,10 @@ class CompactionConfig:
     arrivals and later calls use the room it merges. 0: none (the live default)."""
     merge_sources: int = 16
     """How many GPUs with lost SM room one merging move looks at, those with the most first."""
+    merge_source_instances: int = 2
+    """While a call merges, it empties only GPUs with at most this many instances (and at most
+    `source_max_instances`): a fuller GPU is left to merging, which moves its instances one at a
+    time where each fits tightest, instead of all at once wherever they fit."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.source_max_request <= 1.0:
@@ -74,7 +78,7 @@ class CompactionConfig:
             raise ValueError(f"max_trials must be >= 1 or None, got {self.max_trials}")
         if self.merges < 0:
             raise ValueError(f"merges must be >= 0, got {self.merges}")
-        for name in ("source_max_instances", "max_sources", "max_moves", "merge_sources"):
+        for name in ("source_max_instances", "max_sources", "max_moves", "merge_sources", "merge_source_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -233,6 +237,8 @@ class CompactionState:
     keyed: _Keyed | None = field(default=None, compare=False, repr=False)
     """The call's sources as it keyed them (a cache, not part of the state's value): the next
     call reuses a key where the GPU's state is the same object under the same config."""
+    config: CompactionConfig | None = field(default=None, compare=False, repr=False)
+    """The config the call ran under (`_call_config`): a call under another starts afresh."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -725,7 +731,11 @@ def compaction_plan(
     call without it would find among the sources it tries. A GPU holding a `pinned` instance (one
     that must not move now: starting, draining, its function in a burst) is not a source this time."""
     config = config or CompactionConfig()
-    state = state or CompactionState()
+    merging = config.merges > 0 and _request_binds(cluster)
+    config = _call_config(config, merging)
+    if state is None or (state.config is not None and state.config != config):
+        # What a call under other limits carried (failures, sources left pending) need not hold.
+        state = CompactionState()
     work = cluster
     moves: list[CompactionMove] = []
     freed: list[GpuRef] = []
@@ -841,7 +851,7 @@ def compaction_plan(
     # `seen`, the cluster the emptying left.
     emptied = work
     merged: list[CompactionMove] = []
-    if config.merges and len(moves) < config.max_moves:
+    if merging and len(moves) < config.max_moves:
         work, merged = _merge(work, placement, config, min(config.merges, config.max_moves - len(moves)),
                               targets, pinned)
         moves.extend(merged)
@@ -852,6 +862,7 @@ def compaction_plan(
         no_fit=tuple(no_fit),
         retry=Map(carry),
         keyed=keyed,
+        config=config,
     )
     plan = CompactionPlan(
         moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state
@@ -886,11 +897,10 @@ def _merge(
     instances move, not pinned ones and not off a GPU this plan moved something onto; a target
     passes the strategy's filters.
 
-    Only while Σ request bounds the lit GPUs (Σ request ≥ Σ memory in GPUs' worth): where memory
-    binds, SM room is not what keeps GPUs lit, and merging it spends cold starts for nothing."""
+    The caller merges only while Σ request bounds the lit GPUs (`_request_binds`)."""
     moves: list[CompactionMove] = []
     smallest = work.smallest_request()
-    if smallest is None or work.sum_request < work.sum_memory_fraction:
+    if smallest is None:
         return work, moves
     omega = placement.omega
     filters = placement.filters()
@@ -958,6 +968,30 @@ def _merge(
             )
         )
     return work, moves
+
+
+def _request_binds(cluster: ClusterSnapshot) -> bool:
+    """Whether Σ request bounds the lit GPUs (Σ request ≥ Σ memory in GPUs' worth): only then does
+    merging SM room pay; where memory binds, SM room is not what keeps GPUs lit, and merging it
+    would spend cold starts for nothing."""
+    return cluster.lit_count > 0 and cluster.sum_request >= cluster.sum_memory_fraction
+
+
+#: config → the config a merging call runs under (`_call_config`), one object per value.
+_MERGING: dict[CompactionConfig, CompactionConfig] = {}
+
+
+def _call_config(config: CompactionConfig, merging: bool) -> CompactionConfig:
+    """The limits a call runs under: `config`, with `merge_source_instances` while it merges. The
+    same object call after call (the source caches compare configs by identity)."""
+    if not merging or config.merge_source_instances >= config.source_max_instances:
+        return config
+    narrowed = _MERGING.get(config)
+    if narrowed is None:
+        if len(_MERGING) >= 64:
+            _MERGING.clear()
+        narrowed = _MERGING[config] = replace(config, source_max_instances=config.merge_source_instances)
+    return narrowed
 
 
 def _tightest(work: ClusterSnapshot, request: float, memory_mib: float, omega: float) -> int | None:

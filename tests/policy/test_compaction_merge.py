@@ -205,3 +205,44 @@ def test_merging_along_a_trace_agrees_with_a_fresh_call_and_concentrates_room() 
             cluster, state = with_state.cluster, with_state.state
             _follow(where, with_state.moves)
     assert checked > 40 and merged > 5
+
+
+# a/0's three instances fit b/0, c/0 and d/0: emptying frees it; while merging (Σ request binds),
+# a GPU of three is left to the merges (`merge_source_instances`), and here no room is lost.
+THREE = (
+    gpu(A0, i("p", 0.20), i("q", 0.20), i("r", 0.20)),
+    gpu(B0, i("s", 0.70)),
+    gpu(C0, i("u", 0.70)),
+    gpu(D0, i("x", 0.80)),
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "moved", "freed"),
+    [
+        (replace(MERGE, merges=0), {"p", "q", "r"}, (A0,)),
+        (MERGE, set(), ()),
+        (replace(MERGE, merge_source_instances=3), {"p", "q", "r"}, (A0,)),
+    ],
+    ids=["not-merging", "merging", "merging-any-source"],
+)
+def test_merging_leaves_fuller_sources_to_the_merges(
+    config: CompactionConfig, moved: set[str], freed: tuple[GpuRef, ...]
+) -> None:
+    plan = compaction_plan(ClusterSnapshot.build(now=0.0, gpus=THREE), PlacementConfig(), config)
+    assert {m.instance_id for m in plan.moves} == moved and plan.freed == freed, plan.reason
+
+
+def test_a_state_made_under_other_limits_is_not_carried() -> None:
+    """While merging, a call empties fewer sources; once memory binds it empties all again: the state
+    of a merging call is dropped, and the call finds what a call without a state finds."""
+    cluster = ClusterSnapshot.build(now=0.0, gpus=(*LOST, gpu(C0), gpu(D0)))
+    first = compaction_plan(cluster, PlacementConfig(), MERGE)
+    assert first.state is not None and first.state.config is not None
+    assert first.state.config.source_max_instances == MERGE.merge_source_instances
+    # Two memory-heavy instances: Σ memory (2.4 GPUs) now exceeds Σ request (1.65).
+    heavy = first.cluster.with_instance(i("h1", 0.05, 38), (C0,)).with_instance(i("h2", 0.05, 38), (D0,))
+    carried = compaction_plan(heavy, PlacementConfig(), MERGE, first.state)
+    fresh = compaction_plan(heavy, PlacementConfig(), MERGE)
+    assert carried.moves == fresh.moves and carried.state == fresh.state
+    assert carried.state is not None and carried.state.config == MERGE
