@@ -112,6 +112,9 @@ class CompactionPlan:
     reason: str
     state: CompactionState | None = None
     """Hand to the next call (after deriving the next cluster from `cluster`)."""
+    merged: int = 0
+    """How many of `moves` (the last ones) merge SM room (`CompactionConfig.merges`) rather than
+    empty a GPU."""
 
     @property
     def cold_starts(self) -> int:
@@ -865,7 +868,7 @@ def compaction_plan(
         config=config,
     )
     plan = CompactionPlan(
-        moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state
+        moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state, merged=len(merged)
     )
     if not moves:
         reason = f"nothing to compact: tried {tried} GPU(s) with Σ request ≤ {config.source_max_request:.2f}"

@@ -252,6 +252,7 @@ def simulate_placement(
     split_instances = 0
     compaction_moves = 0
     compaction_cold_starts = 0
+    compaction_merges = 0
     compaction_runs = 0
     freed_by_compaction = 0
     rejections: list[str] = []
@@ -307,6 +308,7 @@ def simulate_placement(
                     cluster = plan.cluster
                     compaction_moves += len(plan.moves)
                     compaction_cold_starts += plan.cold_starts
+                    compaction_merges += plan.merged
                     freed_by_compaction += len(plan.freed)
                     for mv in plan.moves:
                         if log is not None:
@@ -399,6 +401,7 @@ def simulate_placement(
         "compaction_runs": compaction_runs,
         "compaction_moves": compaction_moves,
         "compaction_cold_starts": compaction_cold_starts,
+        "compaction_merges": compaction_merges,
         "gpus_freed_by_compaction": freed_by_compaction,
         "unknown_deletes": unknown_deletes,
         "wall_s": round(time.perf_counter() - wall0, 3),
