@@ -3,7 +3,8 @@ serving simulation on the one-day trace (issue 7).
 
     PYTHONPATH=. python3 bench/sim_scale.py [--sizes 3200,32000] [--mixes 0:0,0.2:0.2,...]
         [--seeds 1,2] [--big-seeds 1] [--policies exclusive,infless-l,infless-r,fastgs,dilu]
-        [--repeat N] [--baseline DIR] [--out docs/benchmarks/sim-scale.md] [--serving [--profiles FILE]]
+        [--repeat N] [--baseline DIR] [--compaction merges=2,merge_sources=64] [--json FILE]
+        [--out docs/benchmarks/sim-scale.md] [--serving [--profiles FILE]]
 
 For each size, each mix `train:llm` (training fraction : LLM fraction of `dilu_mix`, 40 GiB GPUs, one
 create per second) and each seed, every policy replays the same trace, one after another in this
@@ -19,7 +20,9 @@ checkout of other code, e.g. `git worktree add DIR COMMIT`) then replays each `d
 more, with DIR's code and with this code, in two child processes started together, so both see the
 same load and run in the same kind of process; the row's CPU and wall seconds are then this code's
 paired replay (its run alone is kept as `alone_cpu_s`), beside the baseline's CPU seconds, the ratio
-and whether the decisions are the same.
+and whether the decisions are the same. `--compaction` overrides fields of the simulator's compaction
+(`SIM_COMPACTION`) for `dilu` (not with `--baseline`): the trade-off curves of packing, moves
+and CPU time. `--json FILE` writes the rows as JSON.
 Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
 integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
 100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
@@ -29,6 +32,7 @@ Nothing is asserted (speed belongs here, not in tests).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import hashlib
 import json
@@ -46,8 +50,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from loadgen import cpu_model
 
+from dilu_invoker.policy import CompactionConfig
 from dilu_invoker.sim.generate import dilu_mix
-from dilu_invoker.sim.placement import PLACEMENT_POLICIES, PlacementResult, PlacementSimConfig, simulate_placement
+from dilu_invoker.sim.placement import (
+    PLACEMENT_POLICIES,
+    SIM_COMPACTION,
+    PlacementResult,
+    PlacementSimConfig,
+    simulate_placement,
+)
 
 DILU_COMPACT_EVERY_S = 2.0
 DEFAULT_MIXES = "0:0,0:0.2,0:0.4,0.2:0,0.2:0.2,0.2:0.4,0.4:0,0.4:0.2,0.4:0.4"
@@ -70,7 +81,26 @@ def _load() -> str:
         return "n/a"
 
 
-def run_one(n: int, train: float, llm: float, seed: int, policy: str, repeat: int = 1) -> dict[str, Any]:
+def compaction_config(spec: str) -> CompactionConfig:
+    """`SIM_COMPACTION` with the fields of `spec` ("name=value,..."; values as Python literals) replaced."""
+    if not spec:
+        return SIM_COMPACTION
+    changes: dict[str, Any] = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        field = {f.name: f for f in dataclasses.fields(CompactionConfig)}.get(name.strip())
+        if field is None:
+            raise SystemExit(f"--compaction: unknown field {name.strip()!r}")
+        text = value.strip()
+        changes[field.name] = text == "True" if text in ("True", "False") else (
+            int(text) if text.lstrip("-").isdigit() else float(text))
+    return dataclasses.replace(SIM_COMPACTION, **changes)
+
+
+def run_one(
+    n: int, train: float, llm: float, seed: int, policy: str, repeat: int = 1,
+    compaction: CompactionConfig = SIM_COMPACTION,
+) -> dict[str, Any]:
     """One trace under one policy, `repeat` times in a row (the same decisions every time): the
     median CPU and wall time, and the CPU range (on a shared host one run's CPU time varies)."""
     events = dilu_mix(n, train_fraction=train, llm_fraction=llm, seed=seed)
@@ -78,6 +108,7 @@ def run_one(n: int, train: float, llm: float, seed: int, policy: str, repeat: in
         policy=policy,
         gpu_memory_gib=40.0,
         compact_every_s=DILU_COMPACT_EVERY_S if policy == "dilu" else 0.0,
+        compaction=compaction,
     )
     walls: list[float] = []
     cpus: list[float] = []
@@ -235,7 +266,13 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs per trace and policy (median CPU reported)")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a checkout of other code: replay each dilu trace with it at the same time")
+    ap.add_argument("--compaction", default="",
+                    help="override SIM_COMPACTION fields for dilu, e.g. merges=2,merge_sources=64")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
+    compaction = compaction_config(args.compaction)
+    if args.compaction and args.baseline is not None:
+        raise SystemExit("--compaction and --baseline: the paired replays run the default compaction")
 
     def mixes(spec: str) -> list[tuple[float, float]]:
         return [(float(a), float(b)) for a, b in (m.split(":") for m in spec.split(","))]
@@ -250,7 +287,7 @@ def main() -> int:
         for train, llm in mixes(args.big_mixes if big and args.big_mixes else args.mixes):
             for seed in seeds:
                 for policy in policies:
-                    r = run_one(n, train, llm, seed, policy, args.repeat)
+                    r = run_one(n, train, llm, seed, policy, args.repeat, compaction)
                     child = None
                     if args.baseline is not None and policy == "dilu":
                         # This code and the baseline's, each in a child process of its own started
@@ -287,6 +324,11 @@ def main() -> int:
     total = time.perf_counter() - t0
     load_after = _load()
     print(f"total {total:.0f} s; load average before {load_before}, after {load_after}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"argv": sys.argv[1:], "cpu": cpu_model(), "rows": rows}, indent=1) + "\n",
+                             encoding="utf-8")
+        print(f"wrote {args.json}")
     if args.out is not None:
         cmd = "PYTHONPATH=. python3 bench/sim_scale.py " + " ".join(sys.argv[1:])
         if args.baseline is not None:
@@ -306,7 +348,9 @@ def main() -> int:
                 "Traces: `dilu_mix(N, train_fraction, llm_fraction, seed)` (`dilu-invoker simulate gen "
                 "placement --instances N --train-fraction T --llm-fraction L --seed S`), 40 GiB GPUs, 4 per "
                 "node, the cluster sized by the simulator; `dilu` with splitting and compaction every 2 s "
-                "of trace time (the CLI's `auto`), the baselines without. Bounds: fractional "
+                "of trace time (the CLI's `auto`)"
+                + (f" and compaction `{args.compaction}`" if args.compaction else "")
+                + ", the baselines without. Bounds: fractional "
                 "max(⌈Σ request⌉, ⌈Σ memory / 40 GiB⌉, widest) and integral (also at least one GPU per "
                 "training slot over half a GPU), docs/simulator.md.",
                 "",

@@ -296,6 +296,9 @@ class ClusterSnapshot:
     """Function → invoker → number of its instances there."""
     width_counts: Mapping[int, int]
     """Instance width (GPUs) → number of live instances that wide."""
+    request_counts: Map[float, int]
+    """SM request (per GPU) → number of live instances asking it, pieces of split instances left
+    out (a piece's request is a share of its instance's): `smallest_request`."""
     lit_count: int
     sum_request: float
     sum_memory: float
@@ -334,6 +337,7 @@ class ClusterSnapshot:
         seen: dict[str, PlacedInstance] = {}
         fn_counts: dict[str, dict[str, int]] = {}
         widths: dict[int, int] = {}
+        requests: dict[float, int] = {}
         lit = 0
         sum_req = sum_mem = sum_frac = 0.0
         for i, g in enumerate(ordered):
@@ -354,6 +358,8 @@ class ClusterSnapshot:
                     fn = fn_counts.setdefault(inst.function, {})
                     fn[g.ref.invoker] = fn.get(g.ref.invoker, 0) + 1
                     widths[inst.gpus] = widths.get(inst.gpus, 0) + 1
+                    if inst.part_of is None:
+                        requests[inst.request] = requests.get(inst.request, 0) + 1
                 elif prev != inst:
                     raise ValueError(
                         f"instance {inst.id} is described differently on two GPUs"
@@ -383,6 +389,7 @@ class ClusterSnapshot:
             locations=Map(locations),
             function_counts=Map({f: Map(c) for f, c in fn_counts.items()}),
             width_counts=MappingProxyType(widths),
+            request_counts=Map(requests),
             lit_count=lit,
             sum_request=sum_req,
             sum_memory=sum_mem,
@@ -455,6 +462,10 @@ class ClusterSnapshot:
             memory_fraction=self.sum_memory_fraction,
             widest=widest,
         )
+
+    def smallest_request(self) -> float | None:
+        """The least SM request of a live instance (pieces of split instances left out); None: none."""
+        return min(self.request_counts) if self.request_counts else None
 
     def __len__(self) -> int:
         return len(self.gpus)
@@ -588,6 +599,10 @@ class ClusterSnapshot:
         widths[instance.gpus] = widths.get(instance.gpus, 0) + sign
         if widths[instance.gpus] <= 0:
             del widths[instance.gpus]
+        requests = self.request_counts
+        if instance.part_of is None:
+            n = requests.get(instance.request, 0) + sign
+            requests = requests.set(instance.request, n) if n > 0 else requests.delete(instance.request)
         return _copy(
             self,
             gpus=gpus,
@@ -600,6 +615,7 @@ class ClusterSnapshot:
             locations=locations,
             function_counts=fn_counts,
             width_counts=MappingProxyType(widths),
+            request_counts=requests,
             lit_count=lit,
             sum_request=sum_req,
             sum_memory=sum_mem,

@@ -12,6 +12,7 @@ one does).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -57,6 +58,16 @@ class CompactionConfig:
     piece moves to another GPU of its node that holds no other piece of the instance, or else the
     whole instance is placed anew (split again where it would light a GPU). Off in the live
     default: the action must be able to hand a stage over while the pipeline serves."""
+    merges: int = 0
+    """How many moves one call may spend after emptying GPUs to merge SM room that no instance can
+    use into room that one can (`_merge`): each move is a cold start and turns no GPU off by itself;
+    arrivals and later calls use the room it merges. 0: none (the live default)."""
+    merge_sources: int = 16
+    """How many GPUs with lost SM room one merging move looks at, those with the most first."""
+    merge_source_instances: int = 2
+    """While a call merges, it empties only GPUs with at most this many instances (and at most
+    `source_max_instances`): a fuller GPU is left to merging, which moves its instances one at a
+    time where each fits tightest, instead of all at once wherever they fit."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.source_max_request <= 1.0:
@@ -65,7 +76,9 @@ class CompactionConfig:
             )
         if self.max_trials is not None and self.max_trials < 1:
             raise ValueError(f"max_trials must be >= 1 or None, got {self.max_trials}")
-        for name in ("source_max_instances", "max_sources", "max_moves"):
+        if self.merges < 0:
+            raise ValueError(f"merges must be >= 0, got {self.merges}")
+        for name in ("source_max_instances", "max_sources", "max_moves", "merge_sources", "merge_source_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -99,6 +112,9 @@ class CompactionPlan:
     reason: str
     state: CompactionState | None = None
     """Hand to the next call (after deriving the next cluster from `cluster`)."""
+    merged: int = 0
+    """How many of `moves` (the last ones) merge SM room (`CompactionConfig.merges`) rather than
+    empty a GPU."""
 
     @property
     def cold_starts(self) -> int:
@@ -224,6 +240,8 @@ class CompactionState:
     keyed: _Keyed | None = field(default=None, compare=False, repr=False)
     """The call's sources as it keyed them (a cache, not part of the state's value): the next
     call reuses a key where the GPU's state is the same object under the same config."""
+    config: CompactionConfig | None = field(default=None, compare=False, repr=False)
+    """The config the call ran under (`_call_config`): a call under another starts afresh."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -716,7 +734,11 @@ def compaction_plan(
     call without it would find among the sources it tries. A GPU holding a `pinned` instance (one
     that must not move now: starting, draining, its function in a burst) is not a source this time."""
     config = config or CompactionConfig()
-    state = state or CompactionState()
+    merging = config.merges > 0 and _request_binds(cluster)
+    config = _call_config(config, merging)
+    if state is None or (state.config is not None and state.config != config):
+        # What a call under other limits carried (failures, sources left pending) need not hold.
+        state = CompactionState()
     work = cluster
     moves: list[CompactionMove] = []
     freed: list[GpuRef] = []
@@ -828,22 +850,173 @@ def compaction_plan(
                 failures[o] = r[0]
                 carry[o] = tuple(r[1])
     failed = failures.finish()
+    # The next call sees what merging changes as it sees departures and arrivals: as changes since
+    # `seen`, the cluster the emptying left.
+    emptied = work
+    merged: list[CompactionMove] = []
+    if merging and len(moves) < config.max_moves:
+        work, merged = _merge(work, placement, config, min(config.merges, config.max_moves - len(moves)),
+                              targets, pinned)
+        moves.extend(merged)
     next_state = CompactionState(
-        seen=work,
+        seen=emptied,
         failed=failed,
         pending=waiting.difference(carry) if carry else waiting,
         no_fit=tuple(no_fit),
         retry=Map(carry),
         keyed=keyed,
+        config=config,
     )
     plan = CompactionPlan(
-        moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state
+        moves=tuple(moves), freed=tuple(freed), cluster=work, reason="", state=next_state, merged=len(merged)
     )
     if not moves:
         reason = f"nothing to compact: tried {tried} GPU(s) with Σ request ≤ {config.source_max_request:.2f}"
     else:
         reason = f"{len(moves)} move(s) turn off {len(freed)} GPU(s) at {plan.cold_starts} cold start(s)"
+        if merged:
+            reason += f", {len(merged)} of them merging SM room"
     return replace(plan, reason=reason)
+
+
+def _merge(
+    work: ClusterSnapshot,
+    placement: PlacementConfig,
+    config: CompactionConfig,
+    budget: int,
+    targets: set[GpuRef],
+    pinned: frozenset[str],
+) -> tuple[ClusterSnapshot, list[CompactionMove]]:
+    """Up to `budget` moves that merge SM room no instance can use into room one can.
+
+    A lit GPU whose SM room ρ = ω − Σ request is less than the least request of any live instance
+    (`ClusterSnapshot.smallest_request`) holds room that is lost while it stays: emptying cannot
+    use it (every instance asks more) and neither can an arrival. Moving one of its instances y to
+    the lit GPU that takes y most tightly in SM room turns that room into ρ + request(y), which
+    some instance can use, and leaves ρ' = room there − request(y) on the target. A move is made
+    when it gains, ρ − ρ' > 0, the largest gain first: the room in use is the same, and Σ room²
+    over lit GPUs grows with every move, so moves never undo one another. Each move looks at the
+    `merge_sources` GPUs with the most lost room (the gain is at most ρ); only whole one-GPU
+    instances move, not pinned ones and not off a GPU this plan moved something onto; a target
+    passes the strategy's filters.
+
+    The caller merges only while Σ request bounds the lit GPUs (`_request_binds`)."""
+    moves: list[CompactionMove] = []
+    smallest = work.smallest_request()
+    if smallest is None:
+        return work, moves
+    omega = placement.omega
+    filters = placement.filters()
+    first = max(0, math.floor((omega - smallest) * BUCKETS))
+    # Bucket BUCKETS holds Σ request ≥ 1: no room there unless ω > 1.
+    stop = BUCKETS + 1 if omega > 1.0 else BUCKETS
+    for _ in range(budget):
+        gpus = work.gpus
+        found: list[tuple[float, int, PlacedInstance, GpuState, int]] = []
+        looked = 0
+        bound = -math.inf  # the best gain so far
+        for k in range(first, stop):
+            if looked >= config.merge_sources or omega - k / BUCKETS <= bound + EPS:
+                break
+            for o in work.lit_buckets[k]:
+                gpu = gpus[o]
+                room = omega - gpu.used_request
+                if room <= EPS or room >= smallest - EPS or gpu.ref in targets:
+                    continue
+                looked += 1
+                for inst in gpu.instances:
+                    if inst.gpus != 1 or inst.part_of is not None or inst.id in pinned:
+                        continue
+                    t = _tightest(work, inst.request, inst.memory_mib, omega)
+                    if t is None:
+                        continue
+                    gain = room - (omega - gpus[t].used_request - inst.request)
+                    if gain > EPS:
+                        found.append((gain, len(found), inst, gpu, t))
+                        bound = max(bound, gain)
+                if looked >= config.merge_sources:
+                    break
+        move = None
+        # Largest gain first, gains equal but for float residue in the order found; a target the
+        # other filters refuse is replaced by the one `lit_fits` finds, the exact search.
+        for gain, _, inst, gpu, t in sorted(found, key=lambda f: (-round(f[0], 9), f[1])):
+            request = _as_request(work, inst, gpu.ref)
+            if not all(f.passes(gpus[t], request, placement) for f in filters):
+                fit = lit_fits(work, request, placement)
+                if not fit:
+                    continue
+                t = work.ordinals[fit[0]]
+                gain = (omega - gpu.used_request) - (omega - gpus[t].used_request - inst.request)
+                if gain <= EPS:
+                    continue
+            move = (gain, inst, gpu, t)
+            break
+        if move is None:
+            break
+        gain, inst, gpu, t = move
+        target = work.refs[t]
+        work = work.without_instance(inst.id).with_instance(inst, (target,))
+        targets.add(target)
+        moves.append(
+            CompactionMove(
+                instance_id=inst.id,
+                function=inst.function,
+                source=gpu.ref,
+                target=target,
+                reason=(
+                    f"merge room on {gpu.ref}: SM room {omega - gpu.used_request:.2f} < the least "
+                    f"request {smallest:.2f} becomes {omega - gpu.used_request + inst.request:.2f}, "
+                    f"{gain:.2f} more than {target} keeps"
+                ),
+            )
+        )
+    return work, moves
+
+
+def _request_binds(cluster: ClusterSnapshot) -> bool:
+    """Whether Σ request bounds the lit GPUs (Σ request ≥ Σ memory in GPUs' worth): only then does
+    merging SM room pay; where memory binds, SM room is not what keeps GPUs lit, and merging it
+    would spend cold starts for nothing."""
+    return cluster.lit_count > 0 and cluster.sum_request >= cluster.sum_memory_fraction
+
+
+#: config → the config a merging call runs under (`_call_config`), one object per value.
+_MERGING: dict[CompactionConfig, CompactionConfig] = {}
+
+
+def _call_config(config: CompactionConfig, merging: bool) -> CompactionConfig:
+    """The limits a call runs under: `config`, with `merge_source_instances` while it merges. The
+    same object call after call (the source caches compare configs by identity)."""
+    if not merging or config.merge_source_instances >= config.source_max_instances:
+        return config
+    narrowed = _MERGING.get(config)
+    if narrowed is None:
+        if len(_MERGING) >= 64:
+            _MERGING.clear()
+        narrowed = _MERGING[config] = replace(config, source_max_instances=config.merge_source_instances)
+    return narrowed
+
+
+def _tightest(work: ClusterSnapshot, request: float, memory_mib: float, omega: float) -> int | None:
+    """The lit GPU `lit_fits` would find first for an instance asking `request` and `memory_mib`
+    under the schedulable, sm-request and memory filters (the tightest Σ-request bucket, then the
+    least free memory), without building the request; None: none."""
+    gpus = work.gpus
+    need = (memory_mib - work.max_memory_mib * EPS, -1)
+    grow = 1.0 + EPS
+    for k in range(min(BUCKETS, math.floor((omega - request + EPS) * BUCKETS)), -1, -1):
+        entries = work.lit_room[k]
+        if not entries:
+            continue
+        for _, o in entries[bisect.bisect_left(entries, need) :]:
+            g = gpus[o]
+            if (
+                g.schedulable
+                and g.used_request + request <= omega + EPS
+                and g.used_memory + memory_mib <= g.memory_mib * grow
+            ):
+                return o
+    return None
 
 
 def _strategy_filters(placement: PlacementConfig) -> tuple[Filter, ...]:

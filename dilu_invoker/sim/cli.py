@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compaction empties only GPUs holding at most this many instances")
     p.add_argument("--no-compact-pieces", action="store_true",
                    help="compaction leaves GPUs holding pieces of split instances alone")
+    p.add_argument("--compact-merges", type=_nonneg_int, default=None,
+                   help="moves a compaction run may spend merging SM room no instance can use, while Σ request "
+                        "binds (default: the simulator's, 1; 0: none)")
     p.add_argument("--seed", type=int, default=0, help="accepted for symmetry; placement is deterministic")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -213,6 +216,7 @@ def _placement(args: argparse.Namespace) -> int:
     from dilu_invoker.sim.events import load_events
     from dilu_invoker.sim.placement import (
         PLACEMENT_POLICIES,
+        SIM_COMPACTION,
         TIMESERIES_COLUMNS,
         PlacementResult,
         PlacementSimConfig,
@@ -243,6 +247,7 @@ def _placement(args: argparse.Namespace) -> int:
                 source_max_instances=args.compact_max_instances,
                 max_moves=max(64, args.compact_max_sources),
                 move_pieces=not args.no_compact_pieces,
+                merges=SIM_COMPACTION.merges if args.compact_merges is None else args.compact_merges,
             ),
         )
 

@@ -54,9 +54,10 @@ SUMMARY_KEYS: tuple[str, ...] = (
 #: Compaction as the simulator runs it by default: every lit GPU may be a source (the live default
 #: looks only at GPUs with Σ request ≤ 0.5, 32 per run, to bound cold starts). A run tries at most
 #: 8 sources, the ones it does not get to carry over to the next run (docs/benchmarks/sim-scale.md:
-#: 64 cost 2–3× the CPU for the same packing).
+#: 64 cost 2–3× the CPU for the same packing), then makes at most one move that merges SM room no
+#: instance can use (docs/benchmarks/sim-scale.md, twelfth round: what 0, 1 and 2 cost and buy).
 SIM_COMPACTION = CompactionConfig(
-    source_max_request=1.0, max_sources=8, max_moves=64, move_pieces=True
+    source_max_request=1.0, max_sources=8, max_moves=64, move_pieces=True, merges=1
 )
 
 TIMESERIES_COLUMNS: tuple[str, ...] = (
@@ -251,6 +252,7 @@ def simulate_placement(
     split_instances = 0
     compaction_moves = 0
     compaction_cold_starts = 0
+    compaction_merges = 0
     compaction_runs = 0
     freed_by_compaction = 0
     rejections: list[str] = []
@@ -306,6 +308,7 @@ def simulate_placement(
                     cluster = plan.cluster
                     compaction_moves += len(plan.moves)
                     compaction_cold_starts += plan.cold_starts
+                    compaction_merges += plan.merged
                     freed_by_compaction += len(plan.freed)
                     for mv in plan.moves:
                         if log is not None:
@@ -398,6 +401,7 @@ def simulate_placement(
         "compaction_runs": compaction_runs,
         "compaction_moves": compaction_moves,
         "compaction_cold_starts": compaction_cold_starts,
+        "compaction_merges": compaction_merges,
         "gpus_freed_by_compaction": freed_by_compaction,
         "unknown_deletes": unknown_deletes,
         "wall_s": round(time.perf_counter() - wall0, 3),

@@ -61,6 +61,21 @@ def test_compaction_can_be_given_to_a_baseline(events: Path, tmp_path: Path) -> 
     assert json.loads((out / "details.json").read_text())["compact_every_s"] == 5.0
 
 
+@pytest.mark.parametrize(("argv", "merging"), [([], True), (["--compact-merges", "0"], False)], ids=["default", "off"])
+def test_compaction_merges_sm_room_by_default(tmp_path: Path, argv: list[str], merging: bool) -> None:
+    """On a training-free trace (Σ request binds), dilu's compaction merges SM room unless told not to;
+    `compaction_merges` counts those moves among `compaction_moves`."""
+    events = tmp_path / "inference.jsonl.gz"
+    assert main(["gen", "placement", "--instances", "400", "--train-fraction", "0", "--llm-fraction", "0",
+                 "--seed", "3", "--out", str(events)]) == 0
+    out = tmp_path / "m"
+    assert main(["placement", "--events", str(events), "--policy", "dilu", "--gpu-memory-gib", "40", "--out", str(out),
+                 "--quiet", "--no-plots", *argv]) == 0
+    details = json.loads((out / "details.json").read_text())
+    assert (details["compaction_merges"] > 0) is merging
+    assert details["compaction_moves"] >= details["compaction_merges"]
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [('{"t": 0, "op": "create", "instance": "a"}\n', "missing field 'class'"), ("nonsense\n", "not valid JSON")],
