@@ -28,6 +28,7 @@ from dilu_invoker.loadbalancer.planner import (
 )
 from dilu_invoker.policy import (
     ClusterSnapshot,
+    CompactionConfig,
     GpuRef,
     GpuState,
     HorizontalConfig,
@@ -43,6 +44,9 @@ from dilu_invoker.wire import FunctionSpec, GpuReport, InstanceRecord, InstanceR
 GPU_MIB = 40 * 1024
 PERIOD_S = 2.0
 COMPACTION = replace(LIVE_COMPACTION, max_moves=64)
+#: With merging moves (the simulator's default, off in the live default): inference only, where Σ request
+#: binds and merges happen.
+MERGING = replace(COMPACTION, merges=1)
 
 
 class LiveHarness:
@@ -113,18 +117,22 @@ def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     return out
 
 
-@pytest.mark.parametrize(("n", "llm", "seed"), [(100, 0.2, 4), (100, 0.4, 9)], ids=["llm-20%", "llm-40%"])
-def test_the_live_planner_places_and_moves_as_the_simulator(n: int, llm: float, seed: int) -> None:
+@pytest.mark.parametrize(("n", "llm", "seed", "compaction"),
+                         [(100, 0.2, 4, COMPACTION), (100, 0.4, 9, COMPACTION), (160, 0.0, 3, MERGING)],
+                         ids=["llm-20%", "llm-40%", "inference-merging"])
+def test_the_live_planner_places_and_moves_as_the_simulator(n: int, llm: float, seed: int,
+                                                             compaction: CompactionConfig) -> None:
     events = dilu_mix(n, train_fraction=0.0, llm_fraction=llm, seed=seed)
     sim_log: list[tuple[Any, ...]] = []
-    simulate_placement(events, PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, llm_split_parts=1,
-                                                  compact_every_s=PERIOD_S, compaction=COMPACTION), log=sim_log)
+    sim = simulate_placement(events, PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, llm_split_parts=1,
+                                                        compact_every_s=PERIOD_S, compaction=compaction), log=sim_log)
+    assert (sim.details["compaction_merges"] > 0) is (compaction.merges > 0), "merging must be exercised"
     nodes = cluster_size(events, 4) // 4
     cfg = PlannerConfig(
         horizontal=HorizontalConfig(window=4, scale_out_samples=2, scale_in_samples=2, sample_period_s=0.1,
                                     stale_after_s=1e9, cooldown_s=1e-6, scale_to_zero_after_s=1e-6),
         placement=PlacementConfig(),
-        compaction=LiveCompaction(config=COMPACTION, period_s=PERIOD_S),
+        compaction=LiveCompaction(config=compaction, period_s=PERIOD_S),
     )
     live = LiveHarness(nodes, cfg)
     by_time: dict[float, list[Any]] = {}
