@@ -2168,15 +2168,15 @@ def _lost_room_sizes(
     may instead fill its GPU's SM room exactly, or leave room some instance can use (then any size
     up to that), or take its capacity; the least lost room over these choices wins, `plan` where it
     is as good. Same GPUs, pieces and Σ memory, so the plan's key (pieces, unused room) holds."""
-    smallest = cluster.smallest_request()
-    least = cluster.smallest_memory()
-    s_r = request.request if smallest is None else min(smallest, request.request)
-    s_m = request.memory_mib if least is None else min(least, request.memory_mib)
     total = request.memory_mib
     if total <= 0 or request.request <= 0:
         return plan
     if cluster.sum_request + request.request < cluster.sum_memory_fraction + total / cluster.max_memory_mib:
         return plan  # memory binds: `plan` fills memory first already
+    smallest = cluster.smallest_request()
+    least = cluster.smallest_memory()
+    s_r = request.request if smallest is None else min(smallest, request.request)
+    s_m = request.memory_mib if least is None else min(least, request.memory_mib)
     rho = request.request / total
     omega = config.omega
     min_part = scan.min_part
