@@ -299,6 +299,8 @@ class ClusterSnapshot:
     request_counts: Map[float, int]
     """SM request (per GPU) → number of live instances asking it, pieces of split instances left
     out (a piece's request is a share of its instance's): `smallest_request`."""
+    memory_counts: Map[float, int]
+    """Memory (MiB per GPU) → number of live instances asking it, pieces left out: `smallest_memory`."""
     lit_count: int
     sum_request: float
     sum_memory: float
@@ -338,6 +340,7 @@ class ClusterSnapshot:
         fn_counts: dict[str, dict[str, int]] = {}
         widths: dict[int, int] = {}
         requests: dict[float, int] = {}
+        memories: dict[float, int] = {}
         lit = 0
         sum_req = sum_mem = sum_frac = 0.0
         for i, g in enumerate(ordered):
@@ -360,6 +363,7 @@ class ClusterSnapshot:
                     widths[inst.gpus] = widths.get(inst.gpus, 0) + 1
                     if inst.part_of is None:
                         requests[inst.request] = requests.get(inst.request, 0) + 1
+                        memories[inst.memory_mib] = memories.get(inst.memory_mib, 0) + 1
                 elif prev != inst:
                     raise ValueError(
                         f"instance {inst.id} is described differently on two GPUs"
@@ -390,6 +394,7 @@ class ClusterSnapshot:
             function_counts=Map({f: Map(c) for f, c in fn_counts.items()}),
             width_counts=MappingProxyType(widths),
             request_counts=Map(requests),
+            memory_counts=Map(memories),
             lit_count=lit,
             sum_request=sum_req,
             sum_memory=sum_mem,
@@ -466,6 +471,11 @@ class ClusterSnapshot:
     def smallest_request(self) -> float | None:
         """The least SM request of a live instance (pieces of split instances left out); None: none."""
         return min(self.request_counts) if self.request_counts else None
+
+    def smallest_memory(self) -> float | None:
+        """The least memory (MiB per GPU) of a live instance (pieces of split instances left out);
+        None: none."""
+        return min(self.memory_counts) if self.memory_counts else None
 
     def __len__(self) -> int:
         return len(self.gpus)
@@ -600,9 +610,12 @@ class ClusterSnapshot:
         if widths[instance.gpus] <= 0:
             del widths[instance.gpus]
         requests = self.request_counts
+        memories = self.memory_counts
         if instance.part_of is None:
             n = requests.get(instance.request, 0) + sign
             requests = requests.set(instance.request, n) if n > 0 else requests.delete(instance.request)
+            n = memories.get(instance.memory_mib, 0) + sign
+            memories = memories.set(instance.memory_mib, n) if n > 0 else memories.delete(instance.memory_mib)
         return _copy(
             self,
             gpus=gpus,
@@ -616,6 +629,7 @@ class ClusterSnapshot:
             function_counts=fn_counts,
             width_counts=MappingProxyType(widths),
             request_counts=requests,
+            memory_counts=memories,
             lit_count=lit,
             sum_request=sum_req,
             sum_memory=sum_mem,

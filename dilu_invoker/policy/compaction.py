@@ -889,45 +889,72 @@ def _merge(
 ) -> tuple[ClusterSnapshot, list[CompactionMove]]:
     """Up to `budget` moves that merge SM room no instance can use into room one can.
 
-    A lit GPU whose SM room ρ = ω − Σ request is less than the least request of any live instance
-    (`ClusterSnapshot.smallest_request`) holds room that is lost while it stays: emptying cannot
-    use it (every instance asks more) and neither can an arrival. Moving one of its instances y to
-    the lit GPU that takes y most tightly in SM room turns that room into ρ + request(y), which
-    some instance can use, and leaves ρ' = room there − request(y) on the target. A move is made
-    when it gains, ρ − ρ' > 0, the largest gain first: the room in use is the same, and Σ room²
-    over lit GPUs grows with every move, so moves never undo one another. Each move looks at the
-    `merge_sources` GPUs with the most lost room (the gain is at most ρ); only whole one-GPU
-    instances move, not pinned ones and not off a GPU this plan moved something onto; a target
-    passes the strategy's filters.
+    The SM room ρ = ω − Σ request of a lit GPU is lost while no live instance fits there: ρ is less
+    than the least request of any live instance, or the GPU's free memory is less than the least
+    memory of any (`ClusterSnapshot.smallest_request`, `smallest_memory`; pieces of split instances
+    left out). Emptying cannot use such room and neither can an arrival. Moving one of its
+    instances y to the lit GPU that takes y most tightly in SM room leaves ρ + request(y) of SM
+    room and memory(y) more free memory there, and ρ' = room there − request(y) on the target. A
+    move is made when the room it leaves is one some instance can use, and when it gains,
+    ρ − ρ' > 0, the largest gain first: the room in use is the same, and Σ room² over lit GPUs
+    grows with every move (by 2·request(y)·(ρ − ρ')), so moves never undo one another. Each move
+    looks at the `merge_sources` GPUs with the most lost room (the gain is at most ρ). Whole
+    one-GPU instances move and, with `move_pieces`, pieces of split instances (to another GPU of
+    their node that holds no piece of the same instance); not pinned ones and not off a GPU this
+    plan moved something onto; a target passes the strategy's filters.
 
     The caller merges only while Σ request bounds the lit GPUs (`_request_binds`)."""
     moves: list[CompactionMove] = []
     smallest = work.smallest_request()
-    if smallest is None:
+    least_memory = work.smallest_memory()
+    if smallest is None or least_memory is None:
         return work, moves
     omega = placement.omega
     filters = placement.filters()
+    grow = 1.0 + EPS
     first = max(0, math.floor((omega - smallest) * BUCKETS))
     # Bucket BUCKETS holds Σ request ≥ 1: no room there unless ω > 1.
     stop = BUCKETS + 1 if omega > 1.0 else BUCKETS
+    # Below `first` every GPU has SM room for the least request: lost only where memory is short,
+    # the GPUs with the least free memory of the bucket (`lit_room` is by free memory).
+    short = (least_memory - work.max_memory_mib * EPS, -1)
     for _ in range(budget):
         gpus = work.gpus
         found: list[tuple[float, int, PlacedInstance, GpuState, int]] = []
         looked = 0
         bound = -math.inf  # the best gain so far
-        for k in range(first, stop):
+        # The most room first: bucket by bucket, from the least Σ request up.
+        for k in range(stop):
             if looked >= config.merge_sources or omega - k / BUCKETS <= bound + EPS:
                 break
-            for o in work.lit_buckets[k]:
+            if k < first:
+                entries = work.lit_room[k]
+                ords: Iterable[int] = [o for _, o in entries[: bisect.bisect_left(entries, short)]]
+            else:
+                ords = work.lit_buckets[k]
+            for o in ords:
                 gpu = gpus[o]
                 room = omega - gpu.used_request
-                if room <= EPS or room >= smallest - EPS or gpu.ref in targets:
+                if room <= EPS or gpu.ref in targets:
                     continue
+                if room >= smallest - EPS and gpu.used_memory + least_memory <= gpu.memory_mib * grow:
+                    continue  # an instance fits: the room is not lost
                 looked += 1
                 for inst in gpu.instances:
-                    if inst.gpus != 1 or inst.part_of is not None or inst.id in pinned:
+                    if inst.gpus != 1 or inst.id in pinned:
                         continue
-                    t = _tightest(work, inst.request, inst.memory_mib, omega)
+                    piece = inst.part_of is not None
+                    if piece and not config.move_pieces:
+                        continue
+                    # The room the move leaves must be one some instance can use.
+                    if (
+                        room + inst.request < smallest - EPS
+                        or gpu.used_memory - inst.memory_mib + least_memory > gpu.memory_mib * grow
+                    ):
+                        continue
+                    t = _tightest_stage(work, gpu, inst, omega) if piece else _tightest(
+                        work, inst.request, inst.memory_mib, omega
+                    )
                     if t is None:
                         continue
                     gain = room - (omega - gpus[t].used_request - inst.request)
@@ -957,6 +984,13 @@ def _merge(
         target = work.refs[t]
         work = work.without_instance(inst.id).with_instance(inst, (target,))
         targets.add(target)
+        room = omega - gpu.used_request
+        why = (
+            f"SM room {room:.2f} < the least request {smallest:.2f}"
+            if room < smallest - EPS
+            else f"free memory {(gpu.memory_mib - gpu.used_memory) / 1024:.1f} GiB < the least "
+            f"memory {least_memory / 1024:.1f} GiB beside SM room {room:.2f}"
+        )
         moves.append(
             CompactionMove(
                 instance_id=inst.id,
@@ -964,13 +998,34 @@ def _merge(
                 source=gpu.ref,
                 target=target,
                 reason=(
-                    f"merge room on {gpu.ref}: SM room {omega - gpu.used_request:.2f} < the least "
-                    f"request {smallest:.2f} becomes {omega - gpu.used_request + inst.request:.2f}, "
+                    f"merge room on {gpu.ref}: {why}; it becomes {room + inst.request:.2f}, "
                     f"{gain:.2f} more than {target} keeps"
                 ),
             )
         )
     return work, moves
+
+
+def _tightest_stage(work: ClusterSnapshot, gpu: GpuState, piece: PlacedInstance, omega: float) -> int | None:
+    """The lit GPU of `gpu`'s node that takes `piece` (a pipeline stage) most tightly in SM room
+    (then the least free memory, then cluster order), other than those holding a stage of its
+    instance (`gpu` among them); None: none."""
+    assert piece.part_of is not None
+    gpus = work.gpus
+    ords = work.invoker_ordinals[gpu.ref.invoker]
+    grow = 1.0 + EPS
+    best: tuple[float, float, int] | None = None
+    node = gpus.span(ords[0], ords[-1] + 1)
+    for o, g in enumerate(node, ords[0]):
+        if not g.instances or not g.schedulable or any(i.part_of == piece.part_of for i in g.instances):
+            continue
+        left = omega - g.used_request - piece.request
+        if left < -EPS or g.used_memory + piece.memory_mib > g.memory_mib * grow:
+            continue
+        key = (left, g.memory_mib - g.used_memory, o)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[2]
 
 
 def _request_binds(cluster: ClusterSnapshot) -> bool:

@@ -16,6 +16,7 @@ looked at when no unlit GPU could outscore the best lit one.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -2150,6 +2151,114 @@ def _best_first(
     return best
 
 
+def _lost_room_sizes(
+    cluster: ClusterSnapshot,
+    request: PlacementRequest,
+    config: PlacementConfig,
+    filters: tuple[Filter, ...],
+    scan: _SplitScan,
+    plan: list[tuple[int, float]],
+) -> list[tuple[int, float]]:
+    """The pieces of `plan` (ordinal, MiB) resized on the same GPUs so that they leave as little
+    lost SM room as they can, while Σ request bounds the lit GPUs (Σ request ≥ Σ memory in GPUs'
+    worth, this instance included; else `plan`). SM room is lost while no live instance fits it:
+    it is below the least request, or the free memory beside it below the least memory (this
+    instance included). `plan` fills its first GPUs to capacity and leaves the rest to the last; on
+    a GPU where memory binds first, a full piece leaves SM room beside no free memory. Each piece
+    may instead fill its GPU's SM room exactly, or leave room some instance can use (then any size
+    up to that), or take its capacity; the least lost room over these choices wins, `plan` where it
+    is as good. Same GPUs, pieces and Σ memory, so the plan's key (pieces, unused room) holds."""
+    total = request.memory_mib
+    if total <= 0 or request.request <= 0:
+        return plan
+    if cluster.sum_request + request.request < cluster.sum_memory_fraction + total / cluster.max_memory_mib:
+        return plan  # memory binds: `plan` fills memory first already
+    smallest = cluster.smallest_request()
+    least = cluster.smallest_memory()
+    s_r = request.request if smallest is None else min(smallest, request.request)
+    s_m = request.memory_mib if least is None else min(least, request.memory_mib)
+    rho = request.request / total
+    omega = config.omega
+    min_part = scan.min_part
+    gpus = cluster.gpus
+    grow = 1.0 + EPS
+
+    def lost(g: GpuState, x: float) -> float:
+        room = omega - g.used_request - x * rho
+        if room >= s_r - EPS and g.used_memory + x + s_m <= g.memory_mib * grow:
+            return 0.0
+        return max(0.0, room)
+
+    # Per GPU: (capacity, the size that fills the binding dimension or None, the most that leaves
+    # usable room or None).
+    shapes: list[tuple[float, float | None, float | None]] = []
+    for o, _ in plan:
+        g = gpus[o]
+        cap = g.memory_mib * grow - g.used_memory
+        if scan.per_request:
+            cap = min(cap, (scan.omega - g.used_request) * scan.per_request)
+        if scan.per_limit:
+            cap = min(cap, (scan.limit_cap - g.used_limit) * scan.per_limit)
+        fill = (omega - g.used_request) / rho
+        usable = min(cap, (omega - g.used_request - s_r) / rho, g.memory_mib - g.used_memory - s_m)
+        shapes.append((
+            cap,
+            fill if min_part <= fill <= cap else None,
+            usable if usable >= min_part else None,
+        ))
+    now = sum(lost(gpus[o], x) for o, x in plan)
+    if now <= EPS:
+        return plan
+    best: tuple[float, list[tuple[int, float]]] | None = None
+    for choice in itertools.product(range(3), repeat=len(plan)):
+        fixed = 0.0
+        flexible: list[int] = []
+        miss = 0.0
+        ok = True
+        for j, c in enumerate(choice):
+            most, exact, keep = shapes[j]
+            if c == 0:
+                fixed += most
+                miss += lost(gpus[plan[j][0]], most)
+            elif c == 1:
+                if exact is None:
+                    ok = False
+                    break
+                fixed += exact
+            else:
+                if keep is None:
+                    ok = False
+                    break
+                flexible.append(j)
+        if not ok or (best is not None and miss >= best[0]):
+            continue
+        rest = total - fixed
+        if flexible:
+            if not len(flexible) * min_part - EPS <= rest <= sum(shapes[j][2] or 0.0 for j in flexible) + EPS:
+                continue
+        elif abs(rest) > EPS:
+            continue
+        sizes = [shapes[j][0] if c == 0 else (shapes[j][1] or 0.0) for j, c in enumerate(choice)]
+        left = rest - len(flexible) * min_part
+        for j in flexible:
+            add = min(left, (shapes[j][2] or 0.0) - min_part)
+            sizes[j] = min_part + max(0.0, add)
+            left -= max(0.0, add)
+        # Σ memory exactly the instance's: the rounding goes to the largest piece.
+        big = max(range(len(sizes)), key=lambda j: sizes[j])
+        sizes[big] += total - sum(sizes)
+        best = (miss, [(plan[j][0], sizes[j]) for j in range(len(plan))])
+    if best is None or best[0] >= now - EPS:
+        return plan
+    resized = best[1]
+    for o, x in resized:
+        if not (min_part - EPS <= x <= gpus[o].memory_mib * grow - gpus[o].used_memory) or not _piece_passes(
+            gpus[o], request, x, config, filters
+        ):
+            return plan
+    return resized
+
+
 def _place_split(
     cluster: ClusterSnapshot,
     request: PlacementRequest,
@@ -2262,8 +2371,9 @@ def _place_split(
                 window = total + unused + _PAIR_SLACK_MIB
     if best is None:
         return None
+    plan = _lost_room_sizes(cluster, request, config, filters, scan, best[1])
     parts = []
-    for k, (o, mem) in enumerate(best[1]):
+    for k, (o, mem) in enumerate(plan):
         piece = _part_request(request, mem, k)
         inst = piece.to_instance()
         parts.append(

@@ -248,6 +248,8 @@ def _placement(args: argparse.Namespace) -> int:
                 max_moves=max(64, args.compact_max_sources),
                 move_pieces=not args.no_compact_pieces,
                 merges=SIM_COMPACTION.merges if args.compact_merges is None else args.compact_merges,
+                merge_sources=SIM_COMPACTION.merge_sources,
+                merge_source_instances=SIM_COMPACTION.merge_source_instances,
             ),
         )
 

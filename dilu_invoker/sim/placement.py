@@ -55,9 +55,16 @@ SUMMARY_KEYS: tuple[str, ...] = (
 #: looks only at GPUs with Σ request ≤ 0.5, 32 per run, to bound cold starts). A run tries at most
 #: 8 sources, the ones it does not get to carry over to the next run (docs/benchmarks/sim-scale.md:
 #: 64 cost 2–3× the CPU for the same packing), then makes at most one move that merges SM room no
-#: instance can use (docs/benchmarks/sim-scale.md, twelfth round: what 0, 1 and 2 cost and buy).
+#: instance can use, looking at up to 256 such GPUs; while it merges it empties only GPUs of one
+#: instance (docs/benchmarks/sim-scale.md, twelfth and thirteenth rounds: what these cost and buy).
 SIM_COMPACTION = CompactionConfig(
-    source_max_request=1.0, max_sources=8, max_moves=64, move_pieces=True, merges=1
+    source_max_request=1.0,
+    max_sources=8,
+    max_moves=64,
+    move_pieces=True,
+    merges=1,
+    merge_sources=256,
+    merge_source_instances=1,
 )
 
 TIMESERIES_COLUMNS: tuple[str, ...] = (

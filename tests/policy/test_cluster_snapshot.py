@@ -56,6 +56,7 @@ def index_view(c: ClusterSnapshot) -> dict[str, object]:
         "functions": {f: dict(v) for f, v in c.function_counts.items()},
         "widths": dict(c.width_counts),
         "requests": dict(c.request_counts),
+        "memories": dict(c.memory_counts),
         "lit": c.lit_count,
         "sums": (
             round(c.sum_request, 9),

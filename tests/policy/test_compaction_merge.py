@@ -23,6 +23,7 @@ from dilu_invoker.policy import (
 from dilu_invoker.sim.generate import dilu_mix
 
 A0, A1, B0, C0, D0 = GpuRef("a", 0), GpuRef("a", 1), GpuRef("b", 0), GpuRef("c", 0), GpuRef("d", 0)
+A2 = GpuRef("a", 2)
 MERGE = CompactionConfig(source_max_request=1.0, merges=1)
 
 
@@ -82,6 +83,48 @@ CASES = [
             gpu(B0, i("s", 0.40), i("t", 0.30)),
         ),
         (("q", A0, B0),),
+    ),
+    # a/0 has SM room 0.40, more than the least request (0.30), but 2 GiB of free memory, less than
+    # the least memory (4 GiB): no instance fits it. p fills b/0 exactly and leaves 0.70 with 6 GiB.
+    Case(
+        "memory-short-room-merged",
+        (gpu(A0, i("p", 0.30), i("q", 0.30, 34)), gpu(B0, i("s", 0.40), i("t", 0.30))),
+        (("p", A0, B0),),
+    ),
+    # a/0: room 0.13 below the least request (0.25). The piece p (0.30) fills a/2 exactly, a gain of
+    # 0.13 (r would leave 0.05 there, p2 0.10 on a/2 for the 0.22 it merges on a/1); a/1 holds p's
+    # sibling stage and is avoided.
+    Case(
+        "pieces-merge-in-their-node",
+        (
+            gpu(A0, piece("p", "L", 0.30, 6), i("q", 0.32), i("r", 0.25)),
+            gpu(A1, piece("p2", "L", 0.20, 20), i("y", 0.58)),
+            gpu(A2, i("x", 0.70)),
+        ),
+        (("p", A0, A2),),
+        config=replace(MERGE, move_pieces=True),
+    ),
+    # The same without `move_pieces`: the piece stays, r merges a gain of 0.08.
+    Case(
+        "pieces-stay-unless-they-may-move",
+        (
+            gpu(A0, piece("p", "L", 0.30, 6), i("q", 0.32), i("r", 0.25)),
+            gpu(A1, piece("p2", "L", 0.20, 20), i("y", 0.58)),
+            gpu(A2, i("x", 0.70)),
+        ),
+        (("r", A0, A2),),
+    ),
+    # Moving the piece p would fill a/1 exactly, but the 0.10 it leaves on a/0 is still less than
+    # the least request (0.45): nothing is merged. q and r find no GPU with 0.45 of room.
+    Case(
+        "room-left-still-lost",
+        (
+            gpu(A0, piece("p", "L", 0.05, 2), i("q", 0.45), i("r", 0.45)),
+            gpu(A1, piece("p2", "L", 0.05, 2), i("s", 0.45), i("t", 0.45)),
+            gpu(A2, piece("p3", "M", 0.05, 2), i("u", 0.45), i("v", 0.45)),
+        ),
+        (),
+        config=replace(MERGE, move_pieces=True),
     ),
     # a/0 (room 0.15) gains 0.10 at best (q leaves 0.05 on b/0); c/0 (room 0.12) gains 0.12 (u fills
     # b/0): the larger gain, though a/0 is met first.
@@ -163,6 +206,28 @@ def test_smallest_request(gpus: tuple[GpuState, ...], smallest: float | None) ->
     grown = cluster.with_instance(i("tiny", 0.1), (A0,))
     assert grown.smallest_request() == 0.1
     assert grown.without_instance("tiny").smallest_request() == smallest
+
+
+@pytest.mark.parametrize(
+    ("gpus", "least"),
+    [
+        ((gpu(A0),), None),
+        ((gpu(A0, i("p", 0.30, 6), i("q", 0.25, 9)),), 6 * GIB),
+        # A piece's memory is a share of its instance's: left out.
+        ((gpu(A0, piece("p", "L", 0.05, 2), i("q", 0.25, 9)), gpu(A1, piece("p2", "L", 0.05, 2))), 9 * GIB),
+        # A gang counts once, with its per-GPU memory.
+        ((gpu(A0, GANG), gpu(A1, GANG)), 8 * GIB),
+    ],
+    ids=["empty", "least", "pieces-left-out", "gang"],
+)
+def test_smallest_memory(gpus: tuple[GpuState, ...], least: float | None) -> None:
+    cluster = ClusterSnapshot.build(now=0.0, gpus=gpus)
+    assert cluster.smallest_memory() == least
+    assert sum(cluster.memory_counts.values()) == len({x.id for g in gpus for x in g.instances if x.part_of is None})
+    # Kept as instances come and go.
+    grown = cluster.with_instance(i("tiny", 0.1, 1), (A0,))
+    assert grown.smallest_memory() == 1 * GIB
+    assert grown.without_instance("tiny").smallest_memory() == least
 
 
 def _room_squares(cluster: ClusterSnapshot) -> float:

@@ -27,6 +27,7 @@ from dilu_invoker.policy.cluster import GpuVector
 from dilu_invoker.policy.compaction import NoFit, _lit_fits, _still_no_fit
 from dilu_invoker.policy.placement import (
     FILTERS,
+    _lost_room_sizes,
     _place_split,
     _Rejects,
     _scan_lit,
@@ -251,7 +252,10 @@ def test_split_placement_passes_over_only_invokers_that_cannot_win(seed: int) ->
             assert got is None
         else:
             assert got is not None
-            assert [(cl.ordinals[p.gpu], p.instance.memory_mib) for p in got.parts] == want[1]
+            # The pieces as the walk's plan has them, resized as split placement resizes them.
+            sized = _lost_room_sizes(cl, q, config, filters, _SplitScan(cl, q, config, filters, config.llm_max_parts),
+                                     want[1])
+            assert [(cl.ordinals[p.gpu], p.instance.memory_mib) for p in got.parts] == sized
             plans += 1
         assert split_fits(cl, q, config) == (want is not None)
         # The bound never passes over an invoker that has a plan of that many pieces or fewer.
