@@ -265,7 +265,7 @@ MODES: dict[str, dict[str, Any]] = {
     "slo-ts": {"flags": ["--gpu-vertical-policy", "slo", *TS], **SHIM_ANN,
                "what": "shim + slo controller, time-slicing (--gpu-mps off)"},
 }
-CONTROLLERS = ("slo", "slo-ts", "shim", "shim-mps", "shim-ts")
+CONTROLLERS = ("slo", "slo-ts", "shim", "shim-lc50", "shim-noprio", "shim-mps", "shim-ts")
 """Modes whose shares a feedback policy sets (``shim`` runs rckm where auto picks time-slicing); the modes marked
 ``baseline`` are the simple static ones; ``spatial`` is neither: static, but the product's own default under MPS."""
 PAIRS = {"resnet50+train": "resnet50", "bert+train": "bert"}
