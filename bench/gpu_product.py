@@ -203,6 +203,20 @@ def main(args):
                 time.sleep(float(args.get("dry_ms", 20)) / 1000)
             stamps.append(time.time())
         return {"stamps": stamps}
+    end = time.time() + seconds
+    if args.get("kind") == "membw":  # memory-bandwidth bound: large device-to-device copies, few SMs needed
+        if not _state:
+            n = int(args.get("membw_mb", 2048)) * 2**20 // 2  # fp16 elements
+            _state["a"] = torch.empty(n, dtype=torch.half, device="cuda").normal_()
+            _state["b"] = torch.empty_like(_state["a"])
+        a, b = _state["a"], _state["b"]
+        while time.time() < end:
+            for _ in range(4):
+                b.copy_(a)
+                a.copy_(b)
+            torch.cuda.synchronize()
+            stamps.append(time.time())
+        return {"stamps": stamps}
     if not _state:
         import torchvision
         model = torchvision.models.resnet50(weights=None).cuda()
@@ -213,7 +227,6 @@ def main(args):
         _state["x"] = torch.randn(b, 3, 224, 224, device="cuda")
         _state["y"] = torch.randint(0, 1000, (b,), device="cuda")
     m, opt, scaler, x, y = _state["m"], _state["opt"], _state["scaler"], _state["x"], _state["y"]
-    end = time.time() + seconds
     while time.time() < end:
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.float16):
@@ -268,7 +281,11 @@ MODES: dict[str, dict[str, Any]] = {
 CONTROLLERS = ("slo", "slo-ts", "shim", "shim-lc50", "shim-noprio", "shim-mps", "shim-ts")
 """Modes whose shares a feedback policy sets (``shim`` runs rckm where auto picks time-slicing); the modes marked
 ``baseline`` are the simple static ones; ``spatial`` is neither: static, but the product's own default under MPS."""
-PAIRS = {"resnet50+train": "resnet50", "bert+train": "bert"}
+PAIRS = {"resnet50+train": "resnet50", "bert+train": "bert", "resnet50+membw": "resnet50"}
+"""Pair → inference model. The best-effort side is ResNet-50 training, except in ``resnet50+membw``
+(issue 17's interference that SM share cannot fix): a memory-bandwidth-bound job of large device-to-device
+copies (2 × 2 GiB fp16 buffers, 8 copies per step; its 'it/s' are steps/s)."""
+BEST_EFFORT_KIND = {"resnet50+membw": "membw"}
 
 
 # -- small helpers ------------------------------------------------------------------------------------------
@@ -653,6 +670,7 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
     if args.dry_run and FAKE_CUDA.exists():
         dry["fake_cuda"] = str(FAKE_CUDA)
     iparams = {"model": model, "batch": 8, **dry}
+    tdry = {**dry, **({"kind": BEST_EFFORT_KIND[pair]} if pair in BEST_EFFORT_KIND else {})}
     slo_ann = args.slo_ms if mode in ("slo", "slo-ts") and args.slo_ms > 0 else None
     cell: dict[str, Any] = {"mode": mode, "what": spec["what"], "pair": pair, "trial": trial, "scenarios": {},
                             "annotations": {"inference": spec["infer"], "training": spec["train"],
@@ -666,13 +684,13 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
         # Cold starts of both at once (the GPU is barely used while processes start and models load), then
         # training alone (the inference instance exists and is idle), then inference alone.
         (tms, tdata, tstatus), (ims, idata, istatus) = await asyncio.gather(
-            st.invoke("train", train_params(0.0, dry)), st.invoke("infer", iparams))
+            st.invoke("train", train_params(0.0, tdry)), st.invoke("infer", iparams))
         cell["cold_start_ms"] = {"train": rnd(tms), "infer": rnd(ims), "together": True}
         for what, status, data in (("training", tstatus, tdata), ("inference", istatus, idata)):
             if status != 200:
                 raise RuntimeError(f"{mode}: {what} cold start answered {status}: {data}")
         await asyncio.sleep(IDLE_AFTER_S)  # inference idle: the policy gives training the GPU
-        tr = await st.invoke("train", train_params(args.seconds, dry))
+        tr = await st.invoke("train", train_params(args.seconds, tdry))
         stamps = (tr[1] or {}).get("stamps", [])
         solo_train = train_rate(stamps, stamps[0] if stamps else 0, stamps[-1] if stamps else 0) if stamps else None
         cell["solo_train_it_s"] = rnd(solo_train)
@@ -719,7 +737,7 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
             while todo and (not group or length + args.seconds + 2.3 <= TRAIN_GROUP_S):
                 group.append(todo.pop(0))
                 length += args.seconds + (2.0 if group[-1][0] == "burst" else 0.0) + GAP_S
-            train_task = asyncio.create_task(st.invoke("train", train_params(LEAD_S + length + 0.5, dry)))
+            train_task = asyncio.create_task(st.invoke("train", train_params(LEAD_S + length + 0.5, tdry)))
             await asyncio.sleep(LEAD_S)  # training runs before inference starts
             results = []
             for name, kind, load in group:
@@ -740,7 +758,7 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
                 finish(name, samples, window, stamps)
         if "idle" in want:
             t0 = time.time()
-            _, tdata, _ = await st.invoke("train", train_params(args.seconds, dry))
+            _, tdata, _ = await st.invoke("train", train_params(args.seconds, tdry))
             stamps = (tdata or {}).get("stamps", [])
             rate = train_rate(stamps, stamps[0], stamps[-1]) if stamps else None
             cell["scenarios"]["idle"] = {"train_it_s": rnd(rate),

@@ -22,7 +22,9 @@
 #                                               with SECONDS_PER=6 windows, so that the p99s are not a window's
 #                                               last few requests, PLAN=13 latency-critical caps at 0.5 (shim-lc50)
 #                                               beside noshim and mps50 on both pairs, then the defaults on BERT as
-#                                               the budget allows (TRIALS=2); the plan and its
+#                                               the budget allows (TRIALS=2), PLAN=14 a memory-bandwidth-
+#                                               bound best-effort job (pair resnet50+membw) beside ResNet-50
+#                                               inference: noshim, shim, mps50, shim-ts; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -98,7 +100,10 @@ elif [ "$what" = matrix ]; then
         prio="resnet50+train:noshim,shim,mps50" ;;  # the paced cell alone, long windows (SECONDS_PER=6)
     13) modes=noshim,shim,shim-lc50,mps50; bert=""  # shim-lc50 against the strongest static split, both pairs
         prio="resnet50+train:noshim,shim-lc50;bert+train:noshim,shim-lc50;resnet50+train:mps50;bert+train:mps50;bert+train:shim;resnet50+train:shim" ;;
-    *) echo "PLAN is 1 to 13"; exit 2 ;;
+    14) modes=noshim,shim,mps50,shim-ts; pairs=resnet50+membw; bert=""  # a memory-bandwidth-bound best-effort
+        besides=paced@0.5,poisson@0.5,poisson@0.7                       # job beside ResNet-50 inference
+        prio="resnet50+membw:noshim,shim,mps50,shim-ts" ;;
+    *) echo "PLAN is 1 to 14"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
