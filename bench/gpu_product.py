@@ -23,6 +23,10 @@ GPU share a uid, kept apart by namespaces. Every cell records what the invoker a
 (``effective``: MPS or not and why, the policy, the shim) from its log and /metrics. Actions declare
 ``limits.memory`` 8192 MB (a GPU process with torch needs far more than the 256 MB default).
 
+Pairs (``--pairs``): ``resnet50+train`` and ``bert+train`` (ResNet-50 or BERT-base inference beside ResNet-50
+training), ``resnet50+membw`` (ResNet-50 inference beside a memory-bandwidth-bound best-effort job: large
+device-to-device copies; issue 17's interference that an SM share cannot fix).
+
 Scenarios per mode, pair and trial (training is ResNet-50 fp16 AMP batch 32; inference is batch 8 fp16):
 
 * ``cold``: first invoke of both actions, at once (client-side: container start + init + first run).
