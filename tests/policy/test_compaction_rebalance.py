@@ -91,3 +91,17 @@ def test_stage_resizing(case: tuple) -> None:
         rooms = sorted(round(1.0 - g.used_request, 6) for g in after.gpus if g.instances)
         assert rooms == [0.0, 0.26]
         assert all(m.source == m.target and m.reason.startswith("resize stage") for m in plan.moves)
+
+
+def test_live_compaction_refuses_resizing() -> None:
+    from dilu_invoker.loadbalancer.planner import LIVE_COMPACTION, LiveCompaction
+
+    assert LIVE_COMPACTION.rebalances == 0
+    with pytest.raises(ValueError, match="rebalances must be 0"):
+        LiveCompaction(config=replace(LIVE_COMPACTION, merges=1, rebalances=1))
+
+
+def test_config_bounds() -> None:
+    for bad in ({"rebalances": -1}, {"rebalance_min_gain": -0.1}, {"rebalance_sources": 0}):
+        with pytest.raises(ValueError):
+            CompactionConfig(**bad)
