@@ -13,6 +13,7 @@ by kind, with the cold starts (processes started) each kind cost:
 - `empty_anew`: a split LLM placed anew (whole or split again) because no GPU of its node took one
   of its stages (its stages count once per new piece);
 - `merge_whole`, `merge_stage`: merging moves (`CompactionConfig.merges`).
+- `resize_stage`: a pipeline stage resized where it is (`CompactionConfig.rebalances`).
 
 `--move-parts N` (a prototype, not a simulator setting) hands compaction a placement config that
 splits an LLM into at most N pieces (1: compaction's moves never split; placement at creation still
@@ -47,7 +48,7 @@ from dilu_invoker.policy.cluster import ClusterSnapshot
 from dilu_invoker.sim.generate import dilu_mix
 from dilu_invoker.sim.placement import PlacementSimConfig, simulate_placement
 
-KINDS = ("empty_whole", "empty_split", "empty_stage", "empty_anew", "merge_whole", "merge_stage")
+KINDS = ("empty_whole", "empty_split", "empty_stage", "empty_anew", "merge_whole", "merge_stage", "resize_stage")
 
 
 def classify(before: ClusterSnapshot, plan: CompactionPlan) -> list[tuple[str, str, int]]:
@@ -59,7 +60,9 @@ def classify(before: ClusterSnapshot, plan: CompactionPlan) -> list[tuple[str, s
         inst = next((i for i in gpu.instances if i.id == mv.instance_id), None)
         if inst is None:  # a split instance placed anew: the source holds one of its stages
             inst = next(i for i in gpu.instances if i.part_of == mv.instance_id)
-        if n >= first_merge:
+        if mv.source == mv.target:
+            kind = "resize_stage"
+        elif n >= first_merge:
             kind = "merge_stage" if inst.part_of is not None else "merge_whole"
         elif mv.replaces:
             kind = "empty_anew"

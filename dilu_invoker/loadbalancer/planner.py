@@ -80,6 +80,9 @@ class LiveCompaction:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.period_s) and self.period_s > 0):
             raise ValueError(f"compaction period_s must be > 0, got {self.period_s!r}")
+        if self.config.rebalances:
+            # A resize re-cuts a serving pipeline where it is: no live action does that.
+            raise ValueError("live compaction cannot resize pipeline stages: rebalances must be 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,18 @@ class CompactionConfig:
     """While a call merges, it empties only GPUs with at most this many instances (and at most
     `source_max_instances`): a fuller GPU is left to merging, which moves its instances one at a
     time where each fits tightest, instead of all at once wherever they fit."""
+    rebalances: int = 0
+    """How many split instances a merging call (`merges` > 0, Σ request binding) may then resize
+    the pipeline stages of (`_rebalance`): stages on GPUs whose SM room is below the least request
+    grow to fill it and one stage of the same instance shrinks by as much, so that its GPU's room
+    becomes room an instance can use. Each resized stage is a cold start (the pipeline is cut
+    anew). 0: none (the default, live and simulated)."""
+    rebalance_min_gain: float = 0.03
+    """The least SM room (fraction of a GPU) a resize must turn from lost into used or usable per
+    stage it resizes, i.e. per cold start."""
+    rebalance_sources: int = 64
+    """How many GPUs with lost SM room that hold a stage one resize looks at, the most room first
+    (bounds the work per call)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.source_max_request <= 1.0:
@@ -78,7 +90,12 @@ class CompactionConfig:
             raise ValueError(f"max_trials must be >= 1 or None, got {self.max_trials}")
         if self.merges < 0:
             raise ValueError(f"merges must be >= 0, got {self.merges}")
-        for name in ("source_max_instances", "max_sources", "max_moves", "merge_sources", "merge_source_instances"):
+        if self.rebalances < 0:
+            raise ValueError(f"rebalances must be >= 0, got {self.rebalances}")
+        if not (math.isfinite(self.rebalance_min_gain) and self.rebalance_min_gain >= 0.0):
+            raise ValueError(f"rebalance_min_gain must be >= 0, got {self.rebalance_min_gain!r}")
+        for name in ("source_max_instances", "max_sources", "max_moves", "merge_sources", "merge_source_instances",
+                     "rebalance_sources"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -113,7 +130,8 @@ class CompactionPlan:
     state: CompactionState | None = None
     """Hand to the next call (after deriving the next cluster from `cluster`)."""
     merged: int = 0
-    """How many of `moves` (the last ones) merge SM room (`CompactionConfig.merges`) rather than
+    """How many of `moves` (the last ones) merge SM room (`CompactionConfig.merges`) or resize a
+    pipeline stage where it is (`CompactionConfig.rebalances`, source equal to target) rather than
     empty a GPU."""
 
     @property
@@ -858,6 +876,12 @@ def compaction_plan(
         work, merged = _merge(work, placement, config, min(config.merges, config.max_moves - len(moves)),
                               targets, pinned)
         moves.extend(merged)
+        if config.rebalances and len(moves) < config.max_moves:
+            work, resized = _rebalance(
+                work, placement, config, config.rebalances, config.max_moves - len(moves), targets, pinned
+            )
+            moves.extend(resized)
+            merged += resized
     next_state = CompactionState(
         seen=emptied,
         failed=failed,
@@ -1004,6 +1028,167 @@ def _merge(
             )
         )
     return work, moves
+
+
+def _rebalance(
+    work: ClusterSnapshot,
+    placement: PlacementConfig,
+    config: CompactionConfig,
+    budget: int,
+    max_stages: int,
+    targets: set[GpuRef],
+    pinned: frozenset[str],
+) -> tuple[ClusterSnapshot, list[CompactionMove]]:
+    """Up to `budget` split instances (at most `max_stages` stages in all) whose pipeline stages are resized so that SM room no instance
+    can use is filled.
+
+    SM room ρ = ω − Σ request (fractions of a GPU) is lost on a lit GPU while ρ is below the least
+    request (`ClusterSnapshot.smallest_request`). A split instance's stages ask request and memory
+    in one proportion, m MiB per unit of request. Each stage on a GPU with lost room ρ_d grows by
+    x_d ≤ ρ_d (and x_d·m MiB, within its GPU's free memory) and one other stage, on GPU b, shrinks by
+    Σ x_d (no lower than `PlacementConfig.min_part_mib`): Σ request and Σ memory of the instance stay,
+    the grown stages' GPUs lose x_d of lost room, and b's room becomes ρ_b + Σ x_d. A resize is made
+    only when that room is one an instance can use (at least the least request, beside at least
+    the least memory), and when the room it turns from lost into used or usable, the gain
+    Σ x_d (+ ρ_b where ρ_b was lost), is at least `CompactionConfig.rebalance_min_gain` per resized
+    stage (each a cold start); the largest gain first, stages as large as these bounds allow (the
+    largest x_d first). Not pinned instances, not on a GPU this plan moved something onto or off;
+    stages stay on their GPUs (`CompactionMove.source` equals `target`). Each resize looks at the
+    stages on the `rebalance_sources` GPUs with lost room that hold one, the most room first.
+
+    The caller resizes only while Σ request bounds the lit GPUs (`_request_binds`)."""
+    moves: list[CompactionMove] = []
+    smallest = work.smallest_request()
+    least_memory = work.smallest_memory()
+    if smallest is None or least_memory is None:
+        return work, moves
+    omega = placement.omega
+    first = max(0, math.floor((omega - smallest) * BUCKETS))
+    stop = BUCKETS + 1 if omega > 1.0 else BUCKETS
+    for _ in range(budget):
+        gpus = work.gpus
+        best: tuple[tuple[float, int], list[tuple[GpuState, PlacedInstance]], int, list[tuple[float, int]]] | None = None
+        wholes: set[str] = set()
+        looked = 0
+        # GPUs whose room is below the least request, the most room first (the buckets from
+        # `first` up), at most `rebalance_sources` of them holding a stage.
+        for k in range(first, stop):
+            if looked >= config.rebalance_sources:
+                break
+            for o in work.lit_buckets[k]:
+                gpu = gpus[o]
+                if not EPS < omega - gpu.used_request < smallest - EPS or gpu.ref in targets:
+                    continue
+                if looked >= config.rebalance_sources:
+                    break
+                looked += any(p.part_of is not None for p in gpu.instances)
+                for piece in gpu.instances:
+                    whole = piece.part_of
+                    if whole is None or whole in wholes or whole in pinned:
+                        continue
+                    wholes.add(whole)
+                    stages = _stage_gpus(work, gpu, whole)
+                    if any(g.ref in targets or p.id in pinned for g, p in stages):
+                        continue
+                    found = _best_resize(
+                        stages, omega, smallest, least_memory, placement.min_part_mib, config.rebalance_min_gain
+                    )
+                    if found is None:
+                        continue
+                    gain, b, chosen = found
+                    key = (gain, -len(chosen))
+                    if best is None or key > best[0]:
+                        best = (key, stages, b, chosen)
+        if best is None:
+            break
+        _, stages, b, chosen = best
+        if len(moves) + 1 + len(chosen) > max_stages:
+            break
+        shrink = sum(x for x, _ in chosen)
+        for idx, dx in [(b, -shrink), *((d, x) for x, d in chosen)]:
+            g, p = stages[idx]
+            q = _resized(p, dx)
+            work = work.without_instance(p.id).with_instance(q, (g.ref,))
+            targets.add(g.ref)
+            moves.append(
+                CompactionMove(
+                    instance_id=p.id,
+                    function=p.function,
+                    source=g.ref,
+                    target=g.ref,
+                    reason=(
+                        f"resize stage on {g.ref}: SM request {p.request:.3f} -> {q.request:.3f}, "
+                        f"memory {p.memory_mib / 1024:.1f} -> {q.memory_mib / 1024:.1f} GiB"
+                    ),
+                )
+            )
+    return work, moves
+
+
+def _stage_gpus(work: ClusterSnapshot, gpu: GpuState, whole: str) -> list[tuple[GpuState, PlacedInstance]]:
+    """The stages of the split instance `whole`, each with its GPU: on `gpu`'s node, in GPU order."""
+    ords = work.invoker_ordinals[gpu.ref.invoker]
+    return [
+        (g, p)
+        for g in work.gpus.span(ords[0], ords[-1] + 1)
+        for p in g.instances
+        if p.part_of == whole
+    ]
+
+
+def _best_resize(
+    stages: list[tuple[GpuState, PlacedInstance]],
+    omega: float,
+    smallest: float,
+    least_memory: float,
+    min_part_mib: float,
+    min_gain: float,
+) -> tuple[float, int, list[tuple[float, int]]] | None:
+    """The resize of `stages` (see `_rebalance`) with the largest gain (SM, fractions of a GPU):
+    (gain, the index of the stage that shrinks, [(x_d, index of a stage that grows by x_d)]);
+    None: none leaves usable room for at least `min_gain` per resized stage."""
+    grow = 1.0 + EPS
+    if len(stages) < 2 or stages[0][1].request <= EPS:
+        return None
+    per = stages[0][1].memory_mib / stages[0][1].request  # MiB per unit of request
+    best: tuple[float, int, list[tuple[float, int]]] | None = None
+    for b, (gb, pb) in enumerate(stages):
+        room_b = omega - gb.used_request
+        spare = (pb.memory_mib - min_part_mib) / per
+        if spare <= EPS:
+            continue
+        grows = []
+        for d, (gd, _) in enumerate(stages):
+            room_d = omega - gd.used_request
+            if d != b and EPS < room_d < smallest - EPS:
+                x = min(room_d, (gd.memory_mib * grow - gd.used_memory) / per)
+                if x > EPS:
+                    grows.append((x, d))
+        grows.sort(key=lambda xd: (-xd[0], xd[1]))
+        chosen: list[tuple[float, int]] = []
+        total = 0.0
+        for x, d in grows:
+            x = min(x, spare - total)
+            if x <= EPS:
+                break
+            chosen.append((x, d))
+            total += x
+        if not chosen or room_b + total < smallest - EPS:
+            continue
+        if gb.memory_mib - gb.used_memory + total * per < least_memory:
+            continue
+        gain = total + (room_b if room_b < smallest - EPS else 0.0)
+        if gain < min_gain * (1 + len(chosen)) - EPS:
+            continue
+        if best is None or (gain, -len(chosen)) > (best[0], -len(best[2])):
+            best = (gain, b, chosen)
+    return best
+
+
+def _resized(p: PlacedInstance, dx: float) -> PlacedInstance:
+    """`p` (a stage) with `dx` more SM request, and memory and limit in proportion."""
+    f = (p.request + dx) / p.request
+    return replace(p, request=p.request + dx, limit=p.limit * f, memory_mib=p.memory_mib * f)
 
 
 def _tightest_stage(work: ClusterSnapshot, gpu: GpuState, piece: PlacedInstance, omega: float) -> int | None:
