@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from evaluation import SERVING, fitted_kappa
+from loadgen import cpu_model
 
 from dilu_invoker.policy import PlacementConfig
 from dilu_invoker.sim.profiles import load_profiles
@@ -44,16 +45,6 @@ RUNS = {
     "dilu-infless-r": {"policy": "dilu", "placement": "infless-r"},
 }
 """Run name → serving policy and, for the what-if, the placement strategy `dilu` runs with instead of its own."""
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_one(trace: Any, profiles: Any, gpus: int, seed: int, run: str, kappa: float) -> dict[str, Any]:
