@@ -4,8 +4,8 @@ what-if, `dilu` with `infless-r`'s placement) on the day and bursty traces (issu
     PYTHONPATH=. python3 bench/serving_seeds.py [--seeds 1,2,3] [--traces azure-day,bursty]
         [--runs dilu,mps-static,dilu-infless-r] [--interference K] [--out docs/benchmarks/serving-seeds.md]
 
-docs/evaluation.md runs every policy once, with seed 1. The seed draws the simulator's random parts (service
-times, arrival jitter within a trace's buckets); the traces and profiles are the evaluation's. This script runs
+docs/evaluation.md runs every policy once, with seed 1. The seed draws where in each of a trace's
+bins its requests arrive; the counts per bin and the profiles are the evaluation's. This script runs
 the comparison that decides part 5's target once per seed and writes a page with each seed's row, the ratio
 `dilu` / `mps-static` of requests per GPU-second per seed, and its median and worst, beside the SLO
 violations, p99 and training throughput. The raw rows go to the page's `.json` twin under
