@@ -929,16 +929,13 @@ def _merge(
 
     The caller merges only while Σ request bounds the lit GPUs (`_request_binds`)."""
     moves: list[CompactionMove] = []
-    smallest = work.smallest_request()
-    least_memory = work.smallest_memory()
-    if smallest is None or least_memory is None:
-        return work, moves
     omega = placement.omega
+    lost = _lost_room_buckets(work, omega)
+    if lost is None:
+        return work, moves
+    smallest, least_memory, first, stop = lost
     filters = placement.filters()
     grow = 1.0 + EPS
-    first = max(0, math.floor((omega - smallest) * BUCKETS))
-    # Bucket BUCKETS holds Σ request ≥ 1: no room there unless ω > 1.
-    stop = BUCKETS + 1 if omega > 1.0 else BUCKETS
     # Below `first` every GPU has SM room for the least request: lost only where memory is short,
     # the GPUs with the least free memory of the bucket (`lit_room` is by free memory).
     short = (least_memory - work.max_memory_mib * EPS, -1)
@@ -1030,6 +1027,19 @@ def _merge(
     return work, moves
 
 
+def _lost_room_buckets(work: ClusterSnapshot, omega: float) -> tuple[float, float, int, int] | None:
+    """The least live SM request and memory (MiB) and the Σ-request buckets [first, stop) whose GPUs have
+    less SM room than that request (lost room); None when no instance is live."""
+    smallest = work.smallest_request()
+    least_memory = work.smallest_memory()
+    if smallest is None or least_memory is None:
+        return None
+    first = max(0, math.floor((omega - smallest) * BUCKETS))
+    # Bucket BUCKETS holds Σ request ≥ 1: no room there unless ω > 1.
+    stop = BUCKETS + 1 if omega > 1.0 else BUCKETS
+    return smallest, least_memory, first, stop
+
+
 def _rebalance(
     work: ClusterSnapshot,
     placement: PlacementConfig,
@@ -1058,13 +1068,11 @@ def _rebalance(
 
     The caller resizes only while Σ request bounds the lit GPUs (`_request_binds`)."""
     moves: list[CompactionMove] = []
-    smallest = work.smallest_request()
-    least_memory = work.smallest_memory()
-    if smallest is None or least_memory is None:
-        return work, moves
     omega = placement.omega
-    first = max(0, math.floor((omega - smallest) * BUCKETS))
-    stop = BUCKETS + 1 if omega > 1.0 else BUCKETS
+    lost = _lost_room_buckets(work, omega)
+    if lost is None:
+        return work, moves
+    smallest, least_memory, first, stop = lost
     for _ in range(budget):
         gpus = work.gpus
         best: tuple[tuple[float, int], list[tuple[GpuState, PlacedInstance]], int, list[tuple[float, int]]] | None = None
