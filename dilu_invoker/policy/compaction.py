@@ -1134,14 +1134,9 @@ def _rebalance(
 
 
 def _stage_gpus(work: ClusterSnapshot, gpu: GpuState, whole: str) -> list[tuple[GpuState, PlacedInstance]]:
-    """The stages of the split instance `whole`, each with its GPU: on `gpu`'s node, in GPU order."""
-    ords = work.invoker_ordinals[gpu.ref.invoker]
-    return [
-        (g, p)
-        for g in work.gpus.span(ords[0], ords[-1] + 1)
-        for p in g.instances
-        if p.part_of == whole
-    ]
+    """The stages of the split instance `whole` (`_stages`), each with its GPU's state: on `gpu`'s
+    node, in GPU order."""
+    return [(work.gpu(ref), p) for ref, p in _stages(work, whole, gpu.ref.invoker)]
 
 
 def _best_resize(
