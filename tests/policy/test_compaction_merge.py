@@ -53,6 +53,13 @@ class Case:
 # a/0: 0.85 requested, 0.15 of room that no instance (the least asks 0.25) can use; b/0 has 0.30.
 LOST = (gpu(A0, i("p", 0.30), i("q", 0.30), i("r", 0.25)), gpu(B0, i("s", 0.40), i("t", 0.30)))
 
+# One node: a/0 holds the stage p of L beside q and r, a/1 p's sibling stage p2, a/2 one instance.
+PIECES_NODE = (
+    gpu(A0, piece("p", "L", 0.30, 6), i("q", 0.32), i("r", 0.25)),
+    gpu(A1, piece("p2", "L", 0.20, 20), i("y", 0.58)),
+    gpu(A2, i("x", 0.70)),
+)
+
 CASES = [
     # p fills b/0 exactly: a/0's 0.15 becomes 0.45, b/0 keeps none (q gains as much: found later).
     Case("lost-room-merged", LOST, (("p", A0, B0),)),
@@ -96,22 +103,14 @@ CASES = [
     # sibling stage and is avoided.
     Case(
         "pieces-merge-in-their-node",
-        (
-            gpu(A0, piece("p", "L", 0.30, 6), i("q", 0.32), i("r", 0.25)),
-            gpu(A1, piece("p2", "L", 0.20, 20), i("y", 0.58)),
-            gpu(A2, i("x", 0.70)),
-        ),
+        PIECES_NODE,
         (("p", A0, A2),),
         config=replace(MERGE, move_pieces=True),
     ),
     # The same without `move_pieces`: the piece stays, r merges a gain of 0.08.
     Case(
         "pieces-stay-unless-they-may-move",
-        (
-            gpu(A0, piece("p", "L", 0.30, 6), i("q", 0.32), i("r", 0.25)),
-            gpu(A1, piece("p2", "L", 0.20, 20), i("y", 0.58)),
-            gpu(A2, i("x", 0.70)),
-        ),
+        PIECES_NODE,
         (("r", A0, A2),),
     ),
     # Moving the piece p would fill a/1 exactly, but the 0.10 it leaves on a/0 is still less than
