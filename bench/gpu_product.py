@@ -1006,6 +1006,8 @@ def aggregate(cells: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[st
                               ("slo_violations", "max"), ("train_vs_ref", "min"), ("train_vs_solo", "min"),
                               ("train_it_s", "min"), ("p50_ms", "max")):
             agg[field_] = _stat([r.get(field_) for r in rs], worst)
+        agg["points"] = [(r["p99_ms"], r["train_vs_ref"]) for r in rs
+                         if r.get("p99_ms") is not None and r.get("train_vs_ref") is not None]
         effs = {(r["_eff"].get("mps"), r["_eff"].get("policy")) for r in rs}
         agg["effective"] = "; ".join(f"{'MPS' if m else 'time-slicing' if m is False else '?'}"
                                      f"{', ' + p if p else ''}" for m, p in sorted(effs, key=str))
@@ -1044,6 +1046,35 @@ def dominated_by(agg: dict[tuple[str, str, str], dict[str, Any]], pair: str, sce
     return out
 
 
+DOMINANCE_DRAWS = 2000
+"""Bootstrap resamples behind `dominance_odds`."""
+BEYOND_NOISE = 0.95
+"""Odds from which a dominance counts as beyond the trials' noise (one-sided, 95%)."""
+
+
+def dominance_odds(agg: dict[tuple[str, str, str], dict[str, Any]], pair: str, scenario: str, mode: str, other: str,
+                   tolerance: float = 0.02, draws: int = DOMINANCE_DRAWS, seed: int = 17) -> float | None:
+    """How sure the trials make `dominated_by`'s verdict that ``other`` dominates ``mode`` in a cell: the share of
+    ``draws`` bootstrap resamples (each mode's trials drawn with replacement, independently; the median p99 and
+    median training of each draw) in which ``other``'s p99 is at or below ``mode``'s and its training above by more
+    than ``tolerance``. None without at least two trials of each with both figures."""
+    me, them = agg.get((pair, scenario, mode)), agg.get((pair, scenario, other))
+    if me is None or them is None:
+        return None
+    mine, theirs = me.get("points", []), them.get("points", [])
+    if len(mine) < 2 or len(theirs) < 2:
+        return None
+    rng = random.Random(seed)
+    hits = 0
+    for _ in range(draws):
+        a = [rng.choice(mine) for _ in mine]
+        b = [rng.choice(theirs) for _ in theirs]
+        if (statistics.median(p for p, _ in b) <= statistics.median(p for p, _ in a)
+                and statistics.median(t for _, t in b) > statistics.median(t for _, t in a) + tolerance):
+            hits += 1
+    return hits / draws
+
+
 def _pair(x: tuple[float | None, float | None], pctg: bool = False, suffix: str = "") -> str:
     med, worst = x
     if med is None or worst is None:
@@ -1079,7 +1110,9 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
               "the trial) or failed. *Strongest baseline*: among the static modes, the one whose worst violations stay "
               "≤ 1% with the most training (else the lowest p99); the controller rows give their training and p99 as "
               "ratios to it. *Dominated by*: static modes with a median p99 at or below the mode's and more training "
-              "(+0.02)."]
+              f"(+0.02); in brackets the odds of that verdict: the share of {DOMINANCE_DRAWS:,} bootstrap resamples of "
+              "the trials (each mode's drawn with replacement) in which it holds."]
+    tallies: dict[tuple[str, str], list[int]] = {}
     for pair in dict.fromkeys(c["pair"] for c in cells):
         scen = list(dict.fromkeys(s for (p, s, _m) in agg if p == pair))
         modes = list(dict.fromkeys(c["mode"] for c in cells if c["pair"] == pair))
@@ -1113,9 +1146,21 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
                 elif mode == best:
                     vs = "**strongest baseline**"
                 dom = dominated_by(agg, pair, name, mode) if mode in CONTROLLERS else []
+                odds = {m: dominance_odds(agg, pair, name, mode, m) for m in dom}
+                if mode in CONTROLLERS:
+                    tally = tallies.setdefault((pair, mode), [0, 0, 0])
+                    tally[0] += 1
+                    tally[1] += bool(dom)
+                    tally[2] += any(o is not None and o >= BEYOND_NOISE for o in odds.values())
+                shown = ", ".join(m if odds[m] is None else f"{m} ({odds[m]:.2f})" for m in dom)
                 lines.append(f"| {name} | {mode} | {_pair(a['p99_ms'])} | {_pair(a['p99_vs_solo'], suffix='x')} | "
                              f"{_pair(a['slo_violations'], pctg=True)} | {_pair(a['train_vs_ref'])} | {vs} | "
-                             f"{', '.join(dom) if dom else ('none' if mode in CONTROLLERS else '')} |")
+                             f"{shown if dom else ('none' if mode in CONTROLLERS else '')} |")
+    if tallies:
+        lines += ["", "Dominance, per controller (cells with a p99 and training; *beyond noise*: some dominance with odds "
+                      f"≥ {BEYOND_NOISE:.2f}):", "",
+                  "| pair | mode | cells | dominated (medians) | dominated beyond noise |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {p} | {m} | {n} | {d} | {b} |" for (p, m), (n, d, b) in tallies.items()]
     lines += ["", "Issue 17's cell targets (ResNet/ResNet; medians over trials):", "",
               "| mode | paced 50%: p99 ≤ 1.25× solo | training ≥ 75% of solo | burst violations ≤ 1% | "
               "idle training ≥ 95% of solo |", "| --- | --- | --- | --- | --- |"]

@@ -24,7 +24,10 @@
 #                                               beside noshim and mps50 on both pairs, then the defaults on BERT as
 #                                               the budget allows (TRIALS=2), PLAN=14 a memory-bandwidth-
 #                                               bound best-effort job (pair resnet50+membw) beside ResNet-50
-#                                               inference: noshim, shim, mps50, shim-ts; the plan and its
+#                                               inference: noshim, shim, mps50, shim-ts; PLAN=15 the defaults
+#                                               beside noshim and mps50 (ResNet pair; more trials to pool),
+#                                               PLAN=16 the same on the BERT pair, PLAN=17 PLAN 14 without
+#                                               shim-ts; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -103,7 +106,14 @@ elif [ "$what" = matrix ]; then
     14) modes=noshim,shim,mps50,shim-ts; pairs=resnet50+membw; bert=""  # a memory-bandwidth-bound best-effort
         besides=paced@0.5,poisson@0.5,poisson@0.7                       # job beside ResNet-50 inference
         prio="resnet50+membw:noshim,shim,mps50,shim-ts" ;;
-    *) echo "PLAN is 1 to 14"; exit 2 ;;
+    15) modes=noshim,shim,mps50; pairs=resnet50+train; bert=""  # more trials of the defaults beside no control
+        prio="resnet50+train:noshim,shim,mps50" ;;                  # and static MPS 50/50 (pooled with M12-M19)
+    16) modes=noshim,shim,mps50; pairs=bert+train; bert=""          # PLAN 15 on the BERT pair
+        prio="bert+train:noshim,shim,mps50" ;;
+    17) modes=noshim,shim,mps50; pairs=resnet50+membw; bert=""      # PLAN 14 without rckm time-sliced
+        besides=paced@0.5,poisson@0.5,poisson@0.7
+        prio="resnet50+membw:noshim,shim,mps50" ;;
+    *) echo "PLAN is 1 to 17"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
