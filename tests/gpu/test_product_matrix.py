@@ -117,6 +117,32 @@ def test_the_matrix_names_the_strongest_baseline_and_what_dominates(gp: ModuleTy
     assert "**strongest baseline**" in text and "| none |" not in text.split("| paced@0.5 | slo-ts |")[1].split("\n")[0]
 
 
+def test_dominance_odds_say_how_sure_a_verdict_is(gp: ModuleType, tmp_path: Path) -> None:
+    # mps50 beats slo-ts in every trial: every resample agrees.
+    clear = [c for t in range(3) for c in (_cell(gp, "mps50", t, 12.0, 0.60, 0.0),
+                                           _cell(gp, "slo-ts", t, 12.5, 0.40, 0.0))]
+    agg = gp.aggregate(clear)
+    assert gp.dominance_odds(agg, "resnet50+train", "paced@0.5", "slo-ts", "mps50") == 1.0
+    assert gp.dominance_odds(agg, "resnet50+train", "paced@0.5", "mps50", "slo-ts") == 0.0
+    # Trials that disagree: slo-ts's medians lose, but one trial in three wins on both counts.
+    noisy = [c for t in range(3) for c in (_cell(gp, "mps50", t, 11.0 + t, 0.60, 0.0),
+                                           _cell(gp, "slo-ts", t, (12.5, 13.5, 11.0)[t], (0.50, 0.55, 0.70)[t], 0.0))]
+    agg = gp.aggregate(noisy)
+    assert gp.dominated_by(agg, "resnet50+train", "paced@0.5", "slo-ts") == ["mps50"]
+    odds = gp.dominance_odds(agg, "resnet50+train", "paced@0.5", "slo-ts", "mps50")
+    assert odds is not None and 0.2 < odds < gp.BEYOND_NOISE
+    assert odds == gp.dominance_odds(agg, "resnet50+train", "paced@0.5", "slo-ts", "mps50")  # seeded
+    one = gp.aggregate(noisy[:2])  # one trial each: no odds
+    assert gp.dominance_odds(one, "resnet50+train", "paced@0.5", "slo-ts", "mps50") is None
+    page = tmp_path / "page.md"
+    page.write_text(gp.BEGIN + "\n" + gp.END + "\n")
+    doc = {"machine": {}, "command": "x", "cells": noisy, "errors": [], "cut": [], "skipped": []}
+    gp.write_matrix(page, gp.matrix_report([doc]))
+    text = page.read_text()
+    assert f"mps50 ({odds:.2f})" in text
+    assert "| resnet50+train | slo-ts | 1 | 1 | 0 |" in text
+
+
 def test_isolation_fallback_keeps_the_run(gp: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU action that cannot cold-start under process isolation costs one stack, not the run: that stack
     and every later one run with isolation off, and the results say so."""
