@@ -1,7 +1,7 @@
 """What compaction's moves and cold starts are made of on a placement trace (issue 19).
 
     PYTHONPATH=. python3 bench/compaction_moves.py [--sizes 3200] [--mixes 0.2:0,0.2:0.2,0.2:0.4,0:0.4]
-        [--seeds 1,2] [--compaction merges=0,...] [--compact-every 2] [--json FILE]
+        [--seeds 1,2] [--compaction merges=0,...] [--compact-every 2] [--light-split SHARE] [--json FILE]
 
 Replays each trace under `dilu` as `bench/sim_scale.py` does (40 GiB GPUs, compaction every 2 s of
 trace time, `SIM_COMPACTION` with `--compaction`'s fields replaced) and sorts every compaction move
@@ -17,7 +17,8 @@ by kind, with the cold starts (processes started) each kind cost:
 
 `--move-parts N` (a prototype, not a simulator setting) hands compaction a placement config that
 splits an LLM into at most N pieces (1: compaction's moves never split; placement at creation still
-does).
+does). `--light-split SHARE` is the simulator setting `PlacementSimConfig.light_split_min_share`
+(placement at creation, as `bench/sim_scale.py --light-split`).
 
 Beside them, the trace's own processes: instances created, and the pipeline stages that creations
 started (a split at creation starts one process per stage). The bench's "cold starts /100" counts
@@ -77,7 +78,8 @@ def classify(before: ClusterSnapshot, plan: CompactionPlan) -> list[tuple[str, s
 
 
 def breakdown(
-    n: int, train: float, llm: float, seed: int, compaction: Any, every: float, move_parts: int | None = None
+    n: int, train: float, llm: float, seed: int, compaction: Any, every: float, move_parts: int | None = None,
+    light_split: float | None = None,
 ) -> dict[str, Any]:
     """One replay of `dilu` with compaction's moves sorted by kind (per 100 instances)."""
     events = dilu_mix(n, train_fraction=train, llm_fraction=llm, seed=seed)
@@ -95,7 +97,8 @@ def breakdown(
             by_class[cls] += cold
         return plan
 
-    cfg = PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, compact_every_s=every, compaction=compaction)
+    cfg = PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, compact_every_s=every, compaction=compaction,
+                             light_split_min_share=light_split)
     log: list[tuple[Any, ...]] = []
     sim_placement.compaction_plan = counted  # type: ignore[assignment]
     try:
@@ -113,6 +116,7 @@ def breakdown(
     per = 100.0 / n
     return {
         "n": n, "train": train, "llm": llm, "seed": seed, "compact_every_s": every, "move_parts": move_parts,
+        "light_split": light_split,
         "cpu_s": cpu, "peak_int": d["peak_vs_integral"], "mean_int": d["mean_vs_integral"],
         "created_per_100": created * per, "created_processes_per_100": created_processes * per,
         "split_at_creation": d["split_instances"],
@@ -131,6 +135,8 @@ def main() -> int:
     ap.add_argument("--compact-every", type=float, default=DILU_COMPACT_EVERY_S)
     ap.add_argument("--move-parts", type=int, default=None,
                     help="a prototype: compaction places with llm_max_parts at most N (1: its moves never split)")
+    ap.add_argument("--light-split", type=float, default=None, metavar="SHARE",
+                    help="PlacementSimConfig.light_split_min_share (placement at creation)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     compaction = compaction_config(args.compaction)
@@ -139,7 +145,7 @@ def main() -> int:
         for mix in args.mixes.split(","):
             train, llm = (float(x) for x in mix.split(":"))
             for seed in (int(x) for x in args.seeds.split(",")):
-                r = breakdown(n, train, llm, seed, compaction, args.compact_every, args.move_parts)
+                r = breakdown(n, train, llm, seed, compaction, args.compact_every, args.move_parts, args.light_split)
                 rows.append(r)
                 print(f"{n} {train:g}:{llm:g} seed {seed}: peak/int {r['peak_int']:.3f} mean/int {r['mean_int']:.3f} "
                       f"moves/100 {r['moves_per_100']:.1f} cold/100 {r['cold_per_100']:.1f} "

@@ -3,7 +3,7 @@ serving simulation on the one-day trace (issue 7).
 
     PYTHONPATH=. python3 bench/sim_scale.py [--sizes 3200,32000] [--mixes 0:0,0.2:0.2,...]
         [--seeds 1,2] [--big-seeds 1] [--policies exclusive,infless-l,infless-r,fastgs,dilu]
-        [--repeat N] [--baseline DIR] [--compaction merges=2,merge_sources=64] [--json FILE]
+        [--repeat N] [--baseline DIR] [--compaction merges=2,merge_sources=64] [--light-split SHARE] [--json FILE]
         [--out docs/benchmarks/sim-scale.md] [--serving [--profiles FILE]]
 
 For each size, each mix `train:llm` (training fraction : LLM fraction of `dilu_mix`, 40 GiB GPUs, one
@@ -22,7 +22,9 @@ same load and run in the same kind of process; the row's CPU and wall seconds ar
 paired replay (its run alone is kept as `alone_cpu_s`), beside the baseline's CPU seconds, the ratio
 and whether the decisions are the same. `--compaction` overrides fields of the simulator's compaction
 (`SIM_COMPACTION`) for `dilu` (not with `--baseline`): the trade-off curves of packing, moves
-and CPU time. `--json FILE` writes the rows as JSON.
+and CPU time. `--light-split SHARE` sets `dilu`'s `PlacementConfig.light_split_min_share` (an LLM that
+would light a GPU whole is split over lit GPUs and one new GPU of a node instead). `--json FILE` writes the
+rows as JSON.
 Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
 integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
 100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
@@ -99,7 +101,7 @@ def compaction_config(spec: str) -> CompactionConfig:
 
 def run_one(
     n: int, train: float, llm: float, seed: int, policy: str, repeat: int = 1,
-    compaction: CompactionConfig = SIM_COMPACTION,
+    compaction: CompactionConfig = SIM_COMPACTION, light_split: float | None = None,
 ) -> dict[str, Any]:
     """One trace under one policy, `repeat` times in a row (the same decisions every time): the
     median CPU and wall time, and the CPU range (on a shared host one run's CPU time varies)."""
@@ -109,6 +111,7 @@ def run_one(
         gpu_memory_gib=40.0,
         compact_every_s=DILU_COMPACT_EVERY_S if policy == "dilu" else 0.0,
         compaction=compaction,
+        light_split_min_share=light_split,
     )
     walls: list[float] = []
     cpus: list[float] = []
@@ -143,7 +146,7 @@ def run_one(
         "moves_per_100": 100.0 * d["compaction_moves"] / n,
         "cold_per_100": 100.0 * d["compaction_cold_starts"] / n,
         "splits": d["split_instances"], "rejected": s["rejected"], "load": _load().split()[0],
-        "decisions": digest,
+        "decisions": digest, "light_split": light_split,
     }
 
 
@@ -268,11 +271,14 @@ def main() -> int:
                     help="a checkout of other code: replay each dilu trace with it at the same time")
     ap.add_argument("--compaction", default="",
                     help="override SIM_COMPACTION fields for dilu, e.g. merges=2,merge_sources=64")
+    ap.add_argument("--light-split", type=float, default=None, metavar="SHARE",
+                    help="dilu splits an LLM that would light a GPU whole over lit GPUs and one new GPU of a "
+                         "node when the lit GPUs take at least SHARE of it (PlacementConfig.light_split_min_share)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     compaction = compaction_config(args.compaction)
-    if args.compaction and args.baseline is not None:
-        raise SystemExit("--compaction and --baseline: the paired replays run the default compaction")
+    if (args.compaction or args.light_split is not None) and args.baseline is not None:
+        raise SystemExit("--compaction or --light-split and --baseline: the paired replays run the defaults")
 
     def mixes(spec: str) -> list[tuple[float, float]]:
         return [(float(a), float(b)) for a, b in (m.split(":") for m in spec.split(","))]
@@ -287,7 +293,7 @@ def main() -> int:
         for train, llm in mixes(args.big_mixes if big and args.big_mixes else args.mixes):
             for seed in seeds:
                 for policy in policies:
-                    r = run_one(n, train, llm, seed, policy, args.repeat, compaction)
+                    r = run_one(n, train, llm, seed, policy, args.repeat, compaction, args.light_split)
                     child = None
                     if args.baseline is not None and policy == "dilu":
                         # This code and the baseline's, each in a child process of its own started
@@ -350,6 +356,8 @@ def main() -> int:
                 "node, the cluster sized by the simulator; `dilu` with splitting and compaction every 2 s "
                 "of trace time (the CLI's `auto`)"
                 + (f" and compaction `{args.compaction}`" if args.compaction else "")
+                + (f", LLMs that would light a GPU split over lit room and one new GPU from a share of "
+                   f"{args.light_split:g} on (`--light-split`)" if args.light_split is not None else "")
                 + ", the baselines without. Bounds: fractional "
                 "max(⌈Σ request⌉, ⌈Σ memory / 40 GiB⌉, widest) and integral (also at least one GPU per "
                 "training slot over half a GPU), docs/simulator.md.",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import accumulate, combinations, compress, repeat
@@ -633,6 +633,11 @@ class PlacementConfig:
     action must be able to run as pipeline stages); Dilu's artifact splits within a node."""
     min_part_mib: float = 2048.0
     """The smallest piece of a split instance: a stage must hold at least a few layers."""
+    light_split_min_share: float | None = None
+    """Where an instance that may split would light a GPU whole (no lit GPU takes it whole, no lit
+    GPUs of one invoker hold its pieces), split it over lit GPUs of one invoker plus one new GPU of
+    that invoker when the lit GPUs take at least this share of its memory (`_place_split_lighting`).
+    None: never, it lights a GPU whole (the default, live and simulated)."""
 
     def __post_init__(self) -> None:
         get_strategy(self.strategy)
@@ -660,6 +665,9 @@ class PlacementConfig:
             raise ValueError(f"llm_max_parts must be >= 1, got {self.llm_max_parts}")
         if not (math.isfinite(self.min_part_mib) and self.min_part_mib > 0):
             raise ValueError(f"min_part_mib must be > 0, got {self.min_part_mib!r}")
+        share = self.light_split_min_share
+        if share is not None and not (0.0 <= share < 1.0):  # NaN fails too
+            raise ValueError(f"light_split_min_share must be None or within [0, 1), got {share!r}")
 
     def strategy_spec(self) -> Strategy:
         return get_strategy(self.strategy)
@@ -1115,6 +1123,10 @@ def place(
         split = _place_split(cluster, request, config, strategy, filters, max_parts)
         if split is not None:
             return split
+        if config.light_split_min_share is not None and decision.lights and not request.lit_only:
+            lighting = _place_split_lighting(cluster, request, config, strategy, filters, max_parts)
+            if lighting is not None:
+                return lighting
     return decision
 
 
@@ -1436,6 +1448,104 @@ def describe_strategies() -> Mapping[str, str]:
 
 
 # -- splitting one instance's memory across GPUs of one invoker ----------------------------------
+
+
+def _place_split_lighting(
+    cluster: ClusterSnapshot,
+    request: PlacementRequest,
+    config: PlacementConfig,
+    strategy: Strategy,
+    filters: tuple[Filter, ...],
+    max_parts: int,
+) -> PlacementDecision | None:
+    """Split the instance over lit GPUs of one invoker and one new GPU of it (lighting that GPU),
+    instead of lighting a GPU for it whole (`PlacementConfig.light_split_min_share`).
+
+    An instance that lights a GPU alone is the cheapest GPU for compaction to empty, and compaction
+    splits it into the lit room that departures open soon after (docs/benchmarks/sim-scale.md,
+    seventeenth round); this puts its pieces into the lit room there is now. Per invoker with an
+    unlit GPU: its lit GPUs' capacities as `_place_split` computes them, the largest first, at most
+    `max_parts` − 1 pieces, each leaving at least `min_part_mib` for the new GPU's piece; the rest on
+    the invoker's first unlit GPU that passes the filters. The invoker whose lit GPUs take the most
+    wins (then the fewest pieces, then cluster order), if they take at least the share; None where
+    no invoker qualifies.
+    """
+    share = config.light_split_min_share
+    total = request.memory_mib
+    if share is None or total <= 0:
+        return None
+    min_part = min(config.min_part_mib, total)
+    least = max(min_part, share * total)
+    if total - min_part < least - EPS:
+        return None
+    gpus = cluster.gpus
+    scan = _SplitScan(cluster, request, config, filters, max_parts)
+    if request.only_invoker is None:
+        # The most free lit memory first: an invoker's lit GPUs take at most their free memory
+        # (grown by the filters' relative EPS), so once that is below the least share or the best
+        # taken so far, so is every later invoker's.
+        entries: Iterable[NodeRoom] = reversed(cluster.node_room)
+    else:
+        ords = cluster.invoker_ordinals.get(request.only_invoker, ())
+        one = _node_room(ords, gpus) if ords else None
+        entries = () if one is None else (one,)
+    slack = 2 * max_parts * cluster.max_memory_mib * EPS + _SPLIT_SLACK_MIB
+    best: tuple[tuple[float, int, int], list[tuple[int, float]]] | None = None
+    for entry in entries:
+        if entry[0] + slack < least - EPS or (best is not None and entry[0] + slack + 1.0 < -best[0][0]):
+            break
+        unlit = cluster.unlit.get(cluster.refs[entry[1]].invoker)
+        if not unlit:
+            continue
+        cands = scan.candidates(entry[1], entry)
+        cands.sort(key=lambda c: (-c[0], c[1]))
+        remaining = total
+        plan: list[tuple[int, float]] = []
+        for cap, o in cands:
+            if len(plan) >= max_parts - 1:
+                break
+            take = min(cap, remaining - min_part)
+            if take < min_part or not _piece_passes(gpus[o], request, take, config, filters):
+                continue
+            plan.append((o, take))
+            remaining -= take
+        taken = total - remaining
+        if not plan or taken < least - EPS:
+            continue
+        # In whole MiB: the filters' relative EPS lets a lit GPU take a hair more than its free
+        # memory, which must not decide between invokers whose lit GPUs take the same room.
+        key = (-float(round(taken)), len(plan) + 1, entry[1])
+        if best is not None and key >= best[0]:
+            continue
+        fresh = next((o for o in unlit if _piece_passes(gpus[o], request, remaining, config, filters)), None)
+        if fresh is not None:
+            best = (key, [*plan, (fresh, remaining)])
+    if best is None:
+        return None
+    parts = tuple(
+        PlacementPart(gpu=cluster.refs[o], instance=replace(
+            _part_request(request, mem, k).to_instance(), part_of=request.instance_id))
+        for k, (o, mem) in enumerate(best[1])
+    )
+    where = ", ".join(
+        f"{p.gpu} ({p.instance.memory_mib / 1024:.1f} GiB, {p.instance.request:.2f}/{p.instance.limit:.2f} SM)"
+        for p in parts
+    )
+    return PlacementDecision(
+        instance_id=request.instance_id,
+        strategy=strategy.name,
+        gpus=tuple(p.gpu for p in parts),
+        share_mode=strategy.share_mode,
+        static_share=strategy.share_mode.static_share(SharePair(request.request, request.limit)),
+        lights=1,
+        total=0.0,
+        reason=(
+            f"{strategy.name}: {request.instance_id} split over {len(parts) - 1} lit GPU(s) of "
+            f"{parts[0].gpu.invoker} and one it lights, instead of lighting one for it whole "
+            f"(lit GPUs take {-best[0][0] / total:.0%}): {where}"
+        ),
+        parts=parts,
+    )
 
 
 def _part_request(request: PlacementRequest, memory_mib: float, index: int) -> PlacementRequest:

@@ -94,6 +94,10 @@ class PlacementSimConfig:
     compact_every_s: float = 0.0
     """Run compaction at most this often (seconds of trace time); 0: never."""
     compaction: CompactionConfig = SIM_COMPACTION
+    light_split_min_share: float | None = None
+    """dilu splits an LLM that would light a GPU whole over lit GPUs of one node and one new GPU
+    when the lit GPUs take at least this share of it (`PlacementConfig.light_split_min_share`);
+    None: never (the default)."""
 
     def __post_init__(self) -> None:
         if self.policy not in STRATEGIES:
@@ -114,6 +118,7 @@ class PlacementSimConfig:
             strategy=self.policy,
             gamma=self.gamma,
             llm_max_parts=min(self.llm_split_parts, self.gpus_per_node),
+            light_split_min_share=self.light_split_min_share,
         )
 
 

@@ -163,6 +163,19 @@ def test_deterministic() -> None:
     assert a.summary == b.summary and a.samples == b.samples
 
 
+def test_split_lighting_is_a_setting_of_dilu_and_deterministic() -> None:
+    events = dilu_mix(400, train_fraction=0.2, llm_fraction=0.4, seed=1)
+    base = PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, compact_every_s=2.0)
+    cfg = PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, compact_every_s=2.0, light_split_min_share=0.0)
+    assert base.placement_config().light_split_min_share is None
+    assert cfg.placement_config().light_split_min_share == 0.0
+    a, b, off = simulate_placement(events, cfg), simulate_placement(events, cfg), simulate_placement(events, base)
+    assert a.summary == b.summary and a.samples == b.samples
+    # LLMs that lit a GPU whole are split at creation instead: more splits, nothing refused.
+    assert a.details["split_instances"] > off.details["split_instances"]
+    assert a.summary["rejected"] == off.summary["rejected"] == 0
+
+
 def test_cluster_size_covers_the_peak_demand_in_whole_nodes() -> None:
     events = read_events(
         [ev(0, "create", "g", cls="training", gpus=4, mem=30, req=0.5, lim=0.7), ev(1, "create", "i")]
@@ -178,6 +191,8 @@ def test_config_validation() -> None:
         PlacementSimConfig(policy="dilu", gpu_memory_gib=0)
     with pytest.raises(ValueError):
         PlacementSimConfig(policy="dilu", compact_every_s=-1)
+    with pytest.raises(ValueError, match="light_split_min_share"):
+        PlacementSimConfig(policy="dilu", light_split_min_share=1.0).placement_config()
 
 
 def test_events_for_generated_mix_are_valid_placement_events() -> None:
