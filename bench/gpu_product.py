@@ -1179,7 +1179,10 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
                      f"{'–' if v is None else f'{v * 100:.1f}% ' + ('met' if v <= 0.01 else '**missed**')} | "
                      f"{verdict(i, i is not None and i >= 0.95)} |")
     lines += ["", "First reaction (≤ 100 ms) is not measured here: the share trace is sampled from `/metrics` every "
-                  "0.25 s; the manager's own tick records are the place for it.", "", END]
+                  "0.25 s. Under the defaults on an MPS GPU (`spatial`) there is no control reaction to time: the "
+                  "thread caps and the best-effort client's priority are fixed at its start and the GPU's scheduler "
+                  "applies the priority kernel by kernel; `rckm`'s reaction on a time-sliced GPU is measured from the "
+                  "manager's decisions by bench/vertical (docs/benchmarks/vertical.md).", "", END]
     return "\n".join(lines) + "\n"
 
 
