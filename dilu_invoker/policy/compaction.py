@@ -1091,12 +1091,13 @@ def _merge_memory(
         found: list[tuple[float, int, PlacedInstance, GpuState, int]] = []
         looked = 0
         bound = -math.inf  # the best gain so far
+        taken = {work.ordinals[r] for r in targets}
         for free, o in heapq.merge(*runs, reverse=True):
             if looked >= config.merge_sources or free / unit <= bound + EPS:
                 break
-            gpu = gpus[o]
-            if free <= EPS * unit or gpu.ref in targets:
+            if free <= EPS * unit or o in taken:
                 continue
+            gpu = gpus[o]
             room = omega - gpu.used_request
             if room >= smallest - EPS and gpu.used_memory + least_memory <= gpu.memory_mib * grow:
                 continue  # an instance fits: the memory is not lost
