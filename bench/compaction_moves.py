@@ -12,7 +12,7 @@ by kind, with the cold starts (processes started) each kind cost:
 - `empty_stage`: a pipeline stage moved to another GPU of its node;
 - `empty_anew`: a split LLM placed anew (whole or split again) because no GPU of its node took one
   of its stages (its stages count once per new piece);
-- `merge_whole`, `merge_stage`: merging moves (`CompactionConfig.merges`).
+- `merge_whole`, `merge_stage`: merging moves (`CompactionConfig.merges`, and `memory_merges` where memory binds).
 - `resize_stage`: a pipeline stage resized where it is (`CompactionConfig.rebalances`).
 
 `--move-parts N` (a prototype, not a simulator setting) hands compaction a placement config that

@@ -80,6 +80,11 @@ class CompactionConfig:
     rebalance_sources: int = 64
     """How many GPUs with lost SM room that hold a stage one resize looks at, the most room first
     (bounds the work per call)."""
+    memory_merges: int = 0
+    """How many moves one call may spend, where memory rather than Σ request binds the lit GPUs, to
+    merge free memory that no instance can use into room one can (`_merge_memory`, the memory twin
+    of `merges`; each move is a cold start); the sources looked at per move are `merge_sources`.
+    0: none (the default, live and simulated)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.source_max_request <= 1.0:
@@ -90,6 +95,8 @@ class CompactionConfig:
             raise ValueError(f"max_trials must be >= 1 or None, got {self.max_trials}")
         if self.merges < 0:
             raise ValueError(f"merges must be >= 0, got {self.merges}")
+        if self.memory_merges < 0:
+            raise ValueError(f"memory_merges must be >= 0, got {self.memory_merges}")
         if self.rebalances < 0:
             raise ValueError(f"rebalances must be >= 0, got {self.rebalances}")
         if not (math.isfinite(self.rebalance_min_gain) and self.rebalance_min_gain >= 0.0):
@@ -752,7 +759,8 @@ def compaction_plan(
     call without it would find among the sources it tries. A GPU holding a `pinned` instance (one
     that must not move now: starting, draining, its function in a burst) is not a source this time."""
     config = config or CompactionConfig()
-    merging = config.merges > 0 and _request_binds(cluster)
+    binds = _request_binds(cluster)
+    merging = config.merges > 0 and binds
     config = _call_config(config, merging)
     if state is None or (state.config is not None and state.config != config):
         # What a call under other limits carried (failures, sources left pending) need not hold.
@@ -882,6 +890,12 @@ def compaction_plan(
             )
             moves.extend(resized)
             merged += resized
+    elif config.memory_merges and not binds and cluster.lit_count > 0 and len(moves) < config.max_moves:
+        # Memory binds: its lost room, not SM's, is what keeps GPUs lit.
+        work, merged = _merge_memory(
+            work, placement, config, min(config.memory_merges, config.max_moves - len(moves)), targets, pinned
+        )
+        moves.extend(merged)
     next_state = CompactionState(
         seen=emptied,
         failed=failed,
@@ -899,7 +913,7 @@ def compaction_plan(
     else:
         reason = f"{len(moves)} move(s) turn off {len(freed)} GPU(s) at {plan.cold_starts} cold start(s)"
         if merged:
-            reason += f", {len(merged)} of them merging SM room"
+            reason += f", {len(merged)} of them merging {'SM' if merging else 'memory'} room"
     return replace(plan, reason=reason)
 
 
@@ -1025,6 +1039,231 @@ def _merge(
             )
         )
     return work, moves
+
+
+def _merge_memory(
+    work: ClusterSnapshot,
+    placement: PlacementConfig,
+    config: CompactionConfig,
+    budget: int,
+    targets: set[GpuRef],
+    pinned: frozenset[str],
+) -> tuple[ClusterSnapshot, list[CompactionMove]]:
+    """Up to `budget` moves that merge free memory no instance can use into room one can: `_merge`
+    with memory in the place of SM room, for a cluster where memory binds.
+
+    The free memory φ = memory − used of a lit GPU (fractions of a GPU) is lost while no live
+    instance fits there: φ is less than the least memory of any live instance, or its SM room is
+    less than the least request (`smallest_memory`, `smallest_request`; pieces left out). Moving one
+    of its instances y to the lit GPU that takes y most tightly in free memory leaves φ + memory(y)
+    there beside SM room + request(y), and φ' = free memory there − memory(y) on the target. A move
+    is made when the room it leaves is one some instance can use and when it gains, φ − φ' > 0, the
+    largest gain first: the memory in use is the same and Σ φ² over lit GPUs grows with every move
+    (by 2·memory(y)·(φ − φ')), so moves never undo one another. Each move looks at the
+    `merge_sources` GPUs with lost memory, the most free memory first (the gain is at most φ).
+    Instances, targets and filters as `_merge`'s.
+
+    The caller merges memory only where Σ request does not bound the lit GPUs (`_request_binds`)."""
+    moves: list[CompactionMove] = []
+    omega = placement.omega
+    lost = _lost_room_buckets(work, omega)
+    if lost is None:
+        return work, moves
+    smallest, least_memory, first, _ = lost
+    filters = placement.filters()
+    grow = 1.0 + EPS
+    unit = work.max_memory_mib
+    short = (least_memory - unit * EPS, -1)
+    for _ in range(budget):
+        gpus = work.gpus
+        rooms = work.lit_room
+        # Below `first` every GPU has SM room for the least request: lost only where memory is short
+        # (a prefix of the bucket, by free memory); from `first` up (Σ request ≥ 1 included) any GPU.
+        runs = [
+            reversed(run)
+            for run in (rooms[k][: bisect.bisect_left(rooms[k], short)] if k < first else rooms[k]
+                        for k in range(BUCKETS + 1))
+            if run
+        ]
+        # The lit GPUs with room for the least memory beside some SM room, by free memory: the
+        # targets of whole instances (each asks at least the least memory); made when first needed.
+        pool: list[tuple[float, int]] | None = None
+        found: list[tuple[float, int, PlacedInstance, GpuState, int]] = []
+        looked = 0
+        bound = -math.inf  # the best gain so far
+        taken = {work.ordinals[r] for r in targets}
+        for free, o in heapq.merge(*runs, reverse=True):
+            if looked >= config.merge_sources or free / unit <= bound + EPS:
+                break
+            if free <= EPS * unit or o in taken:
+                continue
+            gpu = gpus[o]
+            room = omega - gpu.used_request
+            if room >= smallest - EPS and gpu.used_memory + least_memory <= gpu.memory_mib * grow:
+                continue  # an instance fits: the memory is not lost
+            looked += 1
+            for inst in _memory_movers(gpu, smallest, least_memory, omega, config.move_pieces):
+                if inst.id in pinned:
+                    continue
+                # A target keeping more than this free gains less than the best so far.
+                most = free - bound * unit + inst.memory_mib if bound > 0 else math.inf
+                if inst.part_of is not None:
+                    t = _tightest_stage_memory(work, o, inst, omega, most)
+                else:
+                    if pool is None:
+                        pool = sorted(
+                            itertools.chain.from_iterable(
+                                rooms[k][bisect.bisect_left(rooms[k], short) :] for k in range(BUCKETS)
+                            )
+                        )
+                    t = _tightest_memory(work, pool, inst.request, inst.memory_mib, omega, o, most)
+                if t is None:
+                    continue
+                gain = (free - (gpus[t].memory_mib - gpus[t].used_memory - inst.memory_mib)) / unit
+                if gain > EPS:
+                    found.append((gain, len(found), inst, gpu, t))
+                    bound = max(bound, gain)
+        move = None
+        for gain, _, inst, gpu, t in sorted(found, key=lambda f: (-round(f[0], 9), f[1])):
+            request = _as_request(work, inst, gpu.ref)
+            if not all(f.passes(gpus[t], request, placement) for f in filters):
+                fit = lit_fits(work, request, placement)
+                if not fit:
+                    continue
+                t = work.ordinals[fit[0]]
+                free = gpu.memory_mib - gpu.used_memory
+                gain = (free - (gpus[t].memory_mib - gpus[t].used_memory - inst.memory_mib)) / unit
+                if gain <= EPS:
+                    continue
+            move = (gain, inst, gpu, t)
+            break
+        if move is None:
+            break
+        gain, inst, gpu, t = move
+        target = work.refs[t]
+        work = work.without_instance(inst.id).with_instance(inst, (target,))
+        targets.add(target)
+        free_gib = (gpu.memory_mib - gpu.used_memory) / 1024
+        room = omega - gpu.used_request
+        why = (
+            f"free memory {free_gib:.1f} GiB < the least memory {least_memory / 1024:.1f} GiB"
+            if gpu.used_memory + least_memory > gpu.memory_mib * grow
+            else f"SM room {room:.2f} < the least request {smallest:.2f} beside {free_gib:.1f} GiB"
+        )
+        moves.append(
+            CompactionMove(
+                instance_id=inst.id,
+                function=inst.function,
+                source=gpu.ref,
+                target=target,
+                reason=(
+                    f"merge memory on {gpu.ref}: {why}; it becomes {free_gib + inst.memory_mib / 1024:.1f} GiB, "
+                    f"{gain:.2f} of a GPU more than {target} keeps"
+                ),
+            )
+        )
+    return work, moves
+
+
+#: id of a GPU state → (the state, the least request and memory, whether pieces may move, the
+#: instances a memory merge may move off it: `_memory_movers`). A lost GPU that waits over many
+#: calls is judged once (states are immutable; the state is kept so that its id is not reused).
+_MOVERS: dict[int, tuple[GpuState, float, float, bool, tuple[PlacedInstance, ...]]] = {}
+
+
+def _memory_movers(
+    gpu: GpuState, smallest: float, least_memory: float, omega: float, pieces: bool
+) -> tuple[PlacedInstance, ...]:
+    """The one-GPU instances of `gpu` (pieces only if `pieces`) whose move would leave room some
+    instance can use (at least `smallest` of SM room beside at least `least_memory` MiB)."""
+    hit = _MOVERS.get(id(gpu))
+    if hit is not None and hit[0] is gpu and hit[1] == smallest and hit[2] == least_memory and hit[3] is pieces:
+        return hit[4]
+    room = omega - gpu.used_request
+    grow = 1.0 + EPS
+    out = tuple(
+        inst
+        for inst in gpu.instances
+        if inst.gpus == 1
+        and (pieces or inst.part_of is None)
+        and room + inst.request >= smallest - EPS
+        and gpu.used_memory - inst.memory_mib + least_memory <= gpu.memory_mib * grow
+    )
+    if len(_MOVERS) >= _SOURCE_BUCKET_MAX:
+        _MOVERS.clear()
+    _MOVERS[id(gpu)] = (gpu, smallest, least_memory, pieces, out)
+    return out
+
+
+def _tightest_memory(
+    work: ClusterSnapshot,
+    pool: Sequence[tuple[float, int]],
+    request: float,
+    memory_mib: float,
+    omega: float,
+    avoid: int,
+    most: float,
+) -> int | None:
+    """The GPU of `pool` ((free MiB, ordinal) of lit GPUs, ascending) other than `avoid` that takes
+    an instance asking `request` and `memory_mib` (the schedulable, sm-request and memory filters)
+    with the least free memory left, then the lowest ordinal; None: none that keeps at most `most`
+    MiB free before the instance."""
+    gpus = work.gpus
+    grow = 1.0 + EPS
+    slack = work.max_memory_mib * EPS
+    for n in range(bisect.bisect_left(pool, (memory_mib - slack, -1)), len(pool)):
+        free, o = pool[n]
+        if free > most + slack:
+            return None
+        g = gpus[o]
+        if (
+            o != avoid
+            and g.schedulable
+            and g.used_request + request <= omega + EPS
+            and g.used_memory + memory_mib <= g.memory_mib * grow
+        ):
+            return o
+    return None
+
+
+#: piece id → (its node's GPU states, its GPU's ordinal, ω, the tightest target's key found there
+#: without a bound on free memory, or None): `_tightest_stage_memory`, while the node is the same.
+_STAGE_TARGETS: dict[str, tuple[tuple[GpuState, ...], int, float, tuple[float, float, int] | None]] = {}
+
+
+def _tightest_stage_memory(
+    work: ClusterSnapshot, source: int, piece: PlacedInstance, omega: float, most: float
+) -> int | None:
+    """The lit GPU of the node of GPU `source` that takes `piece` (a pipeline stage) with the least
+    free memory left (then the least SM room, then cluster order), other than those holding a stage
+    of its instance (`source` among them); None: none that keeps at most `most` MiB free before it."""
+    ords = work.invoker_ordinals[work.refs[source].invoker]
+    node = work.gpus.span(ords[0], ords[-1] + 1)
+    hit = _STAGE_TARGETS.get(piece.id)
+    if hit is not None and hit[1] == source and hit[2] == omega and all(map(is_, hit[0], node)) and len(hit[0]) == len(node):
+        best = hit[3]
+    else:
+        grow = 1.0 + EPS
+        request, memory, whole = piece.request, piece.memory_mib, piece.part_of
+        best = None
+        for o, g in enumerate(node, ords[0]):
+            if o == source or not g.instances or not g.schedulable:
+                continue
+            left = omega - g.used_request - request
+            if left < -EPS or g.used_memory + memory > g.memory_mib * grow or any(
+                i.part_of == whole for i in g.instances
+            ):
+                continue
+            key = (g.memory_mib - g.used_memory - memory, left, o)
+            if best is None or key < best:
+                best = key
+        if len(_STAGE_TARGETS) >= _SOURCE_BUCKET_MAX:
+            _STAGE_TARGETS.clear()
+        _STAGE_TARGETS[piece.id] = (node, source, omega, best)
+    # The tightest keeps the least free memory: past `most`, so does every other.
+    if best is None or best[0] + piece.memory_mib > most + work.max_memory_mib * EPS:
+        return None
+    return best[2]
 
 
 def _lost_room_buckets(work: ClusterSnapshot, omega: float) -> tuple[float, float, int, int] | None:
@@ -1493,3 +1732,5 @@ def _place_in_order(
             )
         )
     return trial_moves, trial, trial_freed, None
+
+
