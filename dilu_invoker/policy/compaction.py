@@ -16,7 +16,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import compress
 from operator import and_, is_, itemgetter
@@ -998,21 +998,10 @@ def _merge(
                         bound = max(bound, gain)
                 if looked >= config.merge_sources:
                     break
-        move = None
-        # Largest gain first, gains equal but for float residue in the order found; a target the
-        # other filters refuse is replaced by the one `lit_fits` finds, the exact search.
-        for gain, _, inst, gpu, t in sorted(found, key=lambda f: (-round(f[0], 9), f[1])):
-            request = _as_request(work, inst, gpu.ref)
-            if not all(f.passes(gpus[t], request, placement) for f in filters):
-                fit = lit_fits(work, request, placement)
-                if not fit:
-                    continue
-                t = work.ordinals[fit[0]]
-                gain = (omega - gpu.used_request) - (omega - gpus[t].used_request - inst.request)
-                if gain <= EPS:
-                    continue
-            move = (gain, inst, gpu, t)
-            break
+        move = _first_move(
+            work, placement, filters, found,
+            lambda gpu, to, inst: (omega - gpu.used_request) - (omega - to.used_request - inst.request),
+        )
         if move is None:
             break
         gain, inst, gpu, t = move
@@ -1039,6 +1028,32 @@ def _merge(
             )
         )
     return work, moves
+
+
+def _first_move(
+    work: ClusterSnapshot,
+    placement: PlacementConfig,
+    filters: Sequence[Filter],
+    found: list[tuple[float, int, PlacedInstance, GpuState, int]],
+    gain_of: Callable[[GpuState, GpuState, PlacedInstance], float],
+) -> tuple[float, PlacedInstance, GpuState, int] | None:
+    """The move a merge makes of the candidates `found` (gain, order found, instance, its GPU, target
+    ordinal): the largest gain first, gains equal but for float residue in the order found. A target the
+    other filters refuse is replaced by the one `lit_fits` finds, the exact search, and its gain
+    recomputed by `gain_of(source, target, instance)`; None when no candidate is left with a gain."""
+    gpus = work.gpus
+    for gain, _, inst, gpu, t in sorted(found, key=lambda f: (-round(f[0], 9), f[1])):
+        request = _as_request(work, inst, gpu.ref)
+        if not all(f.passes(gpus[t], request, placement) for f in filters):
+            fit = lit_fits(work, request, placement)
+            if not fit:
+                continue
+            t = work.ordinals[fit[0]]
+            gain = gain_of(gpu, gpus[t], inst)
+            if gain <= EPS:
+                continue
+        return gain, inst, gpu, t
+    return None
 
 
 def _merge_memory(
@@ -1123,20 +1138,11 @@ def _merge_memory(
                 if gain > EPS:
                     found.append((gain, len(found), inst, gpu, t))
                     bound = max(bound, gain)
-        move = None
-        for gain, _, inst, gpu, t in sorted(found, key=lambda f: (-round(f[0], 9), f[1])):
-            request = _as_request(work, inst, gpu.ref)
-            if not all(f.passes(gpus[t], request, placement) for f in filters):
-                fit = lit_fits(work, request, placement)
-                if not fit:
-                    continue
-                t = work.ordinals[fit[0]]
-                free = gpu.memory_mib - gpu.used_memory
-                gain = (free - (gpus[t].memory_mib - gpus[t].used_memory - inst.memory_mib)) / unit
-                if gain <= EPS:
-                    continue
-            move = (gain, inst, gpu, t)
-            break
+        move = _first_move(
+            work, placement, filters, found,
+            lambda gpu, to, inst: ((gpu.memory_mib - gpu.used_memory)
+                                   - (to.memory_mib - to.used_memory - inst.memory_mib)) / unit,
+        )
         if move is None:
             break
         gain, inst, gpu, t = move

@@ -1527,6 +1527,18 @@ def _place_split_lighting(
             _part_request(request, mem, k).to_instance(), part_of=request.instance_id))
         for k, (o, mem) in enumerate(best[1])
     )
+    return _split_decision(
+        request, strategy, parts, 1,
+        f"split over {len(parts) - 1} lit GPU(s) of {parts[0].gpu.invoker} and one it lights, instead of "
+        f"lighting one for it whole (lit GPUs take {-best[0][0] / total:.0%})",
+    )
+
+
+def _split_decision(
+    request: PlacementRequest, strategy: Strategy, parts: Sequence[PlacementPart], lights: int, how: str
+) -> PlacementDecision:
+    """The decision placing `request` as `parts` (one pipeline stage each), lighting `lights` GPUs; its
+    reason says `how` and where each stage goes."""
     where = ", ".join(
         f"{p.gpu} ({p.instance.memory_mib / 1024:.1f} GiB, {p.instance.request:.2f}/{p.instance.limit:.2f} SM)"
         for p in parts
@@ -1537,14 +1549,10 @@ def _place_split_lighting(
         gpus=tuple(p.gpu for p in parts),
         share_mode=strategy.share_mode,
         static_share=strategy.share_mode.static_share(SharePair(request.request, request.limit)),
-        lights=1,
+        lights=lights,
         total=0.0,
-        reason=(
-            f"{strategy.name}: {request.instance_id} split over {len(parts) - 1} lit GPU(s) of "
-            f"{parts[0].gpu.invoker} and one it lights, instead of lighting one for it whole "
-            f"(lit GPUs take {-best[0][0] / total:.0%}): {where}"
-        ),
-        parts=parts,
+        reason=f"{strategy.name}: {request.instance_id} {how}: {where}",
+        parts=tuple(parts),
     )
 
 
@@ -2501,21 +2509,6 @@ def _place_split(
                 ),
             )
         )
-    where = ", ".join(
-        f"{p.gpu} ({p.instance.memory_mib / 1024:.1f} GiB, {p.instance.request:.2f}/{p.instance.limit:.2f} SM)"
-        for p in parts
-    )
-    return PlacementDecision(
-        instance_id=request.instance_id,
-        strategy=strategy.name,
-        gpus=tuple(p.gpu for p in parts),
-        share_mode=strategy.share_mode,
-        static_share=strategy.share_mode.static_share(SharePair(request.request, request.limit)),
-        lights=0,
-        total=0.0,
-        reason=(
-            f"{strategy.name}: {request.instance_id} split over {len(parts)} lit GPUs of "
-            f"{parts[0].gpu.invoker} instead of lighting one: {where}"
-        ),
-        parts=tuple(parts),
+    return _split_decision(
+        request, strategy, parts, 0, f"split over {len(parts)} lit GPUs of {parts[0].gpu.invoker} instead of lighting one"
     )
