@@ -43,6 +43,7 @@ RUNS = {
     "dilu": {"policy": "dilu"},
     "mps-static": {"policy": "mps-static"},
     "dilu-infless-r": {"policy": "dilu", "placement": "infless-r"},
+    "dilu-lifetime": {"policy": "dilu", "placement": "dilu-lifetime"},
 }
 """Run name → serving policy and, for the what-if, the placement strategy `dilu` runs with instead of its own."""
 

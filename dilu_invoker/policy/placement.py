@@ -385,13 +385,26 @@ def _s_limit_fit(
     return 100.0 * min(1.0, g.used_limit + r.limit)
 
 
-def _s_complementarity(
+def _s_dominant_fit(
     g: GpuState, r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
 ) -> float:
+    # Fit on the resource that runs out first: where memory cannot bind (small instances on a large
+    # GPU), a weighted sum would let the non-binding memory pick among GPUs that fit SM equally.
+    sm = (g.used_request + r.request) / c.omega
+    memory = (g.used_memory + memory_need(g, r)) / g.memory_mib
+    return 100.0 * min(1.0, max(sm, memory))
+
+
+def _complementarity(g: GpuState, r: PlacementRequest, c: PlacementConfig, *, lc_seeks: bool) -> float:
+    """100·(w·class part + (1 − w)·profile part), 50 on an empty GPU. Class part: the share of neighbours
+    of the other class; for a latency-critical request 0.5 (neutral) unless `lc_seeks`."""
     n = len(g.instances)
     if n == 0:
         return 50.0
-    other_class = g.n_best_effort if r.cls.latency_critical else g.n_latency
+    if r.cls.latency_critical:
+        class_part = g.n_best_effort / n if lc_seeks else 0.5
+    else:
+        class_part = g.n_latency / n
     profiled = g.n_compute + g.n_memory
     if r.profile is None or profiled == 0:
         profile_part = 0.5
@@ -399,7 +412,21 @@ def _s_complementarity(
         opposite = g.n_memory if r.profile is Profile.COMPUTE else g.n_compute
         profile_part = opposite / profiled
     w = c.complement_class_weight
-    return 100.0 * (w * other_class / n + (1.0 - w) * profile_part)
+    return 100.0 * (w * class_part + (1.0 - w) * profile_part)
+
+
+def _s_complementarity(
+    g: GpuState, r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    return _complementarity(g, r, c, lc_seeks=True)
+
+
+def _s_complementarity_be(
+    g: GpuState, r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    # A best-effort job leaves before the latency-critical neighbours it seeks, so their GPU is lit
+    # anyway; a latency-critical instance drawn beside a job outlives it and keeps that GPU lit.
+    return _complementarity(g, r, c, lc_seeks=False)
 
 
 def _s_affinity(
@@ -422,6 +449,12 @@ def _unlit_fragmentation(
     r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
 ) -> float:
     return _frag_score(r.request, r.memory_mib, cl.min_memory_mib, c)
+
+
+def _unlit_dominant_fit(
+    r: PlacementRequest, cl: ClusterSnapshot, c: PlacementConfig
+) -> float:
+    return 100.0 * min(1.0, max(r.request / c.omega, r.memory_mib / cl.min_memory_mib))
 
 
 def _unlit_affinity(
@@ -452,6 +485,13 @@ SCORERS: dict[str, Scorer] = {
             lambda r, cl, c: 100.0 * min(1.0, r.request),
         ),
         Scorer(
+            "dominant-fit",
+            "100·max(Σ request / ω, Σ memory / GPU memory) after placing: best fit on the resource that "
+            "runs out first",
+            _s_dominant_fit,
+            _unlit_dominant_fit,
+        ),
+        Scorer(
             "limit-fit",
             "100·Σ limit after placing: best fit on reserved limits",
             _s_limit_fit,
@@ -461,6 +501,13 @@ SCORERS: dict[str, Scorer] = {
             "complementarity",
             "share of neighbours of the other class (inference beside training) and opposite profile",
             _s_complementarity,
+            lambda r, cl, c: 50.0,
+        ),
+        Scorer(
+            "complementarity-be",
+            "as complementarity, with the class part for best-effort requests only (training beside "
+            "inference; neutral for a latency-critical request, which would outlive a job it joins)",
+            _s_complementarity_be,
             lambda r, cl, c: 50.0,
         ),
         Scorer(
@@ -542,6 +589,23 @@ register_strategy(
             ("lit", 10.0),
             ("fragmentation", 4.0),
             ("complementarity", 1.0),
+            ("affinity", 1.0),
+        ),
+        ShareMode.DYNAMIC,
+        splits=True,
+    )
+)
+register_strategy(
+    Strategy(
+        "dilu-lifetime",
+        "dilu with lifetimes in mind: best fit on the resource that runs out first, and only training drawn "
+        "beside inference (an inference instance beside a job outlives it and keeps the GPU lit); serves "
+        "the day trace as densely as a static MPS split, packs LLM-heavy mixes looser (docs/policies.md)",
+        _BASE_FILTERS + ("sm-request", "sm-limit", "memory"),
+        (
+            ("lit", 10.0),
+            ("dominant-fit", 4.0),
+            ("complementarity-be", 1.0),
             ("affinity", 1.0),
         ),
         ShareMode.DYNAMIC,
@@ -1435,7 +1499,9 @@ def _place_gang(
 
 #: Built-in scorers whose score of an unlit (empty) GPU depends only on its memory size and, for
 #: affinity, the function's instance count on its invoker.
-_UNLIT_SCORE_ALIKE = frozenset({"lit", "fragmentation", "sm-fit", "limit-fit", "complementarity", "affinity"})
+_UNLIT_SCORE_ALIKE = frozenset(
+    {"lit", "fragmentation", "sm-fit", "dominant-fit", "limit-fit", "complementarity", "complementarity-be", "affinity"}
+)
 
 
 def _unlit_scores_alike(scorers: tuple[tuple[Scorer, float], ...]) -> bool:

@@ -690,7 +690,7 @@ class _Sim:
                 continue
             if g.used_request + req.request > c.omega + 1e-9:
                 fail = "sm-request"
-            elif c.strategy == "dilu" and g.used_limit + req.limit > c.gamma + 1e-9:
+            elif "sm-limit" in c.strategy_spec().filters and g.used_limit + req.limit > c.gamma + 1e-9:
                 fail = "sm-limit"
             elif g.used_memory + req.memory_mib > g.memory_mib:
                 fail = "memory"

@@ -264,6 +264,27 @@ SCORE_CASES = {
         req(profile=Profile.COMPUTE),
         60.0,
     ),
+    "dominant-fit-sm-binds": ScoreCase(
+        # after: Σ request 0.8, memory 10/40: the SM request runs out first
+        "dominant-fit", gpu("a", 0, placed("x", 0.5, 0.5, 5)), req(request=0.3, mem_gib=5), 80.0
+    ),
+    "dominant-fit-memory-binds": ScoreCase(
+        # after: Σ request 0.3, memory 36/40: memory runs out first
+        "dominant-fit", gpu("a", 0, placed("x", 0.2, 0.2, 30)), req(request=0.1, mem_gib=6), 90.0
+    ),
+    "dominant-fit-full": ScoreCase(
+        "dominant-fit", gpu("a", 0, placed("x", 0.7, 0.7, 35)), req(request=0.3, mem_gib=5), 100.0
+    ),
+    "complementarity-be-inference-beside-training": ScoreCase(
+        # neutral class part: an inference instance beside a job outlives it
+        "complementarity-be", gpu("a", 0, placed("t", 0.5, 0.9, cls=TRAIN)), req(), 50.0
+    ),
+    "complementarity-be-training-beside-inference": ScoreCase(
+        "complementarity-be", gpu("a", 0, placed("i", 0.3, 0.5)), req(cls=TRAIN), 80.0
+    ),
+    "complementarity-be-training-beside-training": ScoreCase(
+        "complementarity-be", gpu("a", 0, placed("t", 0.3, 0.5, cls=TRAIN)), req(cls=TRAIN), 20.0
+    ),
     "spread-none-on-invoker": ScoreCase(
         "affinity", gpu("a", 0), req(function="f"), 100.0
     ),
@@ -289,6 +310,27 @@ def test_scorer(case: ScoreCase) -> None:
     assert SCORERS[case.scorer].score(
         g, case.request, cl, case.config
     ) == pytest.approx(case.score)
+
+
+def test_dilu_lifetime_places_inference_by_fit_not_beside_training() -> None:
+    # Equal Σ request after placing on either GPU. dilu draws inference beside the training job (its
+    # complementarity, and the job's memory in its fit); dilu-lifetime sees equal fits and takes the first
+    # GPU in cluster order, the one whose tenant outlives no job.
+    cl = cluster(
+        gpu("a", 0, placed("i", 0.5, 0.8, 2)),
+        gpu("b", 0, placed("t", 0.5, 0.9, 10, cls=TRAIN)),
+    )
+    r = req(request=0.1, mem_gib=1)
+    assert place(cl, r, DILU).gpus == (GpuRef("b", 0),)
+    assert place(cl, r, PlacementConfig(strategy="dilu-lifetime")).gpus == (GpuRef("a", 0),)
+    # A training job still seeks inference under dilu-lifetime.
+    cl = cluster(
+        gpu("a", 0, placed("t", 0.5, 0.9, 2, cls=TRAIN)),
+        gpu("b", 0, placed("i", 0.5, 0.8, 2)),
+    )
+    assert place(cl, req(request=0.1, mem_gib=1, cls=TRAIN), PlacementConfig(strategy="dilu-lifetime")).gpus == (
+        GpuRef("b", 0),
+    )
 
 
 def test_pack_prefers_invoker_running_the_function() -> None:
