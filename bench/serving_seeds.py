@@ -1,8 +1,10 @@
-"""The serving evaluation's headline comparison over several seeds: `dilu` against `mps-static` (and, as a
-what-if, `dilu` with `infless-r`'s placement) on the day and bursty traces (issue 17, part 5).
+"""The serving evaluation's headline comparison over several seeds: `dilu` against `mps-static` (and `dilu`
+with another placement strategy: `infless-r`'s, a what-if, or `dilu-lifetime`, docs/policies.md) on the day and
+bursty traces (issue 17, part 5).
 
     PYTHONPATH=. python3 bench/serving_seeds.py [--seeds 1,2,3] [--traces azure-day,bursty]
-        [--runs dilu,mps-static,dilu-infless-r] [--interference K] [--out docs/benchmarks/serving-seeds.md]
+        [--runs dilu,mps-static,dilu-infless-r,dilu-lifetime] [--interference K]
+        [--out docs/benchmarks/serving-seeds.md]
 
 docs/evaluation.md runs every policy once, with seed 1. The seed draws where in each of a trace's
 bins its requests arrive; the counts per bin and the profiles are the evaluation's. This script runs
