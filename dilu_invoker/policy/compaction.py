@@ -16,7 +16,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import compress
 from operator import and_, is_, itemgetter
@@ -1249,20 +1249,7 @@ def _tightest_stage_memory(
     if hit is not None and hit[1] == source and hit[2] == omega and all(map(is_, hit[0], node)) and len(hit[0]) == len(node):
         best = hit[3]
     else:
-        grow = 1.0 + EPS
-        request, memory, whole = piece.request, piece.memory_mib, piece.part_of
-        best = None
-        for o, g in enumerate(node, ords[0]):
-            if o == source or not g.instances or not g.schedulable:
-                continue
-            left = omega - g.used_request - request
-            if left < -EPS or g.used_memory + memory > g.memory_mib * grow or any(
-                i.part_of == whole for i in g.instances
-            ):
-                continue
-            key = (g.memory_mib - g.used_memory - memory, left, o)
-            if best is None or key < best:
-                best = key
+        best = min(((free, left, o) for left, free, o in _stage_targets(node, ords[0], piece, omega)), default=None)
         if len(_STAGE_TARGETS) >= _SOURCE_BUCKET_MAX:
             _STAGE_TARGETS.clear()
         _STAGE_TARGETS[piece.id] = (node, source, omega, best)
@@ -1444,21 +1431,25 @@ def _tightest_stage(work: ClusterSnapshot, gpu: GpuState, piece: PlacedInstance,
     (then the least free memory, then cluster order), other than those holding a stage of its
     instance (`gpu` among them); None: none."""
     assert piece.part_of is not None
-    gpus = work.gpus
     ords = work.invoker_ordinals[gpu.ref.invoker]
+    best = min(_stage_targets(work.gpus.span(ords[0], ords[-1] + 1), ords[0], piece, omega), default=None)
+    return None if best is None else best[2]
+
+
+def _stage_targets(
+    node: Sequence[GpuState], first: int, piece: PlacedInstance, omega: float
+) -> Iterator[tuple[float, float, int]]:
+    """(SM room left, free MiB left, ordinal) of each lit, schedulable GPU of a node (its GPUs from
+    ordinal `first`) that takes `piece` (a pipeline stage) and holds no stage of its instance (so not
+    the stage's own GPU)."""
     grow = 1.0 + EPS
-    best: tuple[float, float, int] | None = None
-    node = gpus.span(ords[0], ords[-1] + 1)
-    for o, g in enumerate(node, ords[0]):
+    for o, g in enumerate(node, first):
         if not g.instances or not g.schedulable or any(i.part_of == piece.part_of for i in g.instances):
             continue
         left = omega - g.used_request - piece.request
         if left < -EPS or g.used_memory + piece.memory_mib > g.memory_mib * grow:
             continue
-        key = (left, g.memory_mib - g.used_memory, o)
-        if best is None or key < best:
-            best = key
-    return None if best is None else best[2]
+        yield left, g.memory_mib - g.used_memory - piece.memory_mib, o
 
 
 def _request_binds(cluster: ClusterSnapshot) -> bool:
