@@ -685,12 +685,13 @@ class _Sim:
         c = self.pconf
         worst = ""
         order = ("sm-request", "sm-limit", "memory")
+        limits = "sm-limit" in c.strategy_spec().filters
         for g in snap.lit_gpus():
             if not g.schedulable:
                 continue
             if g.used_request + req.request > c.omega + 1e-9:
                 fail = "sm-request"
-            elif "sm-limit" in c.strategy_spec().filters and g.used_limit + req.limit > c.gamma + 1e-9:
+            elif limits and g.used_limit + req.limit > c.gamma + 1e-9:
                 fail = "sm-limit"
             elif g.used_memory + req.memory_mib > g.memory_mib:
                 fail = "memory"
