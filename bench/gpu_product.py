@@ -36,8 +36,11 @@ Scenarios per mode, pair and trial (training is ResNet-50 fp16 AMP batch 32; inf
 * beside training, one training invocation for a group of them: ``<arrival>@<load>`` — arrivals ``paced``,
   ``poisson`` or ``bursty`` (a Markov-modulated Poisson process: 2x the mean rate in the first quarter of
   each second) at a fraction of the ``noshim`` solo capacity of the same trial (so every mode serves the
-  same arrivals); ``burst``: 0.2 of capacity, 5x that for 2 s, 0.2 again. ``--besides`` lists them
-  explicitly, else ``--arrivals`` (default: those named in ``--scenarios``) x ``--loads`` and ``burst``.
+  same arrivals); ``burst``: 0.2 of capacity, 5x that for 2 s, 0.2 again (``burst@0.15``: a base of 0.15, a
+  peak of 0.75). ``--besides`` lists them explicitly, else ``--arrivals`` (default: those named in
+  ``--scenarios``) x ``--loads`` and ``burst``.
+* ``alone``: each burst first against the inference instance alone (training idle; ``<burst> alone``): the
+  reference that says whether the burst is within one instance's capacity at all.
 * ``idle``: training with the inference instance warm and idle (after the other scenarios).
 
 Measured: client latency p50/p99 per scenario and per second, in-action GPU time (CUDA events) and run
@@ -534,28 +537,47 @@ def scenarios_of(args: argparse.Namespace) -> list[tuple[str, str, float]]:
     if args.besides:  # an explicit list, e.g. paced@0.5,poisson@0.3,burst
         out = []
         for item in args.besides:
-            if item == "burst":
-                out.append(("burst", "burst", 0.2))
+            if item == "burst" or item.startswith("burst@"):
+                out.append(burst_scenario(float(item.partition("@")[2] or BURST_BASE)))
             else:
                 kind, _, load = item.partition("@")
                 out.append((f"{kind}@{float(load):g}", kind, float(load)))
         return out
     out = [(f"{kind}@{load:g}", kind, load) for load in args.loads for kind in args.arrivals]
     if "burst" in want:
-        out.append(("burst", "burst", 0.2))
+        out.append(burst_scenario(BURST_BASE))
     return out
+
+
+BURST_BASE = 0.2
+"""The 5x burst's base load: 0.2 of capacity, so that its 2 s at 5x offer inference its whole solo capacity."""
+ALONE = " alone"
+"""Suffix of a burst scenario measured with training idle (``--scenarios ...,alone``): the same arrivals against
+the inference instance alone, the reference that says whether the burst is within what one instance serves."""
+
+
+def burst_scenario(base: float) -> tuple[str, str, float]:
+    """(name, process, base load) of a 5x burst; the issue's burst (base 0.2) keeps the name ``burst``."""
+    return ("burst" if base == BURST_BASE else f"burst@{base:g}", "burst", base)
+
+
+def burst_rates(seconds: float, base_rps: float) -> list[tuple[float, float]]:
+    """(seconds, requests/s) segments of a 5x burst: half the window at the base, 2 s at 5x, half at the base."""
+    return [(seconds / 2, base_rps), (2.0, 5 * base_rps), (seconds / 2, base_rps)]
 
 
 def stack_estimate_s(args: argparse.Namespace, mode: str, pair: str, trial: int = 1) -> float:
     """Seconds one (mode, pair, trial) takes on the H200, by the figures above."""
     sec = args.seconds
     n = len(scenarios_of(args))
-    besides = sum(sec + (2.0 if name == "burst" else 0.0) + GAP_S for name, _, _ in scenarios_of(args))
+    besides = sum(sec + (2.0 if kind == "burst" else 0.0) + GAP_S for _, kind, _ in scenarios_of(args))
     groups = max(1, math.ceil(besides / TRAIN_GROUP_S)) if n else 0
     est = (STACK_S + max(COLD_S["train"], COLD_S[PAIRS[pair]]) + 0.5 + IDLE_AFTER_S + sec + WARMUP_S + sec
            + besides + groups * (LEAD_S + 0.5))
     if "idle" in args.scenarios:
         est += sec
+    if "alone" in args.scenarios:
+        est += sum(sec + 2.0 + GAP_S for _, kind, _ in scenarios_of(args) if kind == "burst")
     if trial == 0:
         est += NOOP_COLD_S + NOOP_S  # the first trial also measures the CPU no-op
     if "--gpu-mps" in MODES[mode]["flags"] and MODES[mode]["flags"][MODES[mode]["flags"].index("--gpu-mps") + 1] == "on":
@@ -734,22 +756,34 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
             res["window"] = list(window)
             cell["scenarios"][name] = res
 
+        if "alone" in want:
+            # Each burst against inference alone (training idle), before the same burst beside training: the
+            # reference that says whether the burst is within one instance's capacity at all. Its own generator,
+            # so that the arrivals of the scenarios beside training are those of a run without it.
+            alone_rng = random.Random(1000 * trial + 8)
+            for name, kind, load in scenarios_of(args):
+                if kind != "burst":
+                    continue
+                t0 = time.time()
+                samples = await open_loop(st, "infer", iparams, burst_rates(args.seconds, load * ref_rps), "paced",
+                                          alone_rng)
+                finish(name + ALONE, samples, (t0, time.time()), [])
+                await asyncio.sleep(GAP_S)
         todo = scenarios_of(args)
         while todo:  # groups of scenarios beside one training invocation
             group: list[tuple[str, str, float]] = []
             length = 0.0
             while todo and (not group or length + args.seconds + 2.3 <= TRAIN_GROUP_S):
                 group.append(todo.pop(0))
-                length += args.seconds + (2.0 if group[-1][0] == "burst" else 0.0) + GAP_S
+                length += args.seconds + (2.0 if group[-1][1] == "burst" else 0.0) + GAP_S
             train_task = asyncio.create_task(st.invoke("train", train_params(LEAD_S + length + 0.5, tdry)))
             await asyncio.sleep(LEAD_S)  # training runs before inference starts
             results = []
             for name, kind, load in group:
                 t0 = time.time()
                 if kind == "burst":
-                    b = load * ref_rps
-                    rates = [(args.seconds / 2, b), (2.0, 5 * b), (args.seconds / 2, b)]
-                    samples = await open_loop(st, "infer", iparams, rates, "paced", rng)
+                    samples = await open_loop(st, "infer", iparams, burst_rates(args.seconds, load * ref_rps), "paced",
+                                              rng)
                 else:
                     samples = await open_loop(st, "infer", iparams, [(args.seconds, load * ref_rps)], kind, rng)
                 results.append((name, samples, (t0, time.time())))
@@ -1130,7 +1164,7 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
                       "vs strongest baseline: p99 × / training × | dominated by |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name in scen:
-            if name in ("solo", "idle") or name.startswith("share@"):
+            if name in ("solo", "idle") or name.startswith("share@") or name.endswith(ALONE):
                 continue
             best = strongest_baseline(agg, pair, name)
             for mode in modes:
@@ -1161,6 +1195,7 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
                       f"≥ {BEYOND_NOISE:.2f}):", "",
                   "| pair | mode | cells | dominated (medians) | dominated beyond noise |", "| --- | --- | --- | --- | --- |"]
         lines += [f"| {p} | {m} | {n} | {d} | {b} |" for (p, m), (n, d, b) in tallies.items()]
+    lines += bursts_alone(cells)
     lines += ["", "Issue 17's cell targets (ResNet/ResNet; medians over trials):", "",
               "| mode | paced 50%: p99 ≤ 1.25× solo | training ≥ 75% of solo | burst violations ≤ 1% | "
               "idle training ≥ 95% of solo |", "| --- | --- | --- | --- | --- |"]
@@ -1184,6 +1219,33 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
                   "applies the priority kernel by kernel; `rckm`'s reaction on a time-sliced GPU is measured from the "
                   "manager's decisions by bench/vertical (docs/benchmarks/vertical.md).", "", END]
     return "\n".join(lines) + "\n"
+
+
+def bursts_alone(cells: list[dict[str, Any]]) -> list[str]:
+    """The bursts measured alone and beside training, trial by trial: per (pair, burst, mode) the violations of
+    each (median / worst) and the trials within 1% — with the burst alone, what one instance serves at all."""
+    rows: dict[tuple[str, str, str], tuple[list[float], list[float]]] = {}
+    for c in cells:
+        for name, r in c["scenarios"].items():
+            if not name.endswith(ALONE) or r.get("slo_violations") is None:
+                continue
+            beside = c["scenarios"].get(name[: -len(ALONE)], {}).get("slo_violations")
+            alone_v, beside_v = rows.setdefault((c["pair"], name[: -len(ALONE)], c["mode"]), ([], []))
+            alone_v.append(r["slo_violations"])
+            if beside is not None:
+                beside_v.append(beside)
+    if not rows:
+        return []
+
+    def stat(v: list[float]) -> str:
+        if not v:
+            return "–"
+        return f"{statistics.median(v) * 100:.1f}% / {max(v) * 100:.1f}% ({sum(x <= 0.01 for x in v)} of {len(v)} ≤ 1%)"
+    out = ["", "Bursts alone and beside training (SLO violations, *median / worst*, and the trials within 1%; *alone*: "
+               "the same arrivals against the inference instance with training idle, in the same stack):", "",
+           "| pair | burst | mode | alone | beside training |", "| --- | --- | --- | --- | --- |"]
+    out += [f"| {p} | {b} | {m} | {stat(a)} | {stat(t)} |" for (p, b, m), (a, t) in rows.items()]
+    return out
 
 
 def write_matrix(path: Path, text: str) -> None:
@@ -1266,8 +1328,8 @@ def main() -> int:
         args.besides = [x for x in args.besides.split(",") if x]
         for item in args.besides:
             kind, _, load = item.partition("@")
-            if item != "burst" and (kind not in ARRIVALS or not re.fullmatch(r"[0-9.]+", load)):
-                ap.error(f"--besides: {item!r} is not burst or <arrival>@<load>, arrival among {ARRIVALS}")
+            if kind not in (*ARRIVALS, "burst") or not re.fullmatch(r"[0-9.]*" if kind == "burst" else r"[0-9.]+", load):
+                ap.error(f"--besides: {item!r} is not burst[@<base load>] or <arrival>@<load>, arrival among {ARRIVALS}")
         if args.plan_only:
             print_plan(args, *plan(args))
             return 0

@@ -27,7 +27,9 @@
 #                                               inference: noshim, shim, mps50, shim-ts; PLAN=15 the defaults
 #                                               beside noshim and mps50 (ResNet pair; more trials to pool),
 #                                               PLAN=16 the same on the BERT pair, PLAN=17 PLAN 14 without
-#                                               shim-ts; the plan and its
+#                                               shim-ts; PLAN=18 the 5x burst at three heights (peaks 1.0, 0.8
+#                                               and 0.6 of capacity), each also against inference alone, ResNet
+#                                               pair: noshim, shim, mps50; PLAN=19 the same on BERT; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -113,7 +115,13 @@ elif [ "$what" = matrix ]; then
     17) modes=noshim,shim,mps50; pairs=resnet50+membw; bert=""      # PLAN 14 without rckm time-sliced
         besides=paced@0.5,poisson@0.5,poisson@0.7
         prio="resnet50+membw:noshim,shim,mps50" ;;
-    *) echo "PLAN is 1 to 17"; exit 2 ;;
+    18) modes=noshim,shim,mps50; pairs=resnet50+train; bert=""      # the 5x burst at three heights (peaks 1.0,
+        besides=burst,burst@0.16,burst@0.12; scen=cold,solo,alone  # 0.8 and 0.6 of capacity), each also against
+        prio="resnet50+train:noshim,shim,mps50" ;;                    # inference alone (training idle)
+    19) modes=noshim,shim,mps50; pairs=bert+train; bert=""          # PLAN 18 on the BERT pair
+        besides=burst,burst@0.16,burst@0.12; scen=cold,solo,alone
+        prio="bert+train:noshim,shim,mps50" ;;
+    *) echo "PLAN is 1 to 19"; exit 2 ;;
   esac
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \

@@ -143,6 +143,32 @@ def test_dominance_odds_say_how_sure_a_verdict_is(gp: ModuleType, tmp_path: Path
     assert "| resnet50+train | slo-ts | 1 | 1 | 0 |" in text
 
 
+def test_bursts_have_heights_and_an_alone_reference(gp: ModuleType, tmp_path: Path) -> None:
+    args = _args(besides=["burst", "burst@0.16", "paced@0.5"], scenarios=["cold", "solo", "alone"])
+    assert gp.scenarios_of(args) == [("burst", "burst", 0.2), ("burst@0.16", "burst", 0.16),
+                                     ("paced@0.5", "paced", 0.5)]
+    rates = gp.burst_rates(1.5, 10.0)
+    assert [r for _, r in rates] == [10.0, 50.0, 10.0] and sum(s for s, _ in rates) == pytest.approx(3.5)
+    # Each burst alone runs once more per stack: the estimate grows by the two bursts' length.
+    without = gp.stack_estimate_s(_args(besides=args.besides, scenarios=["cold", "solo"]), "noshim", "resnet50+train")
+    assert gp.stack_estimate_s(args, "noshim", "resnet50+train") - without == pytest.approx(2 * (1.5 + 2.0 + gp.GAP_S))
+    cells = []
+    for t, (alone, beside) in enumerate(((0.0, 0.02), (0.005, 0.30), (0.20, 0.25))):
+        c = _cell(gp, "shim", t, 12.0, 0.9, 0.0)
+        c["scenarios"]["burst"] = {**c["scenarios"]["paced@0.5"], "slo_violations": beside}
+        c["scenarios"]["burst alone"] = {"p99_ms": 11.0, "slo_violations": alone, "train_vs_ref": None}
+        cells.append(c)
+    rows = "\n".join(gp.bursts_alone(cells))
+    assert "| resnet50+train | burst | shim | 0.5% / 20.0% (2 of 3 ≤ 1%) | 25.0% / 30.0% (0 of 3 ≤ 1%) |" in rows
+    page = tmp_path / "page.md"
+    page.write_text(gp.BEGIN + "\n" + gp.END + "\n")
+    gp.write_matrix(page, gp.matrix_report([{"machine": {}, "command": "x", "cells": cells, "errors": [], "cut": [],
+                                             "skipped": []}]))
+    text = page.read_text()
+    assert "| burst alone |" not in text  # alone is a reference, not a cell of the matrix
+    assert "| resnet50+train | shim | 2 |" in text  # paced@0.5 and burst: two cells, not three
+
+
 def test_isolation_fallback_keeps_the_run(gp: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU action that cannot cold-start under process isolation costs one stack, not the run: that stack
     and every later one run with isolation off, and the results say so."""
