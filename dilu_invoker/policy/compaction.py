@@ -85,6 +85,15 @@ class CompactionConfig:
     merge free memory that no instance can use into room one can (`_merge_memory`, the memory twin
     of `merges`; each move is a cold start); the sources looked at per move are `merge_sources`.
     0: none (the default, live and simulated)."""
+    merge_above: float | None = None
+    """Merge SM room (`merges`) and resize stages (`rebalances`) only while the lit GPUs, once the
+    call has emptied what it could, exceed the integral lower bound of what is placed
+    (`ClusterSnapshot.integral_bound`) by more than this fraction of it (`_above_bound`): no
+    placement lights fewer GPUs than the bound, so at it no merge can ever pay, and near it little
+    can. None: whatever the lit GPUs (as before)."""
+    memory_merge_above: float | None = None
+    """The same gate for `memory_merges`: merge free memory only while the lit GPUs exceed the
+    integral bound by more than this fraction of it. None: whatever the lit GPUs."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.source_max_request <= 1.0:
@@ -101,6 +110,10 @@ class CompactionConfig:
             raise ValueError(f"rebalances must be >= 0, got {self.rebalances}")
         if not (math.isfinite(self.rebalance_min_gain) and self.rebalance_min_gain >= 0.0):
             raise ValueError(f"rebalance_min_gain must be >= 0, got {self.rebalance_min_gain!r}")
+        for name in ("merge_above", "memory_merge_above"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"{name} must be >= 0 or None, got {value!r}")
         for name in ("source_max_instances", "max_sources", "max_moves", "merge_sources", "merge_source_instances",
                      "rebalance_sources"):
             if getattr(self, name) < 1:
@@ -880,7 +893,7 @@ def compaction_plan(
     # `seen`, the cluster the emptying left.
     emptied = work
     merged: list[CompactionMove] = []
-    if merging and len(moves) < config.max_moves:
+    if merging and len(moves) < config.max_moves and _above_bound(work, config.merge_above):
         work, merged = _merge(work, placement, config, min(config.merges, config.max_moves - len(moves)),
                               targets, pinned)
         moves.extend(merged)
@@ -890,7 +903,13 @@ def compaction_plan(
             )
             moves.extend(resized)
             merged += resized
-    elif config.memory_merges and not binds and cluster.lit_count > 0 and len(moves) < config.max_moves:
+    elif (
+        config.memory_merges
+        and not binds
+        and cluster.lit_count > 0
+        and len(moves) < config.max_moves
+        and _above_bound(work, config.memory_merge_above)
+    ):
         # Memory binds: its lost room, not SM's, is what keeps GPUs lit.
         work, merged = _merge_memory(
             work, placement, config, min(config.memory_merges, config.max_moves - len(moves)), targets, pinned
@@ -1457,6 +1476,17 @@ def _request_binds(cluster: ClusterSnapshot) -> bool:
     merging SM room pay; where memory binds, SM room is not what keeps GPUs lit, and merging it
     would spend cold starts for nothing."""
     return cluster.lit_count > 0 and cluster.sum_request >= cluster.sum_memory_fraction
+
+
+def _above_bound(cluster: ClusterSnapshot, above: float | None) -> bool:
+    """Whether the lit GPUs exceed the integral bound of what is placed by more than `above` of it
+    (None: always true). A merge turns no GPU off by itself; it pays only when emptying (this call's
+    or a later one's) or an arrival then lights fewer GPUs. No placement of what is placed lights
+    fewer than the bound, so where the lit GPUs are at it a merge can never pay, and within
+    `above` of it at most that share of them could. O(1): the snapshot keeps the bound's sums."""
+    if above is None:
+        return True
+    return cluster.lit_count > cluster.integral_bound() * (1.0 + above) + EPS
 
 
 #: config → the config a merging call runs under (`_call_config`), one object per value.
