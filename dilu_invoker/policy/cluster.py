@@ -24,7 +24,7 @@ from typing import TypeVar, overload
 
 from immutables import Map
 
-from dilu_invoker.policy.types import EPS, GpuRef, GpuState, PlacedInstance
+from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
 
 #: Resolution of the Σ-request index: lit GPUs are bucketed by floor(Σ request × BUCKETS).
 BUCKETS = 100
@@ -181,6 +181,11 @@ SPLIT_OMEGA, SPLIT_GAMMA = 1.0, 1.5
 _GROW = 1.0 + EPS
 
 
+def _ceil_tolerant(x: float) -> int:
+    # As `fragmentation._ceil`: ⌈2.0000000001⌉ is 2 (the sums come from floats).
+    return max(0, math.ceil(x - 1e-6))
+
+
 def _free(g: GpuState) -> float:
     return g.memory_mib - g.used_memory
 
@@ -307,6 +312,11 @@ class ClusterSnapshot:
     sum_memory_fraction: float
     max_memory_mib: float
     min_memory_mib: float
+    large_memory_slots: int = 0
+    """Σ gpus over live training instances asking more than half of `max_memory_mib` per GPU: no two
+    such slots share a GPU, and a training slot is never split (`integral_bound`)."""
+    large_request_slots: int = 0
+    """Σ gpus over live training instances asking SM request above 0.5 per GPU (`integral_bound`)."""
 
     # -- construction -------------------------------------------------------------------------
 
@@ -343,6 +353,8 @@ class ClusterSnapshot:
         memories: dict[float, int] = {}
         lit = 0
         sum_req = sum_mem = sum_frac = 0.0
+        large_memory = large_request = 0
+        half = max(g.memory_mib for g in ordered) / 2
         for i, g in enumerate(ordered):
             if g.lit:
                 lit += 1
@@ -364,6 +376,9 @@ class ClusterSnapshot:
                     if inst.part_of is None:
                         requests[inst.request] = requests.get(inst.request, 0) + 1
                         memories[inst.memory_mib] = memories.get(inst.memory_mib, 0) + 1
+                    if inst.cls is InstanceClass.TRAINING:
+                        large_memory += inst.gpus if inst.memory_mib > half + EPS else 0
+                        large_request += inst.gpus if inst.request > 0.5 + EPS else 0
                 elif prev != inst:
                     raise ValueError(
                         f"instance {inst.id} is described differently on two GPUs"
@@ -401,6 +416,8 @@ class ClusterSnapshot:
             sum_memory_fraction=sum_frac,
             max_memory_mib=max(g.memory_mib for g in ordered),
             min_memory_mib=min(g.memory_mib for g in ordered),
+            large_memory_slots=large_memory,
+            large_request_slots=large_request,
         )
 
     @classmethod
@@ -466,6 +483,20 @@ class ClusterSnapshot:
             memory_mib=self.sum_memory,
             memory_fraction=self.sum_memory_fraction,
             widest=widest,
+        )
+
+    def integral_bound(self) -> int:
+        """The integral lower bound on lit GPUs for what is placed now (`integral_lit_gpu_lower_bound`,
+        the largest GPU's memory as the divisor): max(⌈Σ request⌉, ⌈Σ memory / capacity⌉, the widest
+        instance, the large training slots of either kind). O(widths)."""
+        widest = max((w for w, n in self.width_counts.items() if n > 0), default=0)
+        ceil = _ceil_tolerant
+        return max(
+            ceil(self.sum_request),
+            ceil(self.sum_memory / self.max_memory_mib),
+            widest,
+            self.large_memory_slots,
+            self.large_request_slots,
         )
 
     def smallest_request(self) -> float | None:
@@ -611,6 +642,12 @@ class ClusterSnapshot:
             del widths[instance.gpus]
         requests = self.request_counts
         memories = self.memory_counts
+        large_memory, large_request = self.large_memory_slots, self.large_request_slots
+        if instance.cls is InstanceClass.TRAINING:
+            if instance.memory_mib > self.max_memory_mib / 2 + EPS:
+                large_memory += sign * instance.gpus
+            if instance.request > 0.5 + EPS:
+                large_request += sign * instance.gpus
         if instance.part_of is None:
             n = requests.get(instance.request, 0) + sign
             requests = requests.set(instance.request, n) if n > 0 else requests.delete(instance.request)
@@ -634,6 +671,8 @@ class ClusterSnapshot:
             sum_request=sum_req,
             sum_memory=sum_mem,
             sum_memory_fraction=sum_frac,
+            large_memory_slots=large_memory,
+            large_request_slots=large_request,
         )
 
 

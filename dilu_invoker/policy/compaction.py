@@ -23,7 +23,7 @@ from operator import and_, is_, itemgetter
 
 from immutables import Map
 
-from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, GpuVector, request_bucket
+from dilu_invoker.policy.cluster import BUCKETS, ClusterSnapshot, GpuVector, RoomEntry, request_bucket
 from dilu_invoker.policy.placement import (
     FILTERS,
     Filter,
@@ -85,6 +85,15 @@ class CompactionConfig:
     merge free memory that no instance can use into room one can (`_merge_memory`, the memory twin
     of `merges`; each move is a cold start); the sources looked at per move are `merge_sources`.
     0: none (the default, live and simulated)."""
+    merge_above: float | None = None
+    """Merge SM room (`merges`) and resize stages (`rebalances`) only while the lit GPUs, once the
+    call has emptied what it could, exceed the integral lower bound of what is placed
+    (`ClusterSnapshot.integral_bound`) by more than this fraction of it (`_above_bound`): no
+    placement lights fewer GPUs than the bound, so at it no merge can ever pay, and near it little
+    can. None: whatever the lit GPUs (as before)."""
+    memory_merge_above: float | None = None
+    """The same gate for `memory_merges`: merge free memory only while the lit GPUs exceed the
+    integral bound by more than this fraction of it. None: whatever the lit GPUs."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.source_max_request <= 1.0:
@@ -101,6 +110,10 @@ class CompactionConfig:
             raise ValueError(f"rebalances must be >= 0, got {self.rebalances}")
         if not (math.isfinite(self.rebalance_min_gain) and self.rebalance_min_gain >= 0.0):
             raise ValueError(f"rebalance_min_gain must be >= 0, got {self.rebalance_min_gain!r}")
+        for name in ("merge_above", "memory_merge_above"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"{name} must be >= 0 or None, got {value!r}")
         for name in ("source_max_instances", "max_sources", "max_moves", "merge_sources", "merge_source_instances",
                      "rebalance_sources"):
             if getattr(self, name) < 1:
@@ -880,7 +893,7 @@ def compaction_plan(
     # `seen`, the cluster the emptying left.
     emptied = work
     merged: list[CompactionMove] = []
-    if merging and len(moves) < config.max_moves:
+    if merging and len(moves) < config.max_moves and _above_bound(work, config.merge_above):
         work, merged = _merge(work, placement, config, min(config.merges, config.max_moves - len(moves)),
                               targets, pinned)
         moves.extend(merged)
@@ -890,7 +903,13 @@ def compaction_plan(
             )
             moves.extend(resized)
             merged += resized
-    elif config.memory_merges and not binds and cluster.lit_count > 0 and len(moves) < config.max_moves:
+    elif (
+        config.memory_merges
+        and not binds
+        and cluster.lit_count > 0
+        and len(moves) < config.max_moves
+        and _above_bound(work, config.memory_merge_above)
+    ):
         # Memory binds: its lost room, not SM's, is what keeps GPUs lit.
         work, merged = _merge_memory(
             work, placement, config, min(config.memory_merges, config.max_moves - len(moves)), targets, pinned
@@ -1078,6 +1097,10 @@ def _merge_memory(
     `merge_sources` GPUs with lost memory, the most free memory first (the gain is at most φ).
     Instances, targets and filters as `_merge`'s.
 
+    The search is incremental (`_MemoryIndex`): the GPUs with lost memory, the targets of whole
+    instances and, per source, the instances that may leave it with the tightest GPU of their node
+    for each stage are kept from call to call and brought up to date from the GPUs that changed.
+
     The caller merges memory only where Σ request does not bound the lit GPUs (`_request_binds`)."""
     moves: list[CompactionMove] = []
     omega = placement.omega
@@ -1088,55 +1111,45 @@ def _merge_memory(
     filters = placement.filters()
     grow = 1.0 + EPS
     unit = work.max_memory_mib
-    short = (least_memory - unit * EPS, -1)
+    slack = unit * EPS
     for _ in range(budget):
         gpus = work.gpus
-        rooms = work.lit_room
-        # Below `first` every GPU has SM room for the least request: lost only where memory is short
-        # (a prefix of the bucket, by free memory); from `first` up (Σ request ≥ 1 included) any GPU.
-        runs = [
-            reversed(run)
-            for run in (rooms[k][: bisect.bisect_left(rooms[k], short)] if k < first else rooms[k]
-                        for k in range(BUCKETS + 1))
-            if run
-        ]
-        # The lit GPUs with room for the least memory beside some SM room, by free memory: the
-        # targets of whole instances (each asks at least the least memory); made when first needed.
-        pool: list[tuple[float, int]] | None = None
+        index = _memory_index(work, smallest, least_memory, first, omega, config.move_pieces)
+        pool = index.pool
+        movers_of = index.movers
         found: list[tuple[float, int, PlacedInstance, GpuState, int]] = []
         looked = 0
         bound = -math.inf  # the best gain so far
         taken = {work.ordinals[r] for r in targets}
-        for free, o in heapq.merge(*runs, reverse=True):
+        # The lost GPUs, the most free memory first (the index holds only lost ones, with free memory).
+        for free, o in reversed(index.lost):
             if looked >= config.merge_sources or free / unit <= bound + EPS:
                 break
-            if free <= EPS * unit or o in taken:
+            if o in taken:
                 continue
-            gpu = gpus[o]
-            room = omega - gpu.used_request
-            if room >= smallest - EPS and gpu.used_memory + least_memory <= gpu.memory_mib * grow:
-                continue  # an instance fits: the memory is not lost
             looked += 1
-            for inst in _memory_movers(gpu, smallest, least_memory, omega, config.move_pieces):
+            movers = movers_of.get(o)
+            if movers is None:
+                movers = movers_of[o] = _movers(work, o, smallest, least_memory, omega, config.move_pieces)
+            for inst, stage, stage_gain in movers:
                 if inst.id in pinned:
                     continue
                 # A target keeping more than this free gains less than the best so far.
                 most = free - bound * unit + inst.memory_mib if bound > 0 else math.inf
-                if inst.part_of is not None:
-                    t = _tightest_stage_memory(work, o, inst, omega, most)
+                if stage is not None:
+                    # The tightest keeps the least free memory: past `most`, so does every other.
+                    if stage[0] + inst.memory_mib > most + slack:
+                        continue
+                    t = stage[2]
+                    gain = stage_gain
                 else:
-                    if pool is None:
-                        pool = sorted(
-                            itertools.chain.from_iterable(
-                                rooms[k][bisect.bisect_left(rooms[k], short) :] for k in range(BUCKETS)
-                            )
-                        )
-                    t = _tightest_memory(work, pool, inst.request, inst.memory_mib, omega, o, most)
-                if t is None:
-                    continue
-                gain = (free - (gpus[t].memory_mib - gpus[t].used_memory - inst.memory_mib)) / unit
+                    w = _tightest_memory(work, pool, inst.request, inst.memory_mib, omega, o, most)
+                    if w is None:
+                        continue
+                    t = w
+                    gain = (free - (gpus[t].memory_mib - gpus[t].used_memory - inst.memory_mib)) / unit
                 if gain > EPS:
-                    found.append((gain, len(found), inst, gpu, t))
+                    found.append((gain, len(found), inst, gpus[o], t))
                     bound = max(bound, gain)
         move = _first_move(
             work, placement, filters, found,
@@ -1171,34 +1184,171 @@ def _merge_memory(
     return work, moves
 
 
-#: id of a GPU state → (the state, the least request and memory, whether pieces may move, the
-#: instances a memory merge may move off it: `_memory_movers`). A lost GPU that waits over many
-#: calls is judged once (states are immutable; the state is kept so that its id is not reused).
-_MOVERS: dict[int, tuple[GpuState, float, float, bool, tuple[PlacedInstance, ...]]] = {}
+@dataclass(slots=True)
+class _MemoryIndex:
+    """What `_merge_memory` searches, for the GPU states `gpus` under `key` (the least request and
+    memory, the first bucket of SM room below the least request, ω, whether pieces may move, the
+    largest GPU's memory): brought up to date from the GPUs that changed (`_memory_index`), so a call
+    does not rebuild it from every lit GPU nor weigh again a source whose node is the same.
+
+    `lost`: (free MiB, ordinal) of each lit GPU whose free memory is lost and that a merge looks at,
+    ascending, exactly those the bucket walk of `ClusterSnapshot.lit_room` met (a GPU of a bucket
+    with SM room for the least request only where its free memory is less than the least memory,
+    any other one where no instance fits, never one without free memory). `pool`: (free MiB,
+    ordinal) of the lit GPUs with room for the least memory and Σ request below 1, ascending, the
+    targets of whole instances (`_tightest_memory`). `movers`: source ordinal → `_movers` of it,
+    while its node is the same."""
+
+    refs: tuple[GpuRef, ...]
+    gpus: GpuVector
+    key: tuple[float, float, int, float, bool, float]
+    lost: list[RoomEntry]
+    pool: list[RoomEntry]
+    movers: dict[int, tuple[_Mover, ...]]
 
 
-def _memory_movers(
-    gpu: GpuState, smallest: float, least_memory: float, omega: float, pieces: bool
-) -> tuple[PlacedInstance, ...]:
-    """The one-GPU instances of `gpu` (pieces only if `pieces`) whose move would leave room some
-    instance can use (at least `smallest` of SM room beside at least `least_memory` MiB)."""
-    hit = _MOVERS.get(id(gpu))
-    if hit is not None and hit[0] is gpu and hit[1] == smallest and hit[2] == least_memory and hit[3] is pieces:
-        return hit[4]
+#: The index of the last `_merge_memory` search (one: the calls of a replay follow one another; any
+#: other cluster is compared with it GPU by GPU, or indexed afresh).
+_INDEX: list[_MemoryIndex] = []
+#: More changed GPUs than this share of the cluster: index afresh rather than GPU by GPU.
+_REINDEX_SHARE = 0.25
+
+
+def _memory_index(
+    work: ClusterSnapshot, smallest: float, least_memory: float, first: int, omega: float, pieces: bool
+) -> _MemoryIndex:
+    """`_MemoryIndex` of `work`: the last one brought up to date, or a new one."""
+    unit = work.max_memory_mib
+    key = (smallest, least_memory, first, omega, pieces, unit)
+    gpus = work.gpus
+    index = _INDEX[0] if _INDEX else None
+    if index is not None and index.key == key and (index.refs is work.refs or index.refs == work.refs):
+        if index.gpus is gpus:
+            return index
+        if isinstance(gpus, GpuVector) and isinstance(index.gpus, GpuVector) and len(gpus) == len(index.gpus):
+            changed = gpus.changed_since(index.gpus)
+            if len(changed) <= _REINDEX_SHARE * len(gpus):
+                _update_index(index, work, changed, first, least_memory, smallest, omega)
+                return index
+    short = least_memory - unit * EPS
+    rooms = work.lit_room
+    lost: list[RoomEntry] = []
+    pool: list[RoomEntry] = []
+    for k in range(BUCKETS + 1):
+        run = rooms[k]
+        if not run:
+            continue
+        cut = bisect.bisect_left(run, (short, -1))
+        lost.extend(e for e in (run[:cut] if k < first else run) if _lost_at(gpus[e[1]], e[0], smallest, least_memory, unit, omega))
+        if k < BUCKETS:
+            pool.extend(run[cut:])
+    lost.sort()
+    pool.sort()
+    index = _MemoryIndex(refs=work.refs, gpus=gpus, key=key, lost=lost, pool=pool, movers={})
+    _INDEX[:] = [index]
+    return index
+
+
+def _lost_at(g: GpuState, free: float, smallest: float, least_memory: float, unit: float, omega: float) -> bool:
+    """Whether lit GPU `g` (`free` MiB free) has free memory and no instance fits there."""
+    if free <= EPS * unit:
+        return False
+    return not (
+        omega - g.used_request >= smallest - EPS and g.used_memory + least_memory <= g.memory_mib * (1.0 + EPS)
+    )
+
+
+def _update_index(
+    index: _MemoryIndex,
+    work: ClusterSnapshot,
+    changed: list[int],
+    first: int,
+    least_memory: float,
+    smallest: float,
+    omega: float,
+) -> None:
+    """Bring `index` from its GPU states to `work`'s, of which `changed` are other objects."""
+    old_gpus, gpus = index.gpus, work.gpus
+    unit = work.max_memory_mib
+    short = least_memory - unit * EPS
+    lost, pool, movers = index.lost, index.pool, index.movers
+    nodes: set[str] = set()
+    refs = work.refs
+    for o in changed:
+        for g, add in ((old_gpus[o], False), (gpus[o], True)):
+            if not g.instances:
+                continue  # dark: in neither list
+            free = g.memory_mib - g.used_memory
+            k = request_bucket(g.used_request)
+            entry = (free, o)
+            if (k >= first or free < short) and _lost_at(g, free, smallest, least_memory, unit, omega):
+                _sorted_edit(lost, entry, add)
+            if k < BUCKETS and free >= short:
+                _sorted_edit(pool, entry, add)
+        nodes.add(refs[o].invoker)
+    if movers:
+        for inv in nodes:
+            for o in work.invoker_ordinals[inv]:
+                movers.pop(o, None)
+    index.gpus = gpus
+
+
+def _sorted_edit(entries: list[RoomEntry], entry: RoomEntry, add: bool) -> None:
+    i = bisect.bisect_left(entries, entry)
+    if add:
+        entries.insert(i, entry)
+    else:
+        if i == len(entries) or entries[i] != entry:
+            raise AssertionError(f"memory index out of sync: {entry} missing")
+        del entries[i]
+
+
+#: An instance a memory merge may move off its GPU (`_movers`): the instance; for a stage, the lit GPU
+#: of its node that takes it with the least free memory left (free MiB left, SM room left, ordinal)
+#: and the gain of that move, else (a whole instance, whose target is looked for per call) None, 0.
+_Mover = tuple[PlacedInstance, tuple[float, float, int] | None, float]
+
+
+def _movers(
+    work: ClusterSnapshot, source: int, smallest: float, least_memory: float, omega: float, pieces: bool
+) -> tuple[_Mover, ...]:
+    """The one-GPU instances of GPU `source` (pieces only if `pieces`) whose move would leave room some
+    instance can use (at least `smallest` of SM room beside at least `least_memory` MiB), in their
+    order there: whole ones, and stages that some lit GPU of their node takes with a gain, with the
+    one that takes them with the least free memory left (then the least SM room, then cluster
+    order), other than those holding a stage of their instance. A function of the node's GPU
+    states."""
+    gpus = work.gpus
+    gpu = gpus[source]
     room = omega - gpu.used_request
     grow = 1.0 + EPS
-    out = tuple(
-        inst
-        for inst in gpu.instances
-        if inst.gpus == 1
-        and (pieces or inst.part_of is None)
-        and room + inst.request >= smallest - EPS
-        and gpu.used_memory - inst.memory_mib + least_memory <= gpu.memory_mib * grow
-    )
-    if len(_MOVERS) >= _SOURCE_BUCKET_MAX:
-        _MOVERS.clear()
-    _MOVERS[id(gpu)] = (gpu, smallest, least_memory, pieces, out)
-    return out
+    free = gpu.memory_mib - gpu.used_memory
+    unit = work.max_memory_mib
+    out: list[_Mover] = []
+    node: tuple[GpuState, ...] | None = None
+    for inst in gpu.instances:
+        if not (
+            inst.gpus == 1
+            and (pieces or inst.part_of is None)
+            and room + inst.request >= smallest - EPS
+            and gpu.used_memory - inst.memory_mib + least_memory <= gpu.memory_mib * grow
+        ):
+            continue
+        if inst.part_of is None:
+            out.append((inst, None, 0.0))
+            continue
+        ords = work.invoker_ordinals[gpu.ref.invoker]
+        if node is None:
+            node = gpus.span(ords[0], ords[-1] + 1)
+        stage = min(((f, left, o) for left, f, o in _stage_targets(node, ords[0], inst, omega)), default=None)
+        if stage is None:
+            continue
+        t = stage[2]
+        # As `_merge_memory` computes a gain; a stage that gains nothing is never a candidate.
+        gain = (free - (gpus[t].memory_mib - gpus[t].used_memory - inst.memory_mib)) / unit
+        if gain > EPS:
+            out.append((inst, stage, gain))
+    return tuple(out)
 
 
 def _tightest_memory(
@@ -1230,33 +1380,6 @@ def _tightest_memory(
         ):
             return o
     return None
-
-
-#: piece id → (its node's GPU states, its GPU's ordinal, ω, the tightest target's key found there
-#: without a bound on free memory, or None): `_tightest_stage_memory`, while the node is the same.
-_STAGE_TARGETS: dict[str, tuple[tuple[GpuState, ...], int, float, tuple[float, float, int] | None]] = {}
-
-
-def _tightest_stage_memory(
-    work: ClusterSnapshot, source: int, piece: PlacedInstance, omega: float, most: float
-) -> int | None:
-    """The lit GPU of the node of GPU `source` that takes `piece` (a pipeline stage) with the least
-    free memory left (then the least SM room, then cluster order), other than those holding a stage
-    of its instance (`source` among them); None: none that keeps at most `most` MiB free before it."""
-    ords = work.invoker_ordinals[work.refs[source].invoker]
-    node = work.gpus.span(ords[0], ords[-1] + 1)
-    hit = _STAGE_TARGETS.get(piece.id)
-    if hit is not None and hit[1] == source and hit[2] == omega and all(map(is_, hit[0], node)) and len(hit[0]) == len(node):
-        best = hit[3]
-    else:
-        best = min(((free, left, o) for left, free, o in _stage_targets(node, ords[0], piece, omega)), default=None)
-        if len(_STAGE_TARGETS) >= _SOURCE_BUCKET_MAX:
-            _STAGE_TARGETS.clear()
-        _STAGE_TARGETS[piece.id] = (node, source, omega, best)
-    # The tightest keeps the least free memory: past `most`, so does every other.
-    if best is None or best[0] + piece.memory_mib > most + work.max_memory_mib * EPS:
-        return None
-    return best[2]
 
 
 def _lost_room_buckets(work: ClusterSnapshot, omega: float) -> tuple[float, float, int, int] | None:
@@ -1457,6 +1580,17 @@ def _request_binds(cluster: ClusterSnapshot) -> bool:
     merging SM room pay; where memory binds, SM room is not what keeps GPUs lit, and merging it
     would spend cold starts for nothing."""
     return cluster.lit_count > 0 and cluster.sum_request >= cluster.sum_memory_fraction
+
+
+def _above_bound(cluster: ClusterSnapshot, above: float | None) -> bool:
+    """Whether the lit GPUs exceed the integral bound of what is placed by more than `above` of it
+    (None: always true). A merge turns no GPU off by itself; it pays only when emptying (this call's
+    or a later one's) or an arrival then lights fewer GPUs. No placement of what is placed lights
+    fewer than the bound, so where the lit GPUs are at it a merge can never pay, and within
+    `above` of it at most that share of them could. O(1): the snapshot keeps the bound's sums."""
+    if above is None:
+        return True
+    return cluster.lit_count > cluster.integral_bound() * (1.0 + above) + EPS
 
 
 #: config → the config a merging call runs under (`_call_config`), one object per value.

@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _placement(args: argparse.Namespace) -> int:
-    from dilu_invoker.policy import CompactionConfig
+    from dataclasses import replace
+
     from dilu_invoker.sim import report
     from dilu_invoker.sim.events import load_events
     from dilu_invoker.sim.placement import (
@@ -241,15 +242,16 @@ def _placement(args: argparse.Namespace) -> int:
             gamma=args.gamma,
             llm_split_parts=args.llm_split_parts,
             compact_every_s=every,
-            compaction=CompactionConfig(
+            # The simulator's compaction with the flags' fields: every other field (merging, resizing,
+            # memory merges, their gates) is `SIM_COMPACTION`'s, so a change of the default reaches the CLI.
+            compaction=replace(
+                SIM_COMPACTION,
                 source_max_request=min(1.0, args.compact_max_request),
                 max_sources=args.compact_max_sources,
                 source_max_instances=args.compact_max_instances,
                 max_moves=max(64, args.compact_max_sources),
                 move_pieces=not args.no_compact_pieces,
                 merges=SIM_COMPACTION.merges if args.compact_merges is None else args.compact_merges,
-                merge_sources=SIM_COMPACTION.merge_sources,
-                merge_source_instances=SIM_COMPACTION.merge_source_instances,
             ),
         )
 

@@ -203,3 +203,50 @@ def test_memory_merging_along_a_trace_agrees_with_a_fresh_call_and_concentrates_
             cluster, state = with_state.cluster, with_state.state
             _follow(where, with_state.moves)
     assert checked > 40 and merged > 5
+
+
+def test_the_incremental_search_finds_what_a_fresh_one_does_along_a_trace() -> None:
+    """`_merge_memory` keeps its search (`_MemoryIndex`: the lost GPUs, the targets of whole instances,
+    each source's movers) from call to call and brings it up to date from the GPUs that changed. Along
+    a trace with training and split LLMs, each plan equals the plan made with the index built afresh,
+    and the index it leaves equals one built afresh for the cluster it last searched."""
+    from test_compaction_state import _follow, _replay
+
+    from dilu_invoker.policy import compaction
+
+    config = CompactionConfig(source_max_request=1.0, max_sources=8, max_moves=64, move_pieces=True,
+                              merges=1, merge_sources=256, merge_source_instances=1, memory_merges=2)
+    cluster = ClusterSnapshot.uniform(invokers=120, gpus_per_invoker=4, memory_mib=40 * GIB)
+    state: CompactionState | None = None
+    where: dict[str, tuple[str, ...]] = {}
+    merged = compared = weighed = 0
+    for n, ev in enumerate(dilu_mix(300, train_fraction=0.2, llm_fraction=0.4, seed=11)):
+        cluster = _replay(cluster, where, ev)
+        if n % 3 != 2:
+            continue
+        plan = compaction_plan(cluster, SPLIT, config, state)
+        if compaction._INDEX:
+            kept = compaction._INDEX[0]
+            searched = kept.gpus
+            lost, pool = list(kept.lost), list(kept.pool)
+            movers = dict(kept.movers)
+            compaction._INDEX.clear()
+            fresh = compaction_plan(cluster, SPLIT, config, state)
+            assert [(m.instance_id, m.source, m.target) for m in fresh.moves] == [
+                (m.instance_id, m.source, m.target) for m in plan.moves
+            ], f"event {n}"
+            # The index of the last search, afresh, for the cluster it searched.
+            assert compaction._INDEX
+            again = compaction._INDEX[0]
+            if again.gpus == searched and again.key == kept.key:
+                assert (again.lost, again.pool) == (lost, pool), f"event {n}"
+                snapshot = ClusterSnapshot.build(now=0.0, gpus=list(searched))
+                smallest, least_memory, _, omega, pieces, _ = kept.key
+                for o, m in movers.items():
+                    assert m == compaction._movers(snapshot, o, smallest, least_memory, omega, pieces), f"event {n}"
+                    weighed += bool(m)
+                compared += 1
+        merged += sum(m.reason.startswith("merge memory") for m in plan.moves)
+        cluster, state = plan.cluster, plan.state
+        _follow(where, plan.moves)
+    assert merged > 5 and compared > 20 and weighed > 20

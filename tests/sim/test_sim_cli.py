@@ -61,6 +61,26 @@ def test_compaction_can_be_given_to_a_baseline(events: Path, tmp_path: Path) -> 
     assert json.loads((out / "details.json").read_text())["compact_every_s"] == 5.0
 
 
+def test_dilus_compaction_is_the_simulators_by_default(
+    events: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without flags `simulate placement` replays dilu with `SIM_COMPACTION` itself (every field, the
+    memory merges and the gates included), so a change of the simulator's default reaches the CLI."""
+    from dilu_invoker.sim import placement
+
+    seen = []
+    real = placement.simulate_placement
+
+    def spy(evs, config, **kw):  # type: ignore[no-untyped-def]
+        seen.append(config.compaction)
+        return real(evs, config, **kw)
+
+    monkeypatch.setattr(placement, "simulate_placement", spy)
+    out = tmp_path / "d"
+    assert main(["placement", "--events", str(events), "--policy", "dilu", "--out", str(out), "--quiet", "--no-plots"]) == 0
+    assert seen == [placement.SIM_COMPACTION]
+
+
 @pytest.mark.parametrize(("argv", "merging"), [([], True), (["--compact-merges", "0"], False)], ids=["default", "off"])
 def test_compaction_merges_sm_room_by_default(tmp_path: Path, argv: list[str], merging: bool) -> None:
     """On a training-free trace (Σ request binds), dilu's compaction merges SM room unless told not to;
