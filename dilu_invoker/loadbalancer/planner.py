@@ -83,6 +83,8 @@ class LiveCompaction:
         if self.config.rebalances:
             # A resize re-cuts a serving pipeline where it is: no live action does that.
             raise ValueError("live compaction cannot resize pipeline stages: rebalances must be 0")
+        if self.config.memory_rebalances:
+            raise ValueError("live compaction cannot resize pipeline stages: memory_rebalances must be 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,13 @@ class CompactionConfig:
     merge free memory that no instance can use into room one can (`_merge_memory`, the memory twin
     of `merges`; each move is a cold start); the sources looked at per move are `merge_sources`.
     0: none (the default, live and simulated)."""
+    memory_rebalances: int = 0
+    """How many split instances a call that merges free memory (memory binding, as `memory_merges`)
+    may then resize the pipeline stages of (`_rebalance_memory`, the memory twin of `rebalances`):
+    stages on GPUs whose free memory is lost grow to fill it and one stage of the same instance
+    shrinks by as much, so that its GPU's free memory becomes room an instance can use. Each resized
+    stage is a cold start; the least gain per resized stage is `rebalance_min_gain` of a GPU's
+    memory, the GPUs looked at `rebalance_sources`. 0: none (the default, live and simulated)."""
     merge_above: float | None = None
     """Merge SM room (`merges`) and resize stages (`rebalances`) only while the lit GPUs, once the
     call has emptied what it could, exceed the integral lower bound of what is placed
@@ -108,6 +115,8 @@ class CompactionConfig:
             raise ValueError(f"memory_merges must be >= 0, got {self.memory_merges}")
         if self.rebalances < 0:
             raise ValueError(f"rebalances must be >= 0, got {self.rebalances}")
+        if self.memory_rebalances < 0:
+            raise ValueError(f"memory_rebalances must be >= 0, got {self.memory_rebalances}")
         if not (math.isfinite(self.rebalance_min_gain) and self.rebalance_min_gain >= 0.0):
             raise ValueError(f"rebalance_min_gain must be >= 0, got {self.rebalance_min_gain!r}")
         for name in ("merge_above", "memory_merge_above"):
@@ -904,17 +913,24 @@ def compaction_plan(
             moves.extend(resized)
             merged += resized
     elif (
-        config.memory_merges
+        (config.memory_merges or config.memory_rebalances)
         and not binds
         and cluster.lit_count > 0
         and len(moves) < config.max_moves
         and _above_bound(work, config.memory_merge_above)
     ):
         # Memory binds: its lost room, not SM's, is what keeps GPUs lit.
-        work, merged = _merge_memory(
-            work, placement, config, min(config.memory_merges, config.max_moves - len(moves)), targets, pinned
-        )
-        moves.extend(merged)
+        if config.memory_merges:
+            work, merged = _merge_memory(
+                work, placement, config, min(config.memory_merges, config.max_moves - len(moves)), targets, pinned
+            )
+            moves.extend(merged)
+        if config.memory_rebalances and len(moves) < config.max_moves:
+            work, resized = _rebalance_memory(
+                work, placement, config, config.memory_rebalances, config.max_moves - len(moves), targets, pinned
+            )
+            moves.extend(resized)
+            merged += resized
     next_state = CompactionState(
         seen=emptied,
         failed=failed,
@@ -1486,6 +1502,148 @@ def _rebalance(
                 )
             )
     return work, moves
+
+
+def _rebalance_memory(
+    work: ClusterSnapshot,
+    placement: PlacementConfig,
+    config: CompactionConfig,
+    budget: int,
+    max_stages: int,
+    targets: set[GpuRef],
+    pinned: frozenset[str],
+) -> tuple[ClusterSnapshot, list[CompactionMove]]:
+    """Up to `budget` split instances (at most `max_stages` stages in all) whose pipeline stages are
+    resized so that free memory no instance can use is filled: `_rebalance` with memory in the place
+    of SM room, for a cluster where memory binds.
+
+    A lit GPU's free memory φ (fractions of a GPU) is lost while no live instance fits there
+    (`_lost_at`: φ below the least memory, or SM room below the least request). A split instance's
+    stages ask request and memory in one proportion, m MiB per unit of request. Each stage on a GPU
+    with lost memory φ_d grows by y_d ≤ φ_d (and y_d / m of request, within its GPU's SM room) and one
+    other stage, on GPU b, shrinks by Σ y_d (no lower than `PlacementConfig.min_part_mib`): Σ request
+    and Σ memory of the instance stay, the grown stages' GPUs lose y_d of lost memory, and b's free
+    memory becomes φ_b + Σ y_d beside SM room ρ_b + Σ y_d / m. A resize is made only when that room is
+    one an instance can use (at least the least memory beside at least the least request), and when
+    the memory it turns from lost into used or usable, Σ y_d (+ φ_b where φ_b was lost), is at least
+    `CompactionConfig.rebalance_min_gain` of a GPU per resized stage; the largest gain first. Not
+    pinned instances, not on a GPU this plan moved something onto or off; stages stay on their GPUs.
+    Each resize looks at the stages on the `rebalance_sources` GPUs with lost memory that hold one,
+    the most free memory first (`_MemoryIndex.lost`).
+
+    The caller resizes only where Σ request does not bound the lit GPUs (`_request_binds`)."""
+    moves: list[CompactionMove] = []
+    omega = placement.omega
+    lost = _lost_room_buckets(work, omega)
+    if lost is None:
+        return work, moves
+    smallest, least_memory, first, _ = lost
+    unit = work.max_memory_mib
+    for _ in range(budget):
+        gpus = work.gpus
+        index = _memory_index(work, smallest, least_memory, first, omega, config.move_pieces)
+        best: tuple[tuple[float, int], list[tuple[GpuState, PlacedInstance]], int, list[tuple[float, int]]] | None = None
+        wholes: set[str] = set()
+        looked = 0
+        for _, o in reversed(index.lost):
+            if looked >= config.rebalance_sources:
+                break
+            gpu = gpus[o]
+            if gpu.ref in targets:
+                continue
+            looked += any(p.part_of is not None for p in gpu.instances)
+            for piece in gpu.instances:
+                whole = piece.part_of
+                if whole is None or whole in wholes or whole in pinned:
+                    continue
+                wholes.add(whole)
+                stages = _stage_gpus(work, gpu, whole)
+                if any(g.ref in targets or p.id in pinned for g, p in stages):
+                    continue
+                found = _best_memory_resize(
+                    stages, omega, smallest, least_memory, unit, placement.min_part_mib, config.rebalance_min_gain
+                )
+                if found is None:
+                    continue
+                gain, b, chosen = found
+                key = (gain, -len(chosen))
+                if best is None or key > best[0]:
+                    best = (key, stages, b, chosen)
+        if best is None:
+            break
+        _, stages, b, chosen = best
+        if len(moves) + 1 + len(chosen) > max_stages:
+            break
+        per = stages[0][1].memory_mib / stages[0][1].request
+        shrink = sum(y for y, _ in chosen)
+        for idx, dy in [(b, -shrink), *((d, y) for y, d in chosen)]:
+            g, p = stages[idx]
+            q = _resized(p, dy / per)
+            work = work.without_instance(p.id).with_instance(q, (g.ref,))
+            targets.add(g.ref)
+            moves.append(
+                CompactionMove(
+                    instance_id=p.id,
+                    function=p.function,
+                    source=g.ref,
+                    target=g.ref,
+                    reason=(
+                        f"resize stage on {g.ref} for memory: SM request {p.request:.3f} -> {q.request:.3f}, "
+                        f"memory {p.memory_mib / 1024:.1f} -> {q.memory_mib / 1024:.1f} GiB"
+                    ),
+                )
+            )
+    return work, moves
+
+
+def _best_memory_resize(
+    stages: list[tuple[GpuState, PlacedInstance]],
+    omega: float,
+    smallest: float,
+    least_memory: float,
+    unit: float,
+    min_part_mib: float,
+    min_gain: float,
+) -> tuple[float, int, list[tuple[float, int]]] | None:
+    """The resize of `stages` (see `_rebalance_memory`) with the largest gain (memory, fractions of a
+    GPU of `unit` MiB): (gain, the index of the stage that shrinks, [(y_d MiB, index of a stage that
+    grows by y_d)]); None: none leaves usable room for at least `min_gain` per resized stage."""
+    if len(stages) < 2 or stages[0][1].request <= EPS:
+        return None
+    per = stages[0][1].memory_mib / stages[0][1].request  # MiB per unit of request
+    slack = unit * EPS
+    best: tuple[float, int, list[tuple[float, int]]] | None = None
+    for b, (gb, pb) in enumerate(stages):
+        spare = pb.memory_mib - min_part_mib
+        if spare <= slack:
+            continue
+        grows = []
+        for d, (gd, _) in enumerate(stages):
+            free_d = gd.memory_mib - gd.used_memory
+            if d != b and _lost_at(gd, free_d, smallest, least_memory, unit, omega):
+                y = min(free_d, (omega - gd.used_request) * per)
+                if y > slack:
+                    grows.append((y, d))
+        grows.sort(key=lambda yd: (-yd[0], yd[1]))
+        chosen: list[tuple[float, int]] = []
+        total = 0.0
+        for y, d in grows:
+            y = min(y, spare - total)
+            if y <= slack:
+                break
+            chosen.append((y, d))
+            total += y
+        if not chosen:
+            continue
+        free_b = gb.memory_mib - gb.used_memory
+        if free_b + total < least_memory - slack or omega - gb.used_request + total / per < smallest - EPS:
+            continue
+        gain = (total + (free_b if _lost_at(gb, free_b, smallest, least_memory, unit, omega) else 0.0)) / unit
+        if gain < min_gain * (1 + len(chosen)) - EPS:
+            continue
+        if best is None or (gain, -len(chosen)) > (best[0], -len(best[2])):
+            best = (gain, b, chosen)
+    return best
 
 
 def _stage_gpus(work: ClusterSnapshot, gpu: GpuState, whole: str) -> list[tuple[GpuState, PlacedInstance]]:
