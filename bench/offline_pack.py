@@ -42,6 +42,7 @@ MIN_PART = 2.0
 EPS = 1e-6
 DEBUG = False
 LEAN = 1.0
+SYMMETRY = False
 
 
 def _bound(live: dict[str, Any]) -> int:
@@ -179,8 +180,8 @@ def _node_milp(gpus: list[list[float]], infs: list[tuple[str, float, float]], ll
             h.addConstr(sum(mem) <= gpus[g][0] + EPS)
             h.addConstr(sum(sm) <= gpus[g][1] + EPS)
     for g in range(len(gpus) - 1):
-        # GPUs with the same room are interchangeable: order them by SM used (symmetry)
-        if gpus[g] == gpus[g + 1] and used_sm[g] is not None and used_sm[g + 1] is not None:
+        # GPUs with the same room are interchangeable: order them by SM used (symmetry; `--symmetry`)
+        if SYMMETRY and gpus[g] == gpus[g + 1] and used_sm[g] is not None and used_sm[g + 1] is not None:
             h.addConstr(used_sm[g] - used_sm[g + 1] >= 0)
     if balance > 0:
         # take memory and SM in the ratio of what is left (GiB per SM), so neither runs out first
@@ -358,10 +359,12 @@ def main() -> int:
                     help="with --exact: the set takes an LLM while its GiB are below this share of the remaining GiB per SM")
     ap.add_argument("--at", default="",
                     help="moments (s of trace time, comma-separated) instead of the integral bound's peak")
+    ap.add_argument("--symmetry", action="store_true",
+                    help="order a node's GPUs of equal room by SM used in the MILP")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    global LEAN
-    LEAN = args.lean
+    global LEAN, SYMMETRY
+    LEAN, SYMMETRY = args.lean, args.symmetry
     rows = []
     for mix in args.mixes.split(","):
         train, llm = (float(x) for x in mix.split(":"))
