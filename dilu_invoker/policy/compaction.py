@@ -1461,46 +1461,15 @@ def _rebalance(
                 if looked >= config.rebalance_sources:
                     break
                 looked += any(p.part_of is not None for p in gpu.instances)
-                for piece in gpu.instances:
-                    whole = piece.part_of
-                    if whole is None or whole in wholes or whole in pinned:
-                        continue
-                    wholes.add(whole)
-                    stages = _stage_gpus(work, gpu, whole)
-                    if any(g.ref in targets or p.id in pinned for g, p in stages):
-                        continue
-                    found = _best_resize(
+                best = _best_stage_resize(
+                    work, gpu, wholes, pinned, targets, best,
+                    lambda stages: _best_resize(
                         stages, omega, smallest, least_memory, placement.min_part_mib, config.rebalance_min_gain
-                    )
-                    if found is None:
-                        continue
-                    gain, b, chosen = found
-                    key = (gain, -len(chosen))
-                    if best is None or key > best[0]:
-                        best = (key, stages, b, chosen)
-        if best is None:
-            break
-        _, stages, b, chosen = best
-        if len(moves) + 1 + len(chosen) > max_stages:
-            break
-        shrink = sum(x for x, _ in chosen)
-        for idx, dx in [(b, -shrink), *((d, x) for x, d in chosen)]:
-            g, p = stages[idx]
-            q = _resized(p, dx)
-            work = work.without_instance(p.id).with_instance(q, (g.ref,))
-            targets.add(g.ref)
-            moves.append(
-                CompactionMove(
-                    instance_id=p.id,
-                    function=p.function,
-                    source=g.ref,
-                    target=g.ref,
-                    reason=(
-                        f"resize stage on {g.ref}: SM request {p.request:.3f} -> {q.request:.3f}, "
-                        f"memory {p.memory_mib / 1024:.1f} -> {q.memory_mib / 1024:.1f} GiB"
                     ),
                 )
-            )
+        if best is None or len(moves) + 1 + len(best[3]) > max_stages:
+            break
+        work = _apply_resize(work, best, 1.0, targets, moves, "")
     return work, moves
 
 
@@ -1552,48 +1521,79 @@ def _rebalance_memory(
             if gpu.ref in targets:
                 continue
             looked += any(p.part_of is not None for p in gpu.instances)
-            for piece in gpu.instances:
-                whole = piece.part_of
-                if whole is None or whole in wholes or whole in pinned:
-                    continue
-                wholes.add(whole)
-                stages = _stage_gpus(work, gpu, whole)
-                if any(g.ref in targets or p.id in pinned for g, p in stages):
-                    continue
-                found = _best_memory_resize(
+            best = _best_stage_resize(
+                work, gpu, wholes, pinned, targets, best,
+                lambda stages: _best_memory_resize(
                     stages, omega, smallest, least_memory, unit, placement.min_part_mib, config.rebalance_min_gain
-                )
-                if found is None:
-                    continue
-                gain, b, chosen = found
-                key = (gain, -len(chosen))
-                if best is None or key > best[0]:
-                    best = (key, stages, b, chosen)
-        if best is None:
-            break
-        _, stages, b, chosen = best
-        if len(moves) + 1 + len(chosen) > max_stages:
-            break
-        per = stages[0][1].memory_mib / stages[0][1].request
-        shrink = sum(y for y, _ in chosen)
-        for idx, dy in [(b, -shrink), *((d, y) for y, d in chosen)]:
-            g, p = stages[idx]
-            q = _resized(p, dy / per)
-            work = work.without_instance(p.id).with_instance(q, (g.ref,))
-            targets.add(g.ref)
-            moves.append(
-                CompactionMove(
-                    instance_id=p.id,
-                    function=p.function,
-                    source=g.ref,
-                    target=g.ref,
-                    reason=(
-                        f"resize stage on {g.ref} for memory: SM request {p.request:.3f} -> {q.request:.3f}, "
-                        f"memory {p.memory_mib / 1024:.1f} -> {q.memory_mib / 1024:.1f} GiB"
-                    ),
-                )
+                ),
             )
+        if best is None or len(moves) + 1 + len(best[3]) > max_stages:
+            break
+        first_stage = best[1][0][1]
+        work = _apply_resize(work, best, first_stage.memory_mib / first_stage.request, targets, moves, " for memory")
     return work, moves
+
+
+_Resize = tuple[tuple[float, int], list[tuple[GpuState, PlacedInstance]], int, list[tuple[float, int]]]
+"""A chosen resize: its key (gain, − stages grown), the instance's stages with their GPUs, the index of the
+stage that shrinks, and (size, index) of each stage that grows."""
+
+
+def _best_stage_resize(
+    work: ClusterSnapshot,
+    gpu: GpuState,
+    wholes: set[str],
+    pinned: frozenset[str],
+    targets: set[GpuRef],
+    best: _Resize | None,
+    find: Callable[[list[tuple[GpuState, PlacedInstance]]], tuple[float, int, list[tuple[float, int]]] | None],
+) -> _Resize | None:
+    """The better of `best` and the resizes `find` proposes for the split instances with a stage on `gpu`
+    (each instance once per search: `wholes`), none pinned or with a stage on a GPU of `targets`; the larger
+    gain first, then fewer stages grown."""
+    for piece in gpu.instances:
+        whole = piece.part_of
+        if whole is None or whole in wholes or whole in pinned:
+            continue
+        wholes.add(whole)
+        stages = _stage_gpus(work, gpu, whole)
+        if any(g.ref in targets or p.id in pinned for g, p in stages):
+            continue
+        found = find(stages)
+        if found is None:
+            continue
+        gain, b, chosen = found
+        key = (gain, -len(chosen))
+        if best is None or key > best[0]:
+            best = (key, stages, b, chosen)
+    return best
+
+
+def _apply_resize(
+    work: ClusterSnapshot, best: _Resize, per_request: float, targets: set[GpuRef], moves: list[CompactionMove], what: str
+) -> ClusterSnapshot:
+    """`work` with `best`'s stages resized where they are (sizes in units of `per_request` per unit of SM
+    request: 1 for SM room, the instance's MiB per request for memory), each resize a move onto its own GPU."""
+    _, stages, b, chosen = best
+    shrink = sum(x for x, _ in chosen)
+    for idx, dx in [(b, -shrink), *((d, x) for x, d in chosen)]:
+        g, p = stages[idx]
+        q = _resized(p, dx / per_request)
+        work = work.without_instance(p.id).with_instance(q, (g.ref,))
+        targets.add(g.ref)
+        moves.append(
+            CompactionMove(
+                instance_id=p.id,
+                function=p.function,
+                source=g.ref,
+                target=g.ref,
+                reason=(
+                    f"resize stage on {g.ref}{what}: SM request {p.request:.3f} -> {q.request:.3f}, "
+                    f"memory {p.memory_mib / 1024:.1f} -> {q.memory_mib / 1024:.1f} GiB"
+                ),
+            )
+        )
+    return work
 
 
 def _best_memory_resize(
