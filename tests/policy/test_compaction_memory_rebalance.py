@@ -9,27 +9,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from split_testlib import GIB, INF, SPLIT, inst
+from split_testlib import A0, A1, A2, B0, C0, D0, GIB, INF, SPLIT, gpu, inst
 
 from dilu_invoker.policy import (
     ClusterSnapshot,
     CompactionConfig,
     CompactionState,
-    GpuRef,
-    GpuState,
     PlacedInstance,
     PlacementConfig,
     compaction_plan,
 )
 from dilu_invoker.sim.generate import dilu_mix
 
-A0, A1, A2, B0, C0, D0 = GpuRef("a", 0), GpuRef("a", 1), GpuRef("a", 2), GpuRef("b", 0), GpuRef("c", 0), GpuRef("d", 0)
 # Nothing to empty (every GPU is fuller than a source may be): only the resizes act.
 RESIZE = CompactionConfig(source_max_request=0.05, memory_rebalances=1)
-
-
-def gpu(ref: GpuRef, *instances: PlacedInstance) -> GpuState:
-    return GpuState(ref=ref, memory_mib=40 * GIB, instances=instances)
 
 
 def i(id: str, request: float, mem_gib: float) -> PlacedInstance:

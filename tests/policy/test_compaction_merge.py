@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import pytest
-from split_testlib import GIB, INF, SPLIT, inst
+from split_testlib import A0, A1, B0, C0, D0, GIB, INF, SPLIT, gpu, inst
 
 from dilu_invoker.policy import (
     ClusterSnapshot,
@@ -22,13 +22,8 @@ from dilu_invoker.policy import (
 )
 from dilu_invoker.sim.generate import dilu_mix
 
-A0, A1, B0, C0, D0 = GpuRef("a", 0), GpuRef("a", 1), GpuRef("b", 0), GpuRef("c", 0), GpuRef("d", 0)
 A2 = GpuRef("a", 2)
 MERGE = CompactionConfig(source_max_request=1.0, merges=1)
-
-
-def gpu(ref: GpuRef, *instances: PlacedInstance) -> GpuState:
-    return GpuState(ref=ref, memory_mib=40 * GIB, instances=instances)
 
 
 def i(id: str, request: float, mem_gib: float = 4.0, limit: float | None = None) -> PlacedInstance:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import pytest
-from split_testlib import GIB, INF, LLM, SPLIT, TRAIN, inst
+from split_testlib import A0, A1, B0, C0, GIB, INF, LLM, SPLIT, TRAIN, gpu, inst
 
 from dilu_invoker.policy import (
     ClusterSnapshot,
@@ -22,12 +22,6 @@ from dilu_invoker.policy import (
 )
 from dilu_invoker.sim.generate import dilu_mix
 from dilu_invoker.sim.placement import _Bound
-
-A0, A1, B0, C0 = GpuRef("a", 0), GpuRef("a", 1), GpuRef("b", 0), GpuRef("c", 0)
-
-
-def gpu(ref: GpuRef, *instances: PlacedInstance) -> GpuState:
-    return GpuState(ref=ref, memory_mib=40 * GIB, instances=instances)
 
 
 def i(id: str, request: float, mem_gib: float, cls=INF, gpus: int = 1) -> PlacedInstance:

@@ -8,24 +8,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from split_testlib import GIB, INF, inst
+from split_testlib import A0, A1, GIB, INF, gpu, inst
 
 from dilu_invoker.policy import (
     ClusterSnapshot,
     CompactionConfig,
-    GpuRef,
-    GpuState,
     PlacedInstance,
     PlacementConfig,
     compaction_plan,
 )
 
-A0, A1, A2 = GpuRef("a", 0), GpuRef("a", 1), GpuRef("a", 2)
 RESIZE = CompactionConfig(source_max_request=1.0, merges=1, rebalances=1)
-
-
-def gpu(ref: GpuRef, *instances: PlacedInstance) -> GpuState:
-    return GpuState(ref=ref, memory_mib=40 * GIB, instances=instances)
 
 
 def i(id: str, request: float, mem_gib: float = 4.0) -> PlacedInstance:

@@ -12,26 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from split_testlib import GIB, INF, inst
+from split_testlib import A0, A1, B0, C0, INF, gpu, inst
 
 from dilu_invoker.policy import (
     ClusterSnapshot,
     CompactionConfig,
     CompactionState,
     GpuRef,
-    GpuState,
     PlacedInstance,
     PlacementConfig,
     compaction_plan,
 )
 
-A0, A1, B0, C0 = GpuRef("a", 0), GpuRef("a", 1), GpuRef("b", 0), GpuRef("c", 0)
 ANY = CompactionConfig(source_max_request=1.0)
 DILU = PlacementConfig()
-
-
-def gpu(ref: GpuRef, *instances: PlacedInstance) -> GpuState:
-    return GpuState(ref=ref, memory_mib=40 * GIB, instances=instances)
 
 
 def inf(id: str, request: float, mem_gib: float, limit: float | None = None) -> PlacedInstance:

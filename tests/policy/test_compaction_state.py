@@ -8,14 +8,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
-from split_testlib import GIB, INF, LLM, SPLIT, inst
+from split_testlib import A0, A1, B0, GIB, INF, LLM, SPLIT, gpu, inst
 
 from dilu_invoker.policy import (
     ClusterSnapshot,
     CompactionConfig,
     CompactionState,
     GpuRef,
-    GpuState,
     PlacedInstance,
     PlacementConfig,
     PlacementRequest,
@@ -25,12 +24,7 @@ from dilu_invoker.policy import (
 )
 from dilu_invoker.sim.generate import dilu_mix
 
-A0, A1, B0 = GpuRef("a", 0), GpuRef("a", 1), GpuRef("b", 0)
 ANY = CompactionConfig(source_max_request=1.0)
-
-
-def gpu(ref: GpuRef, *instances: PlacedInstance) -> GpuState:
-    return GpuState(ref=ref, memory_mib=40 * GIB, instances=instances)
 
 
 def small(id: str, mem_gib: float = 8.0) -> PlacedInstance:

@@ -8,17 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from split_testlib import GIB, INF, LLM, SPLIT, inst
+from split_testlib import A0, A1, B0, C0, D0, GIB, INF, LLM, SPLIT, gpu, inst
 
-from dilu_invoker.policy import ClusterSnapshot, GpuRef, GpuState, PlacedInstance, PlacementRequest, place
+from dilu_invoker.policy import ClusterSnapshot, GpuRef, GpuState, PlacementRequest, place
 from dilu_invoker.policy.types import EPS
-
-A0, A1, B0, C0, D0 = GpuRef("a", 0), GpuRef("a", 1), GpuRef("b", 0), GpuRef("c", 0), GpuRef("d", 0)
-
-
-def gpu(ref: GpuRef, *instances: PlacedInstance) -> GpuState:
-    return GpuState(ref=ref, memory_mib=40 * GIB, instances=instances)
-
 
 # a/0: SM room 0.90 beside 16 GiB; a/1: SM room 0.20 beside 30 GiB; b/0 is nearly full. The LLM (0.5 SM,
 # 20 GiB: 0.025 SM per GiB) fits no GPU whole, so it is split over a/0 and a/1. Filling a/0 first (16 GiB)
