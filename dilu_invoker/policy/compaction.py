@@ -1624,15 +1624,7 @@ def _best_memory_resize(
                 y = min(free_d, (omega - gd.used_request) * per)
                 if y > slack:
                     grows.append((y, d))
-        grows.sort(key=lambda yd: (-yd[0], yd[1]))
-        chosen: list[tuple[float, int]] = []
-        total = 0.0
-        for y, d in grows:
-            y = min(y, spare - total)
-            if y <= slack:
-                break
-            chosen.append((y, d))
-            total += y
+        chosen, total = _largest_growths(grows, spare, slack)
         if not chosen:
             continue
         free_b = gb.memory_mib - gb.used_memory
@@ -1680,15 +1672,7 @@ def _best_resize(
                 x = min(room_d, (gd.memory_mib * grow - gd.used_memory) / per)
                 if x > EPS:
                     grows.append((x, d))
-        grows.sort(key=lambda xd: (-xd[0], xd[1]))
-        chosen: list[tuple[float, int]] = []
-        total = 0.0
-        for x, d in grows:
-            x = min(x, spare - total)
-            if x <= EPS:
-                break
-            chosen.append((x, d))
-            total += x
+        chosen, total = _largest_growths(grows, spare, EPS)
         if not chosen or room_b + total < smallest - EPS:
             continue
         if gb.memory_mib - gb.used_memory + total * per < least_memory:
@@ -1699,6 +1683,22 @@ def _best_resize(
         if best is None or (gain, -len(chosen)) > (best[0], -len(best[2])):
             best = (gain, b, chosen)
     return best
+
+
+def _largest_growths(
+    grows: list[tuple[float, int]], spare: float, slack: float
+) -> tuple[list[tuple[float, int]], float]:
+    """The growths a resize makes out of `spare`: from `grows` ((size, stage index)), the largest first (then
+    the lower index), each cut to what is left of `spare`, until that is within `slack`: (chosen, their sum)."""
+    chosen: list[tuple[float, int]] = []
+    total = 0.0
+    for x, d in sorted(grows, key=lambda xd: (-xd[0], xd[1])):
+        x = min(x, spare - total)
+        if x <= slack:
+            break
+        chosen.append((x, d))
+        total += x
+    return chosen, total
 
 
 def _resized(p: PlacedInstance, dx: float) -> PlacedInstance:
