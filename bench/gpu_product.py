@@ -1328,7 +1328,7 @@ def main() -> int:
         args.besides = [x for x in args.besides.split(",") if x]
         for item in args.besides:
             kind, _, load = item.partition("@")
-            if kind not in (*ARRIVALS, "burst") or not re.fullmatch(r"[0-9.]*" if kind == "burst" else r"[0-9.]+", load):
+            if item != "burst" and (kind not in (*ARRIVALS, "burst") or not re.fullmatch(r"[0-9]+\.?[0-9]*|\.[0-9]+", load)):
                 ap.error(f"--besides: {item!r} is not burst[@<base load>] or <arrival>@<load>, arrival among {ARRIVALS}")
         if args.plan_only:
             print_plan(args, *plan(args))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import random
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -167,6 +168,16 @@ def test_bursts_have_heights_and_an_alone_reference(gp: ModuleType, tmp_path: Pa
     text = page.read_text()
     assert "| burst alone |" not in text  # alone is a reference, not a cell of the matrix
     assert "| resnet50+train | shim | 2 |" in text  # paced@0.5 and burst: two cells, not three
+
+
+@pytest.mark.parametrize("item", ["burst@", "burst@.", "paced@.", "paced@0.5.1", "spiky@0.5", "paced"])
+def test_a_malformed_scenario_is_refused_with_its_name(item: str) -> None:
+    run = subprocess.run([sys.executable, str(ROOT / "bench/gpu_product.py"), "--besides", f"burst@0.16,{item}",
+                          "--plan-only"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and f"--besides: {item!r} is not burst" in run.stderr, run.stderr
+    ok = subprocess.run([sys.executable, str(ROOT / "bench/gpu_product.py"), "--besides", "burst,burst@.12,paced@0.5",
+                         "--plan-only"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "burst@0.12" in ok.stdout, ok.stderr
 
 
 def test_isolation_fallback_keeps_the_run(gp: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
