@@ -16,7 +16,9 @@ splits 50/50 and inference 70 / training 30 active threads, no shim), ``static30
 Controllers: ``shim`` (the defaults as they are: ``--gpu-vertical-policy auto``, ``--gpu-mps auto``, process
 isolation auto — on an MPS-capable GPU that is MPS and so ``spatial``; where auto picks time-slicing, rckm),
 ``shim-lc50`` (the defaults with ``--gpu-vertical-spatial-lc-threads 0.5``: latency-critical MPS caps at
-max(request, 0.5), where training's cap starts), ``shim-noprio`` (the defaults without the best-effort MPS
+max(request, 0.5), where training's cap starts), ``shim-be`` (the defaults with
+``--gpu-vertical-spatial-be-threads 1.0``: best-effort MPS caps up to their limit, inside the reserve, relying
+on their below-normal priority), ``shim-noprio`` (the defaults without the best-effort MPS
 priority), ``shim-mps`` / ``shim-ts`` (rckm under MPS / time-slicing), ``slo`` / ``slo-ts`` (the SLO controller under MPS /
 time-slicing). MPS modes pass ``--gpu-mps on`` with isolation on, as the defaults run: the MPS clients of a
 GPU share a uid, kept apart by namespaces. Every cell records what the invoker actually ran
@@ -271,6 +273,9 @@ MODES: dict[str, dict[str, Any]] = {
     "shim-lc50": {"flags": ["--gpu-vertical-spatial-lc-threads", "0.5"], **SHIM_ANN,
                   "what": "the defaults with latency-critical MPS caps at max(request, 0.5): inference 50%, "
                           "training 50% of the SMs (the caps meet instead of overlapping)"},
+    "shim-be": {"flags": ["--gpu-vertical-spatial-be-threads", "1.0"], **SHIM_ANN,
+                "what": "the defaults with best-effort MPS caps reaching into the latency-critical reserve, up to "
+                        "their limit (training 70% of the SMs instead of 50%), at below-normal priority"},
     "shim-noprio": {"flags": ["--no-gpu-mps-best-effort-priority"], **SHIM_ANN,
                     "what": "the defaults with every MPS client at normal priority (no below-normal best-effort)"},
     "shim-mps": {"flags": ["--gpu-vertical-policy", "rckm", *MPS_ON], **SHIM_ANN,
@@ -285,7 +290,7 @@ MODES: dict[str, dict[str, Any]] = {
     "slo-ts": {"flags": ["--gpu-vertical-policy", "slo", *TS], **SHIM_ANN,
                "what": "shim + slo controller, time-slicing (--gpu-mps off)"},
 }
-CONTROLLERS = ("slo", "slo-ts", "shim", "shim-lc50", "shim-noprio", "shim-mps", "shim-ts")
+CONTROLLERS = ("slo", "slo-ts", "shim", "shim-lc50", "shim-be", "shim-noprio", "shim-mps", "shim-ts")
 """Modes whose shares a feedback policy sets (``shim`` runs rckm where auto picks time-slicing); the modes marked
 ``baseline`` are the simple static ones; ``spatial`` is neither: static, but the product's own default under MPS."""
 PAIRS = {"resnet50+train": "resnet50", "bert+train": "bert", "resnet50+membw": "resnet50"}

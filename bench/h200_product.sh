@@ -29,7 +29,10 @@
 #                                               PLAN=16 the same on the BERT pair, PLAN=17 PLAN 14 without
 #                                               shim-ts; PLAN=18 the 5x burst at three heights (peaks 1.0, 0.8
 #                                               and 0.6 of capacity), each also against inference alone, ResNet
-#                                               pair: noshim, shim, mps50; PLAN=19 the same on BERT; the plan and its
+#                                               pair: noshim, shim, mps50; PLAN=19 the same on BERT; PLAN=20 the
+#                                               defaults beside shim-be (best-effort MPS caps up to their limit,
+#                                               inside the reserve), noshim and mps50 (ResNet pair), PLAN=21 the
+#                                               same on BERT; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -121,7 +124,11 @@ elif [ "$what" = matrix ]; then
     19) modes=noshim,shim,mps50; pairs=bert+train; bert=""          # PLAN 18 on the BERT pair
         besides=burst,burst@0.16,burst@0.12; scen=cold,solo,alone
         prio="bert+train:noshim,shim,mps50" ;;
-    *) echo "PLAN is 1 to 19"; exit 2 ;;
+    20) modes=noshim,shim,shim-be,mps50; pairs=resnet50+train; bert=""  # the defaults beside best-effort caps
+        prio="resnet50+train:noshim,shim,shim-be,mps50" ;;              # that reach into the reserve (its limit)
+    21) modes=noshim,shim,shim-be,mps50; pairs=bert+train; bert=""      # PLAN 20 on the BERT pair
+        prio="bert+train:noshim,shim,shim-be,mps50" ;;
+    *) echo "PLAN is 1 to 21"; exit 2 ;;
   esac
   besides=${BESIDES:-$besides}  # BESIDES=burst@0.12,burst@0.16,burst: the plan's scenarios in another order
   name=gpu_product_matrix${3:-1}

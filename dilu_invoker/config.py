@@ -212,6 +212,10 @@ class GpuConfig:
     vertical_spatial_lc_threads: float = _opt(1.0, "spatial policy: the largest fraction of the SMs a "
                                               "latency-critical MPS client's cap takes beyond its SM request "
                                               "(min(limit, max(request, this)); 1.0: its limit)")
+    vertical_spatial_be_threads: float = _opt(0.0, "spatial policy: the fraction of the SMs a best-effort MPS "
+                                              "client's cap may take even inside the latency-critical reserve, "
+                                              "counting on its below-normal priority (min(limit, max(request, "
+                                              "1 - reserve, this)); 0: none)")
     vertical_rckm: str = _opt("", "rckm policy: overrides of its VerticalConfig fields, key=value,… "
                                   "(experiments; docs/policies.md §1)")
     mps: str = _opt("auto", "run GPU containers as MPS clients of a daemon the invoker starts per GPU: auto (where "
@@ -256,7 +260,8 @@ class GpuConfig:
         if self.vertical_policy in ("auto", "spatial"):
             return PerGpuVertical(name=self.vertical_policy,
                                   mps=SpatialConfig(lc_reserve=self.vertical_spatial_lc_reserve,
-                                                    lc_threads=self.vertical_spatial_lc_threads),
+                                                    lc_threads=self.vertical_spatial_lc_threads,
+                                                    be_threads=self.vertical_spatial_be_threads),
                                   time_sliced=VerticalConfig.parse(self.vertical_rckm))
         raise ValueError(f"--gpu-vertical-policy must be one of {', '.join(GPU_VERTICAL_POLICIES)}, "
                          f"not {self.vertical_policy!r}")

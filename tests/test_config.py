@@ -64,6 +64,10 @@ def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
     assert reserve.mps == SpatialConfig(lc_reserve=0.25, lc_threads=0.6)
     flag = cli.build_parser().parse_args(["invoker", "--gpu-vertical-spatial-lc-threads", "0.5"])
     assert config.load(flag, environ={}).gpu.vertical().mps == SpatialConfig(lc_threads=0.5)
+    reach = cli.build_parser().parse_args(["invoker", "--gpu-vertical-spatial-be-threads", "1.0"])
+    assert config.load(reach, environ={}).gpu.vertical().mps == SpatialConfig(be_threads=1.0)
+    assert config.load(environ={"DILU_GPU_VERTICAL_SPATIAL_BE_THREADS": "0.7"}).gpu.vertical().mps == SpatialConfig(
+        be_threads=0.7)
     assert config.load(environ={"DILU_GPU_VERTICAL_POLICY": "rckm"}).gpu.vertical() == VerticalConfig()
     env = {"DILU_GPU_VERTICAL_POLICY": "slo", "DILU_GPU_VERTICAL_DEADBAND": "0.2", "DILU_GPU_VERTICAL_DWELL_S": "0.3"}
     args = cli.build_parser().parse_args(["invoker", "--gpu-vertical-decrease", "0.5",
@@ -83,12 +87,13 @@ def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
         ({"DILU_GPU_VERTICAL_POLICY": "pid"}, "--gpu-vertical-policy must be one of auto, rckm, slo, static, spatial"),
         ({"DILU_GPU_VERTICAL_SPATIAL_LC_RESERVE": "1.5"}, "lc_reserve must be in"),
         ({"DILU_GPU_VERTICAL_SPATIAL_LC_THREADS": "0"}, "lc_threads must be in"),
+        ({"DILU_GPU_VERTICAL_SPATIAL_BE_THREADS": "1.2"}, "be_threads must be in"),
         ({"DILU_GPU_VERTICAL_POLICY": "slo", "DILU_GPU_VERTICAL_DECREASE": "1.5"}, "decrease must be in"),
         ({"DILU_GPU_VERTICAL_RCKM": "no_such_knob=1"}, "no_such_knob"),
         ({"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=lots"}, "busy_ceiling"),
         ({"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=1.5"}, "busy_ceiling must be within"),
     ],
-    ids=["unknown-policy", "spatial-reserve-out-of-range", "spatial-lc-threads-zero", "slo-knob-out-of-range", "unknown-rckm-field", "rckm-not-a-number", "rckm-invalid"],
+    ids=["unknown-policy", "spatial-reserve-out-of-range", "spatial-lc-threads-zero", "spatial-be-threads-above-one", "slo-knob-out-of-range", "unknown-rckm-field", "rckm-not-a-number", "rckm-invalid"],
 )
 def test_invalid_vertical_settings_fail_at_start_up(environ: dict[str, str], message: str) -> None:
     with pytest.raises(config.ConfigError, match=message):

@@ -633,6 +633,13 @@ class SpatialConfig:
     best-effort caps meet instead of overlapping (inference 0.5 / 0.8 and training 0.3 / 0.7 at 0.5: 50% and
     50% of the SMs, against 80% and 50% at 1.0)."""
 
+    be_threads: float = 0.0
+    """Fraction of the SMs, [0, 1]: the cap a best-effort client may start with even inside the reserve,
+    min(limit, max(request, 1 − reserve, be_threads)), counting on its below-normal MPS priority
+    (`--gpu-mps-best-effort-priority`) to run latency-critical kernels first where both wait. 0: the reserve
+    stays out of its reach (training 0.3 / 0.7 beside inference requesting 0.5: 50% of the SMs; at 1.0: 70%,
+    its limit)."""
+
     def __post_init__(self) -> None:
         v = self.lc_reserve
         if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0):
@@ -640,6 +647,9 @@ class SpatialConfig:
         t = self.lc_threads
         if not (isinstance(t, (int, float)) and math.isfinite(t) and 0.0 < t <= 1.0):
             raise ValueError(f"lc_threads must be in (0, 1], got {t!r}")
+        b = self.be_threads
+        if not (isinstance(b, (int, float)) and math.isfinite(b) and 0.0 <= b <= 1.0):
+            raise ValueError(f"be_threads must be in [0, 1], got {b!r}")
 
     @property
     def idle_after_s(self) -> float:
@@ -650,13 +660,13 @@ def spatial_threads(cls: InstanceClass, limit: float, *, request: float, lc_requ
                     config: SpatialConfig) -> float:
     """An MPS client's active-thread fraction under `spatial`: a latency-critical instance gets
     min(limit, max(request, `lc_threads`)), its SM limit by default; a best-effort one min(limit, max(request,
-    1 − reserve)), reserve = max(`lc_requests`, `lc_reserve`): the SMs latency-critical work needs stay out of
-    its reach, never below its own request. Within [0.01, 1]."""
+    1 − reserve, `be_threads`)), reserve = max(`lc_requests`, `lc_reserve`): the SMs latency-critical work needs
+    stay out of its reach (unless `be_threads` lets it in), never below its own request. Within [0.01, 1]."""
     if cls.latency_critical:
         cap = min(limit, max(request, config.lc_threads))
     else:
         reserve = max(lc_requests, config.lc_reserve)
-        cap = min(limit, max(request, 1.0 - reserve))
+        cap = min(limit, max(request, 1.0 - reserve, config.be_threads))
     return min(1.0, max(0.01, cap))
 
 

@@ -44,9 +44,14 @@ LC, BE = InstanceClass.INFERENCE, InstanceClass.TRAINING
     (LC, 0.6, 0.8, 0.0, SpatialConfig(lc_threads=0.5), 0.6),  # ... never below its own request
     (LC, 0.1, 0.4, 0.0, SpatialConfig(lc_threads=0.5), 0.4),  # ... nor above its limit
     (BE, 0.3, 0.7, 0.0, SpatialConfig(lc_threads=0.5), 0.5),  # best-effort caps do not depend on it
+    (BE, 0.3, 0.7, 0.5, SpatialConfig(be_threads=1.0), 0.7),  # into the reserve: up to its limit
+    (BE, 0.3, 0.9, 0.5, SpatialConfig(be_threads=0.6), 0.6),  # ... or as far as be_threads reaches
+    (BE, 0.3, 0.9, 0.2, SpatialConfig(be_threads=0.4), 0.5),  # ... never less than outside it
+    (LC, 0.5, 0.8, 0.0, SpatialConfig(be_threads=1.0, lc_threads=0.5), 0.5),  # latency-critical caps ignore it
 ], ids=["lc-alone", "lc-beside-lc", "be-alone", "be-small-lc", "be-large-lc", "be-own-request", "be-own-limit",
         "no-reserve", "no-reserve-lc", "floor", "lc-threads", "lc-threads-small-request", "lc-threads-own-request",
-        "lc-threads-own-limit", "lc-threads-be"])
+        "lc-threads-own-limit", "lc-threads-be", "be-threads-limit", "be-threads-reach", "be-threads-below-reserve",
+        "be-threads-lc"])
 def test_spatial_threads(cls: InstanceClass, req: float, limit: float, lc_requests: float, config: SpatialConfig,
                          threads: float) -> None:
     assert spatial_threads(cls, limit, request=req, lc_requests=lc_requests, config=config) == threads
@@ -61,6 +66,9 @@ def test_the_reserve_is_a_fraction() -> None:
     for bad in (0.0, -0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="lc_threads"):
             SpatialConfig(lc_threads=bad)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="be_threads"):
+            SpatialConfig(be_threads=bad)
 
 
 def test_only_spatial_leaves_launches_ungated() -> None:
