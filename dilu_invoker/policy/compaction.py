@@ -2053,13 +2053,15 @@ def _place_in_order(
 class _WasteIndex:
     """What `_repack` searches, for the GPU states `gpus` (ω and the largest GPU's memory as `key`):
     the waste of each node with a lit GPU, brought up to date from the GPUs that changed, and the
-    sources whose re-pack failed with the states of their node then (tried again once one changed)."""
+    sources whose re-pack failed with the states of their node then, the cold starts it was allowed
+    and the pinned instances (tried again once a GPU of the node changed, with more cold starts
+    allowed, or other instances pinned; what changed on other nodes is not looked at)."""
 
     refs: tuple[GpuRef, ...]
     gpus: GpuVector
     key: tuple[float, float]
     waste: dict[str, float]
-    failed: dict[int, tuple[GpuState, ...]]
+    failed: dict[int, tuple[tuple[GpuState, ...], int, frozenset[str]]]
 
 
 #: The index of the last `_repack` (one: the calls of a replay follow one another).
@@ -2132,7 +2134,7 @@ def _repack(
     crumbs on several GPUs. On a node, the GPUs that hold no gang and no pinned instance (nor an
     instance whose stage is pinned) and that this plan moved nothing onto are tried, the least
     loaded first (in the resource that binds the GPU), until one turns off. A GPU whose re-pack
-    failed is tried again once a GPU of its node changed."""
+    failed is tried again once a GPU of its node changed (`_WasteIndex.failed`)."""
     omega = placement.omega
     unit = work.max_memory_mib
     index = _waste_index(work, omega)
@@ -2157,13 +2159,14 @@ def _repack(
         for _, o in sources:
             if tries >= config.repacks:
                 break
+            allowed = min(config.repack_moves, budget - len(moves))
             gone = index.failed.get(o)
-            if gone is not None and all(map(is_, gone, node)):
+            if gone is not None and gone[1] >= allowed and gone[2] == pinned and all(map(is_, gone[0], node)):
                 continue
             tries += 1
-            found = _repack_gpu(work, o, placement, min(config.repack_moves, budget - len(moves)), targets, pinned)
+            found = _repack_gpu(work, o, placement, allowed, targets, pinned)
             if found is None:
-                index.failed[o] = node
+                index.failed[o] = (node, allowed, pinned)
                 continue
             work, gpu_moves, dark = found
             moves.extend(gpu_moves)
