@@ -85,6 +85,9 @@ class LiveCompaction:
             raise ValueError("live compaction cannot resize pipeline stages: rebalances must be 0")
         if self.config.memory_rebalances:
             raise ValueError("live compaction cannot resize pipeline stages: memory_rebalances must be 0")
+        if self.config.repacks:
+            # A re-pack cuts a stage anew on the GPUs its old pipeline serves from.
+            raise ValueError("live compaction cannot re-pack GPUs: repacks must be 0")
 
 
 @dataclass(frozen=True, slots=True)

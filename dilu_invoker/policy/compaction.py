@@ -101,6 +101,19 @@ class CompactionConfig:
     memory_merge_above: float | None = None
     """The same gate for `memory_merges`: merge free memory only while the lit GPUs exceed the
     integral bound by more than this fraction of it. None: whatever the lit GPUs."""
+    repacks: int = 0
+    """How many lit GPUs one call may try to turn off by re-packing (`_repack`), after emptying and
+    before merging, on the nodes whose lit GPUs waste the most: every instance of the GPU is placed
+    anew on other lit GPUs as emptying places it, except that a split instance with a stage there
+    is cut anew over any lit GPUs but that one (its other stages' included), and an instance no lit
+    GPU takes may displace one instance of another lit GPU of its node that placement then puts
+    elsewhere. A re-pack is kept only when the GPU ends dark (no GPU is lit by it) within
+    `repack_moves` cold starts. Gated as merges are (`merge_above` where Σ request binds,
+    `memory_merge_above` where memory does). 0: none (the default, live and simulated); live
+    compaction refuses it (a stage is cut anew on the GPUs the old pipeline serves from)."""
+    repack_moves: int = 10
+    """The most cold starts one re-pack may cost (each instance whose GPU changes is one, each
+    stage of an instance cut anew is one)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.source_max_request <= 1.0:
@@ -117,6 +130,8 @@ class CompactionConfig:
             raise ValueError(f"rebalances must be >= 0, got {self.rebalances}")
         if self.memory_rebalances < 0:
             raise ValueError(f"memory_rebalances must be >= 0, got {self.memory_rebalances}")
+        if self.repacks < 0:
+            raise ValueError(f"repacks must be >= 0, got {self.repacks}")
         if not (math.isfinite(self.rebalance_min_gain) and self.rebalance_min_gain >= 0.0):
             raise ValueError(f"rebalance_min_gain must be >= 0, got {self.rebalance_min_gain!r}")
         for name in ("merge_above", "memory_merge_above"):
@@ -124,7 +139,7 @@ class CompactionConfig:
             if value is not None and not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"{name} must be >= 0 or None, got {value!r}")
         for name in ("source_max_instances", "max_sources", "max_moves", "merge_sources", "merge_source_instances",
-                     "rebalance_sources"):
+                     "rebalance_sources", "repack_moves"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -901,6 +916,15 @@ def compaction_plan(
     # The next call sees what merging changes as it sees departures and arrivals: as changes since
     # `seen`, the cluster the emptying left.
     emptied = work
+    if (
+        config.repacks
+        and len(moves) < config.max_moves
+        and _above_bound(work, 0.0)
+        and _above_bound(work, config.merge_above if binds else config.memory_merge_above)
+    ):
+        work, repacked, dark = _repack(work, placement, config, config.max_moves - len(moves), targets, pinned)
+        moves.extend(repacked)
+        freed.extend(dark)
     merged: list[CompactionMove] = []
     if merging and len(moves) < config.max_moves and _above_bound(work, config.merge_above):
         work, merged = _merge(work, placement, config, min(config.merges, config.max_moves - len(moves)),
@@ -2023,3 +2047,281 @@ def _place_in_order(
     return trial_moves, trial, trial_freed, None
 
 
+
+
+@dataclass(slots=True)
+class _WasteIndex:
+    """What `_repack` searches, for the GPU states `gpus` (ω and the largest GPU's memory as `key`):
+    the waste of each node with a lit GPU, brought up to date from the GPUs that changed, and the
+    sources whose re-pack failed with the states of their node then, the cold starts it was allowed
+    and the pinned instances (tried again once a GPU of the node changed, with more cold starts
+    allowed, or other instances pinned; what changed on other nodes is not looked at)."""
+
+    refs: tuple[GpuRef, ...]
+    gpus: GpuVector
+    key: tuple[float, float]
+    waste: dict[str, float]
+    failed: dict[int, tuple[tuple[GpuState, ...], int, frozenset[str]]]
+
+
+#: The index of the last `_repack` (one: the calls of a replay follow one another).
+_WASTE: list[_WasteIndex] = []
+#: Nodes a call looks at per re-pack it may try, the most waste first.
+_REPACK_NODES = 16
+
+
+def _node_waste(node: Sequence[GpuState], omega: float, unit: float) -> float | None:
+    """Lit GPUs of a node less what its instances take of the resource that binds there (Σ request /
+    ω, or Σ memory in GPUs of `unit` MiB); None: none lit."""
+    lit = request = memory = 0.0
+    for g in node:
+        if g.instances:
+            lit += 1
+            request += g.used_request
+            memory += g.used_memory
+    if not lit:
+        return None
+    return lit - max(request / omega, memory / unit)
+
+
+def _waste_index(work: ClusterSnapshot, omega: float) -> _WasteIndex:
+    """`_WasteIndex` of `work`: the last one brought up to date, or a new one."""
+    unit = work.max_memory_mib
+    key = (omega, unit)
+    gpus = work.gpus
+    index = _WASTE[0] if _WASTE else None
+    nodes: Iterable[str]
+    if (
+        index is not None
+        and index.key == key
+        and (index.refs is work.refs or index.refs == work.refs)
+        and isinstance(gpus, GpuVector)
+        and len(gpus) == len(index.gpus)
+    ):
+        if index.gpus is gpus:
+            return index
+        refs = work.refs
+        nodes = {refs[o].invoker for o in gpus.changed_since(index.gpus)}
+    else:
+        index = _WasteIndex(refs=work.refs, gpus=gpus, key=key, waste={}, failed={})
+        _WASTE[:] = [index]
+        nodes = work.invoker_ordinals
+    for inv in nodes:
+        ords = work.invoker_ordinals[inv]
+        waste = _node_waste(gpus.span(ords[0], ords[-1] + 1), omega, unit)
+        if waste is None:
+            index.waste.pop(inv, None)
+        else:
+            index.waste[inv] = waste
+    index.gpus = gpus
+    return index
+
+
+def _repack(
+    work: ClusterSnapshot,
+    placement: PlacementConfig,
+    config: CompactionConfig,
+    budget: int,
+    targets: set[GpuRef],
+    pinned: frozenset[str],
+) -> tuple[ClusterSnapshot, list[CompactionMove], list[GpuRef]]:
+    """Up to `config.repacks` lit GPUs tried to be turned off by re-packing them (`_repack_gpu`), at
+    most `budget` moves in all: the moves and the GPUs they leave dark.
+
+    The nodes are taken by their waste, the most first: lit GPUs less what the node's instances take
+    of the resource that binds there (Σ request / ω, or Σ memory in GPUs); a node whose lit GPUs
+    its instances fill leaves no room a re-pack could gather, one with half a GPU of waste holds
+    crumbs on several GPUs. On a node, the GPUs that hold no gang and no pinned instance (nor an
+    instance whose stage is pinned) and that this plan moved nothing onto are tried, the least
+    loaded first (in the resource that binds the GPU), until one turns off. A GPU whose re-pack
+    failed is tried again once a GPU of its node changed (`_WasteIndex.failed`)."""
+    omega = placement.omega
+    unit = work.max_memory_mib
+    index = _waste_index(work, omega)
+    moves: list[CompactionMove] = []
+    freed: list[GpuRef] = []
+    tries = 0
+    # The nodes a call looks at (bounds the work; a failed GPU is skipped at no try).
+    ranked = heapq.nsmallest(
+        _REPACK_NODES * config.repacks,
+        ((-w, work.invoker_ordinals[inv][0], inv) for inv, w in index.waste.items() if w > EPS),
+    )
+    for _, first, inv in ranked:
+        if tries >= config.repacks or len(moves) >= budget:
+            break
+        ords = work.invoker_ordinals[inv]
+        node = work.gpus.span(ords[0], ords[-1] + 1)
+        sources = sorted(
+            (max(g.used_request / omega, g.used_memory / unit), o)
+            for o, g in enumerate(node, first)
+            if g.instances and g.ref not in targets and _may_repack(work, g, pinned)
+        )
+        for _, o in sources:
+            if tries >= config.repacks:
+                break
+            allowed = min(config.repack_moves, budget - len(moves))
+            gone = index.failed.get(o)
+            if gone is not None and gone[1] >= allowed and gone[2] == pinned and all(map(is_, gone[0], node)):
+                continue
+            tries += 1
+            found = _repack_gpu(work, o, placement, allowed, targets, pinned)
+            if found is None:
+                index.failed[o] = (node, allowed, pinned)
+                continue
+            work, gpu_moves, dark = found
+            moves.extend(gpu_moves)
+            freed.extend(dark)
+            for m in gpu_moves:
+                targets.add(m.target)
+                targets.update(p.gpu for p in m.parts)
+            break
+    return work, moves, freed
+
+
+def _may_repack(work: ClusterSnapshot, gpu: GpuState, pinned: frozenset[str]) -> bool:
+    """Whether lit GPU `gpu` may be re-packed: it holds no gang and no instance that is pinned or
+    has a pinned stage."""
+    for i in gpu.instances:
+        if i.gpus > 1 or i.id in pinned:
+            return False
+        if i.part_of is not None and pinned and (
+            i.part_of in pinned or any(p.id in pinned for _, p in _stages(work, i.part_of, gpu.ref.invoker))
+        ):
+            return False
+    return True
+
+
+def _repack_gpu(
+    work: ClusterSnapshot,
+    o: int,
+    placement: PlacementConfig,
+    budget: int,
+    targets: set[GpuRef],
+    pinned: frozenset[str],
+) -> tuple[ClusterSnapshot, list[CompactionMove], list[GpuRef]] | None:
+    """Every instance of GPU `o` placed anew on other lit GPUs (`place`, lit GPUs only, the GPU
+    avoided): whole instances the largest first, where no lit GPU takes one after displacing one
+    instance of another lit GPU of the node (`_displace`); then each split instance with a stage
+    there cut anew as a whole, on any lit GPUs but `o` (its other stages' GPUs included). Returns
+    the cluster after, the moves and the GPUs left dark (`o` first), or None: some instance found
+    no room, or the moves cost more than `budget` cold starts."""
+    gpu = work.gpus[o]
+    source = gpu.ref
+    trial = work
+    moves: list[CompactionMove] = []
+    cost = 0
+    wholes = sorted(
+        (i for i in gpu.instances if i.part_of is None), key=lambda i: (-i.request, -i.memory_mib, i.id)
+    )
+    for inst in wholes:
+        request = _as_request(trial, inst, source)
+        rest = trial.without_instance(inst.id)
+        decision = place(rest, request, placement)
+        if decision.placed:
+            trial = apply_placement(rest, request, decision) if decision.parts else rest.with_instance(
+                inst, decision.gpus
+            )
+            made = [
+                CompactionMove(
+                    instance_id=inst.id,
+                    function=inst.function,
+                    source=source,
+                    target=decision.gpus[0],
+                    reason=f"re-pack {source}: {decision.reason}",
+                    parts=decision.parts,
+                )
+            ]
+        else:
+            displaced = _displace(rest, inst, request, source, placement, targets, pinned)
+            if displaced is None:
+                return None
+            trial, made = displaced
+        moves.extend(made)
+        cost += sum(m.cold_starts for m in made)
+        if cost > budget:
+            return None
+    for whole in sorted({i.part_of for i in gpu.instances if i.part_of is not None}):
+        stages = _stages(trial, whole, source.invoker)
+        piece = next(p for ref, p in stages if ref == source)
+        request = replace(_whole_request(piece, stages), avoid_gpus=frozenset((source,)))
+        rest = trial
+        for _, p in stages:
+            rest = rest.without_instance(p.id)
+        decision = place(rest, request, placement)
+        if not decision.placed:
+            return None
+        trial = apply_placement(rest, request, decision)
+        move = CompactionMove(
+            instance_id=whole,
+            function=piece.function,
+            source=source,
+            target=decision.gpus[0],
+            reason=f"re-pack {source}: {whole} cut anew instead of its {len(stages)} piece(s): {decision.reason}",
+            parts=decision.parts,
+            replaces=tuple(sorted(p.id for _, p in stages)),
+        )
+        moves.append(move)
+        cost += move.cold_starts
+        if cost > budget:
+            return None
+    if trial.gpus[o].lit:
+        return None
+    # A split instance cut anew may leave its other stages' GPUs dark too.
+    dark = sorted({ref for m in moves for pid in m.replaces for ref in work.instance_gpus(pid)} - {source})
+    return trial, moves, [source, *(r for r in dark if not trial.gpu(r).lit)]
+
+
+def _displace(
+    rest: ClusterSnapshot,
+    inst: PlacedInstance,
+    request: PlacementRequest,
+    source: GpuRef,
+    placement: PlacementConfig,
+    targets: set[GpuRef],
+    pinned: frozenset[str],
+) -> tuple[ClusterSnapshot, list[CompactionMove]] | None:
+    """`inst` (off `source`, absent from `rest`) placed on a lit GPU of its node in the place of one
+    whole one-GPU instance there, which placement then puts on another lit GPU (neither `source` nor
+    that GPU): the first such pair, the GPUs in cluster order and on each the smallest instance
+    first; None: no pair. Both GPUs pass every filter of the strategy for what they take."""
+    filters = placement.filters()
+    ords = rest.invoker_ordinals[source.invoker]
+    for g in rest.gpus.span(ords[0], ords[-1] + 1):
+        if not g.instances or g.ref == source or g.ref in targets:
+            continue
+        others = sorted(
+            (i for i in g.instances if i.gpus == 1 and i.part_of is None and i.id not in pinned),
+            key=lambda i: (i.request, i.memory_mib, i.id),
+        )
+        for other in others:
+            without = g.with_instances(tuple(i for i in g.instances if i.id != other.id))
+            if not all(f.passes(without, request, placement) for f in filters):
+                continue
+            after = rest.without_instance(other.id).with_instance(inst, (g.ref,))
+            moved = replace(
+                _as_request(rest, other, g.ref), avoid_gpus=frozenset((g.ref, source))
+            )
+            decision = place(after, moved, placement)
+            if not decision.placed:
+                continue
+            after = apply_placement(after, moved, decision) if decision.parts else after.with_instance(
+                other, decision.gpus
+            )
+            return after, [
+                CompactionMove(
+                    instance_id=inst.id,
+                    function=inst.function,
+                    source=source,
+                    target=g.ref,
+                    reason=f"re-pack {source}: {inst.id} in the place of {other.id} on {g.ref}",
+                ),
+                CompactionMove(
+                    instance_id=other.id,
+                    function=other.function,
+                    source=g.ref,
+                    target=decision.gpus[0],
+                    reason=f"re-pack {source}: {other.id} makes room on {g.ref}: {decision.reason}",
+                    parts=decision.parts,
+                ),
+            ]
+    return None
