@@ -703,10 +703,10 @@ class PlacementConfig:
     that invoker when the lit GPUs take at least this share of its memory (`_place_split_lighting`).
     None: never, it lights a GPU whole (the default, live and simulated)."""
     split_node_fit: bool = False
-    """Where an instance is split over lit GPUs of one invoker, choose the invoker by node-level best
-    fit: the one whose lit GPUs have the least room left of the resource that binds the cluster
-    (memory, or Σ request) once it is placed, then the fewest pieces, then the least room left on the
-    GPUs it uses (`_place_split_node_fit`). False: the fewest pieces first (the default)."""
+    """Where memory binds the cluster (Σ memory / capacity ≥ Σ request), split an instance over the lit
+    GPUs of the invoker left with the least free memory once it is placed (node-level best fit), then
+    the fewest pieces (`_place_split_node_fit`). False: the invoker where it needs the fewest pieces
+    (the default, live and simulated)."""
 
     def __post_init__(self) -> None:
         get_strategy(self.strategy)
@@ -2596,19 +2596,25 @@ def _place_split_node_fit(
     filters: tuple[Filter, ...],
     max_parts: int,
 ) -> PlacementDecision | None:
-    """`_place_split` choosing the invoker by node-level best fit (`PlacementConfig.split_node_fit`).
+    """`_place_split` choosing the invoker by node-level best fit on memory where memory binds the
+    cluster (`PlacementConfig.split_node_fit`); where Σ request binds, `_place_split` itself.
 
-    A node's room is what its lit GPUs have left of the resource that binds the cluster (free memory
-    in GPUs' worth where Σ memory / capacity ≥ Σ request, else ω − Σ request). Room a node keeps
-    after a split is only of use to what fits its GPUs, and a stage only pairs with its own node's
-    GPUs: the fewest pieces first sends an instance to the node where it needs fewest GPUs and leaves
-    the tight nodes (e.g. a gang's crumbs that only a split instance of exactly their size fills) to
-    no one. Per invoker, the plan is `_place_split`'s (the largest capacities first); the invoker
-    whose room left (after placing) is least wins, then the fewest pieces, then the least room left
-    unused on the GPUs it uses, then cluster order."""
+    Room a node keeps after a split is only of use to what fits its GPUs, and a stage pairs only with
+    its own node's GPUs: the fewest pieces first sends an instance to the node where it needs fewest
+    GPUs and leaves the tight nodes (a training gang's crumbs, which only instances of about their
+    size fill) to no one. Here the invoker whose lit GPUs have the least free memory left once the
+    instance is placed wins (in whole MiB), then the fewest pieces, then the least room left unused on
+    the GPUs it uses, then cluster order; per invoker the plan is `_place_split`'s (the largest
+    capacities first). Invokers are visited by their lit GPUs' free memory, ascending, and the visit
+    stops at the first with more than the best. Memory binds where Σ memory / capacity ≥ Σ request,
+    this instance included; where Σ request binds, node fit on either resource packed worse than the
+    fewest pieces (docs/benchmarks/sim-scale.md, twenty-second round)."""
     total = request.memory_mib
     if total <= 0:
         return None
+    capacity = cluster.max_memory_mib
+    if (cluster.sum_memory + total) / capacity < cluster.sum_request + request.request:
+        return _place_split(cluster, request, config, strategy, filters, max_parts)
     gpus = cluster.gpus
     scan = _SplitScan(cluster, request, config, filters, max_parts)
     if scan.entries is not None:
@@ -2618,21 +2624,12 @@ def _place_split_node_fit(
         one = _node_room(ords, gpus) if ords else None
         entries = () if one is None else (one,)
     inline = _InlineSplit.of(scan, request, config, filters, max_parts)
-    capacity = cluster.max_memory_mib
-    by_memory = cluster.sum_memory / capacity + total / capacity >= cluster.sum_request + request.request
-    omega = config.omega
     min_part = scan.min_part
     best: tuple[tuple[float, int, float, int], list[tuple[int, float]]] | None = None
     for entry in entries:
-        if by_memory:
-            # Entries ascend by free memory: none after one with more room than the best can win.
-            room = float(round(entry[0] - total))
-            if best is not None and room > best[0][0]:
-                break
-        else:
-            room = round(sum(omega - lr[2] for lr in entry[5]) - request.request, 6)
-            if best is not None and room > best[0][0]:
-                continue
+        room = float(round(entry[0] - total))
+        if best is not None and room > best[0][0]:
+            break
         if scan.cannot_hold(entry, max_parts):
             continue
         if inline is not None:
@@ -2659,5 +2656,5 @@ def _place_split_node_fit(
     return _split_decision(
         request, strategy, parts, 0,
         f"split over {len(parts)} lit GPUs of {parts[0].gpu.invoker} instead of lighting one (the node "
-        f"left with the least room)",
+        f"left with the least free memory)",
     )
