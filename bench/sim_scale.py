@@ -25,8 +25,8 @@ and whether the decisions are the same. `--compaction` overrides fields of the s
 (`SIM_COMPACTION`) for `dilu` (not with `--baseline`): the trade-off curves of packing, moves
 and CPU time. `--light-split SHARE` sets `dilu`'s `PlacementConfig.light_split_min_share` (an LLM that
 would light a GPU whole is split over lit GPUs and one new GPU of a node instead). `--split-node-fit` sets
-`dilu`'s `PlacementConfig.split_node_fit` (an LLM split over lit GPUs goes to the node left with the least
-room, not the one where it needs the fewest pieces). `--json FILE` writes the rows as JSON.
+`dilu`'s `PlacementConfig.split_node_fit` (where memory binds, an LLM split over lit GPUs goes to the node
+left with the least free memory, not the one where it needs the fewest pieces). `--json FILE` writes the rows as JSON.
 Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
 integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
 100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
@@ -279,8 +279,8 @@ def main() -> int:
                     help="dilu splits an LLM that would light a GPU whole over lit GPUs and one new GPU of a "
                          "node when the lit GPUs take at least SHARE of it (PlacementConfig.light_split_min_share)")
     ap.add_argument("--split-node-fit", action="store_true",
-                    help="dilu splits an LLM over the lit GPUs of the node left with the least room of the "
-                         "binding resource (PlacementConfig.split_node_fit)")
+                    help="where memory binds, dilu splits an LLM over the lit GPUs of the node left with the "
+                         "least free memory (PlacementConfig.split_node_fit)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     compaction = compaction_config(args.compaction)
@@ -367,7 +367,8 @@ def main() -> int:
                 + (f" and compaction `{args.compaction}`" if args.compaction else "")
                 + (f", LLMs that would light a GPU split over lit room and one new GPU from a share of "
                    f"{args.light_split:g} on (`--light-split`)" if args.light_split is not None else "")
-                + (", LLMs split over the lit GPUs of the node left with the least room (`--split-node-fit`)"
+                + (", LLMs split over the lit GPUs of the node left with the least free memory where memory "
+                   "binds (`--split-node-fit`)"
                    if args.split_node_fit else "")
                 + ", the baselines without. Bounds: fractional "
                 "max(⌈Σ request⌉, ⌈Σ memory / 40 GiB⌉, widest) and integral (also at least one GPU per "

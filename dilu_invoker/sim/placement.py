@@ -99,8 +99,9 @@ class PlacementSimConfig:
     when the lit GPUs take at least this share of it (`PlacementConfig.light_split_min_share`);
     None: never (the default)."""
     split_node_fit: bool = False
-    """dilu splits an LLM over the lit GPUs of the node left with the least room once it is placed
-    (`PlacementConfig.split_node_fit`); False: the node where it needs the fewest pieces (the default)."""
+    """Where memory binds, dilu splits an LLM over the lit GPUs of the node left with the least free memory
+    once it is placed (`PlacementConfig.split_node_fit`); False: the node where it needs the fewest pieces
+    (the default)."""
 
     def __post_init__(self) -> None:
         if self.policy not in STRATEGIES:
