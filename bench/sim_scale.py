@@ -3,7 +3,8 @@ serving simulation on the one-day trace (issue 7).
 
     PYTHONPATH=. python3 bench/sim_scale.py [--sizes 3200,32000] [--mixes 0:0,0.2:0.2,...]
         [--seeds 1,2] [--big-seeds 1] [--policies exclusive,infless-l,infless-r,fastgs,dilu]
-        [--repeat N] [--baseline DIR] [--compaction merges=2,merge_sources=64] [--light-split SHARE] [--json FILE]
+        [--repeat N] [--baseline DIR] [--compaction merges=2,merge_sources=64] [--light-split SHARE]
+        [--split-node-fit] [--json FILE]
         [--out docs/benchmarks/sim-scale.md] [--serving [--profiles FILE]]
 
 For each size, each mix `train:llm` (training fraction : LLM fraction of `dilu_mix`, 40 GiB GPUs, one
@@ -23,8 +24,9 @@ paired replay (its run alone is kept as `alone_cpu_s`), beside the baseline's CP
 and whether the decisions are the same. `--compaction` overrides fields of the simulator's compaction
 (`SIM_COMPACTION`) for `dilu` (not with `--baseline`): the trade-off curves of packing, moves
 and CPU time. `--light-split SHARE` sets `dilu`'s `PlacementConfig.light_split_min_share` (an LLM that
-would light a GPU whole is split over lit GPUs and one new GPU of a node instead). `--json FILE` writes the
-rows as JSON.
+would light a GPU whole is split over lit GPUs and one new GPU of a node instead). `--split-node-fit` sets
+`dilu`'s `PlacementConfig.split_node_fit` (where memory binds, an LLM split over lit GPUs goes to the node
+left with the least free memory, not the one where it needs the fewest pieces). `--json FILE` writes the rows as JSON.
 Targets (issue 19): `dilu` < 5 s at 3,200 instances and < 60 s at 32,000 for any mix, ≤ 1.03× the
 integral bound on peak and mean. `--serving` also times the serving simulation of the one-day,
 100-function trace on 64 GPUs per policy (issue 7: < 5 minutes; `--sizes ''` for that alone).
@@ -102,6 +104,7 @@ def compaction_config(spec: str) -> CompactionConfig:
 def run_one(
     n: int, train: float, llm: float, seed: int, policy: str, repeat: int = 1,
     compaction: CompactionConfig = SIM_COMPACTION, light_split: float | None = None,
+    split_node_fit: bool = False,
 ) -> dict[str, Any]:
     """One trace under one policy, `repeat` times in a row (the same decisions every time): the
     median CPU and wall time, and the CPU range (on a shared host one run's CPU time varies)."""
@@ -112,6 +115,7 @@ def run_one(
         compact_every_s=DILU_COMPACT_EVERY_S if policy == "dilu" else 0.0,
         compaction=compaction,
         light_split_min_share=light_split,
+        split_node_fit=split_node_fit,
     )
     walls: list[float] = []
     cpus: list[float] = []
@@ -146,7 +150,7 @@ def run_one(
         "moves_per_100": 100.0 * d["compaction_moves"] / n,
         "cold_per_100": 100.0 * d["compaction_cold_starts"] / n,
         "splits": d["split_instances"], "rejected": s["rejected"], "load": _load().split()[0],
-        "decisions": digest, "light_split": light_split,
+        "decisions": digest, "light_split": light_split, "split_node_fit": split_node_fit,
     }
 
 
@@ -274,11 +278,15 @@ def main() -> int:
     ap.add_argument("--light-split", type=float, default=None, metavar="SHARE",
                     help="dilu splits an LLM that would light a GPU whole over lit GPUs and one new GPU of a "
                          "node when the lit GPUs take at least SHARE of it (PlacementConfig.light_split_min_share)")
+    ap.add_argument("--split-node-fit", action="store_true",
+                    help="where memory binds, dilu splits an LLM over the lit GPUs of the node left with the "
+                         "least free memory (PlacementConfig.split_node_fit)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     compaction = compaction_config(args.compaction)
-    if (args.compaction or args.light_split is not None) and args.baseline is not None:
-        raise SystemExit("--compaction or --light-split and --baseline: the paired replays run the defaults")
+    if (args.compaction or args.light_split is not None or args.split_node_fit) and args.baseline is not None:
+        raise SystemExit("--compaction, --light-split or --split-node-fit and --baseline: the paired replays run "
+                         "the defaults")
 
     def mixes(spec: str) -> list[tuple[float, float]]:
         return [(float(a), float(b)) for a, b in (m.split(":") for m in spec.split(","))]
@@ -293,7 +301,8 @@ def main() -> int:
         for train, llm in mixes(args.big_mixes if big and args.big_mixes else args.mixes):
             for seed in seeds:
                 for policy in policies:
-                    r = run_one(n, train, llm, seed, policy, args.repeat, compaction, args.light_split)
+                    r = run_one(n, train, llm, seed, policy, args.repeat, compaction, args.light_split,
+                               args.split_node_fit)
                     child = None
                     if args.baseline is not None and policy == "dilu":
                         # This code and the baseline's, each in a child process of its own started
@@ -358,6 +367,9 @@ def main() -> int:
                 + (f" and compaction `{args.compaction}`" if args.compaction else "")
                 + (f", LLMs that would light a GPU split over lit room and one new GPU from a share of "
                    f"{args.light_split:g} on (`--light-split`)" if args.light_split is not None else "")
+                + (", LLMs split over the lit GPUs of the node left with the least free memory where memory "
+                   "binds (`--split-node-fit`)"
+                   if args.split_node_fit else "")
                 + ", the baselines without. Bounds: fractional "
                 "max(⌈Σ request⌉, ⌈Σ memory / 40 GiB⌉, widest) and integral (also at least one GPU per "
                 "training slot over half a GPU), docs/simulator.md.",

@@ -702,6 +702,11 @@ class PlacementConfig:
     GPUs of one invoker hold its pieces), split it over lit GPUs of one invoker plus one new GPU of
     that invoker when the lit GPUs take at least this share of its memory (`_place_split_lighting`).
     None: never, it lights a GPU whole (the default, live and simulated)."""
+    split_node_fit: bool = False
+    """Where memory binds the cluster (Σ memory / capacity ≥ Σ request), split an instance over the lit
+    GPUs of the invoker left with the least free memory once it is placed (node-level best fit), then
+    the fewest pieces (`_place_split_node_fit`). False: the invoker where it needs the fewest pieces
+    (the default, live and simulated)."""
 
     def __post_init__(self) -> None:
         get_strategy(self.strategy)
@@ -1184,7 +1189,10 @@ def place(
     if max_parts > 1 and (not decision.placed or decision.lights):
         # Dilu's tiers for an LLM: whole on a lit GPU, else split over lit GPUs of one invoker,
         # else whole on a new GPU.
-        split = _place_split(cluster, request, config, strategy, filters, max_parts)
+        if config.split_node_fit:
+            split = _place_split_node_fit(cluster, request, config, strategy, filters, max_parts)
+        else:
+            split = _place_split(cluster, request, config, strategy, filters, max_parts)
         if split is not None:
             return split
         if config.light_split_min_share is not None and decision.lights and not request.lit_only:
@@ -2577,4 +2585,76 @@ def _place_split(
         )
     return _split_decision(
         request, strategy, parts, 0, f"split over {len(parts)} lit GPUs of {parts[0].gpu.invoker} instead of lighting one"
+    )
+
+
+def _place_split_node_fit(
+    cluster: ClusterSnapshot,
+    request: PlacementRequest,
+    config: PlacementConfig,
+    strategy: Strategy,
+    filters: tuple[Filter, ...],
+    max_parts: int,
+) -> PlacementDecision | None:
+    """`_place_split` choosing the invoker by node-level best fit on memory where memory binds the
+    cluster (`PlacementConfig.split_node_fit`); where Σ request binds, `_place_split` itself.
+
+    Room a node keeps after a split is only of use to what fits its GPUs, and a stage pairs only with
+    its own node's GPUs: the fewest pieces first sends an instance to the node where it needs fewest
+    GPUs and leaves the tight nodes (a training gang's crumbs, which only instances of about their
+    size fill) to no one. Here the invoker whose lit GPUs have the least free memory left once the
+    instance is placed wins (in whole MiB), then the fewest pieces, then the least room left unused on
+    the GPUs it uses, then cluster order; per invoker the plan is `_place_split`'s (the largest
+    capacities first). Invokers are visited by their lit GPUs' free memory, ascending, and the visit
+    stops at the first with more than the best. Memory binds where Σ memory / capacity ≥ Σ request,
+    this instance included; where Σ request binds, node fit on either resource packed worse than the
+    fewest pieces (docs/benchmarks/sim-scale.md, twenty-second round)."""
+    total = request.memory_mib
+    if total <= 0:
+        return None
+    capacity = cluster.max_memory_mib
+    if (cluster.sum_memory + total) / capacity < cluster.sum_request + request.request:
+        return _place_split(cluster, request, config, strategy, filters, max_parts)
+    gpus = cluster.gpus
+    scan = _SplitScan(cluster, request, config, filters, max_parts)
+    if scan.entries is not None:
+        entries: Sequence[NodeRoom] = scan.entries
+    else:
+        ords = cluster.invoker_ordinals.get(request.only_invoker or "", ())
+        one = _node_room(ords, gpus) if ords else None
+        entries = () if one is None else (one,)
+    inline = _InlineSplit.of(scan, request, config, filters, max_parts)
+    min_part = scan.min_part
+    best: tuple[tuple[float, int, float, int], list[tuple[int, float]]] | None = None
+    for entry in entries:
+        room = float(round(entry[0] - total))
+        if best is not None and room > best[0][0]:
+            break
+        if scan.cannot_hold(entry, max_parts):
+            continue
+        if inline is not None:
+            found = inline.plan(entry[5])
+        else:
+            cands = scan.candidates(entry[1], entry)
+            found = (
+                _split_plan(cands, request, config, filters, total, min_part, max_parts, gpus)
+                if len(cands) >= 2 else None
+            )
+        if found is None:
+            continue
+        key = (room, len(found[0]), found[1], entry[1])
+        if best is None or key < best[0]:
+            best = (key, found[0])
+    if best is None:
+        return None
+    plan = _lost_room_sizes(cluster, request, config, filters, scan, best[1])
+    parts = tuple(
+        PlacementPart(gpu=cluster.refs[o], instance=replace(
+            _part_request(request, mem, k).to_instance(), part_of=request.instance_id))
+        for k, (o, mem) in enumerate(plan)
+    )
+    return _split_decision(
+        request, strategy, parts, 0,
+        f"split over {len(parts)} lit GPUs of {parts[0].gpu.invoker} instead of lighting one (the node "
+        f"left with the least free memory)",
     )

@@ -98,6 +98,10 @@ class PlacementSimConfig:
     """dilu splits an LLM that would light a GPU whole over lit GPUs of one node and one new GPU
     when the lit GPUs take at least this share of it (`PlacementConfig.light_split_min_share`);
     None: never (the default)."""
+    split_node_fit: bool = False
+    """Where memory binds, dilu splits an LLM over the lit GPUs of the node left with the least free memory
+    once it is placed (`PlacementConfig.split_node_fit`); False: the node where it needs the fewest pieces
+    (the default)."""
 
     def __post_init__(self) -> None:
         if self.policy not in STRATEGIES:
@@ -119,6 +123,7 @@ class PlacementSimConfig:
             gamma=self.gamma,
             llm_max_parts=min(self.llm_split_parts, self.gpus_per_node),
             light_split_min_share=self.light_split_min_share,
+            split_node_fit=self.split_node_fit,
         )
 
 
