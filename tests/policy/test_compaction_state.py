@@ -129,7 +129,8 @@ def test_split_llm_source_is_retried_when_its_node_gains_room_for_the_pieces() -
     assert A0 in plan.freed
 
 
-def _replay(cluster: ClusterSnapshot, where: dict[str, tuple[str, ...]], ev: Any) -> ClusterSnapshot:
+def _replay(cluster: ClusterSnapshot, where: dict[str, tuple[str, ...]], ev: Any,
+            placement: PlacementConfig = SPLIT) -> ClusterSnapshot:
     """One trace event: a create placed (the cluster is big enough for the trace), a delete removed with
     every piece it was split into; ``where`` maps an instance to its placed ids."""
     if ev.spec is not None:
@@ -138,7 +139,7 @@ def _replay(cluster: ClusterSnapshot, where: dict[str, tuple[str, ...]], ev: Any
             instance_id=s.instance, function=s.function, cls=s.cls, request=s.sm_request,
             limit=s.sm_limit, memory_mib=s.memory_mib, gpus=s.gpus,
         )
-        d = place(cluster, req, SPLIT)
+        d = place(cluster, req, placement)
         assert d.placed, d.reason
         where[s.instance] = tuple(p.instance.id for p in d.parts) or (s.instance,)
         return apply_placement(cluster, req, d)
@@ -158,7 +159,15 @@ def _follow(where: dict[str, tuple[str, ...]], moves: Any) -> None:
             where[m.instance_id] = tuple(p.instance.id for p in m.parts) or (m.instance_id,)
 
 
-def test_stateful_compaction_finds_what_stateless_does_along_a_trace() -> None:
+@pytest.mark.parametrize("placement", [
+    SPLIT,
+    pytest.param(replace(SPLIT, split_node_fit=True), marks=pytest.mark.xfail(strict=True, reason=(
+        "node fit sends a split to the node with the least free memory left, so where an earlier instance of "
+        "a source goes depends on every node's room, and whether memory or Σ request binds on the whole "
+        "cluster: a source that failed may succeed without any GPU gaining room, which the state does not "
+        "look for (split_node_fit stays opt-in)"))),
+], ids=["fewest-pieces", "split-node-fit"])
+def test_stateful_compaction_finds_what_stateless_does_along_a_trace(placement: PlacementConfig) -> None:
     """Replay a small Dilu-mix trace; at every compaction point the plan with the carried state and a
     plan from scratch make the same moves (no cap on sources, so both try every candidate)."""
     config = CompactionConfig(source_max_request=1.0, max_sources=10_000, max_moves=10_000, move_pieces=True)
@@ -167,10 +176,10 @@ def test_stateful_compaction_finds_what_stateless_does_along_a_trace() -> None:
     where: dict[str, tuple[str, ...]] = {}
     checked = moved = 0
     for n, ev in enumerate(dilu_mix(240, seed=5)):
-        cluster = _replay(cluster, where, ev)
+        cluster = _replay(cluster, where, ev, placement)
         if n % 7 == 6:
-            with_state = compaction_plan(cluster, SPLIT, config, state)
-            fresh = compaction_plan(cluster, SPLIT, config)
+            with_state = compaction_plan(cluster, placement, config, state)
+            fresh = compaction_plan(cluster, placement, config)
             assert [(m.instance_id, m.target, m.replaces) for m in with_state.moves] == [
                 (m.instance_id, m.target, m.replaces) for m in fresh.moves
             ], f"event {n}"
