@@ -1,10 +1,12 @@
 """The serving evaluation's headline comparison over several seeds: `dilu` against `mps-static` (and `dilu`
-with another placement strategy: `infless-r`'s, a what-if, or `dilu-lifetime`, docs/policies.md) on the day and
-bursty traces (issue 17, part 5).
+with another placement strategy: `infless-r`'s, a what-if, or `dilu-lifetime`, docs/policies.md; and either
+policy with the live balancer's compaction switched on, `dilu-compaction` and `mps-static-compaction`:
+`--balancer-compaction` at its defaults, a run every 30 s of at most 2 moves) on the day and bursty traces
+(issue 17, part 5).
 
     PYTHONPATH=. python3 bench/serving_seeds.py [--seeds 1,2,3] [--traces azure-day,bursty]
-        [--runs dilu,mps-static,dilu-infless-r,dilu-lifetime] [--interference K]
-        [--out docs/benchmarks/serving-seeds.md]
+        [--runs dilu,mps-static,dilu-infless-r,dilu-lifetime,dilu-compaction,mps-static-compaction]
+        [--interference K] [--out docs/benchmarks/serving-seeds.md]
 
 docs/evaluation.md runs every policy once, with seed 1. The seed draws where in each of a trace's
 bins its requests arrive; the counts per bin and the profiles are the evaluation's. This script runs
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from evaluation import SERVING, fitted_kappa
 from loadgen import cpu_model
 
+from dilu_invoker.loadbalancer.planner import LiveCompaction
 from dilu_invoker.policy import PlacementConfig
 from dilu_invoker.sim.profiles import load_profiles
 from dilu_invoker.sim.serving import ServingSimConfig, simulate_serving
@@ -46,8 +49,11 @@ RUNS = {
     "mps-static": {"policy": "mps-static"},
     "dilu-infless-r": {"policy": "dilu", "placement": "infless-r"},
     "dilu-lifetime": {"policy": "dilu", "placement": "dilu-lifetime"},
+    "dilu-compaction": {"policy": "dilu", "compaction": True},
+    "mps-static-compaction": {"policy": "mps-static", "compaction": True},
 }
-"""Run name → serving policy and, for the what-if, the placement strategy `dilu` runs with instead of its own."""
+"""Run name → serving policy and, for the what-if, the placement strategy `dilu` runs with instead of its own,
+or the live compaction (`LiveCompaction()`'s period and moves per run)."""
 
 
 def run_one(trace: Any, profiles: Any, gpus: int, seed: int, run: str, kappa: float) -> dict[str, Any]:
@@ -55,6 +61,10 @@ def run_one(trace: Any, profiles: Any, gpus: int, seed: int, run: str, kappa: fl
     kw: dict[str, Any] = {}
     if "placement" in spec:
         kw["placement"] = PlacementConfig(strategy=spec["placement"])
+    if spec.get("compaction"):
+        live = LiveCompaction()
+        kw["compaction_period_s"] = live.period_s
+        kw["compaction_max_moves"] = live.config.max_moves
     t0 = time.process_time()
     r = simulate_serving(trace, profiles, ServingSimConfig(policy=spec["policy"], gpus=gpus, seed=seed, interference=kappa, **kw))
     s = r.summary
@@ -68,6 +78,7 @@ def run_one(trace: Any, profiles: Any, gpus: int, seed: int, run: str, kappa: fl
         "p99_ms": s["latency_p99_ms"],
         "training_samples_per_s": s["training_samples_per_s"],
         "cold_starts": s["cold_starts"],
+        "compaction_moves": s["compaction_moves"],
         "cpu_s": round(time.process_time() - t0, 1),
     }
 
@@ -93,14 +104,15 @@ def page(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
         lines += [
             f"## {name}",
             "",
-            "| seed | run | requests per GPU-s | GPU-seconds | GPUs peak | SLO violations | p99 ms | training samples/s | cold starts | CPU s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| seed | run | requests per GPU-s | GPU-seconds | GPUs peak | SLO violations | p99 ms | training samples/s | cold starts | moves | CPU s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in rows:
             lines.append(
                 f"| {r['seed']} | {r['run']} | {r['requests_per_gpu_s']:.4f} | {r['gpu_seconds']:,.0f} | "
                 f"{r['gpus_peak']} | {100 * r['slo_violation_rate']:.3f}% | {r['p99_ms']:.2f} | "
-                f"{r['training_samples_per_s']:,.1f} | {r['cold_starts']} | {r['cpu_s']} |"
+                f"{r['training_samples_per_s']:,.1f} | {r['cold_starts']} | {r.get('compaction_moves', 0)} | "
+                f"{r['cpu_s']} |"
             )
         for num in [r for r in RUNS if r != "mps-static"]:
             rs = ratios(rows, num, "mps-static")
@@ -112,6 +124,16 @@ def page(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
                     f"`{num}` / `mps-static`, requests per GPU-second: {per}; median "
                     f"**{statistics.median(vals):.4f}×**, worst **{min(vals):.4f}×**.",
                 ]
+        # Both with compaction: what it gives one policy over the other.
+        rs = ratios(rows, "dilu-compaction", "mps-static-compaction")
+        if rs:
+            vals = list(rs.values())
+            per = ", ".join(f"seed {s}: {v:.4f}×" for s, v in sorted(rs.items()))
+            lines += [
+                "",
+                f"`dilu-compaction` / `mps-static-compaction`, requests per GPU-second: {per}; median "
+                f"**{statistics.median(vals):.4f}×**, worst **{min(vals):.4f}×**.",
+            ]
         lines.append("")
     return "\n".join(lines)
 
