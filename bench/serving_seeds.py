@@ -6,7 +6,7 @@ policy with the live balancer's compaction switched on, `dilu-compaction` and `m
 
     PYTHONPATH=. python3 bench/serving_seeds.py [--seeds 1,2,3] [--traces azure-day,bursty]
         [--runs dilu,mps-static,dilu-infless-r,dilu-lifetime,dilu-compaction,mps-static-compaction]
-        [--interference K] [--out docs/benchmarks/serving-seeds.md]
+        [--interference K] [--reuse docs/benchmarks/data/serving-seeds.json] [--out docs/benchmarks/serving-seeds.md]
 
 docs/evaluation.md runs every policy once, with seed 1. The seed draws where in each of a trace's
 bins its requests arrive; the counts per bin and the profiles are the evaluation's. This script runs
@@ -15,7 +15,9 @@ the comparison that decides part 5's target once per seed and writes a page with
 violations, p99 and training throughput. The raw rows go to the page's `.json` twin under
 docs/benchmarks/data/. κ is the fitted one, as in bench/evaluation.py, unless `--interference` gives it.
 
-One replay of the day trace takes ~2.5–3.5 min of one core here, the bursty hour ~40 s.
+One replay of the day trace takes ~2.5–3.5 min of one core here, the bursty hour ~40 s. `--reuse` takes the
+rows of an earlier page's `.json` twin (same trace, seed, run and κ) instead of replaying them; the page marks
+them. The page and its twin are rewritten after every row.
 """
 
 from __future__ import annotations
@@ -100,6 +102,12 @@ def page(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
         f"* date: {meta['date']}; κ = {meta['kappa']:.3f} ({meta['kappa_from']})",
         "",
     ]
+    if meta.get("reused"):
+        lines += [
+            f"Rows marked `reused` (CPU s) are taken from `{meta['reused']}` (same trace, seed, run and κ), not "
+            "replayed.",
+            "",
+        ]
     for name, rows in results.items():
         lines += [
             f"## {name}",
@@ -112,7 +120,7 @@ def page(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
                 f"| {r['seed']} | {r['run']} | {r['requests_per_gpu_s']:.4f} | {r['gpu_seconds']:,.0f} | "
                 f"{r['gpus_peak']} | {100 * r['slo_violation_rate']:.3f}% | {r['p99_ms']:.2f} | "
                 f"{r['training_samples_per_s']:,.1f} | {r['cold_starts']} | {r.get('compaction_moves', 0)} | "
-                f"{r['cpu_s']} |"
+                f"{'reused' if r.get('reused_from') else r['cpu_s']} |"
             )
         for num in [r for r in RUNS if r != "mps-static"]:
             rs = ratios(rows, num, "mps-static")
@@ -145,6 +153,7 @@ def main() -> None:
     ap.add_argument("--runs", default="dilu,mps-static")
     ap.add_argument("--interference", type=float, default=None)
     ap.add_argument("--profiles", default="examples/profiles.json")
+    ap.add_argument("--reuse", default=None, help="an earlier page's raw JSON: its rows are taken, not replayed")
     ap.add_argument("--out", default=str(ROOT / "docs/benchmarks/serving-seeds.md"))
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -158,6 +167,21 @@ def main() -> None:
         ap.error(f"--traces must be among {list(traces)}")
     kappa, kappa_from = fitted_kappa() if args.interference is None else (args.interference, "given (--interference)")
     profiles = load_profiles(str(ROOT / args.profiles))
+    earlier: dict[tuple[str, int, str], dict[str, Any]] = {}
+    if args.reuse:
+        old = json.loads(Path(args.reuse).read_text())
+        if old["meta"]["kappa"] == kappa:
+            earlier = {(t, r["seed"], r["run"]): r for t, rows in old["results"].items() for r in rows}
+    meta = {
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "command": "PYTHONPATH=. python3 bench/serving_seeds.py " + " ".join(sys.argv[1:]),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "kappa": kappa,
+        "kappa_from": kappa_from,
+        "reused": args.reuse if earlier else None,
+    }
+    out = Path(args.out)
+    raw = ROOT / "docs/benchmarks/data" / (out.stem + ".json")
     results: dict[str, list[dict[str, Any]]] = {}
     for name in want:
         path, gpus = traces[name]
@@ -165,24 +189,20 @@ def main() -> None:
         rows = results.setdefault(name, [])
         for seed in seeds:
             for run in runs:
-                rows.append(run_one(trace, profiles, gpus, seed, run, kappa))
+                if (name, seed, run) in earlier:
+                    rows.append({**earlier[(name, seed, run)], "reused_from": args.reuse})
+                else:
+                    rows.append(run_one(trace, profiles, gpus, seed, run, kappa))
                 r = rows[-1]
                 print(
                     f"{name} seed {seed} {run}: {r['requests_per_gpu_s']:.4f} req/GPU-s, "
-                    f"{100 * r['slo_violation_rate']:.3f}% violations, {r['cpu_s']} s",
+                    f"{100 * r['slo_violation_rate']:.3f}% violations, {r['cpu_s']} s"
+                    + (" (reused)" if r.get("reused_from") else ""),
                     flush=True,
                 )
-    meta = {
-        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "PYTHONPATH=. python3 bench/serving_seeds.py " + " ".join(sys.argv[1:]),
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "kappa": kappa,
-        "kappa_from": kappa_from,
-    }
-    out = Path(args.out)
-    out.write_text(page(results, meta))
-    raw = ROOT / "docs/benchmarks/data" / (out.stem + ".json")
-    raw.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+                # Written after every row: a long series that stops early still leaves what it measured.
+                out.write_text(page(results, meta))
+                raw.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {out} and {raw}")
 
 
