@@ -446,6 +446,7 @@ class _Sim:
         self.compaction_moves = 0
         self.compaction_done = 0
         self.compaction_drained = 0  # of those done, originals with a batch in flight at the take-over
+        self.compaction_promoted = 0  # moves whose original the scaler removed first
         self.compaction_freed = 0
 
     # -- helpers ------------------------------------------------------------------------------
@@ -787,6 +788,7 @@ class _Sim:
             # The original went (a scale-in) before its move was done: the replacement is an ordinary
             # instance now, still starting (as the live planner turns it).
             self._end_move(rep)
+            self.compaction_promoted += 1
             fn.instances.append(rep)
             fn.starting += 1
         self._account()
@@ -1259,6 +1261,7 @@ def simulate_serving(
             "moves": sim.compaction_moves,
             "done": sim.compaction_done,
             "drained": sim.compaction_drained,
+            "promoted": sim.compaction_promoted,
             "gpus_freed_planned": sim.compaction_freed,
         },
         "packing": {

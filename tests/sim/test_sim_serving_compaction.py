@@ -95,10 +95,28 @@ def test_nothing_moves_while_the_function_is_in_a_burst(policy: str, synthetic_p
     assert on.summary == off.summary
 
 
+def test_an_original_the_scaler_removes_mid_move_leaves_an_ordinary_instance(synthetic_profiles: ProfileSet) -> None:
+    # 300 requests/s for 40 s scale the function out (its instances land on GPU 1), then 30/s: once GPU 0
+    # has room, a run moves both instances of GPU 1; with a 20 s start, the scaler removes one original
+    # (the emptiest GPU's idle instance) before its replacement serves.
+    counts = np.full(int(END_S), 30, dtype=np.int64)
+    counts[:40] = 300
+    base = layout(0)
+    trace = ServingTrace(END_S, (FunctionTrace("a", "bert-base", counts, bin_s=1.0),), base.jobs)
+    config = ServingSimConfig(policy="dilu", gpus=2, cold_start_s=20.0, compaction_period_s=30.0)
+    r = simulate_serving(trace, synthetic_profiles, config)
+    c = r.details["compaction"]
+    assert (c["moves"], c["done"], c["promoted"]) == (2, 1, 1)
+    # The promoted replacement is an instance the scaler counts: it scales in to one, and GPU 1 is dark.
+    assert r.samples[-1][1:3] == (1, 2)  # lit GPUs, instances (the function's one and the long job)
+    assert r.summary["dropped"] == 0
+
+
 def test_period_zero_runs_no_compaction(synthetic_profiles: ProfileSet) -> None:
     r = run(synthetic_profiles, layout(20), "dilu", 0.0)
     assert r.details["compaction"] == {
-        "period_s": 0.0, "max_moves": 2, "runs": 0, "moves": 0, "done": 0, "drained": 0, "gpus_freed_planned": 0,
+        "period_s": 0.0, "max_moves": 2, "runs": 0, "moves": 0, "done": 0, "drained": 0, "promoted": 0,
+        "gpus_freed_planned": 0,
     }
     assert r.summary["compaction_moves"] == 0
     assert lit_after(r, SHORT_JOB_ENDS_S) == {2}
