@@ -102,10 +102,11 @@ def page(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
         f"* date: {meta['date']}; κ = {meta['kappa']:.3f} ({meta['kappa_from']})",
         "",
     ]
-    if meta.get("reused"):
+    sources = sorted({r["reused_from"] for rows in results.values() for r in rows if r.get("reused_from")})
+    if sources:
         lines += [
-            f"Rows marked `reused` (CPU s) are taken from `{meta['reused']}` (same trace, seed, run and κ), not "
-            "replayed.",
+            "Rows marked `reused` (CPU s) are taken from " + ", ".join(f"`{s}`" for s in sources)
+            + " (same trace, seed, run and κ), not replayed.",
             "",
         ]
     for name, rows in results.items():
@@ -190,7 +191,8 @@ def main() -> None:
         for seed in seeds:
             for run in runs:
                 if (name, seed, run) in earlier:
-                    rows.append({**earlier[(name, seed, run)], "reused_from": args.reuse})
+                    # A row the earlier page reused itself keeps naming where it was measured.
+                    rows.append({"reused_from": args.reuse, **earlier[(name, seed, run)]})
                 else:
                     rows.append(run_one(trace, profiles, gpus, seed, run, kappa))
                 r = rows[-1]
