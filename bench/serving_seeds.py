@@ -1,10 +1,12 @@
 """The serving evaluation's headline comparison over several seeds: `dilu` against `mps-static` (and `dilu`
-with another placement strategy: `infless-r`'s, a what-if, or `dilu-lifetime`, docs/policies.md) on the day and
-bursty traces (issue 17, part 5).
+with another placement strategy: `infless-r`'s, a what-if, or `dilu-lifetime`, docs/policies.md; and either
+policy with the live balancer's compaction switched on, `dilu-compaction` and `mps-static-compaction`:
+`--balancer-compaction` at its defaults, a run every 30 s of at most 2 moves) on the day and bursty traces
+(issue 17, part 5).
 
     PYTHONPATH=. python3 bench/serving_seeds.py [--seeds 1,2,3] [--traces azure-day,bursty]
-        [--runs dilu,mps-static,dilu-infless-r,dilu-lifetime] [--interference K]
-        [--out docs/benchmarks/serving-seeds.md]
+        [--runs dilu,mps-static,dilu-infless-r,dilu-lifetime,dilu-compaction,mps-static-compaction]
+        [--interference K] [--reuse docs/benchmarks/data/serving-seeds.json] [--out docs/benchmarks/serving-seeds.md]
 
 docs/evaluation.md runs every policy once, with seed 1. The seed draws where in each of a trace's
 bins its requests arrive; the counts per bin and the profiles are the evaluation's. This script runs
@@ -13,7 +15,9 @@ the comparison that decides part 5's target once per seed and writes a page with
 violations, p99 and training throughput. The raw rows go to the page's `.json` twin under
 docs/benchmarks/data/. κ is the fitted one, as in bench/evaluation.py, unless `--interference` gives it.
 
-One replay of the day trace takes ~2.5–3.5 min of one core here, the bursty hour ~40 s.
+One replay of the day trace takes ~2.5–3.5 min of one core here, the bursty hour ~40 s. `--reuse` takes the
+rows of an earlier page's `.json` twin (same trace, seed, run and κ) instead of replaying them; the page marks
+them. The page and its twin are rewritten after every row.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from evaluation import SERVING, fitted_kappa
 from loadgen import cpu_model
 
+from dilu_invoker.loadbalancer.planner import LiveCompaction
 from dilu_invoker.policy import PlacementConfig
 from dilu_invoker.sim.profiles import load_profiles
 from dilu_invoker.sim.serving import ServingSimConfig, simulate_serving
@@ -46,8 +51,11 @@ RUNS = {
     "mps-static": {"policy": "mps-static"},
     "dilu-infless-r": {"policy": "dilu", "placement": "infless-r"},
     "dilu-lifetime": {"policy": "dilu", "placement": "dilu-lifetime"},
+    "dilu-compaction": {"policy": "dilu", "compaction": True},
+    "mps-static-compaction": {"policy": "mps-static", "compaction": True},
 }
-"""Run name → serving policy and, for the what-if, the placement strategy `dilu` runs with instead of its own."""
+"""Run name → serving policy and, for the what-if, the placement strategy `dilu` runs with instead of its own,
+or the live compaction (`LiveCompaction()`'s period and moves per run)."""
 
 
 def run_one(trace: Any, profiles: Any, gpus: int, seed: int, run: str, kappa: float) -> dict[str, Any]:
@@ -55,6 +63,10 @@ def run_one(trace: Any, profiles: Any, gpus: int, seed: int, run: str, kappa: fl
     kw: dict[str, Any] = {}
     if "placement" in spec:
         kw["placement"] = PlacementConfig(strategy=spec["placement"])
+    if spec.get("compaction"):
+        live = LiveCompaction()
+        kw["compaction_period_s"] = live.period_s
+        kw["compaction_max_moves"] = live.config.max_moves
     t0 = time.process_time()
     r = simulate_serving(trace, profiles, ServingSimConfig(policy=spec["policy"], gpus=gpus, seed=seed, interference=kappa, **kw))
     s = r.summary
@@ -68,6 +80,7 @@ def run_one(trace: Any, profiles: Any, gpus: int, seed: int, run: str, kappa: fl
         "p99_ms": s["latency_p99_ms"],
         "training_samples_per_s": s["training_samples_per_s"],
         "cold_starts": s["cold_starts"],
+        "compaction_moves": s["compaction_moves"],
         "cpu_s": round(time.process_time() - t0, 1),
     }
 
@@ -89,18 +102,26 @@ def page(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
         f"* date: {meta['date']}; κ = {meta['kappa']:.3f} ({meta['kappa_from']})",
         "",
     ]
+    sources = sorted({r["reused_from"] for rows in results.values() for r in rows if r.get("reused_from")})
+    if sources:
+        lines += [
+            "Rows marked `reused` (CPU s) are taken from " + ", ".join(f"`{s}`" for s in sources)
+            + " (same trace, seed, run and κ), not replayed.",
+            "",
+        ]
     for name, rows in results.items():
         lines += [
             f"## {name}",
             "",
-            "| seed | run | requests per GPU-s | GPU-seconds | GPUs peak | SLO violations | p99 ms | training samples/s | cold starts | CPU s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| seed | run | requests per GPU-s | GPU-seconds | GPUs peak | SLO violations | p99 ms | training samples/s | cold starts | moves | CPU s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in rows:
             lines.append(
                 f"| {r['seed']} | {r['run']} | {r['requests_per_gpu_s']:.4f} | {r['gpu_seconds']:,.0f} | "
                 f"{r['gpus_peak']} | {100 * r['slo_violation_rate']:.3f}% | {r['p99_ms']:.2f} | "
-                f"{r['training_samples_per_s']:,.1f} | {r['cold_starts']} | {r['cpu_s']} |"
+                f"{r['training_samples_per_s']:,.1f} | {r['cold_starts']} | {r.get('compaction_moves', 0)} | "
+                f"{'reused' if r.get('reused_from') else r['cpu_s']} |"
             )
         for num in [r for r in RUNS if r != "mps-static"]:
             rs = ratios(rows, num, "mps-static")
@@ -112,6 +133,16 @@ def page(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
                     f"`{num}` / `mps-static`, requests per GPU-second: {per}; median "
                     f"**{statistics.median(vals):.4f}×**, worst **{min(vals):.4f}×**.",
                 ]
+        # Both with compaction: what it gives one policy over the other.
+        rs = ratios(rows, "dilu-compaction", "mps-static-compaction")
+        if rs:
+            vals = list(rs.values())
+            per = ", ".join(f"seed {s}: {v:.4f}×" for s, v in sorted(rs.items()))
+            lines += [
+                "",
+                f"`dilu-compaction` / `mps-static-compaction`, requests per GPU-second: {per}; median "
+                f"**{statistics.median(vals):.4f}×**, worst **{min(vals):.4f}×**.",
+            ]
         lines.append("")
     return "\n".join(lines)
 
@@ -123,6 +154,7 @@ def main() -> None:
     ap.add_argument("--runs", default="dilu,mps-static")
     ap.add_argument("--interference", type=float, default=None)
     ap.add_argument("--profiles", default="examples/profiles.json")
+    ap.add_argument("--reuse", default=None, help="an earlier page's raw JSON: its rows are taken, not replayed")
     ap.add_argument("--out", default=str(ROOT / "docs/benchmarks/serving-seeds.md"))
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -136,6 +168,21 @@ def main() -> None:
         ap.error(f"--traces must be among {list(traces)}")
     kappa, kappa_from = fitted_kappa() if args.interference is None else (args.interference, "given (--interference)")
     profiles = load_profiles(str(ROOT / args.profiles))
+    earlier: dict[tuple[str, int, str], dict[str, Any]] = {}
+    if args.reuse:
+        old = json.loads(Path(args.reuse).read_text())
+        if old["meta"]["kappa"] == kappa:
+            earlier = {(t, r["seed"], r["run"]): r for t, rows in old["results"].items() for r in rows}
+    meta = {
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "command": "PYTHONPATH=. python3 bench/serving_seeds.py " + " ".join(sys.argv[1:]),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "kappa": kappa,
+        "kappa_from": kappa_from,
+        "reused": args.reuse if earlier else None,
+    }
+    out = Path(args.out)
+    raw = ROOT / "docs/benchmarks/data" / (out.stem + ".json")
     results: dict[str, list[dict[str, Any]]] = {}
     for name in want:
         path, gpus = traces[name]
@@ -143,24 +190,21 @@ def main() -> None:
         rows = results.setdefault(name, [])
         for seed in seeds:
             for run in runs:
-                rows.append(run_one(trace, profiles, gpus, seed, run, kappa))
+                if (name, seed, run) in earlier:
+                    # A row the earlier page reused itself keeps naming where it was measured.
+                    rows.append({"reused_from": args.reuse, **earlier[(name, seed, run)]})
+                else:
+                    rows.append(run_one(trace, profiles, gpus, seed, run, kappa))
                 r = rows[-1]
                 print(
                     f"{name} seed {seed} {run}: {r['requests_per_gpu_s']:.4f} req/GPU-s, "
-                    f"{100 * r['slo_violation_rate']:.3f}% violations, {r['cpu_s']} s",
+                    f"{100 * r['slo_violation_rate']:.3f}% violations, {r['cpu_s']} s"
+                    + (" (reused)" if r.get("reused_from") else ""),
                     flush=True,
                 )
-    meta = {
-        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "PYTHONPATH=. python3 bench/serving_seeds.py " + " ".join(sys.argv[1:]),
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "kappa": kappa,
-        "kappa_from": kappa_from,
-    }
-    out = Path(args.out)
-    out.write_text(page(results, meta))
-    raw = ROOT / "docs/benchmarks/data" / (out.stem + ".json")
-    raw.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+                # Written after every row: a long series that stops early still leaves what it measured.
+                out.write_text(page(results, meta))
+                raw.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {out} and {raw}")
 
 

@@ -491,10 +491,11 @@ def _finish_moves(now: float, epoch: int, work: _Work) -> None:
             work.records[r.id] = replace(r, replaces="")
 
 
-def _calm(decision: ScaleDecision, load: FunctionLoad, owed: int) -> bool:
+def function_calm(decision: ScaleDecision, load: FunctionLoad, owed: int) -> bool:
     """No compaction move touches a function unless it is calm: the scaler holds, nothing is owed,
     starting or stopping, no activation waits, no instance is saturated, and its instances' capacity
-    covers the arrival rate (a burst the lazy scaler rides out is not calm)."""
+    covers the arrival rate (a burst the lazy scaler rides out is not calm). The serving simulator
+    applies the same rule to its own load figures."""
     if decision.action is not ScaleAction.HOLD or owed or load.waiting or load.instances_at_limit:
         return False
     if load.starting or load.stopping:
@@ -651,7 +652,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 work.decisions.append(Decision(now, epoch, "stop", fqn, decision.reason, victim.id, victim.invoker,
                                                victim.gpu))
         states[fqn] = FunctionState(horizontal=decision.state, owed=owed, blocked=blocked, retry_at=retry_at)
-        if _calm(decision, load, owed):
+        if function_calm(decision, load, owed):
             calm.add(fqn)
     loop = inp.compaction
     if cfg.compaction is not None and cluster is not None:

@@ -150,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "shares still run the policy's way (docs/simulator.md)")
     s.add_argument("--capacity-share", choices=("request", "limit"), default=None,
                    help="what-if: size instances for horizontal scaling at their request or limit share")
+    s.add_argument("--compaction-period-s", type=_nonneg_float, default=0.0,
+                   help="run the live balancer's compaction at most this often, make-before-break moves "
+                        "(the balancer's --balancer-compaction-period-s is 30; default 0: off)")
+    s.add_argument("--compaction-max-moves", type=_positive(int), default=2,
+                   help="moves one compaction run may start (--balancer-compaction-max-moves)")
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true")
@@ -469,6 +474,8 @@ def _serving(args: argparse.Namespace) -> int:
             vertical={"slo": SloConfig, "static": StaticConfig}.get(args.vertical_policy, VerticalConfig)(),
             placement=placement,
             capacity_share=args.capacity_share,
+            compaction_period_s=args.compaction_period_s,
+            compaction_max_moves=args.compaction_max_moves,
         )
 
     def run_serving(policy: str, bar: Progress | None) -> ServingResult:

@@ -33,6 +33,13 @@ the vertical share policy (`decide_shares`). The simulator supplies time and a p
   inference: MEASURED_PRELOADED_START_S), and that slot is refilled `preload_refill_s` later (a fresh
   process's floor, MEASURED_COLD_START_S). Their host memory and the CUDA context's GPU memory are
   not modelled (a few hundred MiB per process, small beside an 80 GiB GPU).
+* Compaction (opt-in, `compaction_period_s` > 0): the live balancer's (docs/balancer.md, "Compaction"),
+  run at the end of a scaling tick at most every period and never while a move is in flight. The
+  instances of functions that are not calm (`planner.function_calm` on the tick's load), not ready,
+  or training are pinned; each move of `compaction_plan` starts a replacement on the target GPU that
+  occupies it from the decision and serves after its start; then the original leaves routing and is
+  removed once its batch in flight is done. A replacement is not an instance for the scaler until
+  its move is done (or its original is gone).
 
 Vertical re-decisions are event-driven, not every 50 ms: a GPU's shares are recomputed when its set
 of instances changes, when an idle latency-critical instance becomes active (at most once per 50 ms),
@@ -48,13 +55,15 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from dilu_invoker.loadbalancer.planner import LIVE_COMPACTION, LiveCompaction, function_calm
 from dilu_invoker.policy import (
     ClusterSnapshot,
+    CompactionState,
     FunctionLoad,
     HorizontalConfig,
     HorizontalState,
@@ -66,9 +75,11 @@ from dilu_invoker.policy import (
     VerticalSnapshot,
     apply_placement,
     cluster_fragmentation,
+    compaction_plan,
     decide_scale,
     place,
 )
+from dilu_invoker.policy.types import GpuRef, PlacedInstance
 from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, AnyVerticalState, SloConfig, decide_vertical, initial_state
 from dilu_invoker.sim.events import GIB
 from dilu_invoker.sim.profiles import FunctionProfile, ProfileSet
@@ -120,6 +131,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "mem_fragmentation_mean",
     "training_samples",
     "training_samples_per_s",
+    "compaction_moves",
 )
 
 _SHARE_STEPS = 100  # speed tables on a 0.01 share grid
@@ -161,6 +173,12 @@ class ServingSimConfig:
     capacity_share: str | None = None
     """A what-if: size instances for horizontal scaling at their `request` or `limit` share instead of the
     policy's own rule (`dilu`: the limit; `mps-static`: the request)."""
+    compaction_period_s: float = 0.0
+    """Live compaction (`--balancer-compaction-period-s`): at most one run this often, none while a move is
+    in flight; 0: none (the live default is off)."""
+    compaction_max_moves: int = 2
+    """Moves one compaction run may start, each a replacement's start (`--balancer-compaction-max-moves`);
+    the rest is `planner.LIVE_COMPACTION`."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_SPEC:
@@ -185,6 +203,18 @@ class ServingSimConfig:
             raise ValueError("tgs shares must be fractions")
         if self.capacity_share not in (None, "request", "limit"):
             raise ValueError(f"capacity_share must be 'request' or 'limit', got {self.capacity_share!r}")
+        if not (math.isfinite(self.compaction_period_s) and self.compaction_period_s >= 0):
+            raise ValueError(f"compaction_period_s must be >= 0, got {self.compaction_period_s!r}")
+        if self.compaction_max_moves < 1:
+            raise ValueError(f"compaction_max_moves must be >= 1, got {self.compaction_max_moves!r}")
+
+    def live_compaction(self) -> LiveCompaction | None:
+        """The balancer's compaction with these settings; None when off."""
+        if self.compaction_period_s <= 0:
+            return None
+        return LiveCompaction(
+            config=replace(LIVE_COMPACTION, max_moves=self.compaction_max_moves), period_s=self.compaction_period_s
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +235,7 @@ class _Fn:
         "arr",
         "batch",
         "blocked_until",
+        "calm",
         "capacity",
         "cls",
         "completed",
@@ -265,6 +296,7 @@ class _Fn:
         self.completed = 0
         self.dropped = 0
         self.blocked_until = -math.inf
+        self.calm = False  # compaction may move its instances (set every tick while compaction is on)
 
 
 class _Inst:
@@ -281,8 +313,10 @@ class _Inst:
         "id",
         "last_end",
         "limit",
+        "moved_to",
         "rate",
         "ready_at",
+        "replaces",
         "request",
         "samples",
         "share_eff",
@@ -320,6 +354,8 @@ class _Inst:
         self.samples = 0.0
         self.tb = fn.batch
         self.ready_at = 0.0
+        self.replaces: _Inst | None = None  # a compaction replacement in flight: the instance it takes over
+        self.moved_to: _Inst | None = None  # the replacement taking this instance over
 
 
 class _Gpu:
@@ -399,6 +435,19 @@ class _Sim:
         # placement that lit a GPU, the constraint the lit GPUs failed (or "score": one passed every check)
         self.pack_area = [0.0, 0.0, 0.0, 0.0]
         self.lit_by: dict[str, int] = {}
+        # compaction (off unless configured)
+        self.compaction = config.live_compaction()
+        # Stages of split instances are not moved live: placement for compaction never splits.
+        self.compaction_pconf = replace(self.pconf, llm_max_parts=1)
+        self.compaction_next = 0.0
+        self.compaction_state: CompactionState | None = None
+        self.moving: list[_Inst] = []  # replacements in flight
+        self.compaction_runs = 0
+        self.compaction_moves = 0
+        self.compaction_done = 0
+        self.compaction_drained = 0  # of those done, originals with a batch in flight at the take-over
+        self.compaction_promoted = 0  # moves whose original the scaler removed first
+        self.compaction_freed = 0
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -664,11 +713,18 @@ class _Sim:
         self._cluster_changed()
         g = self.gpus[self.cluster.ordinals[d.gpus[0]]]
         inst = _Inst(iid, fn, g, self._static_cap(fn), training)
+        fn.instances.append(inst)
+        fn.starting += 1
+        self._occupy(inst)
+        return inst
+
+    def _occupy(self, inst: _Inst) -> None:
+        """A new instance (placed in `cluster` already) holds its GPU from now and serves after its start."""
+        fn = inst.fn
+        g = inst.gpu
         g.insts.append(inst)
         if not fn.cls.latency_critical:
             g.n_be += 1
-        fn.instances.append(inst)
-        fn.starting += 1
         fn.started += 1
         self.cold_starts += 1
         inst.ready_at = self.now + self._start_cost(g.ordinal // self.cfg.gpus_per_node)
@@ -676,7 +732,6 @@ class _Sim:
         g.memo.clear()
         if self.mode == "dynamic":
             self._vertical_now(g)
-        return inst
 
     def _why_unlit(self, snap: ClusterSnapshot, req: PlacementRequest) -> str:
         """Why a placement lit a GPU: the first check every lit, schedulable GPU failed, in the order
@@ -728,6 +783,14 @@ class _Sim:
             g.n_be -= 1
         inst.state = "gone"
         inst.version += 1
+        rep = inst.moved_to
+        if rep is not None:
+            # The original went (a scale-in) before its move was done: the replacement is an ordinary
+            # instance now, still starting (as the live planner turns it).
+            self._end_move(rep)
+            self.compaction_promoted += 1
+            fn.instances.append(rep)
+            fn.starting += 1
         self._account()
         self.cluster = self.cluster.without_instance(inst.id)
         self._cluster_changed()
@@ -739,6 +802,9 @@ class _Sim:
         if inst.state != "starting":
             return
         fn = inst.fn
+        if inst.replaces is not None:
+            self._take_over(inst)
+            return
         fn.starting -= 1
         if inst.training:
             inst.state = "busy"
@@ -861,6 +927,7 @@ class _Sim:
     def _tick(self) -> None:
         now = self.now
         hconf = self.cfg.horizontal
+        compacting = self.compaction is not None
         for fn in sorted(self.active_fns, key=lambda f: f.name):
             avail = self._available(fn)
             arr = fn.arr
@@ -910,7 +977,10 @@ class _Sim:
                         break
             elif d.action is ScaleAction.IN:
                 self._scale_in(fn, d.current - d.desired)
+            if compacting:
+                fn.calm = function_calm(d, load, 1 if now < fn.blocked_until else 0)
             if not fn.instances and avail <= 0 and fn.starting == 0:
+                fn.calm = False
                 fn.active = False
                 self.active_fns.discard(fn)
                 fn.hstate = HorizontalState()
@@ -927,6 +997,87 @@ class _Sim:
                 else:
                     self.running_jobs[job.name] = started
             self.pending_jobs = still
+        if compacting and now >= self.compaction_next and not self.moving:
+            self._compact()
+
+    # -- compaction (opt-in) ------------------------------------------------------------------
+
+    def _compact(self) -> None:
+        """One run of the live balancer's compaction (`planner._compact`, on the simulator's state)."""
+        live = self.compaction
+        assert live is not None
+        now = self.now
+        # Movable: ready instances of calm functions that no move is taking over; the rest are pinned
+        # (starting, stopping, replacements in flight, training jobs, functions in a burst).
+        movable = {
+            i.id
+            for f in self.active_fns
+            if f.calm
+            for i in f.instances
+            if i.state in ("idle", "busy") and i.moved_to is None
+        }
+        pinned = frozenset(i for i in self.cluster.locations if i not in movable)
+        plan = compaction_plan(
+            self.cluster.at(now), self.compaction_pconf, live.config, self.compaction_state, pinned=pinned
+        )
+        self.compaction_state = plan.state
+        self.compaction_runs += 1
+        self.compaction_next = now + live.period_s
+        for mv in plan.moves:
+            if mv.parts or mv.replaces:
+                continue  # never with llm_max_parts = 1 and whole instances only
+            src = self.gpus[self.cluster.ordinals[mv.source]]
+            orig = next((i for i in src.insts if i.id == mv.instance_id), None)
+            if orig is None:
+                continue
+            self._start_replacement(orig, mv.target)
+        self.compaction_freed += len(plan.freed)
+
+    def _start_replacement(self, orig: _Inst, target: GpuRef) -> None:
+        """Make-before-break, step 1: a replacement reserved on `target` from now; the original serves on."""
+        fn = orig.fn
+        self.inst_seq += 1
+        iid = f"{fn.name}.{self.inst_seq}"
+        held = self.cluster.instance(orig.id)
+        self._account()
+        self.cluster = self.cluster.with_instance(
+            PlacedInstance(id=iid, function=held.function, cls=held.cls, request=held.request, limit=held.limit,
+                           memory_mib=held.memory_mib, profile=held.profile),
+            (target,),
+        )
+        self._cluster_changed()
+        rep = _Inst(iid, fn, self.gpus[self.cluster.ordinals[target]], self._static_cap(fn), orig.training)
+        rep.replaces = orig
+        orig.moved_to = rep
+        self.moving.append(rep)
+        self.compaction_moves += 1
+        self._occupy(rep)
+
+    def _end_move(self, rep: _Inst) -> None:
+        orig = rep.replaces
+        assert orig is not None
+        rep.replaces = None
+        orig.moved_to = None
+        self.moving.remove(rep)
+
+    def _take_over(self, rep: _Inst) -> None:
+        """Make-before-break, steps 2 and 3: the ready replacement is routed to; the original leaves
+        routing and goes once its batch in flight is done."""
+        orig = rep.replaces
+        assert orig is not None
+        fn = rep.fn
+        self._end_move(rep)
+        fn.instances.append(rep)
+        rep.state = "idle"
+        fn.idle.append(rep)
+        if orig.state == "idle":
+            self.compaction_done += 1
+            self._remove(orig)
+        elif orig.state == "busy":
+            self.compaction_done += 1
+            self.compaction_drained += 1
+            orig.state = "stopping"
+        self._dispatch(fn)
 
     def _sample(self) -> None:
         arrivals_n, completed, violations, _ = self.win
@@ -939,7 +1090,7 @@ class _Sim:
             (
                 self.now,
                 self.cluster.lit_count,
-                sum(len(f.instances) for f in self.fns) + len(self.running_jobs),
+                sum(len(f.instances) for f in self.fns) + len(self.running_jobs) + len(self.moving),
                 arrivals_n,
                 completed,
                 violations,
@@ -1073,6 +1224,7 @@ def simulate_serving(
         "mem_fragmentation_mean": round(sim.mem_area / sim.frag_time, 6) if sim.frag_time else 0.0,
         "training_samples": round(sim.training_samples, 1),
         "training_samples_per_s": round(sim.training_samples / duration, 3),
+        "compaction_moves": sim.compaction_moves,
     }
     assert tuple(summary) == SUMMARY_KEYS
     functions: dict[str, Any] = {}
@@ -1102,6 +1254,16 @@ def simulate_serving(
         "preloaded_starts": sim.preloaded_starts,
         "plain_cold_starts": sim.cold_starts - sim.preloaded_starts,
         "vertical_calls": sim.vertical_calls,
+        "compaction": {
+            "period_s": config.compaction_period_s,
+            "max_moves": config.compaction_max_moves,
+            "runs": sim.compaction_runs,
+            "moves": sim.compaction_moves,
+            "done": sim.compaction_done,
+            "drained": sim.compaction_drained,
+            "promoted": sim.compaction_promoted,
+            "gpus_freed_planned": sim.compaction_freed,
+        },
         "packing": {
             "instances_per_lit_gpu": round(sim.pack_area[0] / gpu_seconds, 4) if gpu_seconds else 0.0,
             "request_per_lit_gpu": round(sim.pack_area[1] / gpu_seconds, 4) if gpu_seconds else 0.0,
