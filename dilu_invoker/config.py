@@ -319,8 +319,9 @@ class BalancerConfig:
     route_wait_s: float = _opt(30.0, "an activation waits this long for an instance before it runs in the "
                                      "receiving invoker's own pool")
     result_ttl_s: float = _opt(300.0, "results of forwarded activations kept in Redis (dedupe, redelivery)")
-    compaction: bool = _opt(False, "empty nearly idle GPUs by moving instances make-before-break (the "
-                                   "simulator's compaction; each move costs a cold start)")
+    compaction: bool = _opt(True, "empty nearly idle GPUs by moving instances of calm functions "
+                                  "make-before-break (the simulator's compaction; each move costs a cold start; "
+                                  "false: none)")
     compaction_period_s: float = _opt(30.0, "at most one compaction run this often (none while a move is in "
                                             "flight)")
     compaction_max_moves: int = _opt(2, "instances one compaction run may move")

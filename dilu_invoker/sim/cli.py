@@ -150,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shares still run the policy's way (docs/simulator.md)")
     s.add_argument("--capacity-share", choices=("request", "limit"), default=None,
                    help="what-if: size instances for horizontal scaling at their request or limit share")
-    s.add_argument("--compaction-period-s", type=_nonneg_float, default=0.0,
+    s.add_argument("--compaction-period-s", type=_nonneg_float, default=None,
                    help="run the live balancer's compaction at most this often, make-before-break moves "
-                        "(the balancer's --balancer-compaction-period-s is 30; default 0: off)")
+                        "(default: as the balancer, every 30 s for dilu, never for baselines; 0: off)")
     s.add_argument("--compaction-max-moves", type=_positive(int), default=2,
                    help="moves one compaction run may start (--balancer-compaction-max-moves)")
     s.add_argument("--seed", type=int, default=1)

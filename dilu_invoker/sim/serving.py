@@ -33,7 +33,8 @@ the vertical share policy (`decide_shares`). The simulator supplies time and a p
   inference: MEASURED_PRELOADED_START_S), and that slot is refilled `preload_refill_s` later (a fresh
   process's floor, MEASURED_COLD_START_S). Their host memory and the CUDA context's GPU memory are
   not modelled (a few hundred MiB per process, small beside an 80 GiB GPU).
-* Compaction (opt-in, `compaction_period_s` > 0): the live balancer's (docs/balancer.md, "Compaction"),
+* Compaction (`dilu` by default, as the live balancer; `compaction_period_s`): the live balancer's
+  (docs/balancer.md, "Compaction"),
   run at the end of a scaling tick at most every period and never while a move is in flight. The
   instances of functions that are not calm (`planner.function_calm` on the tick's load), not ready,
   or training are pinned; each move of `compaction_plan` starts a replacement on the target GPU that
@@ -173,9 +174,10 @@ class ServingSimConfig:
     capacity_share: str | None = None
     """A what-if: size instances for horizontal scaling at their `request` or `limit` share instead of the
     policy's own rule (`dilu`: the limit; `mps-static`: the request)."""
-    compaction_period_s: float = 0.0
+    compaction_period_s: float | None = None
     """Live compaction (`--balancer-compaction-period-s`): at most one run this often, none while a move is
-    in flight; 0: none (the live default is off)."""
+    in flight. None: the live balancer's default for `dilu` (on, every `LiveCompaction.period_s`, 30 s),
+    none for the baselines; 0: none."""
     compaction_max_moves: int = 2
     """Moves one compaction run may start, each a replacement's start (`--balancer-compaction-max-moves`);
     the rest is `planner.LIVE_COMPACTION`."""
@@ -203,18 +205,21 @@ class ServingSimConfig:
             raise ValueError("tgs shares must be fractions")
         if self.capacity_share not in (None, "request", "limit"):
             raise ValueError(f"capacity_share must be 'request' or 'limit', got {self.capacity_share!r}")
-        if not (math.isfinite(self.compaction_period_s) and self.compaction_period_s >= 0):
+        if self.compaction_period_s is not None and not (
+            math.isfinite(self.compaction_period_s) and self.compaction_period_s >= 0
+        ):
             raise ValueError(f"compaction_period_s must be >= 0, got {self.compaction_period_s!r}")
         if self.compaction_max_moves < 1:
             raise ValueError(f"compaction_max_moves must be >= 1, got {self.compaction_max_moves!r}")
 
     def live_compaction(self) -> LiveCompaction | None:
         """The balancer's compaction with these settings; None when off."""
-        if self.compaction_period_s <= 0:
+        period = self.compaction_period_s
+        if period is None:
+            period = LiveCompaction().period_s if self.policy == "dilu" else 0.0
+        if period <= 0:
             return None
-        return LiveCompaction(
-            config=replace(LIVE_COMPACTION, max_moves=self.compaction_max_moves), period_s=self.compaction_period_s
-        )
+        return LiveCompaction(config=replace(LIVE_COMPACTION, max_moves=self.compaction_max_moves), period_s=period)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1255,7 +1260,7 @@ def simulate_serving(
         "plain_cold_starts": sim.cold_starts - sim.preloaded_starts,
         "vertical_calls": sim.vertical_calls,
         "compaction": {
-            "period_s": config.compaction_period_s,
+            "period_s": live.period_s if (live := config.live_compaction()) is not None else 0.0,
             "max_moves": config.compaction_max_moves,
             "runs": sim.compaction_runs,
             "moves": sim.compaction_moves,

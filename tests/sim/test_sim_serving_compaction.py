@@ -120,7 +120,11 @@ def test_period_zero_runs_no_compaction(synthetic_profiles: ProfileSet) -> None:
     }
     assert r.summary["compaction_moves"] == 0
     assert lit_after(r, SHORT_JOB_ENDS_S) == {2}
-    assert ServingSimConfig(policy="dilu", gpus=2).compaction_period_s == 0.0
+    # By default dilu compacts as the live balancer does (every 30 s), the baselines never.
+    live = ServingSimConfig(policy="dilu", gpus=2).live_compaction()
+    assert live is not None and live.period_s == 30.0 and live.config.max_moves == 2
+    assert ServingSimConfig(policy="mps-static", gpus=2).live_compaction() is None
+    assert ServingSimConfig(policy="dilu", gpus=2, compaction_period_s=0.0).live_compaction() is None
 
 
 @pytest.mark.parametrize(
