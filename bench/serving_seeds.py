@@ -128,26 +128,18 @@ def page(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
                 f"{r['training_samples_per_s']:,.1f} | {r['cold_starts']} | {r.get('compaction_moves', 0)} | "
                 f"{'reused' if r.get('reused_from') else r['cpu_s']} |"
             )
-        for num in [r for r in RUNS if r != "mps-static"]:
-            rs = ratios(rows, num, "mps-static")
+        # Every run against the baseline, then both with compaction: what it gives one policy over the other.
+        pairs = [(num, "mps-static") for num in RUNS if num != "mps-static"] + [("dilu", "mps-static-compaction")]
+        for num, den in pairs:
+            rs = ratios(rows, num, den)
             if rs:
                 vals = list(rs.values())
                 per = ", ".join(f"seed {s}: {v:.4f}×" for s, v in sorted(rs.items()))
                 lines += [
                     "",
-                    f"`{num}` / `mps-static`, requests per GPU-second: {per}; median "
+                    f"`{num}` / `{den}`, requests per GPU-second: {per}; median "
                     f"**{statistics.median(vals):.4f}×**, worst **{min(vals):.4f}×**.",
                 ]
-        # Both with compaction: what it gives one policy over the other.
-        rs = ratios(rows, "dilu", "mps-static-compaction")
-        if rs:
-            vals = list(rs.values())
-            per = ", ".join(f"seed {s}: {v:.4f}×" for s, v in sorted(rs.items()))
-            lines += [
-                "",
-                f"`dilu` / `mps-static-compaction`, requests per GPU-second: {per}; median "
-                f"**{statistics.median(vals):.4f}×**, worst **{min(vals):.4f}×**.",
-            ]
         lines.append("")
     return "\n".join(lines)
 

@@ -239,15 +239,19 @@ def _as_request(
 
 
 def _move_whole(
-    cluster: ClusterSnapshot, piece: PlacedInstance, source: GpuRef, placement: PlacementConfig
+    cluster: ClusterSnapshot, piece: PlacedInstance, source: GpuRef, placement: PlacementConfig,
+    *, repack: bool = False,
 ) -> tuple[ClusterSnapshot, CompactionMove, list[GpuRef]] | None:
     """Place the split instance `piece` belongs to anew, as one request (Σ of its pieces), on lit GPUs
     away from every GPU its pieces hold, so each old stage serves until the new pipeline does
     (make-before-break) without two copies sharing a GPU's memory. `cluster` still holds every piece.
+    `repack` (`_repack_gpu`): away from `source` only, its other stages' GPUs included.
     Returns the cluster after the move, the move, and the sibling GPUs it leaves dark; None: no room."""
     assert piece.part_of is not None
     stages = _stages(cluster, piece.part_of, source.invoker)
     whole = _whole_request(piece, stages)
+    if repack:
+        whole = replace(whole, avoid_gpus=frozenset((source,)))
     rest = cluster
     for _, i in stages:
         rest = rest.without_instance(i.id)
@@ -261,8 +265,8 @@ def _move_whole(
         source=source,
         target=decision.gpus[0],
         reason=(
-            f"empty {source}: {whole.instance_id} anew instead of its {len(stages)} piece(s): "
-            f"{decision.reason}"
+            f"{'re-pack' if repack else 'empty'} {source}: {whole.instance_id} {'cut anew' if repack else 'anew'} "
+            f"instead of its {len(stages)} piece(s): {decision.reason}"
         ),
         parts=decision.parts,
         replaces=tuple(sorted(i.id for _, i in stages)),
@@ -2241,25 +2245,11 @@ def _repack_gpu(
         if cost > budget:
             return None
     for whole in sorted({i.part_of for i in gpu.instances if i.part_of is not None}):
-        stages = _stages(trial, whole, source.invoker)
-        piece = next(p for ref, p in stages if ref == source)
-        request = replace(_whole_request(piece, stages), avoid_gpus=frozenset((source,)))
-        rest = trial
-        for _, p in stages:
-            rest = rest.without_instance(p.id)
-        decision = place(rest, request, placement)
-        if not decision.placed:
+        piece = next(p for p in trial.gpus[o].instances if p.part_of == whole)
+        made = _move_whole(trial, piece, source, placement, repack=True)
+        if made is None:
             return None
-        trial = apply_placement(rest, request, decision)
-        move = CompactionMove(
-            instance_id=whole,
-            function=piece.function,
-            source=source,
-            target=decision.gpus[0],
-            reason=f"re-pack {source}: {whole} cut anew instead of its {len(stages)} piece(s): {decision.reason}",
-            parts=decision.parts,
-            replaces=tuple(sorted(p.id for _, p in stages)),
-        )
+        trial, move, _ = made
         moves.append(move)
         cost += move.cold_starts
         if cost > budget:
