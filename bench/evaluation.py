@@ -480,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
             "placement by each policy's strategy (`exclusive`: whole GPUs; `mps-static`: `infless-r`, share fixed at "
             "the request, spatial; `static-quota`: `infless-l`, a time quota fixed at the limit; `tgs`: one production "
             "and one opportunistic instance per GPU, priority; `dilu`: the live placement, vertical and horizontal "
-            "policies). A request violates its SLO when it completes later than the SLO after arriving, or is dropped. "
+            "policies and the live balancer's compaction, a run every 30 s of at most 2 make-before-break moves, "
+            "each a cold start; the baselines never compact). A request violates its SLO when it completes later than the SLO after arriving, or is dropped. "
             "Throughput per GPU is completed requests per lit-GPU-second."),
             "",
             ("Reading the tables: `mps-static` and `dilu` admit alike (Σ request ≤ 1 and memory); `mps-static` pins "
