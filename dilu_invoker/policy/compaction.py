@@ -2246,10 +2246,10 @@ def _repack_gpu(
             return None
     for whole in sorted({i.part_of for i in gpu.instances if i.part_of is not None}):
         piece = next(p for p in trial.gpus[o].instances if p.part_of == whole)
-        made = _move_whole(trial, piece, source, placement, repack=True)
-        if made is None:
+        cut = _move_whole(trial, piece, source, placement, repack=True)
+        if cut is None:
             return None
-        trial, move, _ = made
+        trial, move, _ = cut
         moves.append(move)
         cost += move.cold_starts
         if cost > budget:
