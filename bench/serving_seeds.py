@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from evaluation import SERVING, fitted_kappa
 from loadgen import cpu_model
 
-from dilu_invoker.loadbalancer.planner import LiveCompaction
 from dilu_invoker.policy import PlacementConfig
+from dilu_invoker.policy.live_compaction import LiveCompaction
 from dilu_invoker.sim.profiles import load_profiles
 from dilu_invoker.sim.serving import ServingSimConfig, simulate_serving
 from dilu_invoker.sim.traces import load_trace

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field, replace
 from dilu_invoker.policy import (
     Affinity,
     ClusterSnapshot,
-    CompactionConfig,
     CompactionState,
     FunctionLoad,
     GpuRef,
@@ -48,6 +47,7 @@ from dilu_invoker.policy import (
     compaction_plan,
     decide_scale,
 )
+from dilu_invoker.policy.live_compaction import LiveCompaction, function_calm
 from dilu_invoker.policy.placement import PlacementDecision, holds_weights, place_sharing
 from dilu_invoker.policy.spread import place_spread
 from dilu_invoker.wire import (
@@ -62,32 +62,6 @@ from dilu_invoker.wire import (
     RoutingTable,
     revision_generation,
 )
-
-#: Compaction as the live balancer runs it by default: only GPUs with Σ request ≤ 0.5 and at most 3
-#: instances are emptied, 32 per run, and stages of split instances never move.
-LIVE_COMPACTION = CompactionConfig(source_max_request=0.5, max_sources=32, max_moves=2)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LiveCompaction:
-    """Compaction on the live cluster: the same `compaction_plan` the simulator runs."""
-
-    config: CompactionConfig = LIVE_COMPACTION
-    """`max_moves` bounds the replacements one run starts (each is a cold start)."""
-    period_s: float = 30.0
-    """At most one run this often, and none while a move it started is still in flight."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.period_s) and self.period_s > 0):
-            raise ValueError(f"compaction period_s must be > 0, got {self.period_s!r}")
-        if self.config.rebalances:
-            # A resize re-cuts a serving pipeline where it is: no live action does that.
-            raise ValueError("live compaction cannot resize pipeline stages: rebalances must be 0")
-        if self.config.memory_rebalances:
-            raise ValueError("live compaction cannot resize pipeline stages: memory_rebalances must be 0")
-        if self.config.repacks:
-            # A re-pack cuts a stage anew on the GPUs its old pipeline serves from.
-            raise ValueError("live compaction cannot re-pack GPUs: repacks must be 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,19 +463,6 @@ def _finish_moves(now: float, epoch: int, work: _Work) -> None:
             if r.replaces in forgotten and work.lost.get(r.function, 0) > 0:
                 work.lost[r.function] -= 1
             work.records[r.id] = replace(r, replaces="")
-
-
-def function_calm(decision: ScaleDecision, load: FunctionLoad, owed: int) -> bool:
-    """No compaction move touches a function unless it is calm: the scaler holds, nothing is owed,
-    starting or stopping, no activation waits, no instance is saturated, and its instances' capacity
-    covers the arrival rate (a burst the lazy scaler rides out is not calm). The serving simulator
-    applies the same rule to its own load figures."""
-    if decision.action is not ScaleAction.HOLD or owed or load.waiting or load.instances_at_limit:
-        return False
-    if load.starting or load.stopping:
-        return False
-    cap = load.capacity_per_instance
-    return not (cap and load.arrival_rate > cap * load.instances)
 
 
 def _compact(

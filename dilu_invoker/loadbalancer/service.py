@@ -44,11 +44,9 @@ from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
 from dilu_invoker.loadbalancer.lease import LeaderLease, Leadership, Ops
 from dilu_invoker.loadbalancer.model_preload import ActionFeed, following, place_first
 from dilu_invoker.loadbalancer.planner import (
-    LIVE_COMPACTION,
     CompactionLoop,
     Evictable,
     FunctionState,
-    LiveCompaction,
     PlannerConfig,
     TickInput,
     TickPlan,
@@ -67,6 +65,7 @@ from dilu_invoker.policy import (
     PlacementConfig,
     Profile,
 )
+from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction
 from dilu_invoker.wire import (
     CommandOp,
     FunctionSpec,

@@ -36,7 +36,7 @@ the vertical share policy (`decide_shares`). The simulator supplies time and a p
 * Compaction (`dilu` by default, as the live balancer; `compaction_period_s`): the live balancer's
   (docs/balancer.md, "Compaction"),
   run at the end of a scaling tick at most every period and never while a move is in flight. The
-  instances of functions that are not calm (`planner.function_calm` on the tick's load), not ready,
+  instances of functions that are not calm (`policy.live_compaction.function_calm` on the tick's load), not ready,
   or training are pinned; each move of `compaction_plan` starts a replacement on the target GPU that
   occupies it from the decision and serves after its start; then the original leaves routing and is
   removed once its batch in flight is done. A replacement is not an instance for the scaler until
@@ -61,7 +61,6 @@ from typing import Any
 
 import numpy as np
 
-from dilu_invoker.loadbalancer.planner import LIVE_COMPACTION, LiveCompaction, function_calm
 from dilu_invoker.policy import (
     ClusterSnapshot,
     CompactionState,
@@ -80,6 +79,7 @@ from dilu_invoker.policy import (
     decide_scale,
     place,
 )
+from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction, function_calm
 from dilu_invoker.policy.types import GpuRef, PlacedInstance
 from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, AnyVerticalState, SloConfig, decide_vertical, initial_state
 from dilu_invoker.sim.events import GIB
@@ -180,7 +180,7 @@ class ServingSimConfig:
     none for the baselines; 0: none."""
     compaction_max_moves: int = 2
     """Moves one compaction run may start, each a replacement's start (`--balancer-compaction-max-moves`);
-    the rest is `planner.LIVE_COMPACTION`."""
+    the rest is `policy.live_compaction.LIVE_COMPACTION`."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_SPEC:

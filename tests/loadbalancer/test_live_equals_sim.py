@@ -19,9 +19,7 @@ from typing import Any
 import pytest
 
 from dilu_invoker.loadbalancer.planner import (
-    LIVE_COMPACTION,
     CompactionLoop,
-    LiveCompaction,
     PlannerConfig,
     TickInput,
     plan_tick,
@@ -36,6 +34,7 @@ from dilu_invoker.policy import (
     PlacedInstance,
     PlacementConfig,
 )
+from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction
 from dilu_invoker.sim.events import CREATE
 from dilu_invoker.sim.generate import dilu_mix
 from dilu_invoker.sim.placement import PlacementSimConfig, cluster_size, simulate_placement

@@ -9,14 +9,13 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from dilu_invoker.loadbalancer.planner import (
-    LIVE_COMPACTION,
     CompactionLoop,
-    LiveCompaction,
     PlannerConfig,
     TickInput,
     TickPlan,
     plan_tick,
 )
+from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction
 from dilu_invoker.wire import FunctionReport, RecordState
 from tests.loadbalancer.test_planner import CFG, NOW, cluster, inst, record, report, spec, tick
 

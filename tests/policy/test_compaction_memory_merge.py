@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 import pytest
 from split_testlib import A0, A1, A2, B0, C0, D0, GIB, INF, SPLIT, gpu, inst
 
-from dilu_invoker.loadbalancer.planner import LIVE_COMPACTION
 from dilu_invoker.policy import (
     ClusterSnapshot,
     CompactionConfig,
@@ -23,6 +22,7 @@ from dilu_invoker.policy import (
     PlacementConfig,
     compaction_plan,
 )
+from dilu_invoker.policy.live_compaction import LIVE_COMPACTION
 from dilu_invoker.sim.generate import dilu_mix
 
 # Nothing to empty (every GPU is fuller than a source may be): only the merges act.

@@ -113,7 +113,7 @@ def test_memory_stage_resizing(case: tuple) -> None:
 
 
 def test_live_compaction_refuses_memory_resizing() -> None:
-    from dilu_invoker.loadbalancer.planner import LIVE_COMPACTION, LiveCompaction
+    from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction
 
     assert LIVE_COMPACTION.memory_rebalances == 0
     with pytest.raises(ValueError, match="memory_rebalances must be 0"):

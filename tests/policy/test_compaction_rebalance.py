@@ -87,7 +87,7 @@ def test_stage_resizing(case: tuple) -> None:
 
 
 def test_live_compaction_refuses_resizing() -> None:
-    from dilu_invoker.loadbalancer.planner import LIVE_COMPACTION, LiveCompaction
+    from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction
 
     assert LIVE_COMPACTION.rebalances == 0
     with pytest.raises(ValueError, match="rebalances must be 0"):

@@ -123,7 +123,7 @@ def test_repack(case: tuple) -> None:
 
 
 def test_live_compaction_refuses_repacking() -> None:
-    from dilu_invoker.loadbalancer.planner import LIVE_COMPACTION, LiveCompaction
+    from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction
 
     assert LIVE_COMPACTION.repacks == 0
     with pytest.raises(ValueError, match="repacks must be 0"):
