@@ -516,6 +516,15 @@ def main(argv: list[str] | None = None) -> int:
                 "",
             ]
     L += [
+        '## Beyond this page: the GPU measurements and the reviewer questions',
+        '',
+        "This page is the simulators' view. What was measured on the GPU, through the product, and the answers to the questions a reviewer asks of vertical scaling live beside it (each with its commands and raw data):",
+        '',
+        '* the workload matrix, dominance against static MPS splits and no control, trial by trial: [benchmarks/gpu-product.md](benchmarks/gpu-product.md);',
+        '* the absorption limit of vertical scaling (how high and how long a burst one instance holds, and how the horizontal scaler is told), how the `spatial` default differs from TGS, and interference an SM share cannot fix (a memory-bandwidth-bound neighbour): [policies.md](policies.md) §1.1.1, with runs M22, M25 and M27–M29 in gpu-product.md;',
+        '* the co-location model these serving runs use, fitted to that matrix: [benchmarks/colocation-fit.md](benchmarks/colocation-fit.md);',
+        '* the serving comparison over seeds, `dilu` with and without live compaction against `mps-static` with and without it: [benchmarks/serving-seeds-compaction.md](benchmarks/serving-seeds-compaction.md); placement at cluster scale: [benchmarks/sim-scale.md](benchmarks/sim-scale.md).',
+        '',
         "## Reproduce",
         "",
         "```",
