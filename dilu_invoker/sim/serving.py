@@ -440,7 +440,7 @@ class _Sim:
         # placement that lit a GPU, the constraint the lit GPUs failed (or "score": one passed every check)
         self.pack_area = [0.0, 0.0, 0.0, 0.0]
         self.lit_by: dict[str, int] = {}
-        # compaction (off unless configured)
+        # compaction (dilu by default, the baselines never; ServingSimConfig.live_compaction)
         self.compaction = config.live_compaction()
         # Stages of split instances are not moved live: placement for compaction never splits.
         self.compaction_pconf = replace(self.pconf, llm_max_parts=1)
@@ -1005,7 +1005,7 @@ class _Sim:
         if compacting and now >= self.compaction_next and not self.moving:
             self._compact()
 
-    # -- compaction (opt-in) ------------------------------------------------------------------
+    # -- compaction (dilu by default, as the live balancer) -----------------------------------
 
     def _compact(self) -> None:
         """One run of the live balancer's compaction (`planner._compact`, on the simulator's state)."""
