@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from split_testlib import A0, A1, A2, B0, C0, D0, GIB, INF, SPLIT, gpu, inst
+from split_testlib import A0, A1, A2, B0, C0, D0, GIB, INF, SPLIT, assert_stages_resized, gpu, inst
 
 from dilu_invoker.policy import (
     ClusterSnapshot,
@@ -90,23 +90,7 @@ def test_memory_stage_resizing(case: tuple) -> None:
     placement = rest[1] if len(rest) > 1 else PlacementConfig()
     cluster = ClusterSnapshot.build(now=0.0, gpus=gpus)
     plan = compaction_plan(cluster, placement, config, pinned=pinned)
-    after = plan.cluster
-    assert {m.instance_id for m in plan.moves} == set(sizes), plan.reason
-    for pid, (request, mem_gib) in sizes.items():
-        q = after.instance(pid)
-        assert q.request == pytest.approx(request)
-        assert q.memory_mib == pytest.approx(mem_gib * GIB)
-        assert q.limit == pytest.approx(request)
-        assert after.instance_gpus(pid) == cluster.instance_gpus(pid)
-    # Σ request and Σ memory of the split instance are held; no GPU is turned off or lit.
-    stages = ("s0", "s1")
-    assert sum(after.instance(s).request for s in stages) == pytest.approx(
-        sum(cluster.instance(s).request for s in stages)
-    )
-    assert sum(after.instance(s).memory_mib for s in stages) == pytest.approx(
-        sum(cluster.instance(s).memory_mib for s in stages)
-    )
-    assert after.lit_count == cluster.lit_count and plan.freed == ()
+    assert_stages_resized(cluster, plan, sizes, ("s0", "s1"))
     assert plan.cold_starts == len(sizes) == plan.merged
     assert all(m.source == m.target and m.reason.startswith("resize stage") and "for memory" in m.reason
                for m in plan.moves)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from split_testlib import A0, A1, GIB, INF, gpu, inst
+from split_testlib import A0, A1, GIB, INF, assert_stages_resized, gpu, inst
 
 from dilu_invoker.policy import (
     ClusterSnapshot,
@@ -62,23 +62,8 @@ def test_stage_resizing(case: tuple) -> None:
     placement = rest[0] if rest else PlacementConfig()
     cluster = ClusterSnapshot.build(now=0.0, gpus=gpus)
     plan = compaction_plan(cluster, placement, config)
+    assert_stages_resized(cluster, plan, sizes, ("p", "p2"))
     after = plan.cluster
-    assert {m.instance_id for m in plan.moves} == set(sizes), plan.reason
-    for pid, (request, mem_gib) in sizes.items():
-        q = after.instance(pid)
-        assert q.request == pytest.approx(request)
-        assert q.memory_mib == pytest.approx(mem_gib * GIB)
-        assert q.limit == pytest.approx(request)
-        assert after.instance_gpus(pid) == cluster.instance_gpus(pid)
-    # Σ request and Σ memory of the split instance are held; no GPU is turned off or lit.
-    stages = ("p", "p2")
-    assert sum(after.instance(s).request for s in stages) == pytest.approx(
-        sum(cluster.instance(s).request for s in stages)
-    )
-    assert sum(after.instance(s).memory_mib for s in stages) == pytest.approx(
-        sum(cluster.instance(s).memory_mib for s in stages)
-    )
-    assert after.lit_count == cluster.lit_count and plan.freed == ()
     assert plan.cold_starts == len(sizes)
     if sizes:
         rooms = sorted(round(1.0 - g.used_request, 6) for g in after.gpus if g.instances)
