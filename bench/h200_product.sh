@@ -32,7 +32,7 @@
 #                                               pair: noshim, shim, mps50; PLAN=19 the same on BERT; PLAN=20 the
 #                                               defaults beside shim-be (best-effort MPS caps up to their limit,
 #                                               inside the reserve), noshim and mps50 (ResNet pair), PLAN=21 the
-#                                               same on BERT; the plan and its
+#                                               same on BERT, PLAN=22 PLAN 6 on the BERT pair; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -128,7 +128,9 @@ elif [ "$what" = matrix ]; then
         prio="resnet50+train:noshim,shim,shim-be,mps50" ;;              # that reach into the reserve (its limit)
     21) modes=noshim,shim,shim-be,mps50; pairs=bert+train; bert=""      # PLAN 20 on the BERT pair
         prio="bert+train:noshim,shim,shim-be,mps50" ;;
-    *) echo "PLAN is 1 to 21"; exit 2 ;;
+    22) modes=noshim,shim,mps50,mps70; pairs=bert+train; bert=""     # PLAN 6 on the BERT pair
+        prio="bert+train:noshim,shim,mps50,mps70" ;;
+    *) echo "PLAN is 1 to 22"; exit 2 ;;
   esac
   besides=${BESIDES:-$besides}  # BESIDES=burst@0.12,burst@0.16,burst: the plan's scenarios in another order
   name=gpu_product_matrix${3:-1}
