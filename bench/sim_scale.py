@@ -23,7 +23,8 @@ same load and run in the same kind of process; the row's CPU and wall seconds ar
 paired replay (its run alone is kept as `alone_cpu_s`), beside the baseline's CPU seconds, the ratio
 and whether the decisions are the same. `--compaction` overrides fields of the simulator's compaction
 (`SIM_COMPACTION`) for `dilu` (not with `--baseline`): the trade-off curves of packing, moves
-and CPU time. `--light-split SHARE` sets `dilu`'s `PlacementConfig.light_split_min_share` (an LLM that
+and CPU time (any `CompactionConfig` field, e.g. `repacks=8,repack_above=0.025`: re-pack only while the
+lit GPUs exceed the integral bound of what is placed by more than 2.5 % of it). `--light-split SHARE` sets `dilu`'s `PlacementConfig.light_split_min_share` (an LLM that
 would light a GPU whole is split over lit GPUs and one new GPU of a node instead). `--split-node-fit` sets
 `dilu`'s `PlacementConfig.split_node_fit` (where memory binds, an LLM split over lit GPUs goes to the node
 left with the least free memory, not the one where it needs the fewest pieces). `--json FILE` writes the rows as JSON.

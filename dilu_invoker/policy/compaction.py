@@ -109,11 +109,18 @@ class CompactionConfig:
     GPU takes may displace one instance of another lit GPU of its node that placement then puts
     elsewhere. A re-pack is kept only when the GPU ends dark (no GPU is lit by it) within
     `repack_moves` cold starts. Gated as merges are (`merge_above` where Σ request binds,
-    `memory_merge_above` where memory does). 0: none (the default, live and simulated); live
-    compaction refuses it (a stage is cut anew on the GPUs the old pipeline serves from)."""
+    `memory_merge_above` where memory does), and by `repack_above`. 0: none (the default, live and
+    simulated); live compaction refuses it (a stage is cut anew on the GPUs the old pipeline serves
+    from)."""
     repack_moves: int = 10
     """The most cold starts one re-pack may cost (each instance whose GPU changes is one, each
     stage of an instance cut anew is one)."""
+    repack_above: float | None = None
+    """Re-pack only while the lit GPUs, once the call has emptied what it could, exceed the integral
+    bound of what is placed by more than this fraction of it (`_above_bound`), besides the merges'
+    gate: re-packing costs several cold starts per GPU it turns off, so it is kept for when the lit
+    GPUs are well above the bound (as after departures that no arrival refills). None: only the
+    merges' gate."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.source_max_request <= 1.0:
@@ -134,7 +141,7 @@ class CompactionConfig:
             raise ValueError(f"repacks must be >= 0, got {self.repacks}")
         if not (math.isfinite(self.rebalance_min_gain) and self.rebalance_min_gain >= 0.0):
             raise ValueError(f"rebalance_min_gain must be >= 0, got {self.rebalance_min_gain!r}")
-        for name in ("merge_above", "memory_merge_above"):
+        for name in ("merge_above", "memory_merge_above", "repack_above"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"{name} must be >= 0 or None, got {value!r}")
@@ -925,6 +932,7 @@ def compaction_plan(
         and len(moves) < config.max_moves
         and _above_bound(work, 0.0)
         and _above_bound(work, config.merge_above if binds else config.memory_merge_above)
+        and _above_bound(work, config.repack_above)
     ):
         work, repacked, dark = _repack(work, placement, config, config.max_moves - len(moves), targets, pinned)
         moves.extend(repacked)

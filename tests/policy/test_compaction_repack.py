@@ -58,6 +58,11 @@ CASES = [
     # Σ request binds: lit 3 is not above the bound 2 by more than 60 % of it.
     ("gated", SWAP, replace(REPACK, merge_above=0.6), {}, SPLIT),
     ("gated-open", SWAP, replace(REPACK, merge_above=0.4), SWAPPED, SPLIT),
+    # Its own gate, beside the merges' (none here): the same bound, 2, and lit 3.
+    ("repack-gated", SWAP, replace(REPACK, repack_above=0.6), {}, SPLIT),
+    ("repack-gated-open", SWAP, replace(REPACK, repack_above=0.4), SWAPPED, SPLIT),
+    # Both gates must open: the merges' shuts it whatever the re-pack's own.
+    ("repack-gated-by-merges", SWAP, replace(REPACK, repack_above=0.4, merge_above=0.6), {}, SPLIT),
     # y asks 0.56: u beside y exceeds ω, beside x too, and x in u's place leaves x no room: a/2 stays.
     (
         "would-break-sm-request",
@@ -135,7 +140,10 @@ def test_config_bounds_and_default() -> None:
         CompactionConfig(repacks=-1)
     with pytest.raises(ValueError, match="repack_moves"):
         CompactionConfig(repack_moves=0)
-    assert CompactionConfig().repacks == 0
+    for bad in (-0.01, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="repack_above"):
+            CompactionConfig(repack_above=bad)
+    assert CompactionConfig().repacks == 0 and CompactionConfig().repack_above is None
 
 
 def test_repacking_along_a_trace_holds_each_instance() -> None:
