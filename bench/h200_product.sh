@@ -32,7 +32,10 @@
 #                                               pair: noshim, shim, mps50; PLAN=19 the same on BERT; PLAN=20 the
 #                                               defaults beside shim-be (best-effort MPS caps up to their limit,
 #                                               inside the reserve), noshim and mps50 (ResNet pair), PLAN=21 the
-#                                               same on BERT, PLAN=22 PLAN 6 on the BERT pair; the plan and its
+#                                               same on BERT, PLAN=22 PLAN 6 on the BERT pair, PLAN=23 a
+#                                               time-sliced GPU: rckm (the default there) beside the slo
+#                                               controller, static shim shares and no control (ResNet pair),
+#                                               PLAN=24 the same on the BERT pair; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -130,7 +133,11 @@ elif [ "$what" = matrix ]; then
         prio="bert+train:noshim,shim,shim-be,mps50" ;;
     22) modes=noshim,shim,mps50,mps70; pairs=bert+train; bert=""     # PLAN 6 on the BERT pair
         prio="bert+train:noshim,shim,mps50,mps70" ;;
-    *) echo "PLAN is 1 to 22"; exit 2 ;;
+    23) modes=noshim,static30,shim-ts,slo-ts; pairs=resnet50+train; bert=""  # a time-sliced GPU (no MPS):
+        prio="resnet50+train:noshim,static30,shim-ts,slo-ts" ;;  # rckm (its default there) beside slo and baselines
+    24) modes=noshim,static30,shim-ts,slo-ts; pairs=bert+train; bert=""  # PLAN 23 on the BERT pair
+        prio="bert+train:noshim,static30,shim-ts,slo-ts" ;;
+    *) echo "PLAN is 1 to 24"; exit 2 ;;
   esac
   besides=${BESIDES:-$besides}  # BESIDES=burst@0.12,burst@0.16,burst: the plan's scenarios in another order
   name=gpu_product_matrix${3:-1}
