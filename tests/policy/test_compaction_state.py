@@ -159,14 +159,8 @@ def _follow(where: dict[str, tuple[str, ...]], moves: Any) -> None:
             where[m.instance_id] = tuple(p.instance.id for p in m.parts) or (m.instance_id,)
 
 
-@pytest.mark.parametrize("placement", [
-    SPLIT,
-    pytest.param(replace(SPLIT, split_node_fit=True), marks=pytest.mark.xfail(strict=True, reason=(
-        "node fit sends a split to the node with the least free memory left, so where an earlier instance of "
-        "a source goes depends on every node's room, and whether memory or Σ request binds on the whole "
-        "cluster: a source that failed may succeed without any GPU gaining room, which the state does not "
-        "look for (split_node_fit stays opt-in)"))),
-], ids=["fewest-pieces", "split-node-fit"])
+@pytest.mark.parametrize("placement", [SPLIT, replace(SPLIT, split_node_fit=True)],
+                         ids=["fewest-pieces", "split-node-fit"])
 def test_stateful_compaction_finds_what_stateless_does_along_a_trace(placement: PlacementConfig) -> None:
     """Replay a small Dilu-mix trace; at every compaction point the plan with the carried state and a
     plan from scratch make the same moves (no cap on sources, so both try every candidate)."""
