@@ -284,9 +284,10 @@ class CompactionState:
     A source that failed is tried again when its own GPU changed, or when another GPU gained room
     that the instance which found none could use (whole, or a piece of it where it may be split):
     moves only ever *consume* room on lit GPUs, so without such a change it would fail again at the
-    same instance. (Room that would let an *earlier* instance of the source go elsewhere and leave
-    its target to the stuck one is not looked for: rare, and the next change retries it.) So a call
-    looks only at GPUs that changed since `seen`
+    same instance. Where the source's instances were placed one after another and one found no
+    room, where the others went and in which order decides it too; under node fit the state looks
+    for that (`Need.others`, `Need.opened`, `_order_changed`, `_regime`), without it not (rare; the
+    next change retries it). So a call looks only at GPUs that changed since `seen`
     (found by identity in O(GPUs) at C speed, plus O(changes)), at failed sources such a change may
     help, and at sources a call left untried for its limits (`pending`). Without a state, or with a
     cluster of another shape, every lit GPU is a candidate: the result is the same, only slower."""
@@ -389,11 +390,26 @@ class Need:
     hold now): a GPU of that invoker that gained room may add to it, so it makes the source worth
     another try."""
     _blockers: tuple[Need, ...] = field(default=(), init=False, compare=False, repr=False)
+    _shapes: tuple[tuple[float, float, float, str | None], ...] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         # Made once: every call that looks at the record walks its blockers.
         head = replace(self, also=()) if self.also else self
         object.__setattr__(self, "_blockers", (head, *self.also))
+        # The common case, tested inline (`_candidates`): instances that each need a GPU taking it
+        # whole, any of which a GPU that gained room may help (the one found no room, or another).
+        if not self.also and self.deficit is None and self.opened is None and all(
+            x.split_mib is None for x in (self, *self.others)
+        ):
+            shapes = tuple((x.memory_mib, x.request, x.limit, x.invoker) for x in (self, *self.others))
+            object.__setattr__(self, "_shapes", shapes)
+
+    def shapes(self) -> tuple[tuple[float, float, float, str | None], ...] | None:
+        """(memory, request, limit, invoker) of each instance a GPU may help by taking it whole, when
+        that is all that may help (no group, no split, no `opened` node); else None."""
+        return self._shapes
 
     def blockers(self) -> tuple[Need, ...]:
         return self._blockers
@@ -453,6 +469,7 @@ def _review(
     need: Need,
     placement: PlacementConfig,
     source: int,
+    node_free: dict[str, float] | None = None,
 ) -> tuple[list[int], Need | None]:
     """The GPUs of `gained` (other than `source`) that may help the source `need` describes, and what
     to remember of it: None when every blocker is helped (the source is worth a try), else its
@@ -464,7 +481,7 @@ def _review(
     unhelped: list[Need] = []
     changed = False
     for b in need.blockers():
-        some, b2 = _help(cluster, gained, b, placement, source)
+        some, b2 = _help(cluster, gained, b, placement, source, node_free)
         if some:
             found.update(dict.fromkeys(some))
             changed = True
@@ -476,7 +493,7 @@ def _review(
     # it while one is left.
     others = False
     for x in need.others:
-        some, _ = _help(cluster, gained, x, placement, source)
+        some, _ = _help(cluster, gained, x, placement, source, node_free)
         if some:
             found.update(dict.fromkeys(some))
             others = True
@@ -576,11 +593,12 @@ def _regime_bound(need: Need) -> bool:
     )
 
 
-def _out_of_reach(need: Need, top: tuple[float, float, float], placement: PlacementConfig) -> bool:
-    """Whether no GPU offering at most `top` (free memory, request room, limit room) may help any
-    blocker of `need` (a cheap pre-test of `_help`)."""
+def _out_of_reach(need: Need, top: tuple[float, float, float, float], placement: PlacementConfig) -> bool:
+    """Whether no GPU offering at most `top` (free memory, request room, limit room, and the free
+    memory of its node's lit GPUs) may help any blocker of `need`, nor another of its instances
+    (a cheap pre-test of `_review`)."""
     # A little slack: `_help` compares sums (a + b <= c), this differences.
-    free, request, limit = top[0] + 1e-6, top[1] + 1e-6, top[2] + 1e-6
+    free, request, limit, node = top[0] + 1e-6, top[1] + 1e-6, top[2] + 1e-6, top[3] + 1e-6
     if need.opened is not None:
         return False
     for b in (*need.blockers(), *need.others):
@@ -588,7 +606,11 @@ def _out_of_reach(need: Need, top: tuple[float, float, float], placement: Placem
             if any(m <= free and r <= request and lim <= limit for r, lim, m in b.members):
                 return False
         elif b.split_mib is not None:
-            if free >= min(placement.min_part_mib, b.split_mib):
+            # `_may_help`: the instance (or piece) whole, the split instance whole, or its pieces
+            # on the GPU's node, whose room is at most the node's free memory.
+            if (b.memory_mib <= free and b.request <= request and b.limit <= limit) or (
+                free >= min(placement.min_part_mib, b.split_mib) and (free >= b.split_mib or node >= b.split_mib)
+            ):
                 return False
         elif b.memory_mib <= free and b.request <= request and b.limit <= limit:
             return False
@@ -601,6 +623,7 @@ def _help(
     need: Need,
     placement: PlacementConfig,
     source: int,
+    node_free: dict[str, float] | None = None,
 ) -> tuple[list[int], Need]:
     """The GPUs of `gained` that may help the one blocker `need` (none if they cannot), and the
     blocker to remember if they cannot. For a group that lacked room together: the GPUs that take
@@ -608,7 +631,7 @@ def _help(
     room for all of it now; else those GPUs join `union`, so that room gained bit by bit over
     several calls is added up."""
     if need.deficit is None:
-        return [o for o, g in gained if o != source and _may_help(cluster, g, need, placement)], need
+        return [o for o, g in gained if o != source and _may_help(cluster, g, need, placement, node_free)], need
     omega, gamma = placement.omega + EPS, placement.gamma + EPS
     takers = [
         o
@@ -639,9 +662,13 @@ def _help(
     return [], replace(need, union=tuple(pool))
 
 
-def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: PlacementConfig) -> bool:
+def _may_help(
+    cluster: ClusterSnapshot, g: GpuState, need: Need, placement: PlacementConfig,
+    node_free: dict[str, float] | None = None,
+) -> bool:
     """Whether lit GPU `g`, having gained room, might take the instance `need` describes (whole, or
-    a piece of it with the rest on other GPUs of `g`'s node)."""
+    a piece of it with the rest on other GPUs of `g`'s node). `node_free`: the free memory of each
+    invoker's lit GPUs in `cluster`, as far as known (filled in here), which bounds the pieces'."""
     if not (g.lit and g.schedulable):
         # Moves go to lit GPUs only: a GPU emptied since (a source of this plan) takes nothing.
         return False
@@ -668,6 +695,12 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
     ):
         # The whole instance placed anew on `g` alone (a piece's instance may go to any node so).
         return True
+    if node_free is not None:
+        near = node_free.get(g.ref.invoker)
+        if near is None:
+            near = node_free[g.ref.invoker] = _node_free(cluster, g.ref.invoker)
+        if near < whole - EPS:
+            return False
     # A piece takes the instance's request and limit in proportion to its memory: what each lit
     # GPU of the node can hold is bounded by its free memory and by its request and limit room.
     per_request = whole / need.split_request if need.split_request > 0 else math.inf
@@ -693,6 +726,17 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
                 room += c if c < whole else whole
                 pieces += 1
     return pieces >= 2 and room >= whole - EPS
+
+
+def _node_free(cluster: ClusterSnapshot, invoker: str) -> float:
+    """The free memory of `invoker`'s lit GPUs that take instances (at most what a split's pieces
+    may get there, `_may_help`)."""
+    gpus = cluster.gpus
+    return sum(
+        h.memory_mib * (1.0 + EPS) - h.used_memory
+        for h in (gpus[x] for x in cluster.invoker_ordinals[invoker])
+        if h.instances and h.schedulable
+    )
 
 
 def _gained(old: GpuState, new: GpuState) -> bool:
@@ -811,10 +855,16 @@ def _candidates(
         lit_gained = [(og, g) for og, g in gained if g.lit and g.schedulable]
         lit = [g for _, g in lit_gained]
         omega, gamma = placement.omega + EPS, placement.gamma + EPS
+        # And the most free memory the lit GPUs of one of their nodes offer (pieces of a split).
+        node_free: dict[str, float] = {}
+        for g in lit:
+            if g.ref.invoker not in node_free:
+                node_free[g.ref.invoker] = _node_free(cluster, g.ref.invoker)
         most = (
             max((g.memory_mib * (1.0 + EPS) - g.used_memory for g in lit), default=-math.inf),
             max((placement.omega + EPS - g.used_request for g in lit), default=-math.inf),
             max((placement.gamma + EPS - g.used_limit for g in lit), default=-math.inf),
+            max(node_free.values(), default=-math.inf),
         )
         # `_out_of_reach`'s slack over `most`.
         reach = (most[0] + 1e-6, most[1] + 1e-6, most[2] + 1e-6)
@@ -829,9 +879,8 @@ def _candidates(
                 again = gained
                 room_again = rooms
                 back = carried.get(o)
-                simple = (
-                    not need.also and need.deficit is None and need.split_mib is None and not need.others
-                )
+                shapes = need.shapes()
+                simple = shapes is not None
                 if back is not None:
                     extra = [(og, gpus[og]) for og in back if og not in known]
                     again = gained + extra
@@ -846,29 +895,30 @@ def _candidates(
                         ]
                 elif not simple and _out_of_reach(need, most, placement):
                     continue
-                if simple:
-                    # The common case, inline: one instance that needs a GPU taking it whole (the
-                    # test of `_may_help`), after `_out_of_reach`'s test of it against the most
+                if shapes is not None:
+                    # The common case, inline: instances that each need a GPU taking it whole (the
+                    # test of `_may_help`), after `_out_of_reach`'s test of them against the most
                     # room any GPU that gained offers (three comparisons instead of one per GPU).
-                    mem, req, lim, inv = need.memory_mib, need.request, need.limit, need.invoker
-                    if back is None and not (mem <= reach[0] and req <= reach[1] and lim <= reach[2]):
-                        continue
-                    helpers_now = [
-                        og
-                        for og, ginv, free, used_req, used_lim in room_again
-                        if og != o
-                        and (inv is None or inv == ginv)
-                        and free >= mem
-                        and used_req + req <= omega
-                        and used_lim + lim <= gamma
-                    ]
+                    helpers_now = []
+                    for mem, req, lim, inv in shapes:
+                        if back is None and not (mem <= reach[0] and req <= reach[1] and lim <= reach[2]):
+                            continue
+                        helpers_now += [
+                            og
+                            for og, ginv, free, used_req, used_lim in room_again
+                            if og != o
+                            and (inv is None or inv == ginv)
+                            and free >= mem
+                            and used_req + req <= omega
+                            and used_lim + lim <= gamma
+                        ]
                     if helpers_now:
                         del m[o]
                         out.add(o)
                         helped[o] = (need, helpers_now)
                     continue
                 # Blockers helped now are dropped; the source is retried once none is left.
-                helpers, rest = _review(cluster, again, need, placement, o)
+                helpers, rest = _review(cluster, again, need, placement, o, node_free)
                 if rest is None:
                     del m[o]
                     out.add(o)
