@@ -915,7 +915,7 @@ def _candidates(
                     if helpers_now:
                         del m[o]
                         out.add(o)
-                        helped[o] = (need, helpers_now)
+                        helped[o] = (need, list(dict.fromkeys(helpers_now)) if len(shapes) > 1 else helpers_now)
                     continue
                 # Blockers helped now are dropped; the source is retried once none is left.
                 helpers, rest = _review(cluster, again, need, placement, o, node_free)
