@@ -291,9 +291,10 @@ class CompactionState:
     A source that failed is tried again when its own GPU changed, or when another GPU gained room
     that the instance which found none could use (whole, or a piece of it where it may be split):
     moves only ever *consume* room on lit GPUs, so without such a change it would fail again at the
-    same instance. (Room that would let an *earlier* instance of the source go elsewhere and leave
-    its target to the stuck one is not looked for: rare, and the next change retries it.) So a call
-    looks only at GPUs that changed since `seen`
+    same instance. Where the source's instances were placed one after another and one found no
+    room, where the others went and in which order decides it too; under node fit the state looks
+    for that (`Need.others`, `Need.opened`, `_order_changed`, `_regime`), without it not (rare; the
+    next change retries it). So a call looks only at GPUs that changed since `seen`
     (found by identity in O(GPUs) at C speed, plus O(changes)), at failed sources such a change may
     help, and at sources a call left untried for its limits (`pending`). Without a state, or with a
     cluster of another shape, every lit GPU is a candidate: the result is the same, only slower."""
@@ -381,12 +382,41 @@ class Need:
     """Further blockers of the same source, found by the same proof: each must be helped too
     before the source is worth another try (a GPU that gained room for one of them is remembered
     by dropping that one)."""
+    others: tuple[Need, ...] = ()
+    """When placing the source's instances one after another failed at `instance` (not a proof):
+    each other instance of the source, as it needs a GPU alone. Where they went decides where
+    `instance` may go, and how many lit GPUs take each decides their order (the most constrained
+    first): a GPU that gained room one of them could use may let the source succeed, so it makes
+    the source worth another try as a GPU that helps `instance` does. Whether an LLM is split
+    by node fit or by the fewest pieces, and how its pieces are sized, depends on the resource
+    that binds the cluster: where that changes, such a source is tried again too
+    (`_regime_bound`)."""
+    opened: str | None = None
+    """For such a failure, the source's invoker when a split instance of the source was placed anew
+    before `instance` (its other stages' GPUs, on that invoker, held room then that they do not
+    hold now): a GPU of that invoker that gained room may add to it, so it makes the source worth
+    another try."""
     _blockers: tuple[Need, ...] = field(default=(), init=False, compare=False, repr=False)
+    _shapes: tuple[tuple[float, float, float, str | None], ...] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         # Made once: every call that looks at the record walks its blockers.
         head = replace(self, also=()) if self.also else self
         object.__setattr__(self, "_blockers", (head, *self.also))
+        # The common case, tested inline (`_candidates`): instances that each need a GPU taking it
+        # whole, any of which a GPU that gained room may help (the one found no room, or another).
+        if not self.also and self.deficit is None and self.opened is None and all(
+            x.split_mib is None for x in (self, *self.others)
+        ):
+            shapes = tuple((x.memory_mib, x.request, x.limit, x.invoker) for x in (self, *self.others))
+            object.__setattr__(self, "_shapes", shapes)
+
+    def shapes(self) -> tuple[tuple[float, float, float, str | None], ...] | None:
+        """(memory, request, limit, invoker) of each instance a GPU may help by taking it whole, when
+        that is all that may help (no group, no split, no `opened` node); else None."""
+        return self._shapes
 
     def blockers(self) -> tuple[Need, ...]:
         return self._blockers
@@ -440,35 +470,154 @@ def _need(
     )
 
 
-def _helpers(
+def _review(
     cluster: ClusterSnapshot,
     gained: list[tuple[int, GpuState]],
     need: Need,
     placement: PlacementConfig,
     source: int,
-) -> list[int]:
-    """The GPUs of `gained` (other than `source`) that may help the source `need` describes, or none
-    when together they cannot: with several blockers, each must be helped (see `_help`)."""
+    node_free: dict[str, float] | None = None,
+) -> tuple[list[int], Need | None]:
+    """The GPUs of `gained` (other than `source`) that may help the source `need` describes, and what
+    to remember of it: None when every blocker is helped (the source is worth a try), else its
+    blockers that are not, each as `_help` leaves it (`need` itself when that is all of them as
+    they were). A GPU of `gained` is seen as gained once only: a group's blocker must take into its
+    `union` those that take a member, and a blocker a GPU helps is dropped, whether or not the
+    source is tried now (see `_help`)."""
     found: dict[int, None] = {}
+    unhelped: list[Need] = []
+    changed = False
     for b in need.blockers():
-        some, _ = _help(cluster, gained, b, placement, source)
-        if not some:
-            return []
-        found.update(dict.fromkeys(some))
-    return list(found)
+        some, b2 = _help(cluster, gained, b, placement, source, node_free)
+        if some:
+            found.update(dict.fromkeys(some))
+            changed = True
+        else:
+            unhelped.append(b2)
+            changed = changed or b2 is not b
+    # Room for another instance of a source that failed part-way (`Need.others`). Every GPU that
+    # helps is listed: a plan that finds some of them taken by the time it gets to the source tries
+    # it while one is left.
+    others = False
+    for x in need.others:
+        some, _ = _help(cluster, gained, x, placement, source, node_free)
+        if some:
+            found.update(dict.fromkeys(some))
+            others = True
+    if need.opened is not None:
+        near = [o for o, g in gained if o != source and g.lit and g.schedulable and g.ref.invoker == need.opened]
+        if near:
+            found.update(dict.fromkeys(near))
+            others = True
+    if not unhelped or others:
+        return list(found), None
+    return list(found), _joined(unhelped) if changed else need
 
 
-def _out_of_reach(need: Need, top: tuple[float, float, float], placement: PlacementConfig) -> bool:
-    """Whether no GPU offering at most `top` (free memory, request room, limit room) may help any
-    blocker of `need` (a cheap pre-test of `_help`)."""
+def _order_changed(
+    cluster: ClusterSnapshot,
+    old: Sequence[GpuState],
+    changed: list[int],
+    failed: Map[int, Need],
+    placement: PlacementConfig,
+) -> list[int]:
+    """The sources of `failed` that failed part-way (`Need.others`) and have an instance that a GPU
+    of `changed` took whole in `old` and does not in `cluster`: how many lit GPUs take each
+    instance decides the order they are placed in (the most constrained first), so room lost
+    elsewhere may let such a source succeed."""
+    grow, omega, gamma = 1.0 + EPS, placement.omega + EPS, placement.gamma + EPS
+    gpus = cluster.gpus
+    # (ordinal, invoker, the room it offered: free memory, Σ request, Σ limit) of each GPU that
+    # changed and was lit; the most any offered, per dimension, rules most sources out at once.
+    before = [
+        (o, g.ref.invoker, g.memory_mib * grow - g.used_memory, g.used_request, g.used_limit)
+        for o in changed
+        if (g := old[o]).lit and g.schedulable
+    ]
+    if not before:
+        return []
+    most = max(b[2] for b in before)
+    least_request = min(b[3] for b in before)
+    least_limit = min(b[4] for b in before)
+    drop: list[int] = []
+    for o, need in failed.items():
+        if not need.others:
+            continue
+        for x in (need, *need.others):
+            if x.split_mib is not None or x.memory_mib > most:
+                continue
+            if x.request + least_request > omega or x.limit + least_limit > gamma:
+                continue
+            if any(
+                og != o
+                and (x.invoker is None or x.invoker == inv)
+                and free >= x.memory_mib
+                and used_request + x.request <= omega
+                and used_limit + x.limit <= gamma
+                and not _takes_whole(gpus[og], x, placement)
+                for og, inv, free, used_request, used_limit in before
+            ):
+                drop.append(o)
+                break
+    return drop
+
+
+def _takes_whole(g: GpuState, x: Need, placement: PlacementConfig) -> bool:
+    """Whether lit GPU `g` has the room to take the instance `x` describes whole."""
+    return (
+        g.lit
+        and g.schedulable
+        and (x.invoker is None or x.invoker == g.ref.invoker)
+        and g.memory_mib * (1.0 + EPS) - g.used_memory >= x.memory_mib
+        and g.used_request + x.request <= placement.omega + EPS
+        and g.used_limit + x.limit <= placement.gamma + EPS
+    )
+
+
+def _exact(placement: PlacementConfig) -> bool:
+    """Whether the state keeps what it learns exactly (`Need.others`, `Need.opened`, a group's `union`
+    kept where a plan drops a retry): under node fit (`PlacementConfig.split_node_fit`). Without it the
+    state keeps the rules every recorded decision of the fewest pieces was made under; there the same
+    rules find moves those missed (docs/benchmarks/sim-scale.md, twenty-third round)."""
+    return placement.split_node_fit
+
+
+def _regime(cluster: ClusterSnapshot) -> tuple[bool, bool]:
+    """Which resource binds the cluster, as split placement asks it with the instance placed
+    (`_lost_room_sizes`: Σ request ≥ Σ memory fraction; `_place_split_node_fit`: Σ memory over the
+    largest GPU's ≥ Σ request). Moves keep both sums: within a call it is the call's."""
+    return (
+        cluster.sum_request >= cluster.sum_memory_fraction,
+        cluster.sum_memory / cluster.max_memory_mib >= cluster.sum_request,
+    )
+
+
+def _regime_bound(need: Need) -> bool:
+    """Whether the failure `need` records may depend on `_regime`: placing the source's instances
+    failed part-way (`Need.others`) and one of them may be split."""
+    return bool(need.others) and (
+        need.split_mib is not None or any(x.split_mib is not None for x in need.others)
+    )
+
+
+def _out_of_reach(need: Need, top: tuple[float, float, float, float], placement: PlacementConfig) -> bool:
+    """Whether no GPU offering at most `top` (free memory, request room, limit room, and the free
+    memory of its node's lit GPUs) may help any blocker of `need`, nor another of its instances
+    (a cheap pre-test of `_review`)."""
     # A little slack: `_help` compares sums (a + b <= c), this differences.
-    free, request, limit = top[0] + 1e-6, top[1] + 1e-6, top[2] + 1e-6
-    for b in need.blockers():
+    free, request, limit, node = top[0] + 1e-6, top[1] + 1e-6, top[2] + 1e-6, top[3] + 1e-6
+    if need.opened is not None:
+        return False
+    for b in (*need.blockers(), *need.others):
         if b.deficit is not None:
             if any(m <= free and r <= request and lim <= limit for r, lim, m in b.members):
                 return False
         elif b.split_mib is not None:
-            if free >= min(placement.min_part_mib, b.split_mib):
+            # `_may_help`: the instance (or piece) whole, the split instance whole, or its pieces
+            # on the GPU's node, whose room is at most the node's free memory.
+            if (b.memory_mib <= free and b.request <= request and b.limit <= limit) or (
+                free >= min(placement.min_part_mib, b.split_mib) and (free >= b.split_mib or node >= b.split_mib)
+            ):
                 return False
         elif b.memory_mib <= free and b.request <= request and b.limit <= limit:
             return False
@@ -481,6 +630,7 @@ def _help(
     need: Need,
     placement: PlacementConfig,
     source: int,
+    node_free: dict[str, float] | None = None,
 ) -> tuple[list[int], Need]:
     """The GPUs of `gained` that may help the one blocker `need` (none if they cannot), and the
     blocker to remember if they cannot. For a group that lacked room together: the GPUs that take
@@ -488,7 +638,7 @@ def _help(
     room for all of it now; else those GPUs join `union`, so that room gained bit by bit over
     several calls is added up."""
     if need.deficit is None:
-        return [o for o, g in gained if o != source and _may_help(cluster, g, need, placement)], need
+        return [o for o, g in gained if o != source and _may_help(cluster, g, need, placement, node_free)], need
     omega, gamma = placement.omega + EPS, placement.gamma + EPS
     takers = [
         o
@@ -519,9 +669,13 @@ def _help(
     return [], replace(need, union=tuple(pool))
 
 
-def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: PlacementConfig) -> bool:
+def _may_help(
+    cluster: ClusterSnapshot, g: GpuState, need: Need, placement: PlacementConfig,
+    node_free: dict[str, float] | None = None,
+) -> bool:
     """Whether lit GPU `g`, having gained room, might take the instance `need` describes (whole, or
-    a piece of it with the rest on other GPUs of `g`'s node)."""
+    a piece of it with the rest on other GPUs of `g`'s node). `node_free`: the free memory of each
+    invoker's lit GPUs in `cluster`, as far as known (filled in here), which bounds the pieces'."""
     if not (g.lit and g.schedulable):
         # Moves go to lit GPUs only: a GPU emptied since (a source of this plan) takes nothing.
         return False
@@ -533,7 +687,7 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
         and g.used_limit + need.limit <= placement.gamma + EPS
     )
     if need.deficit is not None:
-        # One of several GPUs that must together offer the deficit (`_helpers`).
+        # One of several GPUs that must together offer the deficit (`_help`).
         return fits
     if fits:
         return True
@@ -548,6 +702,12 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
     ):
         # The whole instance placed anew on `g` alone (a piece's instance may go to any node so).
         return True
+    if node_free is not None:
+        near = node_free.get(g.ref.invoker)
+        if near is None:
+            near = node_free[g.ref.invoker] = _node_free(cluster, g.ref.invoker)
+        if near < whole - EPS:
+            return False
     # A piece takes the instance's request and limit in proportion to its memory: what each lit
     # GPU of the node can hold is bounded by its free memory and by its request and limit room.
     per_request = whole / need.split_request if need.split_request > 0 else math.inf
@@ -573,6 +733,17 @@ def _may_help(cluster: ClusterSnapshot, g: GpuState, need: Need, placement: Plac
                 room += c if c < whole else whole
                 pieces += 1
     return pieces >= 2 and room >= whole - EPS
+
+
+def _node_free(cluster: ClusterSnapshot, invoker: str) -> float:
+    """The free memory of `invoker`'s lit GPUs that take instances (at most what a split's pieces
+    may get there, `_may_help`)."""
+    gpus = cluster.gpus
+    return sum(
+        h.memory_mib * (1.0 + EPS) - h.used_memory
+        for h in (gpus[x] for x in cluster.invoker_ordinals[invoker])
+        if h.instances and h.schedulable
+    )
 
 
 def _gained(old: GpuState, new: GpuState) -> bool:
@@ -653,7 +824,9 @@ def _candidates(
                 if need is not None:
                     ids = {i.id for i in g.instances}
                     left = [b for b in need.blockers() if b.ids <= ids]
-                    if not left:
+                    if not left or (need.others and len(ids) > len(need.ids)):
+                        # (A source that failed part-way and received an instance: one more to
+                        # place changes which are the most constrained, and so the order.)
                         del m[o]
                         need = None
                     elif len(left) < len(need.blockers()):
@@ -663,6 +836,24 @@ def _candidates(
                 if _gained(old[o], g):
                     gained.append((o, g))
             failed = m.finish()
+    exact = _exact(placement)
+    if exact and failed and _regime(seen) != _regime(cluster):
+        # Split placement decides otherwise now: what failed part-way with an instance that may
+        # split is tried again (`Need.others`).
+        with failed.mutate() as m:
+            for o, need in failed.items():
+                if _regime_bound(need):
+                    del m[o]
+                    out.add(o)
+            failed = m.finish()
+    if exact and failed and changed:
+        reordered = _order_changed(cluster, old, changed, failed, placement)
+        if reordered:
+            with failed.mutate() as m:
+                for o in reordered:
+                    del m[o]
+            failed = m.finish()
+            out.update(reordered)
     helped: dict[int, tuple[Need, list[int]]] = {}
     carried = state.retry
     if failed and (gained or carried):
@@ -671,10 +862,16 @@ def _candidates(
         lit_gained = [(og, g) for og, g in gained if g.lit and g.schedulable]
         lit = [g for _, g in lit_gained]
         omega, gamma = placement.omega + EPS, placement.gamma + EPS
+        # And the most free memory the lit GPUs of one of their nodes offer (pieces of a split).
+        node_free: dict[str, float] = {}
+        for g in lit:
+            if g.ref.invoker not in node_free:
+                node_free[g.ref.invoker] = _node_free(cluster, g.ref.invoker)
         most = (
             max((g.memory_mib * (1.0 + EPS) - g.used_memory for g in lit), default=-math.inf),
             max((placement.omega + EPS - g.used_request for g in lit), default=-math.inf),
             max((placement.gamma + EPS - g.used_limit for g in lit), default=-math.inf),
+            max(node_free.values(), default=-math.inf),
         )
         # `_out_of_reach`'s slack over `most`.
         reach = (most[0] + 1e-6, most[1] + 1e-6, most[2] + 1e-6)
@@ -689,7 +886,8 @@ def _candidates(
                 again = gained
                 room_again = rooms
                 back = carried.get(o)
-                simple = not need.also and need.deficit is None and need.split_mib is None
+                shapes = need.shapes()
+                simple = shapes is not None
                 if back is not None:
                     extra = [(og, gpus[og]) for og in back if og not in known]
                     again = gained + extra
@@ -704,47 +902,36 @@ def _candidates(
                         ]
                 elif not simple and _out_of_reach(need, most, placement):
                     continue
-                if simple:
-                    # The common case, inline: one instance that needs a GPU taking it whole (the
-                    # test of `_may_help`), after `_out_of_reach`'s test of it against the most
+                if shapes is not None:
+                    # The common case, inline: instances that each need a GPU taking it whole (the
+                    # test of `_may_help`), after `_out_of_reach`'s test of them against the most
                     # room any GPU that gained offers (three comparisons instead of one per GPU).
-                    mem, req, lim, inv = need.memory_mib, need.request, need.limit, need.invoker
-                    if back is None and not (mem <= reach[0] and req <= reach[1] and lim <= reach[2]):
-                        continue
-                    helpers_now = [
-                        og
-                        for og, ginv, free, used_req, used_lim in room_again
-                        if og != o
-                        and (inv is None or inv == ginv)
-                        and free >= mem
-                        and used_req + req <= omega
-                        and used_lim + lim <= gamma
-                    ]
+                    helpers_now = []
+                    for mem, req, lim, inv in shapes:
+                        if back is None and not (mem <= reach[0] and req <= reach[1] and lim <= reach[2]):
+                            continue
+                        helpers_now += [
+                            og
+                            for og, ginv, free, used_req, used_lim in room_again
+                            if og != o
+                            and (inv is None or inv == ginv)
+                            and free >= mem
+                            and used_req + req <= omega
+                            and used_lim + lim <= gamma
+                        ]
                     if helpers_now:
                         del m[o]
                         out.add(o)
-                        helped[o] = (need, helpers_now)
+                        helped[o] = (need, list(dict.fromkeys(helpers_now)) if len(shapes) > 1 else helpers_now)
                     continue
                 # Blockers helped now are dropped; the source is retried once none is left.
-                unhelped: list[Need] = []
-                helpers: dict[int, None] = {}
-                changed_record = False
-                for b in need.blockers():
-                    some, b2 = _help(cluster, again, b, placement, o)
-                    if some:
-                        helpers.update(dict.fromkeys(some))
-                        changed_record = True
-                    else:
-                        unhelped.append(b2)
-                        changed_record = changed_record or b2 is not b
-                if not unhelped:
+                helpers, rest = _review(cluster, again, need, placement, o, node_free)
+                if rest is None:
                     del m[o]
                     out.add(o)
-                    helped[o] = (need, list(helpers))
-                elif changed_record:
-                    joined = _joined(unhelped)
-                    assert joined is not None
-                    m[o] = joined
+                    helped[o] = (need, helpers)
+                elif rest is not need:
+                    m[o] = rest
             failed = m.finish()
     return _keyed(out, failed, gpus, config, state.keyed), failed, helped, no_fit
 
@@ -852,12 +1039,14 @@ def compaction_plan(
             pending.append(o)
             continue
         retry = helped.get(o)
-        if retry is not None and not _helpers(
-            work, [(og, work.gpus[og]) for og in retry[1]], retry[0], placement, o
-        ):
-            # The room it was retried for went to sources tried before it in this plan.
-            failures[o] = retry[0]
-            continue
+        if retry is not None:
+            _, rest = _review(work, [(og, work.gpus[og]) for og in retry[1]], retry[0], placement, o)
+            if rest is not None:
+                # The room it was retried for went to sources tried before it in this plan. What
+                # those GPUs still offer is remembered (a group's union, a blocker they still help):
+                # they are not seen as gaining it again.
+                failures[o] = rest if _exact(placement) else retry[0]
+                continue
         tried += 1
         may_place = config.max_trials is None or trials < config.max_trials
         trial_moves, trial, trial_freed, stuck, placed = _try_source(
@@ -895,8 +1084,13 @@ def compaction_plan(
                 queued = set(map(_SECOND, keyed.keys))
             retry_now = [og for og, _ in gained if og not in queued or og in known]
             for f, need in known.items():
-                if _helpers(work, gained, need, placement, f):
+                _, rest = _review(work, gained, need, placement, f)
+                if rest is None:
                     retry_now.append(f)
+                elif rest is not need and _exact(placement):
+                    # Those GPUs are not seen as gaining this room again: what they offer is
+                    # remembered (as `_candidates` remembers it).
+                    failures[f] = rest
             for f in retry_now:
                 if f in failures:
                     del failures[f]
@@ -913,6 +1107,18 @@ def compaction_plan(
             del failures[o]
         if _eligible(work.gpus[o], config):
             pending.append(o)
+    # Room this plan's moves took may have changed the order a failed source's instances go in
+    # (the next call sees changes since the cluster the emptying left, not these).
+    taken = [work.ordinals[r] for r in targets] if _exact(placement) else []
+    reordered: list[int] = []
+    if taken:
+        known = failures.finish()
+        failures = known.mutate()
+        if known:
+            reordered = _order_changed(work, cluster.gpus, taken, known, placement)
+        for o in reordered:
+            del failures[o]
+            pending.append(o)
     # A source retried for room some GPUs gained, but not reached, stays failed with those GPUs:
     # the next call retries it only while one of them may still help (see `CompactionState.retry`).
     carry: dict[int, tuple[int, ...]] = {}
@@ -920,7 +1126,7 @@ def compaction_plan(
     if helped:
         # The retried sources among the (many) pending ones: by the few retried, not the pending.
         for o, r in helped.items():
-            if o in waiting and o not in touched and o not in failures:
+            if o in waiting and o not in touched and o not in failures and o not in reordered:
                 failures[o] = r[0]
                 carry[o] = tuple(r[1])
     failed = failures.finish()
@@ -2008,9 +2214,13 @@ def _try_source(
     # not take its only GPU; the rest keep biggest first (a stable sort).
     k = len(order)
     order.sort(key=lambda i: options.get(i.id, k))
-    moves, trial, freed, stuck = _place_in_order(work, gpu, order, placement, requests)
+    moves, trial, freed, stuck, opened = _place_in_order(work, gpu, order, placement, requests)
     if stuck is not None:
-        return [], work, [], _need(work, gpu, order[stuck], placement), True
+        need = _need(work, gpu, order[stuck], placement)
+        if _exact(placement):
+            others = tuple(_need(work, gpu, i, placement, alone=True) for n, i in enumerate(order) if n != stuck)
+            need = replace(need, others=others, opened=gpu.ref.invoker if opened else None)
+        return [], work, [], need, True
     return moves, trial, freed, None, True
 
 
@@ -2020,10 +2230,11 @@ def _place_in_order(
     order: list[PlacedInstance],
     placement: PlacementConfig,
     requests: dict[str, PlacementRequest],
-) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], int | None]:
+) -> tuple[list[CompactionMove], ClusterSnapshot, list[GpuRef], int | None, bool]:
     """Move the instances of `gpu` one after another in `order` onto other lit GPUs: the moves,
     the cluster after them and the GPUs they leave dark, or ([], `work`, [], the index in `order`
-    of the instance that found no room)."""
+    of the instance that found no room); last, whether a split instance was placed anew before
+    (freeing its other stages' GPUs, on `gpu`'s node)."""
     trial = work
     trial_moves: list[CompactionMove] = []
     trial_freed: list[GpuRef] = []
@@ -2040,7 +2251,7 @@ def _place_in_order(
                 trial_freed.extend(dark)
                 continue
         if not decision.placed:
-            return [], work, [], n
+            return [], work, [], n, any(m.replaces for m in trial_moves)
         if decision.parts:
             trial = apply_placement(trial, request, decision)
         else:
@@ -2056,7 +2267,7 @@ def _place_in_order(
                 parts=decision.parts,
             )
         )
-    return trial_moves, trial, trial_freed, None
+    return trial_moves, trial, trial_freed, None, False
 
 
 
