@@ -293,11 +293,14 @@ class CompactionState:
     moves only ever *consume* room on lit GPUs, so without such a change it would fail again at the
     same instance. Where the source's instances were placed one after another and one found no
     room, where the others went and in which order decides it too; under node fit the state looks
-    for that (`Need.others`, `Need.opened`, `_order_changed`, `_regime`), without it not (rare; the
-    next change retries it). So a call looks only at GPUs that changed since `seen`
-    (found by identity in O(GPUs) at C speed, plus O(changes)), at failed sources such a change may
-    help, and at sources a call left untried for its limits (`pending`). Without a state, or with a
-    cluster of another shape, every lit GPU is a candidate: the result is the same, only slower."""
+    for that (`Need.others`, `Need.opened`, `_order_changed`, `_regime`), without it not: there a
+    call can skip a move a plan from scratch makes, until a later change retries the source (in 10 of
+    30 traces of 240 instances; the exact rules there pack neither better nor worse at 3,200 and would
+    re-baseline every recorded figure: docs/benchmarks/sim-scale.md, twenty-third round). So a call looks only at GPUs that
+    changed since `seen` (found by identity in O(GPUs) at C speed, plus O(changes)), at failed sources
+    such a change may help, and at sources a call left untried for its limits (`pending`). Without a
+    state, or with a cluster of another shape, every lit GPU is a candidate: under node fit the result
+    is the same, only slower."""
 
     seen: ClusterSnapshot | None = None
     failed: Map[int, Need] = field(default_factory=Map)
