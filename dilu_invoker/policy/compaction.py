@@ -2074,12 +2074,165 @@ class _WasteIndex:
     key: tuple[float, float]
     waste: dict[str, float]
     failed: dict[int, tuple[tuple[GpuState, ...], int, frozenset[str]]]
+    exhausted: dict[str, tuple[tuple[GpuState, ...], int, frozenset[str]]] = field(default_factory=dict)
+    """Nodes whose every GPU a call may try was skipped or failed, with their states then, the cold
+    starts allowed and the pinned instances: while these are the same, each would be skipped again
+    (as `failed`), so the node is passed over without looking at its GPUs."""
+    refuted: _Refuted = field(default_factory=lambda: _Refuted())
+    """Lit-only placements a re-pack tried in vain (`_Refuted`): skipped while they would fail again."""
+
+
+#: Key of a `_Refuted` fact: the instance's class, request, limit and memory (MiB), all that the
+#: filters and split placement read of a lit-only request besides the GPUs it avoids.
+_FactKey = tuple[InstanceClass, float, float, float]
+
+
+@dataclass(slots=True)
+class _Refuted:
+    """The lit-only placements that a re-pack ran and that found no room (of the re-packed GPU's own
+    instances, and of those a displacement would move off another GPU of its node), by the shape of
+    the instance, each with the GPU states it failed on and what the instance needs (`Need`;
+    `avoid`: the GPUs its request avoided).
+
+    Most re-pack tries fail, and a GPU is tried again as soon as a GPU of its node changed, mostly
+    at the same placements. A placement known to fail fails again on a later cluster while no GPU
+    it may use that changed since, or that it avoided then and may use now, may take the instance
+    (`_may_take`): whole, or as a piece of a split over its node's lit GPUs. Moves and arrivals only
+    consume room elsewhere, and split placement takes a node's GPUs only where each may hold a
+    piece, so the others are as they were (as `CompactionState` relies on for emptying). So such a
+    placement is not run, and the re-pack decides exactly as it does placing; a fact confirmed so
+    is restamped with the GPUs it was checked on, so that the next check looks only at what changed
+    after (`GpuVector.changed_since`: identity, at C speed). Facts not used for `_REFUTED_CALLS`
+    calls are dropped (two generations); under another placement config every fact is."""
+
+    placement: PlacementConfig | None = None
+    caps: tuple[bool, bool, bool] = (False, False, False)
+    """Whether the strategy bounds a GPU by Σ request (ω), Σ limit (γ) and memory."""
+    facts: dict[_FactKey, tuple[GpuVector, Need]] = field(default_factory=dict)
+    older: dict[_FactKey, tuple[GpuVector, Need]] = field(default_factory=dict)
+    calls: int = 0
+    now: GpuVector | None = None
+    changes: dict[int, tuple[GpuVector, list[tuple[int, GpuState]]]] = field(default_factory=dict)
+    """The lit, schedulable GPUs that changed between a fact's GPUs and `now`, by the former's id
+    (kept with them, so that the id stays theirs)."""
+
+    def start(self, placement: PlacementConfig) -> None:
+        """A `_repack` call begins under `placement`."""
+        if placement != self.placement:
+            names = {f.name for f in placement.filters()}
+            self.placement = placement
+            self.caps = ("sm-request" in names, "sm-limit" in names, "memory" in names)
+            self.facts, self.older = {}, {}
+        self.calls += 1
+        if self.calls % _REFUTED_CALLS == 0:
+            self.older, self.facts = self.facts, {}
+        self.now = None
+        self.changes.clear()
+
+    def fails(self, cluster: ClusterSnapshot, inst: PlacedInstance, avoid: frozenset[int]) -> bool:
+        """Whether the lit-only placement of (an instance shaped as) `inst` avoiding the GPUs `avoid`
+        (ordinals) is known to fail on `cluster` (as it is, or as it is but on those GPUs)."""
+        key = (inst.cls, inst.request, inst.limit, inst.memory_mib)
+        fact = self.facts.get(key)
+        if fact is None:
+            fact = self.older.pop(key, None)
+            if fact is None:
+                return False
+        since, need = fact
+        gpus = cluster.gpus
+        if need.avoid != avoid:
+            # What it avoided then and may use now must not take it either.
+            freed = need.avoid - avoid
+            need = replace(need, avoid=avoid)
+            for o in freed:
+                if self._may_take(cluster, gpus[o], need):
+                    self.facts.pop(key, None)
+                    return False
+        if since is not gpus:
+            for o, g in self._changed(since, gpus):
+                if o not in avoid and self._may_take(cluster, g, need):
+                    self.facts.pop(key, None)
+                    return False
+        self.facts[key] = (gpus, need)
+        return True
+
+    def learn(self, cluster: ClusterSnapshot, inst: PlacedInstance, need: Need) -> None:
+        """The lit-only placement of `inst`, which needs `need`, found no room on `cluster`."""
+        self.facts[(inst.cls, inst.request, inst.limit, inst.memory_mib)] = (cluster.gpus, need)
+
+    def _changed(self, since: GpuVector, now: GpuVector) -> list[tuple[int, GpuState]]:
+        if now is not self.now:
+            self.now = now
+            self.changes.clear()
+        got = self.changes.get(id(since))
+        if got is None or got[0] is not since:
+            lit = [(o, g) for o in now.changed_since(since) if (g := now[o]).instances and g.schedulable]
+            got = self.changes[id(since)] = (since, lit)
+        return got[1]
+
+    def _may_take(self, cluster: ClusterSnapshot, g: GpuState, need: Need) -> bool:
+        """Whether lit GPU `g` may take the instance `need` describes: whole (as the filters test
+        it), or a piece of it (its split capacity, as split placement computes it, at least the
+        least piece) with its node's other lit GPUs holding the rest. An over-estimate: a little
+        slack against the order of sums; `avoid` only keeps GPUs out of the node's room."""
+        placement = self.placement
+        assert placement is not None
+        by_request, by_limit, by_memory = self.caps
+        grow = 1.0 + EPS
+        if (
+            g.instances
+            and g.schedulable
+            and (not by_request or g.used_request + need.request <= placement.omega + EPS)
+            and (not by_limit or g.used_limit + need.limit <= placement.gamma + EPS)
+            and (not by_memory or g.used_memory + need.memory_mib <= g.memory_mib * grow)
+        ):
+            return True
+        whole = need.split_mib
+        if whole is None or not (g.instances and g.schedulable):
+            return False
+        small = min(placement.min_part_mib, whole)
+        if self._capacity(g, need, whole) < small:
+            # Never a piece: the node's pieces are on GPUs that were as they are.
+            return False
+        ords = cluster.invoker_ordinals[g.ref.invoker]
+        room = 0.0
+        pieces = 0
+        avoid = need.avoid
+        for o, h in enumerate(cluster.gpus.span(ords[0], ords[-1] + 1), ords[0]):
+            if h.instances and h.schedulable and o not in avoid:
+                c = self._capacity(h, need, whole)
+                if c >= small:
+                    room += c if c < whole else whole
+                    pieces += 1
+        return pieces >= 2 and room >= whole - EPS - _REFUTED_SLACK_MIB
+
+    def _capacity(self, h: GpuState, need: Need, whole: float) -> float:
+        """The most memory (MiB) a piece of the instance may take on `h` (split placement's
+        capacity: memory × (1 + EPS) − used, capped by the request and limit room in proportion)."""
+        placement = self.placement
+        assert placement is not None
+        by_request, by_limit, by_memory = self.caps
+        c = h.memory_mib * (1.0 + EPS) - h.used_memory if by_memory else math.inf
+        if by_request and need.split_request > 0:
+            x = (placement.omega + EPS - h.used_request) * (whole / need.split_request)
+            c = x if x < c else c
+        if by_limit and need.split_limit > 0:
+            x = (placement.gamma + EPS - h.used_limit) * (whole / need.split_limit)
+            c = x if x < c else c
+        return c
 
 
 #: The index of the last `_repack` (one: the calls of a replay follow one another).
 _WASTE: list[_WasteIndex] = []
 #: Nodes a call looks at per re-pack it may try, the most waste first.
 _REPACK_NODES = 16
+#: Calls after which a `_Refuted` fact not used since is dropped (between one and two such spans).
+_REFUTED_CALLS = 64
+#: Slack (MiB) of `_Refuted`'s split test against the order in which split placement sums capacities.
+_REFUTED_SLACK_MIB = 1e-3
+#: Slack of `_displace`'s quick test of a pair (fraction of a GPU, MiB): far above what summing a
+#: GPU's instances in another order may change.
+_SWAP_SLACK, _SWAP_SLACK_MIB = 1e-9, 1e-6
 
 
 def _node_waste(node: Sequence[GpuState], omega: float, unit: float) -> float | None:
@@ -2150,6 +2303,8 @@ def _repack(
     omega = placement.omega
     unit = work.max_memory_mib
     index = _waste_index(work, omega)
+    known = index.refuted
+    known.start(placement)
     moves: list[CompactionMove] = []
     freed: list[GpuRef] = []
     tries = 0
@@ -2163,23 +2318,33 @@ def _repack(
             break
         ords = work.invoker_ordinals[inv]
         node = work.gpus.span(ords[0], ords[-1] + 1)
-        sources = sorted(
-            (max(g.used_request / omega, g.used_memory / unit), o)
-            for o, g in enumerate(node, first)
-            if g.instances and g.ref not in targets and _may_repack(work, g, pinned)
-        )
+        allowed = min(config.repack_moves, budget - len(moves))
+        spent = index.exhausted.get(inv)
+        if spent is not None and spent[1] >= allowed and spent[2] == pinned and all(map(is_, spent[0], node)):
+            # Each GPU it may try would be skipped as failed (below).
+            continue
+        exhausted = True
+        sources = []
+        for o, g in enumerate(node, first):
+            if g.instances and _may_repack(work, g, pinned):
+                if g.ref in targets:
+                    exhausted = False
+                else:
+                    sources.append((max(g.used_request / omega, g.used_memory / unit), o))
+        sources.sort()
         for _, o in sources:
             if tries >= config.repacks:
+                exhausted = False
                 break
-            allowed = min(config.repack_moves, budget - len(moves))
             gone = index.failed.get(o)
             if gone is not None and gone[1] >= allowed and gone[2] == pinned and all(map(is_, gone[0], node)):
                 continue
             tries += 1
-            found = _repack_gpu(work, o, placement, allowed, targets, pinned)
+            found = _repack_gpu(work, o, placement, allowed, targets, pinned, known)
             if found is None:
                 index.failed[o] = (node, allowed, pinned)
                 continue
+            exhausted = False
             work, gpu_moves, dark = found
             moves.extend(gpu_moves)
             freed.extend(dark)
@@ -2187,6 +2352,10 @@ def _repack(
                 targets.add(m.target)
                 targets.update(p.gpu for p in m.parts)
             break
+        if exhausted:
+            index.exhausted[inv] = (node, allowed, pinned)
+        else:
+            index.exhausted.pop(inv, None)
     return work, moves, freed
 
 
@@ -2210,13 +2379,15 @@ def _repack_gpu(
     budget: int,
     targets: set[GpuRef],
     pinned: frozenset[str],
+    known: _Refuted,
 ) -> tuple[ClusterSnapshot, list[CompactionMove], list[GpuRef]] | None:
     """Every instance of GPU `o` placed anew on other lit GPUs (`place`, lit GPUs only, the GPU
     avoided): whole instances the largest first, where no lit GPU takes one after displacing one
     instance of another lit GPU of the node (`_displace`); then each split instance with a stage
     there cut anew as a whole, on any lit GPUs but `o` (its other stages' GPUs included). Returns
     the cluster after, the moves and the GPUs left dark (`o` first), or None: some instance found
-    no room, or the moves cost more than `budget` cold starts."""
+    no room, or the moves cost more than `budget` cold starts. A placement `known` to fail is not
+    run; one that fails is learnt there."""
     gpu = work.gpus[o]
     source = gpu.ref
     trial = work
@@ -2227,9 +2398,14 @@ def _repack_gpu(
     )
     for inst in wholes:
         request = _as_request(trial, inst, source)
-        rest = trial.without_instance(inst.id)
-        decision = place(rest, request, placement)
-        if decision.placed:
+        if known.fails(trial, inst, frozenset((o,))):
+            decision = None
+        else:
+            rest = trial.without_instance(inst.id)
+            decision = place(rest, request, placement)
+            if not decision.placed:
+                known.learn(trial, inst, _need(trial, gpu, inst, placement, True))
+        if decision is not None and decision.placed:
             trial = apply_placement(rest, request, decision) if decision.parts else rest.with_instance(
                 inst, decision.gpus
             )
@@ -2244,7 +2420,7 @@ def _repack_gpu(
                 )
             ]
         else:
-            displaced = _displace(rest, inst, request, source, placement, targets, pinned)
+            displaced = _displace(trial, inst, request, source, placement, targets, pinned, known)
             if displaced is None:
                 return None
             trial, made = displaced
@@ -2270,21 +2446,28 @@ def _repack_gpu(
 
 
 def _displace(
-    rest: ClusterSnapshot,
+    base: ClusterSnapshot,
     inst: PlacedInstance,
     request: PlacementRequest,
     source: GpuRef,
     placement: PlacementConfig,
     targets: set[GpuRef],
     pinned: frozenset[str],
+    known: _Refuted,
 ) -> tuple[ClusterSnapshot, list[CompactionMove]] | None:
-    """`inst` (off `source`, absent from `rest`) placed on a lit GPU of its node in the place of one
-    whole one-GPU instance there, which placement then puts on another lit GPU (neither `source` nor
-    that GPU): the first such pair, the GPUs in cluster order and on each the smallest instance
-    first; None: no pair. Both GPUs pass every filter of the strategy for what they take."""
+    """`inst` (on `source` in `base`) placed on a lit GPU of its node in the place of one whole
+    one-GPU instance there, which placement then puts on another lit GPU (neither `source` nor that
+    GPU): the first such pair, the GPUs in cluster order and on each the smallest instance first;
+    None: no pair. Both GPUs pass every filter of the strategy for what they take. The cluster
+    placement then sees differs from `base` only on the two GPUs its request avoids, so a placement
+    `known` to fail on `base` is not run (`_Refuted`)."""
     filters = placement.filters()
-    ords = rest.invoker_ordinals[source.invoker]
-    for g in rest.gpus.span(ords[0], ords[-1] + 1):
+    ords = base.invoker_ordinals[source.invoker]
+    s = base.ordinals[source]
+    rest: ClusterSnapshot | None = None
+    by_request, _, by_memory = known.caps
+    omega, grow = placement.omega + EPS + _SWAP_SLACK, 1.0 + EPS
+    for og, g in enumerate(base.gpus.span(ords[0], ords[-1] + 1), ords[0]):
         if not g.instances or g.ref == source or g.ref in targets:
             continue
         others = sorted(
@@ -2292,15 +2475,27 @@ def _displace(
             key=lambda i: (i.request, i.memory_mib, i.id),
         )
         for other in others:
+            # Most pairs fail here: in request or memory beyond any rounding, without building the
+            # GPU's state (the filters, on that state, decide the rest).
+            if (by_request and g.used_request - other.request + request.request > omega) or (
+                by_memory and g.used_memory - other.memory_mib + request.memory_mib > g.memory_mib * grow + _SWAP_SLACK_MIB
+            ):
+                continue
             without = g.with_instances(tuple(i for i in g.instances if i.id != other.id))
             if not all(f.passes(without, request, placement) for f in filters):
                 continue
+            avoid = frozenset((og, s))
+            if known.fails(base, other, avoid):
+                continue
+            if rest is None:
+                rest = base.without_instance(inst.id)
             after = rest.without_instance(other.id).with_instance(inst, (g.ref,))
             moved = replace(
                 _as_request(rest, other, g.ref), avoid_gpus=frozenset((g.ref, source))
             )
             decision = place(after, moved, placement)
             if not decision.placed:
+                known.learn(base, other, replace(_need(base, g, other, placement, True), avoid=avoid))
                 continue
             after = apply_placement(after, moved, decision) if decision.parts else after.with_instance(
                 other, decision.gpus
