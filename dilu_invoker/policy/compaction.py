@@ -2091,13 +2091,13 @@ _FactKey = tuple[InstanceClass, float, float, float]
 class _Refuted:
     """The lit-only placements that a re-pack ran and that found no room (of the re-packed GPU's own
     instances, and of those a displacement would move off another GPU of its node), by the shape of
-    the instance, each with the GPU states it failed on and what the instance needs (`Need`;
-    `avoid`: the GPUs its request avoided).
+    the instance, each with the GPU states it failed on, what the instance needs (`Need`) and the
+    GPUs its request avoided.
 
     Most re-pack tries fail, and a GPU is tried again as soon as a GPU of its node changed, mostly
     at the same placements. A placement known to fail fails again on a later cluster while no GPU
     it may use that changed since, or that it avoided then and may use now, may take the instance
-    (`_may_take`): whole, or as a piece of a split over its node's lit GPUs. Moves and arrivals only
+    (`_some_take`): whole, or as a piece of a split over its node's lit GPUs. Moves and arrivals only
     consume room elsewhere, and split placement takes a node's GPUs only where each may hold a
     piece, so the others are as they were (as `CompactionState` relies on for emptying). So such a
     placement is not run, and the re-pack decides exactly as it does placing; a fact confirmed so
@@ -2108,8 +2108,8 @@ class _Refuted:
     placement: PlacementConfig | None = None
     caps: tuple[bool, bool, bool] = (False, False, False)
     """Whether the strategy bounds a GPU by Σ request (ω), Σ limit (γ) and memory."""
-    facts: dict[_FactKey, tuple[GpuVector, Need]] = field(default_factory=dict)
-    older: dict[_FactKey, tuple[GpuVector, Need]] = field(default_factory=dict)
+    facts: dict[_FactKey, tuple[GpuVector, Need, frozenset[int]]] = field(default_factory=dict)
+    older: dict[_FactKey, tuple[GpuVector, Need, frozenset[int]]] = field(default_factory=dict)
     calls: int = 0
     now: GpuVector | None = None
     changes: dict[int, tuple[GpuVector, list[tuple[int, GpuState]]]] = field(default_factory=dict)
@@ -2118,7 +2118,7 @@ class _Refuted:
 
     def start(self, placement: PlacementConfig) -> None:
         """A `_repack` call begins under `placement`."""
-        if placement != self.placement:
+        if placement is not self.placement and placement != self.placement:
             names = {f.name for f in placement.filters()}
             self.placement = placement
             self.caps = ("sm-request" in names, "sm-limit" in names, "memory" in names)
@@ -2138,27 +2138,22 @@ class _Refuted:
             fact = self.older.pop(key, None)
             if fact is None:
                 return False
-        since, need = fact
+        since, need, avoided = fact
         gpus = cluster.gpus
-        if need.avoid != avoid:
+        if (
+            avoided != avoid
             # What it avoided then and may use now must not take it either.
-            freed = need.avoid - avoid
-            need = replace(need, avoid=avoid)
-            for o in freed:
-                if self._may_take(cluster, gpus[o], need):
-                    self.facts.pop(key, None)
-                    return False
-        if since is not gpus:
-            for o, g in self._changed(since, gpus):
-                if o not in avoid and self._may_take(cluster, g, need):
-                    self.facts.pop(key, None)
-                    return False
-        self.facts[key] = (gpus, need)
+            and self._some_take(cluster, [(o, gpus[o]) for o in avoided - avoid], need, avoid)
+        ) or (since is not gpus and self._some_take(cluster, self._changed(since, gpus), need, avoid)):
+            self.facts.pop(key, None)
+            return False
+        self.facts[key] = (gpus, need, avoid)
         return True
 
-    def learn(self, cluster: ClusterSnapshot, inst: PlacedInstance, need: Need) -> None:
-        """The lit-only placement of `inst`, which needs `need`, found no room on `cluster`."""
-        self.facts[(inst.cls, inst.request, inst.limit, inst.memory_mib)] = (cluster.gpus, need)
+    def learn(self, cluster: ClusterSnapshot, inst: PlacedInstance, need: Need, avoid: frozenset[int]) -> None:
+        """The lit-only placement of `inst` (which needs `need`) avoiding the GPUs `avoid` found no room
+        on `cluster`."""
+        self.facts[(inst.cls, inst.request, inst.limit, inst.memory_mib)] = (cluster.gpus, need, avoid)
 
     def _changed(self, since: GpuVector, now: GpuVector) -> list[tuple[int, GpuState]]:
         if now is not self.now:
@@ -2170,56 +2165,67 @@ class _Refuted:
             got = self.changes[id(since)] = (since, lit)
         return got[1]
 
-    def _may_take(self, cluster: ClusterSnapshot, g: GpuState, need: Need) -> bool:
-        """Whether lit GPU `g` may take the instance `need` describes: whole (as the filters test
-        it), or a piece of it (its split capacity, as split placement computes it, at least the
-        least piece) with its node's other lit GPUs holding the rest. An over-estimate: a little
-        slack against the order of sums; `avoid` only keeps GPUs out of the node's room."""
+    def _some_take(
+        self, cluster: ClusterSnapshot, gpus: list[tuple[int, GpuState]], need: Need, avoid: frozenset[int]
+    ) -> bool:
+        """Whether one of `gpus` (ordinal, state; those in `avoid` aside) may take the instance
+        `need` describes: whole (the filters' sums, a little slack added), or a piece of it (its
+        capacity as split placement computes it, at least the least piece, a little slack taken)
+        with its node's other lit GPUs holding the rest. A lit GPU that may hold no piece does not
+        count: split placement never uses it, and the node's other GPUs that changed are looked at
+        themselves. An over-estimate (the order of sums aside, as `_SWAP_SLACK` for the filters)."""
+        if not gpus:
+            return False
         placement = self.placement
         assert placement is not None
         by_request, by_limit, by_memory = self.caps
-        grow = 1.0 + EPS
-        if (
-            g.instances
-            and g.schedulable
-            and (not by_request or g.used_request + need.request <= placement.omega + EPS)
-            and (not by_limit or g.used_limit + need.limit <= placement.gamma + EPS)
-            and (not by_memory or g.used_memory + need.memory_mib <= g.memory_mib * grow)
-        ):
-            return True
+        omega, gamma, grow = placement.omega + EPS + _SWAP_SLACK, placement.gamma + EPS + _SWAP_SLACK, 1.0 + EPS
+        request, limit, memory = need.request, need.limit, need.memory_mib
         whole = need.split_mib
-        if whole is None or not (g.instances and g.schedulable):
-            return False
-        small = min(placement.min_part_mib, whole)
-        if self._capacity(g, need, whole) < small:
-            # Never a piece: the node's pieces are on GPUs that were as they are.
-            return False
-        ords = cluster.invoker_ordinals[g.ref.invoker]
-        room = 0.0
-        pieces = 0
-        avoid = need.avoid
-        for o, h in enumerate(cluster.gpus.span(ords[0], ords[-1] + 1), ords[0]):
-            if h.instances and h.schedulable and o not in avoid:
-                c = self._capacity(h, need, whole)
-                if c >= small:
-                    room += c if c < whole else whole
-                    pieces += 1
-        return pieces >= 2 and room >= whole - EPS - _REFUTED_SLACK_MIB
-
-    def _capacity(self, h: GpuState, need: Need, whole: float) -> float:
-        """The most memory (MiB) a piece of the instance may take on `h` (split placement's
-        capacity: memory × (1 + EPS) − used, capped by the request and limit room in proportion)."""
-        placement = self.placement
-        assert placement is not None
-        by_request, by_limit, by_memory = self.caps
-        c = h.memory_mib * (1.0 + EPS) - h.used_memory if by_memory else math.inf
-        if by_request and need.split_request > 0:
-            x = (placement.omega + EPS - h.used_request) * (whole / need.split_request)
-            c = x if x < c else c
-        if by_limit and need.split_limit > 0:
-            x = (placement.gamma + EPS - h.used_limit) * (whole / need.split_limit)
-            c = x if x < c else c
-        return c
+        small = per_request = per_limit = 0.0
+        if whole is not None:
+            small = min(placement.min_part_mib, whole) - _REFUTED_SLACK_MIB
+            per_request = whole / need.split_request if by_request and need.split_request > 0 else 0.0
+            per_limit = whole / need.split_limit if by_limit and need.split_limit > 0 else 0.0
+        for o, g in gpus:
+            if o in avoid or not (g.instances and g.schedulable):
+                continue
+            if (
+                (not by_request or g.used_request + request <= omega)
+                and (not by_limit or g.used_limit + limit <= gamma)
+                and (not by_memory or g.used_memory + memory <= g.memory_mib * grow + _SWAP_SLACK_MIB)
+            ):
+                return True
+            if whole is None:
+                continue
+            c = g.memory_mib * grow - g.used_memory if by_memory else math.inf
+            if per_request:
+                x = (omega - g.used_request) * per_request
+                c = x if x < c else c
+            if per_limit:
+                x = (gamma - g.used_limit) * per_limit
+                c = x if x < c else c
+            if c < small:
+                continue
+            # The node's room for pieces, the GPUs avoided aside.
+            ords = cluster.invoker_ordinals[g.ref.invoker]
+            room = 0.0
+            pieces = 0
+            for oh, h in enumerate(cluster.gpus.span(ords[0], ords[-1] + 1), ords[0]):
+                if h.instances and h.schedulable and oh not in avoid:
+                    c = h.memory_mib * grow - h.used_memory if by_memory else math.inf
+                    if per_request:
+                        x = (omega - h.used_request) * per_request
+                        c = x if x < c else c
+                    if per_limit:
+                        x = (gamma - h.used_limit) * per_limit
+                        c = x if x < c else c
+                    if c >= small:
+                        room += c if c < whole else whole
+                        pieces += 1
+            if pieces >= 2 and room >= whole - EPS - _REFUTED_SLACK_MIB:
+                return True
+        return False
 
 
 #: The index of the last `_repack` (one: the calls of a replay follow one another).
@@ -2398,13 +2404,14 @@ def _repack_gpu(
     )
     for inst in wholes:
         request = _as_request(trial, inst, source)
-        if known.fails(trial, inst, frozenset((o,))):
+        avoid = frozenset((o,))
+        if known.fails(trial, inst, avoid):
             decision = None
         else:
             rest = trial.without_instance(inst.id)
             decision = place(rest, request, placement)
             if not decision.placed:
-                known.learn(trial, inst, _need(trial, gpu, inst, placement, True))
+                known.learn(trial, inst, _need(trial, gpu, inst, placement, True), avoid)
         if decision is not None and decision.placed:
             trial = apply_placement(rest, request, decision) if decision.parts else rest.with_instance(
                 inst, decision.gpus
@@ -2495,7 +2502,7 @@ def _displace(
             )
             decision = place(after, moved, placement)
             if not decision.placed:
-                known.learn(base, other, replace(_need(base, g, other, placement, True), avoid=avoid))
+                known.learn(base, other, _need(base, g, other, placement, True), avoid)
                 continue
             after = apply_placement(after, moved, decision) if decision.parts else after.with_instance(
                 other, decision.gpus

@@ -108,7 +108,7 @@ def test_a_failed_placement_is_known_only_while_it_would_fail(case: Case) -> Non
     o = cluster.ordinals[A0]
     request = _as_request(cluster, x, A0)
     assert not place(cluster.without_instance(x.id), request, SPLIT).placed
-    known.learn(cluster, x, _need(cluster, cluster.gpus[o], x, SPLIT, True))
+    known.learn(cluster, x, _need(cluster, cluster.gpus[o], x, SPLIT, True), frozenset({o}))
     assert known.fails(cluster, x, frozenset({o}))
     later = case.change(cluster)
     avoid = frozenset(later.ordinals[r] for r in case.avoid)
@@ -128,7 +128,7 @@ def test_a_fact_under_another_placement_config_is_dropped() -> None:
     known = _Refuted()
     known.start(SPLIT)
     o = CLUSTER.ordinals[A0]
-    known.learn(CLUSTER, x, _need(CLUSTER, CLUSTER.gpus[o], x, SPLIT, True))
+    known.learn(CLUSTER, x, _need(CLUSTER, CLUSTER.gpus[o], x, SPLIT, True), frozenset({o}))
     known.start(replace(SPLIT, omega=1.2))
     assert not known.fails(CLUSTER, x, frozenset({o}))
 
