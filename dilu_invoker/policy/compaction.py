@@ -2405,8 +2405,12 @@ def _repack_gpu(
     for inst in wholes:
         request = _as_request(trial, inst, source)
         avoid = frozenset((o,))
+        decision = None
         if known.fails(trial, inst, avoid):
-            decision = None
+            pass
+        elif not _may_place(trial, request, placement):
+            # `trial` differs from the cluster placement would see only on `o`, which it avoids.
+            known.learn(trial, inst, _need(trial, gpu, inst, placement, True), avoid)
         else:
             rest = trial.without_instance(inst.id)
             decision = place(rest, request, placement)
@@ -2452,6 +2456,13 @@ def _repack_gpu(
     return trial, moves, [source, *(r for r in dark if not trial.gpu(r).lit)]
 
 
+def _may_place(base: ClusterSnapshot, request: PlacementRequest, placement: PlacementConfig) -> bool:
+    """Whether a lit-only `place` of `request` may succeed on a cluster that differs from `base` only
+    on GPUs the request avoids: whole on a lit GPU or split over lit GPUs of a node (`lit_fits`,
+    `split_fits`: placement's own tests, without scoring or deriving a snapshot)."""
+    return bool(lit_fits(base, request, placement)) or split_fits(base, request, placement)
+
+
 def _displace(
     base: ClusterSnapshot,
     inst: PlacedInstance,
@@ -2494,12 +2505,13 @@ def _displace(
             avoid = frozenset((og, s))
             if known.fails(base, other, avoid):
                 continue
+            moved = replace(_as_request(base, other, g.ref), avoid_gpus=frozenset((g.ref, source)))
+            if not _may_place(base, moved, placement):
+                known.learn(base, other, _need(base, g, other, placement, True), avoid)
+                continue
             if rest is None:
                 rest = base.without_instance(inst.id)
             after = rest.without_instance(other.id).with_instance(inst, (g.ref,))
-            moved = replace(
-                _as_request(rest, other, g.ref), avoid_gpus=frozenset((g.ref, source))
-            )
             decision = place(after, moved, placement)
             if not decision.placed:
                 known.learn(base, other, _need(base, g, other, placement, True), avoid)

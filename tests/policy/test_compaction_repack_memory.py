@@ -1,7 +1,8 @@
 """What re-packing remembers between tries (issue 19, CPU): a lit-only placement it ran in vain is not run
 again while no GPU that changed since (or that it avoided then and may use now) may take the instance
-(`_Refuted`), and a node whose every GPU would be skipped as failed is passed over (`_WasteIndex.exhausted`).
-Both only skip work: the plans equal those of re-packing without them."""
+(`_Refuted`), and a node whose every GPU would be skipped as failed is passed over (`_WasteIndex.exhausted`);
+a placement that `lit_fits` and `split_fits` rule out is not run either (`_may_place`). They only skip
+work: the plans equal those of re-packing without them."""
 
 from __future__ import annotations
 
@@ -156,8 +157,9 @@ def _run(mix: tuple[float, float], placement: PlacementConfig, config: Compactio
 def test_repacking_with_memory_plans_as_without(
     mix: tuple[float, float], placement: PlacementConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Along a trace with LLMs, every plan of re-packing with its memory equals the plan of re-packing that
-    places every time (the same moves, in the same order, for the same reasons), and the memory saves
+    """Along a trace with LLMs, every plan of re-packing with its memory (and its test of whether a
+    placement may succeed before deriving the cluster for it) equals the plan of re-packing that places
+    every time (the same moves, in the same order, for the same reasons), and the memory saves
     placements."""
     config = CompactionConfig(
         source_max_request=0.5, merges=2, rebalances=1, memory_merges=1, repacks=8, repack_moves=10
@@ -180,8 +182,9 @@ def test_repacking_with_memory_plans_as_without(
     with_memory = calls["place"]
     known = calls["known"]
 
-    # Without the memory: nothing is known to fail, no node is passed over.
+    # Without the memory: nothing is known to fail, every placement is run, no node is passed over.
     monkeypatch.setattr(_Refuted, "fails", lambda self, *args: False)
+    monkeypatch.setattr(compaction_module, "_may_place", lambda *args: True)
     real_index = compaction_module._waste_index
 
     def forgetful_index(*args: Any) -> Any:
