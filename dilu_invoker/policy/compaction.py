@@ -247,12 +247,13 @@ def _as_request(
 
 def _move_whole(
     cluster: ClusterSnapshot, piece: PlacedInstance, source: GpuRef, placement: PlacementConfig,
-    *, repack: bool = False,
+    *, repack: bool = False, known: _Refuted | None = None,
 ) -> tuple[ClusterSnapshot, CompactionMove, list[GpuRef]] | None:
     """Place the split instance `piece` belongs to anew, as one request (Σ of its pieces), on lit GPUs
     away from every GPU its pieces hold, so each old stage serves until the new pipeline does
     (make-before-break) without two copies sharing a GPU's memory. `cluster` still holds every piece.
-    `repack` (`_repack_gpu`): away from `source` only, its other stages' GPUs included.
+    `repack` (`_repack_gpu`): away from `source` only, its other stages' GPUs included; a placement
+    `known` to fail there is not run (`_Refuted`), one that fails is learnt.
     Returns the cluster after the move, the move, and the sibling GPUs it leaves dark; None: no room."""
     assert piece.part_of is not None
     stages = _stages(cluster, piece.part_of, source.invoker)
@@ -262,8 +263,19 @@ def _move_whole(
     rest = cluster
     for _, i in stages:
         rest = rest.without_instance(i.id)
+    avoid = frozenset((rest.ordinals[source],))
+    if known is not None and known.fails(rest, whole, avoid):
+        return None
     decision = place(rest, whole, placement)
     if not decision.placed:
+        if known is not None:
+            splits = placement.strategy_spec().splits and placement.llm_max_parts > 1
+            known.learn(rest, whole, Need(
+                ids=frozenset((whole.instance_id,)), instance=whole.instance_id, memory_mib=whole.memory_mib,
+                request=whole.request, limit=whole.limit, invoker=None,
+                split_mib=whole.memory_mib if splits else None, split_request=whole.request,
+                split_limit=whole.limit,
+            ), avoid)
         return None
     after = apply_placement(rest, whole, decision)
     move = CompactionMove(
@@ -2074,10 +2086,12 @@ class _WasteIndex:
     key: tuple[float, float]
     waste: dict[str, float]
     failed: dict[int, tuple[tuple[GpuState, ...], int, frozenset[str]]]
-    exhausted: dict[str, tuple[tuple[GpuState, ...], int, frozenset[str]]] = field(default_factory=dict)
-    """Nodes whose every GPU a call may try was skipped or failed, with their states then, the cold
-    starts allowed and the pinned instances: while these are the same, each would be skipped again
-    (as `failed`), so the node is passed over without looking at its GPUs."""
+    exhausted: dict[str, tuple[int, frozenset[str]]] = field(default_factory=dict)
+    """Nodes whose every GPU a call may try was skipped or failed, with the cold starts allowed and
+    the pinned instances then: while no GPU of the node changed (a node that changed since the
+    index was last brought up to date is dropped; one a re-pack of this call changed is not
+    trusted) and these are the same, each would be skipped again (as `failed`), so the node is
+    passed over without looking at its GPUs."""
     refuted: _Refuted = field(default_factory=lambda: _Refuted())
     """Lit-only placements a re-pack tried in vain (`_Refuted`): skipped while they would fail again."""
 
@@ -2129,7 +2143,7 @@ class _Refuted:
         self.now = None
         self.changes.clear()
 
-    def fails(self, cluster: ClusterSnapshot, inst: PlacedInstance, avoid: frozenset[int]) -> bool:
+    def fails(self, cluster: ClusterSnapshot, inst: PlacedInstance | PlacementRequest, avoid: frozenset[int]) -> bool:
         """Whether the lit-only placement of (an instance shaped as) `inst` avoiding the GPUs `avoid`
         (ordinals) is known to fail on `cluster` (as it is, or as it is but on those GPUs)."""
         key = (inst.cls, inst.request, inst.limit, inst.memory_mib)
@@ -2150,7 +2164,9 @@ class _Refuted:
         self.facts[key] = (gpus, need, avoid)
         return True
 
-    def learn(self, cluster: ClusterSnapshot, inst: PlacedInstance, need: Need, avoid: frozenset[int]) -> None:
+    def learn(
+        self, cluster: ClusterSnapshot, inst: PlacedInstance | PlacementRequest, need: Need, avoid: frozenset[int]
+    ) -> None:
         """The lit-only placement of `inst` (which needs `need`) avoiding the GPUs `avoid` found no room
         on `cluster`."""
         self.facts[(inst.cls, inst.request, inst.limit, inst.memory_mib)] = (cluster.gpus, need, avoid)
@@ -2277,7 +2293,9 @@ def _waste_index(work: ClusterSnapshot, omega: float) -> _WasteIndex:
         index = _WasteIndex(refs=work.refs, gpus=gpus, key=key, waste={}, failed={})
         _WASTE[:] = [index]
         nodes = work.invoker_ordinals
+    exhausted = index.exhausted
     for inv in nodes:
+        exhausted.pop(inv, None)
         ords = work.invoker_ordinals[inv]
         waste = _node_waste(gpus.span(ords[0], ords[-1] + 1), omega, unit)
         if waste is None:
@@ -2319,16 +2337,18 @@ def _repack(
         _REPACK_NODES * config.repacks,
         ((-w, work.invoker_ordinals[inv][0], inv) for inv, w in index.waste.items() if w > EPS),
     )
+    # Nodes a re-pack of this call changed (the index knows what changed before).
+    touched: set[str] = set()
     for _, first, inv in ranked:
         if tries >= config.repacks or len(moves) >= budget:
             break
-        ords = work.invoker_ordinals[inv]
-        node = work.gpus.span(ords[0], ords[-1] + 1)
         allowed = min(config.repack_moves, budget - len(moves))
         spent = index.exhausted.get(inv)
-        if spent is not None and spent[1] >= allowed and spent[2] == pinned and all(map(is_, spent[0], node)):
+        if spent is not None and spent[0] >= allowed and spent[1] == pinned and inv not in touched:
             # Each GPU it may try would be skipped as failed (below).
             continue
+        ords = work.invoker_ordinals[inv]
+        node = work.gpus.span(ords[0], ords[-1] + 1)
         exhausted = True
         sources = []
         for o, g in enumerate(node, first):
@@ -2351,6 +2371,8 @@ def _repack(
                 index.failed[o] = (node, allowed, pinned)
                 continue
             exhausted = False
+            refs = work.refs
+            touched.update(refs[c].invoker for c in found[0].gpus.changed_since(work.gpus))
             work, gpu_moves, dark = found
             moves.extend(gpu_moves)
             freed.extend(dark)
@@ -2359,7 +2381,7 @@ def _repack(
                 targets.update(p.gpu for p in m.parts)
             break
         if exhausted:
-            index.exhausted[inv] = (node, allowed, pinned)
+            index.exhausted[inv] = (allowed, pinned)
         else:
             index.exhausted.pop(inv, None)
     return work, moves, freed
@@ -2441,7 +2463,7 @@ def _repack_gpu(
             return None
     for whole in sorted({i.part_of for i in gpu.instances if i.part_of is not None}):
         piece = next(p for p in trial.gpus[o].instances if p.part_of == whole)
-        cut = _move_whole(trial, piece, source, placement, repack=True)
+        cut = _move_whole(trial, piece, source, placement, repack=True, known=known)
         if cut is None:
             return None
         trial, move, _ = cut
