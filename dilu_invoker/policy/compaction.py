@@ -2125,10 +2125,11 @@ class _Refuted:
     facts: dict[_FactKey, tuple[GpuVector, Need, frozenset[int]]] = field(default_factory=dict)
     older: dict[_FactKey, tuple[GpuVector, Need, frozenset[int]]] = field(default_factory=dict)
     calls: int = 0
-    now: GpuVector | None = None
-    changes: dict[int, tuple[GpuVector, list[tuple[int, GpuState]]]] = field(default_factory=dict)
-    """The lit, schedulable GPUs that changed between a fact's GPUs and `now`, by the former's id
-    (kept with them, so that the id stays theirs)."""
+    changes: dict[tuple[int, int], tuple[GpuVector, GpuVector, list[tuple[int, GpuState]]]] = field(
+        default_factory=dict
+    )
+    """The lit, schedulable GPUs that changed between a fact's GPUs and those it is checked on, by
+    their ids (kept with them, so that the ids stay theirs), for the call."""
 
     def start(self, placement: PlacementConfig) -> None:
         """A `_repack` call begins under `placement`."""
@@ -2140,7 +2141,6 @@ class _Refuted:
         self.calls += 1
         if self.calls % _REFUTED_CALLS == 0:
             self.older, self.facts = self.facts, {}
-        self.now = None
         self.changes.clear()
 
     def fails(self, cluster: ClusterSnapshot, inst: PlacedInstance | PlacementRequest, avoid: frozenset[int]) -> bool:
@@ -2172,14 +2172,11 @@ class _Refuted:
         self.facts[(inst.cls, inst.request, inst.limit, inst.memory_mib)] = (cluster.gpus, need, avoid)
 
     def _changed(self, since: GpuVector, now: GpuVector) -> list[tuple[int, GpuState]]:
-        if now is not self.now:
-            self.now = now
-            self.changes.clear()
-        got = self.changes.get(id(since))
-        if got is None or got[0] is not since:
+        got = self.changes.get((id(since), id(now)))
+        if got is None or got[0] is not since or got[1] is not now:
             lit = [(o, g) for o in now.changed_since(since) if (g := now[o]).instances and g.schedulable]
-            got = self.changes[id(since)] = (since, lit)
-        return got[1]
+            got = self.changes[(id(since), id(now))] = (since, now, lit)
+        return got[2]
 
     def _some_take(
         self, cluster: ClusterSnapshot, gpus: list[tuple[int, GpuState]], need: Need, avoid: frozenset[int]
