@@ -247,12 +247,13 @@ def _as_request(
 
 def _move_whole(
     cluster: ClusterSnapshot, piece: PlacedInstance, source: GpuRef, placement: PlacementConfig,
-    *, repack: bool = False,
+    *, repack: bool = False, known: _Refuted | None = None,
 ) -> tuple[ClusterSnapshot, CompactionMove, list[GpuRef]] | None:
     """Place the split instance `piece` belongs to anew, as one request (Σ of its pieces), on lit GPUs
     away from every GPU its pieces hold, so each old stage serves until the new pipeline does
     (make-before-break) without two copies sharing a GPU's memory. `cluster` still holds every piece.
-    `repack` (`_repack_gpu`): away from `source` only, its other stages' GPUs included.
+    `repack` (`_repack_gpu`): away from `source` only, its other stages' GPUs included; a placement
+    `known` to fail there is not run (`_Refuted`), one that fails is learnt.
     Returns the cluster after the move, the move, and the sibling GPUs it leaves dark; None: no room."""
     assert piece.part_of is not None
     stages = _stages(cluster, piece.part_of, source.invoker)
@@ -262,8 +263,19 @@ def _move_whole(
     rest = cluster
     for _, i in stages:
         rest = rest.without_instance(i.id)
+    avoid = frozenset((rest.ordinals[source],))
+    if known is not None and known.fails(rest, whole, avoid):
+        return None
     decision = place(rest, whole, placement)
     if not decision.placed:
+        if known is not None:
+            splits = placement.strategy_spec().splits and placement.llm_max_parts > 1
+            known.learn(rest, whole, Need(
+                ids=frozenset((whole.instance_id,)), instance=whole.instance_id, memory_mib=whole.memory_mib,
+                request=whole.request, limit=whole.limit, invoker=None,
+                split_mib=whole.memory_mib if splits else None, split_request=whole.request,
+                split_limit=whole.limit,
+            ), avoid)
         return None
     after = apply_placement(rest, whole, decision)
     move = CompactionMove(
@@ -2288,12 +2300,172 @@ class _WasteIndex:
     key: tuple[float, float]
     waste: dict[str, float]
     failed: dict[int, tuple[tuple[GpuState, ...], int, frozenset[str]]]
+    exhausted: dict[str, tuple[int, frozenset[str]]] = field(default_factory=dict)
+    """Nodes whose every GPU a call may try was skipped or failed, with the cold starts allowed and
+    the pinned instances then: while no GPU of the node changed (a node that changed since the
+    index was last brought up to date is dropped; one a re-pack of this call changed is not
+    trusted) and these are the same, each would be skipped again (as `failed`), so the node is
+    passed over without looking at its GPUs."""
+    refuted: _Refuted = field(default_factory=lambda: _Refuted())
+    """Lit-only placements a re-pack tried in vain (`_Refuted`): skipped while they would fail again."""
+
+
+#: Key of a `_Refuted` fact: the instance's class, request, limit and memory (MiB), all that the
+#: filters and split placement read of a lit-only request besides the GPUs it avoids.
+_FactKey = tuple[InstanceClass, float, float, float]
+
+
+@dataclass(slots=True)
+class _Refuted:
+    """The lit-only placements that a re-pack ran and that found no room (of the re-packed GPU's own
+    instances, and of those a displacement would move off another GPU of its node), by the shape of
+    the instance, each with the GPU states it failed on, what the instance needs (`Need`) and the
+    GPUs its request avoided.
+
+    Most re-pack tries fail, and a GPU is tried again as soon as a GPU of its node changed, mostly
+    at the same placements. A placement known to fail fails again on a later cluster while no GPU
+    it may use that changed since, or that it avoided then and may use now, may take the instance
+    (`_some_take`): whole, or as a piece of a split over its node's lit GPUs. Moves and arrivals only
+    consume room elsewhere, and split placement takes a node's GPUs only where each may hold a
+    piece, so the others are as they were (as `CompactionState` relies on for emptying). So such a
+    placement is not run, and the re-pack decides exactly as it does placing; a fact confirmed so
+    is restamped with the GPUs it was checked on, so that the next check looks only at what changed
+    after (`GpuVector.changed_since`: identity, at C speed). Facts not used for `_REFUTED_CALLS`
+    calls are dropped (two generations); under another placement config every fact is."""
+
+    placement: PlacementConfig | None = None
+    caps: tuple[bool, bool, bool] = (False, False, False)
+    """Whether the strategy bounds a GPU by Σ request (ω), Σ limit (γ) and memory."""
+    facts: dict[_FactKey, tuple[GpuVector, Need, frozenset[int]]] = field(default_factory=dict)
+    older: dict[_FactKey, tuple[GpuVector, Need, frozenset[int]]] = field(default_factory=dict)
+    calls: int = 0
+    changes: dict[tuple[int, int], tuple[GpuVector, GpuVector, list[tuple[int, GpuState]]]] = field(
+        default_factory=dict
+    )
+    """The lit, schedulable GPUs that changed between a fact's GPUs and those it is checked on, by
+    their ids (kept with them, so that the ids stay theirs), for the call."""
+
+    def start(self, placement: PlacementConfig) -> None:
+        """A `_repack` call begins under `placement`."""
+        if placement is not self.placement and placement != self.placement:
+            names = {f.name for f in placement.filters()}
+            self.placement = placement
+            self.caps = ("sm-request" in names, "sm-limit" in names, "memory" in names)
+            self.facts, self.older = {}, {}
+        self.calls += 1
+        if self.calls % _REFUTED_CALLS == 0:
+            self.older, self.facts = self.facts, {}
+        self.changes.clear()
+
+    def fails(self, cluster: ClusterSnapshot, inst: PlacedInstance | PlacementRequest, avoid: frozenset[int]) -> bool:
+        """Whether the lit-only placement of (an instance shaped as) `inst` avoiding the GPUs `avoid`
+        (ordinals) is known to fail on `cluster` (as it is, or as it is but on those GPUs)."""
+        key = (inst.cls, inst.request, inst.limit, inst.memory_mib)
+        fact = self.facts.get(key)
+        if fact is None:
+            fact = self.older.pop(key, None)
+            if fact is None:
+                return False
+        since, need, avoided = fact
+        gpus = cluster.gpus
+        if (
+            avoided != avoid
+            # What it avoided then and may use now must not take it either.
+            and self._some_take(cluster, [(o, gpus[o]) for o in avoided - avoid], need, avoid)
+        ) or (since is not gpus and self._some_take(cluster, self._changed(since, gpus), need, avoid)):
+            self.facts.pop(key, None)
+            return False
+        self.facts[key] = (gpus, need, avoid)
+        return True
+
+    def learn(
+        self, cluster: ClusterSnapshot, inst: PlacedInstance | PlacementRequest, need: Need, avoid: frozenset[int]
+    ) -> None:
+        """The lit-only placement of `inst` (which needs `need`) avoiding the GPUs `avoid` found no room
+        on `cluster`."""
+        self.facts[(inst.cls, inst.request, inst.limit, inst.memory_mib)] = (cluster.gpus, need, avoid)
+
+    def _changed(self, since: GpuVector, now: GpuVector) -> list[tuple[int, GpuState]]:
+        got = self.changes.get((id(since), id(now)))
+        if got is None or got[0] is not since or got[1] is not now:
+            lit = [(o, g) for o in now.changed_since(since) if (g := now[o]).instances and g.schedulable]
+            got = self.changes[(id(since), id(now))] = (since, now, lit)
+        return got[2]
+
+    def _some_take(
+        self, cluster: ClusterSnapshot, gpus: list[tuple[int, GpuState]], need: Need, avoid: frozenset[int]
+    ) -> bool:
+        """Whether one of `gpus` (ordinal, state; those in `avoid` aside) may take the instance
+        `need` describes: whole (the filters' sums, a little slack added), or a piece of it (its
+        capacity as split placement computes it, at least the least piece, a little slack taken)
+        with its node's other lit GPUs holding the rest. A lit GPU that may hold no piece does not
+        count: split placement never uses it, and the node's other GPUs that changed are looked at
+        themselves. An over-estimate (the order of sums aside, as `_SWAP_SLACK` for the filters)."""
+        if not gpus:
+            return False
+        placement = self.placement
+        assert placement is not None
+        by_request, by_limit, by_memory = self.caps
+        omega, gamma, grow = placement.omega + EPS + _SWAP_SLACK, placement.gamma + EPS + _SWAP_SLACK, 1.0 + EPS
+        request, limit, memory = need.request, need.limit, need.memory_mib
+        whole = need.split_mib
+        small = per_request = per_limit = 0.0
+        if whole is not None:
+            small = min(placement.min_part_mib, whole) - _REFUTED_SLACK_MIB
+            per_request = whole / need.split_request if by_request and need.split_request > 0 else 0.0
+            per_limit = whole / need.split_limit if by_limit and need.split_limit > 0 else 0.0
+        for o, g in gpus:
+            if o in avoid or not (g.instances and g.schedulable):
+                continue
+            if (
+                (not by_request or g.used_request + request <= omega)
+                and (not by_limit or g.used_limit + limit <= gamma)
+                and (not by_memory or g.used_memory + memory <= g.memory_mib * grow + _SWAP_SLACK_MIB)
+            ):
+                return True
+            if whole is None:
+                continue
+            c = g.memory_mib * grow - g.used_memory if by_memory else math.inf
+            if per_request:
+                x = (omega - g.used_request) * per_request
+                c = x if x < c else c
+            if per_limit:
+                x = (gamma - g.used_limit) * per_limit
+                c = x if x < c else c
+            if c < small:
+                continue
+            # The node's room for pieces, the GPUs avoided aside.
+            ords = cluster.invoker_ordinals[g.ref.invoker]
+            room = 0.0
+            pieces = 0
+            for oh, h in enumerate(cluster.gpus.span(ords[0], ords[-1] + 1), ords[0]):
+                if h.instances and h.schedulable and oh not in avoid:
+                    c = h.memory_mib * grow - h.used_memory if by_memory else math.inf
+                    if per_request:
+                        x = (omega - h.used_request) * per_request
+                        c = x if x < c else c
+                    if per_limit:
+                        x = (gamma - h.used_limit) * per_limit
+                        c = x if x < c else c
+                    if c >= small:
+                        room += c if c < whole else whole
+                        pieces += 1
+            if pieces >= 2 and room >= whole - EPS - _REFUTED_SLACK_MIB:
+                return True
+        return False
 
 
 #: The index of the last `_repack` (one: the calls of a replay follow one another).
 _WASTE: list[_WasteIndex] = []
 #: Nodes a call looks at per re-pack it may try, the most waste first.
 _REPACK_NODES = 16
+#: Calls after which a `_Refuted` fact not used since is dropped (between one and two such spans).
+_REFUTED_CALLS = 64
+#: Slack (MiB) of `_Refuted`'s split test against the order in which split placement sums capacities.
+_REFUTED_SLACK_MIB = 1e-3
+#: Slack of `_displace`'s quick test of a pair (fraction of a GPU, MiB): far above what summing a
+#: GPU's instances in another order may change.
+_SWAP_SLACK, _SWAP_SLACK_MIB = 1e-9, 1e-6
 
 
 def _node_waste(node: Sequence[GpuState], omega: float, unit: float) -> float | None:
@@ -2332,7 +2504,9 @@ def _waste_index(work: ClusterSnapshot, omega: float) -> _WasteIndex:
         index = _WasteIndex(refs=work.refs, gpus=gpus, key=key, waste={}, failed={})
         _WASTE[:] = [index]
         nodes = work.invoker_ordinals
+    exhausted = index.exhausted
     for inv in nodes:
+        exhausted.pop(inv, None)
         ords = work.invoker_ordinals[inv]
         waste = _node_waste(gpus.span(ords[0], ords[-1] + 1), omega, unit)
         if waste is None:
@@ -2364,6 +2538,8 @@ def _repack(
     omega = placement.omega
     unit = work.max_memory_mib
     index = _waste_index(work, omega)
+    known = index.refuted
+    known.start(placement)
     moves: list[CompactionMove] = []
     freed: list[GpuRef] = []
     tries = 0
@@ -2372,28 +2548,42 @@ def _repack(
         _REPACK_NODES * config.repacks,
         ((-w, work.invoker_ordinals[inv][0], inv) for inv, w in index.waste.items() if w > EPS),
     )
+    # Nodes a re-pack of this call changed (the index knows what changed before).
+    touched: set[str] = set()
     for _, first, inv in ranked:
         if tries >= config.repacks or len(moves) >= budget:
             break
+        allowed = min(config.repack_moves, budget - len(moves))
+        spent = index.exhausted.get(inv)
+        if spent is not None and spent[0] >= allowed and spent[1] == pinned and inv not in touched:
+            # Each GPU it may try would be skipped as failed (below).
+            continue
         ords = work.invoker_ordinals[inv]
         node = work.gpus.span(ords[0], ords[-1] + 1)
-        sources = sorted(
-            (max(g.used_request / omega, g.used_memory / unit), o)
-            for o, g in enumerate(node, first)
-            if g.instances and g.ref not in targets and _may_repack(work, g, pinned)
-        )
+        exhausted = True
+        sources = []
+        for o, g in enumerate(node, first):
+            if g.instances and _may_repack(work, g, pinned):
+                if g.ref in targets:
+                    exhausted = False
+                else:
+                    sources.append((max(g.used_request / omega, g.used_memory / unit), o))
+        sources.sort()
         for _, o in sources:
             if tries >= config.repacks:
+                exhausted = False
                 break
-            allowed = min(config.repack_moves, budget - len(moves))
             gone = index.failed.get(o)
             if gone is not None and gone[1] >= allowed and gone[2] == pinned and all(map(is_, gone[0], node)):
                 continue
             tries += 1
-            found = _repack_gpu(work, o, placement, allowed, targets, pinned)
+            found = _repack_gpu(work, o, placement, allowed, targets, pinned, known)
             if found is None:
                 index.failed[o] = (node, allowed, pinned)
                 continue
+            exhausted = False
+            refs = work.refs
+            touched.update(refs[c].invoker for c in found[0].gpus.changed_since(work.gpus))
             work, gpu_moves, dark = found
             moves.extend(gpu_moves)
             freed.extend(dark)
@@ -2401,6 +2591,10 @@ def _repack(
                 targets.add(m.target)
                 targets.update(p.gpu for p in m.parts)
             break
+        if exhausted:
+            index.exhausted[inv] = (allowed, pinned)
+        else:
+            index.exhausted.pop(inv, None)
     return work, moves, freed
 
 
@@ -2424,13 +2618,15 @@ def _repack_gpu(
     budget: int,
     targets: set[GpuRef],
     pinned: frozenset[str],
+    known: _Refuted,
 ) -> tuple[ClusterSnapshot, list[CompactionMove], list[GpuRef]] | None:
     """Every instance of GPU `o` placed anew on other lit GPUs (`place`, lit GPUs only, the GPU
     avoided): whole instances the largest first, where no lit GPU takes one after displacing one
     instance of another lit GPU of the node (`_displace`); then each split instance with a stage
     there cut anew as a whole, on any lit GPUs but `o` (its other stages' GPUs included). Returns
     the cluster after, the moves and the GPUs left dark (`o` first), or None: some instance found
-    no room, or the moves cost more than `budget` cold starts."""
+    no room, or the moves cost more than `budget` cold starts. A placement `known` to fail is not
+    run; one that fails is learnt there."""
     gpu = work.gpus[o]
     source = gpu.ref
     trial = work
@@ -2441,9 +2637,19 @@ def _repack_gpu(
     )
     for inst in wholes:
         request = _as_request(trial, inst, source)
-        rest = trial.without_instance(inst.id)
-        decision = place(rest, request, placement)
-        if decision.placed:
+        avoid = frozenset((o,))
+        decision = None
+        if known.fails(trial, inst, avoid):
+            pass
+        elif not _may_place(trial, request, placement):
+            # `trial` differs from the cluster placement would see only on `o`, which it avoids.
+            known.learn(trial, inst, _need(trial, gpu, inst, placement, True), avoid)
+        else:
+            rest = trial.without_instance(inst.id)
+            decision = place(rest, request, placement)
+            if not decision.placed:
+                known.learn(trial, inst, _need(trial, gpu, inst, placement, True), avoid)
+        if decision is not None and decision.placed:
             trial = apply_placement(rest, request, decision) if decision.parts else rest.with_instance(
                 inst, decision.gpus
             )
@@ -2458,7 +2664,7 @@ def _repack_gpu(
                 )
             ]
         else:
-            displaced = _displace(rest, inst, request, source, placement, targets, pinned)
+            displaced = _displace(trial, inst, request, source, placement, targets, pinned, known)
             if displaced is None:
                 return None
             trial, made = displaced
@@ -2468,7 +2674,7 @@ def _repack_gpu(
             return None
     for whole in sorted({i.part_of for i in gpu.instances if i.part_of is not None}):
         piece = next(p for p in trial.gpus[o].instances if p.part_of == whole)
-        cut = _move_whole(trial, piece, source, placement, repack=True)
+        cut = _move_whole(trial, piece, source, placement, repack=True, known=known)
         if cut is None:
             return None
         trial, move, _ = cut
@@ -2483,22 +2689,36 @@ def _repack_gpu(
     return trial, moves, [source, *(r for r in dark if not trial.gpu(r).lit)]
 
 
+def _may_place(base: ClusterSnapshot, request: PlacementRequest, placement: PlacementConfig) -> bool:
+    """Whether a lit-only `place` of `request` may succeed on a cluster that differs from `base` only
+    on GPUs the request avoids: whole on a lit GPU or split over lit GPUs of a node (`lit_fits`,
+    `split_fits`: placement's own tests, without scoring or deriving a snapshot)."""
+    return bool(lit_fits(base, request, placement)) or split_fits(base, request, placement)
+
+
 def _displace(
-    rest: ClusterSnapshot,
+    base: ClusterSnapshot,
     inst: PlacedInstance,
     request: PlacementRequest,
     source: GpuRef,
     placement: PlacementConfig,
     targets: set[GpuRef],
     pinned: frozenset[str],
+    known: _Refuted,
 ) -> tuple[ClusterSnapshot, list[CompactionMove]] | None:
-    """`inst` (off `source`, absent from `rest`) placed on a lit GPU of its node in the place of one
-    whole one-GPU instance there, which placement then puts on another lit GPU (neither `source` nor
-    that GPU): the first such pair, the GPUs in cluster order and on each the smallest instance
-    first; None: no pair. Both GPUs pass every filter of the strategy for what they take."""
+    """`inst` (on `source` in `base`) placed on a lit GPU of its node in the place of one whole
+    one-GPU instance there, which placement then puts on another lit GPU (neither `source` nor that
+    GPU): the first such pair, the GPUs in cluster order and on each the smallest instance first;
+    None: no pair. Both GPUs pass every filter of the strategy for what they take. The cluster
+    placement then sees differs from `base` only on the two GPUs its request avoids, so a placement
+    `known` to fail on `base` is not run (`_Refuted`)."""
     filters = placement.filters()
-    ords = rest.invoker_ordinals[source.invoker]
-    for g in rest.gpus.span(ords[0], ords[-1] + 1):
+    ords = base.invoker_ordinals[source.invoker]
+    s = base.ordinals[source]
+    rest: ClusterSnapshot | None = None
+    by_request, _, by_memory = known.caps
+    omega, grow = placement.omega + EPS + _SWAP_SLACK, 1.0 + EPS
+    for og, g in enumerate(base.gpus.span(ords[0], ords[-1] + 1), ords[0]):
         if not g.instances or g.ref == source or g.ref in targets:
             continue
         others = sorted(
@@ -2506,15 +2726,28 @@ def _displace(
             key=lambda i: (i.request, i.memory_mib, i.id),
         )
         for other in others:
+            # Most pairs fail here: in request or memory beyond any rounding, without building the
+            # GPU's state (the filters, on that state, decide the rest).
+            if (by_request and g.used_request - other.request + request.request > omega) or (
+                by_memory and g.used_memory - other.memory_mib + request.memory_mib > g.memory_mib * grow + _SWAP_SLACK_MIB
+            ):
+                continue
             without = g.with_instances(tuple(i for i in g.instances if i.id != other.id))
             if not all(f.passes(without, request, placement) for f in filters):
                 continue
+            avoid = frozenset((og, s))
+            if known.fails(base, other, avoid):
+                continue
+            moved = replace(_as_request(base, other, g.ref), avoid_gpus=frozenset((g.ref, source)))
+            if not _may_place(base, moved, placement):
+                known.learn(base, other, _need(base, g, other, placement, True), avoid)
+                continue
+            if rest is None:
+                rest = base.without_instance(inst.id)
             after = rest.without_instance(other.id).with_instance(inst, (g.ref,))
-            moved = replace(
-                _as_request(rest, other, g.ref), avoid_gpus=frozenset((g.ref, source))
-            )
             decision = place(after, moved, placement)
             if not decision.placed:
+                known.learn(base, other, _need(base, g, other, placement, True), avoid)
                 continue
             after = apply_placement(after, moved, decision) if decision.parts else after.with_instance(
                 other, decision.gpus
