@@ -85,6 +85,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,6 +328,8 @@ class Sample:
     ok: bool
     gpu_ms: float | None = None
     run_ms: float | None = None
+    #: why a failed request failed: its HTTP status and the start of its body (kept for the report)
+    failure: str | None = None
 
 
 @dataclass
@@ -440,8 +443,9 @@ async def one(stack: Stack, name: str, params: dict[str, Any], out: list[Sample]
     sent = time.time()
     ms, data, status = await stack.invoke(name, params)
     ok = status == 200 and data is not None and "gpu_ms" in data
+    failure = None if ok else f"{status} {json.dumps(data)[:200] if data is not None else '(no JSON body)'}"
     out.append(Sample(sent, ms, ok, data.get("gpu_ms") if ok and data else None,
-                      data.get("run_ms") if ok and data else None))
+                      data.get("run_ms") if ok and data else None, failure))
 
 
 async def closed_loop(stack: Stack, name: str, params: dict[str, Any], seconds: float) -> list[Sample]:
@@ -492,6 +496,10 @@ def summarize(samples: list[Sample], slo_ms: float | None) -> dict[str, Any]:
         "gpu_p50_ms": rnd(pct([s.gpu_ms for s in ok if s.gpu_ms is not None], 0.5)),
         "run_p50_ms": rnd(pct([s.run_ms for s in ok if s.run_ms is not None], 0.5)),
     }
+    failures = Counter(s.failure.split(" ", 1)[0] for s in samples if s.failure)
+    if failures:
+        res["failures"] = dict(failures)  # HTTP status -> count
+        res["first_failure"] = next(s.failure for s in samples if s.failure)
     if res["p50_ms"] is not None and res["run_p50_ms"] is not None:
         res["overhead_p50_ms"] = rnd(res["p50_ms"] - res["run_p50_ms"])
     if slo_ms:
@@ -826,8 +834,12 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
                 res["p99_vs_unlimited"] = (rnd(res["p99_ms"] / base["p99"], 3)
                                            if res["p99_ms"] and base.get("p99") else None)
                 res["target_p50_ms"] = rnd(unl / share * 1.1) if unl else None
+                if status != 200:
+                    cell.setdefault("warnings", []).append(f"{name}'s cold start: {status}")
                 cell["scenarios"][f"share@{share:g}"] = res
             cell["share_trace"] = [(round(t - t_start, 3), m, w, v) for t, m, w, v in sh.trace.rows]
+        # What went wrong in the share stack, if anything did (its log is removed with the work directory).
+        cell["share_log_problems"] = problem_lines(sh.log_path.read_text(errors="replace"))
     log_text = st.log_path.read_text(errors="replace")
     cell["effective"] = effective_mode(log_text, st.trace.rows)
     cell["log_lines"] = log_text.count("\n")
@@ -844,12 +856,25 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
     cell["log_info_lines"] = levels.get("info", 0)
     cell["log_events"] = dict(sorted(events.items(), key=lambda kv: -kv[1])[:20])
     cell["log_tail"] = log_text.splitlines()[-15:]
+    cell["log_problems"] = problem_lines(log_text)
     cell["log_mode_lines"] = [line[:300] for line in log_text.splitlines()
                               if "GPU sharing mode" in line or "capacity learnt" in line][:10]
     cell["wall_s"] = rnd(time.time() - t_start, 1)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return cell
+
+
+def problem_lines(log_text: str, most: int = 20) -> list[str]:
+    """The first ``most`` warning and error lines of a standalone's log (structlog JSON), cut to 300 characters;
+    the warning every dry run logs for its inventory file is left out."""
+    out = []
+    for line in log_text.splitlines():
+        if ('"level": "warning"' in line or '"level": "error"' in line) and "GPU inventory file" not in line:
+            out.append(line[:300])
+            if len(out) == most:
+                break
+    return out
 
 
 def machine() -> dict[str, Any]:

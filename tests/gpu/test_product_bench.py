@@ -47,7 +47,10 @@ def test_dry_run_writes_every_mode_and_scenario(tmp_path: Path) -> None:
     assert doc["cells"][1]["effective"]["mps_threads"] == {"inference": [0.8], "training": [0.7]}
     shim = doc["cells"][1]["scenarios"]
     assert {"share@0.5", "share@0.8", "share@1"} <= set(shim)
-    assert shim["share@0.5"]["p50_vs_unlimited"] is not None
+    for share in ("share@0.5", "share@0.8", "share@1"):
+        got = {k: v for k, v in shim[share].items() if k != "per_second"}
+        assert shim[share]["failed"] == 0 and shim[share]["p50_vs_unlimited"] is not None, (
+            share, got, doc["cells"][1].get("warnings"), doc["cells"][1]["share_log_problems"])
     text = report.read_text()
     assert "**dry run**" in text and "| paced@0.5 | slo-ts |" in text and "| 0.5 | slo-ts |" in text
     page = (tmp_path / "page.md").read_text()
