@@ -56,12 +56,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from loadgen import cpu_model
 
 from dilu_invoker.policy import CompactionConfig
+from dilu_invoker.policy.live_compaction import LIVE_COMPACTION
 from dilu_invoker.sim.generate import dilu_mix
 from dilu_invoker.sim.placement import (
     PLACEMENT_POLICIES,
     SIM_COMPACTION,
     PlacementResult,
     PlacementSimConfig,
+    live_placement_config,
     simulate_placement,
 )
 
@@ -86,10 +88,10 @@ def _load() -> str:
         return "n/a"
 
 
-def compaction_config(spec: str) -> CompactionConfig:
-    """`SIM_COMPACTION` with the fields of `spec` ("name=value,..."; values as Python literals) replaced."""
+def compaction_config(spec: str, base: CompactionConfig = SIM_COMPACTION) -> CompactionConfig:
+    """`base` (`SIM_COMPACTION`) with the fields of `spec` ("name=value,..."; values as Python literals) replaced."""
     if not spec:
-        return SIM_COMPACTION
+        return base
     changes: dict[str, Any] = {}
     for item in spec.split(","):
         name, _, value = item.partition("=")
@@ -99,25 +101,31 @@ def compaction_config(spec: str) -> CompactionConfig:
         text = value.strip()
         changes[field.name] = text == "True" if text in ("True", "False") else (
             int(text) if text.lstrip("-").isdigit() else float(text))
-    return dataclasses.replace(SIM_COMPACTION, **changes)
+    return dataclasses.replace(base, **changes)
 
 
 def run_one(
     n: int, train: float, llm: float, seed: int, policy: str, repeat: int = 1,
     compaction: CompactionConfig = SIM_COMPACTION, light_split: float | None = None,
-    split_node_fit: bool = False,
+    split_node_fit: bool = False, *, as_live: bool = False, every: float | None = None,
 ) -> dict[str, Any]:
     """One trace under one policy, `repeat` times in a row (the same decisions every time): the
-    median CPU and wall time, and the CPU range (on a shared host one run's CPU time varies)."""
+    median CPU and wall time, and the CPU range (on a shared host one run's CPU time varies).
+    `as_live`: `dilu` as the live balancer runs it (`live_placement_config`, `compaction` in place of its
+    compaction); `every`: `dilu`'s compaction period (default 2 s, live 30 s)."""
     events = dilu_mix(n, train_fraction=train, llm_fraction=llm, seed=seed)
-    cfg = PlacementSimConfig(
-        policy=policy,
-        gpu_memory_gib=40.0,
-        compact_every_s=DILU_COMPACT_EVERY_S if policy == "dilu" else 0.0,
-        compaction=compaction,
-        light_split_min_share=light_split,
-        split_node_fit=split_node_fit,
-    )
+    if as_live and policy == "dilu":
+        cfg = live_placement_config(gpu_memory_gib=40.0, compaction=compaction,
+                                    **({} if every is None else {"compact_every_s": every}))
+    else:
+        cfg = PlacementSimConfig(
+            policy=policy,
+            gpu_memory_gib=40.0,
+            compact_every_s=(DILU_COMPACT_EVERY_S if every is None else every) if policy == "dilu" else 0.0,
+            compaction=compaction,
+            light_split_min_share=light_split,
+            split_node_fit=split_node_fit,
+        )
     walls: list[float] = []
     cpus: list[float] = []
     first: PlacementResult | None = None
@@ -152,6 +160,7 @@ def run_one(
         "cold_per_100": 100.0 * d["compaction_cold_starts"] / n,
         "splits": d["split_instances"], "rejected": s["rejected"], "load": _load().split()[0],
         "decisions": digest, "light_split": light_split, "split_node_fit": split_node_fit,
+        "as_live": as_live and policy == "dilu", "compact_every_s": cfg.compact_every_s,
     }
 
 
@@ -282,12 +291,20 @@ def main() -> int:
     ap.add_argument("--split-node-fit", action="store_true",
                     help="where memory binds, dilu splits an LLM over the lit GPUs of the node left with the "
                          "least free memory (PlacementConfig.split_node_fit)")
+    ap.add_argument("--as-live", action="store_true",
+                    help="dilu as the live balancer runs it by default (no LLM split, LIVE_COMPACTION every 30 s; "
+                         "--compaction then overrides LIVE_COMPACTION's fields)")
+    ap.add_argument("--compact-every", type=float, default=None, metavar="SECONDS",
+                    help="dilu's compaction period in trace seconds (default 2, with --as-live 30)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
-    compaction = compaction_config(args.compaction)
-    if (args.compaction or args.light_split is not None or args.split_node_fit) and args.baseline is not None:
-        raise SystemExit("--compaction, --light-split or --split-node-fit and --baseline: the paired replays run "
-                         "the defaults")
+    compaction = compaction_config(args.compaction, LIVE_COMPACTION if args.as_live else SIM_COMPACTION)
+    if (args.compaction or args.light_split is not None or args.split_node_fit or args.as_live
+            or args.compact_every is not None) and args.baseline is not None:
+        raise SystemExit("--compaction, --light-split, --split-node-fit, --as-live or --compact-every and --baseline: "
+                         "the paired replays run the defaults")
+    if args.as_live and (args.light_split is not None or args.split_node_fit):
+        raise SystemExit("--as-live: the live balancer splits no LLM (not with --light-split or --split-node-fit)")
 
     def mixes(spec: str) -> list[tuple[float, float]]:
         return [(float(a), float(b)) for a, b in (m.split(":") for m in spec.split(","))]
@@ -303,7 +320,7 @@ def main() -> int:
             for seed in seeds:
                 for policy in policies:
                     r = run_one(n, train, llm, seed, policy, args.repeat, compaction, args.light_split,
-                               args.split_node_fit)
+                               args.split_node_fit, as_live=args.as_live, every=args.compact_every)
                     child = None
                     if args.baseline is not None and policy == "dilu":
                         # This code and the baseline's, each in a child process of its own started
@@ -363,9 +380,12 @@ def main() -> int:
                 "",
                 "Traces: `dilu_mix(N, train_fraction, llm_fraction, seed)` (`dilu-invoker simulate gen "
                 "placement --instances N --train-fraction T --llm-fraction L --seed S`), 40 GiB GPUs, 4 per "
-                "node, the cluster sized by the simulator; `dilu` with splitting and compaction every 2 s "
-                "of trace time (the CLI's `auto`)"
-                + (f" and compaction `{args.compaction}`" if args.compaction else "")
+                "node, the cluster sized by the simulator; "
+                + ("`dilu` as the live balancer runs it (`--as-live`: no LLM split, `LIVE_COMPACTION`"
+                   if args.as_live else "`dilu` with splitting and compaction (`SIM_COMPACTION`")
+                + (f" with `{args.compaction}`" if args.compaction else "")
+                + f") every {args.compact_every if args.compact_every is not None else 30 if args.as_live else 2:g} s "
+                "of trace time"
                 + (f", LLMs that would light a GPU split over lit room and one new GPU from a share of "
                    f"{args.light_split:g} on (`--light-split`)" if args.light_split is not None else "")
                 + (", LLMs split over the lit GPUs of the node left with the least free memory where memory "

@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--llm-split-parts",
         type=_positive(int),
-        default=4,
-        help="dilu splits an LLM's memory over up to N GPUs of one node when it would light a GPU (1: never)",
+        default=None,
+        help="dilu splits an LLM's memory over up to N GPUs of one node when it would light a GPU (default 4; "
+             "1: never)",
     )
     p.add_argument(
         "--compact-every",
@@ -94,17 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS|auto",
         help=f"compaction period in trace seconds; auto: {DILU_COMPACT_EVERY_S:g} for dilu, never for baselines; 0: never",
     )
-    p.add_argument("--compact-max-request", type=_nonneg_float, default=1.0,
-                   help="compaction empties only GPUs whose Σ request is at most this")
-    p.add_argument("--compact-max-sources", type=_positive(int), default=8,
-                   help="GPUs one compaction run tries to empty (the rest wait for the next run)")
-    p.add_argument("--compact-max-instances", type=_positive(int), default=3,
-                   help="compaction empties only GPUs holding at most this many instances")
+    p.add_argument("--compact-max-request", type=_nonneg_float, default=None,
+                   help="compaction empties only GPUs whose Σ request is at most this (default 1.0)")
+    p.add_argument("--compact-max-sources", type=_positive(int), default=None,
+                   help="GPUs one compaction run tries to empty (the rest wait for the next run; default 8)")
+    p.add_argument("--compact-max-instances", type=_positive(int), default=None,
+                   help="compaction empties only GPUs holding at most this many instances (default 3)")
     p.add_argument("--no-compact-pieces", action="store_true",
                    help="compaction leaves GPUs holding pieces of split instances alone")
     p.add_argument("--compact-merges", type=_nonneg_int, default=None,
                    help="moves a compaction run may spend merging SM room no instance can use, while Σ request "
                         "binds (default: the simulator's, 1; 0: none)")
+    p.add_argument("--as-live", action="store_true",
+                   help="dilu as the live balancer runs it by default: LLMs never split, the live compaction "
+                        "(GPUs with Σ request <= 0.5 and at most 3 instances, 2 moves a run, no merges) every 30 s "
+                        "(--compact-every sets the period); not with the other --compact-* flags or "
+                        "--llm-split-parts")
     p.add_argument("--seed", type=int, default=0, help="accepted for symmetry; placement is deterministic")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -226,6 +232,7 @@ def _placement(args: argparse.Namespace) -> int:
         TIMESERIES_COLUMNS,
         PlacementResult,
         PlacementSimConfig,
+        live_placement_config,
         simulate_placement,
     )
     from dilu_invoker.sim.progress import Progress
@@ -235,8 +242,22 @@ def _placement(args: argparse.Namespace) -> int:
     policies = list(PLACEMENT_POLICIES) if args.policy == "all" else [args.policy]
     results: dict[str, PlacementResult] = {}
     configs: dict[str, PlacementSimConfig] = {}
+    if args.as_live:
+        given = [flag for flag, value in (
+            ("--llm-split-parts", args.llm_split_parts), ("--compact-max-request", args.compact_max_request),
+            ("--compact-max-sources", args.compact_max_sources), ("--compact-max-instances", args.compact_max_instances),
+            ("--compact-merges", args.compact_merges), ("--no-compact-pieces", args.no_compact_pieces or None),
+        ) if value is not None]
+        if given:
+            raise SystemExit(f"simulate placement: --as-live takes the live balancer's settings; not with {', '.join(given)}")
+    max_sources = 8 if args.compact_max_sources is None else args.compact_max_sources
     for policy in policies:
         every = args.compact_every
+        if policy == "dilu" and args.as_live:
+            live = {} if every is None else {"compact_every_s": every}
+            configs[policy] = live_placement_config(gpu_memory_gib=args.gpu_memory_gib, gpus=args.gpus,
+                                                    gpus_per_node=args.gpus_per_node, gamma=args.gamma, **live)
+            continue
         if every is None:
             every = DILU_COMPACT_EVERY_S if policy == "dilu" else 0.0
         configs[policy] = PlacementSimConfig(
@@ -245,16 +266,16 @@ def _placement(args: argparse.Namespace) -> int:
             gpus=args.gpus,
             gpus_per_node=args.gpus_per_node,
             gamma=args.gamma,
-            llm_split_parts=args.llm_split_parts,
+            llm_split_parts=4 if args.llm_split_parts is None else args.llm_split_parts,
             compact_every_s=every,
             # The simulator's compaction with the flags' fields: every other field (merging, resizing,
             # memory merges, their gates) is `SIM_COMPACTION`'s, so a change of the default reaches the CLI.
             compaction=replace(
                 SIM_COMPACTION,
-                source_max_request=min(1.0, args.compact_max_request),
-                max_sources=args.compact_max_sources,
-                source_max_instances=args.compact_max_instances,
-                max_moves=max(64, args.compact_max_sources),
+                source_max_request=min(1.0, 1.0 if args.compact_max_request is None else args.compact_max_request),
+                max_sources=max_sources,
+                source_max_instances=3 if args.compact_max_instances is None else args.compact_max_instances,
+                max_moves=max(64, max_sources),
                 move_pieces=not args.no_compact_pieces,
                 merges=SIM_COMPACTION.merges if args.compact_merges is None else args.compact_merges,
             ),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from dilu_invoker.policy import (
@@ -34,6 +34,7 @@ from dilu_invoker.policy import (
     part_id,
     place,
 )
+from dilu_invoker.policy.live_compaction import LiveCompaction
 from dilu_invoker.sim.events import CREATE, GIB, InstanceSpec, PlacementEvent
 
 #: The policies `simulate placement` knows, in the order comparisons list them.
@@ -66,6 +67,8 @@ SIM_COMPACTION = CompactionConfig(
     merge_sources=256,
     merge_source_instances=1,
 )
+
+
 
 TIMESERIES_COLUMNS: tuple[str, ...] = (
     "t",
@@ -125,6 +128,18 @@ class PlacementSimConfig:
             light_split_min_share=self.light_split_min_share,
             split_node_fit=self.split_node_fit,
         )
+
+
+def live_placement_config(**changes: Any) -> PlacementSimConfig:
+    """`dilu` as the live balancer runs it by default: LLMs are never split (the live planner places
+    one-GPU instances only, `PlacementConfig.llm_max_parts` 1), and compaction is
+    `policy.live_compaction.LIVE_COMPACTION` at `LiveCompaction`'s period (`--balancer-compaction-period-s`,
+    30 s; at most `--balancer-compaction-max-moves` moves a run). Moves are instant here; the live planner
+    also waits for a move in flight (a replacement's cold start) before its next run. `changes`: other
+    fields of `PlacementSimConfig` (cluster shape, a compaction variant to try live)."""
+    live = LiveCompaction()
+    return PlacementSimConfig(**{"policy": "dilu", "llm_split_parts": 1, "compact_every_s": live.period_s,
+                                 "compaction": live.config, **changes})
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,6 +430,8 @@ def simulate_placement(
         "llm_split_parts": pconf.llm_max_parts if pconf.strategy_spec().splits else 1,
         "split_instances": split_instances,
         "compact_every_s": config.compact_every_s,
+        # The compaction's settings (`CompactionConfig`), so that a run says what it simulated.
+        "compaction": {f.name: getattr(config.compaction, f.name) for f in fields(config.compaction)},
         "compaction_runs": compaction_runs,
         "compaction_moves": compaction_moves,
         "compaction_cold_starts": compaction_cold_starts,

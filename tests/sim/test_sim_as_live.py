@@ -1,0 +1,69 @@
+"""`simulate placement --as-live`: dilu with the live balancer's own default settings (what a live cluster
+packs), taken from the same objects the balancer builds its planner from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from dilu_invoker.config import Config
+from dilu_invoker.loadbalancer.service import planner_config
+from dilu_invoker.sim.cli import main
+from dilu_invoker.sim.placement import live_placement_config
+
+
+@pytest.fixture(scope="module")
+def llm_events(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ev") / "llm.jsonl.gz"
+    assert main(["gen", "placement", "--instances", "240", "--train-fraction", "0.2", "--llm-fraction", "0.4",
+                 "--seed", "5", "--out", str(path)]) == 0
+    return path
+
+
+def test_the_live_profile_is_what_the_balancer_runs_by_default() -> None:
+    """The balancer's planner from a default configuration: one-GPU placements and this compaction, this
+    often. If a live default changes, the simulator's `--as-live` follows (or this fails)."""
+    live = planner_config(Config())
+    sim = live_placement_config()
+    assert live.compaction is not None
+    assert sim.placement_config().llm_max_parts == live.placement.llm_max_parts == 1
+    assert sim.compaction == live.compaction.config and sim.compact_every_s == live.compaction.period_s
+    assert sim.placement_config().gamma == live.placement.gamma and sim.policy == live.placement.strategy
+
+
+def test_as_live_splits_nothing_and_says_what_it_ran(llm_events: Path, tmp_path: Path) -> None:
+    runs = {}
+    for name, argv in (("default", []), ("live", ["--as-live"])):
+        out = tmp_path / name
+        assert main(["placement", "--events", str(llm_events), "--policy", "dilu", "--gpu-memory-gib", "40",
+                     "--out", str(out), "--quiet", "--no-plots", *argv]) == 0
+        runs[name] = json.loads((out / "details.json").read_text())
+    live, default = runs["live"], runs["default"]
+    # The simulator's default splits LLMs over GPUs; the live balancer places one-GPU instances only.
+    assert default["split_instances"] > 0 and default["llm_split_parts"] == 4
+    assert live["split_instances"] == 0 and live["llm_split_parts"] == 1
+    assert live["compact_every_s"] == 30.0 and live["compaction"] == asdict(live_placement_config().compaction)
+    assert live["compaction"]["source_max_request"] == 0.5 and live["compaction"]["merges"] == 0
+    assert default["compaction"]["merges"] == 1 and default["compact_every_s"] == 2.0
+    # Each is a placement of every instance; without splits the same trace needs at least as many GPUs.
+    assert live["integral_bound_peak"] == default["integral_bound_peak"]
+    assert live["peak_vs_integral"] >= default["peak_vs_integral"]
+
+
+def test_as_live_takes_a_period(llm_events: Path, tmp_path: Path) -> None:
+    out = tmp_path / "p"
+    assert main(["placement", "--events", str(llm_events), "--policy", "dilu", "--as-live", "--compact-every", "10",
+                 "--out", str(out), "--quiet", "--no-plots"]) == 0
+    details = json.loads((out / "details.json").read_text())
+    assert details["compact_every_s"] == 10.0 and details["llm_split_parts"] == 1
+
+
+@pytest.mark.parametrize("flag", [["--llm-split-parts", "2"], ["--compact-max-request", "0.7"],
+                                  ["--compact-merges", "0"], ["--no-compact-pieces"]])
+def test_as_live_refuses_the_flags_it_sets(llm_events: Path, tmp_path: Path, flag: list[str]) -> None:
+    with pytest.raises(SystemExit, match=f"--as-live takes the live balancer's settings; not with {flag[0]}"):
+        main(["placement", "--events", str(llm_events), "--policy", "dilu", "--as-live", *flag,
+              "--out", str(tmp_path / "x"), "--quiet", "--no-plots"])
