@@ -49,8 +49,9 @@ def test_dry_run_writes_every_mode_and_scenario(tmp_path: Path) -> None:
     assert {"share@0.5", "share@0.8", "share@1"} <= set(shim)
     for share in ("share@0.5", "share@0.8", "share@1"):
         got = {k: v for k, v in shim[share].items() if k != "per_second"}
-        assert shim[share]["failed"] == 0 and shim[share]["p50_vs_unlimited"] is not None, (
-            share, got, doc["cells"][1].get("warnings"), doc["cells"][1]["share_log_problems"])
+        # The message is one string (a tuple would be cut short): what failed and the share stack's warnings.
+        assert shim[share]["failed"] == 0 and shim[share]["p50_vs_unlimited"] is not None, json.dumps(
+            [share, got, doc["cells"][1].get("warnings"), doc["cells"][1]["share_log_problems"]], indent=1)
     text = report.read_text()
     assert "**dry run**" in text and "| paced@0.5 | slo-ts |" in text and "| 0.5 | slo-ts |" in text
     page = (tmp_path / "page.md").read_text()
