@@ -325,6 +325,10 @@ class BalancerConfig:
     compaction_period_s: float = _opt(30.0, "at most one compaction run this often (none while a move is in "
                                             "flight)")
     compaction_max_moves: int = _opt(2, "instances one compaction run may move")
+    compaction_max_request: float = _opt(0.5, "compaction empties only GPUs whose Σ SM request is at most this "
+                                              "(1.0: any lit GPU)")
+    compaction_merges: int = _opt(0, "moves a compaction run may spend merging SM room no instance can use into "
+                                     "room one can, while Σ request binds (0: none)")
     model_preload: bool = _opt(True, "cluster mode: pre-load the models of GPU actions that declare gpu-weights-mb "
                                      "when the controller creates or updates them (follows CouchDB's changes of the "
                                      "whisks database, so the balancer needs the CouchDB settings)")
@@ -334,6 +338,10 @@ class BalancerConfig:
             raise ConfigError("--balancer-compaction-period-s must be positive")
         if self.compaction_max_moves < 1:
             raise ConfigError("--balancer-compaction-max-moves must be at least 1")
+        if not 0.0 <= self.compaction_max_request <= 1.0:
+            raise ConfigError("--balancer-compaction-max-request must be between 0 and 1")
+        if self.compaction_merges < 0:
+            raise ConfigError("--balancer-compaction-merges must be at least 0")
         for name in ("tick_s", "lease_ttl_s", "report_ttl_s", "report_period_s", "start_timeout_s",
                      "route_wait_s", "result_ttl_s"):
             if not getattr(self, name) > 0:

@@ -98,3 +98,18 @@ def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
 def test_invalid_vertical_settings_fail_at_start_up(environ: dict[str, str], message: str) -> None:
     with pytest.raises(config.ConfigError, match=message):
         config.load(environ=environ)
+
+
+def test_live_compaction_settings_reach_the_planner_and_are_checked() -> None:
+    from dilu_invoker.loadbalancer.service import planner_config
+
+    env = {"DILU_BALANCER_COMPACTION_MAX_REQUEST": "1.0", "DILU_BALANCER_COMPACTION_MERGES": "2"}
+    live = planner_config(config.load(environ=env)).compaction
+    assert live is not None
+    assert (live.config.source_max_request, live.config.merges, live.config.max_moves) == (1.0, 2, 2)
+    default = planner_config(config.load(environ={})).compaction
+    assert default is not None and (default.config.source_max_request, default.config.merges) == (0.5, 0)
+    with pytest.raises(config.ConfigError, match="--balancer-compaction-max-request"):
+        config.load(environ={"DILU_BALANCER_COMPACTION_MAX_REQUEST": "1.5"})
+    with pytest.raises(config.ConfigError, match="--balancer-compaction-merges"):
+        config.load(environ={"DILU_BALANCER_COMPACTION_MERGES": "-1"})

@@ -65,7 +65,7 @@ from dilu_invoker.policy import (
     PlacementConfig,
     Profile,
 )
-from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction
+from dilu_invoker.policy.live_compaction import LiveCompaction, live_compaction_config
 from dilu_invoker.wire import (
     CommandOp,
     FunctionSpec,
@@ -112,7 +112,9 @@ def planner_config(cfg: Config) -> PlannerConfig:
         raise ConfigError(f"--balancer-strategy / --gpu-gamma: {exc}") from None
     compaction = None
     if b.compaction:
-        compaction = LiveCompaction(config=replace(LIVE_COMPACTION, max_moves=b.compaction_max_moves),
+        compaction = LiveCompaction(config=live_compaction_config(max_moves=b.compaction_max_moves,
+                                                                  max_request=b.compaction_max_request,
+                                                                  merges=b.compaction_merges),
                                     period_s=b.compaction_period_s)
     return PlannerConfig(horizontal=horizontal, placement=placement, start_timeout_s=b.start_timeout_s,
                          demand_hold_s=max(2.0, 2 * cfg.balancer.report_period_s), compaction=compaction)

@@ -5,7 +5,7 @@ the serving simulator both take them from here, so that they move the same insta
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dilu_invoker.policy.compaction import CompactionConfig
 from dilu_invoker.policy.horizontal import FunctionLoad, ScaleAction, ScaleDecision
@@ -13,6 +13,16 @@ from dilu_invoker.policy.horizontal import FunctionLoad, ScaleAction, ScaleDecis
 #: Compaction as the live balancer runs it by default: only GPUs with Σ request ≤ 0.5 and at most 3
 #: instances are emptied, 32 per run, and stages of split instances never move.
 LIVE_COMPACTION = CompactionConfig(source_max_request=0.5, max_sources=32, max_moves=2)
+
+
+def live_compaction_config(*, max_moves: int = LIVE_COMPACTION.max_moves,
+                           max_request: float = LIVE_COMPACTION.source_max_request,
+                           merges: int = LIVE_COMPACTION.merges) -> CompactionConfig:
+    """`LIVE_COMPACTION` with the balancer's settings: `--balancer-compaction-max-moves` (moves a run),
+    `--balancer-compaction-max-request` (which GPUs it may empty) and `--balancer-compaction-merges` (moves a
+    run may spend merging SM room). The balancer, the serving simulator and `simulate placement --as-live`
+    all build it here."""
+    return replace(LIVE_COMPACTION, max_moves=max_moves, source_max_request=max_request, merges=merges)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -44,6 +44,13 @@ def _nonneg_float(text: str) -> float:
     return v
 
 
+def _fraction(text: str) -> float:
+    v = _nonneg_float(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return v
+
+
 def _nonneg_int(text: str) -> int:
     try:
         value = int(text)
@@ -107,10 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moves a compaction run may spend merging SM room no instance can use, while Σ request "
                         "binds (default: the simulator's, 1; 0: none)")
     p.add_argument("--as-live", action="store_true",
-                   help="dilu as the live balancer runs it by default: LLMs never split, the live compaction "
-                        "(GPUs with Σ request <= 0.5 and at most 3 instances, 2 moves a run, no merges) every 30 s "
-                        "(--compact-every sets the period); not with the other --compact-* flags or "
-                        "--llm-split-parts")
+                   help="dilu as the live balancer runs it: LLMs never split, the live compaction (by default GPUs "
+                        "with Σ request <= 0.5 and at most 3 instances, 2 moves a run, no merges) every 30 s; "
+                        "--compact-every, --compact-max-request and --compact-merges then set the balancer's "
+                        "--balancer-compaction-period-s, -max-request and -merges; not with the other --compact-* "
+                        "flags or --llm-split-parts")
     p.add_argument("--seed", type=int, default=0, help="accepted for symmetry; placement is deterministic")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -161,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: as the balancer, every 30 s for dilu, never for baselines; 0: off)")
     s.add_argument("--compaction-max-moves", type=_positive(int), default=2,
                    help="moves one compaction run may start (--balancer-compaction-max-moves)")
+    s.add_argument("--compaction-max-request", type=_fraction, default=0.5,
+                   help="compaction empties only GPUs whose Σ request is at most this (--balancer-compaction-max-request)")
+    s.add_argument("--compaction-merges", type=_nonneg_int, default=0,
+                   help="moves one compaction run may spend merging SM room (--balancer-compaction-merges)")
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true")
@@ -224,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _placement(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from dilu_invoker.policy.live_compaction import live_compaction_config
     from dilu_invoker.sim import report
     from dilu_invoker.sim.events import load_events
     from dilu_invoker.sim.placement import (
@@ -244,17 +257,18 @@ def _placement(args: argparse.Namespace) -> int:
     configs: dict[str, PlacementSimConfig] = {}
     if args.as_live:
         given = [flag for flag, value in (
-            ("--llm-split-parts", args.llm_split_parts), ("--compact-max-request", args.compact_max_request),
-            ("--compact-max-sources", args.compact_max_sources), ("--compact-max-instances", args.compact_max_instances),
-            ("--compact-merges", args.compact_merges), ("--no-compact-pieces", args.no_compact_pieces or None),
+            ("--llm-split-parts", args.llm_split_parts), ("--compact-max-sources", args.compact_max_sources),
+            ("--compact-max-instances", args.compact_max_instances), ("--no-compact-pieces", args.no_compact_pieces or None),
         ) if value is not None]
         if given:
-            raise SystemExit(f"simulate placement: --as-live takes the live balancer's settings; not with {', '.join(given)}")
+            raise CliError(f"--as-live takes the live balancer's settings; not with {', '.join(given)}")
     max_sources = 8 if args.compact_max_sources is None else args.compact_max_sources
     for policy in policies:
         every = args.compact_every
         if policy == "dilu" and args.as_live:
-            live = {} if every is None else {"compact_every_s": every}
+            live: dict[str, Any] = {} if every is None else {"compact_every_s": every}
+            settings = {"max_request": args.compact_max_request, "merges": args.compact_merges}
+            live["compaction"] = live_compaction_config(**{k: v for k, v in settings.items() if v is not None})
             configs[policy] = live_placement_config(gpu_memory_gib=args.gpu_memory_gib, gpus=args.gpus,
                                                     gpus_per_node=args.gpus_per_node, gamma=args.gamma, **live)
             continue
@@ -497,6 +511,8 @@ def _serving(args: argparse.Namespace) -> int:
             capacity_share=args.capacity_share,
             compaction_period_s=args.compaction_period_s,
             compaction_max_moves=args.compaction_max_moves,
+            compaction_max_request=args.compaction_max_request,
+            compaction_merges=args.compaction_merges,
         )
 
     def run_serving(policy: str, bar: Progress | None) -> ServingResult:

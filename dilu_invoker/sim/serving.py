@@ -79,7 +79,7 @@ from dilu_invoker.policy import (
     decide_scale,
     place,
 )
-from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction, function_calm
+from dilu_invoker.policy.live_compaction import LiveCompaction, function_calm, live_compaction_config
 from dilu_invoker.policy.types import GpuRef, PlacedInstance
 from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, AnyVerticalState, SloConfig, decide_vertical, initial_state
 from dilu_invoker.sim.events import GIB
@@ -180,7 +180,11 @@ class ServingSimConfig:
     none for the baselines; 0: none."""
     compaction_max_moves: int = 2
     """Moves one compaction run may start, each a replacement's start (`--balancer-compaction-max-moves`);
-    the rest is `policy.live_compaction.LIVE_COMPACTION`."""
+    the rest is `policy.live_compaction.LIVE_COMPACTION`, but for the next two."""
+    compaction_max_request: float = 0.5
+    """Compaction empties only GPUs whose Σ SM request is at most this (`--balancer-compaction-max-request`)."""
+    compaction_merges: int = 0
+    """Moves a compaction run may spend merging SM room no instance can use (`--balancer-compaction-merges`)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_SPEC:
@@ -211,6 +215,10 @@ class ServingSimConfig:
             raise ValueError(f"compaction_period_s must be >= 0, got {self.compaction_period_s!r}")
         if self.compaction_max_moves < 1:
             raise ValueError(f"compaction_max_moves must be >= 1, got {self.compaction_max_moves!r}")
+        if not 0.0 <= self.compaction_max_request <= 1.0:
+            raise ValueError(f"compaction_max_request must be between 0 and 1, got {self.compaction_max_request!r}")
+        if self.compaction_merges < 0:
+            raise ValueError(f"compaction_merges must be >= 0, got {self.compaction_merges!r}")
 
     def live_compaction(self) -> LiveCompaction | None:
         """The balancer's compaction with these settings; None when off."""
@@ -219,7 +227,9 @@ class ServingSimConfig:
             period = LiveCompaction().period_s if self.policy == "dilu" else 0.0
         if period <= 0:
             return None
-        return LiveCompaction(config=replace(LIVE_COMPACTION, max_moves=self.compaction_max_moves), period_s=period)
+        return LiveCompaction(config=live_compaction_config(max_moves=self.compaction_max_moves,
+                                                            max_request=self.compaction_max_request,
+                                                            merges=self.compaction_merges), period_s=period)
 
 
 @dataclass(frozen=True, slots=True)

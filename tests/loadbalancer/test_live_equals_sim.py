@@ -34,7 +34,7 @@ from dilu_invoker.policy import (
     PlacedInstance,
     PlacementConfig,
 )
-from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction
+from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction, live_compaction_config
 from dilu_invoker.sim.events import CREATE
 from dilu_invoker.sim.generate import dilu_mix
 from dilu_invoker.sim.placement import PlacementSimConfig, cluster_size, simulate_placement
@@ -46,6 +46,9 @@ COMPACTION = replace(LIVE_COMPACTION, max_moves=64)
 #: With merging moves (the simulator's default, off in the live default): inference only, where Σ request
 #: binds and merges happen.
 MERGING = replace(COMPACTION, merges=1)
+#: What an operator sets with --balancer-compaction-max-request 1.0 --balancer-compaction-merges 1 (more moves a run
+#: than the default 2, so that one trace exercises them).
+WIDE = live_compaction_config(max_moves=64, max_request=1.0, merges=1)
 
 
 class LiveHarness:
@@ -117,8 +120,9 @@ def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 
 @pytest.mark.parametrize(("n", "llm", "seed", "compaction"),
-                         [(100, 0.2, 4, COMPACTION), (100, 0.4, 9, COMPACTION), (160, 0.0, 3, MERGING)],
-                         ids=["llm-20%", "llm-40%", "inference-merging"])
+                         [(100, 0.2, 4, COMPACTION), (100, 0.4, 9, COMPACTION), (160, 0.0, 3, MERGING),
+                          (160, 0.2, 5, WIDE)],
+                         ids=["llm-20%", "llm-40%", "inference-merging", "any-gpu-merging"])
 def test_the_live_planner_places_and_moves_as_the_simulator(n: int, llm: float, seed: int,
                                                              compaction: CompactionConfig) -> None:
     events = dilu_mix(n, train_fraction=0.0, llm_fraction=llm, seed=seed)

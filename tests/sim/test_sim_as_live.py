@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dilu_invoker.config import Config
+from dilu_invoker.config import BalancerConfig, Config
 from dilu_invoker.loadbalancer.service import planner_config
 from dilu_invoker.sim.cli import main
 from dilu_invoker.sim.placement import live_placement_config
@@ -61,9 +61,40 @@ def test_as_live_takes_a_period(llm_events: Path, tmp_path: Path) -> None:
     assert details["compact_every_s"] == 10.0 and details["llm_split_parts"] == 1
 
 
-@pytest.mark.parametrize("flag", [["--llm-split-parts", "2"], ["--compact-max-request", "0.7"],
-                                  ["--compact-merges", "0"], ["--no-compact-pieces"]])
-def test_as_live_refuses_the_flags_it_sets(llm_events: Path, tmp_path: Path, flag: list[str]) -> None:
-    with pytest.raises(SystemExit, match=f"--as-live takes the live balancer's settings; not with {flag[0]}"):
-        main(["placement", "--events", str(llm_events), "--policy", "dilu", "--as-live", *flag,
-              "--out", str(tmp_path / "x"), "--quiet", "--no-plots"])
+@pytest.mark.parametrize("flag", [["--llm-split-parts", "2"], ["--compact-max-sources", "4"],
+                                  ["--compact-max-instances", "2"], ["--no-compact-pieces"]])
+def test_as_live_refuses_the_flags_it_sets(llm_events: Path, tmp_path: Path, flag: list[str],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["placement", "--events", str(llm_events), "--policy", "dilu", "--as-live", *flag,
+               "--out", str(tmp_path / "x"), "--quiet", "--no-plots"])
+    assert rc == 2
+    assert f"error: --as-live takes the live balancer's settings; not with {flag[0]}" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_as_live_takes_the_balancers_compaction_settings(llm_events: Path, tmp_path: Path) -> None:
+    """`--compact-max-request` and `--compact-merges` with `--as-live` are the balancer's
+    `--balancer-compaction-max-request` and `-merges`: the same `CompactionConfig` as the planner built from them."""
+    out = tmp_path / "k"
+    assert main(["placement", "--events", str(llm_events), "--policy", "dilu", "--as-live", "--compact-max-request",
+                 "1.0", "--compact-merges", "1", "--out", str(out), "--quiet", "--no-plots"]) == 0
+    details = json.loads((out / "details.json").read_text())
+    live = planner_config(Config(balancer=BalancerConfig(compaction_max_request=1.0, compaction_merges=1)))
+    assert live.compaction is not None
+    assert details["compaction"] == asdict(live.compaction.config)
+    assert details["compaction"]["source_max_request"] == 1.0 and details["compaction"]["merges"] == 1
+    assert details["compaction"]["max_moves"] == 2 and details["llm_split_parts"] == 1
+
+
+@pytest.mark.parametrize(("max_request", "merges"), [(0.5, 0), (1.0, 1)])
+def test_the_serving_simulator_compacts_as_the_balancer_configured_alike(max_request: float, merges: int) -> None:
+    from dilu_invoker.sim.serving import ServingSimConfig
+
+    sim = ServingSimConfig(policy="dilu", gpus=8, compaction_max_request=max_request, compaction_merges=merges,
+                           compaction_max_moves=3).live_compaction()
+    live = planner_config(Config(balancer=BalancerConfig(compaction_max_request=max_request,
+                                                         compaction_merges=merges, compaction_max_moves=3)))
+    assert sim is not None and live.compaction is not None
+    assert sim == live.compaction
+    with pytest.raises(ValueError, match="compaction_max_request"):
+        ServingSimConfig(policy="dilu", gpus=8, compaction_max_request=1.2)
