@@ -824,7 +824,16 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
             for share in (0.5, 0.8, 1.0):
                 name = f"infer-s{int(share * 100)}"
                 await sh.create(name, INFER_CODE, "inference", 0.3, share)
-                ms, _, status = await sh.invoke(name, iparams)
+                # A cold start the stack refuses (the balancer could not place the instance at that tick) is
+                # tried again, a second apart, up to 10 times: this scenario measures a warm instance at its
+                # share. Each refusal is kept in the cell's warnings (CI saw one under load, reason unknown).
+                for attempt in range(10):
+                    ms, body, status = await sh.invoke(name, iparams)
+                    if status == 200:
+                        break
+                    cell.setdefault("warnings", []).append(
+                        f"{name}'s cold start, try {attempt + 1}: {status} {json.dumps(body)[:300]}")
+                    await asyncio.sleep(1.0)
                 await closed_loop(sh, name, iparams, 1.0)
                 s = await closed_loop(sh, name, iparams, args.seconds)
                 res = summarize(s, slo)
@@ -834,8 +843,6 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
                 res["p99_vs_unlimited"] = (rnd(res["p99_ms"] / base["p99"], 3)
                                            if res["p99_ms"] and base.get("p99") else None)
                 res["target_p50_ms"] = rnd(unl / share * 1.1) if unl else None
-                if status != 200:
-                    cell.setdefault("warnings", []).append(f"{name}'s cold start: {status}")
                 cell["scenarios"][f"share@{share:g}"] = res
             cell["share_trace"] = [(round(t - t_start, 3), m, w, v) for t, m, w, v in sh.trace.rows]
         # What went wrong in the share stack, if anything did (its log is removed with the work directory).
