@@ -12,35 +12,24 @@ then completes in two further ticks before the step's events are applied.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from dilu_invoker.loadbalancer.planner import (
-    CompactionLoop,
-    PlannerConfig,
-    TickInput,
-    plan_tick,
-)
+from bench.live_replay import LiveHarness
+from dilu_invoker.loadbalancer.planner import PlannerConfig
 from dilu_invoker.policy import (
-    ClusterSnapshot,
     CompactionConfig,
-    GpuRef,
-    GpuState,
     HorizontalConfig,
-    InstanceClass,
-    PlacedInstance,
     PlacementConfig,
 )
 from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction, live_compaction_config
 from dilu_invoker.sim.events import CREATE
 from dilu_invoker.sim.generate import dilu_mix
 from dilu_invoker.sim.placement import PlacementSimConfig, cluster_size, simulate_placement
-from dilu_invoker.wire import FunctionSpec, GpuReport, InstanceRecord, InstanceReport, LoadReport, RecordState
+from dilu_invoker.wire import FunctionSpec
 
-GPU_MIB = 40 * 1024
 PERIOD_S = 2.0
 COMPACTION = replace(LIVE_COMPACTION, max_moves=64)
 #: With merging moves (the simulator's default, off in the live default): inference only, where Σ request
@@ -49,62 +38,6 @@ MERGING = replace(COMPACTION, merges=1)
 #: What an operator sets with --balancer-compaction-max-request 1.0 --balancer-compaction-merges 1 (more moves a run
 #: than the default 2, so that one trace exercises them).
 WIDE = live_compaction_config(max_moves=64, max_request=1.0, merges=1)
-
-
-class LiveHarness:
-    def __init__(self, nodes: int, cfg: PlannerConfig) -> None:
-        self.invokers = [f"node{i:04d}" for i in range(nodes)]
-        self.cfg = cfg
-        self.records: dict[str, InstanceRecord] = {}
-        self.specs: dict[str, FunctionSpec] = {}
-        self.states: dict[str, Any] = {}
-        self.routes: dict[str, Any] = {}
-        self.seq = 1
-        self.loop = CompactionLoop(next_at=math.inf)
-        self.log: list[tuple[Any, ...]] = []
-
-    def _reports(self) -> dict[str, LoadReport]:
-        by_inv: dict[str, list[InstanceReport]] = {inv: [] for inv in self.invokers}
-        for r in self.records.values():
-            if r.state != RecordState.STOPPING:
-                by_inv[r.invoker].append(InstanceReport(
-                    id=r.id, function=r.function, rev=r.rev, state="ready", gpu=r.gpu, request=r.request,
-                    limit=r.limit, memory_mb=r.memory_mb))
-        return {inv: LoadReport(invoker=inv, boot="b", at_ms=0,
-                                gpus=tuple(GpuReport(index=i, uuid=f"{inv}-g{i}", memory_mb=GPU_MIB) for i in range(4)),
-                                instances=tuple(insts)) for inv, insts in by_inv.items()}
-
-    def _cluster(self, now: float) -> ClusterSnapshot:
-        placed: dict[GpuRef, list[PlacedInstance]] = {}
-        # In the order they were placed (the simulator appends to a GPU's instances likewise).
-        for r in sorted(self.records.values(), key=lambda r: int(r.id.rsplit("-", 1)[1])):
-            if r.state != RecordState.STOPPING and r.gpu is not None:
-                placed.setdefault(GpuRef(r.invoker, r.gpu), []).append(PlacedInstance(
-                    id=r.id, function=r.function, cls=InstanceClass.parse(r.cls), request=r.request,
-                    limit=r.limit, memory_mib=float(r.memory_mb)))
-        return ClusterSnapshot.build(now=now, gpus=[
-            GpuState(ref=GpuRef(inv, i), memory_mib=float(GPU_MIB), uuid=f"{inv}-g{i}",
-                     instances=tuple(placed.get(GpuRef(inv, i), ())))
-            for inv in self.invokers for i in range(4)])
-
-    def tick(self, now: float, *, compact: bool = False) -> None:
-        before = dict(self.records)
-        plan = plan_tick(TickInput(
-            now=now, epoch=1, reports=self._reports(), known_invokers=frozenset(self.invokers),
-            records=self.records, specs=self.specs, cluster=self._cluster(now), states=self.states,
-            routes=self.routes, seq=self.seq, compaction=replace(self.loop, next_at=0.0 if compact else math.inf)),
-            self.cfg)
-        for d in plan.decisions:
-            if d.kind == "place":
-                self.log.append(("place", d.function, (GpuRef(d.invoker, d.gpu or 0),)))
-            elif d.kind == "move":
-                orig = before[plan.records[d.instance].replaces]
-                self.log.append(("move", orig.function, GpuRef(orig.invoker, orig.gpu or 0),
-                                 GpuRef(d.invoker, d.gpu or 0)))
-            elif d.kind in ("blocked", "move-abandoned", "lost"):
-                self.log.append((d.kind, d.function))
-        self.records, self.states, self.routes, self.seq = dict(plan.records), dict(plan.states), dict(plan.routes), plan.seq
-        self.loop = plan.compaction
 
 
 def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:

@@ -1,0 +1,91 @@
+"""The live planner (`loadbalancer.planner.plan_tick`) driven on simulated time, with simulated invokers.
+
+The invokers are the harness: each reports every non-stopping record of its own as a ready instance (a
+started instance is ready at the next tick, a stopped one gone), and its GPUs' budgets hold what those
+records hold. Used by tests/loadbalancer/test_live_equals_sim.py (the live planner decides as the placement
+simulator does) and bench/planner_scale.py (what a tick costs at scale)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any
+
+from dilu_invoker.loadbalancer.planner import CompactionLoop, PlannerConfig, TickInput, TickPlan, plan_tick
+from dilu_invoker.policy import ClusterSnapshot, GpuRef, GpuState, InstanceClass, PlacedInstance
+from dilu_invoker.wire import FunctionSpec, GpuReport, InstanceRecord, InstanceReport, LoadReport, RecordState
+
+GPU_MIB = 40 * 1024
+GPUS_PER_NODE = 4
+
+
+class LiveHarness:
+    """`nodes` invokers of `GPUS_PER_NODE` GPUs of `GPU_MIB` each; `specs` is the registry the planner reads."""
+
+    def __init__(self, nodes: int, cfg: PlannerConfig) -> None:
+        self.invokers = [f"node{i:04d}" for i in range(nodes)]
+        self.cfg = cfg
+        self.records: dict[str, InstanceRecord] = {}
+        self.specs: dict[str, FunctionSpec] = {}
+        self.states: dict[str, Any] = {}
+        self.routes: dict[str, Any] = {}
+        self.seq = 1
+        self.loop = CompactionLoop(next_at=math.inf)
+        self.log: list[tuple[Any, ...]] = []
+        #: CPU seconds of the last tick: building the reports and the cluster snapshot (what the service reads
+        #: from Redis each tick, without the I/O), and `plan_tick` itself
+        self.last_build_s = 0.0
+        self.last_plan_s = 0.0
+
+    def _reports(self) -> dict[str, LoadReport]:
+        by_inv: dict[str, list[InstanceReport]] = {inv: [] for inv in self.invokers}
+        for r in self.records.values():
+            if r.state != RecordState.STOPPING:
+                by_inv[r.invoker].append(InstanceReport(
+                    id=r.id, function=r.function, rev=r.rev, state="ready", gpu=r.gpu, request=r.request,
+                    limit=r.limit, memory_mb=r.memory_mb))
+        return {inv: LoadReport(invoker=inv, boot="b", at_ms=0,
+                                gpus=tuple(GpuReport(index=i, uuid=f"{inv}-g{i}", memory_mb=GPU_MIB)
+                                           for i in range(GPUS_PER_NODE)),
+                                instances=tuple(insts)) for inv, insts in by_inv.items()}
+
+    def _cluster(self, now: float) -> ClusterSnapshot:
+        placed: dict[GpuRef, list[PlacedInstance]] = {}
+        # In the order they were placed (the simulator appends to a GPU's instances likewise).
+        for r in sorted(self.records.values(), key=lambda r: int(r.id.rsplit("-", 1)[1])):
+            if r.state != RecordState.STOPPING and r.gpu is not None:
+                placed.setdefault(GpuRef(r.invoker, r.gpu), []).append(PlacedInstance(
+                    id=r.id, function=r.function, cls=InstanceClass.parse(r.cls), request=r.request,
+                    limit=r.limit, memory_mib=float(r.memory_mb)))
+        return ClusterSnapshot.build(now=now, gpus=[
+            GpuState(ref=GpuRef(inv, i), memory_mib=float(GPU_MIB), uuid=f"{inv}-g{i}",
+                     instances=tuple(placed.get(GpuRef(inv, i), ())))
+            for inv in self.invokers for i in range(GPUS_PER_NODE)])
+
+    def tick(self, now: float, *, compact: bool = False) -> TickPlan:
+        """One tick at `now`; `compact`: compaction is due (else it never is). Logs the placements, moves and
+        refusals as (kind, function, …) tuples in `log`."""
+        before = dict(self.records)
+        c0 = time.process_time()
+        reports, cluster = self._reports(), self._cluster(now)
+        c1 = time.process_time()
+        plan = plan_tick(TickInput(
+            now=now, epoch=1, reports=reports, known_invokers=frozenset(self.invokers),
+            records=self.records, specs=self.specs, cluster=cluster, states=self.states,
+            routes=self.routes, seq=self.seq, compaction=replace(self.loop, next_at=0.0 if compact else math.inf)),
+            self.cfg)
+        self.last_build_s, self.last_plan_s = c1 - c0, time.process_time() - c1
+        for d in plan.decisions:
+            if d.kind == "place":
+                self.log.append(("place", d.function, (GpuRef(d.invoker, d.gpu or 0),)))
+            elif d.kind == "move":
+                orig = before[plan.records[d.instance].replaces]
+                self.log.append(("move", orig.function, GpuRef(orig.invoker, orig.gpu or 0),
+                                 GpuRef(d.invoker, d.gpu or 0)))
+            elif d.kind in ("blocked", "move-abandoned", "lost"):
+                self.log.append((d.kind, d.function))
+        self.records, self.states, self.routes = dict(plan.records), dict(plan.states), dict(plan.routes)
+        self.seq = plan.seq
+        self.loop = plan.compaction
+        return plan

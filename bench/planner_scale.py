@@ -1,0 +1,150 @@
+"""What one live balancer tick costs at scale: `plan_tick` with the live defaults on N one-GPU instances.
+
+    PYTHONPATH=. python3 bench/planner_scale.py [--sizes 1000,3200,10000] [--ticks 20] [--out FILE.md] [--json FILE]
+
+The leader runs `loadbalancer.planner.plan_tick` every `--balancer-tick-s` (1 s): a tick that takes longer
+than that delays every placement and routing table. Here the invokers are simulated (bench/live_replay.py:
+each reports its records' instances ready, its GPU budgets hold them), the planner is the balancer's own
+with a default configuration (`service.planner_config(Config())`), and N functions each want one instance
+(min-instances 1): the first N creates of `dilu_mix(N, train_fraction=0, llm_fraction=0.2, seed)` (the live
+planner places one-GPU instances only, so no training gangs), on enough 4-GPU nodes of 40 GiB GPUs.
+
+Per size, CPU seconds (`time.process_time`, this process alone):
+- place all: the tick that places all N at once (a balancer taking over an empty cluster with N functions);
+- steady: `--ticks` ticks where nothing changes (median and max);
+- churn: a tick in which 1 % of the functions scale to zero (idle at min-instances 0) and 1 % new ones arrive;
+- compaction: the next tick, with compaction due (the live `LIVE_COMPACTION`, 2 moves);
+- build: reading the reports and building the cluster snapshot, as the service does from Redis every tick
+  (the Redis reads themselves are not in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from live_replay import GPUS_PER_NODE, LiveHarness
+from loadgen import cpu_model
+
+from dilu_invoker.config import Config
+from dilu_invoker.loadbalancer.service import planner_config
+from dilu_invoker.sim.events import CREATE
+from dilu_invoker.sim.generate import dilu_mix
+from dilu_invoker.sim.placement import cluster_size
+from dilu_invoker.wire import FunctionSpec
+
+
+def spec_of(ev: Any) -> FunctionSpec:
+    s = ev.spec
+    return FunctionSpec(fqn=ev.instance, rev="1-a", kind="python:3-gpu", cls=s.cls.value, request=s.sm_request,
+                        limit=s.sm_limit, memory_mb=int(s.memory_mib), min_instances=1, max_instances=1,
+                        capacity_rps=1.0, user_memory_mb=256)
+
+
+def run_size(n: int, ticks: int, seed: int) -> dict[str, Any]:
+    creates = [ev for ev in dilu_mix(2 * n, train_fraction=0.0, llm_fraction=0.2, seed=seed)
+               if ev.op == CREATE and ev.spec is not None and ev.spec.gpus == 1]
+    first, spare = creates[:n], creates[n:]
+    assert len(first) == n and len(spare) >= n // 100, "the trace has too few one-GPU creates"
+    nodes = cluster_size(first, GPUS_PER_NODE) // GPUS_PER_NODE
+    live = LiveHarness(nodes, planner_config(Config()))
+    live.specs.update((ev.instance, spec_of(ev)) for ev in first)
+    now = 0.0
+    plan = live.tick(now)
+    place_all = live.last_plan_s
+    placed = sum(1 for d in plan.decisions if d.kind == "place")
+    now += 1.0
+    live.tick(now)  # the invokers report them ready
+    steady, builds = [], []
+    for _ in range(ticks):
+        now += 1.0
+        live.tick(now)
+        steady.append(live.last_plan_s)
+        builds.append(live.last_build_s)
+    # Churn: 1 % of the functions fall to min-instances 0 and have been idle past --balancer-scale-to-zero-after-s
+    # (the clock jumps past it: they scale to zero), and 1 % new ones arrive.
+    for fqn in sorted(live.specs)[:: 100][: n // 100]:
+        live.specs[fqn] = replace(live.specs[fqn], min_instances=0)
+    live.specs.update((ev.instance, spec_of(ev)) for ev in spare[: n // 100])
+    now += Config().balancer.scale_to_zero_after_s + 1.0
+    plan = live.tick(now)
+    churn = live.last_plan_s
+    churn_decisions = {"place": sum(1 for d in plan.decisions if d.kind == "place"), "stop": len(plan.stops),
+                       "blocked": sum(1 for d in plan.decisions if d.kind == "blocked")}
+    now += 1.0
+    live.tick(now)  # the new ones ready, the stopped ones gone
+    now += 1.0
+    plan = live.tick(now, compact=True)
+    compaction = live.last_plan_s
+    moves = sum(1 for d in plan.decisions if d.kind == "move")
+    lit = len({(r.invoker, r.gpu) for r in live.records.values()})
+    return {
+        "n": n, "nodes": nodes, "gpus": nodes * GPUS_PER_NODE, "placed_first_tick": placed, "lit_gpus": lit,
+        "place_all_s": place_all, "steady_median_s": statistics.median(steady), "steady_max_s": max(steady),
+        "build_median_s": statistics.median(builds), "churn_s": churn, "churn_decisions": churn_decisions,
+        "compaction_s": compaction, "compaction_moves": moves, "ticks": ticks, "seed": seed,
+    }
+
+
+def markdown(rows: list[dict[str, Any]], argv: list[str], started: str) -> str:
+    lines = [
+        "# The live balancer's tick at scale",
+        "",
+        f"Generated by `PYTHONPATH=. python3 bench/planner_scale.py {' '.join(argv)}` on {started}: "
+        f"{os.cpu_count()} CPU(s), {cpu_model()}, Python {platform.python_version()}. CPU seconds of this process "
+        "(`time.process_time`); the machine may be shared. What is measured, and how: the module docstring of "
+        "bench/planner_scale.py.",
+        "",
+        "| instances | GPUs (lit) | place all N in one tick | steady tick: median / max | build reports + snapshot "
+        "(median) | churn tick (1 % to zero, 1 % new) | compaction tick (moves) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['n']:,} | {r['gpus']:,} ({r['lit_gpus']:,}) | {r['place_all_s']:.2f} s "
+            f"({r['placed_first_tick']:,} placed) | {1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms "
+            f"| {1000 * r['build_median_s']:.0f} ms | {1000 * r['churn_s']:.0f} ms "
+            f"({r['churn_decisions']['place']} placed, {r['churn_decisions']['stop']} stopped) "
+            f"| {1000 * r['compaction_s']:.0f} ms ({r['compaction_moves']}) |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1000,3200,10000")
+    ap.add_argument("--ticks", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None, help="write the markdown table here")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rows = []
+    for n in (int(x) for x in args.sizes.split(",") if x):
+        r = run_size(n, args.ticks, args.seed)
+        rows.append(r)
+        print(f"{n:6d} instances on {r['gpus']} GPUs: place all {r['place_all_s']:.2f} s, steady "
+              f"{1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms, build "
+              f"{1000 * r['build_median_s']:.0f} ms, churn {1000 * r['churn_s']:.0f} ms {r['churn_decisions']}, "
+              f"compaction {1000 * r['compaction_s']:.0f} ms ({r['compaction_moves']} moves)", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"argv": sys.argv[1:], "cpu": cpu_model(), "started": started, "rows": rows},
+                                        indent=1) + "\n", encoding="utf-8")
+    if args.out is not None:
+        args.out.write_text(markdown(rows, sys.argv[1:], started), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
