@@ -52,6 +52,7 @@ from dilu_invoker.policy.placement import PlacementDecision, holds_weights, plac
 from dilu_invoker.policy.spread import place_spread
 from dilu_invoker.wire import (
     Decision,
+    FunctionReport,
     FunctionSpec,
     InstanceRecord,
     InstanceReport,
@@ -205,6 +206,28 @@ def estimate_capacity(reports: list[InstanceReport]) -> float | None:
     return slots * 1000.0 / latency if latency > 0 else None
 
 
+@dataclass(frozen=True, slots=True)
+class ReportIndex:
+    """The live reports' instances and per-function figures by function, made once per tick: looking them up
+    per function instead of scanning every report keeps a tick linear in the cluster's size."""
+
+    instances: Mapping[str, Mapping[str, InstanceReport]]
+    """Function → instance id → its report (the last report naming it, in the reports' order)."""
+    functions: Mapping[str, list[FunctionReport]]
+    """Function → its figures in each invoker's report."""
+
+    @classmethod
+    def of(cls, reports: Mapping[str, LoadReport]) -> ReportIndex:
+        instances: dict[str, dict[str, InstanceReport]] = {}
+        functions: dict[str, list[FunctionReport]] = {}
+        for rep in reports.values():
+            for i in rep.instances:
+                instances.setdefault(i.function, {})[i.id] = i
+            for f in rep.functions:
+                functions.setdefault(f.function, []).append(f)
+        return cls(instances=instances, functions=functions)
+
+
 def function_load(
     spec: FunctionSpec,
     *,
@@ -213,14 +236,17 @@ def function_load(
     reports: Mapping[str, LoadReport],
     demand_at: float | None,
     demand_hold_s: float,
+    index: ReportIndex | None = None,
 ) -> FunctionLoad:
-    """One function's load this tick, summed over every live report (records: this function's, current revision)."""
-    by_id = {i.id: i for rep in reports.values() for i in rep.instances if i.function == spec.fqn}
+    """One function's load this tick, summed over every live report (records: this function's, current revision;
+    `index`: `ReportIndex.of(reports)`, made once for every function of a tick)."""
+    index = index if index is not None else ReportIndex.of(reports)
+    by_id = index.instances.get(spec.fqn, {})
     ready = [r for r in records if r.state == RecordState.READY]
     starting = [r for r in records if r.state == RecordState.STARTING]
     stopping = [r for r in records if r.state == RecordState.STOPPING]
     live = [by_id[r.id] for r in records if r.id in by_id and r.state != RecordState.STOPPING]
-    fn_reports = [f for rep in reports.values() for f in rep.functions if f.function == spec.fqn]
+    fn_reports = index.functions.get(spec.fqn, [])
     waiting = sum(f.waiting for f in fn_reports) + sum(i.waiting for i in live)
     if demand_at is not None and now - demand_at <= demand_hold_s:
         waiting = max(waiting, 1)
@@ -535,16 +561,21 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     evictable = dict(inp.evictable)
     # Every registered function, idle ones included: min-instances holds without traffic.
     functions = sorted(inp.specs)
+    index = ReportIndex.of(inp.reports)
+    memory = UserMemory(inp.reports, work.records)
+    # Each function's records, in the table's order: a function's iteration below changes only its own.
+    by_function: dict[str, list[InstanceRecord]] = {}
+    for r in work.records.values():
+        by_function.setdefault(r.function, []).append(r)
     # Without any GPU there is nothing to place: routers run GPU functions in their own pools (on the CPU)
     # as the routing tables say, and the scaler has nothing to decide.
     for fqn in functions if cluster is not None else ():
         spec = inp.specs[fqn]
         state = states.get(fqn, FunctionState())
         # A compaction replacement is not one more instance: it takes over from its original.
-        mine = [r for r in work.records.values()
-                if r.function == fqn and not outdated(r.rev, spec.rev) and not r.replaces]
+        mine = [r for r in by_function.get(fqn, ()) if not outdated(r.rev, spec.rev) and not r.replaces]
         load = function_load(spec, now=now, records=mine, reports=inp.reports, demand_at=inp.demand.get(fqn),
-                             demand_hold_s=cfg.demand_hold_s)
+                             demand_hold_s=cfg.demand_hold_s, index=index)
         decision = decide_scale(load, state.horizontal, cfg.horizontal)
         scale.append(decision)
         committed = load.committed
@@ -572,7 +603,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
             for _ in range(owed):
                 iid = instance_id(fqn, epoch, seq)
                 request = placement_request(spec, iid)
-                fits, short = user_memory_fits(cluster, spec, inp.reports, work.records)
+                fits, short = memory.fits(cluster, spec)
                 where, evicts = (_place_or_evict(fits, spec, request, cfg.placement, evictable)
                                  if fits is not None else (None, None))
                 if where is None or not where.placed:
@@ -597,6 +628,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                     epoch=epoch, boot=rep.boot if rep is not None else "", user_memory_mb=spec.user_memory_mb,
                 )
                 work.records[iid] = record
+                memory.hold(record.invoker, record.user_memory_mb)
                 work.starts.append(Order(record, where.reason, weights, evicts=evicts is not None))
                 work.decisions.append(Decision(now, epoch, "place", fqn, where.reason, iid, ref.invoker, ref.gpu))
             owed -= placed
@@ -609,6 +641,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
             for victim in victim_order(ready, cluster=cluster, reports=inp.reports)[:stop_n]:
                 stopped = replace(victim, state=RecordState.STOPPING.value, since=now)
                 work.records[victim.id] = stopped
+                memory.hold(victim.invoker, -victim.user_memory_mb)
                 work.stops.append(Order(stopped, decision.reason))
                 work.decisions.append(Decision(now, epoch, "stop", fqn, decision.reason, victim.id, victim.invoker,
                                                victim.gpu))
@@ -637,38 +670,62 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
 
 
 def user_memory_fits(cluster: ClusterSnapshot, spec: FunctionSpec, reports: Mapping[str, LoadReport],
-                 records: Mapping[str, InstanceRecord]) -> tuple[ClusterSnapshot | None, str]:
+                     records: Mapping[str, InstanceRecord]) -> tuple[ClusterSnapshot | None, str]:
     """The cluster without the GPUs of invokers whose user memory cannot hold one more instance of ``spec``.
 
     The rule (docs/balancer.md, "User memory"): a placed instance holds its action's memory on its
     invoker for as long as it lives (its container is pinned, never evicted), so the balancer places an
     instance only where user memory minus what placed instances hold fits it; one function's pinned
     instances can never leave another's placed instance waiting for memory. Pool containers (not placed)
-    are evictable and do not count. Returns None (and why) when no invoker has room."""
-    if not spec.user_memory_mb:
-        return cluster, ""
-    held: dict[str, int] = {}
-    for r in records.values():
-        if r.state != RecordState.STOPPING:
-            held[r.invoker] = held.get(r.invoker, 0) + r.user_memory_mb
-    short: list[str] = []
-    out = cluster
-    candidates = 0
-    for inv, rep in sorted(reports.items()):
-        if not rep.user_memory_mb:  # an invoker that does not say: not judged here
-            candidates += 1
-            continue
-        free = rep.user_memory_mb - held.get(inv, 0)
-        if free >= spec.user_memory_mb:
-            candidates += 1
-            continue
-        short.append(f"invoker {inv}: {held.get(inv, 0)} of {rep.user_memory_mb} MB user memory held by placed "
-                     f"instances, {free} MB free")
-        out = _unschedulable(out, inv)
-    why = (f"invoker user memory: {spec.fqn} needs {spec.user_memory_mb} MB; " + "; ".join(short)) if short else ""
-    if not candidates:
-        return None, why
-    return out, why
+    are evictable and do not count. Returns None (and why) when no invoker has room. A tick that places
+    many instances keeps a `UserMemory` instead (the same answers, without a pass over every record each)."""
+    return UserMemory(reports, records).fits(cluster, spec)
+
+
+class UserMemory:
+    """What `user_memory_fits` judges, kept through a tick: each live invoker's user memory and what its placed
+    (not stopping) instances hold, updated as the tick places and stops instances (`hold`)."""
+
+    def __init__(self, reports: Mapping[str, LoadReport], records: Mapping[str, InstanceRecord]) -> None:
+        self.total = {inv: rep.user_memory_mb for inv, rep in reports.items()}  # 0: the invoker does not say
+        self.held: dict[str, int] = {}
+        for r in records.values():
+            if r.state != RecordState.STOPPING:
+                self.held[r.invoker] = self.held.get(r.invoker, 0) + r.user_memory_mb
+        self._short: dict[int, set[str]] = {}  # need (MB) -> the judged invokers that cannot fit it
+
+    def _is_short(self, inv: str, need: int) -> bool:
+        total = self.total.get(inv, 0)
+        return bool(total) and total - self.held.get(inv, 0) < need
+
+    def hold(self, invoker: str, mb: int) -> None:
+        """A placed instance starts holding `mb` on `invoker` (negative: a stopped one no longer does)."""
+        if not mb:
+            return
+        self.held[invoker] = self.held.get(invoker, 0) + mb
+        for need, short in self._short.items():
+            if self._is_short(invoker, need):
+                short.add(invoker)
+            else:
+                short.discard(invoker)
+
+    def fits(self, cluster: ClusterSnapshot, spec: FunctionSpec) -> tuple[ClusterSnapshot | None, str]:
+        """`user_memory_fits` for ``spec`` on what is held now."""
+        need = spec.user_memory_mb
+        if not need:
+            return cluster, ""
+        short = self._short.get(need)
+        if short is None:
+            short = self._short[need] = {inv for inv in self.total if self._is_short(inv, need)}
+        out = cluster
+        for inv in sorted(short):
+            out = _unschedulable(out, inv)
+        why = (f"invoker user memory: {spec.fqn} needs {need} MB; " + "; ".join(
+            f"invoker {inv}: {self.held.get(inv, 0)} of {self.total[inv]} MB user memory held by placed instances, "
+            f"{self.total[inv] - self.held.get(inv, 0)} MB free" for inv in sorted(short))) if short else ""
+        if len(short) == len(self.total):
+            return None, why
+        return out, why
 
 
 def _unschedulable(cluster: ClusterSnapshot, invoker: str) -> ClusterSnapshot:
@@ -686,15 +743,17 @@ def _routes(
     loads = {i.id: i for rep in inp.reports.values() for i in rep.instances}
     functions = set(inp.routes) | set(inp.demand) | {r.function for r in records.values()} | set(states)
     out: dict[str, RoutingTable] = {}
+    by_function: dict[str, list[InstanceRecord]] = {}
+    for r in sorted(records.values(), key=lambda r: r.id):
+        by_function.setdefault(r.function, []).append(r)
     for fqn in sorted(functions & set(inp.specs)):
         spec = inp.specs[fqn]
         entries = tuple(
             RouteEntry(id=r.id, invoker=r.invoker, slots=r.slots,
                        in_flight=loads[r.id].in_flight if r.id in loads else 0,
                        waiting=loads[r.id].waiting if r.id in loads else 0)
-            for r in sorted(records.values(), key=lambda r: r.id)
-            if r.function == fqn and r.state == RecordState.READY and r.invoker in inp.reports
-            and not outdated(r.rev, spec.rev)
+            for r in by_function.get(fqn, ())
+            if r.state == RecordState.READY and r.invoker in inp.reports and not outdated(r.rev, spec.rev)
         )
         state = states.get(fqn, FunctionState())
         prev = inp.routes.get(fqn)

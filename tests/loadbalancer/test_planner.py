@@ -9,6 +9,7 @@ import pytest
 from dilu_invoker.loadbalancer.planner import (
     FunctionState,
     PlannerConfig,
+    ReportIndex,
     TickInput,
     TickPlan,
     estimate_capacity,
@@ -308,6 +309,13 @@ def test_function_load_sums_every_report() -> None:
     assert (load.instances_at_limit, load.queue_delay_ms, load.slo_ms) == (1, 80.0, 50.0)
     held = function_load(spec(), now=NOW, records=[], reports={}, demand_at=NOW - 1, demand_hold_s=2.0)
     assert held.waiting == 1 and held.instances == 0
+    # The tick's index of the reports (made once for every function) gives the same load; another function's
+    # instance and figures in the same reports change nothing.
+    other = {inv: replace(rep, instances=(*rep.instances, replace(inst("z", waiting=9), function="guest/g")),
+                          functions=(*rep.functions, FunctionReport("guest/g", arrival_rate=7.0, waiting=4)))
+             for inv, rep in reports.items()}
+    assert function_load(spec(slo_ms=50.0), now=NOW, records=records, reports=other, demand_at=None,
+                         demand_hold_s=2.0, index=ReportIndex.of(other)) == load
 
 
 @pytest.mark.parametrize(("rows", "expect"), [
@@ -365,3 +373,14 @@ def test_no_user_memory_anywhere_blocks_with_the_numbers() -> None:
     assert blocked == ("invoker user memory: guest/f needs 2048 MB; invoker invoker0: 2048 of 2048 MB user memory "
                        "held by placed instances, 0 MB free"), blocked
     assert "blocked" in kinds(plan)
+
+
+def test_user_memory_is_counted_across_the_placements_of_one_tick() -> None:
+    """One tick that places several instances charges each to its invoker before placing the next: the fourth
+    finds no invoker with 2000 MB left and the function is blocked with the numbers."""
+    reps = {"invoker0": report("invoker0", user_memory_mb=4000), "invoker1": report("invoker1", user_memory_mb=2000)}
+    plan = tick(reps, specs=(spec(min_instances=4, max_instances=4, user_memory_mb=2000),), demand={"guest/f": NOW})
+    assert sorted(o.record.invoker for o in plan.starts) == ["invoker0", "invoker0", "invoker1"]
+    assert "blocked" in kinds(plan)
+    assert plan.states["guest/f"].blocked.startswith("invoker user memory: guest/f needs 2000 MB; "
+                                                     "invoker invoker0: 4000 of 4000 MB")
