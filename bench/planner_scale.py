@@ -15,17 +15,23 @@ Per size, CPU seconds (`time.process_time`, this process alone):
 - churn: a tick in which 1 % of the functions scale to zero (idle at min-instances 0) and 1 % new ones arrive;
 - compaction: the next tick, with compaction due (the live `LIVE_COMPACTION`, 2 moves);
 - build: reading the reports and building the cluster snapshot, as the service does from Redis every tick
-  (the Redis reads themselves are not in it).
+  (the Redis reads themselves are not in it);
+- with `--redis`: the tick's read of every live GPU's budget from a real redis-server (loopback, the same
+  `EmbeddedRedis` standalone runs) holding the placed instances' reservations, wall seconds, median of 5:
+  one `GpuBudgets.get` after another (each GPU's hash, then the clock: two round trips a GPU) against one
+  `GpuBudgets.get_many` (one pipeline), which the balancer uses.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -35,11 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from live_replay import GPUS_PER_NODE, LiveHarness
+from live_replay import GPU_MIB, GPUS_PER_NODE, LiveHarness
 from loadgen import cpu_model
 
 from dilu_invoker.config import Config
+from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity, Reservation
 from dilu_invoker.loadbalancer.service import planner_config
+from dilu_invoker.redis_embedded import EmbeddedRedis, redis_client
 from dilu_invoker.sim.events import CREATE
 from dilu_invoker.sim.generate import dilu_mix
 from dilu_invoker.sim.placement import cluster_size
@@ -53,7 +61,39 @@ def spec_of(ev: Any) -> FunctionSpec:
                         capacity_rps=1.0, user_memory_mb=256)
 
 
-def run_size(n: int, ticks: int, seed: int) -> dict[str, Any]:
+async def budget_reads(live: LiveHarness) -> dict[str, float]:
+    """Every GPU of the harness registered in a real redis-server with its records' reservations; the wall
+    seconds (median of 5) of reading them all one GPU after another, and in one pipeline."""
+    with tempfile.TemporaryDirectory() as tmp:
+        async with EmbeddedRedis(tmp, persistent=False) as server:
+            client = redis_client(server.url)
+            budgets = GpuBudgets(client)
+            uuids = [f"{inv}-g{i}" for inv in live.invokers for i in range(GPUS_PER_NODE)]
+            for inv in live.invokers:
+                for i in range(GPUS_PER_NODE):
+                    await budgets.register_gpu(f"{inv}-g{i}", GpuCapacity(node=inv, index=i, name="bench",
+                                                                          memory_mb=GPU_MIB, sm_count=132))
+            for r in live.records.values():
+                if r.gpu is not None:
+                    await budgets.reserve(f"{r.invoker}-g{r.gpu}", Reservation(
+                        instance=r.id, function=r.function, invoker=r.invoker, cls=r.cls, request=r.request,
+                        limit=r.limit, memory_mb=r.memory_mb), ttl_s=3600, force=True)
+            one_by_one, pipelined = [], []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                each = [await budgets.get(u) for u in uuids]
+                t1 = time.perf_counter()
+                many = await budgets.get_many(uuids)
+                t2 = time.perf_counter()
+                assert list(many.values()) == each
+                one_by_one.append(t1 - t0)
+                pipelined.append(t2 - t1)
+            await client.aclose()
+    return {"gpus_read": len(uuids), "read_one_by_one_s": statistics.median(one_by_one),
+            "read_pipelined_s": statistics.median(pipelined)}
+
+
+def run_size(n: int, ticks: int, seed: int, redis: bool = False) -> dict[str, Any]:
     creates = [ev for ev in dilu_mix(2 * n, train_fraction=0.0, llm_fraction=0.2, seed=seed)
                if ev.op == CREATE and ev.spec is not None and ev.spec.gpus == 1]
     first, spare = creates[:n], creates[n:]
@@ -90,7 +130,8 @@ def run_size(n: int, ticks: int, seed: int) -> dict[str, Any]:
     compaction = live.last_plan_s
     moves = sum(1 for d in plan.decisions if d.kind == "move")
     lit = len({(r.invoker, r.gpu) for r in live.records.values()})
-    return {
+    reads = asyncio.run(budget_reads(live)) if redis else {}
+    return {**reads,
         "n": n, "nodes": nodes, "gpus": nodes * GPUS_PER_NODE, "placed_first_tick": placed, "lit_gpus": lit,
         "place_all_s": place_all, "steady_median_s": statistics.median(steady), "steady_max_s": max(steady),
         "build_median_s": statistics.median(builds), "churn_s": churn, "churn_decisions": churn_decisions,
@@ -108,8 +149,9 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], started: str) -> str:
         "bench/planner_scale.py.",
         "",
         "| instances | GPUs (lit) | place all N in one tick | steady tick: median / max | build reports + snapshot "
-        "(median) | churn tick (1 % to zero, 1 % new) | compaction tick (moves) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "(median) | churn tick (1 % to zero, 1 % new) | compaction tick (moves) | budgets read: one by one / "
+        "one pipeline |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
@@ -117,7 +159,9 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], started: str) -> str:
             f"({r['placed_first_tick']:,} placed) | {1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms "
             f"| {1000 * r['build_median_s']:.0f} ms | {1000 * r['churn_s']:.0f} ms "
             f"({r['churn_decisions']['place']} placed, {r['churn_decisions']['stop']} stopped) "
-            f"| {1000 * r['compaction_s']:.0f} ms ({r['compaction_moves']}) |")
+            f"| {1000 * r['compaction_s']:.0f} ms ({r['compaction_moves']}) | "
+            + (f"{1000 * r['read_one_by_one_s']:.0f} / {1000 * r['read_pipelined_s']:.0f} ms |" if "gpus_read" in r
+               else "– |"))
     return "\n".join(lines) + "\n"
 
 
@@ -126,18 +170,21 @@ def main() -> int:
     ap.add_argument("--sizes", default="1000,3200,10000")
     ap.add_argument("--ticks", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--redis", action="store_true", help="also time reading every GPU's budget from a redis-server")
     ap.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
     for n in (int(x) for x in args.sizes.split(",") if x):
-        r = run_size(n, args.ticks, args.seed)
+        r = run_size(n, args.ticks, args.seed, args.redis)
         rows.append(r)
         print(f"{n:6d} instances on {r['gpus']} GPUs: place all {r['place_all_s']:.2f} s, steady "
               f"{1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms, build "
               f"{1000 * r['build_median_s']:.0f} ms, churn {1000 * r['churn_s']:.0f} ms {r['churn_decisions']}, "
-              f"compaction {1000 * r['compaction_s']:.0f} ms ({r['compaction_moves']} moves)", flush=True)
+              f"compaction {1000 * r['compaction_s']:.0f} ms ({r['compaction_moves']} moves)"
+              + (f", budgets of {r['gpus_read']} GPUs: one by one {1000 * r['read_one_by_one_s']:.0f} ms, "
+                 f"one pipeline {1000 * r['read_pipelined_s']:.0f} ms" if "gpus_read" in r else ""), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"argv": sys.argv[1:], "cpu": cpu_model(), "started": started, "rows": rows},
                                         indent=1) + "\n", encoding="utf-8")

@@ -39,7 +39,7 @@ before the field existed) is not kept.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, cast
 
@@ -369,7 +369,24 @@ class GpuBudgets:
         raw = cast("dict[bytes, bytes]", await self._r.hgetall(self.gpu_key(uuid)))
         if not raw or b"cap" not in raw:
             return None
-        now_ms = await self._now_ms()
+        return self._parse(uuid, raw, await self._now_ms(), include_expired)
+
+    async def get_many(self, uuids: Sequence[str], *, include_expired: bool = False) -> dict[str, GpuBudget | None]:
+        """`get` for several GPUs in one round trip (a pipeline: every GPU's hash, then Redis's clock), as the
+        balancer reads every live GPU each tick; None where a GPU is not registered."""
+        if not uuids:
+            return {}
+        async with self._r.pipeline(transaction=False) as pipe:
+            for uuid in uuids:
+                pipe.hgetall(self.gpu_key(uuid))
+            pipe.time()
+            *raws, (secs, micros) = await pipe.execute()
+        now_ms = int(secs) * 1000 + int(micros) // 1000
+        return {uuid: self._parse(uuid, raw, now_ms, include_expired) if raw and b"cap" in raw else None
+                for uuid, raw in zip(uuids, raws, strict=True)}
+
+    @staticmethod
+    def _parse(uuid: str, raw: Mapping[bytes, bytes], now_ms: int, include_expired: bool) -> GpuBudget:
         cap = GpuCapacity(**_unpack(raw[b"cap"]))
         reservations: dict[str, Reservation] = {}
         shares: dict[str, float] = {}

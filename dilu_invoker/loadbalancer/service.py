@@ -397,13 +397,15 @@ class Balancer:
         evictable: dict[GpuRef, Evictable] = {}
         seen_uuid: set[str] = set()
         seen_instance: set[str] = set()
+        # Every live GPU's budget in one round trip (thousands of GPUs would otherwise be as many per tick).
+        budgets = await self.budgets.get_many(list(dict.fromkeys(g.uuid for rep in reports.values() for g in rep.gpus)))
         for name, report in reports.items():
             for g in report.gpus:
                 if g.uuid in seen_uuid:
                     log.warning("a GPU is reported by two invokers; ignoring the second", uuid=g.uuid, invoker=name)
                     continue
                 seen_uuid.add(g.uuid)
-                budget = await self.budgets.get(g.uuid)
+                budget = budgets[g.uuid]
                 placed: list[PlacedInstance] = []
                 for r in (budget.reservations.values() if budget is not None else ()):
                     if r.instance in seen_instance:

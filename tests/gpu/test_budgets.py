@@ -103,3 +103,20 @@ async def test_reconcile_after_invoker_restart(budgets: GpuBudgets) -> None:
 async def test_unknown_gpu_is_refused(budgets: GpuBudgets) -> None:
     result = await budgets.reserve("GPU-missing", _res("x"), ttl_s=30)
     assert not result.ok and "unknown GPU" in result.reason
+
+
+async def test_get_many_reads_what_get_reads_in_one_round_trip(budgets: GpuBudgets) -> None:
+    other = "GPU-other"
+    await budgets.register_gpu(other, GpuCapacity(node="1", index=0, name="Test", memory_mb=40_000, sm_count=132))
+    assert (await budgets.reserve(UUID, _res("a", 0.3, 0.6), ttl_s=30)).ok
+    assert (await budgets.reserve(UUID, _res("gone", 0.2, 0.2), ttl_s=0.05)).ok
+    assert (await budgets.reserve(other, _res("b", 0.4, 0.4, invoker="1"), ttl_s=30)).ok
+    await budgets.set_shares(UUID, {"a": 0.5})
+    await asyncio.sleep(0.1)  # "gone" lapses: get_many drops it as get does, unless asked for expired ones
+    many = await budgets.get_many([UUID, "GPU-missing", other])
+    assert list(many) == [UUID, "GPU-missing", other] and many["GPU-missing"] is None
+    assert many[UUID] == await budgets.get(UUID) and many[other] == await budgets.get(other)
+    assert set(many[UUID].reservations) == {"a"} and many[UUID].shares == {"a": 0.5}  # type: ignore[union-attr]
+    expired = await budgets.get_many([UUID], include_expired=True)
+    assert set(expired[UUID].reservations) == {"a", "gone"}  # type: ignore[union-attr]
+    assert await budgets.get_many([]) == {}
