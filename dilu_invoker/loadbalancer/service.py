@@ -339,9 +339,13 @@ class Balancer:
         specs = await self._read_specs()
         cluster, evictable = await self._cluster(now, reports, specs)
         self._demand = {f: t for f, t in self._demand.items() if now - t < 60}
-        plan = plan_tick(
+        # The plan is pure CPU work that grows with the cluster (docs/benchmarks/planner-scale.md: 0.15 s at 3,200
+        # instances, 2 s at 32,000): it runs in a worker thread so that the lease is renewed and demand read
+        # meanwhile. Its inputs are this tick's own (the demand a copy: the demand loop goes on writing).
+        plan = await asyncio.to_thread(
+            plan_tick,
             TickInput(now=now, epoch=lead.epoch, reports=reports, known_invokers=known, records=self._records,
-                      specs=specs, cluster=cluster, demand=self._demand, states=self._states,
+                      specs=specs, cluster=cluster, demand=dict(self._demand), states=self._states,
                       routes=self._routes, seq=self._seq, compaction=self._compaction, evictable=evictable),
             self.planner,
         )
@@ -431,7 +435,7 @@ class Balancer:
                     evictable[ref] = kept
         if not states:
             return None, {}
-        return ClusterSnapshot.build(now=now, gpus=states), evictable
+        return await asyncio.to_thread(ClusterSnapshot.build, now=now, gpus=states), evictable
 
     # -- model pre-loading (loadbalancer/model_preload.py) ------------------------------------------
 

@@ -158,3 +158,38 @@ def test_the_command_refuses_what_cannot_work(capsys, monkeypatch) -> None:  # t
     tiny = replace(bad, balancer=replace(base.balancer, window=3, scale_out_samples=5))
     assert service.main(tiny) == 2
     assert "scale_out_samples" in capsys.readouterr().err
+
+
+async def test_a_long_plan_does_not_hold_the_event_loop(redis: aioredis.Redis, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """At tens of thousands of instances a plan takes seconds of CPU (docs/benchmarks/planner-scale.md); it runs off
+    the event loop, so the leader keeps renewing its lease and reading demand meanwhile (the test's own loop guard
+    fails it too if the plan blocks the loop)."""
+    from dilu_invoker.loadbalancer import service
+
+    real = service.plan_tick
+
+    def slow_plan(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.8)  # a plan as slow as a huge cluster's, holding the GIL only as pure Python does
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(service, "plan_tick", slow_plan)
+    await _invoker(redis, "invoker0")
+    await _function(redis, "f", **{"min-instances": 1})
+    balancer = Balancer(redis, _cfg(), holder="solo")
+    lead = await balancer.campaign_once()
+    assert lead is not None
+    beats: list[float] = []
+
+    async def heartbeat() -> None:
+        while True:
+            beats.append(time.monotonic())
+            await asyncio.sleep(0.02)
+
+    beat = asyncio.create_task(heartbeat())
+    t0 = time.monotonic()
+    assert await balancer.tick(lead)
+    took = time.monotonic() - t0
+    beat.cancel()
+    gaps = [b - a for a, b in zip(beats, beats[1:], strict=False)]
+    assert took >= 0.8 and len(beats) > 10 and max(gaps) < 0.3, (took, len(beats), max(gaps, default=None))
+    assert await redis.hlen(KEYS.instances) == 1  # and the plan was applied
