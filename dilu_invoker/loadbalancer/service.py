@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -40,7 +40,7 @@ from redis.exceptions import RedisError
 from dilu_invoker import logs
 from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import Config, ConfigError
-from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
+from dilu_invoker.gpu.budgets import GpuBudget, GpuBudgets, Reservation
 from dilu_invoker.loadbalancer.lease import LeaderLease, Leadership, Ops
 from dilu_invoker.loadbalancer.model_preload import ActionFeed, following, place_first
 from dilu_invoker.loadbalancer.planner import (
@@ -188,6 +188,50 @@ def evictable_of(invoker: str, reservations: Iterable[Reservation]) -> Evictable
     ids = frozenset(r.instance for r in kept)
     return Evictable(instances=ids, weight_groups=weight_groups_of(invoker, [r for r in every if r.instance not in ids]),
                      memory_mib=float(sum(r.memory_mb for r in kept)))
+
+
+def cluster_of(now: float, reports: Mapping[str, LoadReport], specs: Mapping[str, FunctionSpec],
+               budgets: Mapping[str, GpuBudget | None]) -> tuple[ClusterSnapshot | None, dict[GpuRef, Evictable]]:
+    """The snapshot the planner sees: each live invoker's GPUs (a GPU two invokers report counts for the first)
+    with the reservations its budget holds (an instance reserved on two GPUs counts on the first), and the kept
+    weights among them (`evictable_of`). Pure: the budgets are read before (`GpuBudgets.get_many`)."""
+    states: list[GpuState] = []
+    evictable: dict[GpuRef, Evictable] = {}
+    seen_uuid: set[str] = set()
+    seen_instance: set[str] = set()
+    for name, report in reports.items():
+        for g in report.gpus:
+            if g.uuid in seen_uuid:
+                log.warning("a GPU is reported by two invokers; ignoring the second", uuid=g.uuid, invoker=name)
+                continue
+            seen_uuid.add(g.uuid)
+            budget = budgets.get(g.uuid)
+            placed: list[PlacedInstance] = []
+            for r in (budget.reservations.values() if budget is not None else ()):
+                if r.instance in seen_instance:
+                    continue
+                seen_instance.add(r.instance)
+                spec = specs.get(r.function)
+                try:
+                    cls = InstanceClass.parse(r.cls)
+                except ValueError:
+                    cls = InstanceClass.INFERENCE
+                placed.append(PlacedInstance(
+                    id=r.instance, function=r.function, cls=cls, request=r.request, limit=r.limit,
+                    memory_mib=float(r.memory_mb),
+                    profile=Profile(spec.profile) if spec is not None and spec.profile else None))
+            memory = budget.capacity.memory_mb if budget is not None else g.memory_mb
+            groups = weight_groups_of(name, budget.reservations.values()) if budget is not None else frozenset()
+            ref = GpuRef(name, g.index)
+            states.append(GpuState(ref=ref, memory_mib=float(max(1, memory)), uuid=g.uuid,
+                                   sm_count=g.sm_count, instances=tuple(placed), schedulable=report.enabled,
+                                   weight_groups=groups))
+            kept = evictable_of(name, budget.reservations.values()) if budget is not None else None
+            if kept is not None and kept.instances <= {p.id for p in placed}:
+                evictable[ref] = kept
+    if not states:
+        return None, {}
+    return ClusterSnapshot.build(now=now, gpus=states), evictable
 
 
 def default_holder() -> str:
@@ -397,45 +441,10 @@ class Balancer:
                        ) -> tuple[ClusterSnapshot | None, dict[GpuRef, Evictable]]:
         """The live invokers' GPUs with what their budgets hold (the node's own admission sees the same), and
         the kept weights among it that their invokers evict for room (`evictable_of`)."""
-        states: list[GpuState] = []
-        evictable: dict[GpuRef, Evictable] = {}
-        seen_uuid: set[str] = set()
-        seen_instance: set[str] = set()
-        # Every live GPU's budget in one round trip (thousands of GPUs would otherwise be as many per tick).
+        # Every live GPU's budget in one round trip (thousands of GPUs would otherwise be as many per tick), then
+        # the snapshot off the event loop (it grows with the cluster, as the plan does).
         budgets = await self.budgets.get_many(list(dict.fromkeys(g.uuid for rep in reports.values() for g in rep.gpus)))
-        for name, report in reports.items():
-            for g in report.gpus:
-                if g.uuid in seen_uuid:
-                    log.warning("a GPU is reported by two invokers; ignoring the second", uuid=g.uuid, invoker=name)
-                    continue
-                seen_uuid.add(g.uuid)
-                budget = budgets[g.uuid]
-                placed: list[PlacedInstance] = []
-                for r in (budget.reservations.values() if budget is not None else ()):
-                    if r.instance in seen_instance:
-                        continue
-                    seen_instance.add(r.instance)
-                    spec = specs.get(r.function)
-                    try:
-                        cls = InstanceClass.parse(r.cls)
-                    except ValueError:
-                        cls = InstanceClass.INFERENCE
-                    placed.append(PlacedInstance(
-                        id=r.instance, function=r.function, cls=cls, request=r.request, limit=r.limit,
-                        memory_mib=float(r.memory_mb),
-                        profile=Profile(spec.profile) if spec is not None and spec.profile else None))
-                memory = budget.capacity.memory_mb if budget is not None else g.memory_mb
-                groups = weight_groups_of(name, budget.reservations.values()) if budget is not None else frozenset()
-                ref = GpuRef(name, g.index)
-                states.append(GpuState(ref=ref, memory_mib=float(max(1, memory)), uuid=g.uuid,
-                                       sm_count=g.sm_count, instances=tuple(placed), schedulable=report.enabled,
-                                       weight_groups=groups))
-                kept = evictable_of(name, budget.reservations.values()) if budget is not None else None
-                if kept is not None and kept.instances <= {p.id for p in placed}:
-                    evictable[ref] = kept
-        if not states:
-            return None, {}
-        return await asyncio.to_thread(ClusterSnapshot.build, now=now, gpus=states), evictable
+        return await asyncio.to_thread(cluster_of, now, reports, specs, budgets)
 
     # -- model pre-loading (loadbalancer/model_preload.py) ------------------------------------------
 

@@ -194,3 +194,33 @@ async def test_a_long_plan_does_not_hold_the_event_loop(redis: aioredis.Redis, m
     gaps = [b - a for a, b in itertools.pairwise(beats)]
     assert took >= 0.8 and len(beats) > 10 and max(gaps) < 0.3, (took, len(beats), max(gaps, default=None))
     assert await redis.hlen(KEYS.instances) == 1  # and the plan was applied
+
+
+def test_the_snapshot_counts_a_gpu_and_an_instance_once_and_falls_back_to_the_report() -> None:
+    """`cluster_of`, the pure half of the tick's snapshot (run off the event loop): a GPU two invokers report counts
+    for the first, an instance reserved on two GPUs counts on the first, a GPU without a budget has the memory its
+    report gives, and a disabled invoker's GPUs take nothing new."""
+    from dilu_invoker.gpu.budgets import GpuBudget, GpuCapacity, Reservation
+    from dilu_invoker.loadbalancer.service import cluster_of
+    from dilu_invoker.policy import GpuRef
+
+    def res(iid: str) -> Reservation:
+        return Reservation(instance=iid, function="guest/f", cls="inference", invoker="a", request=0.2, limit=0.4,
+                           memory_mb=1000)
+
+    cap = GpuCapacity(node="a", index=0, name="t", memory_mb=16000, sm_count=132)
+    budgets = {"u0": GpuBudget("u0", cap, {"i1": res("i1")}), "u1": GpuBudget("u1", cap, {"i1": res("i1"), "i2": res("i2")}),
+               "u2": None}
+    reports = {
+        "a": LoadReport(invoker="a", boot="b", at_ms=0, gpus=(GpuReport(index=0, uuid="u0", memory_mb=16000),
+                                                              GpuReport(index=1, uuid="u1", memory_mb=16000))),
+        "b": LoadReport(invoker="b", boot="b", at_ms=0, enabled=False,
+                        gpus=(GpuReport(index=0, uuid="u1", memory_mb=16000), GpuReport(index=1, uuid="u2", memory_mb=8000))),
+    }
+    cluster, evictable = cluster_of(0.0, reports, {}, budgets)
+    assert cluster is not None and evictable == {}
+    assert [i.id for i in cluster.gpu(GpuRef("a", 0)).instances] == ["i1"]
+    assert [i.id for i in cluster.gpu(GpuRef("a", 1)).instances] == ["i2"]
+    assert GpuRef("b", 0) not in cluster.ordinals and GpuRef("b", 1) in cluster.ordinals  # u1 counted for "a"
+    assert cluster.gpu(GpuRef("b", 1)).memory_mib == 8000.0 and not cluster.gpu(GpuRef("b", 1)).schedulable
+    assert cluster_of(0.0, {}, {}, {}) == (None, {})
