@@ -35,7 +35,8 @@
 #                                               same on BERT, PLAN=22 PLAN 6 on the BERT pair, PLAN=23 a
 #                                               time-sliced GPU: rckm (the default there) beside the slo
 #                                               controller, static shim shares and no control (ResNet pair),
-#                                               PLAN=24 the same on the BERT pair; the plan and its
+#                                               PLAN=24 the same on the BERT pair, PLAN=25 rckm (shim-ts)
+#                                               against slo-ts alone on both pairs in one call; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
 set -uo pipefail
@@ -137,7 +138,9 @@ elif [ "$what" = matrix ]; then
         prio="resnet50+train:noshim,static30,shim-ts,slo-ts" ;;  # rckm (its default there) beside slo and baselines
     24) modes=noshim,static30,shim-ts,slo-ts; pairs=bert+train; bert=""  # PLAN 23 on the BERT pair
         prio="bert+train:noshim,static30,shim-ts,slo-ts" ;;
-    *) echo "PLAN is 1 to 24"; exit 2 ;;
+    25) modes=shim-ts,slo-ts; bert=shim-ts,slo-ts  # rckm against slo alone, both pairs, time-sliced: one call
+        prio="resnet50+train:shim-ts,slo-ts;bert+train:shim-ts,slo-ts" ;;  # when the device is scarce
+    *) echo "PLAN is 1 to 25"; exit 2 ;;
   esac
   besides=${BESIDES:-$besides}  # BESIDES=burst@0.12,burst@0.16,burst: the plan's scenarios in another order
   name=gpu_product_matrix${3:-1}
