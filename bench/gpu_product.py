@@ -604,6 +604,15 @@ def modes_for(args: argparse.Namespace, pair: str) -> list[str]:
     return list(args.pair_modes.get(pair, args.modes))
 
 
+def sets_reference(ref: dict[str, Any], key: str, mode: str, pair_modes: list[str]) -> bool:
+    """Whether a stack's solo measurement becomes its trial's reference (the SLO's solo p99 and the capacity that
+    loads are fractions of): the unlimited `noshim` where the pair runs it, else the trial's first mode, so that
+    the modes of a plan without `noshim` still serve the same arrivals and are judged by the same SLO."""
+    if "noshim" in pair_modes:
+        return mode == "noshim"
+    return key not in ref
+
+
 def plan(args: argparse.Namespace) -> tuple[list[tuple[int, str, str, float]], list[tuple[int, str, str, float]]]:
     """The stacks to run in order — trial by trial, each trial every pair and mode (the unlimited reference
     `noshim` first) — and the ones cut because the estimate passes ``--budget-s``."""
@@ -738,8 +747,11 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
         solo_ok = [s.latency_ms for s in solo if s.ok]
         own_p99 = pct(solo_ok, 0.99)
         key = f"{pair}:{trial}"
-        if mode == "noshim" and own_p99:
-            ref[key] = {"p99": own_p99, "p50": pct(solo_ok, 0.5), "train": solo_train}
+        sets_ref = bool(own_p99) and sets_reference(ref, key, mode, modes_for(args, pair))
+        if sets_ref:
+            ref[key] = {"p99": own_p99, "p50": pct(solo_ok, 0.5), "mode": mode}
+            if mode == "noshim":
+                ref[key]["train"] = solo_train  # training's reference is the unlimited solo only
         base = ref.get(key, {})
         slo = 2 * (base.get("p99") or own_p99 or 0) or None
         capacity_rps = len(solo_ok) / args.seconds
@@ -751,11 +763,12 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
             cell["noop"] = summarize(await closed_loop(st, "noop", {}, NOOP_S), None)
         cell["capacity_rps"] = rnd(capacity_rps)
         cell["slo_ms"] = rnd(slo)
-        cell["ref"] = {k: rnd(v) for k, v in base.items()}
-        # Loads are fractions of the unlimited (noshim) capacity of the same trial where there is one, so that
-        # every mode of a cell serves the same arrivals.
+        cell["ref"] = {k: rnd(v) for k, v in base.items() if k != "mode"}
+        cell["ref_mode"] = base.get("mode")
+        # Loads are fractions of the unlimited (noshim) capacity of the same trial where there is one, else of
+        # the trial's first mode's (`sets_reference`), so that every mode of a cell serves the same arrivals.
         ref_rps = base.get("rps") or capacity_rps
-        if mode == "noshim":
+        if sets_ref:
             ref[key]["rps"] = capacity_rps
 
         def finish(name: str, samples: list[Sample], window: tuple[float, float], stamps: list[float]) -> None:
@@ -1178,7 +1191,9 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
     lines += ["", "Each entry is *median / worst* over the trials (fresh standalone and fresh action processes each). "
               "`p99/solo`: against the solo p99 of the same mode; `training/ref`: training it/s over the unlimited "
               "(`noshim`) solo it/s of the same trial; violations: requests over the SLO (2 × the `noshim` solo p99 of "
-              "the trial) or failed. *Strongest baseline*: among the static modes, the one whose worst violations stay "
+              "the trial) or failed. Loads are fractions of the `noshim` capacity of the trial, so every mode serves "
+              "the same arrivals; a pair without `noshim` takes the SLO and the capacity from the trial's first mode "
+              "instead, and has no training reference. *Strongest baseline*: among the static modes, the one whose worst violations stay "
               "≤ 1% with the most training (else the lowest p99); the controller rows give their training and p99 as "
               "ratios to it. *Dominated by*: static modes with a median p99 at or below the mode's and more training "
               f"(+0.02); in brackets the odds of that verdict: the share of {DOMINANCE_DRAWS:,} bootstrap resamples of "

@@ -205,3 +205,24 @@ def test_isolation_fallback_keeps_the_run(gp: ModuleType, monkeypatch: pytest.Mo
     assert [c["mode"] for c in doc["cells"]] == ["noshim", "slo-ts"]
     assert "noshim resnet50+train trial 0" == doc["isolation_fallback"]["after"]
     assert "process isolation turned off" in gp.matrix_report([doc])
+
+
+@pytest.mark.parametrize(("pair_modes", "order", "setters"), [
+    (["noshim", "shim", "mps50"], ["shim", "noshim", "mps50"], ["noshim"]),
+    (["shim-ts", "slo-ts"], ["shim-ts", "slo-ts"], ["shim-ts"]),
+    (["slo-ts", "shim-ts"], ["slo-ts", "shim-ts"], ["slo-ts"]),
+])
+def test_every_mode_of_a_trial_serves_the_same_arrivals(gp: ModuleType, pair_modes: list[str], order: list[str],
+                                                         setters: list[str]) -> None:
+    """The reference the loads and the SLO come from: the unlimited `noshim` where the pair runs it, else the
+    trial's first mode, once per trial; a plan without `noshim` (PLAN 25) then judges its modes on the same
+    arrivals instead of each on its own measured capacity."""
+    for trial in range(2):
+        ref: dict[str, object] = {}
+        key = f"resnet50+train:{trial}"
+        got = []
+        for mode in order:
+            if gp.sets_reference(ref, key, mode, pair_modes):
+                got.append(mode)
+                ref[key] = {"rps": 100.0, "mode": mode}
+        assert got == setters
