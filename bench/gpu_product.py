@@ -1191,7 +1191,7 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
     lines += ["", "Each entry is *median / worst* over the trials (fresh standalone and fresh action processes each). "
               "`p99/solo`: against the solo p99 of the same mode; `training/ref`: training it/s over the unlimited "
               "(`noshim`) solo it/s of the same trial; violations: requests over the SLO (2 × the `noshim` solo p99 of "
-              "the trial) or failed. Loads are fractions of the `noshim` capacity of the trial, so every mode serves "
+              "the trial) or failed; `training (it/s)`: absolute, for pairs without a reference. Loads are fractions of the `noshim` capacity of the trial, so every mode serves "
               "the same arrivals; a pair without `noshim` takes the SLO and the capacity from the trial's first mode "
               "instead, and has no training reference. *Strongest baseline*: among the static modes, the one whose worst violations stay "
               "≤ 1% with the most training (else the lowest p99); the controller rows give their training and p99 as "
@@ -1212,9 +1212,9 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
                 continue
             lines.append(f"| {mode} | {a['effective']} | {a['trials']} | {_pair(a['p50_ms'])} | {_pair(a['p99_ms'])} | "
                          f"{_pair(a['train_it_s'])} | {_pair(idle['train_vs_ref']) if idle else '–'} |")
-        lines += ["", "| scenario | mode | p99 (ms) | p99 / solo | violations | training / ref | "
+        lines += ["", "| scenario | mode | p99 (ms) | p99 / solo | violations | training / ref | training (it/s) | "
                       "vs strongest baseline: p99 × / training × | dominated by |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name in scen:
             if name in ("solo", "idle") or name.startswith("share@") or name.endswith(ALONE):
                 continue
@@ -1240,7 +1240,8 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
                     tally[2] += any(o is not None and o >= BEYOND_NOISE for o in odds.values())
                 shown = ", ".join(m if odds[m] is None else f"{m} ({odds[m]:.2f})" for m in dom)
                 lines.append(f"| {name} | {mode} | {_pair(a['p99_ms'])} | {_pair(a['p99_vs_solo'], suffix='x')} | "
-                             f"{_pair(a['slo_violations'], pctg=True)} | {_pair(a['train_vs_ref'])} | {vs} | "
+                             f"{_pair(a['slo_violations'], pctg=True)} | {_pair(a['train_vs_ref'])} | "
+                             f"{_pair(a['train_it_s'])} | {vs} | "
                              f"{shown if dom else ('none' if mode in CONTROLLERS else '')} |")
     if tallies:
         lines += ["", "Dominance, per controller (cells with a p99 and training; *beyond noise*: some dominance with odds "

@@ -115,6 +115,8 @@ def test_the_matrix_names_the_strongest_baseline_and_what_dominates(gp: ModuleTy
     text = page.read_text()
     assert "hand-written" in text and "after" in text and "\nold\n" not in text
     assert "| paced@0.5 | slo-ts | 12.5 / 12.5 |" in text and "| mps50 |" in text
+    slo_row = text.split("| paced@0.5 | slo-ts |")[1].split("\n")[0]
+    assert "| 0.4 / 0.4 | 20 / 20 |" in slo_row  # training against the reference, then absolute (it/s)
     assert "**strongest baseline**" in text and "| none |" not in text.split("| paced@0.5 | slo-ts |")[1].split("\n")[0]
 
 
