@@ -736,7 +736,10 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
         cell["cold_start_ms"] = {"train": rnd(tms), "infer": rnd(ims), "together": True}
         for what, status, data in (("training", tstatus, tdata), ("inference", istatus, idata)):
             if status != 200:
-                raise RuntimeError(f"{mode}: {what} cold start answered {status}: {data}")
+                # The standalone's log goes with the work directory: what went wrong in it comes with the error.
+                problems = problem_lines(st.log_path.read_text(errors="replace"), most=5)
+                raise RuntimeError(f"{mode}: {what} cold start answered {status}: {data}; the standalone's log: "
+                                   f"{problems}")
         await asyncio.sleep(IDLE_AFTER_S)  # inference idle: the policy gives training the GPU
         tr = await st.invoke("train", train_params(args.seconds, tdry))
         stamps = (tr[1] or {}).get("stamps", [])
@@ -1191,9 +1194,10 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
     lines += ["", "Each entry is *median / worst* over the trials (fresh standalone and fresh action processes each). "
               "`p99/solo`: against the solo p99 of the same mode; `training/ref`: training it/s over the unlimited "
               "(`noshim`) solo it/s of the same trial; violations: requests over the SLO (2 × the `noshim` solo p99 of "
-              "the trial) or failed; `training (it/s)`: absolute, for pairs without a reference. Loads are fractions of the `noshim` capacity of the trial, so every mode serves "
-              "the same arrivals; a pair without `noshim` takes the SLO and the capacity from the trial's first mode "
-              "instead, and has no training reference. *Strongest baseline*: among the static modes, the one whose worst violations stay "
+              "the trial) or failed; `training (it/s)`: absolute (the only training figure of a pair without `noshim`). "
+              "Loads are fractions of the `noshim` capacity of the trial, so every mode serves the same arrivals; a "
+              "pair without `noshim` takes the SLO and the capacity from the trial's first mode instead, and has no "
+              "training reference. *Strongest baseline*: among the static modes, the one whose worst violations stay "
               "≤ 1% with the most training (else the lowest p99); the controller rows give their training and p99 as "
               "ratios to it. *Dominated by*: static modes with a median p99 at or below the mode's and more training "
               f"(+0.02); in brackets the odds of that verdict: the share of {DOMINANCE_DRAWS:,} bootstrap resamples of "

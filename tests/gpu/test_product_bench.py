@@ -27,7 +27,8 @@ def test_dry_run_writes_every_mode_and_scenario(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["dry_run"] is True and doc["errors"] == []
+    assert doc["dry_run"] is True
+    assert doc["errors"] == [], doc["errors"]  # in full: a failed cold start carries its standalone's log lines
     assert [c["mode"] for c in doc["cells"]] == ["noshim", "slo-ts"]
     for cell in doc["cells"]:
         assert cell["solo"]["requests"] > 0 and cell["solo"]["failed"] == 0
