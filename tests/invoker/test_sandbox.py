@@ -71,6 +71,30 @@ async def test_two_backends_never_share_a_uid(tmp_path: Path) -> None:
     b.close()
 
 
+async def test_a_runtime_that_cannot_start_says_which_sandbox_step_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """subprocess says only "Exception occurred in preexec_fn"; the error names the step and its exception (here
+    a memory cgroup gone between the sandbox's creation and the fork) and the pipe that carried it is not leaked."""
+    from dilu_invoker.invoker.dataplane.backends.base import BackendError
+
+    backend = ProcessBackend(isolation="off", work_dir=str(tmp_path / "w"))
+    create = backend.sandboxes.create
+
+    async def create_then_lose_the_dir(*args: object, **kwargs: object) -> object:
+        box = await create(*args, **kwargs)  # type: ignore[arg-type]
+        box.cgroup = tmp_path / "removed-cgroup"
+        return box
+
+    monkeypatch.setattr(backend.sandboxes, "create", create_then_lose_the_dir)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(BackendError) as info:
+        await backend.start(ContainerSpec(name="c", kind="python:3", image="", memory_mb=256))
+    assert "preexec_fn" in str(info.value) and f"joining the cgroup {tmp_path / 'removed-cgroup'}" in str(info.value)
+    assert "FileNotFoundError" in str(info.value)
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    await backend.close()
+
+
 async def test_without_isolation_descendants_and_files_still_go(tmp_path: Path) -> None:
     backend = ProcessBackend(isolation="off", work_dir=str(tmp_path / "w"))
     assert not backend.sandboxes.isolating

@@ -29,6 +29,7 @@ from dilu_invoker.invoker.dataplane.backends.sandbox import (
     Sandboxes,
     UidGroup,
     parse_uid_range,
+    preexec_failure,
 )
 from dilu_invoker.invoker.dataplane.runtime_client import DirectLane
 
@@ -181,6 +182,8 @@ class ProcessBackend:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             # The direct lane: our end stays here, the other goes to the runtime, which hands it to its worker.
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            # Where a failing preexec says which step failed (close-on-exec: the runtime never holds it).
+            report_r, report_w = os.pipe2(os.O_CLOEXEC)
             try:
                 listener.bind(("127.0.0.1", 0))
                 listener.listen(128)
@@ -195,17 +198,25 @@ class ProcessBackend:
                     env=env,
                     cwd=str(box.dir),
                     start_new_session=True,
-                    preexec_fn=box.preexec(),
+                    preexec_fn=box.preexec(report_w),
                     pass_fds=(fd, theirs.fileno()),
                     limit=1 << 20,
                 )
             except (OSError, subprocess.SubprocessError) as exc:
-                last_error = exc
+                os.close(report_w)
+                report_w = -1
+                why = preexec_failure(report_r)  # closes it
+                report_r = -1
+                last_error = RuntimeError(f"{exc} ({why})") if why else exc
+                log.warning("runtime process did not start", container=spec.name, error=str(last_error))
                 ours.close()
                 continue
             finally:
                 listener.close()  # the runtime holds its own copies
                 theirs.close()
+                for end in (report_r, report_w):
+                    if end >= 0:
+                        os.close(end)
             box.leader = proc.pid
             lane: DirectLane | None = None
             if self.direct_lane:

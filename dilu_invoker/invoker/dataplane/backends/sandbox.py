@@ -98,6 +98,22 @@ def parse_uid_range(text: str) -> range:
 # -- cgroups --------------------------------------------------------------------------------------------
 
 
+#: the most a failed preexec writes about its failure
+_PREEXEC_REPORT_BYTES = 512
+
+
+def preexec_failure(read_fd: int) -> str | None:
+    """What a failed :meth:`Sandbox.preexec` wrote to its report pipe (None: nothing); closes ``read_fd``."""
+    try:
+        os.set_blocking(read_fd, False)
+        data = os.read(read_fd, _PREEXEC_REPORT_BYTES)
+    except OSError:
+        data = b""
+    finally:
+        os.close(read_fd)
+    return data.decode(errors="replace") or None
+
+
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
@@ -415,28 +431,47 @@ class Sandbox:
         """The command line that starts ``argv`` in this sandbox (group members: under ``prefix``)."""
         return [*self.prefix, *argv]
 
-    def preexec(self) -> Callable[[], None]:
+    def preexec(self, report_fd: int | None = None) -> Callable[[], None]:
+        """What the child does between fork and exec. subprocess reports only "Exception occurred in
+        preexec_fn" when it fails; with ``report_fd`` (a close-on-exec pipe's write end) the child first writes
+        there which step failed and why, for :func:`preexec_failure` to read."""
         uid, gid, cgroup, plan, hide, home = self.uid, self.gid, self.cgroup, self.plan, self.hide, str(self.dir)
         grouped, covers, keep, read_only = self.group is not None, self.covers, self.keep, self.read_only
+        step = "loading libc"
 
-        def run() -> None:  # in the child, between fork and exec: only what must happen there
+        def steps() -> None:
+            nonlocal step
             libc = ctypes.CDLL(None, use_errno=True)
             if cgroup is not None:
+                step = f"joining the cgroup {cgroup}"
                 _write(cgroup / "cgroup.procs", str(os.getpid()))
+            if uid is not None:
+                step = "the private mounts"
+                _private_mounts(libc, plan, hide)
             if uid is not None and grouped:
                 # The uid change happens after the PID namespace is made (``prefix``: unshare, then setpriv).
-                _private_mounts(libc, plan, hide)
+                step = "covering and keeping paths"
                 _cover_and_keep(libc, covers, keep, read_only)
             elif uid is not None:
-                _private_mounts(libc, plan, hide)
+                step = f"the change to uid {uid}"
                 libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
                 os.setgroups([])
                 os.setgid(gid if gid is not None else uid)
                 os.setuid(uid)
             # after the uid change: a change of credentials clears the parent-death signal
+            step = f"entering {home}"
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             os.chdir(home)
             os.umask(0o077)
+
+        def run() -> None:  # in the child, between fork and exec: only what must happen there
+            try:
+                steps()
+            except BaseException as exc:
+                if report_fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.write(report_fd, f"{step}: {exc!r}"[:_PREEXEC_REPORT_BYTES].encode(errors="replace"))
+                raise
 
         return run
 
