@@ -71,6 +71,22 @@ async def test_two_backends_never_share_a_uid(tmp_path: Path) -> None:
     b.close()
 
 
+def test_a_backend_without_isolation_leaves_a_shared_work_root_traversable(tmp_path: Path) -> None:
+    """Two invokers on one host share the default work dir; one without isolation must not lock the other's
+    isolated uids out of their own dirs (its 0700 made every later start fail in chdir); its own root is 0700."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o711)  # as an isolating invoker leaves it
+    Sandboxes(mode="off", work_dir=str(shared))
+    assert shared.stat().st_mode & 0o777 == 0o711
+    own = tmp_path / "own"
+    Sandboxes(mode="off", work_dir=str(own))
+    assert own.stat().st_mode & 0o777 == 0o700
+    os.chmod(own, 0o755)  # anything else is tightened
+    Sandboxes(mode="off", work_dir=str(own))
+    assert own.stat().st_mode & 0o777 == 0o700
+
+
 async def test_a_runtime_that_cannot_start_says_which_sandbox_step_failed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """subprocess says only "Exception occurred in preexec_fn"; the error names the step and its exception (here

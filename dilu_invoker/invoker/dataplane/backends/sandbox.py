@@ -565,7 +565,11 @@ class Sandboxes:
         self.cgroups: Cgroups | None = None
         self.cgroup_note = "not used"
         self.work_root.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.work_root, 0o711 if self.isolating else 0o700)
+        # An isolating invoker's containers enter their own 0700 dirs through the root (0711: traverse, list
+        # nothing). A non-isolating invoker sharing the root (the default work dir is per host user) leaves it
+        # traversable, or the other invoker's next containers fail to start (chdir: permission denied).
+        shared = not self.isolating and (self.work_root.stat().st_mode & 0o777) == 0o711
+        os.chmod(self.work_root, 0o711 if self.isolating or shared else 0o700)
         self.lock_dir = self.work_root / "uids"
         if self.isolating:
             self.lock_dir = self._host_lock_dir(lock_dir or UID_LOCK_DIR)
