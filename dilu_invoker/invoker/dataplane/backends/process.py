@@ -203,8 +203,6 @@ class ProcessBackend:
                     limit=1 << 20,
                 )
             except (OSError, subprocess.SubprocessError) as exc:
-                os.close(report_w)
-                report_w = -1
                 why = preexec_failure(report_r)  # closes it
                 report_r = -1
                 last_error = RuntimeError(f"{exc} ({why})") if why else exc

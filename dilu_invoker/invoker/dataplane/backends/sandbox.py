@@ -98,22 +98,6 @@ def parse_uid_range(text: str) -> range:
 # -- cgroups --------------------------------------------------------------------------------------------
 
 
-#: the most a failed preexec writes about its failure
-_PREEXEC_REPORT_BYTES = 512
-
-
-def preexec_failure(read_fd: int) -> str | None:
-    """What a failed :meth:`Sandbox.preexec` wrote to its report pipe (None: nothing); closes ``read_fd``."""
-    try:
-        os.set_blocking(read_fd, False)
-        data = os.read(read_fd, _PREEXEC_REPORT_BYTES)
-    except OSError:
-        data = b""
-    finally:
-        os.close(read_fd)
-    return data.decode(errors="replace") or None
-
-
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
@@ -385,6 +369,22 @@ PID_SLOT_SIZE = 1000
 #: slots 0..PID_SLOTS - 1: PIDs stay below 32768, the smallest pid_max a kernel has
 PID_SLOTS = 31
 _SET_LAST_PID = '{ echo "$0" > /proc/sys/kernel/ns_last_pid; } 2>/dev/null; exec "$@"'
+
+
+#: the most a failed preexec writes about its failure
+_PREEXEC_REPORT_BYTES = 512
+
+
+def preexec_failure(read_fd: int) -> str | None:
+    """What a failed :meth:`Sandbox.preexec` wrote to its report pipe (None: nothing); closes ``read_fd``."""
+    try:
+        os.set_blocking(read_fd, False)
+        data = os.read(read_fd, _PREEXEC_REPORT_BYTES)
+    except OSError:
+        data = b""
+    finally:
+        os.close(read_fd)
+    return data.decode(errors="replace") or None
 
 
 @dataclass(slots=True, eq=False)
