@@ -143,6 +143,7 @@ elif [ "$what" = matrix ]; then
     *) echo "PLAN is 1 to 25"; exit 2 ;;
   esac
   besides=${BESIDES:-$besides}  # BESIDES=burst@0.12,burst@0.16,burst: the plan's scenarios in another order
+  prio=${PRIO:-$prio}  # PRIO="resnet50+train:noshim,shim-ts,slo-ts,static30": which columns the budget cuts last
   name=gpu_product_matrix${3:-1}
   timeout $(( budget + 30 )) "$py" -W ignore::DeprecationWarning bench/gpu_product.py ${DRY:+--dry-run} --modes "$modes" \
     --pairs "$pairs" ${bert:+--pair-modes "bert+train=$bert"} --priority "$prio" \
