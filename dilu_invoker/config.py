@@ -191,10 +191,10 @@ class GpuConfig:
     shim_path: str | None = _opt(None, "libdilu_shim.so (default: the built one)")
     reservation_ttl_s: float = _opt(30.0, "lease of a GPU budget reservation; renewed while the instance lives")
     vertical_policy: str = _opt("auto", "vertical SM-share policy: auto (per GPU: spatial where it runs MPS, "
-                                "rckm where it time-slices), spatial (no token throttling: MPS thread caps fixed "
-                                "at each client's start split the GPU; rckm on a time-sliced GPU), rckm (cycle "
-                                "ratios, Dilu's RCKM), slo (the SLO feedback controller; docs/policies.md §1.1) "
-                                "or static (every instance at its limit: a baseline)")
+                                "slo where it time-slices), spatial (no token throttling: MPS thread caps fixed "
+                                "at each client's start split the GPU; slo on a time-sliced GPU), slo (the SLO "
+                                "feedback controller; docs/policies.md §1.1) or static (every instance at its "
+                                "limit: a baseline)")
     vertical_slo_factor: float = _opt(2.0, "slo policy: without a gpu-slo-ms annotation the target is this × "
                                       "the instance's solo latency (×)")
     vertical_deadband: float = _opt(0.15, "slo policy: no move while the p99 estimate is within this fraction "
@@ -216,8 +216,6 @@ class GpuConfig:
                                               "client's cap may take even inside the latency-critical reserve, "
                                               "counting on its below-normal priority (min(limit, max(request, "
                                               "1 - reserve, this)); 0: none)")
-    vertical_rckm: str = _opt("", "rckm policy: overrides of its VerticalConfig fields, key=value,… "
-                                  "(experiments; docs/policies.md §1)")
     mps: str = _opt("auto", "run GPU containers as MPS clients of a daemon the invoker starts per GPU: auto (where "
                             "nvidia-cuda-mps-control exists and the compute mode allows it), on, off (time-slicing)")
     mps_best_effort_priority: bool = _opt(True, "MPS clients of best-effort instances (gpu-class training) "
@@ -230,41 +228,40 @@ class GpuConfig:
     def __post_init__(self) -> None:
         if self.mps.strip().lower() not in ("auto", "on", "off"):
             raise ConfigError(f"--gpu-mps must be auto, on or off, not {self.mps!r}")
+        from dilu_invoker.policy.vertical_slo import check_policy_name
+
+        try:
+            check_policy_name(self.vertical_policy)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         try:
             self.vertical()
         except ValueError as exc:
             raise ConfigError(f"--gpu-vertical-*: {exc}") from None
 
     def vertical(self) -> Any:
-        """The vertical policy's configuration (`VerticalConfig`, `SloConfig`, `StaticConfig`): its type
-        selects the policy; for `auto` and `spatial` a `PerGpuVertical` the node resolves per GPU once it knows
-        whether the GPU runs MPS."""
-        from dilu_invoker.policy.vertical import VerticalConfig
+        """The vertical policy's configuration (`SloConfig`, `StaticConfig`): its type selects the policy; for
+        `auto` and `spatial` a `PerGpuVertical` the node resolves per GPU once it knows whether the GPU runs
+        MPS (`slo`, with the knobs above, where it time-slices). `__post_init__` has checked the name."""
         from dilu_invoker.policy.vertical_slo import (
-            GPU_VERTICAL_POLICIES,
             PerGpuVertical,
             SloConfig,
             SpatialConfig,
             StaticConfig,
         )
 
+        slo = SloConfig(slo_factor=self.vertical_slo_factor, deadband=self.vertical_deadband,
+                        increase_per_s=self.vertical_increase_per_s, decrease=self.vertical_decrease,
+                        dwell_s=self.vertical_dwell_s, mps_best_effort_threads=self.vertical_mps_best_effort_threads)
         if self.vertical_policy == "slo":
-            return SloConfig(slo_factor=self.vertical_slo_factor, deadband=self.vertical_deadband,
-                             increase_per_s=self.vertical_increase_per_s, decrease=self.vertical_decrease,
-                             dwell_s=self.vertical_dwell_s,
-                             mps_best_effort_threads=self.vertical_mps_best_effort_threads)
-        if self.vertical_policy == "rckm":
-            return VerticalConfig.parse(self.vertical_rckm)
+            return slo
         if self.vertical_policy == "static":
             return StaticConfig()
-        if self.vertical_policy in ("auto", "spatial"):
-            return PerGpuVertical(name=self.vertical_policy,
-                                  mps=SpatialConfig(lc_reserve=self.vertical_spatial_lc_reserve,
-                                                    lc_threads=self.vertical_spatial_lc_threads,
-                                                    be_threads=self.vertical_spatial_be_threads),
-                                  time_sliced=VerticalConfig.parse(self.vertical_rckm))
-        raise ValueError(f"--gpu-vertical-policy must be one of {', '.join(GPU_VERTICAL_POLICIES)}, "
-                         f"not {self.vertical_policy!r}")
+        return PerGpuVertical(name=self.vertical_policy,
+                              mps=SpatialConfig(lc_reserve=self.vertical_spatial_lc_reserve,
+                                                lc_threads=self.vertical_spatial_lc_threads,
+                                                be_threads=self.vertical_spatial_be_threads),
+                              time_sliced=slo)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,17 +48,17 @@ def test_secure_defaults() -> None:
 
 
 def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
-    from dilu_invoker.policy.vertical import VerticalConfig
     from dilu_invoker.policy.vertical_slo import PerGpuVertical, SloConfig, SpatialConfig
 
-    # auto is the default: spatial where a GPU runs MPS, rckm where it time-slices (the node resolves it)
+    # auto is the default: spatial where a GPU runs MPS, slo where it time-slices (the node resolves it)
     assert config.load(environ={}).gpu.vertical() == PerGpuVertical(name="auto", mps=SpatialConfig(),
-                                                                     time_sliced=VerticalConfig())
+                                                                     time_sliced=SloConfig())
+    # the slo knobs tune the time-sliced choice of auto and spatial too
     spatial = config.load(cli.build_parser().parse_args(["invoker", "--gpu-vertical-policy", "spatial",
                                                          "--gpu-vertical-spatial-lc-reserve", "0.3"]),
-                          environ={"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=0.8"}).gpu.vertical()
+                          environ={"DILU_GPU_VERTICAL_DEADBAND": "0.2"}).gpu.vertical()
     assert spatial == PerGpuVertical(name="spatial", mps=SpatialConfig(lc_reserve=0.3),
-                                     time_sliced=VerticalConfig(busy_ceiling=0.8))
+                                     time_sliced=SloConfig(deadband=0.2))
     reserve = config.load(environ={"DILU_GPU_VERTICAL_SPATIAL_LC_RESERVE": "0.25",
                                    "DILU_GPU_VERTICAL_SPATIAL_LC_THREADS": "0.6"}).gpu.vertical()
     assert reserve.mps == SpatialConfig(lc_reserve=0.25, lc_threads=0.6)
@@ -68,7 +68,6 @@ def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
     assert config.load(reach, environ={}).gpu.vertical().mps == SpatialConfig(be_threads=1.0)
     assert config.load(environ={"DILU_GPU_VERTICAL_SPATIAL_BE_THREADS": "0.7"}).gpu.vertical().mps == SpatialConfig(
         be_threads=0.7)
-    assert config.load(environ={"DILU_GPU_VERTICAL_POLICY": "rckm"}).gpu.vertical() == VerticalConfig()
     env = {"DILU_GPU_VERTICAL_POLICY": "slo", "DILU_GPU_VERTICAL_DEADBAND": "0.2", "DILU_GPU_VERTICAL_DWELL_S": "0.3"}
     args = cli.build_parser().parse_args(["invoker", "--gpu-vertical-decrease", "0.5",
                                           "--gpu-vertical-mps-best-effort-threads", "0.6"])
@@ -76,24 +75,21 @@ def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
     assert got == SloConfig(deadband=0.2, dwell_s=0.3, decrease=0.5, mps_best_effort_threads=0.6)
     static = config.load(environ={"DILU_GPU_VERTICAL_POLICY": "static"}).gpu.vertical()
     assert type(static).__name__ == "StaticConfig"
-    rckm = config.load(environ={"DILU_GPU_VERTICAL_POLICY": "rckm",
-                                "DILU_GPU_VERTICAL_RCKM": "busy_ceiling=0.8, quiet_probe_held_s=none"})
-    assert rckm.gpu.vertical() == VerticalConfig(busy_ceiling=0.8, quiet_probe_held_s=None)
 
 
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        ({"DILU_GPU_VERTICAL_POLICY": "pid"}, "--gpu-vertical-policy must be one of auto, rckm, slo, static, spatial"),
+        ({"DILU_GPU_VERTICAL_POLICY": "pid"}, "--gpu-vertical-policy must be one of auto, slo, static, spatial"),
         ({"DILU_GPU_VERTICAL_SPATIAL_LC_RESERVE": "1.5"}, "lc_reserve must be in"),
         ({"DILU_GPU_VERTICAL_SPATIAL_LC_THREADS": "0"}, "lc_threads must be in"),
         ({"DILU_GPU_VERTICAL_SPATIAL_BE_THREADS": "1.2"}, "be_threads must be in"),
         ({"DILU_GPU_VERTICAL_POLICY": "slo", "DILU_GPU_VERTICAL_DECREASE": "1.5"}, "decrease must be in"),
-        ({"DILU_GPU_VERTICAL_RCKM": "no_such_knob=1"}, "no_such_knob"),
-        ({"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=lots"}, "busy_ceiling"),
-        ({"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=1.5"}, "busy_ceiling must be within"),
+        ({"DILU_GPU_VERTICAL_DECREASE": "1.5"}, "decrease must be in"),  # auto's time-sliced choice: slo
+        ({"DILU_GPU_VERTICAL_POLICY": "rckm"}, "--gpu-vertical-policy rckm was removed: slo replaced it"),
     ],
-    ids=["unknown-policy", "spatial-reserve-out-of-range", "spatial-lc-threads-zero", "spatial-be-threads-above-one", "slo-knob-out-of-range", "unknown-rckm-field", "rckm-not-a-number", "rckm-invalid"],
+    ids=["unknown-policy", "spatial-reserve-out-of-range", "spatial-lc-threads-zero", "spatial-be-threads-above-one",
+         "slo-knob-out-of-range", "auto-slo-knob-out-of-range", "removed-policy"],
 )
 def test_invalid_vertical_settings_fail_at_start_up(environ: dict[str, str], message: str) -> None:
     with pytest.raises(config.ConfigError, match=message):

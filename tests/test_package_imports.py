@@ -39,7 +39,7 @@ EXCEPTIONS: dict[str, set[str]] = {
     "sim.profiler": {"dilu_invoker.gpu.abi", "dilu_invoker.gpu.shim"},
     # the configuration validates the vertical policy's knobs at start-up by building the policy's own
     # frozen config (one parser for flags, env and Ansible), imported lazily inside GpuConfig.vertical()
-    "config": {"dilu_invoker.policy.vertical", "dilu_invoker.policy.vertical_slo"},
+    "config": {"dilu_invoker.policy.vertical_slo"},
     # pre-loading learns only modules of installed packages, by the same site-packages roots the worker
     # reports its imports against (stdlib-only framing module shared with the runtime)
     "invoker.dataplane.preload": {"dilu_invoker.actions._ipc"},

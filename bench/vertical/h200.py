@@ -55,7 +55,8 @@ from dilu_invoker.gpu.devices import GpuDevice
 from dilu_invoker.gpu.manager import TickRecord
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.model import GpuClass, GpuNeeds
-from dilu_invoker.policy.vertical import RUN1_OVERRIDES, RUN3_OVERRIDES, FeedbackMode, VerticalConfig
+from dilu_invoker.policy.vertical import FeedbackMode
+from dilu_invoker.policy.vertical_slo import SloConfig
 
 sys.path.insert(0, str(HERE))
 from schedule import PROCESSES  # the workers' own module, next to this file
@@ -281,8 +282,8 @@ class Options:
     inference_share: tuple[float, float]
     training_share: tuple[float, float]
     gamma: float
-    vertical: VerticalConfig
-    variants: dict[str, VerticalConfig]
+    vertical: SloConfig
+    variants: dict[str, SloConfig]
     static_caps: tuple[float, ...]
     mps_capped: tuple[int, int]
     mps_splits: tuple[tuple[int, int], ...]
@@ -505,7 +506,7 @@ class Suite:
         }
         self.save()
 
-    def use(self, variant: str) -> VerticalConfig:
+    def use(self, variant: str) -> SloConfig:
         """The policy configuration of a scenario variant (the manager's memory starts over)."""
         assert self.node is not None
         cfg = self.o.variants[variant]
@@ -575,7 +576,7 @@ class Suite:
         after = [r for r in records if r.now >= b0]
         raised = next((r for r in after if share_before is not None and r.status(INF).share > share_before + 1e-6),
                       None)
-        cut = next((r for r in after if r.mode in (FeedbackMode.EMERGENCY, FeedbackMode.BURST)
+        cut = next((r for r in after if r.mode in (FeedbackMode.EMERGENCY, FeedbackMode.DECREASE)
                     or (train_before is not None and r.status(TRAIN).share < train_before - 1e-6)), None)
         end = res["completions"][-1] if res["completions"] else b1 + post
         self.out[name] = {
@@ -595,8 +596,8 @@ class Suite:
                 # Emergencies already happening before the burst make a fast "reaction" meaningless.
                 "emergency_ticks_in_second_before": sum(
                     1 for r in before if r.now >= b0 - 1.0 and r.mode is FeedbackMode.EMERGENCY),
-                "burst_ticks_in_second_before": sum(
-                    1 for r in before if r.now >= b0 - 1.0 and r.mode is FeedbackMode.BURST),
+                "decrease_ticks_in_second_before": sum(
+                    1 for r in before if r.now >= b0 - 1.0 and r.mode is FeedbackMode.DECREASE),
                 "period_ms": o.period_ms,
             },
             "manager": summarize(records, b0, b1 + 1.0),
@@ -745,38 +746,26 @@ async def step(name: str, o: Options, out: dict[str, Any], save: Callable[[], No
 STEPS = ("timeslice", "mps", "mps_capped", "mps_static")
 
 
-def vertical_config(pairs: list[str], base: VerticalConfig | None = None) -> VerticalConfig:
-    """``key=value`` overrides of VerticalConfig (typed by the field's default)."""
-    base = base or VerticalConfig()
-    overrides: dict[str, Any] = {}
-    fields = {f.name for f in dataclasses.fields(VerticalConfig)}
+def vertical_config(pairs: list[str], base: SloConfig | None = None) -> SloConfig:
+    """``key=value`` overrides of the slo policy's knobs (`SloConfig`, each a number)."""
+    base = base or SloConfig()
+    fields = {f.name for f in dataclasses.fields(SloConfig)}
+    overrides: dict[str, float] = {}
     for kv in pairs:
         k, _, v = kv.partition("=")
         if k not in fields:
-            raise SystemExit(f"VerticalConfig has no field {k!r}")
-        default = getattr(base, k)
-        if v.lower() in ("none", "null"):
-            overrides[k] = None  # VerticalConfig rejects it where a field is not optional
-        elif isinstance(default, bool):
-            overrides[k] = v.lower() in ("1", "true", "yes")
-        else:
-            overrides[k] = float(v) if default is None else type(default)(v)
-    return dataclasses.replace(base, **overrides)
+            raise SystemExit(f"SloConfig has no field {k!r} (its knobs: {', '.join(sorted(fields))})")
+        try:
+            overrides[k] = float(v)
+        except ValueError:
+            raise SystemExit(f"{k}: {v!r} is not a number") from None
+    try:
+        return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
-#: Policy variants run beside the defaults unless --variant names others (docs/policies.md §1 says why).
-#: `run1-default`: the policy of the first H200 run (VerticalConfig.run1(): every cycle judged alone
-#: against a 1 ms-floor minimum, contention clamps training to the fair budget, no burst cut), side by
-#: side with the new defaults on the same load. `ratios-only`: the defaults without the SLO guard (the
-#: second H200 run's defaults: stretch judged only against the best cycle, as Dilu does). `run3-default`:
-#: the third run's defaults (VerticalConfig.run3(): growth every 5th unhurt cycle, burst cuts regrown, no
-#: drain).
 INFERENCE_SLO_MS = 100.0
-
-DEFAULT_VARIANTS = {
-    "run3-default": [f"{k}={v}" for k, v in RUN3_OVERRIDES.items()],
-    "run1-default": [f"{k}={v}" for k, v in RUN1_OVERRIDES.items()],
-}
 
 
 def percent_pair(text: str, flag: str) -> tuple[int, int]:
@@ -796,9 +785,6 @@ def options(args: argparse.Namespace) -> Options:
     for spec in args.variant or []:
         name, _, rest = spec.partition(":")
         variants[name] = vertical_config([kv for kv in rest.split(",") if kv], base)
-    if not args.variant and not args.no_dilu_variant:
-        for name, pairs in DEFAULT_VARIANTS.items():
-            variants[name] = vertical_config(pairs, base)
     def pair(text: str, flag: str) -> tuple[float, float]:
         values = tuple(float(x) for x in text.split(","))
         if len(values) != 2:
@@ -913,13 +899,11 @@ def main() -> int:
     s.add_argument("--inference-share", default="0.5,1.0", help="inference request,limit")
     s.add_argument("--training-share", default="0.2,1.0", help="training request,limit")
     s.add_argument("--gamma", type=float, default=2.0, help="the node's bound on Σ limit (the default limits sum to 2.0)")
-    s.add_argument("--vertical", action="append", help="VerticalConfig override key=value (repeatable)")
+    s.add_argument("--vertical", action="append",
+                   help="override of one of the slo policy's knobs (SloConfig), key=value (repeatable)")
     s.add_argument("--variant", action="append",
-                   help="extra policy variant name:key=value,key=value (dynamic and burst run once per variant); "
-                        "without any, the variants 'tight' and 'run1-default' (DEFAULT_VARIANTS) run beside the "
-                        "defaults")
-    s.add_argument("--no-dilu-variant", action="store_true",
-                   help="run only the default policy configuration (no DEFAULT_VARIANTS)")
+                   help="extra slo policy variant name:key=value,key=value, run beside the defaults (dynamic and "
+                        "burst run once per variant)")
     s.add_argument("--capacity", choices=("measured", "estimated"), default="measured",
                    help="capacities from the solo calibration (as the profiler would), or the online estimate")
     s.add_argument("--infer-batch", type=int, default=8)

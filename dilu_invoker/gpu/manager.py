@@ -31,14 +31,14 @@ from dilu_invoker.gpu.load import LoadReading
 from dilu_invoker.policy.types import EPS, InstanceClass
 from dilu_invoker.policy.vertical import (
     FeedbackMode,
-    VerticalConfig,
     VerticalDecision,
     VerticalInstance,
     VerticalSnapshot,
 )
 from dilu_invoker.policy.vertical_slo import (
     AnyVerticalConfig,
-    AnyVerticalState,
+    SloConfig,
+    SloState,
     decide_vertical,
     gates_launches,
     initial_state,
@@ -49,8 +49,8 @@ from dilu_invoker.policy.vertical_slo import (
 log = structlog.get_logger(__name__)
 
 _DEFAULT_WINDOW_NS = abi.WINDOW_TICKS * abi.TICK_NS
-#: modes in which the policy cuts best-effort instances below their limits now
-CUT_MODES = frozenset({FeedbackMode.EMERGENCY, FeedbackMode.BURST, FeedbackMode.DRAIN})
+#: modes in which the policy cuts best-effort instances to their floor now
+CUT_MODES = frozenset({FeedbackMode.EMERGENCY})
 #: a GPU whose policy cuts again and again logs the cut at info at most this often
 CUT_LOG_EVERY_S = 10.0
 
@@ -261,7 +261,6 @@ def vertical_instance(
     period_s: float,
     last_active_at: float | None,
     share: float | None,
-    capacity_blocks_per_ms: float | None = None,
     load: LoadReading | None = None,
     mps_threads: float | None = None,
 ) -> VerticalInstance:
@@ -284,8 +283,6 @@ def vertical_instance(
         spans_s=reading.spans_s,
         open_span_s=reading.open_span_s,
         share=share,
-        # Turns blocks into a demand share: the room a latency-critical instance leaves, its bursts.
-        capacity_blocks_per_ms=capacity_blocks_per_ms,
         queue_known=load is not None, runs_s=q.runs_s, open_run_s=q.open_run_s, waits_s=q.waits_s,
         queued=q.queued, oldest_wait_s=q.oldest_wait_s, mps_threads=mps_threads,
     )
@@ -622,7 +619,7 @@ class GpuManager:
         self.index = index
         self.label = GpuLabel(index, uuid)
         self.period_s = period_s
-        self.vertical: AnyVerticalConfig = vertical or VerticalConfig()  # its type selects the policy
+        self.vertical: AnyVerticalConfig = vertical or SloConfig()  # its type selects the policy
         self.policy_reason = f"--gpu-vertical-policy {policy_name(self.vertical)}"
         """Why this GPU runs its policy (`GpuNode` sets it once the GPU's MPS decision is known)."""
         self.capacity_config = capacity or CapacityConfig()
@@ -640,7 +637,7 @@ class GpuManager:
         self._observers = list(observers)
         self._clock_ns = clock_ns
         self._instances: dict[str, _Managed] = {}
-        self._state: AnyVerticalState = initial_state(self.vertical)
+        self._state: SloState = initial_state(self.vertical)
         self._last_tick_ns: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._pub = _PublishState()
@@ -832,8 +829,7 @@ class GpuManager:
 
         inputs = {
             m.spec.id: vertical_instance(m.spec, m.last_reading, period_s=elapsed_s,
-                                         last_active_at=m.last_active_at, share=m.share,
-                                         capacity_blocks_per_ms=m.capacity.value, load=self._read_load(m),
+                                         last_active_at=m.last_active_at, share=m.share, load=self._read_load(m),
                                          mps_threads=m.mps_threads)
             for m in managed
         }
@@ -877,7 +873,7 @@ class GpuManager:
             return None
 
     def _log_mode_change(self, old: FeedbackMode, decision: VerticalDecision, now: float) -> None:
-        """Info only when it matters: best-effort cut (entering emergency, burst or drain; at most once per
+        """Info only when it matters: best-effort cut (entering emergency; at most once per
         ``CUT_LOG_EVERY_S``, with how many cuts were not logged) and best-effort back at its limits (idle
         after a cut). Every other change is debug; /metrics counts them all."""
         new = decision.mode

@@ -64,7 +64,7 @@ class GpuMetrics:
                                     "(logged at info only for a cut and a return to the limits)",
                                     (*_GPU, "from_mode", "to_mode"), registry=r)
         self.policy = Gauge("dilu_gpu_vertical_policy", "1 for the vertical policy the GPU runs; reason says why "
-                            "(--gpu-vertical-policy auto: spatial under MPS, rckm when time-sliced)",
+                            "(--gpu-vertical-policy auto: spatial under MPS, slo when time-sliced)",
                             (*_GPU, "policy", "reason"), registry=r)
         self._last_mode: dict[tuple[str, str], FeedbackMode] = {}
         self._policy_labels: dict[tuple[str, str], tuple[str, str]] = {}

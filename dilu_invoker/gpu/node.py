@@ -45,8 +45,7 @@ from dilu_invoker.model import PRELOAD_FUNCTION_PREFIX, GpuNeeds, weights_group
 from dilu_invoker.policy.cluster import ClusterSnapshot
 from dilu_invoker.policy.placement import PlacementConfig, PlacementRequest, place
 from dilu_invoker.policy.types import EPS, GpuRef, GpuState, InstanceClass, PlacedInstance
-from dilu_invoker.policy.vertical import VerticalConfig
-from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, PerGpuVertical, policy_name, resolve_vertical
+from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, PerGpuVertical, SloConfig, policy_name, resolve_vertical
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -194,7 +193,7 @@ class GpuNode:
             self._shim, self._shim_problem = None, str(exc)
         # `auto` and `spatial` pick each GPU's policy once its MPS decision is known (`start`); until then, and
         # for good where no MPS supervisor exists, the time-sliced choice.
-        self._vertical = vertical or VerticalConfig()
+        self._vertical = vertical or SloConfig()
         provisional, _why, _fallback = resolve_vertical(self._vertical, mps=False)
         self._managers: dict[str, GpuManager] = {
             d.uuid: GpuManager(

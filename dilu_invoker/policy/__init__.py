@@ -78,15 +78,11 @@ from dilu_invoker.policy.types import (
     SharePair,
 )
 from dilu_invoker.policy.vertical import (
-    CycleTrack,
     FeedbackMode,
     ShareDecision,
-    VerticalConfig,
     VerticalDecision,
     VerticalInstance,
     VerticalSnapshot,
-    VerticalState,
-    decide_shares,
 )
 
 __all__ = [
@@ -103,7 +99,6 @@ __all__ = [
     "CompactionMove",
     "CompactionPlan",
     "CompactionState",
-    "CycleTrack",
     "DemandTotals",
     "FeedbackMode",
     "Filter",
@@ -134,17 +129,14 @@ __all__ = [
     "ShareMode",
     "SharePair",
     "Strategy",
-    "VerticalConfig",
     "VerticalDecision",
     "VerticalInstance",
     "VerticalSnapshot",
-    "VerticalState",
     "apply_placement",
     "cluster_fragmentation",
     "cluster_lower_bound",
     "compaction_plan",
     "decide_scale",
-    "decide_shares",
     "describe_strategies",
     "fragmentation_after",
     "get_strategy",

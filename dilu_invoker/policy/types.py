@@ -22,7 +22,8 @@ class InstanceClass(StrEnum):
     INFERENCE = "inference"
     """Latency-critical: gets up to its limit while it has demand."""
     LLM = "llm"
-    """Latency-critical with autoregressive decode steps: tighter emergency threshold (1.3×)."""
+    """Latency-critical, like inference on a GPU; placement may split its memory over GPUs of one invoker
+    (`PlacementConfig.llm_max_parts`)."""
     TRAINING = "training"
     """Best-effort: takes what latency-critical instances leave, throttled first."""
 

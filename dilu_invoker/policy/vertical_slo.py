@@ -32,23 +32,35 @@ from dilu_invoker.policy.types import EPS, InstanceClass
 from dilu_invoker.policy.vertical import (
     FeedbackMode,
     ShareDecision,
-    VerticalConfig,
     VerticalDecision,
     VerticalInstance,
     VerticalSnapshot,
-    VerticalState,
-    _latency_shares,
-    decide_shares,
 )
 
-VERTICAL_POLICIES = ("rckm", "slo", "static")
-"""Names of the vertical policies that divide SM share by token rates (the simulator's too): `rckm` the
-cycle-ratio policy of `vertical.py` (Dilu's RCKM), `slo` this controller, `static` every instance at its
-limit (the static-share baseline the controller is measured against)."""
+VERTICAL_POLICIES = ("slo", "static")
+"""Names of the vertical policies that divide SM share by token rates (the simulator's too): `slo` this
+controller, `static` every instance at its limit (the static-share baseline the controller is measured
+against)."""
 GPU_VERTICAL_POLICIES = ("auto", *VERTICAL_POLICIES, "spatial")
 """The values of `--gpu-vertical-policy`: those above, `spatial` (no token gate: MPS's active-thread caps,
 fixed at each client's start, are the split) and `auto`, the default: `spatial` on a GPU that runs MPS,
-`rckm` on one that time-slices (`resolve_vertical`)."""
+`slo` on one that time-slices (`resolve_vertical`)."""
+REMOVED_VERTICAL_POLICIES = {
+    "rckm": "slo replaced it as the time-sliced policy (docs/policies.md §1.2)",
+}
+"""Policy names that once existed, each with what replaced it: refused by name, never read as another."""
+
+
+def check_policy_name(name: str, *, choices: tuple[str, ...] = GPU_VERTICAL_POLICIES,
+                      flag: str = "--gpu-vertical-policy") -> None:
+    """Raise ValueError unless `name` is one of `choices`; a removed policy's error says so and what replaced
+    it, and names the policies there are."""
+    if name in choices:
+        return
+    if name in REMOVED_VERTICAL_POLICIES:
+        raise ValueError(f"{flag} {name} was removed: {REMOVED_VERTICAL_POLICIES[name]}; use one of "
+                         f"{', '.join(choices)}")
+    raise ValueError(f"{flag} must be one of {', '.join(choices)}, not {name!r}")
 
 # -- constants of the law (not knobs: each follows from what it measures) --------------------------
 
@@ -484,6 +496,25 @@ def _with(state: SloState, **changes: object) -> SloState:
     return replace(state, **changes)  # type: ignore[arg-type]
 
 
+def latency_shares(active: list[VerticalInstance], room: float) -> tuple[dict[str, float], str]:
+    """The active latency-critical instances' shares and, where they were cut, why: their limits when those
+    fit in `room` (a share caps the launch rate, and any cap below its limit stretches every request); else
+    requests first, the rest in proportion to each one's headroom (limit − request); requests that do not fit
+    either (a misconfigured GPU: admission keeps Σ request ≤ 1) are scaled down in proportion."""
+    limits = sum(i.limit for i in active)
+    if limits <= room + EPS:
+        return {i.id: i.limit for i in active}, ""
+    requests = sum(i.request for i in active)
+    if requests > room + EPS:
+        alloc = water_fill(room, [i.request for i in active], [i.request for i in active])
+        why = f"Σ active requests {requests:.2f} exceed the {room:.2f} available: cut in proportion"
+        return {i.id: a for i, a in zip(active, alloc, strict=True)}, why
+    headroom = [i.limit - i.request for i in active]
+    extra = water_fill(max(0.0, room - requests), headroom, headroom)
+    why = f"Σ active limits {limits:.2f} exceed the {room:.2f} available: cut toward requests"
+    return {i.id: i.request + e for i, e in zip(active, extra, strict=True)}, why
+
+
 def _best_effort_shares(be: list[VerticalInstance], total: float) -> dict[str, float]:
     alloc = water_fill(total, [i.request for i in be], [i.limit for i in be])
     return {i.id: max(a, min(FLOOR_FRACTION * i.request, i.limit)) for i, a in zip(be, alloc, strict=True)}
@@ -500,7 +531,7 @@ def decide_slo(snapshot: VerticalSnapshot, state: SloState, config: SloConfig) -
     settled = state.moved_at is not None and now - state.moved_at > 1.5 * period
     tracks = {i.id: observe(i, state.track(i.id), period_s=period, settled=settled, quiet=quiet)
               for i in snapshot.instances if i.cls.latency_critical}
-    lc_shares, lc_why = _latency_shares(lc, 1.0) if lc else ({}, "")
+    lc_shares, lc_why = latency_shares(lc, 1.0) if lc else ({}, "")
     readings: dict[str, Reading] = {}
 
     if not lc:
@@ -710,8 +741,7 @@ def decide_spatial(snapshot: VerticalSnapshot, state: SloState, config: SpatialC
 
 # -- selection ---------------------------------------------------------------------------------------
 
-AnyVerticalConfig = VerticalConfig | SloConfig | StaticConfig | SpatialConfig
-AnyVerticalState = VerticalState | SloState
+AnyVerticalConfig = SloConfig | StaticConfig | SpatialConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -729,8 +759,8 @@ def resolve_vertical(config: AnyVerticalConfig | PerGpuVertical, *, mps: bool,
                      mps_reason: str = "") -> tuple[AnyVerticalConfig, str, bool]:
     """(the policy a GPU runs, why, whether that is a fallback worth a warning) given the configured one and
     whether the GPU runs MPS (`mps_reason`: the MPS decision's reason). `auto`: `spatial` under MPS (the
-    split isolates; token caps only cost), `rckm` when time-sliced (nothing divides the GPU but the shim).
-    `spatial` on a time-sliced GPU falls back to `rckm`: without MPS no cap would divide the SMs and every
+    split isolates; token caps only cost), `slo` when time-sliced (nothing divides the GPU but the shim).
+    `spatial` on a time-sliced GPU falls back to `slo`: without MPS no cap would divide the SMs and every
     instance would run unthrottled."""
     how = f" ({mps_reason})" if mps_reason else ""
     if isinstance(config, PerGpuVertical):
@@ -751,27 +781,22 @@ def gates_launches(config: AnyVerticalConfig) -> bool:
     return not isinstance(config, SpatialConfig)
 
 
-def initial_state(config: AnyVerticalConfig) -> AnyVerticalState:
-    """The state a GPU starts with under `config`'s policy."""
-    return VerticalState() if isinstance(config, VerticalConfig) else SloState()
+def initial_state(config: AnyVerticalConfig) -> SloState:
+    """The state a GPU starts with under `config`'s policy (every policy keeps an `SloState`)."""
+    return SloState()
 
 
-def decide_vertical(snapshot: VerticalSnapshot, state: AnyVerticalState, config: AnyVerticalConfig) -> VerticalDecision:
-    """Run the policy `config` belongs to (`VerticalConfig`: `rckm`, `SloConfig`: `slo`, `StaticConfig`:
-    `static`, `SpatialConfig`: `spatial`); a state of another policy (the policy was switched) starts over."""
-    if isinstance(config, VerticalConfig):
-        return decide_shares(snapshot, state if isinstance(state, VerticalState) else VerticalState(), config)
-    slo_state = state if isinstance(state, SloState) else SloState()
+def decide_vertical(snapshot: VerticalSnapshot, state: SloState, config: AnyVerticalConfig) -> VerticalDecision:
+    """Run the policy `config` belongs to (`SloConfig`: `slo`, `StaticConfig`: `static`, `SpatialConfig`:
+    `spatial`)."""
     if isinstance(config, StaticConfig):
-        return decide_static(snapshot, slo_state, config)
+        return decide_static(snapshot, state, config)
     if isinstance(config, SpatialConfig):
-        return decide_spatial(snapshot, slo_state, config)
-    return decide_slo(snapshot, slo_state, config)
+        return decide_spatial(snapshot, state, config)
+    return decide_slo(snapshot, state, config)
 
 
 def policy_name(config: AnyVerticalConfig) -> str:
-    if isinstance(config, VerticalConfig):
-        return "rckm"
     if isinstance(config, SpatialConfig):
         return "spatial"
     return "static" if isinstance(config, StaticConfig) else "slo"
@@ -779,6 +804,7 @@ def policy_name(config: AnyVerticalConfig) -> str:
 
 __all__ = [
     "GPU_VERTICAL_POLICIES",
+    "REMOVED_VERTICAL_POLICIES",
     "VERTICAL_POLICIES",
     "PerGpuVertical",
     "SloConfig",
@@ -786,6 +812,7 @@ __all__ = [
     "SloTrack",
     "SpatialConfig",
     "StaticConfig",
+    "check_policy_name",
     "decide_slo",
     "decide_spatial",
     "decide_static",
@@ -793,6 +820,7 @@ __all__ = [
     "gates_launches",
     "initial_state",
     "is_saturated",
+    "latency_shares",
     "mps_start_threads",
     "occupancy",
     "policy_name",

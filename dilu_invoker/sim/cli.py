@@ -61,6 +61,16 @@ def _nonneg_int(text: str) -> int:
     return value
 
 
+def _vertical_policy(text: str) -> str:
+    from dilu_invoker.policy.vertical_slo import VERTICAL_POLICIES, check_policy_name
+
+    try:
+        check_policy_name(text, choices=VERTICAL_POLICIES, flag="policy")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _compact(text: str) -> float | None:
     return None if text == "auto" else _nonneg_float(text)
 
@@ -152,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vertical-period", type=_positive(float), default=0.5,
                    help="seconds between vertical re-decisions of a GPU with training (the slo policy counts its windows "
                         "in these periods and is calibrated at the live manager's 0.05 s: docs/benchmarks/vertical-sim.md)")
-    s.add_argument("--vertical-policy", choices=VERTICAL_POLICIES, default="rckm",
-                   help="dilu's vertical share policy: rckm (cycle ratios), slo (the SLO controller, docs/policies.md) "
-                        "or static (every instance at its limit)")
+    s.add_argument("--vertical-policy", type=_vertical_policy, default="slo", metavar="|".join(VERTICAL_POLICIES),
+                   help="dilu's vertical share policy: slo (the SLO controller, docs/policies.md) or static (every "
+                        "instance at its limit)")
     s.add_argument("--sample-every", type=_positive(float), default=60.0, help="time-series resolution (s)")
     s.add_argument("--gamma", type=_positive(float), default=math.inf,
                    help="dilu's Σ-limit bound γ per GPU (default: none, admission by request; Dilu's 1.5 reserves "
@@ -452,7 +462,6 @@ def _placement_plots(where: Path, results: dict[str, Any], report: Any) -> None:
 
 def _serving(args: argparse.Namespace) -> int:
     from dilu_invoker.policy import PlacementConfig
-    from dilu_invoker.policy.vertical import VerticalConfig
     from dilu_invoker.policy.vertical_slo import SloConfig, StaticConfig
     from dilu_invoker.sim import report
     from dilu_invoker.sim.profiles import load_profiles
@@ -506,7 +515,7 @@ def _serving(args: argparse.Namespace) -> int:
             sample_every_s=args.sample_every,
             seed=args.seed,
             gamma=args.gamma,
-            vertical={"slo": SloConfig, "static": StaticConfig}.get(args.vertical_policy, VerticalConfig)(),
+            vertical={"slo": SloConfig, "static": StaticConfig}[args.vertical_policy](),
             placement=placement,
             capacity_share=args.capacity_share,
             compaction_period_s=args.compaction_period_s,

@@ -2,7 +2,7 @@
 
 The decisions are the live ones, imported: placement (`place` with each policy's strategy),
 horizontal scaling (`decide_scale`, every policy, once per second per function) and, for `dilu`,
-the vertical share policy (`decide_shares`). The simulator supplies time and a performance model
+the vertical share policy (`decide_vertical`). The simulator supplies time and a performance model
 (docs/simulator.md, "Performance model"):
 
 * A function's instance serves batches of up to its profiled batch size from one FIFO queue per
@@ -70,7 +70,6 @@ from dilu_invoker.policy import (
     PlacementConfig,
     PlacementRequest,
     ScaleAction,
-    VerticalConfig,
     VerticalInstance,
     VerticalSnapshot,
     apply_placement,
@@ -81,7 +80,7 @@ from dilu_invoker.policy import (
 )
 from dilu_invoker.policy.live_compaction import LiveCompaction, function_calm, live_compaction_config
 from dilu_invoker.policy.types import GpuRef, PlacedInstance
-from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, AnyVerticalState, SloConfig, decide_vertical, initial_state
+from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, SloConfig, SloState, decide_vertical, initial_state
 from dilu_invoker.sim.events import GIB
 from dilu_invoker.sim.profiles import FunctionProfile, ProfileSet
 from dilu_invoker.sim.traces import ServingTrace, arrivals
@@ -166,7 +165,7 @@ class ServingSimConfig:
     tgs_opportunistic_share: float = 0.05
     tgs_production_slowdown: float = 0.03
     horizontal: HorizontalConfig = field(default_factory=HorizontalConfig)
-    vertical: AnyVerticalConfig = field(default_factory=VerticalConfig)
+    vertical: AnyVerticalConfig = field(default_factory=SloConfig)
     """The vertical policy's configuration; its type selects the policy (`SloConfig`: `slo`)."""
     placement: PlacementConfig | None = None
     """A what-if: this placement configuration (strategy, ω, γ, scorer weights) instead of the policy's
@@ -381,7 +380,7 @@ class _Gpu:
         self.name = name
         self.insts: list[_Inst] = []
         self.busy: list[_Inst] = []
-        self.vstate: AnyVerticalState | None = None  # the policy's state; None: its initial state
+        self.vstate: SloState | None = None  # the policy's state; None: its initial state
         self.memo: dict[tuple[str, ...], dict[str, float]] = {}
         self.last_v = -math.inf
         self.v_pending = False
@@ -905,10 +904,9 @@ class _Sim:
         elif not want_periodic:
             g.v_periodic = False
 
-    def _decide(self, g: _Gpu, state: AnyVerticalState | None) -> tuple[dict[str, float], AnyVerticalState]:
+    def _decide(self, g: _Gpu, state: SloState | None) -> tuple[dict[str, float], SloState]:
         now = self.now
         vis = []
-        slo_policy = isinstance(self.cfg.vertical, SloConfig)
         for inst in g.insts:
             busy = inst.state == "busy"
             last = now if busy else (inst.last_end if inst.last_end > -math.inf else None)
@@ -920,8 +918,8 @@ class _Sim:
                     cls=inst.cls,
                     request=inst.request,
                     limit=inst.limit,
-                    # The slo policy's objective; rckm's evaluation runs as before, without one.
-                    slo_ms=inst.fn.slo_ms if slo_policy and inst.cls.latency_critical else None,
+                    # The latency-critical instance's objective (the slo policy's target).
+                    slo_ms=inst.fn.slo_ms if inst.cls.latency_critical else None,
                     blocks=1 if busy else 0,
                     last_active_at=last,
                     cycles_s=tuple(inst.cycles[-16:]),

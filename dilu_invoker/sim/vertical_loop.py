@@ -193,7 +193,7 @@ def run(pair: PairModel, times: list[float], *, static: float | None = None, con
             continue
         inf = VerticalInstance(id="inf", cls=InstanceClass.INFERENCE, request=0.5, limit=1.0, slo_ms=slo_ms,
                                blocks=1000 if launched else 0, last_active_at=last_active, spans_s=spans,
-                               open_span_s=open_s, capacity_blocks_per_ms=100.0, **load)
+                               open_span_s=open_s, **load)
         train = VerticalInstance(id="train", cls=InstanceClass.TRAINING, request=0.2, limit=1.0, blocks=1000,
                                  last_active_at=t1, share=share)
         assert state is not None

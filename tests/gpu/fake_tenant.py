@@ -4,7 +4,10 @@ shim when LD_PRELOAD says so), in a pattern set by commands on stdin:
     run <blocks> <gap_us>                              launch continuously (a training loop)
     load <blocks> <gap_us> <bytes>                     a launch and a device allocation of <bytes> per step (a
                                                        model being loaded and moved to the GPU)
-    burst <blocks> <launches> <gap_us> <pause_ms>      bursts of launches, then a pause (inference requests)
+    burst <blocks> <launches> <gap_us> <pause_ms> [sync]
+                                                       bursts of launches, then a pause (inference requests);
+                                                       with sync, each burst ends in cuCtxSynchronize (one
+                                                       request span)
     requests <blocks> <launches> <pause_ms>            launches back to back, cuCtxSynchronize, a pause (requests
                                                        as PyTorch serves them: enqueue, then wait for the GPU)
     idle                                               launch nothing
@@ -95,10 +98,12 @@ def main() -> int:
                 one(blocks)
                 time.sleep(gap_us / 1e6)
             else:
-                _, blocks, launches, gap_us, pause_ms = current  # type: ignore[misc]
+                _, blocks, launches, gap_us, pause_ms, sync = current  # type: ignore[misc]
                 for _ in range(launches):
                     one(blocks)
                     time.sleep(gap_us * stretch() / 1e6)
+                if sync and synchronize() != 0:
+                    raise SystemExit("cuCtxSynchronize failed")
                 time.sleep(pause_ms / 1000)
 
     t = threading.Thread(target=worker, daemon=True)
@@ -114,7 +119,8 @@ def main() -> int:
             elif cmd == "load":
                 mode[0] = ("load", int(words[1]), float(words[2]), int(words[3]))
             elif cmd == "burst":
-                mode[0] = ("burst", int(words[1]), int(words[2]), float(words[3]), float(words[4]))
+                mode[0] = ("burst", int(words[1]), int(words[2]), float(words[3]), float(words[4]),
+                           words[5:] == ["sync"])
             elif cmd == "requests":
                 mode[0] = ("requests", int(words[1]), int(words[2]), float(words[3]))
             elif cmd == "idle":

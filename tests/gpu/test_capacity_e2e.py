@@ -23,7 +23,6 @@ from dilu_invoker.gpu.devices import GpuDevice
 from dilu_invoker.gpu.manager import TickRecord
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.model import GpuClass, GpuNeeds
-from dilu_invoker.policy.vertical import VerticalConfig
 from tests.gpu.support import ShimBuild, Tenant, start_tenant
 
 pytestmark = pytest.mark.slow
@@ -57,8 +56,7 @@ async def test_capacity_is_not_learnt_from_loading_and_recovers_from_a_slow_warm
 ) -> None:
     records: list[TickRecord] = []
     node = GpuNode(node="invoker0", devices=GPUS, shm_dir=tmp_path / "shm", shim_library=shim_build.library,
-                   period_s=0.02, vertical=VerticalConfig(oversubscribe_in_recovery=False),
-                   observers=(records.append,))
+                   period_s=0.02, observers=(records.append,))
     await node.start()
     try:
         inst = await node.attach("half", "guest/resnet", HALF, gpu_index=0)

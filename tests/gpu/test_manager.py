@@ -30,8 +30,8 @@ from dilu_invoker.gpu.manager import (
 )
 from dilu_invoker.gpu.metrics import GpuMetrics
 from dilu_invoker.policy.types import InstanceClass
-from dilu_invoker.policy.vertical import FeedbackMode, VerticalConfig
-from dilu_invoker.policy.vertical_slo import SloConfig, SloState
+from dilu_invoker.policy.vertical import FeedbackMode
+from dilu_invoker.policy.vertical_slo import SloConfig, SloState, StaticConfig
 from tests.gpu.support import StatsWriter, snapshot
 
 # -- reading the stats block ---------------------------------------------------------------------
@@ -123,15 +123,7 @@ def test_vertical_instance_clips_throttling_to_the_period() -> None:
     inst = vertical_instance(spec, reading, period_s=0.05, last_active_at=3.0, share=0.4)
     assert inst.throttled_s == pytest.approx(0.05) and inst.blocks == 10 and inst.share == 0.4
     assert inst.cycles_s == pytest.approx((0.02,)) and inst.last_active_at == 3.0 and inst.slo_ms == 50
-    assert inst.capacity_blocks_per_ms is None and inst.demand(0.05) is None
-
-
-def test_vertical_instance_carries_the_capacity_as_a_demand_share() -> None:
-    spec = InstanceSpec(id="a", function="ns/f", cls=InstanceClass.INFERENCE, request=0.5, limit=1.0)
-    reading, _ = read_delta(None, snapshot(blocks=1500, windows=10))
-    inst = vertical_instance(spec, reading, period_s=0.05, last_active_at=3.0, share=1.0,
-                             capacity_blocks_per_ms=100.0)
-    assert inst.demand(0.05) == pytest.approx(1500 / (100.0 * 50))
+    assert not inst.queue_known and inst.mps_threads is None
 
 
 # -- capacity --------------------------------------------------------------------------------------
@@ -264,11 +256,11 @@ class Gpu:
     """A manager over instance files whose stats blocks the test writes."""
 
     def __init__(self, root: Path, *, metrics: GpuMetrics | None = None,
-                 vertical: VerticalConfig | SloConfig | None = None) -> None:
+                 vertical: SloConfig | StaticConfig | None = None) -> None:
         self.clock = Clock()
         self.records: list[TickRecord] = []
         self.mgr = GpuManager(uuid="GPU-t", index=3, period_s=0.05, clock_ns=self.clock, metrics=metrics,
-                              vertical=vertical or VerticalConfig(oversubscribe_in_recovery=False),
+                              vertical=vertical or SloConfig(),
                               observers=(self.records.append,))
         self.root = root
         self.controls: dict[str, abi.ControlFile] = {}
@@ -319,9 +311,9 @@ def test_training_alone_rises_to_its_limit_then_is_cut_when_inference_bursts(gpu
 
     burst = gpu.tick(train=1000, inf=500)
     assert burst.status("inf").active and burst.status("inf").share == pytest.approx(0.7)
-    # Latency-critical demand beside training: training starts at the fair budget 1 - 0.7.
-    assert gpu.control("train").share == pytest.approx(0.3)
-    assert gpu.control("train").rate_blocks_per_ms == pytest.approx(30.0)
+    # Latency-critical demand beside training: training starts at the room inference's request leaves, 1 - 0.4.
+    assert gpu.control("train").share == pytest.approx(0.6)
+    assert gpu.control("train").rate_blocks_per_ms == pytest.approx(60.0)
     assert burst.mode is not FeedbackMode.IDLE
 
     # Inference falls silent; after idle_after_s (0.6 s) training gets the GPU back.
@@ -333,11 +325,11 @@ def test_training_alone_rises_to_its_limit_then_is_cut_when_inference_bursts(gpu
 
 def test_reconfigured_policy_starts_over(gpu: Gpu) -> None:
     gpu.tick(train=1000, inf=500)
-    assert gpu.control("train").share == pytest.approx(0.3)
-    # A policy whose idle threshold is shorter than the silence: inference counts as idle at once.
-    gpu.mgr.set_vertical_config(VerticalConfig(idle_after_s=0.01))
-    record = gpu.tick(train=1000)
-    assert record.mode is FeedbackMode.IDLE and gpu.control("train").share == pytest.approx(0.8)
+    assert gpu.control("train").share == pytest.approx(0.6)
+    gpu.mgr.set_vertical_config(StaticConfig())  # from the next tick: every instance at its limit
+    record = gpu.tick(train=1000, inf=500)
+    assert record.mode is FeedbackMode.HOLD and gpu.control("train").share == pytest.approx(0.8)
+    assert gpu.mgr._state == SloState(mode=FeedbackMode.HOLD)  # the slo policy's memory is gone
 
 
 def test_the_slo_policy_runs_in_the_manager(tmp_path: Path) -> None:
@@ -361,8 +353,10 @@ def test_the_slo_policy_runs_in_the_manager(tmp_path: Path) -> None:
         w.publish(pid=4242, spans_us=(40000,), span_open_ns=time.monotonic_ns() - 30_000_000)
         record = g.tick(inf=50, train=1000)  # a request already past its SLO: clamp at once
         assert record.mode is FeedbackMode.EMERGENCY and g.control("train").share == pytest.approx(0.01)
-        g.mgr.set_vertical_config(VerticalConfig())  # switched back: the other policy, from scratch
-        assert not isinstance(g.mgr._state, SloState)
+        g.mgr.set_vertical_config(SloConfig())  # reconfigured: from scratch, the solo latency measured again
+        assert g.mgr._state == SloState()
+        w.publish(pid=4242, spans_us=(5000, 5000, 5000), span_open_ns=0)
+        assert g.tick(inf=50, train=1000).mode is FeedbackMode.MEASURE
     finally:
         g.close()
 
@@ -386,7 +380,7 @@ def test_the_node_builds_its_managers_with_the_configured_policy(tmp_path: Path)
 
     inventory = tmp_path / "inv.json"
     inventory.write_text('{"invokers": {"0": [{"uuid": "GPU-a"}]}}')
-    for policy, kind in (("rckm", VerticalConfig), ("slo", SloConfig)):
+    for policy, kind in (("static", StaticConfig), ("slo", SloConfig)):
         node = GpuNode.from_config(Config(gpu=GpuConfig(inventory=str(inventory), vertical_policy=policy,
                                                         vertical_dwell_s=0.4, shm_dir=str(tmp_path / "shm"))))
         vertical = node.manager(0).vertical
@@ -425,7 +419,7 @@ def test_pinned_share_overrides_the_policy(gpu: Gpu) -> None:
     assert gpu.control("inf").share == pytest.approx(0.7)
     gpu.mgr.pin("train", None)
     gpu.tick(train=1000, inf=500)
-    assert gpu.control("train").share == pytest.approx(0.3)
+    assert gpu.control("train").share == pytest.approx(0.6)
     with pytest.raises(ValueError):
         gpu.mgr.pin("train", 0.0)
 
@@ -562,6 +556,10 @@ def test_metrics_follow_the_counters_across_a_restart(tmp_path: Path) -> None:
         gpu_labels = {"gpu": "3", "uuid": "GPU-t"}
         assert registry.get_sample_value("openwhisk_invoker_gpu_fragmentation_ratio", gpu_labels) == pytest.approx(0.8)
         assert registry.get_sample_value("dilu_gpu_vertical_mode", {**gpu_labels, "mode": "idle"}) == 1
+        modes = {s.labels["mode"]: s.value for f in registry.collect() if f.name == "dilu_gpu_vertical_mode"
+                 for s in f.samples}
+        # one series per mode the policies set, 1 for the current one (the removed rckm's modes are gone)
+        assert modes == {"idle": 1, "measure": 0, "hold": 0, "increase": 0, "decrease": 0, "emergency": 0}
         assert registry.get_sample_value("dilu_gpu_vertical_decisions_total", {**gpu_labels, "mode": "idle"}) == 4
         g.mgr.remove("train")
         assert value("openwhisk_action_gpu_sm_quota_ratio") is None
@@ -615,8 +613,8 @@ def test_mode_changes_log_at_info_only_for_cuts_and_returns(tmp_path: Path) -> N
     registry = CollectorRegistry()
     metrics = GpuMetrics(registry)
     g = Gpu(tmp_path, metrics=metrics)
-    seq = [FeedbackMode.STEADY, FeedbackMode.RECOVERY] * 20 + [FeedbackMode.EMERGENCY, FeedbackMode.RECOVERY] * 5 \
-        + [FeedbackMode.IDLE, FeedbackMode.STEADY] * 3
+    seq = [FeedbackMode.HOLD, FeedbackMode.INCREASE] * 20 + [FeedbackMode.EMERGENCY, FeedbackMode.HOLD] * 5 \
+        + [FeedbackMode.IDLE, FeedbackMode.HOLD] * 3
     try:
         with structlog.testing.capture_logs() as logs:
             now, old = 0.0, FeedbackMode.IDLE
@@ -631,8 +629,8 @@ def test_mode_changes_log_at_info_only_for_cuts_and_returns(tmp_path: Path) -> N
         assert sum(1 for e in logs if e["log_level"] == "debug") == len(seq) - 2
         assert CUT_LOG_EVERY_S > 5 * 0.5  # the five cuts fell inside one interval
         changes = registry.get_sample_value("dilu_gpu_vertical_mode_changes_total",
-                                            {"gpu": "3", "uuid": "GPU-t", "from_mode": "steady",
-                                             "to_mode": "recovery"})
+                                            {"gpu": "3", "uuid": "GPU-t", "from_mode": "hold",
+                                             "to_mode": "increase"})
         assert changes == 20
     finally:
         g.close()

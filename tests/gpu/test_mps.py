@@ -200,18 +200,18 @@ async def test_gpu_containers_are_mps_clients_capped_by_their_limit(tmp_path: Pa
     assert not await sup.daemons[0].alive(), "the node stops the daemon it started"
 
 
-@pytest.mark.parametrize(("policy", "train_pct", "infer_pct"), [("slo", "60", "80"), ("rckm", "70", "80"),
+@pytest.mark.parametrize(("policy", "train_pct", "infer_pct"), [("slo", "60", "80"), ("spatial", "50", "80"),
                                                                   ("static", "70", "80")])
 async def test_the_policy_chooses_each_clients_active_threads_at_start(tmp_path: Path, policy: str, train_pct: str,
                                                                        infer_pct: str) -> None:
     """`ShareDecision.mps_threads` applied where MPS can take it, at the container's start: under `slo` a
     best-effort client starts at `mps_best_effort_threads` (0.6 here, below its limit 0.7); a latency-critical
-    one, and every client under the other policies, at its SM limit. Under every policy a best-effort client
-    connects at below-normal priority."""
-    from dilu_invoker.policy.vertical import VerticalConfig
-    from dilu_invoker.policy.vertical_slo import SloConfig, StaticConfig
+    one, and every client under `static`, at its SM limit; under `spatial` a best-effort client at 1 − the
+    latency-critical reserve 0.5. Under every policy a best-effort client connects at below-normal priority."""
+    from dilu_invoker.policy.vertical_slo import SloConfig, SpatialConfig, StaticConfig
 
-    vertical = {"slo": SloConfig(mps_best_effort_threads=0.6), "rckm": VerticalConfig(), "static": StaticConfig()}[policy]
+    vertical = {"slo": SloConfig(mps_best_effort_threads=0.6), "spatial": SpatialConfig(),
+                "static": StaticConfig()}[policy]
     sup = MpsSupervisor(mode=MpsMode.ON, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE,
                         check_every_s=3600)
     node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend="process", mps=sup,

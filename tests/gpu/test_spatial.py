@@ -20,8 +20,7 @@ from dilu_invoker.gpu.mps import MpsMode, MpsSupervisor
 from dilu_invoker.gpu.node import GpuNode
 from dilu_invoker.model import GpuClass, GpuNeeds
 from dilu_invoker.policy.types import InstanceClass
-from dilu_invoker.policy.vertical import VerticalConfig
-from dilu_invoker.policy.vertical_slo import PerGpuVertical, SpatialConfig
+from dilu_invoker.policy.vertical_slo import PerGpuVertical, SloConfig, SpatialConfig
 from tests.gpu.support import ShimBuild, StatsWriter, Tenant, start_tenant
 
 FAKE = str(Path(__file__).resolve().parent / "fakes" / "nvidia-cuda-mps-control")
@@ -33,7 +32,7 @@ BIG_INFER = GpuNeeds(gpu_class=GpuClass.INFERENCE, sm_request=0.4, sm_limit=0.8,
 SMALL_TRAIN = GpuNeeds(gpu_class=GpuClass.TRAINING, sm_request=0.1, sm_limit=0.9, memory_mb=1000)
 TRAIN = GpuNeeds(gpu_class=GpuClass.TRAINING, sm_request=0.2, sm_limit=0.9, memory_mb=1000,
                  capacity_blocks_per_ms=CAPACITY)
-AUTO = PerGpuVertical(name="auto", mps=SpatialConfig(), time_sliced=VerticalConfig())
+AUTO = PerGpuVertical(name="auto", mps=SpatialConfig(), time_sliced=SloConfig())
 
 
 def _metric(registry: CollectorRegistry, gpu: str = "0") -> dict[str, str]:
@@ -137,26 +136,26 @@ async def test_auto_runs_spatial_under_mps_with_thread_caps_chosen_at_start(tmp_
 
 
 @pytest.mark.parametrize(("policy", "fallback"), [("auto", False), ("spatial", True)])
-async def test_a_time_sliced_gpu_runs_rckm(tmp_path: Path, policy: str, fallback: bool) -> None:
-    """`auto` picks rckm where the GPU time-slices; an explicit `spatial` there falls back to rckm with a
+async def test_a_time_sliced_gpu_runs_slo(tmp_path: Path, policy: str, fallback: bool) -> None:
+    """`auto` picks slo where the GPU time-slices; an explicit `spatial` there falls back to slo with a
     warning (without MPS nothing would divide the SMs): both say so in /metrics."""
     registry = CollectorRegistry()
     sup = MpsSupervisor(mode=MpsMode.OFF, root=tmp_path / "mps", gpus=((0, GPU.uuid),), control=FAKE)
     vertical = AUTO if policy == "auto" else PerGpuVertical(name="spatial", mps=SpatialConfig(),
-                                                            time_sliced=VerticalConfig())
+                                                            time_sliced=SloConfig())
     node = GpuNode(node="invoker0", devices=(GPU,), shm_dir=tmp_path / "shm", backend="process", mps=sup,
                    vertical=vertical, metrics=GpuMetrics(registry))
     await node.start()
     try:
         mgr = node.manager(0)
-        assert isinstance(mgr.vertical, VerticalConfig) and mgr.gates_launches
+        assert isinstance(mgr.vertical, SloConfig) and mgr.gates_launches
         labels = _metric(registry)
-        assert labels["policy"] == "rckm" and "time-slices" in labels["reason"]
+        assert labels["policy"] == "slo" and "time-slices" in labels["reason"]
         assert ("needs MPS" in labels["reason"]) is fallback
         i1 = await node.attach("i1", "guest/classify", INFER)
         assert i1 is not None and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in i1.env
         with abi.ControlFile.open(i1.env["DILU_SHIM_CONTROL"]) as f:
-            assert f.read().quota.limited  # rckm: the limit 0.6 as a token rate
+            assert f.read().quota.limited  # slo: the limit 0.6 as a token rate
     finally:
         await node.close()
 
@@ -169,7 +168,7 @@ def test_the_node_built_from_the_default_config_resolves_auto(tmp_path: Path) ->
     inventory = tmp_path / "inv.json"
     inventory.write_text('{"invokers": {"0": [{"uuid": "GPU-a"}]}}')
     node = GpuNode.from_config(Config(gpu=GpuConfig(inventory=str(inventory), shm_dir=str(tmp_path / "shm"))))
-    assert isinstance(node.manager(0).vertical, VerticalConfig) and node.manager(0).gates_launches
+    assert isinstance(node.manager(0).vertical, SloConfig) and node.manager(0).gates_launches
 
 
 @pytest.mark.slow
@@ -251,7 +250,7 @@ def test_the_policy_gauge_follows_a_reconfiguration() -> None:
     mgr = GpuManager(uuid="GPU-g", index=2, metrics=GpuMetrics(registry))
     mgr.set_vertical_config(SpatialConfig(), reason="because MPS")
     assert _metric(registry, "2") == {"gpu": "2", "uuid": "GPU-g", "policy": "spatial", "reason": "because MPS"}
-    mgr.set_vertical_config(VerticalConfig(), reason="time-sliced")
-    assert _metric(registry, "2")["policy"] == "rckm"  # the old series is gone, not left at 1
+    mgr.set_vertical_config(SloConfig(), reason="time-sliced")
+    assert _metric(registry, "2")["policy"] == "slo"  # the old series is gone, not left at 1
     samples = [s for f in registry.collect() if f.name == "dilu_gpu_vertical_policy" for s in f.samples]
     assert len(samples) == 1

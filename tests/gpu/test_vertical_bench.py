@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from dilu_invoker.policy.vertical import VerticalConfig
+from dilu_invoker.policy.vertical_slo import SloConfig
 from tests.gpu.support import REPO
 
 
@@ -50,16 +51,15 @@ def test_rates_and_windows() -> None:
     assert h200.window({"start": 0.0, "completions": []}, {}, 5.0) == (0.0, 5.0)
 
 
-def test_vertical_config_overrides_are_typed() -> None:
-    cfg = h200.vertical_config(["min_cycle_s=0.035", "recovery_every=3", "oversubscribe_in_recovery=false"])
-    assert cfg == VerticalConfig(min_cycle_s=0.035, recovery_every=3, oversubscribe_in_recovery=False)
-    with pytest.raises(SystemExit):
-        h200.vertical_config(["no_such_field=1"])
-    for pairs in h200.DEFAULT_VARIANTS.values():  # the variants the GPU run uses must be valid
-        h200.vertical_config(pairs)
-    # The first run's policy stays reachable side by side with the defaults.
-    assert h200.vertical_config(h200.DEFAULT_VARIANTS["run1-default"]) == VerticalConfig.run1()
-    assert h200.vertical_config(["open_cycle_ratio=none"]).open_cycle_ratio is None
+def test_vertical_config_overrides_are_the_slo_knobs() -> None:
+    cfg = h200.vertical_config(["deadband=0.2", "dwell_s=0.3"])
+    assert cfg == SloConfig(deadband=0.2, dwell_s=0.3)
+    assert h200.vertical_config(["decrease=0.5"], cfg) == SloConfig(deadband=0.2, dwell_s=0.3, decrease=0.5)
+    for bad, said in ((["busy_ceiling=0.8"], "SloConfig has no field 'busy_ceiling'"),  # a knob of the old policy
+                      (["deadband=wide"], "deadband: 'wide' is not a number"),
+                      (["decrease=1.5"], "decrease must be in (0, 1)")):
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            h200.vertical_config(bad)
 
 
 def test_arrivals_follow_the_phases() -> None:
@@ -125,7 +125,7 @@ def test_dry_run_of_the_whole_pipeline(tmp_path: Path) -> None:
     """run_h200.sh with stand-in workers on the fake driver, under the real shim and the real manager."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DILU_", "LD_PRELOAD"))}
     env.update(OUT=str(tmp_path), DILU_BENCH_SCALE="0.05", PYTHON=sys.executable,
-               DILU_BENCH_ARGS="--no-dilu-variant --variant again: --mps-splits 50,50:30,70")
+               DILU_BENCH_ARGS="--variant again: --mps-splits 50,50:30,70")
     out = subprocess.run(["bash", str(REPO / "bench" / "vertical" / "dry_run.sh")], env=env, capture_output=True,
                          text=True, timeout=400, check=False)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -11,23 +12,27 @@ import pytest
 from dilu_invoker.policy import (
     FeedbackMode,
     InstanceClass,
-    VerticalConfig,
     VerticalDecision,
     VerticalInstance,
     VerticalSnapshot,
-    VerticalState,
 )
 from dilu_invoker.policy.vertical_slo import (
     CLAMP_RATIO,
+    GPU_VERTICAL_POLICIES,
+    VERTICAL_POLICIES,
+    AnyVerticalConfig,
     SloConfig,
     SloState,
     SloTrack,
+    SpatialConfig,
     StaticConfig,
     arrival_scv,
+    check_policy_name,
     decide_slo,
     decide_vertical,
     dispersion,
     initial_state,
+    latency_shares,
     median,
     move_for,
     mps_start_threads,
@@ -297,8 +302,7 @@ def test_latency_critical_keeps_its_limit_and_best_effort_gets_the_mps_cap() -> 
     (InstanceClass.TRAINING, 0.4, SloConfig(), 0.4),  # ... never above its own limit
     (InstanceClass.TRAINING, 0.9, SloConfig(mps_best_effort_threads=1.0), 0.9),
     (InstanceClass.INFERENCE, 0.8, SloConfig(), 0.8),  # latency-critical: its limit
-    (InstanceClass.TRAINING, 0.9, VerticalConfig(), 0.9),  # rckm and static: the limit
-    (InstanceClass.TRAINING, 0.9, StaticConfig(), 0.9),
+    (InstanceClass.TRAINING, 0.9, StaticConfig(), 0.9),  # static: the limit
     (InstanceClass.TRAINING, 0.001, SloConfig(), 0.01),  # MPS takes 1% at least
 ])
 def test_mps_start_threads(cls: InstanceClass, limit: float, config: object, threads: float) -> None:
@@ -308,19 +312,65 @@ def test_mps_start_threads(cls: InstanceClass, limit: float, config: object, thr
 # -- selection ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("config", "state_type", "name"), [
-    (VerticalConfig(), VerticalState, "rckm"),
-    (SloConfig(), SloState, "slo"),
-    (StaticConfig(), SloState, "static"),
-], ids=["rckm", "slo", "static"])
-def test_the_config_selects_the_policy(config: VerticalConfig | SloConfig | StaticConfig, state_type: type,
-                                       name: str) -> None:
-    assert isinstance(initial_state(config), state_type) and policy_name(config) == name
+@pytest.mark.parametrize(("config", "name", "reason"), [
+    (SloConfig(), "slo", "began"),
+    (StaticConfig(), "static", "static: every instance at its limit"),
+    (SpatialConfig(), "spatial", "spatial: launches not throttled"),
+], ids=["slo", "static", "spatial"])
+def test_the_config_selects_the_policy(config: AnyVerticalConfig, name: str, reason: str) -> None:
+    assert initial_state(config) == SloState() and policy_name(config) == name
     snap = VerticalSnapshot(now=0.0, instances=(inf(0.0), train(0.0)), period_s=P)
-    # A state of the other policy (the policy was switched) starts over instead of failing.
-    other = SloState() if state_type is VerticalState else VerticalState()
-    d = decide_vertical(snap, other, config)
-    assert isinstance(d.state, state_type)
+    d = decide_vertical(snap, initial_state(config), config)
+    assert reason in d.reason and isinstance(d.state, SloState)
+
+
+@pytest.mark.parametrize(("name", "choices", "error"), [
+    ("slo", GPU_VERTICAL_POLICIES, None),
+    ("auto", GPU_VERTICAL_POLICIES, None),
+    ("static", VERTICAL_POLICIES, None),
+    ("rckm", GPU_VERTICAL_POLICIES,
+     "--gpu-vertical-policy rckm was removed: slo replaced it as the time-sliced policy (docs/policies.md §1.2); "
+     "use one of auto, slo, static, spatial"),
+    ("rckm", VERTICAL_POLICIES,
+     "--gpu-vertical-policy rckm was removed: slo replaced it as the time-sliced policy (docs/policies.md §1.2); "
+     "use one of slo, static"),
+    ("auto", VERTICAL_POLICIES, "--gpu-vertical-policy must be one of slo, static, not 'auto'"),
+    ("pid", GPU_VERTICAL_POLICIES, "--gpu-vertical-policy must be one of auto, slo, static, spatial, not 'pid'"),
+], ids=["slo", "auto", "static-simulated", "rckm", "rckm-simulated", "auto-simulated", "unknown"])
+def test_a_policy_name_is_checked_and_a_removed_one_refused_by_name(name: str, choices: tuple[str, ...],
+                                                                    error: str | None) -> None:
+    if error is None:
+        check_policy_name(name, choices=choices)
+        return
+    with pytest.raises(ValueError, match=f"^{re.escape(error)}$"):
+        check_policy_name(name, choices=choices)
+
+
+def test_the_remaining_policies() -> None:
+    assert VERTICAL_POLICIES == ("slo", "static")
+    assert GPU_VERTICAL_POLICIES == ("auto", "slo", "static", "spatial")
+
+
+# -- latency-critical shares ---------------------------------------------------------------------------
+
+
+def _lc(id: str, request: float, limit: float) -> VerticalInstance:
+    return VerticalInstance(id=id, cls=InstanceClass.INFERENCE, request=request, limit=limit)
+
+
+@pytest.mark.parametrize(("pairs", "room", "expected", "why"), [
+    ([], 1.0, {}, ""),
+    ([(0.3, 0.6), (0.2, 0.4)], 1.0, {"a": 0.6, "b": 0.4}, ""),  # the limits fit (exactly): each its limit
+    # Σ limits 1.4: requests first, the 0.5 left by headroom 0.5 : 0.4
+    ([(0.3, 0.8), (0.2, 0.6)], 1.0, {"a": 0.3 + 0.5 * 5 / 9, "b": 0.2 + 0.5 * 4 / 9}, "cut toward requests"),
+    ([(0.3, 0.3), (0.2, 0.9)], 0.8, {"a": 0.3, "b": 0.5}, "cut toward requests"),  # no headroom, no more
+    ([(0.3, 0.8), (0.2, 0.6)], 0.4, {"a": 0.24, "b": 0.16}, "cut in proportion"),  # not even the requests fit
+], ids=["none", "limits-fit", "toward-requests", "no-headroom", "requests-cut"])
+def test_latency_shares(pairs: list[tuple[float, float]], room: float, expected: dict[str, float], why: str) -> None:
+    active = [_lc(id, r, limit) for id, (r, limit) in zip("ab", pairs, strict=False)]
+    shares, reason = latency_shares(active, room)
+    assert shares == pytest.approx(expected)
+    assert (why in reason) if why else reason == ""
 
 
 @pytest.mark.parametrize(("inference_active", "mode"), [(True, FeedbackMode.HOLD), (False, FeedbackMode.IDLE)],

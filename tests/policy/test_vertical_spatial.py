@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dilu_invoker.policy.types import InstanceClass
-from dilu_invoker.policy.vertical import FeedbackMode, VerticalConfig, VerticalInstance, VerticalSnapshot
+from dilu_invoker.policy.vertical import FeedbackMode, VerticalInstance, VerticalSnapshot
 from dilu_invoker.policy.vertical_slo import (
     PerGpuVertical,
     SloConfig,
@@ -73,7 +73,7 @@ def test_the_reserve_is_a_fraction() -> None:
 
 def test_only_spatial_leaves_launches_ungated() -> None:
     assert not gates_launches(SpatialConfig())
-    assert all(gates_launches(c) for c in (VerticalConfig(), SloConfig(), StaticConfig()))
+    assert all(gates_launches(c) for c in (SloConfig(), StaticConfig()))
     assert policy_name(SpatialConfig()) == "spatial" and isinstance(initial_state(SpatialConfig()), SloState)
 
 
@@ -130,19 +130,18 @@ def test_an_instance_whose_queue_misses_its_slo_is_saturated() -> None:
     assert not d.shares[0].saturated
 
 
-AUTO = PerGpuVertical(name="auto", mps=SpatialConfig(lc_reserve=0.4), time_sliced=VerticalConfig(busy_ceiling=0.8))
-SPATIAL = PerGpuVertical(name="spatial", mps=SpatialConfig(), time_sliced=VerticalConfig())
+AUTO = PerGpuVertical(name="auto", mps=SpatialConfig(lc_reserve=0.4), time_sliced=SloConfig(deadband=0.2))
+SPATIAL = PerGpuVertical(name="spatial", mps=SpatialConfig(), time_sliced=SloConfig())
 
 
 @pytest.mark.parametrize(("config", "mps", "expect", "fallback", "why"), [
     (AUTO, True, SpatialConfig(lc_reserve=0.4), False, "auto: spatial, the GPU runs MPS"),
-    (AUTO, False, VerticalConfig(busy_ceiling=0.8), False, "auto: rckm, the GPU time-slices"),
+    (AUTO, False, SloConfig(deadband=0.2), False, "auto: slo, the GPU time-slices"),
     (SPATIAL, True, SpatialConfig(), False, "spatial: the GPU runs MPS"),
-    (SPATIAL, False, VerticalConfig(), True, "spatial needs MPS, but the GPU time-slices (because): rckm instead"),
+    (SPATIAL, False, SloConfig(), True, "spatial needs MPS, but the GPU time-slices (because): slo instead"),
     (SloConfig(), True, SloConfig(), False, "--gpu-vertical-policy slo"),
     (StaticConfig(), False, StaticConfig(), False, "--gpu-vertical-policy static"),
-    (VerticalConfig(), True, VerticalConfig(), False, "--gpu-vertical-policy rckm"),
-], ids=["auto-mps", "auto-time-sliced", "spatial-mps", "spatial-time-sliced", "slo", "static", "rckm"])
+], ids=["auto-mps", "auto-time-sliced", "spatial-mps", "spatial-time-sliced", "slo", "static"])
 def test_resolve_vertical(config: object, mps: bool, expect: object, fallback: bool, why: str) -> None:
     got, reason, warn = resolve_vertical(config, mps=mps, mps_reason="because")  # type: ignore[arg-type]
     assert got == expect and warn is fallback

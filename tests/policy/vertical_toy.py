@@ -1,4 +1,4 @@
-"""A toy GPU with a request queue, for closed-loop tests of the vertical policies.
+"""A toy GPU with a request queue, for closed-loop tests of the vertical policy.
 
 One latency-critical instance serves requests first come first served; each request's service time (its
 request span) grows with the training share in force when it starts; training's throughput is its share.
@@ -20,7 +20,6 @@ from dilu_invoker.policy import InstanceClass, VerticalInstance, VerticalSnapsho
 from dilu_invoker.policy.vertical_slo import AnyVerticalConfig, decide_vertical, initial_state
 
 PERIOD = 0.05
-CAPACITY = 100.0  # blocks/ms
 WARMUP_S = 2.0
 
 
@@ -125,7 +124,7 @@ def run(gpu: ToyGpu, times: list[float], *, static: float | None = None, config:
             continue
         inf = VerticalInstance(id="inf", cls=InstanceClass.INFERENCE, request=0.5, limit=1.0, slo_ms=slo_ms,
                                blocks=1000 if busy else 0, last_active_at=last_active, spans_s=tuple(spans),
-                               open_span_s=open_s, capacity_blocks_per_ms=CAPACITY)
+                               open_span_s=open_s)
         train = VerticalInstance(id="train", cls=InstanceClass.TRAINING, request=0.2, limit=1.0, blocks=1000,
                                  last_active_at=t1, share=share)
         assert state is not None

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dilu_invoker.cli import main as top_main
-from dilu_invoker.sim.cli import DILU_COMPACT_EVERY_S, main
+from dilu_invoker.sim.cli import DILU_COMPACT_EVERY_S, build_parser, main
 from dilu_invoker.sim.placement import (
     PLACEMENT_POLICIES,
     SUMMARY_KEYS,
@@ -142,7 +142,7 @@ def test_serving_reads_an_azure_sample(tmp_path: Path) -> None:
     assert json.loads((out / "summary.json").read_text())["requests"] > 0
 
 
-def test_serving_runs_dilu_with_the_slo_vertical_policy(tmp_path: Path) -> None:
+def test_serving_runs_dilu_with_the_slo_vertical_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.jsonl"
     assert main(["gen", "serving", "--pattern", "bursty", "--functions", "2", "--duration", "120", "--rate", "20",
                  "--profiles", str(SYNTHETIC_PROFILES), "--training-jobs", "1", "--out", str(trace)]) == 0
@@ -150,9 +150,15 @@ def test_serving_runs_dilu_with_the_slo_vertical_policy(tmp_path: Path) -> None:
     rc = main(["serving", "--trace", str(trace), "--profiles", str(SYNTHETIC_PROFILES), "--policy", "dilu",
                "--gpus", "2", "--out", str(out), "--quiet", "--no-plots", "--vertical-policy", "slo"])
     assert rc == 0 and json.loads((out / "summary.json").read_text())["requests"] > 0
-    with pytest.raises(SystemExit):
-        main(["serving", "--trace", str(trace), "--profiles", str(SYNTHETIC_PROFILES), "--policy", "dilu",
-              "--gpus", "2", "--vertical-policy", "pid"])
+    assert build_parser().parse_args(["serving", "--trace", "t", "--profiles", "p", "--policy", "dilu",
+                                      "--gpus", "1"]).vertical_policy == "slo"
+    capsys.readouterr()
+    for policy, said in (("pid", "policy must be one of slo, static, not 'pid'"),
+                         ("rckm", "policy rckm was removed: slo replaced it as the time-sliced policy")):
+        with pytest.raises(SystemExit):
+            main(["serving", "--trace", str(trace), "--profiles", str(SYNTHETIC_PROFILES), "--policy", "dilu",
+                  "--gpus", "2", "--vertical-policy", policy])
+        assert said in capsys.readouterr().err
 
 
 def test_serving_with_a_missing_profile_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

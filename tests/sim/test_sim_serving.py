@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dilu_invoker.policy.vertical import VerticalConfig
-from dilu_invoker.policy.vertical_slo import SloConfig
+from dilu_invoker.policy.vertical_slo import SloConfig, StaticConfig
 from dilu_invoker.sim.profiles import ProfileSet
 from dilu_invoker.sim.serving import (
     SERVING_POLICIES,
@@ -170,11 +169,12 @@ def test_config_validation() -> None:
         ServingSimConfig(policy="dilu", gpus=1, timeout_s=0)
 
 
-@pytest.mark.parametrize("vertical", [VerticalConfig(), SloConfig()], ids=["rckm", "slo"])
-def test_dilu_runs_either_vertical_policy(vertical: VerticalConfig | SloConfig,
+@pytest.mark.parametrize("vertical", [SloConfig(), StaticConfig()], ids=["slo", "static"])
+def test_dilu_runs_either_vertical_policy(vertical: SloConfig | StaticConfig,
                                           synthetic_profiles: ProfileSet) -> None:
     # The same scenario as above under each vertical policy: the simulator calls the policy the config
-    # selects, which keeps inference within its SLO while training makes progress.
+    # selects (slo by default), which keeps inference within its SLO while training makes progress.
+    assert ServingSimConfig(policy="dilu", gpus=1).vertical == SloConfig()
     job = TrainingJob("t", "train-resnet50", 0.0, 300.0)
     f = FunctionTrace("f", "resnet50", np.full(300, 50, dtype=np.int64), bin_s=1.0)
     r = simulate_serving(trace(f, jobs=(job,)), synthetic_profiles, cfg("dilu", gpus=1, vertical=vertical))
