@@ -147,6 +147,7 @@ def _add_settings(parser: argparse.ArgumentParser, sections: Sequence[str], *, e
         if essentials is not None and not show_all and key not in essentials:
             kwargs["help"] = argparse.SUPPRESS
         groups[title].add_argument(*_ALIASES.get(key, ()), s.flag, **kwargs)
+    config.add_removed_arguments(parser, sections=sections)
 
 
 def build_parser(*, show_all: bool = False) -> argparse.ArgumentParser:

@@ -412,6 +412,64 @@ class Setting:
         return f"{self.section}__{self.name}" if self.section else self.name
 
 
+@dataclass(frozen=True, slots=True)
+class RemovedSetting:
+    """A setting that existed once. Its flag is still parsed and its environment variable still read, only to
+    refuse them by name with what replaced it: a deployment that still sets one learns so at start-up, instead
+    of an "unrecognized arguments" (the flag) or nothing at all (the variable, otherwise ignored)."""
+
+    section: str
+    name: str
+    instead: str
+    """Why it went and what to use instead."""
+
+    @property
+    def flag(self) -> str:
+        return "--" + f"{self.section}_{self.name}".replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return f"DILU_{self.section}_{self.name}".upper()
+
+    @property
+    def dest(self) -> str:
+        return f"removed__{self.section}__{self.name}"
+
+    def refusal(self, args: argparse.Namespace | None, environ: Mapping[str, str]) -> str | None:
+        """The error for a setting that is still set (None: not set). An empty variable sets nothing and is
+        left alone: an environment file may still carry the name with no value."""
+        if args is not None and getattr(args, self.dest, None) is not None:
+            return f"{self.flag} was removed: {self.instead}"
+        if environ.get(self.env, "").strip():
+            return f"{self.env} was removed: {self.instead}; unset it"
+        return None
+
+
+REMOVED_SETTINGS: tuple[RemovedSetting, ...] = (
+    RemovedSetting("gpu", "vertical_rckm",
+                   "the rckm vertical policy it tuned is gone; slo is the time-sliced policy now, tuned "
+                   "by --gpu-vertical-slo-factor, --gpu-vertical-deadband, --gpu-vertical-increase-per-s, "
+                   "--gpu-vertical-decrease and --gpu-vertical-dwell-s (docs/policies.md §1.1)"),
+)
+"""Settings refused by name (`RemovedSetting`)."""
+
+
+def add_removed_arguments(parser: argparse.ArgumentParser, *, sections: Sequence[str] | None = None) -> None:
+    """Accept the flags of `REMOVED_SETTINGS` in the given sections (all by default), unlisted in --help, so that
+    `load` can refuse them by name."""
+    for r in REMOVED_SETTINGS:
+        if sections is None or r.section in sections:
+            parser.add_argument(r.flag, dest=r.dest, default=None, metavar="VALUE", help=argparse.SUPPRESS)
+
+
+def check_removed(args: argparse.Namespace | None, environ: Mapping[str, str]) -> None:
+    """Raise ConfigError for the first of `REMOVED_SETTINGS` a flag or a variable still sets."""
+    for r in REMOVED_SETTINGS:
+        problem = r.refusal(args, environ)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -515,6 +573,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, sections: Sequence[str] | 
         if sections is not None and s.section and s.section not in sections:
             continue
         parser.add_argument(s.flag, **argument_kwargs(s))
+    add_removed_arguments(parser, sections=sections)
 
 
 T = TypeVar("T")
@@ -525,6 +584,7 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] | No
     """Build the frozen tree: flags > ``DILU_*`` > OpenWhisk names > defaults; ``overrides`` (section
     objects or top-level values) win over all, for tests and embedding."""
     environ = os.environ if environ is None else environ
+    check_removed(args, environ)
     values: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
     for s in settings():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,49 @@ def test_the_vertical_policy_and_its_knobs_come_from_flags_and_env() -> None:
 def test_invalid_vertical_settings_fail_at_start_up(environ: dict[str, str], message: str) -> None:
     with pytest.raises(config.ConfigError, match=message):
         config.load(environ=environ)
+
+
+RCKM_GONE = ("the rckm vertical policy it tuned is gone; slo is the time-sliced policy now, tuned by "
+             "--gpu-vertical-slo-factor, --gpu-vertical-deadband, --gpu-vertical-increase-per-s, "
+             "--gpu-vertical-decrease and --gpu-vertical-dwell-s (docs/policies.md §1.1)")
+
+
+@pytest.mark.parametrize(("argv", "environ", "message"), [
+    (["--gpu-vertical-rckm", "busy_ceiling=0.8"], {}, f"--gpu-vertical-rckm was removed: {RCKM_GONE}"),
+    ([], {"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=0.8"}, f"DILU_GPU_VERTICAL_RCKM was removed: {RCKM_GONE}; unset it"),
+    (["--gpu-vertical-rckm", ""], {}, "--gpu-vertical-rckm was removed"),  # an empty flag is still the flag
+    (["--gpu-vertical-policy", "rckm"], {},
+     "--gpu-vertical-policy rckm was removed: slo replaced it as the time-sliced policy (docs/policies.md §1.2); "
+     "use one of auto, slo, static, spatial"),
+    ([], {"DILU_GPU_VERTICAL_POLICY": "rckm"}, "--gpu-vertical-policy rckm was removed"),
+], ids=["flag", "env", "empty-flag", "policy-flag", "policy-env"])
+def test_removed_settings_are_refused_by_name(argv: list[str], environ: dict[str, str], message: str) -> None:
+    args = cli.build_parser().parse_args(["invoker", *argv])
+    with pytest.raises(config.ConfigError, match=f"^{re.escape(message)}"):
+        config.load(args, environ=environ)
+
+
+def test_an_empty_removed_variable_sets_nothing() -> None:
+    cfg = config.load(environ={"DILU_GPU_VERTICAL_RCKM": " "})
+    assert cfg == config.load(environ={})
+
+
+def test_removed_settings_are_neither_settings_nor_listed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert config.REMOVED_SETTINGS
+    names = {(s.section, s.name) for s in config.settings()}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["invoker", "--help"])
+    listed = capsys.readouterr().out
+    assert "--gpu-vertical-policy" in listed
+    for r in config.REMOVED_SETTINGS:
+        assert (r.section, r.name) not in names
+        assert r.flag not in config.describe() and r.flag not in listed
+
+
+def test_the_cli_refuses_a_removed_flag_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["invoker", "--gpu-vertical-rckm", "busy_ceiling=0.8"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"dilu-invoker invoker: error: --gpu-vertical-rckm was removed: {RCKM_GONE}\n"
 
 
 def test_live_compaction_settings_reach_the_planner_and_are_checked() -> None:

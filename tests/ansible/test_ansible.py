@@ -115,6 +115,30 @@ def test_every_role_variable_is_defaulted_prefixed_and_documented() -> None:
             assert f"`{name}`" in readme, f"{role}: {name} is not listed in roles/{role}/README.md"
 
 
+REMOVED_RCKM = "dilu_invoker_gpu_vertical_rckm (DILU_GPU_VERTICAL_RCKM) was removed with the rckm vertical policy"
+
+
+@pytest.mark.parametrize(("extra", "refused"), [
+    ({"dilu_invoker_gpu_vertical_rckm": "busy_ceiling=0.8"}, True),
+    ({"dilu_invoker_extra_env": {"DILU_GPU_VERTICAL_RCKM": "busy_ceiling=0.8"}}, True),
+    ({"dilu_invoker_gpu_vertical_rckm": ""}, False),  # empty: nothing set, as the old default rendered nothing
+    ({}, False),
+], ids=["variable", "extra-env", "empty", "unset"])
+def test_the_invoker_role_refuses_removed_settings_before_anything_else(tmp_path: Path, extra: dict[str, Any],
+                                                                          refused: bool) -> None:
+    assert ANSIBLE_PLAYBOOK is not None
+    playbook = tmp_path / "deploy-checks.yml"
+    playbook.write_text(
+        "- name: The invoker role's deploy tasks, from the first\n  hosts: localhost\n  connection: local\n"
+        "  gather_facts: false\n  tasks:\n    - name: Deploy\n      ansible.builtin.include_tasks: "
+        f"{ANSIBLE / 'roles' / 'dilu_invoker' / 'tasks' / 'deploy.yml'}\n")
+    done = _run([ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(extra)], timeout=120)
+    # Nothing else is set, so a run the check lets through fails at the next task, the settings check.
+    assert done.returncode != 0
+    assert (REMOVED_RCKM in done.stdout) is refused, _tail(done)
+    assert ("TASK [Check the settings]" in done.stdout) is not refused, _tail(done)
+
+
 # --------------------------------------------------------------------------------------------
 # The controller's settings (controller-gpu-kind.yml)
 # --------------------------------------------------------------------------------------------
