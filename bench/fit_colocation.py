@@ -507,8 +507,8 @@ def _serving_md(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[str]
         "training κ ≈ 0 would raise every sharing policy's training figure alike; `--interference-training`). Variants:",
         "",
         "- `dilu`: Dilu's admission, the shipped default when this comparison was made (placement `dilu`: Σ request ≤ 1, "
-        "Σ limit ≤ γ = 1.5, memory, then lit GPUs first, fragmentation, complementarity, spread; the rckm vertical "
-        "policy; horizontal sizing at the limit). Since then the default admits by request (`--gpu-gamma` inf, "
+        "Σ limit ≤ γ = 1.5, memory, then lit GPUs first, fragmentation, complementarity, spread; the default vertical "
+        "policy of the run, `slo` since it replaced the one before (docs/policies.md §1.2); horizontal sizing at the limit). Since then the default admits by request (`--gpu-gamma` inf, "
         "docs/policies.md §2 \"Admission by request\"): what the `dilu γ 6` and `dilu on infless-r` rows do here.",
         "- `dilu γ N`: the same with Σ limit ≤ N (`--gpu-gamma`).",
         "- `dilu limit gain G`: limits from the profiler's own rule replayed over the measured points with a larger "

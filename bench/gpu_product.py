@@ -14,14 +14,16 @@ splits 50/50 and inference 70 / training 30 active threads, no shim), ``static30
 ``static`` policy: inference at 0.7, training at 0.3, time-slicing). The product's static default under MPS:
 ``spatial`` (the shim loaded but no token caps; MPS thread caps fixed at each client's start, MPS on).
 Controllers: ``shim`` (the defaults as they are: ``--gpu-vertical-policy auto``, ``--gpu-mps auto``, process
-isolation auto — on an MPS-capable GPU that is MPS and so ``spatial``; where auto picks time-slicing, rckm),
+isolation auto — on an MPS-capable GPU that is MPS and so ``spatial``; where auto picks time-slicing, slo),
 ``shim-lc50`` (the defaults with ``--gpu-vertical-spatial-lc-threads 0.5``: latency-critical MPS caps at
 max(request, 0.5), where training's cap starts), ``shim-be`` (the defaults with
 ``--gpu-vertical-spatial-be-threads 1.0``: best-effort MPS caps up to their limit, inside the reserve, relying
 on their below-normal priority), ``shim-noprio`` (the defaults without the best-effort MPS
-priority), ``shim-mps`` / ``shim-ts`` (rckm under MPS / time-slicing), ``slo`` / ``slo-ts`` (the SLO controller under MPS /
-time-slicing). MPS modes pass ``--gpu-mps on`` with isolation on, as the defaults run: the MPS clients of a
-GPU share a uid, kept apart by namespaces. Every cell records what the invoker actually ran
+priority), ``slo`` / ``slo-ts`` (the SLO controller under MPS / time-slicing). ``shim-mps`` / ``shim-ts`` are
+the same as ``slo`` / ``slo-ts`` now, flags and annotations alike: they pinned the policy slo replaced
+(docs/policies.md §1.2), and keep their names so that plans and past results still read. MPS modes pass
+``--gpu-mps on`` with isolation on, as the defaults run: the MPS clients of a GPU share a uid, kept apart by
+namespaces. Every cell records what the invoker actually ran
 (``effective``: MPS or not and why, the policy, the shim) from its log and /metrics. Actions declare
 ``limits.memory`` 8192 MB (a GPU process with torch needs far more than the 256 MB default).
 
@@ -269,7 +271,7 @@ MODES: dict[str, dict[str, Any]] = {
     "static30": {"flags": ["--gpu-vertical-policy", "static", *TS], "infer": (0.5, 0.7), "train": (0.3, 0.3),
                  "what": "static shim shares 70/30 (policy static: each at its limit), time-slicing", "baseline": True},
     "shim": {"flags": [], **SHIM_ANN,
-             "what": "the defaults: shim, --gpu-vertical-policy auto (spatial under MPS, rckm time-sliced), "
+             "what": "the defaults: shim, --gpu-vertical-policy auto (spatial under MPS, slo time-sliced), "
                      "--gpu-mps auto, isolation auto"},
     "shim-lc50": {"flags": ["--gpu-vertical-spatial-lc-threads", "0.5"], **SHIM_ANN,
                   "what": "the defaults with latency-critical MPS caps at max(request, 0.5): inference 50%, "
@@ -279,10 +281,6 @@ MODES: dict[str, dict[str, Any]] = {
                         "their limit (training 70% of the SMs instead of 50%), at below-normal priority"},
     "shim-noprio": {"flags": ["--no-gpu-mps-best-effort-priority"], **SHIM_ANN,
                     "what": "the defaults with every MPS client at normal priority (no below-normal best-effort)"},
-    "shim-mps": {"flags": ["--gpu-vertical-policy", "rckm", *MPS_ON], **SHIM_ANN,
-                 "what": "shim + rckm policy, MPS (--gpu-mps on)"},
-    "shim-ts": {"flags": ["--gpu-vertical-policy", "rckm", *TS], **SHIM_ANN,
-                "what": "shim + rckm policy, time-slicing (--gpu-mps off)"},
     "spatial": {"flags": ["--gpu-vertical-policy", "spatial", *MPS_ON], **SHIM_ANN,
                 "what": "shim + spatial policy (no token caps; MPS threads: inference its limit, training "
                         "min(limit, max(request, 1 - reserve 0.5))), MPS (--gpu-mps on)"},
@@ -291,8 +289,12 @@ MODES: dict[str, dict[str, Any]] = {
     "slo-ts": {"flags": ["--gpu-vertical-policy", "slo", *TS], **SHIM_ANN,
                "what": "shim + slo controller, time-slicing (--gpu-mps off)"},
 }
+MODES["shim-mps"] = {**MODES["slo"], "what": f"{MODES['slo']['what']}: the same as slo (docs/policies.md §1.2)"}
+MODES["shim-ts"] = {**MODES["slo-ts"], "what": f"{MODES['slo-ts']['what']}: the same as slo-ts (docs/policies.md §1.2)"}
+SLO_MODES = ("slo", "slo-ts", "shim-mps", "shim-ts")
+"""Modes that run the slo controller: their inference action carries ``gpu-slo-ms`` (``--slo-ms``)."""
 CONTROLLERS = ("slo", "slo-ts", "shim", "shim-lc50", "shim-be", "shim-noprio", "shim-mps", "shim-ts")
-"""Modes whose shares a feedback policy sets (``shim`` runs rckm where auto picks time-slicing); the modes marked
+"""Modes whose shares a feedback policy sets (``shim`` runs slo where auto picks time-slicing); the modes marked
 ``baseline`` are the simple static ones; ``spatial`` is neither: static, but the product's own default under MPS."""
 PAIRS = {"resnet50+train": "resnet50", "bert+train": "bert", "resnet50+membw": "resnet50"}
 """Pair → inference model. The best-effort side is ResNet-50 training, except in ``resnet50+membw``
@@ -719,7 +721,7 @@ async def run_cell(args: argparse.Namespace, mode: str, pair: str, trial: int, r
         dry["fake_cuda"] = str(FAKE_CUDA)
     iparams = {"model": model, "batch": 8, **dry}
     tdry = {**dry, **({"kind": BEST_EFFORT_KIND[pair]} if pair in BEST_EFFORT_KIND else {})}
-    slo_ann = args.slo_ms if mode in ("slo", "slo-ts") and args.slo_ms > 0 else None
+    slo_ann = args.slo_ms if mode in SLO_MODES and args.slo_ms > 0 else None
     cell: dict[str, Any] = {"mode": mode, "what": spec["what"], "pair": pair, "trial": trial, "scenarios": {},
                             "annotations": {"inference": spec["infer"], "training": spec["train"],
                                             "inference_slo_ms": slo_ann},
@@ -1273,7 +1275,7 @@ def matrix_report(docs: list[dict[str, Any]]) -> str:
     lines += ["", "First reaction (≤ 100 ms) is not measured here: the share trace is sampled from `/metrics` every "
                   "0.25 s. Under the defaults on an MPS GPU (`spatial`) there is no control reaction to time: the "
                   "thread caps and the best-effort client's priority are fixed at its start and the GPU's scheduler "
-                  "applies the priority kernel by kernel; `rckm`'s reaction on a time-sliced GPU is measured from the "
+                  "applies the priority kernel by kernel; the `slo` policy's reaction on a time-sliced GPU is measured from the "
                   "manager's decisions by bench/vertical (docs/benchmarks/vertical.md).", "", END]
     return "\n".join(lines) + "\n"
 

@@ -39,6 +39,10 @@
 #                                               against slo-ts alone on both pairs in one call; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
+# The plans are kept as written. shim-mps and shim-ts pinned the rckm policy, which was removed (docs/policies.md
+# §1.2): both now run slo, the same as slo and slo-ts (bench/gpu_product.py). A plan that names shim-ts for rckm
+# (PLANs 2, 4, 14, 23, 24 and 25) therefore measures slo twice where it compared the two; rckm against slo
+# (PLAN 25's purpose) can only be run from a checkout from before the removal.
 set -uo pipefail
 what=$1; out=${2:-out}
 export PYTHONUNBUFFERED=1

@@ -212,10 +212,11 @@ class Report:
             what = (f"the defaults with {', '.join(f'`{k}={v}`' for k, v in diff.items())}" if diff
                     else "the defaults again (a repeat in the same run: how far two trials of one policy differ)")
             self.w(f"* policy variant `{name}`: {what};")
+        # Runs before the time-sliced policy became slo measured variants of the one before it (docs/policies.md §1.2).
         if "run1-default" in variants:
-            self.w("  (`run1-default` is the policy of the first H200 run, `VerticalConfig.run1()`; docs/policies.md §1);")
+            self.w("  (`run1-default` is the policy of the first H200 run; docs/policies.md §1.2);")
         if "run3-default" in variants:
-            self.w("  (`run3-default` is the policy of the third H200 run, `VerticalConfig.run3()`);")
+            self.w("  (`run3-default` is the policy of the third H200 run; docs/policies.md §1.2);")
         mslo = next((s.get("manager_slo_ms") for s in self.steps.values() if isinstance(s, dict)
                      and s.get("manager_slo_ms")), None)
         told = (f"the manager is given the same SLO ({f(mslo)} ms) once the solo run has measured it" if mslo

@@ -89,7 +89,7 @@ def _cell(gp: ModuleType, mode: str, trial: int, p99: float, train: float, viol:
             "train_vs_ref": train, "train_vs_solo": train, "train_it_s": 50 * train, "p50_ms": p99 / 2}
     return {"mode": mode, "pair": "resnet50+train", "trial": trial, "scenarios": {"paced@0.5": scen},
             "solo": {"p50_ms": 8.0, "p99_ms": 10.0}, "solo_train_it_s": 50.0, "cold_start_ms": {"infer": 3000.0},
-            "effective": {"mps": mode.startswith("mps"), "policy": "slo" if mode.startswith("slo") else "rckm"}}
+            "effective": {"mps": mode.startswith("mps"), "policy": "static" if mode == "static30" else "slo"}}
 
 
 def test_the_matrix_names_the_strongest_baseline_and_what_dominates(gp: ModuleType, tmp_path: Path) -> None:
