@@ -10,7 +10,7 @@
 #   bench/h200_product.sh matrix OUT [PLAN]     issue 17's workload matrix in one device call of <= 10 minutes:
 #                                               PLAN=1 (default) the core columns, PLAN=2 the rest, PLAN=3 the
 #                                               defaults and MPS columns of the ResNet pair, PLAN=4 the defaults
-#                                               (MPS + spatial) beside noshim, mps50 and rckm time-sliced, PLAN=5
+#                                               (MPS + spatial) beside noshim, mps50 and shim-ts, PLAN=5
 #                                               the defaults and baselines on the BERT pair, PLAN=6 the defaults
 #                                               beside noshim, mps50 and mps70 (ResNet pair), PLAN=7 the defaults
 #                                               with and without best-effort MPS priority beside noshim and
@@ -33,16 +33,20 @@
 #                                               defaults beside shim-be (best-effort MPS caps up to their limit,
 #                                               inside the reserve), noshim and mps50 (ResNet pair), PLAN=21 the
 #                                               same on BERT, PLAN=22 PLAN 6 on the BERT pair, PLAN=23 a
-#                                               time-sliced GPU: rckm (the default there) beside the slo
-#                                               controller, static shim shares and no control (ResNet pair),
-#                                               PLAN=24 the same on the BERT pair, PLAN=25 rckm (shim-ts)
-#                                               against slo-ts alone on both pairs in one call; the plan and its
+#                                               time-sliced GPU: slo (the default there) in two columns,
+#                                               shim-ts and slo-ts, beside static shim shares and no control
+#                                               (ResNet pair), PLAN=24 the same on the BERT pair, PLAN=25
+#                                               shim-ts against slo-ts alone on both pairs in one call, the same
+#                                               policy twice on the same arrivals; the plan and its
 #                                               estimate are printed first, raw JSON is written after every stack,
 #                                               and the run stops itself before BUDGET_S (at most 500 s)
-# The plans are kept as written. shim-mps and shim-ts pinned the rckm policy, which was removed (docs/policies.md
-# §1.2): both now run slo, the same as slo and slo-ts (bench/gpu_product.py). A plan that names shim-ts for rckm
-# (PLANs 2, 4, 14, 23, 24 and 25) therefore measures slo twice where it compared the two; rckm against slo
-# (PLAN 25's purpose) can only be run from a checkout from before the removal.
+# shim-mps and shim-ts pinned the rckm policy until it was removed (docs/policies.md §1.2); they now run slo, the
+# same as slo and slo-ts (bench/gpu_product.py), and keep their names so that the plans and past results read.
+# In PLANs 2, 4 and 14, shim-ts is the slo controller time-sliced. PLANs 23 and 24 have slo time-sliced in two
+# columns beside the baselines, and PLAN 25 only those two: what they measure now is how far two columns of one
+# policy differ on the same arrivals (PLANs 23 and 24 take the loads from noshim, PLAN 25 from the trial's first
+# mode). What they were written for, rckm against slo (run M35 in docs/benchmarks/gpu-product.md; the run still
+# to come is named in docs/policies.md §1.2), runs only from a checkout from before the removal.
 set -uo pipefail
 what=$1; out=${2:-out}
 export PYTHONUNBUFFERED=1
@@ -97,7 +101,7 @@ elif [ "$what" = matrix ]; then
        slo_ms=${SLO_MS:-28}  # the slo column with an annotated gpu-slo-ms (2 x the noshim solo p99 of run 1)
        prio="resnet50+train:noshim,shim,mps50,slo" ;;
     4) modes=noshim,shim,mps50,shim-ts; pairs=resnet50+train; bert=""  # the defaults (MPS + spatial under
-       prio="resnet50+train:noshim,shim,mps50,shim-ts" ;;              # isolation) against the baselines and rckm
+       prio="resnet50+train:noshim,shim,mps50,shim-ts" ;;              # isolation) against the baselines and slo-ts
     5) modes=noshim,shim,mps50; pairs=bert+train; bert=noshim,shim,mps50  # the same on the BERT pair
        prio="bert+train:noshim,shim,mps50" ;;
     6) modes=noshim,shim,mps50,mps70; pairs=resnet50+train; bert=""  # the defaults beside both static MPS
@@ -123,7 +127,7 @@ elif [ "$what" = matrix ]; then
         prio="resnet50+train:noshim,shim,mps50" ;;                  # and static MPS 50/50 (pooled with M12-M19)
     16) modes=noshim,shim,mps50; pairs=bert+train; bert=""          # PLAN 15 on the BERT pair
         prio="bert+train:noshim,shim,mps50" ;;
-    17) modes=noshim,shim,mps50; pairs=resnet50+membw; bert=""      # PLAN 14 without rckm time-sliced
+    17) modes=noshim,shim,mps50; pairs=resnet50+membw; bert=""      # PLAN 14 without shim-ts
         besides=paced@0.5,poisson@0.5,poisson@0.7
         prio="resnet50+membw:noshim,shim,mps50" ;;
     18) modes=noshim,shim,mps50; pairs=resnet50+train; bert=""      # the 5x burst at three heights (peaks 1.0,
@@ -138,12 +142,12 @@ elif [ "$what" = matrix ]; then
         prio="bert+train:noshim,shim,shim-be,mps50" ;;
     22) modes=noshim,shim,mps50,mps70; pairs=bert+train; bert=""     # PLAN 6 on the BERT pair
         prio="bert+train:noshim,shim,mps50,mps70" ;;
-    23) modes=noshim,static30,shim-ts,slo-ts; pairs=resnet50+train; bert=""  # a time-sliced GPU (no MPS):
-        prio="resnet50+train:noshim,static30,shim-ts,slo-ts" ;;  # rckm (its default there) beside slo and baselines
+    23) modes=noshim,static30,shim-ts,slo-ts; pairs=resnet50+train; bert=""  # a time-sliced GPU (no MPS): slo
+        prio="resnet50+train:noshim,static30,shim-ts,slo-ts" ;;  # (its default there) twice, beside the baselines
     24) modes=noshim,static30,shim-ts,slo-ts; pairs=bert+train; bert=""  # PLAN 23 on the BERT pair
         prio="bert+train:noshim,static30,shim-ts,slo-ts" ;;
-    25) modes=shim-ts,slo-ts; bert=shim-ts,slo-ts  # rckm against slo alone, both pairs, time-sliced: one call
-        prio="resnet50+train:shim-ts,slo-ts;bert+train:shim-ts,slo-ts" ;;  # when the device is scarce
+    25) modes=shim-ts,slo-ts; bert=shim-ts,slo-ts  # slo against itself on the same arrivals, both pairs,
+        prio="resnet50+train:shim-ts,slo-ts;bert+train:shim-ts,slo-ts" ;;  # time-sliced: one call
     *) echo "PLAN is 1 to 25"; exit 2 ;;
   esac
   besides=${BESIDES:-$besides}  # BESIDES=burst@0.12,burst@0.16,burst: the plan's scenarios in another order
