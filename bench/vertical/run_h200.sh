@@ -8,7 +8,7 @@
 # the MPS steps; no network, no Redis (the manager runs without it). About 6-8 minutes, never more than
 # 9.5 (every step has a time limit and a share of one global budget); a failing step is logged and the
 # next one still runs. Extra arguments for every step go in DILU_BENCH_ARGS (e.g. "--vertical
-# min_cycle_s=0.02 --load 0.4").
+# dwell_s=0.1 --load 0.4").
 #
 # Writes under $OUT (default ./out/vertical):
 #   vertical_results.json  every measurement; input of report.py
