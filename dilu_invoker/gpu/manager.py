@@ -302,7 +302,7 @@ class CapacityConfig:
 
     half_life_s: float = 600.0
     """An estimate decays toward newer observations with this half-life. Slow on purpose: an
-    over-estimate is corrected by the cycle feedback, an under-estimate starves the instance."""
+    over-estimate is corrected by the policy's latency feedback, an under-estimate starves the instance."""
     trust_periods: int = 3
     """Consecutive trustworthy periods (unthrottled, busy-dominated, no new device memory) before the
     first estimate is used; until then the instance runs unlimited."""
