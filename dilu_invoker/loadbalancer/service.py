@@ -47,6 +47,7 @@ from dilu_invoker.loadbalancer.planner import (
     CompactionLoop,
     Evictable,
     FunctionState,
+    PlanMemo,
     PlannerConfig,
     TickInput,
     TickPlan,
@@ -261,6 +262,7 @@ class Balancer:
         self._seq = 1
         self._bad_reports: set[str] = set()
         self._compaction = CompactionLoop()
+        self._memo: PlanMemo | None = None
         self.metrics = BalancerMetrics()
 
     # -- campaign --------------------------------------------------------------------------------
@@ -299,6 +301,7 @@ class Balancer:
         self._demand = {}
         self._seq = 1
         self._compaction = CompactionLoop()
+        self._memo = None
         raw = await self.redis.hget(self.keys.compaction, "totals")
         if raw:
             with contextlib.suppress(ValueError, TypeError):
@@ -390,7 +393,8 @@ class Balancer:
             plan_tick,
             TickInput(now=now, epoch=lead.epoch, reports=reports, known_invokers=known, records=self._records,
                       specs=specs, cluster=cluster, demand=dict(self._demand), states=self._states,
-                      routes=self._routes, seq=self._seq, compaction=self._compaction, evictable=evictable),
+                      routes=self._routes, seq=self._seq, compaction=self._compaction, evictable=evictable,
+                      memo=self._memo),
             self.planner,
         )
         ok = await self._apply(lead, plan)
@@ -555,6 +559,7 @@ class Balancer:
         self._states = states
         self._seq = plan.seq
         self._compaction = plan.compaction
+        self._memo = plan.memo
         return True
 
     # -- loading a predecessor's state -----------------------------------------------------------
