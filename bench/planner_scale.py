@@ -11,7 +11,13 @@ planner places one-GPU instances only, so no training gangs), on enough 4-GPU no
 
 Per size, CPU seconds (`time.process_time`, this process alone):
 - place all: the tick that places all N at once (a balancer taking over an empty cluster with N functions);
-- steady: `--ticks` ticks where nothing changes (median and max);
+- steady: `--ticks` ticks where nothing changes (median and max), once every scaler window has settled (the
+  `--balancer-window` ticks after the instances are ready; a tick repeats a function's hold only then,
+  `planner.PlanMemo`);
+- 1 % changed: `--ticks` ticks, each right after 1 % of the functions (another 1 % each time) had their spec
+  changed (max-instances 1 ↔ 2: re-planned, the same hold), median;
+- cold: a steady tick planned without the last plan's memo (every function from scratch: a new leader's
+  first tick, and what every tick cost before the memo);
 - churn: a tick in which 1 % of the functions scale to zero (idle at min-instances 0) and 1 % new ones arrive;
 - compaction: the next tick, with compaction due (the live `LIVE_COMPACTION`, 2 moves);
 - build: reading the reports and building the cluster snapshot, as the service does from Redis every tick
@@ -107,12 +113,29 @@ def run_size(n: int, ticks: int, seed: int, redis: bool = False) -> dict[str, An
     placed = sum(1 for d in plan.decisions if d.kind == "place")
     now += 1.0
     live.tick(now)  # the invokers report them ready
+    for _ in range(Config().balancer.window):  # every scaler window fills with the same samples
+        now += 1.0
+        live.tick(now)
     steady, builds = [], []
     for _ in range(ticks):
         now += 1.0
         live.tick(now)
         steady.append(live.last_plan_s)
         builds.append(live.last_build_s)
+    changed = []
+    names = sorted(live.specs)
+    for k in range(ticks):
+        for fqn in names[k % 100 :: 100]:
+            s = live.specs[fqn]
+            live.specs[fqn] = replace(s, max_instances=3 - s.max_instances)
+        now += 1.0
+        live.tick(now)
+        changed.append(live.last_plan_s)
+    live.incremental = False
+    now += 1.0
+    live.tick(now)
+    cold = live.last_plan_s
+    live.incremental = True
     # Churn: 1 % of the functions fall to min-instances 0 and have been idle past --balancer-scale-to-zero-after-s
     # (the clock jumps past it: they scale to zero), and 1 % new ones arrive.
     for fqn in sorted(live.specs)[:: 100][: n // 100]:
@@ -134,6 +157,7 @@ def run_size(n: int, ticks: int, seed: int, redis: bool = False) -> dict[str, An
     return {**reads,
         "n": n, "nodes": nodes, "gpus": nodes * GPUS_PER_NODE, "placed_first_tick": placed, "lit_gpus": lit,
         "place_all_s": place_all, "steady_median_s": statistics.median(steady), "steady_max_s": max(steady),
+        "changed_median_s": statistics.median(changed), "cold_s": cold,
         "build_median_s": statistics.median(builds), "churn_s": churn, "churn_decisions": churn_decisions,
         "compaction_s": compaction, "compaction_moves": moves, "ticks": ticks, "seed": seed,
     }
@@ -148,15 +172,17 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], started: str) -> str:
         "(`time.process_time`); the machine may be shared. What is measured, and how: the module docstring of "
         "bench/planner_scale.py.",
         "",
-        "| instances | GPUs (lit) | place all N in one tick | steady tick: median / max | build reports + snapshot "
+        "| instances | GPUs (lit) | place all N in one tick | steady tick: median / max | 1 % changed (median) "
+        "| cold tick (no memo) | build reports + snapshot "
         "(median) | churn tick (1 % to zero, 1 % new) | compaction tick (moves) | budgets read: one by one / "
         "one pipeline |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['n']:,} | {r['gpus']:,} ({r['lit_gpus']:,}) | {r['place_all_s']:.2f} s "
             f"({r['placed_first_tick']:,} placed) | {1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms "
+            f"| {1000 * r['changed_median_s']:.0f} ms | {1000 * r['cold_s']:.0f} ms "
             f"| {1000 * r['build_median_s']:.0f} ms | {1000 * r['churn_s']:.0f} ms "
             f"({r['churn_decisions']['place']} placed, {r['churn_decisions']['stop']} stopped) "
             f"| {1000 * r['compaction_s']:.0f} ms ({r['compaction_moves']}) | "
@@ -180,7 +206,8 @@ def main() -> int:
         r = run_size(n, args.ticks, args.seed, args.redis)
         rows.append(r)
         print(f"{n:6d} instances on {r['gpus']} GPUs: place all {r['place_all_s']:.2f} s, steady "
-              f"{1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms, build "
+              f"{1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms, 1 % changed "
+              f"{1000 * r['changed_median_s']:.0f} ms, cold {1000 * r['cold_s']:.0f} ms, build "
               f"{1000 * r['build_median_s']:.0f} ms, churn {1000 * r['churn_s']:.0f} ms {r['churn_decisions']}, "
               f"compaction {1000 * r['compaction_s']:.0f} ms ({r['compaction_moves']} moves)"
               + (f", budgets of {r['gpus_read']} GPUs: one by one {1000 * r['read_one_by_one_s']:.0f} ms, "

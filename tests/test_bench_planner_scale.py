@@ -18,5 +18,6 @@ def test_a_small_run_places_churns_compacts_and_reads_every_budget() -> None:
     assert r["churn_decisions"] == {"place": 1, "stop": 1, "blocked": 0}
     assert r["gpus_read"] == r["gpus"] and r["read_one_by_one_s"] > 0 and r["read_pipelined_s"] > 0
     assert r["steady_median_s"] > 0 and r["steady_max_s"] >= r["steady_median_s"]
+    assert r["changed_median_s"] > 0 and r["cold_s"] > 0
     table = markdown([r], ["--sizes", "120"], "now")
     assert "| 120 | " in table and "(120 placed)" in table and "bench/planner_scale.py --sizes 120" in table
