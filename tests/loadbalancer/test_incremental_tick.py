@@ -274,3 +274,53 @@ def test_repeat_decision_declines_a_scaling_decision() -> None:
                          trigger=ScaleTrigger.SUSTAINED_LOAD, reason="", over_samples=3, under_samples=0,
                          state=HorizontalState(rates=(9.0, 9.0, 9.0), last_sample_at=1.0))
     assert repeat_decision(prev, _load(9.0, n=1, now=1.0), prev.state, 2.0, HORIZONTAL) is None
+
+
+class _Even(random.Random):
+    """The world's chances, fixed: no budget refusals, every SM share one half."""
+
+    def random(self) -> float:
+        return 0.5
+
+
+def test_a_repeated_function_whose_failed_start_may_be_retried_gets_a_new_table() -> None:
+    """A repeated function keeps its routing table only while it is blocked for the same reason: a function with
+    no instance, blocked by a failed start, is repeated until its retry time passes in a repeated tick, and then
+    its table (no instance, so it carried the reason) must say it is no longer blocked."""
+    cfg = replace(CFG, failed_retry_s=5.0)
+    world = World(_Even(), invokers=1, functions=0)
+    fqn = "guest/f"
+    world.specs[fqn] = FunctionSpec(fqn=fqn, rev="1-a", kind="python:3-gpu", cls="inference", request=0.2,
+                                    limit=0.4, memory_mb=1000, min_instances=1, max_instances=1, capacity_rps=2.0)
+    world.rates[fqn] = 0.0
+
+    def tick() -> TickPlan:
+        reports = world.reports()
+        inp = TickInput(now=world.now, epoch=3, reports=reports, known_invokers=frozenset(world.boots),
+                        records=world.records, specs=world.specs, cluster=world.cluster(reports), demand={},
+                        states=world.states, routes=world.routes, seq=world.seq,
+                        compaction=replace(world.loop, next_at=1e18), memo=world.memo)
+        plan = plan_tick(inp, cfg)
+        assert plan == plan_tick(replace(inp, memo=None), cfg), f"at {world.now}: the incremental plan differs"
+        world.records, world.states, world.routes = dict(plan.records), dict(plan.states), dict(plan.routes)
+        world.seq, world.memo = plan.seq, plan.memo
+        world.failing.clear()
+        world.now += 1.0
+        return plan
+
+    (start,) = tick().starts
+    # Its start fails, and at the same time its bounds drop to none (nothing is owed: the retry places nothing).
+    world.failing.add(start.record.id)
+    world.specs[fqn] = replace(world.specs[fqn], min_instances=0, max_instances=0)
+    failed_at = world.now
+    reason = tick().routes[fqn].blocked
+    assert reason and "failed" in reason and world.states[fqn].owed == 0
+    retried_repeated = None
+    while world.now <= failed_at + cfg.failed_retry_s + 1.0:
+        now = world.now
+        plan = tick()
+        assert plan.memo is not None
+        assert plan.routes[fqn].blocked == (reason if now < failed_at + cfg.failed_retry_s else "")
+        if retried_repeated is None and now >= failed_at + cfg.failed_retry_s:
+            retried_repeated = plan.memo.decisions[fqn].now == now and plan.memo.functions[fqn].load.now != now
+    assert retried_repeated, "the retry time did not pass in a repeated tick: the test exercises nothing"
