@@ -48,7 +48,8 @@ class LiveHarness:
         self.last_build_s = 0.0
         self.last_plan_s = 0.0
 
-    def _reports(self) -> dict[str, LoadReport]:
+    def reports(self) -> dict[str, LoadReport]:
+        """What every invoker reports now."""
         by_inv: dict[str, list[InstanceReport]] = {inv: [] for inv in self.invokers}
         for r in self.records.values():
             if r.state != RecordState.STOPPING:
@@ -78,7 +79,7 @@ class LiveHarness:
         refusals as (kind, function, …) tuples in `log`."""
         before = dict(self.records)
         c0 = time.process_time()
-        reports, cluster = self._reports(), self._cluster(now)
+        reports, cluster = self.reports(), self._cluster(now)
         c1 = time.process_time()
         plan = plan_tick(TickInput(
             now=now, epoch=1, reports=reports, known_invokers=frozenset(self.invokers),
