@@ -12,7 +12,14 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from dilu_invoker.loadbalancer.planner import CompactionLoop, PlannerConfig, TickInput, TickPlan, plan_tick
+from dilu_invoker.loadbalancer.planner import (
+    CompactionLoop,
+    PlanMemo,
+    PlannerConfig,
+    TickInput,
+    TickPlan,
+    plan_tick,
+)
 from dilu_invoker.policy import ClusterSnapshot, GpuRef, GpuState, InstanceClass, PlacedInstance
 from dilu_invoker.wire import FunctionSpec, GpuReport, InstanceRecord, InstanceReport, LoadReport, RecordState
 
@@ -32,13 +39,17 @@ class LiveHarness:
         self.routes: dict[str, Any] = {}
         self.seq = 1
         self.loop = CompactionLoop(next_at=math.inf)
+        #: the last plan's memo, as the service carries it (`PlanMemo`); None plans every function from scratch
+        self.memo: PlanMemo | None = None
+        self.incremental = True
         self.log: list[tuple[Any, ...]] = []
         #: CPU seconds of the last tick: building the reports and the cluster snapshot (what the service reads
         #: from Redis each tick, without the I/O), and `plan_tick` itself
         self.last_build_s = 0.0
         self.last_plan_s = 0.0
 
-    def _reports(self) -> dict[str, LoadReport]:
+    def reports(self) -> dict[str, LoadReport]:
+        """What every invoker reports now."""
         by_inv: dict[str, list[InstanceReport]] = {inv: [] for inv in self.invokers}
         for r in self.records.values():
             if r.state != RecordState.STOPPING:
@@ -68,13 +79,13 @@ class LiveHarness:
         refusals as (kind, function, …) tuples in `log`."""
         before = dict(self.records)
         c0 = time.process_time()
-        reports, cluster = self._reports(), self._cluster(now)
+        reports, cluster = self.reports(), self._cluster(now)
         c1 = time.process_time()
         plan = plan_tick(TickInput(
             now=now, epoch=1, reports=reports, known_invokers=frozenset(self.invokers),
             records=self.records, specs=self.specs, cluster=cluster, states=self.states,
-            routes=self.routes, seq=self.seq, compaction=replace(self.loop, next_at=0.0 if compact else math.inf)),
-            self.cfg)
+            routes=self.routes, seq=self.seq, compaction=replace(self.loop, next_at=0.0 if compact else math.inf),
+            memo=self.memo if self.incremental else None), self.cfg)
         self.last_build_s, self.last_plan_s = c1 - c0, time.process_time() - c1
         for d in plan.decisions:
             if d.kind == "place":
@@ -88,4 +99,5 @@ class LiveHarness:
         self.records, self.states, self.routes = dict(plan.records), dict(plan.states), dict(plan.routes)
         self.seq = plan.seq
         self.loop = plan.compaction
+        self.memo = plan.memo
         return plan

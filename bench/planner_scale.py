@@ -11,7 +11,13 @@ planner places one-GPU instances only, so no training gangs), on enough 4-GPU no
 
 Per size, CPU seconds (`time.process_time`, this process alone):
 - place all: the tick that places all N at once (a balancer taking over an empty cluster with N functions);
-- steady: `--ticks` ticks where nothing changes (median and max);
+- steady: `--ticks` ticks where nothing changes (median and max), once every scaler window has settled (the
+  `--balancer-window` ticks after the instances are ready; a tick repeats a function's hold only then,
+  `planner.PlanMemo`);
+- 1 % changed: `--ticks` ticks, each right after 1 % of the functions (another 1 % each time) had their spec
+  changed (max-instances 1 ↔ 2: re-planned, the same hold), median;
+- cold: a steady tick planned without the last plan's memo (every function from scratch: a new leader's
+  first tick, and what every tick cost before the memo);
 - churn: a tick in which 1 % of the functions scale to zero (idle at min-instances 0) and 1 % new ones arrive;
 - compaction: the next tick, with compaction due (the live `LIVE_COMPACTION`, 2 moves);
 - build: reading the reports and building the cluster snapshot, as the service does from Redis every tick
@@ -19,7 +25,11 @@ Per size, CPU seconds (`time.process_time`, this process alone):
 - with `--redis`: the tick's read of every live GPU's budget from a real redis-server (loopback, the same
   `EmbeddedRedis` standalone runs) holding the placed instances' reservations, wall seconds, median of 5:
   one `GpuBudgets.get` after another (each GPU's hash, then the clock: two round trips a GPU) against one
-  `GpuBudgets.get_many` (one pipeline), which the balancer uses.
+  `GpuBudgets.get_many` (one pipeline), which the balancer uses to read what changed;
+- with `--redis`, the read path: the leader's whole read of a steady tick (`service_reads`: the reports, the
+  function registry, the budgets and the snapshot, through the `Balancer`'s own methods) from a real
+  redis-server holding what invokers and routers write; CPU and wall seconds, median of 5 after a first read.
+  Before each of the 5, the budgets of one GPU in `--gpu-reservation-ttl-s` / `--balancer-tick-s` (30) change.
 """
 
 from __future__ import annotations
@@ -46,12 +56,12 @@ from loadgen import cpu_model
 
 from dilu_invoker.config import Config
 from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity, Reservation
-from dilu_invoker.loadbalancer.service import planner_config
+from dilu_invoker.loadbalancer.service import Balancer, cluster_of, planner_config
 from dilu_invoker.redis_embedded import EmbeddedRedis, redis_client
 from dilu_invoker.sim.events import CREATE
 from dilu_invoker.sim.generate import dilu_mix
 from dilu_invoker.sim.placement import cluster_size
-from dilu_invoker.wire import FunctionSpec
+from dilu_invoker.wire import FunctionSpec, Keys, pack
 
 
 def spec_of(ev: Any) -> FunctionSpec:
@@ -93,6 +103,89 @@ async def budget_reads(live: LiveHarness) -> dict[str, float]:
             "read_pipelined_s": statistics.median(pipelined)}
 
 
+async def _fill_budgets(budgets: GpuBudgets, live: LiveHarness) -> None:
+    """Register every GPU of the harness and reserve its records' instances, through the scripts the service
+    and the invokers use (a few calls at a time)."""
+    calls: list[Any] = [budgets.register_gpu(f"{inv}-g{i}", GpuCapacity(node=inv, index=i, name="bench",
+                                                                         memory_mb=GPU_MIB, sm_count=132))
+                        for inv in live.invokers for i in range(GPUS_PER_NODE)]
+    for k in range(0, len(calls), 64):
+        await asyncio.gather(*calls[k : k + 64])
+    calls = [budgets.reserve(f"{r.invoker}-g{r.gpu}", Reservation(
+        instance=r.id, function=r.function, invoker=r.invoker, cls=r.cls, request=r.request, limit=r.limit,
+        memory_mb=r.memory_mb), ttl_s=3600, force=True) for r in live.records.values() if r.gpu is not None]
+    for k in range(0, len(calls), 64):
+        await asyncio.gather(*calls[k : k + 64])
+
+
+async def service_reads(live: LiveHarness, rounds: int = 5) -> dict[str, Any]:
+    """The leader's whole read path of a steady tick against a real redis-server holding what the invokers and
+    routers write (every live invoker's load report, every function's registry hash, every GPU's budget with
+    its instances' reservations): `Balancer._read_reports`, `_read_specs` and `_cluster` (the budgets, then the
+    snapshot), as `Balancer.tick` calls them. CPU seconds of this process (the decoding, redis-py's parsing,
+    the snapshot's worker thread; not the redis-server's) and wall seconds, median of `rounds` reads after a
+    first one (a leader's first tick reads everything; later ones may use what it read before)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        async with EmbeddedRedis(tmp, persistent=False) as server:
+            client = redis_client(server.url)
+            cfg = Config()
+            keys = Keys(cfg.redis.prefix)
+            balancer = Balancer(client, cfg, holder="bench")
+            reports = live.reports()
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.sadd(keys.invokers, *reports)
+                for name, report in reports.items():
+                    pipe.set(keys.report(name), pack(report))
+                pipe.sadd(keys.functions, *live.specs)
+                for fqn, spec in live.specs.items():
+                    doc = json.dumps({"namespace": "bench", "name": fqn, "exec": {"kind": spec.kind, "code": "x" * 64},
+                                      "annotations": [{"key": "gpu-memory-mb", "value": spec.memory_mb}]})
+                    pipe.hset(keys.function(fqn), mapping={"rev": spec.rev, "doc": doc, "meta": pack(spec)})
+                await pipe.execute()
+            await _fill_budgets(balancer.budgets, live)
+            parts: dict[str, list[tuple[float, float]]] = {"reports": [], "specs": [], "budgets+snapshot": [],
+                                                           "snapshot": [], "total": []}
+            uuids = [f"{inv}-g{i}" for inv in live.invokers for i in range(GPUS_PER_NODE)]
+            ttl_ticks = round(cfg.gpu.reservation_ttl_s / cfg.balancer.tick_s)
+            for k in range(rounds + 1):
+                if k:
+                    # Between two ticks, the budgets of a lease's worth of GPUs change (re-registered: the same
+                    # capacity, marked changed), as many as a leader that re-reads the GPUs whose reservations'
+                    # leases as read have passed (renewals do not mark them) reads each tick.
+                    for j in range(k, len(uuids), ttl_ticks):
+                        inv, i = uuids[j].rsplit("-g", 1)
+                        await balancer.budgets.register_gpu(uuids[j], GpuCapacity(
+                            node=inv, index=int(i), name="bench", memory_mb=GPU_MIB, sm_count=132))
+                c0, w0 = time.process_time(), time.perf_counter()
+                got, _known = await balancer._read_reports()
+                c1, w1 = time.process_time(), time.perf_counter()
+                specs = await balancer._read_specs()
+                c2, w2 = time.process_time(), time.perf_counter()
+                cluster, _evictable = await balancer._cluster(time.time(), got, specs)
+                c3, w3 = time.process_time(), time.perf_counter()
+                assert cluster is not None and len(got) == len(reports) and len(specs) == len(live.specs)
+                if k == 0:
+                    first = (c3 - c0, w3 - w0)
+                    budgets = await balancer.budgets.get_many(
+                        list(dict.fromkeys(g.uuid for rep in got.values() for g in rep.gpus)))
+                    placed = sum(len(b.reservations) for b in budgets.values() if b is not None)
+                    assert placed == sum(1 for r in live.records.values() if r.gpu is not None)
+                    continue
+                c4 = time.process_time()
+                cluster_of(time.time(), got, specs, budgets)
+                c5 = time.process_time()
+                for part, value in (("reports", (c1 - c0, w1 - w0)), ("specs", (c2 - c1, w2 - w1)),
+                                    ("budgets+snapshot", (c3 - c2, w3 - w2)), ("snapshot", (c5 - c4, c5 - c4)),
+                                    ("total", (c3 - c0, w3 - w0))):
+                    parts[part].append(value)
+            await client.aclose()
+    out: dict[str, Any] = {"read_first_cpu_s": first[0], "read_first_wall_s": first[1]}
+    for part, values in parts.items():
+        out[f"read_{part}_cpu_s"] = statistics.median(v[0] for v in values)
+        out[f"read_{part}_wall_s"] = statistics.median(v[1] for v in values)
+    return out
+
+
 def run_size(n: int, ticks: int, seed: int, redis: bool = False) -> dict[str, Any]:
     creates = [ev for ev in dilu_mix(2 * n, train_fraction=0.0, llm_fraction=0.2, seed=seed)
                if ev.op == CREATE and ev.spec is not None and ev.spec.gpus == 1]
@@ -107,12 +200,29 @@ def run_size(n: int, ticks: int, seed: int, redis: bool = False) -> dict[str, An
     placed = sum(1 for d in plan.decisions if d.kind == "place")
     now += 1.0
     live.tick(now)  # the invokers report them ready
+    for _ in range(Config().balancer.window):  # every scaler window fills with the same samples
+        now += 1.0
+        live.tick(now)
     steady, builds = [], []
     for _ in range(ticks):
         now += 1.0
         live.tick(now)
         steady.append(live.last_plan_s)
         builds.append(live.last_build_s)
+    changed = []
+    names = sorted(live.specs)
+    for k in range(ticks):
+        for fqn in names[k % 100 :: 100]:
+            s = live.specs[fqn]
+            live.specs[fqn] = replace(s, max_instances=3 - s.max_instances)
+        now += 1.0
+        live.tick(now)
+        changed.append(live.last_plan_s)
+    live.incremental = False
+    now += 1.0
+    live.tick(now)
+    cold = live.last_plan_s
+    live.incremental = True
     # Churn: 1 % of the functions fall to min-instances 0 and have been idle past --balancer-scale-to-zero-after-s
     # (the clock jumps past it: they scale to zero), and 1 % new ones arrive.
     for fqn in sorted(live.specs)[:: 100][: n // 100]:
@@ -130,10 +240,11 @@ def run_size(n: int, ticks: int, seed: int, redis: bool = False) -> dict[str, An
     compaction = live.last_plan_s
     moves = sum(1 for d in plan.decisions if d.kind == "move")
     lit = len({(r.invoker, r.gpu) for r in live.records.values()})
-    reads = asyncio.run(budget_reads(live)) if redis else {}
+    reads = {**asyncio.run(budget_reads(live)), **asyncio.run(service_reads(live))} if redis else {}
     return {**reads,
         "n": n, "nodes": nodes, "gpus": nodes * GPUS_PER_NODE, "placed_first_tick": placed, "lit_gpus": lit,
         "place_all_s": place_all, "steady_median_s": statistics.median(steady), "steady_max_s": max(steady),
+        "changed_median_s": statistics.median(changed), "cold_s": cold,
         "build_median_s": statistics.median(builds), "churn_s": churn, "churn_decisions": churn_decisions,
         "compaction_s": compaction, "compaction_moves": moves, "ticks": ticks, "seed": seed,
     }
@@ -148,20 +259,41 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], started: str) -> str:
         "(`time.process_time`); the machine may be shared. What is measured, and how: the module docstring of "
         "bench/planner_scale.py.",
         "",
-        "| instances | GPUs (lit) | place all N in one tick | steady tick: median / max | build reports + snapshot "
+        "| instances | GPUs (lit) | place all N in one tick | steady tick: median / max | 1 % changed (median) "
+        "| cold tick (no memo) | build reports + snapshot "
         "(median) | churn tick (1 % to zero, 1 % new) | compaction tick (moves) | budgets read: one by one / "
         "one pipeline |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['n']:,} | {r['gpus']:,} ({r['lit_gpus']:,}) | {r['place_all_s']:.2f} s "
             f"({r['placed_first_tick']:,} placed) | {1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms "
+            f"| {1000 * r['changed_median_s']:.0f} ms | {1000 * r['cold_s']:.0f} ms "
             f"| {1000 * r['build_median_s']:.0f} ms | {1000 * r['churn_s']:.0f} ms "
             f"({r['churn_decisions']['place']} placed, {r['churn_decisions']['stop']} stopped) "
             f"| {1000 * r['compaction_s']:.0f} ms ({r['compaction_moves']}) | "
             + (f"{1000 * r['read_one_by_one_s']:.0f} / {1000 * r['read_pipelined_s']:.0f} ms |" if "gpus_read" in r
                else "– |"))
+    if any("read_total_cpu_s" in r for r in rows):
+        lines += [
+            "",
+            "The leader's read path of a steady tick against a real redis-server (`--redis`), CPU / wall ms, median "
+            "of 5 after a first read:",
+            "",
+            "| instances | reports | function specs | budgets + snapshot (of which the snapshot, CPU) | whole read "
+            "| first read |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in rows:
+            if "read_total_cpu_s" not in r:
+                continue
+            lines.append(
+                f"| {r['n']:,} "
+                + "".join(f"| {1000 * r[f'read_{p}_cpu_s']:.0f} / {1000 * r[f'read_{p}_wall_s']:.0f} "
+                          + (f"({1000 * r['read_snapshot_cpu_s']:.0f}) " if p == "budgets+snapshot" else "")
+                          for p in ("reports", "specs", "budgets+snapshot", "total"))
+                + f"| {1000 * r['read_first_cpu_s']:.0f} / {1000 * r['read_first_wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -180,11 +312,19 @@ def main() -> int:
         r = run_size(n, args.ticks, args.seed, args.redis)
         rows.append(r)
         print(f"{n:6d} instances on {r['gpus']} GPUs: place all {r['place_all_s']:.2f} s, steady "
-              f"{1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms, build "
+              f"{1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms, 1 % changed "
+              f"{1000 * r['changed_median_s']:.0f} ms, cold {1000 * r['cold_s']:.0f} ms, build "
               f"{1000 * r['build_median_s']:.0f} ms, churn {1000 * r['churn_s']:.0f} ms {r['churn_decisions']}, "
               f"compaction {1000 * r['compaction_s']:.0f} ms ({r['compaction_moves']} moves)"
               + (f", budgets of {r['gpus_read']} GPUs: one by one {1000 * r['read_one_by_one_s']:.0f} ms, "
-                 f"one pipeline {1000 * r['read_pipelined_s']:.0f} ms" if "gpus_read" in r else ""), flush=True)
+                 f"one pipeline {1000 * r['read_pipelined_s']:.0f} ms" if "gpus_read" in r else "")
+              + (f"; read path CPU/wall: reports {1000 * r['read_reports_cpu_s']:.0f}/"
+                 f"{1000 * r['read_reports_wall_s']:.0f} ms, specs {1000 * r['read_specs_cpu_s']:.0f}/"
+                 f"{1000 * r['read_specs_wall_s']:.0f} ms, budgets+snapshot {1000 * r['read_budgets+snapshot_cpu_s']:.0f}/"
+                 f"{1000 * r['read_budgets+snapshot_wall_s']:.0f} ms (snapshot {1000 * r['read_snapshot_cpu_s']:.0f} ms), "
+                 f"whole {1000 * r['read_total_cpu_s']:.0f}/{1000 * r['read_total_wall_s']:.0f} ms, first "
+                 f"{1000 * r['read_first_cpu_s']:.0f}/{1000 * r['read_first_wall_s']:.0f} ms"
+                 if "read_total_cpu_s" in r else ""), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"argv": sys.argv[1:], "cpu": cpu_model(), "started": started, "rows": rows},
                                         indent=1) + "\n", encoding="utf-8")

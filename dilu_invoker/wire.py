@@ -155,14 +155,27 @@ def unpack(raw: bytes | bytearray | memoryview) -> Any:
         raise WireError(f"not msgpack: {exc}") from None
 
 
+#: each wire class's field names: `dataclasses.fields` builds a tuple per call, and the balancer decodes one
+#: object per instance and per GPU every tick (docs/benchmarks/planner-scale.md)
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
+
+
 def _fields_of(cls: type[T], data: Any, nested: Mapping[str, Any] | None = None) -> T:
     if not isinstance(data, Mapping):
         raise WireError(f"{cls.__name__}: expected a map, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    kwargs = {k: v for k, v in data.items() if k in names}
-    for name, convert in (nested or {}).items():
-        if name in kwargs:
-            kwargs[name] = convert(kwargs[name])
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    # A map of known fields only (what this code's own writers send) is passed as it is; an unknown field (a
+    # newer writer's) or a non-text key is dropped first.
+    kwargs: Mapping[str, Any]
+    if nested:
+        kwargs = filtered = {k: v for k, v in data.items() if k in names}
+        for name, convert in nested.items():
+            if name in filtered:
+                filtered[name] = convert(filtered[name])
+    else:
+        kwargs = data if names.issuperset(data) else {k: v for k, v in data.items() if k in names}
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:

@@ -8,6 +8,8 @@ Keyspace (msgpack values; documented in docs/redis-keyspace.md)::
                                                         shares_weights, kept}
                                        s:{instance} -> current SM share (float, written by the GPU manager)
     {prefix}node:{node}:gpus    set    uuids of the GPUs a node registered
+    {prefix}gpus:seq            string the change sequence (a counter)
+    {prefix}gpus:changes        zset   uuid -> the sequence of its budget's last change (`BudgetCache`)
 
 A reservation is admitted only if, counting every unexpired reservation of the GPU,
 ``Σ request ≤ omega`` (1.0), ``Σ limit ≤ gamma`` (``--gpu-gamma``; by default +inf, no bound) and
@@ -51,10 +53,22 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
+# The change sequence (KEYS[2], a counter) and the GPUs' last changes (KEYS[3], a sorted set uuid -> the sequence
+# of its last change): a script that changed what a reader sees of a GPU's reservations or capacity calls
+# bump(uuid) once, so the balancer re-reads only those GPUs (`BudgetCache`). Renewals that extend a lease and
+# the SM shares do not count.
+_BUMP = """
+local changed = false
+local function bump(uuid)
+  local v = redis.call('INCR', KEYS[2])
+  redis.call('ZADD', KEYS[3], v, uuid)
+end
+"""
+
 # The sharing group of a record (nil: it shares nothing); settle() drops expired reservations and leaves
 # every group exactly one carrier (its carrier if it has one, else its first live instance id), returning
-# the live records and their instance ids in order.
-_SETTLE = """
+# the live records and their instance ids in order; it sets `changed` when it wrote anything.
+_SETTLE = _BUMP + """
 local function gkey(r)
   local w = tonumber(r.weights_mb) or 0
   if w > 0 and type(r.group) == 'string' and r.group ~= '' then return r.group .. '#' .. w end
@@ -65,10 +79,12 @@ local function carry(f, r, yes)
     r.memory_mb = r.memory_mb + r.weights_mb
     r.shares_weights = false
     redis.call('HSET', KEYS[1], f, cmsgpack.pack(r))
+    changed = true
   elseif not yes and not r.shares_weights then
     r.memory_mb = r.memory_mb - r.weights_mb
     r.shares_weights = true
     redis.call('HSET', KEYS[1], f, cmsgpack.pack(r))
+    changed = true
   end
 end
 local function settle()
@@ -81,6 +97,7 @@ local function settle()
       local inst = string.sub(f, 3)
       if r.expires_ms < now then
         redis.call('HDEL', KEYS[1], f, 's:' .. inst)
+        changed = true
       else
         if gkey(r) == nil then r.shares_weights = false end
         live[inst] = r
@@ -154,22 +171,26 @@ end
 if heir ~= nil then smem = smem + old.weights_mb end
 local force = ARGV[4] == '1'
 local eps = 1e-9
+local refused = nil
 if not force then
   if sreq + r.request > cap.omega + eps then
-    return {0, string.format('SM requests would reach %.3f > %.3f', sreq + r.request, cap.omega)}
-  end
-  if slim + r.limit > cap.gamma + eps then
-    return {0, string.format('SM limits would reach %.3f > gamma %.3f', slim + r.limit, cap.gamma)}
-  end
-  if smem + r.memory_mb > cap.memory_mb then
+    refused = string.format('SM requests would reach %.3f > %.3f', sreq + r.request, cap.omega)
+  elseif slim + r.limit > cap.gamma + eps then
+    refused = string.format('SM limits would reach %.3f > gamma %.3f', slim + r.limit, cap.gamma)
+  elseif smem + r.memory_mb > cap.memory_mb then
     local shared = ''
     if r.shares_weights then shared = string.format(' (its %d MB of weights shared)', r.weights_mb) end
-    return {0, string.format('memory would reach %d MB > %d MB%s', smem + r.memory_mb, cap.memory_mb, shared)}
+    refused = string.format('memory would reach %d MB > %d MB%s', smem + r.memory_mb, cap.memory_mb, shared)
   end
+end
+if refused ~= nil then
+  if changed then bump(ARGV[6]) end
+  return {0, refused}
 end
 r.expires_ms = now + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'r:' .. skip, cmsgpack.pack(r))
 if heir ~= nil then carry('r:' .. heir, live[heir], true) end
+bump(ARGV[6])
 local sh = 0
 if r.shares_weights then sh = 1 end
 return {1, string.format('%.6f %.6f %d %d %d', sreq + r.request, slim + r.limit, smem + r.memory_mb,
@@ -180,25 +201,49 @@ return {1, string.format('%.6f %.6f %d %d %d', sreq + r.request, slim + r.limit,
 RELEASE = _NOW + _SETTLE + """
 redis.call('HDEL', KEYS[1], 'r:' .. ARGV[1], 's:' .. ARGV[1])
 settle()
+bump(ARGV[2])
 return 1
 """
 
-RENEW = _NOW + """
+# ARGV: the lease (ms), the GPU's uuid, the instances. A lease cut shorter than it was counts as a change (a
+# reader that cached the reservation trusts it live until the expiry it read).
+RENEW = _NOW + _BUMP + """
 local n = 0
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   local f = 'r:' .. ARGV[i]
   local raw = redis.call('HGET', KEYS[1], f)
   if raw then
     local r = cmsgpack.unpack(raw)
     if r.expires_ms >= now then
-      r.expires_ms = now + tonumber(ARGV[1])
+      local expires = now + tonumber(ARGV[1])
+      if expires < r.expires_ms then changed = true end
+      r.expires_ms = expires
       redis.call('HSET', KEYS[1], f, cmsgpack.pack(r))
       n = n + 1
     end
   end
 end
+if changed then bump(ARGV[2]) end
 return n
 """
+
+# KEYS[4]: the node's set of GPUs; ARGV: the packed capacity, the uuid.
+REGISTER = _BUMP + """
+redis.call('HSET', KEYS[1], 'cap', ARGV[1])
+redis.call('SADD', KEYS[4], ARGV[2])
+bump(ARGV[2])
+return 1
+"""
+
+# Several GPUs' hashes packed into one msgpack reply (an array of flat field/value arrays): redis-py's reply
+# parser costs a round of reads per field, the balancer reads every live GPU each tick
+# (docs/benchmarks/planner-scale.md). `READ_CHUNK` keys a call, so that no call holds Redis long.
+READ_MANY = """
+local out = {}
+for i, key in ipairs(KEYS) do out[i] = redis.call('HGETALL', key) end
+return cmsgpack.pack(out)
+"""
+READ_CHUNK = 1000
 
 
 class BudgetError(RuntimeError):
@@ -316,6 +361,8 @@ class GpuBudgets:
         self._reserve = client.register_script(RESERVE)
         self._renew = client.register_script(RENEW)
         self._release = client.register_script(RELEASE)
+        self._register = client.register_script(REGISTER)
+        self._read_many = client.register_script(READ_MANY)
 
     def gpu_key(self, uuid: str) -> str:
         return f"{self._prefix}gpu:{uuid}"
@@ -323,11 +370,22 @@ class GpuBudgets:
     def node_key(self, node: str) -> str:
         return f"{self._prefix}node:{node}:gpus"
 
+    @property
+    def seq_key(self) -> str:
+        """Counter: the last change of any GPU's budget (`BudgetCache`)."""
+        return f"{self._prefix}gpus:seq"
+
+    @property
+    def changes_key(self) -> str:
+        """Sorted set uuid → the `seq_key` value of its budget's last change."""
+        return f"{self._prefix}gpus:changes"
+
+    def _keys(self, uuid: str) -> list[str]:
+        return [self.gpu_key(uuid), self.seq_key, self.changes_key]
+
     async def register_gpu(self, uuid: str, capacity: GpuCapacity) -> None:
-        pipe = self._r.pipeline(transaction=True)
-        pipe.hset(self.gpu_key(uuid), "cap", _pack(asdict(capacity)))
-        pipe.sadd(self.node_key(capacity.node), uuid)
-        await pipe.execute()
+        await self._register(keys=[*self._keys(uuid), self.node_key(capacity.node)],
+                             args=[_pack(asdict(capacity)), uuid])
 
     async def reserve(self, uuid: str, reservation: Reservation, *, ttl_s: float, force: bool = False,
                       evict: bool = False) -> ReserveResult:
@@ -342,8 +400,9 @@ class GpuBudgets:
         if reservation.sharing_key is None:
             body["weights_mb"], body["group"] = 0, ""
         ok, detail = await self._reserve(
-            keys=[self.gpu_key(uuid)],
-            args=[reservation.instance, _pack(body), int(ttl_s * 1000), "1" if force else "0", "1" if evict else "0"],
+            keys=self._keys(uuid),
+            args=[reservation.instance, _pack(body), int(ttl_s * 1000), "1" if force else "0", "1" if evict else "0",
+                  uuid],
         )
         detail = detail.decode() if isinstance(detail, bytes) else str(detail)
         if not ok:
@@ -355,11 +414,11 @@ class GpuBudgets:
         names = list(instances)
         if not names:
             return 0
-        return int(await self._renew(keys=[self.gpu_key(uuid)], args=[int(ttl_s * 1000), *names]))
+        return int(await self._renew(keys=self._keys(uuid), args=[int(ttl_s * 1000), uuid, *names]))
 
     async def release(self, uuid: str, instance: str) -> None:
         """Drop the reservation; when it carried its group's weights, the group's next one carries them."""
-        await self._release(keys=[self.gpu_key(uuid)], args=[instance])
+        await self._release(keys=self._keys(uuid), args=[instance, uuid])
 
     async def set_shares(self, uuid: str, shares: Mapping[str, float]) -> None:
         if shares:
@@ -372,16 +431,18 @@ class GpuBudgets:
         return self._parse(uuid, raw, await self._now_ms(), include_expired)
 
     async def get_many(self, uuids: Sequence[str], *, include_expired: bool = False) -> dict[str, GpuBudget | None]:
-        """`get` for several GPUs in one round trip (a pipeline: every GPU's hash, then Redis's clock), as the
-        balancer reads every live GPU each tick; None where a GPU is not registered."""
+        """`get` for several GPUs in one round trip (a pipeline: the GPUs' hashes packed by `READ_MANY`, then
+        Redis's clock), as the balancer reads every live GPU each tick; None where a GPU is not registered."""
         if not uuids:
             return {}
         async with self._r.pipeline(transaction=False) as pipe:
-            for uuid in uuids:
-                pipe.hgetall(self.gpu_key(uuid))
+            for k in range(0, len(uuids), READ_CHUNK):
+                await self._read_many(keys=[self.gpu_key(u) for u in uuids[k : k + READ_CHUNK]], client=pipe)
             pipe.time()
-            *raws, (secs, micros) = await pipe.execute()
+            *packed, (secs, micros) = await pipe.execute()
         now_ms = int(secs) * 1000 + int(micros) // 1000
+        raws = [dict(zip(flat[::2], flat[1::2], strict=True)) for chunk in packed
+                for flat in msgpack.unpackb(chunk, raw=True)]
         return {uuid: self._parse(uuid, raw, now_ms, include_expired) if raw and b"cap" in raw else None
                 for uuid, raw in zip(uuids, raws, strict=True)}
 
@@ -429,3 +490,59 @@ class GpuBudgets:
         return int(secs) * 1000 + int(micros) // 1000
 
 
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    budget: GpuBudget | None
+    read_ms: int
+    """Redis's clock when it was read."""
+    expires_ms: float
+    """Its reservations' earliest lease end as read (renewals only push it later; inf: none)."""
+
+
+class BudgetCache:
+    """The balancer's read of every live GPU's budget each tick, re-reading only the GPUs whose budget may have
+    changed since: those the scripts bumped in the change set (``gpus:changes`` past the sequence last seen),
+    those with a reservation whose lease as read has passed (renewals, which extend leases, do not bump), those
+    not read for ``max_age_s`` (a writer that does not bump: an older version during an upgrade), and all of
+    them when the sequence went back (Redis lost its data). What it returns equals `GpuBudgets.get_many`'s
+    answer but for each reservation's ``expires_ms`` and the ``shares``, which are as of the GPU's last read
+    (the snapshot uses neither)."""
+
+    def __init__(self, budgets: GpuBudgets, *, max_age_s: float = 60.0) -> None:
+        self._budgets = budgets
+        self._max_age_ms = int(max_age_s * 1000)
+        self._seq: int | None = None
+        self._cached: dict[str, _Cached] = {}
+        #: GPUs read from Redis by the last `get_many` (for tests and the benchmark)
+        self.last_read = 0
+
+    async def get_many(self, uuids: Sequence[str]) -> dict[str, GpuBudget | None]:
+        b = self._budgets
+        async with b._r.pipeline(transaction=True) as pipe:
+            pipe.get(b.seq_key)
+            # (the first read reads every GPU: no need of the change set)
+            pipe.zrangebyscore(b.changes_key, "+inf" if self._seq is None else f"({self._seq}", "+inf")
+            pipe.time()
+            raw_seq, changed_raw, (secs, micros) = await pipe.execute()
+        seq = int(raw_seq or 0)
+        now_ms = int(secs) * 1000 + int(micros) // 1000
+        if self._seq is None or seq < self._seq:
+            self._cached = {}
+        changed = {m.decode() if isinstance(m, bytes) else str(m) for m in changed_raw}
+        todo = []
+        for uuid in uuids:
+            c = self._cached.get(uuid)
+            if (c is None or uuid in changed or c.expires_ms < now_ms or now_ms - c.read_ms > self._max_age_ms):
+                todo.append(uuid)
+        fresh = await b.get_many(todo) if todo else {}
+        for uuid, budget in fresh.items():
+            expires = min((r.expires_ms for r in budget.reservations.values()), default=math.inf) if budget else math.inf
+            self._cached[uuid] = _Cached(budget, now_ms, expires)
+        self._seq = seq
+        self.last_read = len(todo)
+        wanted = set(uuids)
+        for uuid in [u for u in self._cached if u not in wanted]:
+            del self._cached[uuid]
+        return {uuid: self._cached[uuid].budget for uuid in uuids}

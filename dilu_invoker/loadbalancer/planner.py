@@ -27,6 +27,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from dilu_invoker.policy import (
     Affinity,
@@ -46,6 +47,7 @@ from dilu_invoker.policy import (
     apply_placement,
     compaction_plan,
     decide_scale,
+    repeat_decision,
 )
 from dilu_invoker.policy.live_compaction import LiveCompaction, function_calm
 from dilu_invoker.policy.placement import PlacementDecision, holds_weights, place_sharing
@@ -135,6 +137,8 @@ class TickInput:
     compaction: CompactionLoop = field(default_factory=CompactionLoop)
     evictable: Mapping[GpuRef, Evictable] = field(default_factory=dict)
     """The GPUs of ``cluster`` that hold kept weights (staged exit), with what is left once they go."""
+    memo: PlanMemo | None = None
+    """The last plan's `TickPlan.memo` (None: plan every function from scratch; the plan is the same)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +182,47 @@ class TickPlan:
     seq: int
     cluster: ClusterSnapshot | None
     compaction: CompactionLoop = field(default_factory=CompactionLoop)
+    memo: PlanMemo | None = field(default=None, compare=False)
+    """What the next tick may reuse (`PlanMemo`); not part of the plan's decisions."""
+
+
+#: What a tick reads of one invoker's report (`_figures`).
+_Figures = tuple[frozenset[tuple[Any, ...]], frozenset[FunctionReport]]
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionMemo:
+    """A function's load the last time it was planned from scratch (its figures since unchanged), and whether it
+    was calm then (`function_calm`)."""
+
+    load: FunctionLoad
+    calm: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PlanMemo:
+    """A tick's inputs and per-function outputs, kept for the next tick (`TickInput.memo`): a function none of
+    whose inputs changed since (its records, its figures in the reports, its spec, its carried state, no demand
+    signal, nothing lost or failed) and that held without owing anything is planned again as it was, at the
+    new time (`horizontal.repeat_decision`, which says when the clock alone may change a decision), and keeps
+    its routing table. Every other function is planned from scratch, and so is everything that spans functions
+    (reconciling the table, placement, compaction), so the plan is the one `plan_tick` makes without it."""
+
+    cfg: PlannerConfig
+    epoch: int
+    records: Mapping[str, InstanceRecord]
+    """The plan's table (what the next tick's input table is, unless the service changed it)."""
+    reports: Mapping[str, LoadReport]
+    figures: Mapping[str, _Figures]
+    """Invoker → what the plan read of its report per instance and per function (`_figures`)."""
+    specs: Mapping[str, FunctionSpec]
+    states: Mapping[str, FunctionState]
+    routes: Mapping[str, RoutingTable]
+    demand: frozenset[str]
+    """Functions whose demand signal counted as waiting work."""
+    functions: Mapping[str, FunctionMemo]
+    decisions: Mapping[str, ScaleDecision]
+    """The plan's scaling decisions by function."""
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -439,7 +484,8 @@ def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work) -> None:
             if r.state == RecordState.STARTING:  # it could not start: tell the callers, retry later
                 work.failed[r.function] = why
             continue
-        new = replace(r, missing=0, boot=r.boot or rep.boot)
+        # The same object when nothing changes: the next tick's memo tells changed records by identity.
+        new = r if (not r.missing and r.boot) else replace(r, missing=0, boot=r.boot or rep.boot)
         if r.state == RecordState.STARTING:
             if inst.state == InstanceState.READY:
                 new = replace(new, state=RecordState.READY.value, since=now, rev=inst.rev or r.rev)
@@ -470,9 +516,7 @@ def _finish_moves(now: float, epoch: int, work: _Work) -> None:
     """Make-before-break: a compaction replacement that is ready takes over (the original is drained:
     routers stop choosing it once the table is republished, what runs on it finishes)."""
     forgotten = {o.record.id for o in work.forgotten}
-    for r in sorted(work.records.values(), key=lambda r: r.id):
-        if not r.replaces:
-            continue
+    for r in sorted((r for r in work.records.values() if r.replaces), key=lambda r: r.id):
         orig = work.records.get(r.replaces)
         if r.state == RecordState.READY:
             if orig is not None and orig.state in (RecordState.READY, RecordState.STARTING):
@@ -567,11 +611,34 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     by_function: dict[str, list[InstanceRecord]] = {}
     for r in work.records.values():
         by_function.setdefault(r.function, []).append(r)
+    demand = frozenset(f for f, t in inp.demand.items() if now - t <= cfg.demand_hold_s)
+    memo = inp.memo if (inp.memo is not None and inp.memo.cfg == cfg and inp.memo.epoch == epoch
+                        and cluster is not None) else None
+    figures: dict[str, _Figures] = {}
+    if memo is not None:
+        dirty = _changed(inp, work, memo, figures, demand)
+    else:
+        dirty = set()
+        figures.update((inv, _figures(rep)) for inv, rep in inp.reports.items())
+    memos: dict[str, FunctionMemo] = {}
+    repeated: set[str] = set()
     # Without any GPU there is nothing to place: routers run GPU functions in their own pools (on the CPU)
     # as the routing tables say, and the scaler has nothing to decide.
     for fqn in functions if cluster is not None else ():
         spec = inp.specs[fqn]
         state = states.get(fqn, FunctionState())
+        if memo is not None and fqn not in dirty and not state.owed and (last := memo.functions.get(fqn)):
+            # Nothing it depends on changed: the hold it decided last tick, again (`PlanMemo`).
+            again = repeat_decision(memo.decisions[fqn], last.load, state.horizontal, now, cfg.horizontal)
+            if again is not None:
+                scale.append(again)
+                states[fqn] = FunctionState(again.state, 0, "" if now >= state.retry_at else state.blocked,
+                                            state.retry_at)
+                if last.calm:
+                    calm.add(fqn)
+                memos[fqn] = last
+                repeated.add(fqn)
+                continue
         # A compaction replacement is not one more instance: it takes over from its original.
         mine = [r for r in by_function.get(fqn, ()) if not outdated(r.rev, spec.rev) and not r.replaces]
         load = function_load(spec, now=now, records=mine, reports=inp.reports, demand_at=inp.demand.get(fqn),
@@ -646,17 +713,27 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 work.decisions.append(Decision(now, epoch, "stop", fqn, decision.reason, victim.id, victim.invoker,
                                                victim.gpu))
         states[fqn] = FunctionState(horizontal=decision.state, owed=owed, blocked=blocked, retry_at=retry_at)
-        if function_calm(decision, load, owed):
+        is_calm = function_calm(decision, load, owed)
+        if is_calm:
             calm.add(fqn)
+        memos[fqn] = FunctionMemo(load, is_calm)
     loop = inp.compaction
     if cfg.compaction is not None and cluster is not None:
+        before = len(work.starts)
         cluster, seq, loop = _compact(inp, cfg, work, cluster, calm, seq)
-    routes = _routes(inp, work.records, states, cluster)
+        repeated.difference_update(o.record.function for o in work.starts[before:])
+    # A repeated function keeps its routing table when it blocks for the same reason (its records and figures
+    # did not change): the table the service published, which the last tick made.
+    kept = {f: t for f in repeated if (t := inp.routes.get(f)) is not None and memo is not None
+            and t is memo.routes.get(f) and (was := memo.states.get(f)) is not None
+            and states[f].blocked == was.blocked}
+    routes = _routes(inp, work.records, states, cluster, kept)
     gone = frozenset(inp.known_invokers - set(inp.reports))
+    records = dict(work.records)
     return TickPlan(
         starts=tuple(work.starts),
         stops=tuple(work.stops),
-        records=dict(work.records),
+        records=records,
         forgotten=tuple(work.forgotten),
         routes=routes,
         states=states,
@@ -666,7 +743,64 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
         seq=seq,
         cluster=cluster,
         compaction=loop,
+        # Copies of the mappings (not of what they hold): a caller may change its own in place.
+        memo=PlanMemo(cfg=cfg, epoch=epoch, records=dict(records), reports=dict(inp.reports), figures=figures,
+                      specs=dict(inp.specs), states=dict(states), routes=dict(routes), demand=demand, functions=memos,
+                      decisions={d.function: d for d in scale}),
     )
+
+
+def _figures(rep: LoadReport) -> _Figures:
+    """What a tick reads of one report for its functions' load and routing tables: each instance's id, function,
+    state, revision and load figures, and the per-function figures. The rest (the clock, SM shares, throttled
+    time, GPUs) changes no function's load."""
+    return (frozenset((i.function, i.id, i.state, i.rev, i.waiting, i.in_flight, i.queue_delay_ms, i.saturated,
+                       i.completion_rate, i.latency_ms, i.slots) for i in rep.instances),
+            frozenset(rep.functions))
+
+
+def _changed(inp: TickInput, work: _Work, memo: PlanMemo, figures: dict[str, _Figures],
+             demand: frozenset[str]) -> set[str]:
+    """The functions some input of which changed since the tick that made `memo` (records after reconciling,
+    figures in the reports, spec, carried state, a demand signal counting now or then, lost or failed
+    instances); fills `figures` with this tick's per invoker (`_figures`, reused for an unchanged report)."""
+    dirty = set(work.lost) | set(work.failed) | demand | memo.demand
+    last = memo.records
+    for rid, r in work.records.items():
+        if last.get(rid) is not r:
+            dirty.add(r.function)
+    for rid in last.keys() - work.records.keys():
+        dirty.add(last[rid].function)
+    for inv, rep in inp.reports.items():
+        before = memo.figures.get(inv)
+        if before is not None and memo.reports.get(inv) is rep:
+            figures[inv] = before
+            continue
+        now = figures[inv] = _figures(rep)
+        if now != before:
+            _touch(dirty, now, before or (frozenset(), frozenset()), work.records, last)
+    for inv in memo.figures.keys() - inp.reports.keys():
+        _touch(dirty, (frozenset(), frozenset()), memo.figures[inv], work.records, last)
+    for fqn, spec in inp.specs.items():
+        was = memo.specs.get(fqn)
+        if was is not spec and was != spec:
+            dirty.add(fqn)
+    for fqn, state in inp.states.items():
+        if memo.states.get(fqn) is not state:
+            dirty.add(fqn)
+    return dirty
+
+
+def _touch(dirty: set[str], now: _Figures, then: _Figures, *tables: Mapping[str, InstanceRecord]) -> None:
+    """Mark the functions whose figures differ between two readings of a report: those reported, and those of
+    the records the instances' ids name (a routing table reads an instance's figures by its id)."""
+    for i in now[0] ^ then[0]:
+        dirty.add(i[0])
+        for table in tables:
+            r = table.get(i[1])
+            if r is not None:
+                dirty.add(r.function)
+    dirty.update(f.function for f in now[1] ^ then[1])
 
 
 def user_memory_fits(cluster: ClusterSnapshot, spec: FunctionSpec, reports: Mapping[str, LoadReport],
@@ -739,20 +873,27 @@ def _routes(
     records: Mapping[str, InstanceRecord],
     states: Mapping[str, FunctionState],
     cluster: ClusterSnapshot | None,
+    kept: Mapping[str, RoutingTable] | None = None,
 ) -> dict[str, RoutingTable]:
+    """Each function's routing table; `kept`: tables known to be what this would make again."""
+    kept = kept or {}
     loads = {i.id: i for rep in inp.reports.values() for i in rep.instances}
     functions = set(inp.routes) | set(inp.demand) | {r.function for r in records.values()} | set(states)
     out: dict[str, RoutingTable] = {}
     by_function: dict[str, list[InstanceRecord]] = {}
-    for r in sorted(records.values(), key=lambda r: r.id):
+    for r in records.values():
         by_function.setdefault(r.function, []).append(r)
     for fqn in sorted(functions & set(inp.specs)):
+        table = kept.get(fqn)
+        if table is not None:
+            out[fqn] = table
+            continue
         spec = inp.specs[fqn]
         entries = tuple(
             RouteEntry(id=r.id, invoker=r.invoker, slots=r.slots,
                        in_flight=loads[r.id].in_flight if r.id in loads else 0,
                        waiting=loads[r.id].waiting if r.id in loads else 0)
-            for r in by_function.get(fqn, ())
+            for r in sorted(by_function.get(fqn, ()), key=lambda r: r.id)
             if r.state == RecordState.READY and r.invoker in inp.reports and not outdated(r.rev, spec.rev)
         )
         state = states.get(fqn, FunctionState())

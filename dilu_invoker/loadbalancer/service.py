@@ -40,13 +40,14 @@ from redis.exceptions import RedisError
 from dilu_invoker import logs
 from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import Config, ConfigError
-from dilu_invoker.gpu.budgets import GpuBudget, GpuBudgets, Reservation
+from dilu_invoker.gpu.budgets import BudgetCache, GpuBudget, GpuBudgets, Reservation
 from dilu_invoker.loadbalancer.lease import LeaderLease, Leadership, Ops
 from dilu_invoker.loadbalancer.model_preload import ActionFeed, following, place_first
 from dilu_invoker.loadbalancer.planner import (
     CompactionLoop,
     Evictable,
     FunctionState,
+    PlanMemo,
     PlannerConfig,
     TickInput,
     TickPlan,
@@ -89,6 +90,18 @@ DECISION_STREAM_MAXLEN = 2000
 POLL_S = 0.2
 #: demand signals never make ticks closer than this
 MIN_TICK_GAP_S = 0.05
+
+
+#: Every function's ``meta`` field (false where there is none), packed into one msgpack reply: a pipeline of
+#: one HGET per function costs redis-py's reply parser a round of reads per function, several times the decoding
+#: (docs/benchmarks/planner-scale.md). Chunked by the caller (`READ_CHUNK`) so that no call holds Redis long.
+READ_METAS = """
+local out = {}
+for i, key in ipairs(KEYS) do out[i] = redis.call('HGET', key, 'meta') end
+return cmsgpack.pack(out)
+"""
+#: keys per `READ_METAS` call (a few milliseconds of Redis's time each)
+READ_CHUNK = 2000
 
 
 def planner_config(cfg: Config) -> PlannerConfig:
@@ -247,6 +260,10 @@ class Balancer:
         self.planner = planner_config(cfg)
         self.keys = Keys(cfg.redis.prefix)
         self.budgets = GpuBudgets(redis, cfg.redis.prefix)
+        self._metas = redis.register_script(READ_METAS)
+        self._budget_cache = self._new_budget_cache()
+        #: each function's last meta bytes and the spec decoded from them (`_read_specs`)
+        self._spec_cache: dict[str, tuple[bytes, FunctionSpec]] = {}
         self.holder = holder or default_holder()
         self.lease = LeaderLease(redis, self.keys, holder=self.holder, ttl_s=cfg.balancer.lease_ttl_s)
         self.leading: Leadership | None = None
@@ -261,6 +278,7 @@ class Balancer:
         self._seq = 1
         self._bad_reports: set[str] = set()
         self._compaction = CompactionLoop()
+        self._memo: PlanMemo | None = None
         self.metrics = BalancerMetrics()
 
     # -- campaign --------------------------------------------------------------------------------
@@ -299,6 +317,8 @@ class Balancer:
         self._demand = {}
         self._seq = 1
         self._compaction = CompactionLoop()
+        self._memo = None
+        self._budget_cache = self._new_budget_cache()
         raw = await self.redis.hget(self.keys.compaction, "totals")
         if raw:
             with contextlib.suppress(ValueError, TypeError):
@@ -307,6 +327,11 @@ class Balancer:
         self._records = await self._load_records()
         self._routes = await self._load_routes()
         log.info("balancer leads", holder=self.holder, epoch=lead.epoch, instances=len(self._records))
+
+    def _new_budget_cache(self) -> BudgetCache:
+        # A GPU whose budget no script marked changed is re-read at least once a reservation lease: a writer
+        # that does not mark its changes (an older version, during an upgrade) is seen that late at worst.
+        return BudgetCache(self.budgets, max_age_s=self.cfg.gpu.reservation_ttl_s)
 
     async def _lead(self, lead: Leadership) -> None:
         renew = asyncio.create_task(self._renew_loop(lead), name="balancer-renew")
@@ -390,7 +415,8 @@ class Balancer:
             plan_tick,
             TickInput(now=now, epoch=lead.epoch, reports=reports, known_invokers=known, records=self._records,
                       specs=specs, cluster=cluster, demand=dict(self._demand), states=self._states,
-                      routes=self._routes, seq=self._seq, compaction=self._compaction, evictable=evictable),
+                      routes=self._routes, seq=self._seq, compaction=self._compaction, evictable=evictable,
+                      memo=self._memo),
             self.planner,
         )
         ok = await self._apply(lead, plan)
@@ -422,28 +448,41 @@ class Balancer:
         names = sorted(text(m) for m in await self.redis.smembers(self.keys.functions))
         if not names:
             return {}
+        metas: list[Any] = []
         async with self.redis.pipeline(transaction=False) as pipe:
-            for n in names:
-                pipe.hget(self.keys.function(n), "meta")
-            metas = await pipe.execute()
+            for k in range(0, len(names), READ_CHUNK):
+                await self._metas(keys=[self.keys.function(n) for n in names[k : k + READ_CHUNK]], client=pipe)
+            for packed in await pipe.execute():
+                metas.extend(msgpack.unpackb(packed, raw=True))
         specs: dict[str, FunctionSpec] = {}
+        seen, self._spec_cache = self._spec_cache, {}
         for name, raw in zip(names, metas, strict=True):
-            try:
-                spec = decode(FunctionSpec, raw)
-            except WireError as exc:
-                log.warning("unreadable function spec", function=name, error=str(exc))
+            if raw is False or raw is None:  # no meta (Lua's false)
                 continue
-            if spec is not None:
-                specs[name] = spec
+            # A spec whose bytes did not change since the last tick is the object decoded then (they rarely do).
+            cached = seen.get(name)
+            spec: FunctionSpec | None = cached[1] if cached is not None and cached[0] == raw else None
+            if spec is None:
+                try:
+                    spec = decode(FunctionSpec, raw)
+                except WireError as exc:
+                    log.warning("unreadable function spec", function=name, error=str(exc))
+                    continue
+                if spec is None:
+                    continue
+            specs[name] = spec
+            self._spec_cache[name] = (raw, spec)
         return specs
 
     async def _cluster(self, now: float, reports: dict[str, LoadReport], specs: dict[str, FunctionSpec],
                        ) -> tuple[ClusterSnapshot | None, dict[GpuRef, Evictable]]:
         """The live invokers' GPUs with what their budgets hold (the node's own admission sees the same), and
         the kept weights among it that their invokers evict for room (`evictable_of`)."""
-        # Every live GPU's budget in one round trip (thousands of GPUs would otherwise be as many per tick), then
-        # the snapshot off the event loop (it grows with the cluster, as the plan does).
-        budgets = await self.budgets.get_many(list(dict.fromkeys(g.uuid for rep in reports.values() for g in rep.gpus)))
+        # Every live GPU's budget, re-reading only those that may have changed since the last tick (`BudgetCache`;
+        # thousands of GPUs would otherwise be read whole every tick), then the snapshot off the event loop (it
+        # grows with the cluster, as the plan does).
+        budgets = await self._budget_cache.get_many(
+            list(dict.fromkeys(g.uuid for rep in reports.values() for g in rep.gpus)))
         return await asyncio.to_thread(cluster_of, now, reports, specs, budgets)
 
     # -- model pre-loading (loadbalancer/model_preload.py) ------------------------------------------
@@ -555,6 +594,7 @@ class Balancer:
         self._states = states
         self._seq = plan.seq
         self._compaction = plan.compaction
+        self._memo = plan.memo
         return True
 
     # -- loading a predecessor's state -----------------------------------------------------------

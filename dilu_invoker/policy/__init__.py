@@ -35,6 +35,7 @@ from dilu_invoker.policy.horizontal import (
     ScaleTrigger,
     decide_scale,
     instances_for,
+    repeat_decision,
 )
 from dilu_invoker.policy.placement import (
     FILTERS,
@@ -149,6 +150,7 @@ __all__ = [
     "part_id",
     "place",
     "register_strategy",
+    "repeat_decision",
     "training_search",
     "water_fill",
 ]

@@ -250,6 +250,15 @@ def _advance_window(
     return HorizontalState(rates, last, state.last_action_at, busy_at), note
 
 
+def _cooling(now: float, st: HorizontalState, config: HorizontalConfig) -> bool:
+    """Within the cooldown after the last scaling decision."""
+    return st.last_action_at is not None and now - st.last_action_at < config.cooldown_s
+
+
+def _idle_for(now: float, st: HorizontalState) -> float:
+    return now - st.last_busy_at if st.last_busy_at is not None else 0.0
+
+
 # -- the decision --------------------------------------------------------------------------------
 
 
@@ -266,10 +275,7 @@ def decide_scale(
         else None
     )
     over, under = window_counts(st.rates, n, cap) if cap else (0, 0)
-    cooling = (
-        st.last_action_at is not None
-        and load.now - st.last_action_at < config.cooldown_s
-    )
+    cooling = _cooling(load.now, st, config)
     counts = f"{over}/{len(st.rates)} samples above capacity, {under}/{len(st.rates)} below n−1"
     prefix = f"{note}; " if note else ""
 
@@ -357,7 +363,7 @@ def decide_scale(
         want = min(want, n + config.max_scale_out_step)
         return result(want, ScaleTrigger.OVERLOAD, f"{what}: scale out to {want} now")
 
-    idle_for = load.now - st.last_busy_at if st.last_busy_at is not None else 0.0
+    idle_for = _idle_for(load.now, st)
     idle = n > lo and not load.busy and idle_for >= config.scale_to_zero_after_s
     if cap is None:
         if idle:  # needs no capacity figure: a function nobody calls goes to its minimum either way
@@ -410,3 +416,37 @@ def decide_scale(
         )
 
     return result(n, ScaleTrigger.NONE, f"hold at {n}: {counts}")
+
+
+def repeat_decision(
+    prev: ScaleDecision, load: FunctionLoad, state: HorizontalState, now: float, config: HorizontalConfig
+) -> ScaleDecision | None:
+    """`decide_scale` at `now` for a function whose load figures have not changed since `prev` was decided on
+    `load` (its figures; its `now` is not read), with `state` carried from it, when that is certainly `prev` again: the same
+    hold, only the clock and the window's sample time moved. None when it might not be (call `decide_scale`):
+    `prev` scaled, the window would change (a sample of another rate, a restart after a gap, no sample this
+    tick) or the clock crosses a threshold of the cooldown or of the idle timeout. A balancer tick asks this
+    for each function whose inputs did not change, so that a steady cluster costs little per function."""
+    if prev.action is not ScaleAction.HOLD or (state is not prev.state and state != prev.state) or now < prev.now:
+        return None
+    last = state.last_sample_at
+    # `_advance_window`: a sample is taken (no restart) and leaves the window as it was.
+    if last is None or now - last > config.stale_after_s or now - last < 0.5 * config.sample_period_s:
+        return None
+    if (state.rates + (load.arrival_rate,))[-config.window :] != state.rates:
+        return None
+    busy = load.busy
+    st = HorizontalState(
+        state.rates, now, state.last_action_at, now if (busy or state.last_busy_at is None) else state.last_busy_at
+    )
+    if _cooling(prev.now, state, config) != _cooling(now, st, config):
+        return None
+    if not busy and load.committed > bounds(load, config)[0]:
+        s2z = config.scale_to_zero_after_s
+        if (_idle_for(prev.now, state) >= s2z) != (_idle_for(now, st) >= s2z):
+            return None
+    # A hold's reason names neither the clock nor the idle time (an idle scale-in is not a hold).
+    return ScaleDecision(
+        prev.function, now, prev.current, prev.desired, prev.action, prev.trigger, prev.reason,
+        prev.over_samples, prev.under_samples, st,
+    )
