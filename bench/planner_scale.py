@@ -30,6 +30,9 @@ Per size, CPU seconds (`time.process_time`, this process alone):
   function registry, the budgets and the snapshot, through the `Balancer`'s own methods) from a real
   redis-server holding what invokers and routers write; CPU and wall seconds, median of 5 after a first read.
   Before each of the 5, the budgets of one GPU in `--gpu-reservation-ttl-s` / `--balancer-tick-s` (30) change.
+  Those are read again with the same content (a renewed lease), so the steady snapshot is the last one at the new
+  time (`service.SnapshotCache`); "snapshot" is `cluster_of` from scratch, and "snapshot, a budget changed" the
+  cache's answer when one lit GPU's budget did change (a reservation released), median of 3.
 """
 
 from __future__ import annotations
@@ -56,12 +59,12 @@ from loadgen import cpu_model
 
 from dilu_invoker.config import Config
 from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity, Reservation
-from dilu_invoker.loadbalancer.service import Balancer, cluster_of, planner_config
+from dilu_invoker.loadbalancer.service import Balancer, SnapshotCache, cluster_of, planner_config
 from dilu_invoker.redis_embedded import EmbeddedRedis, redis_client
 from dilu_invoker.sim.events import CREATE
 from dilu_invoker.sim.generate import dilu_mix
 from dilu_invoker.sim.placement import cluster_size
-from dilu_invoker.wire import FunctionSpec, Keys, pack
+from dilu_invoker.wire import FunctionSpec, Keys, LoadReport, pack
 
 
 def spec_of(ev: Any) -> FunctionSpec:
@@ -178,11 +181,36 @@ async def service_reads(live: LiveHarness, rounds: int = 5) -> dict[str, Any]:
                                     ("budgets+snapshot", (c3 - c2, w3 - w2)), ("snapshot", (c5 - c4, c5 - c4)),
                                     ("total", (c3 - c0, w3 - w0))):
                     parts[part].append(value)
+            parts["snapshot_changed"] = await _snapshot_changed(balancer, got, specs)
             await client.aclose()
     out: dict[str, Any] = {"read_first_cpu_s": first[0], "read_first_wall_s": first[1]}
     for part, values in parts.items():
         out[f"read_{part}_cpu_s"] = statistics.median(v[0] for v in values)
         out[f"read_{part}_wall_s"] = statistics.median(v[1] for v in values)
+    return out
+
+
+async def _snapshot_changed(balancer: Balancer, reports: dict[str, LoadReport], specs: dict[str, FunctionSpec],
+                            rounds: int = 3) -> list[tuple[float, float]]:
+    """CPU seconds of the leader's snapshot (`SnapshotCache.cluster`) right after one lit GPU's budget changed
+    (one reservation released): that GPU rebuilt, the snapshot built again from every GPU's state."""
+    budgets = dict(await balancer._budget_cache.get_many(
+        list(dict.fromkeys(g.uuid for rep in reports.values() for g in rep.gpus))))
+    cache = SnapshotCache()
+    cache.cluster(time.time(), reports, specs, budgets)
+    lit = [u for u, b in budgets.items() if b is not None and b.reservations]
+    out = []
+    for u in lit[:: max(1, len(lit) // rounds)][:rounds]:
+        b = budgets[u]
+        assert b is not None
+        gone = next(iter(b.reservations))
+        budgets[u] = replace(b, reservations={k: r for k, r in b.reservations.items() if k != gone})
+        c0 = time.process_time()
+        cluster, _evictable = cache.cluster(time.time(), reports, specs, budgets)
+        c1 = time.process_time()
+        assert cluster is not None
+        assert gone not in {i.id for g in cluster.gpus if g.uuid == u for i in g.instances}
+        out.append((c1 - c0, c1 - c0))
     return out
 
 
@@ -282,8 +310,8 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], started: str) -> str:
             "of 5 after a first read:",
             "",
             "| instances | reports | function specs | budgets + snapshot (of which the snapshot, CPU) | whole read "
-            "| first read |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| first read | snapshot, a budget changed (CPU) |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in rows:
             if "read_total_cpu_s" not in r:
@@ -293,7 +321,8 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], started: str) -> str:
                 + "".join(f"| {1000 * r[f'read_{p}_cpu_s']:.0f} / {1000 * r[f'read_{p}_wall_s']:.0f} "
                           + (f"({1000 * r['read_snapshot_cpu_s']:.0f}) " if p == "budgets+snapshot" else "")
                           for p in ("reports", "specs", "budgets+snapshot", "total"))
-                + f"| {1000 * r['read_first_cpu_s']:.0f} / {1000 * r['read_first_wall_s']:.0f} |")
+                + f"| {1000 * r['read_first_cpu_s']:.0f} / {1000 * r['read_first_wall_s']:.0f} "
+                + (f"| {1000 * r['read_snapshot_changed_cpu_s']:.0f} |" if "read_snapshot_changed_cpu_s" in r else "| – |"))
     return "\n".join(lines) + "\n"
 
 
@@ -323,7 +352,8 @@ def main() -> int:
                  f"{1000 * r['read_specs_wall_s']:.0f} ms, budgets+snapshot {1000 * r['read_budgets+snapshot_cpu_s']:.0f}/"
                  f"{1000 * r['read_budgets+snapshot_wall_s']:.0f} ms (snapshot {1000 * r['read_snapshot_cpu_s']:.0f} ms), "
                  f"whole {1000 * r['read_total_cpu_s']:.0f}/{1000 * r['read_total_wall_s']:.0f} ms, first "
-                 f"{1000 * r['read_first_cpu_s']:.0f}/{1000 * r['read_first_wall_s']:.0f} ms"
+                 f"{1000 * r['read_first_cpu_s']:.0f}/{1000 * r['read_first_wall_s']:.0f} ms, snapshot after a "
+                 f"budget changed {1000 * r['read_snapshot_changed_cpu_s']:.0f} ms"
                  if "read_total_cpu_s" in r else ""), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"argv": sys.argv[1:], "cpu": cpu_model(), "started": started, "rows": rows},

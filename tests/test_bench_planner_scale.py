@@ -20,7 +20,7 @@ def test_a_small_run_places_churns_compacts_and_reads_every_budget() -> None:
     assert r["steady_median_s"] > 0 and r["steady_max_s"] >= r["steady_median_s"]
     assert r["changed_median_s"] > 0 and r["cold_s"] > 0
     # The leader's whole read path against the redis-server, part by part.
-    for part in ("reports", "specs", "budgets+snapshot", "snapshot", "total"):
+    for part in ("reports", "specs", "budgets+snapshot", "snapshot", "snapshot_changed", "total"):
         assert r[f"read_{part}_cpu_s"] > 0 and r[f"read_{part}_wall_s"] > 0
     assert r["read_total_cpu_s"] >= r["read_reports_cpu_s"] and r["read_first_wall_s"] > 0
     table = markdown([r], ["--sizes", "120"], "now")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import operator
 import os
 import re
 import secrets
@@ -28,7 +29,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -70,6 +71,7 @@ from dilu_invoker.policy.live_compaction import LiveCompaction, live_compaction_
 from dilu_invoker.wire import (
     CommandOp,
     FunctionSpec,
+    GpuReport,
     InstanceCommand,
     InstanceRecord,
     Keys,
@@ -203,11 +205,41 @@ def evictable_of(invoker: str, reservations: Iterable[Reservation]) -> Evictable
                      memory_mib=float(sum(r.memory_mb for r in kept)))
 
 
+def gpu_state_of(invoker: str, gpu: GpuReport, enabled: bool, budget: GpuBudget | None,
+                 specs: Mapping[str, FunctionSpec], seen_instance: set[str]) -> tuple[GpuState, Evictable | None]:
+    """One GPU of `cluster_of`'s snapshot, and its kept weights: the reservations its budget holds but those of
+    instances in ``seen_instance`` (counted on an earlier GPU), which it adds them to."""
+    placed: list[PlacedInstance] = []
+    for r in (budget.reservations.values() if budget is not None else ()):
+        if r.instance in seen_instance:
+            continue
+        seen_instance.add(r.instance)
+        spec = specs.get(r.function)
+        try:
+            cls = InstanceClass.parse(r.cls)
+        except ValueError:
+            cls = InstanceClass.INFERENCE
+        placed.append(PlacedInstance(
+            id=r.instance, function=r.function, cls=cls, request=r.request, limit=r.limit,
+            memory_mib=float(r.memory_mb),
+            profile=Profile(spec.profile) if spec is not None and spec.profile else None))
+    memory = budget.capacity.memory_mb if budget is not None else gpu.memory_mb
+    groups = weight_groups_of(invoker, budget.reservations.values()) if budget is not None else frozenset()
+    ref = GpuRef(invoker, gpu.index)
+    state = GpuState(ref=ref, memory_mib=float(max(1, memory)), uuid=gpu.uuid, sm_count=gpu.sm_count,
+                     instances=tuple(placed), schedulable=enabled, weight_groups=groups)
+    kept = evictable_of(invoker, budget.reservations.values()) if budget is not None else None
+    if kept is not None and not kept.instances <= {p.id for p in placed}:
+        kept = None
+    return state, kept
+
+
 def cluster_of(now: float, reports: Mapping[str, LoadReport], specs: Mapping[str, FunctionSpec],
                budgets: Mapping[str, GpuBudget | None]) -> tuple[ClusterSnapshot | None, dict[GpuRef, Evictable]]:
     """The snapshot the planner sees: each live invoker's GPUs (a GPU two invokers report counts for the first)
     with the reservations its budget holds (an instance reserved on two GPUs counts on the first), and the kept
-    weights among them (`evictable_of`). Pure: the budgets are read before (`GpuBudgets.get_many`)."""
+    weights among them (`evictable_of`). Pure: the budgets are read before (`GpuBudgets.get_many`).
+    `SnapshotCache.cluster` derives the same from the last tick's."""
     states: list[GpuState] = []
     evictable: dict[GpuRef, Evictable] = {}
     seen_uuid: set[str] = set()
@@ -218,33 +250,93 @@ def cluster_of(now: float, reports: Mapping[str, LoadReport], specs: Mapping[str
                 log.warning("a GPU is reported by two invokers; ignoring the second", uuid=g.uuid, invoker=name)
                 continue
             seen_uuid.add(g.uuid)
-            budget = budgets.get(g.uuid)
-            placed: list[PlacedInstance] = []
-            for r in (budget.reservations.values() if budget is not None else ()):
-                if r.instance in seen_instance:
-                    continue
-                seen_instance.add(r.instance)
-                spec = specs.get(r.function)
-                try:
-                    cls = InstanceClass.parse(r.cls)
-                except ValueError:
-                    cls = InstanceClass.INFERENCE
-                placed.append(PlacedInstance(
-                    id=r.instance, function=r.function, cls=cls, request=r.request, limit=r.limit,
-                    memory_mib=float(r.memory_mb),
-                    profile=Profile(spec.profile) if spec is not None and spec.profile else None))
-            memory = budget.capacity.memory_mb if budget is not None else g.memory_mb
-            groups = weight_groups_of(name, budget.reservations.values()) if budget is not None else frozenset()
-            ref = GpuRef(name, g.index)
-            states.append(GpuState(ref=ref, memory_mib=float(max(1, memory)), uuid=g.uuid,
-                                   sm_count=g.sm_count, instances=tuple(placed), schedulable=report.enabled,
-                                   weight_groups=groups))
-            kept = evictable_of(name, budget.reservations.values()) if budget is not None else None
-            if kept is not None and kept.instances <= {p.id for p in placed}:
-                evictable[ref] = kept
+            state, kept = gpu_state_of(name, g, report.enabled, budgets.get(g.uuid), specs, seen_instance)
+            states.append(state)
+            if kept is not None:
+                evictable[state.ref] = kept
     if not states:
         return None, {}
     return ClusterSnapshot.build(now=now, gpus=states), evictable
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedGpu:
+    """A GPU's part of the last snapshot and what it was derived from (compared by identity, but the report)."""
+
+    invoker: str
+    report: GpuReport
+    enabled: bool
+    budget: GpuBudget | None
+    specs: tuple[FunctionSpec | None, ...]
+    """`specs.get(r.function)` of each reservation, in the budget's order."""
+    instances: frozenset[str]
+    state: GpuState
+    kept: Evictable | None
+
+
+class SnapshotCache:
+    """`cluster_of`, rebuilding only the GPUs whose inputs changed since the last call: the invoker and report
+    entry, the budget object (`BudgetCache` hands back the same one for a GPU it did not re-read) or the spec of
+    one of its reservations. A GPU rebuilt equal to what it was keeps its old state, and when every GPU kept
+    its state (in the same order) the snapshot is the last one at ``now``; otherwise it is built again from the
+    states (`ClusterSnapshot.build`, so its sums run in the same order). The answer always equals
+    `cluster_of`'s (tests/loadbalancer/test_snapshot_cache.py). Each call derives from the last call's result
+    and replaces it at once, so calls from two threads are each exact (the later one's result is kept)."""
+
+    def __init__(self) -> None:
+        self._gpus: dict[str, _CachedGpu] = {}
+        self._last: tuple[tuple[GpuState, ...], ClusterSnapshot] | None = None
+
+    def cluster(self, now: float, reports: Mapping[str, LoadReport], specs: Mapping[str, FunctionSpec],
+                budgets: Mapping[str, GpuBudget | None]) -> tuple[ClusterSnapshot | None, dict[GpuRef, Evictable]]:
+        old, last = self._gpus, self._last
+        gpus: dict[str, _CachedGpu] = {}
+        states: list[GpuState] = []
+        evictable: dict[GpuRef, Evictable] = {}
+        seen_instance: set[str] = set()
+        for name, report in reports.items():
+            for g in report.gpus:
+                if g.uuid in gpus:
+                    log.warning("a GPU is reported by two invokers; ignoring the second", uuid=g.uuid, invoker=name)
+                    continue
+                budget = budgets.get(g.uuid)
+                entry = old.get(g.uuid)
+                if not (entry is not None and entry.budget is budget and entry.invoker == name
+                        and entry.enabled == report.enabled and entry.report == g
+                        and all(specs.get(r.function) is s for r, s in zip(
+                            budget.reservations.values() if budget is not None else (), entry.specs, strict=True))):
+                    entry = self._rebuilt(name, g, report.enabled, budget, specs, entry)
+                gpus[g.uuid] = entry
+                if seen_instance.isdisjoint(entry.instances):
+                    # What `cluster_of` builds here: none of its reservations was counted on an earlier GPU.
+                    state, kept = entry.state, entry.kept
+                    seen_instance |= entry.instances
+                else:
+                    state, kept = gpu_state_of(name, g, report.enabled, budget, specs, seen_instance)
+                states.append(state)
+                if kept is not None:
+                    evictable[state.ref] = kept
+        if not states:
+            self._gpus, self._last = gpus, None
+            return None, {}
+        same = tuple(states)
+        if last is not None and len(last[0]) == len(same) and all(map(operator.is_, last[0], same)):
+            snapshot = last[1].at(now)
+        else:
+            snapshot = ClusterSnapshot.build(now=now, gpus=same)
+        self._gpus, self._last = gpus, (same, snapshot)
+        return snapshot, evictable
+
+    @staticmethod
+    def _rebuilt(name: str, g: GpuReport, enabled: bool, budget: GpuBudget | None,
+                 specs: Mapping[str, FunctionSpec], before: _CachedGpu | None) -> _CachedGpu:
+        reservations = list(budget.reservations.values()) if budget is not None else []
+        state, kept = gpu_state_of(name, g, enabled, budget, specs, set())
+        if before is not None and before.state == state and before.kept == kept:
+            state, kept = before.state, before.kept  # an equal budget read again (a renewed lease)
+        return _CachedGpu(invoker=name, report=g, enabled=enabled, budget=budget,
+                          specs=tuple(specs.get(r.function) for r in reservations),
+                          instances=frozenset(r.instance for r in reservations), state=state, kept=kept)
 
 
 def default_holder() -> str:
@@ -264,6 +356,7 @@ class Balancer:
         self._budget_cache = self._new_budget_cache()
         #: each function's last meta bytes and the spec decoded from them (`_read_specs`)
         self._spec_cache: dict[str, tuple[bytes, FunctionSpec]] = {}
+        self._snapshots = SnapshotCache()
         self.holder = holder or default_holder()
         self.lease = LeaderLease(redis, self.keys, holder=self.holder, ttl_s=cfg.balancer.lease_ttl_s)
         self.leading: Leadership | None = None
@@ -319,6 +412,7 @@ class Balancer:
         self._compaction = CompactionLoop()
         self._memo = None
         self._budget_cache = self._new_budget_cache()
+        self._snapshots = SnapshotCache()
         raw = await self.redis.hget(self.keys.compaction, "totals")
         if raw:
             with contextlib.suppress(ValueError, TypeError):
@@ -480,10 +574,10 @@ class Balancer:
         the kept weights among it that their invokers evict for room (`evictable_of`)."""
         # Every live GPU's budget, re-reading only those that may have changed since the last tick (`BudgetCache`;
         # thousands of GPUs would otherwise be read whole every tick), then the snapshot off the event loop (it
-        # grows with the cluster, as the plan does).
+        # grows with the cluster, as the plan does), rebuilding only the GPUs whose inputs changed (`SnapshotCache`).
         budgets = await self._budget_cache.get_many(
             list(dict.fromkeys(g.uuid for rep in reports.values() for g in rep.gpus)))
-        return await asyncio.to_thread(cluster_of, now, reports, specs, budgets)
+        return await asyncio.to_thread(self._snapshots.cluster, now, reports, specs, budgets)
 
     # -- model pre-loading (loadbalancer/model_preload.py) ------------------------------------------
 
