@@ -489,6 +489,16 @@ class GpuBudgets:
         secs, micros = await self._r.time()
         return int(secs) * 1000 + int(micros) // 1000
 
+    async def changes_since(self, seq: int | None) -> tuple[int, set[str], int]:
+        """The change sequence, the GPUs marked after ``seq`` (None: the sequence only, no GPUs) and Redis's clock
+        in ms, read together in one ``MULTI`` (`BudgetCache`)."""
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.get(self.seq_key)
+            pipe.zrangebyscore(self.changes_key, "+inf" if seq is None else f"({seq}", "+inf")
+            pipe.time()
+            raw_seq, changed, (secs, micros) = await pipe.execute()
+        return (int(raw_seq or 0), {m.decode() if isinstance(m, bytes) else str(m) for m in changed},
+                int(secs) * 1000 + int(micros) // 1000)
 
 
 
@@ -520,17 +530,10 @@ class BudgetCache:
 
     async def get_many(self, uuids: Sequence[str]) -> dict[str, GpuBudget | None]:
         b = self._budgets
-        async with b._r.pipeline(transaction=True) as pipe:
-            pipe.get(b.seq_key)
-            # (the first read reads every GPU: no need of the change set)
-            pipe.zrangebyscore(b.changes_key, "+inf" if self._seq is None else f"({self._seq}", "+inf")
-            pipe.time()
-            raw_seq, changed_raw, (secs, micros) = await pipe.execute()
-        seq = int(raw_seq or 0)
-        now_ms = int(secs) * 1000 + int(micros) // 1000
+        # (the first read reads every GPU: no need of the change set)
+        seq, changed, now_ms = await b.changes_since(self._seq)
         if self._seq is None or seq < self._seq:
             self._cached = {}
-        changed = {m.decode() if isinstance(m, bytes) else str(m) for m in changed_raw}
         todo = []
         for uuid in uuids:
             c = self._cached.get(uuid)
