@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, replace
+from itertools import compress
 from typing import Any
 
 import msgpack
@@ -267,8 +268,8 @@ class _CachedGpu:
     report: GpuReport
     enabled: bool
     budget: GpuBudget | None
-    specs: tuple[FunctionSpec | None, ...]
-    """`specs.get(r.function)` of each reservation, in the budget's order."""
+    functions: frozenset[str]
+    """The functions of its reservations: the entry is rebuilt when the spec of one of them is another object."""
     instances: frozenset[str]
     state: GpuState
     kept: Evictable | None
@@ -277,54 +278,68 @@ class _CachedGpu:
 class SnapshotCache:
     """`cluster_of`, rebuilding only the GPUs whose inputs changed since the last call: the invoker and report
     entry, the budget object (`BudgetCache` hands back the same one for a GPU it did not re-read) or the spec of
-    one of its reservations. A GPU rebuilt equal to what it was keeps its old state, and when every GPU kept
-    its state (in the same order) the snapshot is the last one at ``now``; otherwise it is built again from the
-    states (`ClusterSnapshot.build`, so its sums run in the same order). The answer always equals
-    `cluster_of`'s (tests/loadbalancer/test_snapshot_cache.py). Each call derives from the last call's result
-    and replaces it at once, so calls from two threads are each exact (the later one's result is kept)."""
+    one of its reservations (another object than in the last call's specs, or gone, or new). A GPU rebuilt equal
+    to what it was keeps its old state, and when every GPU kept its state (in the same order) the snapshot is
+    the last one at ``now``. When the same GPUs come in the same order and a few changed, only those are indexed
+    again (`ClusterSnapshot.with_states`, which sums the floats in `build`'s order); otherwise it is built again
+    from the states (`ClusterSnapshot.build`). The answer always equals `cluster_of`'s
+    (tests/loadbalancer/test_snapshot_cache.py). Each call derives from the last call's result and replaces it
+    at once, so calls from two threads are each exact (the later one's result is kept)."""
 
     def __init__(self) -> None:
         self._gpus: dict[str, _CachedGpu] = {}
         self._last: tuple[tuple[GpuState, ...], ClusterSnapshot] | None = None
+        self._specs: Mapping[str, FunctionSpec] = {}
 
     def cluster(self, now: float, reports: Mapping[str, LoadReport], specs: Mapping[str, FunctionSpec],
                 budgets: Mapping[str, GpuBudget | None]) -> tuple[ClusterSnapshot | None, dict[GpuRef, Evictable]]:
-        old, last = self._gpus, self._last
+        old, last, old_specs = self._gpus, self._last, self._specs
+        # Every entry kept from the last call was derived from the last call's specs (or rebuilt then), so the
+        # functions whose spec is another object now are the ones whose GPUs need rebuilding.
+        respec = {f for f, spec in specs.items() if old_specs.get(f) is not spec}
+        respec.update(f for f in old_specs if f not in specs)
         gpus: dict[str, _CachedGpu] = {}
         states: list[GpuState] = []
         evictable: dict[GpuRef, Evictable] = {}
         seen_instance: set[str] = set()
         for name, report in reports.items():
+            enabled = report.enabled
             for g in report.gpus:
-                if g.uuid in gpus:
-                    log.warning("a GPU is reported by two invokers; ignoring the second", uuid=g.uuid, invoker=name)
+                uuid = g.uuid
+                if uuid in gpus:
+                    log.warning("a GPU is reported by two invokers; ignoring the second", uuid=uuid, invoker=name)
                     continue
-                budget = budgets.get(g.uuid)
-                entry = old.get(g.uuid)
-                if not (entry is not None and entry.budget is budget and entry.invoker == name
-                        and entry.enabled == report.enabled and entry.report == g
-                        and all(specs.get(r.function) is s for r, s in zip(
-                            budget.reservations.values() if budget is not None else (), entry.specs, strict=True))):
-                    entry = self._rebuilt(name, g, report.enabled, budget, specs, entry)
-                gpus[g.uuid] = entry
+                budget = budgets.get(uuid)
+                entry = old.get(uuid)
+                if (entry is None or entry.budget is not budget or entry.invoker != name or entry.enabled != enabled
+                        or (entry.report is not g and entry.report != g)
+                        or (respec and not respec.isdisjoint(entry.functions))):
+                    entry = self._rebuilt(name, g, enabled, budget, specs, entry)
+                gpus[uuid] = entry
                 if seen_instance.isdisjoint(entry.instances):
                     # What `cluster_of` builds here: none of its reservations was counted on an earlier GPU.
                     state, kept = entry.state, entry.kept
                     seen_instance |= entry.instances
                 else:
-                    state, kept = gpu_state_of(name, g, report.enabled, budget, specs, seen_instance)
+                    state, kept = gpu_state_of(name, g, enabled, budget, specs, seen_instance)
                 states.append(state)
                 if kept is not None:
                     evictable[state.ref] = kept
         if not states:
-            self._gpus, self._last = gpus, None
+            self._gpus, self._last, self._specs = gpus, None, specs
             return None, {}
         same = tuple(states)
-        if last is not None and len(last[0]) == len(same) and all(map(operator.is_, last[0], same)):
+        changed = (list(compress(range(len(same)), map(operator.is_not, last[0], same)))
+                   if last is not None and len(last[0]) == len(same) else None)
+        if last is not None and changed == []:
             snapshot = last[1].at(now)
+        elif last is not None and changed is not None and all(last[0][o].ref == same[o].ref for o in changed):
+            # The same GPUs in the same order, a few of them changed: only those are indexed again.
+            snap = last[1]
+            snapshot = snap.with_states(now, {snap.ordinals[same[o].ref]: same[o] for o in changed})
         else:
             snapshot = ClusterSnapshot.build(now=now, gpus=same)
-        self._gpus, self._last = gpus, (same, snapshot)
+        self._gpus, self._last, self._specs = gpus, (same, snapshot), specs
         return snapshot, evictable
 
     @staticmethod
@@ -335,7 +350,7 @@ class SnapshotCache:
         if before is not None and before.state == state and before.kept == kept:
             state, kept = before.state, before.kept  # an equal budget read again (a renewed lease)
         return _CachedGpu(invoker=name, report=g, enabled=enabled, budget=budget,
-                          specs=tuple(specs.get(r.function) for r in reservations),
+                          functions=frozenset(r.function for r in reservations),
                           instances=frozenset(r.instance for r in reservations), state=state, kept=kept)
 
 

@@ -563,6 +563,145 @@ class ClusterSnapshot:
         )
         return _copy(self, gpus=self.gpus.replace({o: new}))
 
+    def with_states(self, now: float, changes: Mapping[int, GpuState]) -> ClusterSnapshot:
+        """The snapshot `build` makes of this one's GPUs with `changes` (ordinal → new state, each of the same
+        GPU, its `ref` unchanged) applied, at `now`: only the changed GPUs' index entries, their invokers'
+        `node_room` entries and the instances on them are indexed again (O(changes × bucket) plus one pass
+        over the GPUs for the float sums, which are summed again in ordinal order so that they are `build`'s
+        to the last bit). A change that `build` indexes globally (a GPU's memory capacity, which sets the
+        large-slot threshold) or an instance described differently on two GPUs falls back to `build` (which
+        raises for the latter), and so does a change of more than a quarter of the GPUs
+        (of more than 16), which `build` indexes faster."""
+        if not changes:
+            return self.at(now)
+        old_gpus = self.gpus
+        refs = self.refs
+        for o, new in changes.items():
+            if not 0 <= o < len(refs) or new.ref != refs[o]:
+                raise ValueError(f"GPU ordinal {o} is {refs[o] if 0 <= o < len(refs) else 'unknown'}, "
+                                 f"not {new.ref}")
+        gpus = old_gpus.replace(changes)
+        capacity = any(new.memory_mib != old_gpus[o].memory_mib for o, new in changes.items())
+        if len(changes) > max(16, len(refs) // 4) or capacity:
+            return ClusterSnapshot.build(now=now, gpus=gpus)
+        derived = self._with_states(gpus, changes)
+        return ClusterSnapshot.build(now=now, gpus=gpus) if derived is None else _copy(derived, now=now)
+
+    def _with_states(self, gpus: GpuVector, changes: Mapping[int, GpuState]) -> ClusterSnapshot | None:
+        old_gpus = self.gpus
+        buckets = list(self.lit_buckets)
+        rooms = list(self.lit_room)
+        limits = list(self.lit_limits)
+        unlit = self.unlit
+        unlit_nodes: list[tuple[int, ...]] | None = None
+        lit = self.lit_count
+        touched_invokers: dict[str, None] = {}
+        affected: dict[str, None] = {}
+        held: dict[str, list[int]] = {}  # instance id -> the changed GPUs that hold it now
+        for o in sorted(changes):
+            old, new = old_gpus[o], changes[o]
+            inv = new.ref.invoker
+            touched_invokers[inv] = None
+            affected.update(dict.fromkeys(i.id for i in old.instances))
+            for i in new.instances:
+                affected[i.id] = None
+                held.setdefault(i.id, []).append(o)
+            if old.lit:
+                k = request_bucket(old.used_request)
+                buckets[k] = _remove(buckets[k], o)
+                rooms[k] = _remove(rooms[k], (_free(old), o))
+                limits[k] = _remove(limits[k], (old.used_limit, o))
+                lit -= 1
+            else:
+                ords = unlit[inv]
+                unlit = unlit.set(inv, _remove(ords, o))
+                unlit_nodes = unlit_nodes or list(self.unlit_nodes)
+                n = len(ords) - 1
+                unlit_nodes[n] = _remove(unlit_nodes[n], self.invoker_ordinals[inv][0])
+            if new.lit:
+                k = request_bucket(new.used_request)
+                buckets[k] = _insert(buckets[k], o)
+                rooms[k] = _insert(rooms[k], (_free(new), o))
+                limits[k] = _insert(limits[k], (new.used_limit, o))
+                lit += 1
+            else:
+                ords = unlit[inv]
+                unlit = unlit.set(inv, _insert(ords, o))
+                unlit_nodes = unlit_nodes or list(self.unlit_nodes)
+                n = len(ords)
+                unlit_nodes[n] = _insert(unlit_nodes[n], self.invoker_ordinals[inv][0])
+        # Each touched invoker's node-room entry, recomputed from its GPUs as `build` computes it.
+        node_room = list(self.node_room)
+        stale = [at for inv in touched_invokers
+                 if (at := _node_room_index(self.node_room, self.invoker_ordinals[inv], old_gpus)) is not None]
+        for at in sorted(stale, reverse=True):
+            del node_room[at]
+        for inv in touched_invokers:
+            entry = _node_room(self.invoker_ordinals[inv], gpus)
+            if entry is not None:
+                bisect.insort_left(node_room, entry)
+        # Every instance on a changed GPU: its old contribution out, its new one (from the first GPU in ordinal
+        # order that holds it, as `build` counts it) in.
+        locations = self.locations
+        fn_counts = self.function_counts
+        widths = dict(self.width_counts)
+        requests, memories = self.request_counts, self.memory_counts
+        large_memory, large_request = self.large_memory_slots, self.large_request_slots
+        half = self.max_memory_mib / 2
+        refs = self.refs
+        for iid in affected:
+            before = self.locations.get(iid)
+            if before is not None:
+                old_inst = self.instance(iid)
+                fn_counts = _count(fn_counts, old_inst.function, refs[before[0]].invoker, -1)
+                widths[old_inst.gpus] -= 1
+                if not widths[old_inst.gpus]:
+                    del widths[old_inst.gpus]
+                requests, memories, large_memory, large_request = _tally(
+                    old_inst, -1, half, requests, memories, large_memory, large_request)
+            after = tuple(sorted([o for o in before or () if o not in changes] + held.get(iid, [])))
+            if not after:
+                if before is not None:
+                    locations = locations.delete(iid)
+                continue
+            described = [i for o in after for i in gpus[o].instances if i.id == iid]
+            first = described[0]
+            if any(i != first for i in described[1:]):
+                return None  # described differently on two GPUs: `build` raises
+            locations = locations.set(iid, after)
+            fn_counts = _count(fn_counts, first.function, refs[after[0]].invoker, +1)
+            widths[first.gpus] = widths.get(first.gpus, 0) + 1
+            requests, memories, large_memory, large_request = _tally(
+                first, +1, half, requests, memories, large_memory, large_request)
+        # The float sums as `build` adds them: every GPU in ordinal order (the lit ones for the fraction).
+        sum_req = sum_mem = sum_frac = 0.0
+        for g in gpus:
+            if g.instances:
+                sum_frac += g.used_memory / g.memory_mib
+            sum_req += g.used_request
+            sum_mem += g.used_memory
+        return _copy(
+            self,
+            gpus=gpus,
+            lit_buckets=tuple(buckets),
+            lit_room=tuple(rooms),
+            lit_limits=tuple(limits),
+            node_room=tuple(node_room),
+            unlit=unlit,
+            unlit_nodes=self.unlit_nodes if unlit_nodes is None else tuple(unlit_nodes),
+            locations=locations,
+            function_counts=fn_counts,
+            width_counts=MappingProxyType(widths),
+            request_counts=requests,
+            memory_counts=memories,
+            lit_count=lit,
+            sum_request=sum_req,
+            sum_memory=sum_mem,
+            sum_memory_fraction=sum_frac,
+            large_memory_slots=large_memory,
+            large_request_slots=large_request,
+        )
+
     def _rebuild(
         self,
         changed: Mapping[int, GpuState],
@@ -625,34 +764,14 @@ class ClusterSnapshot:
         after = _node_room(node_ords, gpus)
         if before != after:
             node_room = _replace_sorted(node_room, at, after)
-        fn_counts = self.function_counts
-        per_inv = fn_counts.get(instance.function, _EMPTY_MAP)
-        count = per_inv.get(invoker, 0) + sign
-        if count > 0:
-            per_inv = per_inv.set(invoker, count)
-        elif invoker in per_inv:
-            per_inv = per_inv.delete(invoker)
-        if per_inv:
-            fn_counts = fn_counts.set(instance.function, per_inv)
-        elif instance.function in fn_counts:
-            fn_counts = fn_counts.delete(instance.function)
+        fn_counts = _count(self.function_counts, instance.function, invoker, sign)
         widths = dict(self.width_counts)
         widths[instance.gpus] = widths.get(instance.gpus, 0) + sign
         if widths[instance.gpus] <= 0:
             del widths[instance.gpus]
-        requests = self.request_counts
-        memories = self.memory_counts
-        large_memory, large_request = self.large_memory_slots, self.large_request_slots
-        if instance.cls is InstanceClass.TRAINING:
-            if instance.memory_mib > self.max_memory_mib / 2 + EPS:
-                large_memory += sign * instance.gpus
-            if instance.request > 0.5 + EPS:
-                large_request += sign * instance.gpus
-        if instance.part_of is None:
-            n = requests.get(instance.request, 0) + sign
-            requests = requests.set(instance.request, n) if n > 0 else requests.delete(instance.request)
-            n = memories.get(instance.memory_mib, 0) + sign
-            memories = memories.set(instance.memory_mib, n) if n > 0 else memories.delete(instance.memory_mib)
+        requests, memories, large_memory, large_request = _tally(
+            instance, sign, self.max_memory_mib / 2, self.request_counts, self.memory_counts,
+            self.large_memory_slots, self.large_request_slots)
         return _copy(
             self,
             gpus=gpus,
@@ -674,6 +793,38 @@ class ClusterSnapshot:
             large_memory_slots=large_memory,
             large_request_slots=large_request,
         )
+
+
+def _count(fn_counts: Map[str, Map[str, int]], function: str, invoker: str, sign: int) -> Map[str, Map[str, int]]:
+    """`function_counts` with `function`'s count on `invoker` moved by `sign`; emptied entries dropped."""
+    per_inv = fn_counts.get(function, _EMPTY_MAP)
+    count = per_inv.get(invoker, 0) + sign
+    if count > 0:
+        per_inv = per_inv.set(invoker, count)
+    elif invoker in per_inv:
+        per_inv = per_inv.delete(invoker)
+    if per_inv:
+        return fn_counts.set(function, per_inv)
+    return fn_counts.delete(function) if function in fn_counts else fn_counts
+
+
+def _tally(
+    instance: PlacedInstance, sign: int, half: float, requests: Map[float, int], memories: Map[float, int],
+    large_memory: int, large_request: int,
+) -> tuple[Map[float, int], Map[float, int], int, int]:
+    """The per-instance counts `build` keeps (requests and memories of whole instances, the large training
+    slots over `half` a GPU's memory) with `instance` counted in (`sign` +1) or out (−1)."""
+    if instance.cls is InstanceClass.TRAINING:
+        if instance.memory_mib > half + EPS:
+            large_memory += sign * instance.gpus
+        if instance.request > 0.5 + EPS:
+            large_request += sign * instance.gpus
+    if instance.part_of is None:
+        n = requests.get(instance.request, 0) + sign
+        requests = requests.set(instance.request, n) if n > 0 else requests.delete(instance.request)
+        n = memories.get(instance.memory_mib, 0) + sign
+        memories = memories.set(instance.memory_mib, n) if n > 0 else memories.delete(instance.memory_mib)
+    return requests, memories, large_memory, large_request
 
 
 _FIELDS = tuple(ClusterSnapshot.__dataclass_fields__)
