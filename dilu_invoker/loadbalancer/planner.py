@@ -403,14 +403,18 @@ def _place_or_evict(cluster: ClusterSnapshot, spec: FunctionSpec, request: Place
 
 
 def victim_order(
-    candidates: list[InstanceRecord], *, cluster: ClusterSnapshot | None, reports: Mapping[str, LoadReport]
+    candidates: list[InstanceRecord], *, cluster: ClusterSnapshot | None, reports: Mapping[str, LoadReport],
+    index: ReportIndex | None = None,
 ) -> list[InstanceRecord]:
     """Which instances of a function to stop first: from the invoker holding most of them (keeps the rest
-    spread), then from the emptiest GPU (it may go dark), then the least busy, then the newest."""
+    spread), then from the emptiest GPU (it may go dark), then the least busy, then the newest (`index`:
+    `ReportIndex.of(reports)`, made once a tick, so that a scale-in does not walk every report)."""
     per_invoker: dict[str, int] = {}
     for r in candidates:
         per_invoker[r.invoker] = per_invoker.get(r.invoker, 0) + 1
-    loads = {i.id: i.in_flight + i.waiting for rep in reports.values() for i in rep.instances}
+    index = index if index is not None else ReportIndex.of(reports)
+    loads = {r.id: i.in_flight + i.waiting for r in candidates
+             if (i := index.instances.get(r.function, {}).get(r.id)) is not None}
 
     def used(r: InstanceRecord) -> float:
         if cluster is None or r.gpu is None:
@@ -705,7 +709,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
             # Starting instances are cheapest to give up only in number: prefer ready ones, they cost
             # nothing more than a warm container, and a start in progress was just paid for.
             ready = [r for r in live if r.state == RecordState.READY]
-            for victim in victim_order(ready, cluster=cluster, reports=inp.reports)[:stop_n]:
+            for victim in victim_order(ready, cluster=cluster, reports=inp.reports, index=index)[:stop_n]:
                 stopped = replace(victim, state=RecordState.STOPPING.value, since=now)
                 work.records[victim.id] = stopped
                 memory.hold(victim.invoker, -victim.user_memory_mb)
