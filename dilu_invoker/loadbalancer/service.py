@@ -658,8 +658,10 @@ class Balancer:
                 await self.budgets.renew(uuid, ids, ttl_s=ttl_s)
 
         ops = Ops()
+        # (the plan hands back the same objects for what it did not change: those are passed over at once)
         for rid, rec in records.items():
-            if self._records.get(rid) != rec:
+            prev_rec = self._records.get(rid)
+            if prev_rec is not rec and prev_rec != rec:
                 ops.hset(self.keys.instances, rid, pack(rec))
         for rid in self._records.keys() - records.keys():
             ops.hdel(self.keys.instances, rid)
@@ -676,6 +678,8 @@ class Balancer:
                 gpu=r.gpu, gpu_uuid=r.gpu_uuid, boot=r.boot, reason=order.reason)), maxlen=COMMAND_STREAM_MAXLEN)
         for fqn, table in plan.routes.items():
             prev = self._routes.get(fqn)
+            if prev is table:
+                continue
             if prev != table:
                 ops.set(self.keys.route(fqn), pack(table))
             if not table.same_routes(prev):
