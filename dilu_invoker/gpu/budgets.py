@@ -40,6 +40,7 @@ before the field existed) is not kept.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -441,9 +442,17 @@ class GpuBudgets:
             pipe.time()
             *packed, (secs, micros) = await pipe.execute()
         now_ms = int(secs) * 1000 + int(micros) // 1000
+        if len(uuids) <= READ_CHUNK:
+            return self._parse_many(uuids, packed, now_ms, include_expired)
+        # Thousands of GPUs take the event loop long enough to delay what shares it (a leader's lease renewal).
+        return await asyncio.to_thread(self._parse_many, uuids, packed, now_ms, include_expired)
+
+    @classmethod
+    def _parse_many(cls, uuids: Sequence[str], packed: Sequence[bytes], now_ms: int,
+                    include_expired: bool) -> dict[str, GpuBudget | None]:
         raws = [dict(zip(flat[::2], flat[1::2], strict=True)) for chunk in packed
                 for flat in msgpack.unpackb(chunk, raw=True)]
-        return {uuid: self._parse(uuid, raw, now_ms, include_expired) if raw and b"cap" in raw else None
+        return {uuid: cls._parse(uuid, raw, now_ms, include_expired) if raw and b"cap" in raw else None
                 for uuid, raw in zip(uuids, raws, strict=True)}
 
     @staticmethod

@@ -415,7 +415,12 @@ class Balancer:
         lead = await self.lease.acquire()
         if lead is not None:
             self._valid_until = time.monotonic() + self.cfg.balancer.lease_ttl_s
-            await self._take_over(lead)
+            # Loading a large cluster's records takes longer than the lease: renew it meanwhile.
+            renew = asyncio.create_task(self._renew_loop(lead), name="balancer-renew-takeover")
+            try:
+                await self._take_over(lead)
+            finally:
+                await cancel_and_wait(renew)
         return lead
 
     async def _take_over(self, lead: Leadership) -> None:
@@ -713,29 +718,38 @@ class Balancer:
     # -- loading a predecessor's state -----------------------------------------------------------
 
     async def _load_records(self) -> dict[str, InstanceRecord]:
-        out: dict[str, InstanceRecord] = {}
-        for rid, raw in (await self.redis.hgetall(self.keys.instances)).items():
-            try:
-                rec = decode(InstanceRecord, raw)
-            except WireError as exc:
-                log.warning("unreadable instance record; dropped", instance=text(rid), error=str(exc))
-                continue
-            if rec is not None:
-                out[rec.id] = rec
-        return out
+        # Decoded off the event loop (tens of thousands of records take seconds; the lease is renewed meanwhile).
+        return await asyncio.to_thread(_decode_records, await self.redis.hgetall(self.keys.instances))
 
     async def _load_routes(self) -> dict[str, RoutingTable]:
         names = sorted(text(m) for m in await self.redis.smembers(self.keys.functions))
         if not names:
             return {}
         raws = await self.redis.mget([self.keys.route(n) for n in names])
-        out: dict[str, RoutingTable] = {}
-        for name, raw in zip(names, raws, strict=True):
-            with contextlib.suppress(WireError):
-                table = decode(RoutingTable, raw)
-                if table is not None:
-                    out[name] = table
-        return out
+        return await asyncio.to_thread(_decode_routes, names, raws)
+
+
+def _decode_records(raws: Mapping[Any, Any]) -> dict[str, InstanceRecord]:
+    out: dict[str, InstanceRecord] = {}
+    for rid, raw in raws.items():
+        try:
+            rec = decode(InstanceRecord, raw)
+        except WireError as exc:
+            log.warning("unreadable instance record; dropped", instance=text(rid), error=str(exc))
+            continue
+        if rec is not None:
+            out[rec.id] = rec
+    return out
+
+
+def _decode_routes(names: list[str], raws: list[Any]) -> dict[str, RoutingTable]:
+    out: dict[str, RoutingTable] = {}
+    for name, raw in zip(names, raws, strict=True):
+        with contextlib.suppress(WireError):
+            table = decode(RoutingTable, raw)
+            if table is not None:
+                out[name] = table
+    return out
 
 
 # -- running it ---------------------------------------------------------------------------------------

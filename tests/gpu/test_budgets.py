@@ -120,3 +120,30 @@ async def test_get_many_reads_what_get_reads_in_one_round_trip(budgets: GpuBudge
     expired = await budgets.get_many([UUID], include_expired=True)
     assert set(expired[UUID].reservations) == {"a", "gone"}  # type: ignore[union-attr]
     assert await budgets.get_many([]) == {}
+
+
+async def test_get_many_of_more_than_a_chunk_decodes_off_the_loop_to_the_same_answer(
+        budgets: GpuBudgets, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of GPUs (a leader's first read) are decoded in a worker thread, to what `get` reads."""
+    from dilu_invoker.gpu import budgets as module
+
+    uuids = [f"GPU-many-{k}" for k in range(module.READ_CHUNK + 30)]
+    for at in range(0, len(uuids), 50):
+        await asyncio.gather(*(budgets.register_gpu(u, GpuCapacity(node="n", index=at + k, name="Test",
+                                                                   memory_mb=40_000, sm_count=132))
+                               for k, u in enumerate(uuids[at : at + 50])))
+    assert (await budgets.reserve(uuids[-1], _res("last", invoker="n"), ttl_s=30)).ok
+    threads: list[object] = []
+    real = asyncio.to_thread
+
+    async def counting(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        threads.append(fn)
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(module.asyncio, "to_thread", counting)
+    many = await budgets.get_many([*uuids, "GPU-missing"])
+    assert len(threads) == 1 and many["GPU-missing"] is None
+    assert many[uuids[-1]] == await budgets.get(uuids[-1]) and set(many[uuids[-1]].reservations) == {"last"}  # type: ignore[union-attr]
+    assert [many[u] for u in uuids[:: 97]] == [await budgets.get(u) for u in uuids[:: 97]]
+    await budgets.get_many(uuids[:10])
+    assert len(threads) == 1  # a few GPUs are decoded in place

@@ -224,3 +224,41 @@ def test_the_snapshot_counts_a_gpu_and_an_instance_once_and_falls_back_to_the_re
     assert GpuRef("b", 0) not in cluster.ordinals and GpuRef("b", 1) in cluster.ordinals  # u1 counted for "a"
     assert cluster.gpu(GpuRef("b", 1)).memory_mib == 8000.0 and not cluster.gpu(GpuRef("b", 1)).schedulable
     assert cluster_of(0.0, {}, {}, {}) == (None, {})
+
+
+async def test_a_takeover_longer_than_the_lease_keeps_the_lease(redis: aioredis.Redis, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A new leader of a large cluster loads its predecessor's records and routing tables for longer than the lease
+    (tens of thousands of records take seconds): it renews the lease meanwhile, and the records are decoded off
+    the event loop, so it leads afterwards instead of stepping down before its first tick (and campaigning again,
+    forever, as it did at 32,000 instances: bench/leader_scale.py)."""
+    from dilu_invoker.loadbalancer import service
+
+    real = service._decode_records
+
+    def slow_decode(raws):  # type: ignore[no-untyped-def]
+        time.sleep(2.5)  # 2.5 leases of 1 s, as pure Python holds the GIL
+        return real(raws)
+
+    monkeypatch.setattr(service, "_decode_records", slow_decode)
+    await _invoker(redis, "invoker0")
+    await _function(redis, "f", **{"min-instances": 1})
+    await redis.hset(KEYS.instances, "gone-1", pack(InstanceRecord(
+        id="gone-1", function="guest/f", rev="1-x", invoker="invoker9", gpu=0, gpu_uuid="invoker9-gpu0",
+        cls="inference", request=0.2, limit=0.4, memory_mb=1000, state="ready")))
+    balancer = Balancer(redis, _cfg(), holder="solo")
+    beats: list[float] = []
+
+    async def heartbeat() -> None:
+        while True:
+            beats.append(time.monotonic())
+            await asyncio.sleep(0.02)
+
+    beat = asyncio.create_task(heartbeat())
+    lead = await balancer.campaign_once()
+    beat.cancel()
+    assert lead is not None and "gone-1" in balancer._records
+    gaps = [b - a for a, b in itertools.pairwise(beats)]
+    assert len(beats) > 50 and max(gaps) < 0.3, (len(beats), max(gaps, default=None))
+    holder = await balancer.lease.holder_of(redis)
+    assert holder is not None and holder[0] == "solo" and holder[1] == lead.epoch
+    assert await balancer.tick(lead)  # it still leads: the tick is applied under the same lease
