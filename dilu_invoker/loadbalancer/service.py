@@ -49,6 +49,7 @@ from dilu_invoker.loadbalancer.planner import (
     CompactionLoop,
     Evictable,
     FunctionState,
+    Order,
     PlanMemo,
     PlannerConfig,
     TickInput,
@@ -662,6 +663,34 @@ class Balancer:
             with contextlib.suppress(RedisError):
                 await self.budgets.renew(uuid, ids, ttl_s=ttl_s)
 
+        # The tick's writes, packed in a worker thread (a tick that changes thousands of records or routing
+        # tables would otherwise hold the event loop, and with it the lease's renewal).
+        ops = await asyncio.to_thread(self._writes, lead, plan, records, starts)
+        before = dict(self.metrics.totals)
+        if self.metrics.observe(plan, self._compaction):
+            ops.hset(self.keys.compaction, "totals", msgpack.packb(self.metrics.totals))
+
+        if ops.count and not await self.lease.apply(lead, ops):
+            self.metrics.totals = before
+            for r in reserved:
+                with contextlib.suppress(RedisError):
+                    await self.budgets.release(r.gpu_uuid or "", r.id)
+            self._lost.set()
+            return False
+        for d in plan.decisions:
+            log.info("balancer decision", kind=d.kind, function=d.function, instance=d.instance or None,
+                     invoker=d.invoker or None, gpu=d.gpu, reason=d.reason, epoch=lead.epoch)
+        self._records = records
+        self._routes = dict(plan.routes)
+        self._states = states
+        self._seq = plan.seq
+        self._compaction = plan.compaction
+        self._memo = plan.memo
+        return True
+
+    def _writes(self, lead: Leadership, plan: TickPlan, records: Mapping[str, InstanceRecord],
+                starts: list[Order]) -> Ops:
+        """What the tick writes under the lease, against what the last applied tick left (`_records`, `_routes`)."""
         ops = Ops()
         # (the plan hands back the same objects for what it did not change: those are passed over at once)
         for rid, rec in records.items():
@@ -693,27 +722,7 @@ class Balancer:
             ops.xadd(self.keys.decisions, pack(d), maxlen=DECISION_STREAM_MAXLEN)
         for name in plan.gone:
             ops.srem(self.keys.invokers, name)
-        before = dict(self.metrics.totals)
-        if self.metrics.observe(plan, self._compaction):
-            ops.hset(self.keys.compaction, "totals", msgpack.packb(self.metrics.totals))
-
-        if ops.count and not await self.lease.apply(lead, ops):
-            self.metrics.totals = before
-            for r in reserved:
-                with contextlib.suppress(RedisError):
-                    await self.budgets.release(r.gpu_uuid or "", r.id)
-            self._lost.set()
-            return False
-        for d in plan.decisions:
-            log.info("balancer decision", kind=d.kind, function=d.function, instance=d.instance or None,
-                     invoker=d.invoker or None, gpu=d.gpu, reason=d.reason, epoch=lead.epoch)
-        self._records = records
-        self._routes = dict(plan.routes)
-        self._states = states
-        self._seq = plan.seq
-        self._compaction = plan.compaction
-        self._memo = plan.memo
-        return True
+        return ops
 
     # -- loading a predecessor's state -----------------------------------------------------------
 
