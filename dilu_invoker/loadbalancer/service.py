@@ -106,6 +106,11 @@ return cmsgpack.pack(out)
 """
 #: keys per `READ_METAS` call (a few milliseconds of Redis's time each)
 READ_CHUNK = 2000
+#: A whole hash packed into one msgpack reply (field, value, field, value, …): a new leader reads the instance
+#: table once, and redis-py parsing tens of thousands of fields one by one holds the event loop for seconds.
+READ_HASH = """
+return cmsgpack.pack(redis.call('HGETALL', KEYS[1]))
+"""
 
 
 def planner_config(cfg: Config) -> PlannerConfig:
@@ -369,6 +374,7 @@ class Balancer:
         self.keys = Keys(cfg.redis.prefix)
         self.budgets = GpuBudgets(redis, cfg.redis.prefix)
         self._metas = redis.register_script(READ_METAS)
+        self._hash = redis.register_script(READ_HASH)
         self._budget_cache = self._new_budget_cache()
         #: each function's last meta bytes and the spec decoded from them (`_read_specs`)
         self._spec_cache: dict[str, tuple[bytes, FunctionSpec]] = {}
@@ -728,7 +734,8 @@ class Balancer:
 
     async def _load_records(self) -> dict[str, InstanceRecord]:
         # Decoded off the event loop (tens of thousands of records take seconds; the lease is renewed meanwhile).
-        return await asyncio.to_thread(_decode_records, await self.redis.hgetall(self.keys.instances))
+        packed = await self._hash(keys=[self.keys.instances])
+        return await asyncio.to_thread(_decode_records, packed)
 
     async def _load_routes(self) -> dict[str, RoutingTable]:
         names = sorted(text(m) for m in await self.redis.smembers(self.keys.functions))
@@ -738,9 +745,10 @@ class Balancer:
         return await asyncio.to_thread(_decode_routes, names, raws)
 
 
-def _decode_records(raws: Mapping[Any, Any]) -> dict[str, InstanceRecord]:
+def _decode_records(packed: bytes) -> dict[str, InstanceRecord]:
+    flat = msgpack.unpackb(packed, raw=True)
     out: dict[str, InstanceRecord] = {}
-    for rid, raw in raws.items():
+    for rid, raw in zip(flat[::2], flat[1::2], strict=True):
         try:
             rec = decode(InstanceRecord, raw)
         except WireError as exc:
