@@ -381,6 +381,8 @@ class Balancer:
         self._report_decoder = ReportDecoder()
         #: each function's last meta bytes and the spec decoded from them (`_read_specs`)
         self._spec_cache: dict[str, tuple[bytes, FunctionSpec]] = {}
+        #: the functions' set of the last `_read_specs`, and each of its `READ_METAS` calls' reply and specs
+        self._spec_chunks: tuple[_Names | None, list[tuple[bytes, dict[str, FunctionSpec]]]] = (None, [])
         self._snapshots = SnapshotCache()
         self.holder = holder or default_holder()
         self.lease = LeaderLease(redis, self.keys, holder=self.holder, ttl_s=cfg.balancer.lease_ttl_s)
@@ -555,22 +557,21 @@ class Balancer:
                                               members=frozenset(names))
         return read
 
-    async def _read_strings(self, keys: list[str], script: Any) -> list[Any]:
-        """`script` over `keys`, `READ_CHUNK` keys a call in one pipeline, each call's packed reply unpacked."""
-        out: list[Any] = []
+    async def _read_packed(self, keys: list[str], script: Any) -> list[bytes]:
+        """`script` over `keys`, `READ_CHUNK` keys a call in one pipeline: each call's packed reply."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for k in range(0, len(keys), READ_CHUNK):
                 await script(keys=keys[k : k + READ_CHUNK], client=pipe)
-            for packed in await pipe.execute():
-                out.extend(msgpack.unpackb(packed, raw=True))
-        return out
+            replies: list[bytes] = await pipe.execute()
+        return replies
 
     async def _read_reports(self) -> tuple[dict[str, LoadReport], frozenset[str]]:
         invokers = await self._names(self.keys.invokers, _natural, self.keys.report)
         names = invokers.names
         if not names:
             return {}, frozenset()
-        raws = await self._read_strings(invokers.keys, self._strings)
+        raws = [raw for packed in await self._read_packed(invokers.keys, self._strings)
+                for raw in msgpack.unpackb(packed, raw=True)]
         reports: dict[str, LoadReport] = {}
         # Each report is what `decode` makes of it; the decoder reuses the objects of the elements (GPUs,
         # instances, functions) whose bytes it decoded at the last reads (most of them: only the busy instances'
@@ -600,16 +601,38 @@ class Balancer:
         names = functions.names
         if not names:
             return {}
-        metas = await self._read_strings(functions.keys, self._metas)
+        replies = await self._read_packed(functions.keys, self._metas)
+        last_functions, last_chunks = self._spec_chunks
+        if functions is not last_functions:
+            # The set changed: its chunks are other names; forget the specs of functions gone.
+            last_chunks = []
+            self._spec_cache = {n: c for n, c in self._spec_cache.items() if n in functions.members}
         specs: dict[str, FunctionSpec] = {}
-        seen, self._spec_cache = self._spec_cache, {}
+        chunks: list[tuple[bytes, dict[str, FunctionSpec]]] = []
+        for c, reply in enumerate(replies):
+            # A call whose reply is the same bytes as at the last read (the same names, and specs rarely change)
+            # gives the specs decoded then.
+            if c < len(last_chunks) and last_chunks[c][0] == reply:
+                part = last_chunks[c][1]
+            else:
+                part = self._specs_of(names[c * READ_CHUNK : (c + 1) * READ_CHUNK], msgpack.unpackb(reply, raw=True))
+            chunks.append((reply, part))
+            specs.update(part)
+        self._spec_chunks = (functions, chunks)
+        return specs
+
+    def _specs_of(self, names: list[str], metas: list[Any]) -> dict[str, FunctionSpec]:
+        specs: dict[str, FunctionSpec] = {}
+        cache = self._spec_cache
         for name, raw in zip(names, metas, strict=True):
             if raw is False or raw is None:  # no meta (Lua's false)
+                cache.pop(name, None)
                 continue
-            # A spec whose bytes did not change since the last tick is the object decoded then (they rarely do).
-            cached = seen.get(name)
+            # A spec whose bytes did not change since the last read is the object decoded then (they rarely do).
+            cached = cache.get(name)
             spec: FunctionSpec | None = cached[1] if cached is not None and cached[0] == raw else None
             if spec is None:
+                cache.pop(name, None)
                 try:
                     spec = decode(FunctionSpec, raw)
                 except WireError as exc:
@@ -617,8 +640,8 @@ class Balancer:
                     continue
                 if spec is None:
                     continue
+                cache[name] = (raw, spec)
             specs[name] = spec
-            self._spec_cache[name] = (raw, spec)
         return specs
 
     async def _cluster(self, now: float, reports: dict[str, LoadReport], specs: dict[str, FunctionSpec],

@@ -9,9 +9,11 @@ from dataclasses import replace
 from typing import Any
 
 import msgpack
+import pytest
 import redis.asyncio as aioredis
 
 from dilu_invoker import config
+from dilu_invoker.loadbalancer import service
 from dilu_invoker.loadbalancer.service import Balancer
 from dilu_invoker.wire import FunctionSpec, Keys, LoadReport, WireError, decode, pack, text
 from tests.test_wire_reports import TRICKY, same
@@ -49,7 +51,14 @@ def _report(rng: random.Random, name: str, at: int) -> dict[str, Any]:
             "functions": [{"function": "ns/f", "arrival_rate": rng.choice([1, 1.0, True])}] if rng.random() < 0.5 else []}
 
 
-async def test_the_reports_read_are_those_decoded_afresh(redis: aioredis.Redis) -> None:
+@pytest.fixture(params=[3, service.READ_CHUNK], ids=["chunks-of-3", "one-chunk"])
+def chunk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Keys per script call: 3 makes several calls, some of whose replies change while others do not."""
+    monkeypatch.setattr(service, "READ_CHUNK", request.param)
+    return int(request.param)
+
+
+async def test_the_reports_read_are_those_decoded_afresh(redis: aioredis.Redis, chunk: int) -> None:
     rng = random.Random(5)
     balancer = _balancer(redis)
     names = [f"invoker{k}" for k in range(8)]
@@ -85,7 +94,7 @@ async def test_no_invoker_no_report(redis: aioredis.Redis) -> None:
     assert await balancer._read_reports() == ({}, frozenset({"invoker0"}))
 
 
-async def test_the_specs_read_are_those_decoded_afresh(redis: aioredis.Redis) -> None:
+async def test_the_specs_read_are_those_decoded_afresh(redis: aioredis.Redis, chunk: int) -> None:
     rng = random.Random(7)
     balancer = _balancer(redis)
     assert await balancer._read_specs() == {}
@@ -119,3 +128,16 @@ async def test_the_specs_read_are_those_decoded_afresh(redis: aioredis.Redis) ->
         assert list(got) == list(want)
         for fqn in got:
             assert same(got[fqn], want[fqn]), fqn
+
+
+async def test_a_changed_set_with_the_same_metas_is_read_anew(redis: aioredis.Redis) -> None:
+    """Two functions holding the same meta bytes (a copied registry hash), one registered after the other."""
+    balancer = _balancer(redis)
+    meta = pack(FunctionSpec(fqn="ns/a", rev="1", kind="k", cls="inference", request=1.0, limit=1.0, memory_mb=1))
+    for fqn in ("ns/a", "ns/b"):
+        await redis.hset(KEYS.function(fqn), "meta", meta)
+    await redis.sadd(KEYS.functions, "ns/a")
+    assert list(await balancer._read_specs()) == ["ns/a"]
+    await redis.srem(KEYS.functions, "ns/a")
+    await redis.sadd(KEYS.functions, "ns/b")
+    assert list(await balancer._read_specs()) == ["ns/b"]
