@@ -8,7 +8,10 @@ simulator does) and bench/planner_scale.py (what a tick costs at scale)."""
 from __future__ import annotations
 
 import math
+import random
 import time
+import zlib
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +24,15 @@ from dilu_invoker.loadbalancer.planner import (
     plan_tick,
 )
 from dilu_invoker.policy import ClusterSnapshot, GpuRef, GpuState, InstanceClass, PlacedInstance
-from dilu_invoker.wire import FunctionSpec, GpuReport, InstanceRecord, InstanceReport, LoadReport, RecordState
+from dilu_invoker.wire import (
+    FunctionReport,
+    FunctionSpec,
+    GpuReport,
+    InstanceRecord,
+    InstanceReport,
+    LoadReport,
+    RecordState,
+)
 
 GPU_MIB = 40 * 1024
 GPUS_PER_NODE = 4
@@ -101,3 +112,36 @@ class LiveHarness:
         self.loop = plan.compaction
         self.memo = plan.memo
         return plan
+
+
+#: `live_figures`' clock at tick 0 (ms)
+EPOCH_MS = 1_800_000_000_000
+
+
+def live_figures(reports: Mapping[str, LoadReport], tick: int, seed: int, busy: float = 0.5) -> dict[str, LoadReport]:
+    """`reports` as live invokers publish them at `tick` (one report period a tick), for the balancer's read path:
+    `at_ms` moves one period each tick, and so do the figures of every busy instance. A fraction `busy` of the
+    instances is busy, chosen by `seed` once for all ticks; a busy instance's share, throttled seconds, waiting,
+    in flight, arrival and completion rates, latency and queue delay are drawn anew each tick (from `seed` and
+    `tick`), and its invoker's router reports its function's arrivals (`FunctionReport`). An idle instance reports
+    its request as its share and zero load, the same every tick. The identity fields (id, function, rev, state,
+    class, GPU, request, limit, memory, slots) and the GPUs are the reports' own. Deterministic."""
+    rng = random.Random(seed * 1_000_003 + tick)
+    out: dict[str, LoadReport] = {}
+    for name, report in reports.items():
+        insts: list[InstanceReport] = []
+        fns: list[FunctionReport] = []
+        for i in report.instances:
+            if zlib.crc32(f"{seed}:{i.id}".encode()) < busy * 2**32:
+                arrivals = rng.uniform(0.1, 50.0)
+                insts.append(replace(
+                    i, share=rng.uniform(i.request, max(i.request, i.limit)), saturated=rng.random() < 0.1,
+                    throttled_s=rng.uniform(0.0, 0.2), waiting=rng.randint(0, 2), in_flight=rng.randint(0, i.slots),
+                    arrival_rate=arrivals, completion_rate=arrivals * rng.uniform(0.9, 1.1),
+                    latency_ms=rng.uniform(5.0, 500.0), queue_delay_ms=rng.uniform(0.0, 100.0)))
+                fns.append(FunctionReport(function=i.function, arrival_rate=arrivals * rng.uniform(0.5, 1.0)))
+            else:
+                insts.append(replace(i, share=i.request, saturated=False, throttled_s=0.0))
+        out[name] = replace(report, at_ms=EPOCH_MS + 1000 * tick, user_memory_mb=64 * 1024,
+                            memory_in_use_mb=256 * len(insts), instances=tuple(insts), functions=tuple(fns))
+    return out

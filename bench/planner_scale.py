@@ -1,6 +1,6 @@
 """What one live balancer tick costs at scale: `plan_tick` with the live defaults on N one-GPU instances.
 
-    PYTHONPATH=. python3 bench/planner_scale.py [--sizes 1000,3200,10000] [--ticks 20] [--out FILE.md] [--json FILE]
+    PYTHONPATH=. python3 bench/planner_scale.py [--sizes 1000,3200,10000] [--ticks 20] [--redis [--busy 0.5]] [--out FILE.md] [--json FILE]
 
 The leader runs `loadbalancer.planner.plan_tick` every `--balancer-tick-s` (1 s): a tick that takes longer
 than that delays every placement and routing table. Here the invokers are simulated (bench/live_replay.py:
@@ -29,6 +29,8 @@ Per size, CPU seconds (`time.process_time`, this process alone):
 - with `--redis`, the read path: the leader's whole read of a steady tick (`service_reads`: the reports, the
   function registry, the budgets and the snapshot, through the `Balancer`'s own methods) from a real
   redis-server holding what invokers and routers write; CPU and wall seconds, median of 5 after a first read.
+  Before each read every invoker writes its report anew (`live_replay.live_figures`): the clock moves, and so
+  do the figures of a `--busy` fraction (0.5) of the instances, drawn from the seed and the tick.
   Before each of the 5, the budgets of one GPU in `--gpu-reservation-ttl-s` / `--balancer-tick-s` (30) change.
   Those are read again with the same content (a renewed lease), so the steady snapshot is the last one at the new
   time (`service.SnapshotCache`); "snapshot" is `cluster_of` from scratch, and "snapshot, a budget changed" the
@@ -54,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from live_replay import GPU_MIB, GPUS_PER_NODE, LiveHarness
+from live_replay import GPU_MIB, GPUS_PER_NODE, LiveHarness, live_figures
 from loadgen import cpu_model
 
 from dilu_invoker.config import Config
@@ -121,13 +123,24 @@ async def _fill_budgets(budgets: GpuBudgets, live: LiveHarness) -> None:
         await asyncio.gather(*calls[k : k + 64])
 
 
-async def service_reads(live: LiveHarness, rounds: int = 5) -> dict[str, Any]:
+async def _write_reports(client: Any, keys: Keys, reports: dict[str, LoadReport]) -> None:
+    names = list(reports)
+    for k in range(0, len(names), 1000):
+        async with client.pipeline(transaction=False) as pipe:
+            for name in names[k : k + 1000]:
+                pipe.set(keys.report(name), pack(reports[name]))
+            await pipe.execute()
+
+
+async def service_reads(live: LiveHarness, rounds: int = 5, seed: int = 1, busy: float = 0.5) -> dict[str, Any]:
     """The leader's whole read path of a steady tick against a real redis-server holding what the invokers and
     routers write (every live invoker's load report, every function's registry hash, every GPU's budget with
     its instances' reservations): `Balancer._read_reports`, `_read_specs` and `_cluster` (the budgets, then the
     snapshot), as `Balancer.tick` calls them. CPU seconds of this process (the decoding, redis-py's parsing,
     the snapshot's worker thread; not the redis-server's) and wall seconds, median of `rounds` reads after a
-    first one (a leader's first tick reads everything; later ones may use what it read before)."""
+    first one (a leader's first tick reads everything; later ones may use what it read before). Before each
+    read every invoker publishes its report anew, as live invokers do every period (`live_replay.live_figures`:
+    the clock and the figures of the `busy` fraction of the instances move, the rest stays)."""
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedRedis(tmp, persistent=False) as server:
             client = redis_client(server.url)
@@ -137,8 +150,6 @@ async def service_reads(live: LiveHarness, rounds: int = 5) -> dict[str, Any]:
             reports = live.reports()
             async with client.pipeline(transaction=False) as pipe:
                 pipe.sadd(keys.invokers, *reports)
-                for name, report in reports.items():
-                    pipe.set(keys.report(name), pack(report))
                 pipe.sadd(keys.functions, *live.specs)
                 for fqn, spec in live.specs.items():
                     doc = json.dumps({"namespace": "bench", "name": fqn, "exec": {"kind": spec.kind, "code": "x" * 64},
@@ -151,6 +162,7 @@ async def service_reads(live: LiveHarness, rounds: int = 5) -> dict[str, Any]:
             uuids = [f"{inv}-g{i}" for inv in live.invokers for i in range(GPUS_PER_NODE)]
             ttl_ticks = round(cfg.gpu.reservation_ttl_s / cfg.balancer.tick_s)
             for k in range(rounds + 1):
+                await _write_reports(client, keys, live_figures(reports, k, seed, busy))
                 if k:
                     # Between two ticks, the budgets of a lease's worth of GPUs change (re-registered: the same
                     # capacity, marked changed), as many as a leader that re-reads the GPUs whose reservations'
@@ -214,7 +226,7 @@ async def _snapshot_changed(balancer: Balancer, reports: dict[str, LoadReport], 
     return out
 
 
-def run_size(n: int, ticks: int, seed: int, redis: bool = False) -> dict[str, Any]:
+def run_size(n: int, ticks: int, seed: int, redis: bool = False, busy: float = 0.5) -> dict[str, Any]:
     creates = [ev for ev in dilu_mix(2 * n, train_fraction=0.0, llm_fraction=0.2, seed=seed)
                if ev.op == CREATE and ev.spec is not None and ev.spec.gpus == 1]
     first, spare = creates[:n], creates[n:]
@@ -268,7 +280,8 @@ def run_size(n: int, ticks: int, seed: int, redis: bool = False) -> dict[str, An
     compaction = live.last_plan_s
     moves = sum(1 for d in plan.decisions if d.kind == "move")
     lit = len({(r.invoker, r.gpu) for r in live.records.values()})
-    reads = {**asyncio.run(budget_reads(live)), **asyncio.run(service_reads(live))} if redis else {}
+    reads = ({**asyncio.run(budget_reads(live)), **asyncio.run(service_reads(live, seed=seed, busy=busy)),
+              "busy_fraction": busy} if redis else {})
     return {**reads,
         "n": n, "nodes": nodes, "gpus": nodes * GPUS_PER_NODE, "placed_first_tick": placed, "lit_gpus": lit,
         "place_all_s": place_all, "steady_median_s": statistics.median(steady), "steady_max_s": max(steady),
@@ -332,13 +345,15 @@ def main() -> int:
     ap.add_argument("--ticks", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--redis", action="store_true", help="also time reading every GPU's budget from a redis-server")
+    ap.add_argument("--busy", type=float, default=0.5,
+                    help="with --redis: the fraction of instances whose reported figures move every period")
     ap.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
     for n in (int(x) for x in args.sizes.split(",") if x):
-        r = run_size(n, args.ticks, args.seed, args.redis)
+        r = run_size(n, args.ticks, args.seed, args.redis, args.busy)
         rows.append(r)
         print(f"{n:6d} instances on {r['gpus']} GPUs: place all {r['place_all_s']:.2f} s, steady "
               f"{1000 * r['steady_median_s']:.0f} / {1000 * r['steady_max_s']:.0f} ms, 1 % changed "

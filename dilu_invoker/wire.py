@@ -13,8 +13,8 @@ import dataclasses
 import enum
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass
 from typing import Any, TypeVar
 
 import msgpack
@@ -159,8 +159,51 @@ def unpack(raw: bytes | bytearray | memoryview) -> Any:
 #: object per instance and per GPU every tick (docs/benchmarks/planner-scale.md)
 _FIELD_NAMES: dict[type, frozenset[str]] = {}
 
+#: each wire class's `_builder` (None: it has none)
+_BUILDERS: dict[type, Callable[[dict[str, Any]], Any] | None] = {}
+
+
+def _builder(cls: type) -> Callable[[dict[str, Any]], Any] | None:
+    """A function making a `cls` from a dict holding its fields, as ``cls(**{k: v for k, v in d.items() if k in
+    fields})`` does: each field's value from the dict, or its default when absent; other keys are ignored. It
+    raises KeyError when a field without a default is missing. A frozen dataclass's own ``__init__`` sets each
+    field through ``object.__setattr__``; this sets each slot through its descriptor, about twice as fast (the
+    balancer makes one object per instance and per GPU every tick). None for a class it cannot make exactly so
+    (no slots, a ``__post_init__``, a field with a default factory or not in ``__init__``)."""
+    if "__slots__" not in cls.__dict__ or hasattr(cls, "__post_init__"):
+        return None
+    fields = dataclasses.fields(cls)
+    if any(not f.init or f.default_factory is not MISSING for f in fields):
+        return None
+    env: dict[str, Any] = {"new": object.__new__, "cls": cls}
+    params, body = [], []
+    for k, f in enumerate(fields):
+        env[f"set{k}"] = cls.__dict__[f.name].__set__
+        params.append(f"set{k}=set{k}")
+        if f.default is MISSING:
+            body.append(f"    set{k}(o, d[{f.name!r}])")
+        else:
+            env[f"default{k}"] = f.default
+            params.append(f"default{k}=default{k}")
+            body.append(f"    set{k}(o, d.get({f.name!r}, default{k}))")
+    src = f"def build(d, new=new, cls=cls, {', '.join(params)}):\n    o = new(cls)\n" + "\n".join(body) + "\n    return o\n"
+    exec(src, env)  # generated from the class's own field names, as dataclasses does
+    build: Callable[[dict[str, Any]], Any] = env["build"]
+    return build
+
 
 def _fields_of(cls: type[T], data: Any, nested: Mapping[str, Any] | None = None) -> T:
+    if nested is None and type(data) is dict:
+        try:
+            build = _BUILDERS[cls]
+        except KeyError:
+            build = _BUILDERS[cls] = _builder(cls)
+        if build is not None:
+            try:
+                made: T = build(data)
+                return made
+            except KeyError:
+                pass  # a field without a default is missing: the constructor below says which
     if not isinstance(data, Mapping):
         raise WireError(f"{cls.__name__}: expected a map, got {type(data).__name__}")
     names = _FIELD_NAMES.get(cls)
@@ -375,6 +418,112 @@ class LoadReport:
             "instances": lambda v: tuple(InstanceReport.from_wire(x) for x in v or ()),
             "functions": lambda v: tuple(FunctionReport.from_wire(x) for x in v or ()),
         })
+
+
+#: `LoadReport`'s lists and the class of their elements
+_REPORT_PARTS: dict[str, type] = {"gpus": GpuReport, "instances": InstanceReport, "functions": FunctionReport}
+_UNPACK_OPTIONS: dict[str, Any] = {"raw": False, "strict_map_key": False}
+
+
+class _Plain(Exception):
+    """What `ReportDecoder` leaves to `decode`."""
+
+
+class ReportDecoder:
+    """``decode(LoadReport, raw)`` for a reader of every invoker's report every period (the balancer's leader),
+    reusing what it decoded from the reports since its last-but-one `turn` where the bytes are the same: a whole
+    list of the report (its GPUs, its instances, its functions) or one element of it.
+
+    A report's bytes change every period (its clock, and the figures of its busy instances), but most of its
+    elements' bytes do not (the GPUs, and every idle instance). The walk finds each list's and each element's
+    bytes with a `msgpack.Unpacker` (`skip`, `tell`). The same bytes decode to the same values of the same types
+    (1, 1.0 and True, or 0.0 and -0.0, are different bytes), so what was decoded from them before is equal to,
+    and indistinguishable from, what `decode` makes of them now. An element not seen before is decoded on its own
+    at the depth it has in the report, so msgpack's limits apply as they do to the whole. The answer is always
+    `decode`'s: anything the walk does not expect (not a map, a list that is not an array, a field holding a map
+    or an array, trailing bytes, any error) is left to `decode` itself, which raises `WireError` on bad data as it
+    always has. Unknown fields are dropped, as `decode` drops them. Not thread-safe: one reader at a time."""
+
+    def __init__(self) -> None:
+        #: per list field, its bytes → the tuple; per element class, its bytes → the object: since the last
+        #: `turn`, and between the two before
+        self._seen: dict[Any, dict[bytes, Any]] = self._empty()
+        self._last: dict[Any, dict[bytes, Any]] = self._empty()
+
+    @staticmethod
+    def _empty() -> dict[Any, dict[bytes, Any]]:
+        return {k: {} for k in (*_REPORT_PARTS, *_REPORT_PARTS.values())}
+
+    def turn(self) -> None:
+        """Forget what only the reports decoded before the last turn held (call it after each round of reads)."""
+        self._last, self._seen = self._seen, self._empty()
+
+    def decode(self, raw: bytes | str | None) -> LoadReport | None:
+        """`decode(LoadReport, raw)`: the same answer, or the same exception."""
+        if type(raw) is bytes:
+            try:
+                return self._walk(raw)
+            except Exception:  # noqa: BLE001 - left to decode, which answers or raises as it always has
+                pass
+        return decode(LoadReport, raw)
+
+    def _walk(self, raw: bytes) -> LoadReport:
+        unpacker = msgpack.Unpacker(None, max_buffer_size=len(raw), **_UNPACK_OPTIONS)
+        unpacker.feed(raw)
+        data: dict[Any, Any] = {}
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            cls = _REPORT_PARTS.get(key)
+            if cls is None:
+                value = unpacker.unpack()
+                if type(value) is dict or type(value) is list:
+                    raise _Plain  # a newer writer's nested field: msgpack's depth limit counts from the report
+                data[key] = value
+                continue
+            start = unpacker.tell()
+            unpacker.skip()
+            chunk = raw[start : unpacker.tell()]
+            seen = self._seen[key]
+            value = seen.get(chunk)
+            if value is None:
+                value = self._last[key].get(chunk)
+                if value is None:
+                    value = self._elements(chunk, cls)
+                seen[chunk] = value
+            data[key] = value
+        if unpacker.tell() != len(raw):
+            raise _Plain
+        # What `_fields_of` makes of the map, its lists made of the elements' objects: the known fields, the
+        # others dropped (a key that is not text too), a missing field with no default an error (left to `decode`).
+        report: LoadReport = _REPORT_BUILDER(data)
+        return report
+
+    def _elements(self, chunk: bytes, cls: type) -> tuple[Any, ...]:
+        """The elements of one list of a report (`chunk`: its bytes, an array)."""
+        unpacker = msgpack.Unpacker(None, max_buffer_size=len(chunk), **_UNPACK_OPTIONS)
+        unpacker.feed(chunk)
+        seen, last = self._seen[cls], self._last[cls]
+        out: list[Any] = []
+        start = unpacker.tell()
+        for _ in range(unpacker.read_array_header()):
+            if not out:
+                start = unpacker.tell()
+            unpacker.skip()
+            end = unpacker.tell()
+            element = chunk[start:end]
+            start = end
+            obj = seen.get(element)
+            if obj is None:
+                obj = last.get(element)
+                if obj is None:
+                    # Decoded at the depth it has in the report (a map in an array in a map), as `decode` would.
+                    obj = _fields_of(cls, msgpack.unpackb(b"\x91\x91" + element, **_UNPACK_OPTIONS)[0][0])
+                seen[element] = obj
+            out.append(obj)
+        return tuple(out)
+
+
+_REPORT_BUILDER: Callable[[dict[str, Any]], Any] = _builder(LoadReport)  # type: ignore[assignment]
 
 
 # -- commands ----------------------------------------------------------------------------------------

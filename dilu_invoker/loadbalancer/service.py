@@ -79,6 +79,7 @@ from dilu_invoker.wire import (
     Keys,
     LoadReport,
     RecordState,
+    ReportDecoder,
     RoutingTable,
     WireError,
     decode,
@@ -104,13 +105,31 @@ local out = {}
 for i, key in ipairs(KEYS) do out[i] = redis.call('HGET', key, 'meta') end
 return cmsgpack.pack(out)
 """
-#: keys per `READ_METAS` call (a few milliseconds of Redis's time each)
+#: keys per `READ_METAS` / `READ_STRINGS` call (a few milliseconds of Redis's time each)
 READ_CHUNK = 2000
 #: A whole hash packed into one msgpack reply (field, value, field, value, …): a new leader reads the instance
 #: table once, and redis-py parsing tens of thousands of fields one by one holds the event loop for seconds.
 READ_HASH = """
 return cmsgpack.pack(redis.call('HGETALL', KEYS[1]))
 """
+#: The members of a set packed into one msgpack reply (the invokers, the functions), for the same reason.
+READ_MEMBERS = """
+return cmsgpack.pack(redis.call('SMEMBERS', KEYS[1]))
+"""
+#: MGET packed into one msgpack reply (false for a missing key), for the same reason (the load reports).
+READ_STRINGS = """
+return cmsgpack.pack(redis.call('MGET', unpack(KEYS)))
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class _Names:
+    """A registry set as last read (`Balancer._names`): its packed reply, its members sorted, and their keys."""
+
+    packed: bytes
+    names: list[str]
+    keys: list[str]
+    members: frozenset[str]
 
 
 def planner_config(cfg: Config) -> PlannerConfig:
@@ -375,9 +394,17 @@ class Balancer:
         self.budgets = GpuBudgets(redis, cfg.redis.prefix)
         self._metas = redis.register_script(READ_METAS)
         self._hash = redis.register_script(READ_HASH)
+        self._members = redis.register_script(READ_MEMBERS)
+        self._strings = redis.register_script(READ_STRINGS)
+        #: the invokers' and the functions' sets as last read (`_names`)
+        self._names_read: dict[str, _Names] = {}
         self._budget_cache = self._new_budget_cache()
+        #: the reports' elements decoded at the last reads, reused where their bytes are the same (`_read_reports`)
+        self._report_decoder = ReportDecoder()
         #: each function's last meta bytes and the spec decoded from them (`_read_specs`)
         self._spec_cache: dict[str, tuple[bytes, FunctionSpec]] = {}
+        #: the functions' set of the last `_read_specs`, and each of its `READ_METAS` calls' reply and specs
+        self._spec_chunks: tuple[_Names | None, list[tuple[bytes, dict[str, FunctionSpec]]]] = (None, [])
         self._snapshots = SnapshotCache()
         self.holder = holder or default_holder()
         self.lease = LeaderLease(redis, self.keys, holder=self.holder, ttl_s=cfg.balancer.lease_ttl_s)
@@ -544,46 +571,95 @@ class Balancer:
         self.ticks += 1
         return ok
 
+    async def _names(self, key: str, sort_key: Any, key_of: Any) -> _Names:
+        """The members of the set `key`, sorted by `sort_key`, and the key `key_of` each: packed by Redis in one
+        reply, and, while that reply is the same bytes as at the last read (the set rarely changes), the lists
+        made from it then."""
+        packed = await self._members(keys=[key])
+        last = self._names_read.get(key)
+        if last is not None and last.packed == packed:
+            return last
+        names = sorted((text(m) for m in msgpack.unpackb(packed, raw=True) or ()), key=sort_key)
+        read = self._names_read[key] = _Names(packed=packed, names=names, keys=[key_of(n) for n in names],
+                                              members=frozenset(names))
+        return read
+
+    async def _read_packed(self, keys: list[str], script: Any) -> list[bytes]:
+        """`script` over `keys`, `READ_CHUNK` keys a call in one pipeline: each call's packed reply."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for k in range(0, len(keys), READ_CHUNK):
+                await script(keys=keys[k : k + READ_CHUNK], client=pipe)
+            replies: list[bytes] = await pipe.execute()
+        return replies
+
     async def _read_reports(self) -> tuple[dict[str, LoadReport], frozenset[str]]:
-        names = sorted((text(m) for m in await self.redis.smembers(self.keys.invokers)), key=_natural)
+        invokers = await self._names(self.keys.invokers, _natural, self.keys.report)
+        names = invokers.names
         if not names:
             return {}, frozenset()
-        raws = await self.redis.mget([self.keys.report(n) for n in names])
+        raws = [raw for packed in await self._read_packed(invokers.keys, self._strings)
+                for raw in msgpack.unpackb(packed, raw=True)]
         reports: dict[str, LoadReport] = {}
-        for name, raw in zip(names, raws, strict=True):
-            if raw is None:
-                continue
-            try:
-                report = decode(LoadReport, raw)
-            except WireError as exc:
-                if name not in self._bad_reports:
-                    self._bad_reports.add(name)
-                    log.warning("unreadable load report; the invoker counts as gone", invoker=name, error=str(exc))
-                continue
-            if report is not None:
-                self._bad_reports.discard(name)
-                reports[name] = report
-        return reports, frozenset(names)
+        # Each report is what `decode` makes of it; the decoder reuses the objects of the elements (GPUs,
+        # instances, functions) whose bytes it decoded at the last reads (most of them: only the busy instances'
+        # figures and the clock move every period).
+        decoder = self._report_decoder
+        try:
+            for name, raw in zip(names, raws, strict=True):
+                if raw is False or raw is None:  # no report (Lua's false)
+                    continue
+                try:
+                    report = decoder.decode(raw)
+                except WireError as exc:
+                    if name not in self._bad_reports:
+                        self._bad_reports.add(name)
+                        log.warning("unreadable load report; the invoker counts as gone", invoker=name,
+                                    error=str(exc))
+                    continue
+                if report is not None:
+                    self._bad_reports.discard(name)
+                    reports[name] = report
+        finally:
+            decoder.turn()
+        return reports, invokers.members
 
     async def _read_specs(self) -> dict[str, FunctionSpec]:
-        names = sorted(text(m) for m in await self.redis.smembers(self.keys.functions))
+        functions = await self._names(self.keys.functions, None, self.keys.function)
+        names = functions.names
         if not names:
             return {}
-        metas: list[Any] = []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for k in range(0, len(names), READ_CHUNK):
-                await self._metas(keys=[self.keys.function(n) for n in names[k : k + READ_CHUNK]], client=pipe)
-            for packed in await pipe.execute():
-                metas.extend(msgpack.unpackb(packed, raw=True))
+        replies = await self._read_packed(functions.keys, self._metas)
+        last_functions, last_chunks = self._spec_chunks
+        if functions is not last_functions:
+            # The set changed: its chunks are other names; forget the specs of functions gone.
+            last_chunks = []
+            self._spec_cache = {n: c for n, c in self._spec_cache.items() if n in functions.members}
         specs: dict[str, FunctionSpec] = {}
-        seen, self._spec_cache = self._spec_cache, {}
+        chunks: list[tuple[bytes, dict[str, FunctionSpec]]] = []
+        for c, reply in enumerate(replies):
+            # A call whose reply is the same bytes as at the last read (the same names, and specs rarely change)
+            # gives the specs decoded then.
+            if c < len(last_chunks) and last_chunks[c][0] == reply:
+                part = last_chunks[c][1]
+            else:
+                part = self._specs_of(names[c * READ_CHUNK : (c + 1) * READ_CHUNK], msgpack.unpackb(reply, raw=True))
+            chunks.append((reply, part))
+            specs.update(part)
+        self._spec_chunks = (functions, chunks)
+        return specs
+
+    def _specs_of(self, names: list[str], metas: list[Any]) -> dict[str, FunctionSpec]:
+        specs: dict[str, FunctionSpec] = {}
+        cache = self._spec_cache
         for name, raw in zip(names, metas, strict=True):
             if raw is False or raw is None:  # no meta (Lua's false)
+                cache.pop(name, None)
                 continue
-            # A spec whose bytes did not change since the last tick is the object decoded then (they rarely do).
-            cached = seen.get(name)
+            # A spec whose bytes did not change since the last read is the object decoded then (they rarely do).
+            cached = cache.get(name)
             spec: FunctionSpec | None = cached[1] if cached is not None and cached[0] == raw else None
             if spec is None:
+                cache.pop(name, None)
                 try:
                     spec = decode(FunctionSpec, raw)
                 except WireError as exc:
@@ -591,8 +667,8 @@ class Balancer:
                     continue
                 if spec is None:
                     continue
+                cache[name] = (raw, spec)
             specs[name] = spec
-            self._spec_cache[name] = (raw, spec)
         return specs
 
     async def _cluster(self, now: float, reports: dict[str, LoadReport], specs: dict[str, FunctionSpec],
