@@ -27,6 +27,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -401,6 +402,9 @@ class Balancer:
         self._budget_cache = self._new_budget_cache()
         #: the reports' elements decoded at the last reads, reused where their bytes are the same (`_read_reports`)
         self._report_decoder = ReportDecoder()
+        #: held while the reports or the specs are decoded (in a worker thread; the decoder and the spec cache
+        #: take one reader at a time, and model pre-loading reads them beside the tick)
+        self._decoding = threading.Lock()
         #: each function's last meta bytes and the spec decoded from them (`_read_specs`)
         self._spec_cache: dict[str, tuple[bytes, FunctionSpec]] = {}
         #: the functions' set of the last `_read_specs`, and each of its `READ_METAS` calls' reply and specs
@@ -597,31 +601,38 @@ class Balancer:
         names = invokers.names
         if not names:
             return {}, frozenset()
-        raws = [raw for packed in await self._read_packed(invokers.keys, self._strings)
-                for raw in msgpack.unpackb(packed, raw=True)]
-        reports: dict[str, LoadReport] = {}
-        # Each report is what `decode` makes of it; the decoder reuses the objects of the elements (GPUs,
-        # instances, functions) whose bytes it decoded at the last reads (most of them: only the busy instances'
-        # figures and the clock move every period).
-        decoder = self._report_decoder
-        try:
-            for name, raw in zip(names, raws, strict=True):
-                if raw is False or raw is None:  # no report (Lua's false)
-                    continue
-                try:
-                    report = decoder.decode(raw)
-                except WireError as exc:
-                    if name not in self._bad_reports:
-                        self._bad_reports.add(name)
-                        log.warning("unreadable load report; the invoker counts as gone", invoker=name,
-                                    error=str(exc))
-                    continue
-                if report is not None:
-                    self._bad_reports.discard(name)
-                    reports[name] = report
-        finally:
-            decoder.turn()
-        return reports, invokers.members
+        packed = await self._read_packed(invokers.keys, self._strings)
+        # Decoded in a worker thread, one read at a time (the decoder keeps what it decoded at the last reads):
+        # tens of thousands of instances' figures would hold the event loop, and with it the lease's renewal.
+        return await asyncio.to_thread(self._decode_reports, invokers, packed)
+
+    def _decode_reports(self, invokers: _Names, packed: list[bytes]) -> tuple[dict[str, LoadReport], frozenset[str]]:
+        names = invokers.names
+        raws = [raw for reply in packed for raw in msgpack.unpackb(reply, raw=True)]
+        with self._decoding:
+            reports: dict[str, LoadReport] = {}
+            # Each report is what `decode` makes of it; the decoder reuses the objects of the elements (GPUs,
+            # instances, functions) whose bytes it decoded at the last reads (most of them: only the busy instances'
+            # figures and the clock move every period).
+            decoder = self._report_decoder
+            try:
+                for name, raw in zip(names, raws, strict=True):
+                    if raw is False or raw is None:  # no report (Lua's false)
+                        continue
+                    try:
+                        report = decoder.decode(raw)
+                    except WireError as exc:
+                        if name not in self._bad_reports:
+                            self._bad_reports.add(name)
+                            log.warning("unreadable load report; the invoker counts as gone", invoker=name,
+                                        error=str(exc))
+                        continue
+                    if report is not None:
+                        self._bad_reports.discard(name)
+                        reports[name] = report
+            finally:
+                decoder.turn()
+            return reports, invokers.members
 
     async def _read_specs(self) -> dict[str, FunctionSpec]:
         functions = await self._names(self.keys.functions, None, self.keys.function)
@@ -629,24 +640,29 @@ class Balancer:
         if not names:
             return {}
         replies = await self._read_packed(functions.keys, self._metas)
-        last_functions, last_chunks = self._spec_chunks
-        if functions is not last_functions:
-            # The set changed: its chunks are other names; forget the specs of functions gone.
-            last_chunks = []
-            self._spec_cache = {n: c for n, c in self._spec_cache.items() if n in functions.members}
-        specs: dict[str, FunctionSpec] = {}
-        chunks: list[tuple[bytes, dict[str, FunctionSpec]]] = []
-        for c, reply in enumerate(replies):
-            # A call whose reply is the same bytes as at the last read (the same names, and specs rarely change)
-            # gives the specs decoded then.
-            if c < len(last_chunks) and last_chunks[c][0] == reply:
-                part = last_chunks[c][1]
-            else:
-                part = self._specs_of(names[c * READ_CHUNK : (c + 1) * READ_CHUNK], msgpack.unpackb(reply, raw=True))
-            chunks.append((reply, part))
-            specs.update(part)
-        self._spec_chunks = (functions, chunks)
-        return specs
+        return await asyncio.to_thread(self._decode_specs, functions, replies)
+
+    def _decode_specs(self, functions: _Names, replies: list[bytes]) -> dict[str, FunctionSpec]:
+        names = functions.names
+        with self._decoding:
+            last_functions, last_chunks = self._spec_chunks
+            if functions is not last_functions:
+                # The set changed: its chunks are other names; forget the specs of functions gone.
+                last_chunks = []
+                self._spec_cache = {n: c for n, c in self._spec_cache.items() if n in functions.members}
+            specs: dict[str, FunctionSpec] = {}
+            chunks: list[tuple[bytes, dict[str, FunctionSpec]]] = []
+            for c, reply in enumerate(replies):
+                # A call whose reply is the same bytes as at the last read (the same names, and specs rarely change)
+                # gives the specs decoded then.
+                if c < len(last_chunks) and last_chunks[c][0] == reply:
+                    part = last_chunks[c][1]
+                else:
+                    part = self._specs_of(names[c * READ_CHUNK : (c + 1) * READ_CHUNK], msgpack.unpackb(reply, raw=True))
+                chunks.append((reply, part))
+                specs.update(part)
+            self._spec_chunks = (functions, chunks)
+            return specs
 
     def _specs_of(self, names: list[str], metas: list[Any]) -> dict[str, FunctionSpec]:
         specs: dict[str, FunctionSpec] = {}
@@ -814,11 +830,11 @@ class Balancer:
         return await asyncio.to_thread(_decode_records, packed)
 
     async def _load_routes(self) -> dict[str, RoutingTable]:
-        names = sorted(text(m) for m in await self.redis.smembers(self.keys.functions))
+        names = (await self._names(self.keys.functions, None, self.keys.function)).names
         if not names:
             return {}
-        raws = await self.redis.mget([self.keys.route(n) for n in names])
-        return await asyncio.to_thread(_decode_routes, names, raws)
+        packed = await self._read_packed([self.keys.route(n) for n in names], self._strings)
+        return await asyncio.to_thread(_decode_routes, names, packed)
 
 
 def _decode_records(packed: bytes) -> dict[str, InstanceRecord]:
@@ -835,9 +851,12 @@ def _decode_records(packed: bytes) -> dict[str, InstanceRecord]:
     return out
 
 
-def _decode_routes(names: list[str], raws: list[Any]) -> dict[str, RoutingTable]:
+def _decode_routes(names: list[str], packed: list[bytes]) -> dict[str, RoutingTable]:
+    raws = [raw for reply in packed for raw in msgpack.unpackb(reply, raw=True)]
     out: dict[str, RoutingTable] = {}
     for name, raw in zip(names, raws, strict=True):
+        if raw is False or raw is None:  # no table (Lua's false)
+            continue
         with contextlib.suppress(WireError):
             table = decode(RoutingTable, raw)
             if table is not None:
