@@ -224,6 +224,8 @@ class PlanMemo:
     functions: Mapping[str, FunctionMemo]
     decisions: Mapping[str, ScaleDecision]
     """The plan's scaling decisions by function."""
+    functions_order: list[str] = field(default_factory=list)
+    """The functions of `specs`, sorted (the order a tick plans them in)."""
     settled: Mapping[str, InstanceRecord] = field(default_factory=dict)
     """The records that reconciling kept as they were, ready or stopping (no clock in their outcome): each is kept
     again, unchanged, while it is the same object, its invoker's report reads the same (`_same_report`) and its
@@ -267,14 +269,17 @@ class ReportIndex:
     """Function → its figures in each invoker's report."""
 
     @classmethod
-    def of(cls, reports: Mapping[str, LoadReport]) -> ReportIndex:
+    def of(cls, reports: Mapping[str, LoadReport], only: set[str] | None = None) -> ReportIndex:
+        """`only`: index these functions only (None: every function)."""
         instances: dict[str, dict[str, InstanceReport]] = {}
         functions: dict[str, list[FunctionReport]] = {}
         for rep in reports.values():
             for i in rep.instances:
-                instances.setdefault(i.function, {})[i.id] = i
+                if only is None or i.function in only:
+                    instances.setdefault(i.function, {})[i.id] = i
             for f in rep.functions:
-                functions.setdefault(f.function, []).append(f)
+                if only is None or f.function in only:
+                    functions.setdefault(f.function, []).append(f)
         return cls(instances=instances, functions=functions)
 
 
@@ -647,43 +652,67 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     calm: set[str] = set()
     evictable = dict(inp.evictable)
     # Every registered function, idle ones included: min-instances holds without traffic.
-    functions = sorted(inp.specs)
-    index = ReportIndex.of(inp.reports)
-    memory = UserMemory(inp.reports, work.records)
-    # Each function's records by id (the order of a table reconciled from scratch, which the sums over them
-    # follow): a function's iteration below changes only its own.
+    functions = memo.functions_order if memo is not None and inp.specs.keys() == memo.specs.keys() else sorted(inp.specs)
+    demand = frozenset(f for f, t in inp.demand.items() if now - t <= cfg.demand_hold_s)
+    figures: dict[str, _Figures] = {}
+    again: dict[str, ScaleDecision] = {}
+    if memo is not None:
+        dirty = _changed(inp, work, memo, figures, demand, moved, respecced)
+        # Nothing a function depends on changed: the hold it decided last tick, again (`PlanMemo`). Asked before
+        # any function is planned: the answer reads only the function's own inputs and the memo.
+        for fqn in functions:
+            if fqn in dirty or (last := memo.functions.get(fqn)) is None:
+                continue
+            was = states.get(fqn)
+            if was is None:
+                was = FunctionState()
+            elif was.owed:
+                continue
+            decision = repeat_decision(memo.decisions[fqn], last.load, was.horizontal, now, cfg.horizontal)
+            if decision is not None:
+                again[fqn] = decision
+    else:
+        figures.update((inv, _figures(rep)) for inv, rep in inp.reports.items())
+    # What planning the others from scratch reads, for them only: the reports' figures of each and its records
+    # by id (the order of a table reconciled from scratch, which the sums over them follow); a function's
+    # iteration below changes only its own records.
+    fresh = {f for f in functions if f not in again} if again else None
+    index = ReportIndex.of(inp.reports, fresh)
     by_function: dict[str, list[InstanceRecord]] = {}
     for r in work.records.values():
-        by_function.setdefault(r.function, []).append(r)
+        if fresh is None or r.function in fresh:
+            by_function.setdefault(r.function, []).append(r)
     if memo is not None:  # the records kept without a look come first
         for rs in by_function.values():
             rs.sort(key=_by_id)
-    demand = frozenset(f for f, t in inp.demand.items() if now - t <= cfg.demand_hold_s)
-    figures: dict[str, _Figures] = {}
-    if memo is not None:
-        dirty = _changed(inp, work, memo, figures, demand, moved, respecced)
-    else:
-        dirty = set()
-        figures.update((inv, _figures(rep)) for inv, rep in inp.reports.items())
+    memory: UserMemory | None = None  # made when first asked, before the table changes (from the table as is)
     memos: dict[str, FunctionMemo] = {}
     repeated: set[str] = set()
+    kept: dict[str, RoutingTable] = {}
     # Without any GPU there is nothing to place: routers run GPU functions in their own pools (on the CPU)
     # as the routing tables say, and the scaler has nothing to decide.
     for fqn in functions if cluster is not None else ():
         spec = inp.specs[fqn]
-        state = states.get(fqn, FunctionState())
-        if memo is not None and fqn not in dirty and not state.owed and (last := memo.functions.get(fqn)):
-            # Nothing it depends on changed: the hold it decided last tick, again (`PlanMemo`).
-            again = repeat_decision(memo.decisions[fqn], last.load, state.horizontal, now, cfg.horizontal)
-            if again is not None:
-                scale.append(again)
-                states[fqn] = FunctionState(again.state, 0, "" if now >= state.retry_at else state.blocked,
-                                            state.retry_at)
-                if last.calm:
-                    calm.add(fqn)
-                memos[fqn] = last
-                repeated.add(fqn)
-                continue
+        was = states.get(fqn)
+        state = was if was is not None else FunctionState()
+        repeat = again.get(fqn)
+        if repeat is not None:
+            assert memo is not None
+            scale.append(repeat)
+            states[fqn] = now_state = FunctionState(repeat.state, 0, "" if now >= state.retry_at else state.blocked,
+                                                    state.retry_at)
+            last = memo.functions[fqn]
+            if last.calm:
+                calm.add(fqn)
+            memos[fqn] = last
+            repeated.add(fqn)
+            # It keeps its routing table when it blocks for the same reason (its records and figures did not
+            # change): the table the service published, which the last tick made.
+            table = inp.routes.get(fqn)
+            if (table is not None and table is memo.routes.get(fqn) and (then := memo.states.get(fqn)) is not None
+                    and now_state.blocked == then.blocked):
+                kept[fqn] = table
+            continue
         # A compaction replacement is not one more instance: it takes over from its original.
         mine = [r for r in by_function.get(fqn, ()) if not outdated(r.rev, spec.rev) and not r.replaces]
         load = function_load(spec, now=now, records=mine, reports=inp.reports, demand_at=inp.demand.get(fqn),
@@ -712,6 +741,8 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
             blocked = ""  # nothing to place: an old reason would refuse the next caller without a new try
         if owed and cluster is not None and now >= retry_at:
             placed = 0
+            if memory is None:
+                memory = UserMemory(inp.reports, work.records)
             for _ in range(owed):
                 iid = instance_id(fqn, epoch, seq)
                 request = placement_request(spec, iid)
@@ -750,6 +781,8 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
             # Starting instances are cheapest to give up only in number: prefer ready ones, they cost
             # nothing more than a warm container, and a start in progress was just paid for.
             ready = [r for r in live if r.state == RecordState.READY]
+            if memory is None:
+                memory = UserMemory(inp.reports, work.records)
             for victim in victim_order(ready, cluster=cluster, reports=inp.reports)[:stop_n]:
                 stopped = replace(victim, state=RecordState.STOPPING.value, since=now)
                 work.records[victim.id] = stopped
@@ -766,13 +799,10 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     if cfg.compaction is not None and cluster is not None:
         before = len(work.starts)
         cluster, seq, loop = _compact(inp, cfg, work, cluster, calm, seq)
-        repeated.difference_update(o.record.function for o in work.starts[before:])
-    # A repeated function keeps its routing table when it blocks for the same reason (its records and figures
-    # did not change): the table the service published, which the last tick made.
-    kept = {f: t for f in repeated if (t := inp.routes.get(f)) is not None and memo is not None
-            and t is memo.routes.get(f) and (was := memo.states.get(f)) is not None
-            and states[f].blocked == was.blocked}
-    routes = _routes(inp, work.records, states, cluster, kept)
+        for o in work.starts[before:]:
+            repeated.discard(o.record.function)
+            kept.pop(o.record.function, None)
+    routes = _routes(inp, work.records, states, cluster, kept, functions)
     gone = frozenset(inp.known_invokers - set(inp.reports))
     records = dict(work.records)
     return TickPlan(
@@ -791,7 +821,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
         # Copies of the mappings (not of what they hold): a caller may change its own in place.
         memo=PlanMemo(cfg=cfg, epoch=epoch, records=dict(records), reports=dict(inp.reports), figures=figures,
                       specs=dict(inp.specs), states=dict(states), routes=dict(routes), demand=demand, functions=memos,
-                      decisions={d.function: d for d in scale}, settled=settled),
+                      decisions={d.function: d for d in scale}, settled=settled, functions_order=functions),
     )
 
 
@@ -954,16 +984,31 @@ def _routes(
     states: Mapping[str, FunctionState],
     cluster: ClusterSnapshot | None,
     kept: Mapping[str, RoutingTable] | None = None,
+    functions: list[str] | None = None,
 ) -> dict[str, RoutingTable]:
-    """Each function's routing table; `kept`: tables known to be what this would make again."""
+    """Each function's routing table; `kept`: tables known to be what this would make again; `functions`: the
+    functions of `inp.specs`, sorted."""
     kept = kept or {}
-    loads = {i.id: i for rep in inp.reports.values() for i in rep.instances}
-    functions = set(inp.routes) | set(inp.demand) | {r.function for r in records.values()} | set(states)
+    if functions is not None and inp.specs.keys() <= states.keys():
+        names = functions  # every function has a table: those with records, demand or a table have a spec
+    else:
+        every = set(inp.routes) | set(inp.demand) | {r.function for r in records.values()} | set(states)
+        names = sorted(every & set(inp.specs))
     out: dict[str, RoutingTable] = {}
+    todo = [f for f in names if f not in kept]
     by_function: dict[str, list[InstanceRecord]] = {}
-    for r in records.values():
-        by_function.setdefault(r.function, []).append(r)
-    for fqn in sorted(functions & set(inp.specs)):
+    loads: dict[str, InstanceReport] = {}
+    if todo:
+        need = set(todo)
+        for r in records.values():
+            if r.function in need:
+                by_function.setdefault(r.function, []).append(r)
+        ids = {r.id for rs in by_function.values() for r in rs}
+        for rep in inp.reports.values():
+            for i in rep.instances:
+                if i.id in ids:
+                    loads[i.id] = i
+    for fqn in names:
         table = kept.get(fqn)
         if table is not None:
             out[fqn] = table
