@@ -24,6 +24,7 @@ No I/O and no clock: ``now`` and everything else comes in :class:`TickInput`; th
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -223,6 +224,12 @@ class PlanMemo:
     functions: Mapping[str, FunctionMemo]
     decisions: Mapping[str, ScaleDecision]
     """The plan's scaling decisions by function."""
+    functions_order: list[str] = field(default_factory=list)
+    """The functions of `specs`, sorted (the order a tick plans them in)."""
+    settled: Mapping[str, InstanceRecord] = field(default_factory=dict)
+    """The records that reconciling kept as they were, ready or stopping (no clock in their outcome): each is kept
+    again, unchanged, while it is the same object, its invoker's report reads the same (`_same_report`) and its
+    function's spec did not change (`_reconcile`)."""
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -262,14 +269,17 @@ class ReportIndex:
     """Function → its figures in each invoker's report."""
 
     @classmethod
-    def of(cls, reports: Mapping[str, LoadReport]) -> ReportIndex:
+    def of(cls, reports: Mapping[str, LoadReport], only: set[str] | None = None) -> ReportIndex:
+        """`only`: index these functions only (None: every function)."""
         instances: dict[str, dict[str, InstanceReport]] = {}
         functions: dict[str, list[FunctionReport]] = {}
         for rep in reports.values():
             for i in rep.instances:
-                instances.setdefault(i.function, {})[i.id] = i
+                if only is None or i.function in only:
+                    instances.setdefault(i.function, {})[i.id] = i
             for f in rep.functions:
-                functions.setdefault(f.function, []).append(f)
+                if only is None or f.function in only:
+                    functions.setdefault(f.function, []).append(f)
         return cls(instances=instances, functions=functions)
 
 
@@ -453,10 +463,28 @@ class _Work:
         self.decisions.append(Decision(now, epoch, kind, r.function, reason, r.id, r.invoker, r.gpu))
 
 
-def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work) -> None:
+def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work, memo: PlanMemo | None = None,
+               moved: frozenset[str] | set[str] = frozenset(), respecced: frozenset[str] | set[str] = frozenset(),
+               ) -> dict[str, InstanceRecord]:
+    """Reconcile the table with the reports (the module doc, 1.); returns the records kept as they were, ready or
+    stopping (`PlanMemo.settled`). With `memo`, a record it names as settled that is the same object, on an
+    invoker not `moved` (its report reads the same) and of a function not `respecced` (its spec is the same) is
+    kept again without a look: its outcome reads nothing else, and keeping it has no other effect."""
     now, epoch = inp.now, inp.epoch
-    reported = {inv: {i.id: i for i in rep.instances} for inv, rep in inp.reports.items()}
-    for r in sorted(inp.records.values(), key=lambda r: r.id):
+    settled: dict[str, InstanceRecord] = {}
+    if memo is None:
+        todo = sorted(inp.records.values(), key=_by_id)
+    else:
+        before = memo.settled
+        todo = []
+        for rid, r in inp.records.items():
+            if before.get(rid) is r and r.invoker not in moved and r.function not in respecced:
+                work.records[rid] = settled[rid] = r
+            else:
+                todo.append(r)
+        todo.sort(key=_by_id)
+    reported: dict[str, dict[str, InstanceReport]] = {}
+    for r in todo:
         rep = inp.reports.get(r.invoker)
         if rep is None:
             work.forget(r, f"{r.id}: invoker {r.invoker} is gone (no load report)", owed=True, stop=False,
@@ -465,7 +493,10 @@ def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work) -> None:
         if r.boot and r.boot != rep.boot:
             work.forget(r, f"{r.id}: invoker {r.invoker} restarted", owed=True, stop=False, now=now, epoch=epoch)
             continue
-        inst = reported[r.invoker].get(r.id)
+        on = reported.get(r.invoker)
+        if on is None:
+            on = reported[r.invoker] = {i.id: i for i in rep.instances}
+        inst = on.get(r.id)
         if inst is None:
             if r.state == RecordState.STOPPING:
                 work.forget(r, f"{r.id}: stopped", owed=False, stop=False, now=now, epoch=epoch)
@@ -502,18 +533,28 @@ def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work) -> None:
             new = replace(new, state=RecordState.STOPPING.value, since=now)
             work.stops.append(Order(new, f"{r.id}: runs revision {r.rev}, the action is now {spec.rev}"))
             work.lost[r.function] = work.lost.get(r.function, 0) + 1
+        elif new is r and r.state != RecordState.STARTING:
+            settled[r.id] = r
         work.records[r.id] = new
-    # Instances an invoker runs that the table does not know (e.g. it came back after being given up).
-    for inv, instances in reported.items():
-        for inst in instances.values():
-            if inst.id in inp.records or inst.state == InstanceState.DRAINING:
+    # Instances an invoker runs that the table does not know (e.g. it came back after being given up): a report
+    # naming only known instances has none (most do: each is looked at whole only when it names another).
+    records = inp.records
+    for inv, rep in inp.reports.items():
+        for i in rep.instances:
+            if i.id not in records:
+                break
+        else:
+            continue
+        for inst in {i.id: i for i in rep.instances}.values():
+            if inst.id in records or inst.state == InstanceState.DRAINING:
                 continue
             ghost = InstanceRecord(id=inst.id, function=inst.function, rev=inst.rev, invoker=inv, gpu=inst.gpu,
                                    gpu_uuid=None, cls=inst.cls, request=inst.request, limit=inst.limit,
                                    memory_mb=inst.memory_mb, slots=inst.slots, state=RecordState.STOPPING.value,
-                                   since=now, epoch=epoch, boot=inp.reports[inv].boot)
+                                   since=now, epoch=epoch, boot=rep.boot)
             work.stops.append(Order(ghost, f"{inst.id}: unknown to the balancer"))
     _finish_moves(now, epoch, work)
+    return settled
 
 
 def _finish_moves(now: float, epoch: int, work: _Work) -> None:
@@ -593,10 +634,17 @@ def _compact(
 
 
 def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
-    work = _Work(records={})
-    _reconcile(inp, cfg, work)
     now, epoch = inp.now, inp.epoch
     cluster = inp.cluster
+    memo = inp.memo if (inp.memo is not None and inp.memo.cfg == cfg and inp.memo.epoch == epoch
+                        and cluster is not None) else None
+    work = _Work(records={})
+    if memo is not None:
+        moved = _moved(inp, memo)
+        respecced = _respecced(inp, memo)
+        settled = _reconcile(inp, cfg, work, memo, moved, respecced)
+    else:
+        settled = _reconcile(inp, cfg, work)
     # Lost instances leave the cluster snapshot (their budgets may still hold them until they expire).
     if cluster is not None:
         for order in work.forgotten:
@@ -608,41 +656,67 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     calm: set[str] = set()
     evictable = dict(inp.evictable)
     # Every registered function, idle ones included: min-instances holds without traffic.
-    functions = sorted(inp.specs)
-    index = ReportIndex.of(inp.reports)
-    memory = UserMemory(inp.reports, work.records)
-    # Each function's records, in the table's order: a function's iteration below changes only its own.
+    functions = memo.functions_order if memo is not None and inp.specs.keys() == memo.specs.keys() else sorted(inp.specs)
+    demand = frozenset(f for f, t in inp.demand.items() if now - t <= cfg.demand_hold_s)
+    figures: dict[str, _Figures] = {}
+    again: dict[str, ScaleDecision] = {}
+    if memo is not None:
+        dirty = _changed(inp, work, memo, figures, demand, moved, respecced)
+        # Nothing a function depends on changed: the hold it decided last tick, again (`PlanMemo`). Asked before
+        # any function is planned: the answer reads only the function's own inputs and the memo.
+        for fqn in functions:
+            if fqn in dirty or (last := memo.functions.get(fqn)) is None:
+                continue
+            was = states.get(fqn)
+            if was is None:
+                was = FunctionState()
+            elif was.owed:
+                continue
+            decision = repeat_decision(memo.decisions[fqn], last.load, was.horizontal, now, cfg.horizontal)
+            if decision is not None:
+                again[fqn] = decision
+    else:
+        figures.update((inv, _figures(rep)) for inv, rep in inp.reports.items())
+    # What planning the others from scratch reads, for them only: the reports' figures of each and its records
+    # by id (the order of a table reconciled from scratch, which the sums over them follow); a function's
+    # iteration below changes only its own records.
+    fresh = {f for f in functions if f not in again} if again else None
+    index = ReportIndex.of(inp.reports, fresh)
     by_function: dict[str, list[InstanceRecord]] = {}
     for r in work.records.values():
-        by_function.setdefault(r.function, []).append(r)
-    demand = frozenset(f for f, t in inp.demand.items() if now - t <= cfg.demand_hold_s)
-    memo = inp.memo if (inp.memo is not None and inp.memo.cfg == cfg and inp.memo.epoch == epoch
-                        and cluster is not None) else None
-    figures: dict[str, _Figures] = {}
-    if memo is not None:
-        dirty = _changed(inp, work, memo, figures, demand)
-    else:
-        dirty = set()
-        figures.update((inv, _figures(rep)) for inv, rep in inp.reports.items())
+        if fresh is None or r.function in fresh:
+            by_function.setdefault(r.function, []).append(r)
+    if memo is not None:  # the records kept without a look come first
+        for rs in by_function.values():
+            rs.sort(key=_by_id)
+    memory: UserMemory | None = None  # made when first asked, before the table changes (from the table as is)
     memos: dict[str, FunctionMemo] = {}
     repeated: set[str] = set()
+    kept: dict[str, RoutingTable] = {}
     # Without any GPU there is nothing to place: routers run GPU functions in their own pools (on the CPU)
     # as the routing tables say, and the scaler has nothing to decide.
     for fqn in functions if cluster is not None else ():
         spec = inp.specs[fqn]
-        state = states.get(fqn, FunctionState())
-        if memo is not None and fqn not in dirty and not state.owed and (last := memo.functions.get(fqn)):
-            # Nothing it depends on changed: the hold it decided last tick, again (`PlanMemo`).
-            again = repeat_decision(memo.decisions[fqn], last.load, state.horizontal, now, cfg.horizontal)
-            if again is not None:
-                scale.append(again)
-                states[fqn] = FunctionState(again.state, 0, "" if now >= state.retry_at else state.blocked,
-                                            state.retry_at)
-                if last.calm:
-                    calm.add(fqn)
-                memos[fqn] = last
-                repeated.add(fqn)
-                continue
+        was = states.get(fqn)
+        state = was if was is not None else FunctionState()
+        repeat = again.get(fqn)
+        if repeat is not None:
+            assert memo is not None
+            scale.append(repeat)
+            states[fqn] = now_state = FunctionState(repeat.state, 0, "" if now >= state.retry_at else state.blocked,
+                                                    state.retry_at)
+            last = memo.functions[fqn]
+            if last.calm:
+                calm.add(fqn)
+            memos[fqn] = last
+            repeated.add(fqn)
+            # It keeps its routing table when it blocks for the same reason (its records and figures did not
+            # change): the table the service published, which the last tick made.
+            table = inp.routes.get(fqn)
+            if (table is not None and table is memo.routes.get(fqn) and (then := memo.states.get(fqn)) is not None
+                    and now_state.blocked == then.blocked):
+                kept[fqn] = table
+            continue
         # A compaction replacement is not one more instance: it takes over from its original.
         mine = [r for r in by_function.get(fqn, ()) if not outdated(r.rev, spec.rev) and not r.replaces]
         load = function_load(spec, now=now, records=mine, reports=inp.reports, demand_at=inp.demand.get(fqn),
@@ -671,6 +745,8 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
             blocked = ""  # nothing to place: an old reason would refuse the next caller without a new try
         if owed and cluster is not None and now >= retry_at:
             placed = 0
+            if memory is None:
+                memory = UserMemory(inp.reports, work.records)
             for _ in range(owed):
                 iid = instance_id(fqn, epoch, seq)
                 request = placement_request(spec, iid)
@@ -709,6 +785,8 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
             # Starting instances are cheapest to give up only in number: prefer ready ones, they cost
             # nothing more than a warm container, and a start in progress was just paid for.
             ready = [r for r in live if r.state == RecordState.READY]
+            if memory is None:
+                memory = UserMemory(inp.reports, work.records)
             for victim in victim_order(ready, cluster=cluster, reports=inp.reports, index=index)[:stop_n]:
                 stopped = replace(victim, state=RecordState.STOPPING.value, since=now)
                 work.records[victim.id] = stopped
@@ -725,13 +803,10 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     if cfg.compaction is not None and cluster is not None:
         before = len(work.starts)
         cluster, seq, loop = _compact(inp, cfg, work, cluster, calm, seq)
-        repeated.difference_update(o.record.function for o in work.starts[before:])
-    # A repeated function keeps its routing table when it blocks for the same reason (its records and figures
-    # did not change): the table the service published, which the last tick made.
-    kept = {f: t for f in repeated if (t := inp.routes.get(f)) is not None and memo is not None
-            and t is memo.routes.get(f) and (was := memo.states.get(f)) is not None
-            and states[f].blocked == was.blocked}
-    routes = _routes(inp, work.records, states, cluster, kept)
+        for o in work.starts[before:]:
+            repeated.discard(o.record.function)
+            kept.pop(o.record.function, None)
+    routes = _routes(inp, work.records, states, cluster, kept, functions)
     gone = frozenset(inp.known_invokers - set(inp.reports))
     records = dict(work.records)
     return TickPlan(
@@ -750,25 +825,64 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
         # Copies of the mappings (not of what they hold): a caller may change its own in place.
         memo=PlanMemo(cfg=cfg, epoch=epoch, records=dict(records), reports=dict(inp.reports), figures=figures,
                       specs=dict(inp.specs), states=dict(states), routes=dict(routes), demand=demand, functions=memos,
-                      decisions={d.function: d for d in scale}),
+                      decisions={d.function: d for d in scale}, settled=settled, functions_order=functions),
     )
+
+
+#: The figures of an instance's report that a tick reads (`_figures`), in order.
+_FIGURES = operator.attrgetter("function", "id", "state", "rev", "waiting", "in_flight", "queue_delay_ms",
+                               "saturated", "completion_rate", "latency_ms", "slots")
+_by_id = operator.attrgetter("id")
 
 
 def _figures(rep: LoadReport) -> _Figures:
     """What a tick reads of one report for its functions' load and routing tables: each instance's id, function,
     state, revision and load figures, and the per-function figures. The rest (the clock, SM shares, throttled
     time, GPUs) changes no function's load."""
-    return (frozenset((i.function, i.id, i.state, i.rev, i.waiting, i.in_flight, i.queue_delay_ms, i.saturated,
-                       i.completion_rate, i.latency_ms, i.slots) for i in rep.instances),
-            frozenset(rep.functions))
+    return frozenset(map(_FIGURES, rep.instances)), frozenset(rep.functions)
+
+
+def _same_report(rep: LoadReport, was: LoadReport) -> bool:
+    """Whether a report reads as `was` did for a tick: the same boot, per-function figures and instances' figures
+    (`_FIGURES`) in the same order. Then so do its `_figures`, and each record on its invoker reconciles as then."""
+    if rep is was:
+        return True
+    if rep.boot != was.boot or rep.functions != was.functions or len(rep.instances) != len(was.instances):
+        return False
+    for a, b in zip(rep.instances, was.instances, strict=True):
+        if a is not b and _FIGURES(a) != _FIGURES(b):
+            return False
+    return True
+
+
+def _moved(inp: TickInput, memo: PlanMemo) -> set[str]:
+    """The invokers whose report does not read as the memo's did (`_same_report`), or reported then or now only."""
+    moved = set(memo.reports.keys() - inp.reports.keys())
+    last = memo.reports
+    for inv, rep in inp.reports.items():
+        was = last.get(inv)
+        if was is None or not _same_report(rep, was):
+            moved.add(inv)
+    return moved
+
+
+def _respecced(inp: TickInput, memo: PlanMemo) -> set[str]:
+    """The functions whose spec is not the memo's (added, removed or changed)."""
+    respecced = set(memo.specs.keys() - inp.specs.keys())
+    last = memo.specs
+    for fqn, spec in inp.specs.items():
+        was = last.get(fqn)
+        if was is not spec and was != spec:
+            respecced.add(fqn)
+    return respecced
 
 
 def _changed(inp: TickInput, work: _Work, memo: PlanMemo, figures: dict[str, _Figures],
-             demand: frozenset[str]) -> set[str]:
+             demand: frozenset[str], moved: set[str], respecced: set[str]) -> set[str]:
     """The functions some input of which changed since the tick that made `memo` (records after reconciling,
     figures in the reports, spec, carried state, a demand signal counting now or then, lost or failed
-    instances); fills `figures` with this tick's per invoker (`_figures`, reused for an unchanged report)."""
-    dirty = set(work.lost) | set(work.failed) | demand | memo.demand
+    instances); fills `figures` with this tick's per invoker (`_figures`, reused for a report not `moved`)."""
+    dirty = set(work.lost) | set(work.failed) | demand | memo.demand | respecced
     last = memo.records
     for rid, r in work.records.items():
         if last.get(rid) is not r:
@@ -777,7 +891,7 @@ def _changed(inp: TickInput, work: _Work, memo: PlanMemo, figures: dict[str, _Fi
         dirty.add(last[rid].function)
     for inv, rep in inp.reports.items():
         before = memo.figures.get(inv)
-        if before is not None and memo.reports.get(inv) is rep:
+        if before is not None and inv not in moved:
             figures[inv] = before
             continue
         now = figures[inv] = _figures(rep)
@@ -785,10 +899,6 @@ def _changed(inp: TickInput, work: _Work, memo: PlanMemo, figures: dict[str, _Fi
             _touch(dirty, now, before or (frozenset(), frozenset()), work.records, last)
     for inv in memo.figures.keys() - inp.reports.keys():
         _touch(dirty, (frozenset(), frozenset()), memo.figures[inv], work.records, last)
-    for fqn, spec in inp.specs.items():
-        was = memo.specs.get(fqn)
-        if was is not spec and was != spec:
-            dirty.add(fqn)
     for fqn, state in inp.states.items():
         if memo.states.get(fqn) is not state:
             dirty.add(fqn)
@@ -878,16 +988,31 @@ def _routes(
     states: Mapping[str, FunctionState],
     cluster: ClusterSnapshot | None,
     kept: Mapping[str, RoutingTable] | None = None,
+    functions: list[str] | None = None,
 ) -> dict[str, RoutingTable]:
-    """Each function's routing table; `kept`: tables known to be what this would make again."""
+    """Each function's routing table; `kept`: tables known to be what this would make again; `functions`: the
+    functions of `inp.specs`, sorted."""
     kept = kept or {}
-    loads = {i.id: i for rep in inp.reports.values() for i in rep.instances}
-    functions = set(inp.routes) | set(inp.demand) | {r.function for r in records.values()} | set(states)
+    if functions is not None and inp.specs.keys() <= states.keys():
+        names = functions  # every function has a table: those with records, demand or a table have a spec
+    else:
+        every = set(inp.routes) | set(inp.demand) | {r.function for r in records.values()} | set(states)
+        names = sorted(every & set(inp.specs))
     out: dict[str, RoutingTable] = {}
+    todo = [f for f in names if f not in kept]
     by_function: dict[str, list[InstanceRecord]] = {}
-    for r in records.values():
-        by_function.setdefault(r.function, []).append(r)
-    for fqn in sorted(functions & set(inp.specs)):
+    loads: dict[str, InstanceReport] = {}
+    if todo:
+        need = set(todo)
+        for r in records.values():
+            if r.function in need:
+                by_function.setdefault(r.function, []).append(r)
+        ids = {r.id for rs in by_function.values() for r in rs}
+        for rep in inp.reports.values():
+            for i in rep.instances:
+                if i.id in ids:
+                    loads[i.id] = i
+    for fqn in names:
         table = kept.get(fqn)
         if table is not None:
             out[fqn] = table

@@ -3,7 +3,8 @@ at every tick the plan made with the last plan's memo (`TickInput.memo`) equals 
 
 The world (invokers, their reports and GPU budgets) follows the plans the memo made, as the service would, and
 changes at random between ticks: functions come and go, their revision changes, traffic starts, stops and
-shifts, demand signals arrive, instances fail, invokers are lost, come back with a new boot or are disabled,
+shifts, demand signals arrive, instances fail or are slow to start, invokers are lost, come back with a new boot
+(or restart in place, reporting the same instances under the new boot once) or are disabled,
 the budget refuses a start (the service then drops the record and owes the instance), the registry and the
 demand signals change in place (the memo must not see its own inputs change under it), the clock jumps (past
 the window's staleness, the cooldown, the idle timeout) or ticks early (a demand signal), and compaction falls
@@ -70,6 +71,10 @@ class World:
         self.down: set[str] = set()
         self.disabled: set[str] = set()
         self.failing: set[str] = set()
+        self.slow: set[str] = set()
+        """Starting instances whose invoker reports them starting (not ready yet)."""
+        self.restarted: set[str] = set()
+        """Invokers that restarted in place: their next report still names the instances of the boot before."""
         self.specs: dict[str, FunctionSpec] = {}
         self.rates: dict[str, float] = {}
         self.demand: dict[str, float] = {}
@@ -104,12 +109,14 @@ class World:
                 continue
             instances = []
             for r in self.records.values():
-                if r.invoker != inv or r.state == RecordState.STOPPING or r.boot not in ("", boot):
+                if (r.invoker != inv or r.state == RecordState.STOPPING
+                        or (r.boot not in ("", boot) and inv not in self.restarted)):
                     continue
                 rate = self.rates.get(r.function, 0.0)
                 failed = r.id in self.failing
+                state = "failed" if failed else "starting" if r.id in self.slow else "ready"
                 instances.append(InstanceReport(
-                    id=r.id, function=r.function, rev=r.rev, state="failed" if failed else "ready", gpu=r.gpu,
+                    id=r.id, function=r.function, rev=r.rev, state=state, gpu=r.gpu,
                     request=r.request, limit=r.limit, memory_mb=r.memory_mb, in_flight=int(rate > 3),
                     waiting=int(rate > 6), saturated=rate > 6, completion_rate=rate, latency_ms=200.0 if rate else None,
                     queue_delay_ms=150.0 if rate > 6 else 0.0, share=self.rng.random(), error="boom" if failed else ""))
@@ -160,6 +167,9 @@ class World:
         """Some random change of the world before the next tick (often none)."""
         rng = self.rng
         self.failing.clear()
+        self.restarted.clear()
+        # A slow start stays slow a while (past the start timeout, at times).
+        self.slow = {i for i in self.slow if i in self.records and rng.random() < 0.85}
         roll = rng.random()
         fns = sorted(self.specs)
         if roll < 0.25:
@@ -198,6 +208,14 @@ class World:
             self.disabled ^= {inv}
         elif roll < 0.80:
             self.boots[f"inv{len(self.boots)}"] = "b0"
+        elif roll < 0.83:
+            inv = rng.choice(sorted(self.boots))
+            self.boots[inv] = f"b{rng.randrange(1000)}"
+            self.restarted.add(inv)
+        elif roll < 0.87:
+            starting = sorted(i for i, r in self.records.items() if r.state == RecordState.STARTING)
+            if starting:
+                self.slow.add(rng.choice(starting))
         # The clock: mostly a period; sometimes early (a demand signal), a long gap or a jump past idleness.
         self.now += rng.choice([1.0] * 12 + [0.05, 0.3, 0.6, 2.0, 3.0, 5.5, 7.0, 30.0])
 
@@ -324,3 +342,16 @@ def test_a_repeated_function_whose_failed_start_may_be_retried_gets_a_new_table(
         if retried_repeated is None and now >= failed_at + cfg.failed_retry_s:
             retried_repeated = plan.memo.decisions[fqn].now == now and plan.memo.functions[fqn].load.now != now
     assert retried_repeated, "the retry time did not pass in a repeated tick: the test exercises nothing"
+
+
+def test_without_gpus_only_functions_with_records_demand_a_table_or_a_state_get_a_table() -> None:
+    """Without a cluster no function is planned (no state is made): a registered function that nothing names yet
+    gets no routing table, planned with a memo or without."""
+    world = World(random.Random(3), invokers=0, functions=3)
+    named = sorted(world.specs)[0]
+    world.demand[named] = world.now
+    for _ in range(3):
+        incremental, scratch = world.tick(compact=False)
+        assert incremental == scratch
+        assert set(incremental.routes) == {named}
+        world.now += 1.0
