@@ -20,7 +20,8 @@ it plans every function from scratch) and for the steady ticks after it (a tick 
 hold), each tick's wall seconds and this process's CPU seconds (every thread: the event loop and the plan's
 worker), median and max; the event loop's longest stall in each phase (a task that sleeps 10 ms and measures how
 late it wakes: what the lease renewal and the demand reader wait at worst); and whether the lease held (the
-epoch counter: 1 if the balancer never lost and re-took it). A tick is followed by `--balancer-tick-s` of
+epoch counter: 1 if the balancer never lost and re-took it). `--no-gc-freeze` runs the leader with the garbage
+collector as CPython runs it, for comparison (`service.LongLived`). A tick is followed by `--balancer-tick-s` of
 sleep (or less, when woken by demand), so the ticks come every tick time + 1 s.
 """
 
@@ -48,7 +49,7 @@ from loadgen import cpu_model
 from planner_scale import _fill_budgets, spec_of
 
 from dilu_invoker.config import Config
-from dilu_invoker.loadbalancer.service import Balancer, planner_config
+from dilu_invoker.loadbalancer.service import Balancer, LongLived, planner_config
 from dilu_invoker.redis_embedded import EmbeddedRedis, redis_client
 from dilu_invoker.sim.events import CREATE
 from dilu_invoker.sim.generate import dilu_mix
@@ -92,7 +93,14 @@ def play_invokers(url: str, reports: dict[str, bytes], stop: Any, seed: int) -> 
         stop.wait(max(0.0, 1.0 - (time.monotonic() - started)))
 
 
-async def lead(live: LiveHarness, seconds: float, seed: int) -> dict[str, Any]:
+class _NoFreeze(LongLived):
+    """The collector left as CPython runs it (`--no-gc-freeze`)."""
+
+    def after_tick(self) -> None:
+        pass
+
+
+async def lead(live: LiveHarness, seconds: float, seed: int, freeze: bool = True) -> dict[str, Any]:
     cfg = Config()
     keys = Keys(cfg.redis.prefix)
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,6 +122,8 @@ async def lead(live: LiveHarness, seconds: float, seed: int) -> dict[str, Any]:
                     pipe.set(keys.route(fqn), pack(table))
                 await pipe.execute()
             balancer = Balancer(client, cfg, holder="bench")
+            if not freeze:
+                balancer._collector = _NoFreeze()
             await _fill_budgets(balancer.budgets, live)
             ctx = multiprocessing.get_context("spawn")
             stop = ctx.Event()
@@ -172,7 +182,7 @@ async def lead(live: LiveHarness, seconds: float, seed: int) -> dict[str, Any]:
         "first_tick_wall_s": ticks[0][1] if ticks else None, "first_tick_cpu_s": ticks[0][2] if ticks else None,
         "takeover_stall_max_s": max((d for at, d in stalls if at <= first_end), default=0.0),
         **phase(filling, "filling"), **phase(steady, "steady"),
-        "stall_max_s": max((d for _, d in stalls), default=0.0), "epochs": epoch,
+        "stall_max_s": max((d for _, d in stalls), default=0.0), "epochs": epoch, "gc_freeze": freeze,
     }
 
 
@@ -181,12 +191,14 @@ def main() -> int:
     ap.add_argument("--sizes", default="3200,10000")
     ap.add_argument("--seconds", type=float, default=120.0, help="how long the balancer leads, per size")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the garbage collector as CPython runs it (no `service.LongLived` freezing)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        row = asyncio.run(lead(settled_cluster(n, args.seed), args.seconds, args.seed))
+        row = asyncio.run(lead(settled_cluster(n, args.seed), args.seconds, args.seed, not args.no_gc_freeze))
         rows.append(row)
         fmt = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
         print(json.dumps(fmt), flush=True)

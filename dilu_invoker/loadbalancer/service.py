@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import operator
 import os
 import re
@@ -380,6 +381,35 @@ class SnapshotCache:
                           instances=frozenset(r.instance for r in reservations), state=state, kept=kept)
 
 
+class LongLived:
+    """Keeps what a leader's ticks leave alive out of the cyclic garbage collector's full passes.
+
+    A leader of tens of thousands of instances holds millions of objects from tick to tick (the records, the
+    reports decoded, the snapshot, the plan's memo), and each tick leaves a few hundred thousand new ones alive
+    in place of the last tick's. CPython then runs a full collection over the whole heap every tick or two:
+    0.4–0.7 s at 32,000 instances, more than the plan's own work (docs/benchmarks/planner-scale.md, round 5).
+    After each tick everything alive is moved out of the collector's view (`gc.freeze`), so the full passes scan
+    only what the next tick makes; what later dies is freed by reference counting as before. Garbage in a
+    reference cycle among frozen objects (rare here: an exception's traceback) would wait, so every
+    `thaw_every` ticks the objects go back to the collector (`gc.unfreeze`), whose next full pass sees them all
+    once."""
+
+    def __init__(self, thaw_every: int = 300) -> None:
+        self.thaw_every = thaw_every
+        self.ticks = 0
+
+    def after_tick(self) -> None:
+        self.ticks += 1
+        if self.ticks % self.thaw_every == 0:
+            gc.unfreeze()
+        else:
+            gc.freeze()
+
+    def release(self) -> None:
+        """Give everything back to the collector (a leader that stops leading)."""
+        gc.unfreeze()
+
+
 def default_holder() -> str:
     return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
 
@@ -425,6 +455,7 @@ class Balancer:
         self._bad_reports: set[str] = set()
         self._compaction = CompactionLoop()
         self._memo: PlanMemo | None = None
+        self._collector = LongLived()
         self.metrics = BalancerMetrics()
 
     # -- campaign --------------------------------------------------------------------------------
@@ -504,9 +535,11 @@ class Balancer:
                         break
                 except RedisError as exc:
                     log.warning("balancer tick failed", error=str(exc))
+                self._collector.after_tick()
                 await self._sleep(self.cfg.balancer.tick_s)
         finally:
             await cancel_and_wait(renew, demand)
+            self._collector.release()
             log.info("balancer no longer leads", holder=self.holder, epoch=lead.epoch)
 
     async def _sleep(self, timeout: float) -> None:

@@ -262,3 +262,38 @@ async def test_a_takeover_longer_than_the_lease_keeps_the_lease(redis: aioredis.
     holder = await balancer.lease.holder_of(redis)
     assert holder is not None and holder[0] == "solo" and holder[1] == lead.epoch
     assert await balancer.tick(lead)  # it still leads: the tick is applied under the same lease
+
+
+def test_long_lived_objects_leave_the_collector_between_ticks_and_come_back() -> None:
+    """After each tick what is alive is frozen out of the collector's full passes; every `thaw_every` ticks, and
+    when the leader stops, it goes back, so garbage in a cycle among it is collected after all."""
+    import gc
+    import weakref
+
+    from dilu_invoker.loadbalancer.service import LongLived
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self  # a reference cycle: only the cyclic collector frees it
+
+    gc.unfreeze()
+    keep = LongLived(thaw_every=3)
+    try:
+        node = Node()
+        alive = weakref.ref(node)
+        keep.after_tick()
+        assert gc.get_freeze_count() > 0
+        del node
+        gc.collect()
+        assert alive() is not None  # frozen: no pass looks at it
+        keep.after_tick()
+        keep.after_tick()  # the third: thawed
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert alive() is None  # back in view, collected
+        keep.after_tick()
+        assert gc.get_freeze_count() > 0
+        keep.release()
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
