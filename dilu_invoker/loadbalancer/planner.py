@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from dilu_invoker.policy import (
     Affinity,
@@ -855,26 +855,27 @@ def _same_report(rep: LoadReport, was: LoadReport) -> bool:
     return True
 
 
+_V = TypeVar("_V")
+
+
+def _differing(now: Mapping[str, _V], last: Mapping[str, _V], same: Callable[[_V, _V], bool]) -> set[str]:
+    """The keys of `now` or `last` alone, and those whose values are not `same`."""
+    out = set(last.keys() - now.keys())
+    for key, value in now.items():
+        was = last.get(key)
+        if was is None or not same(value, was):
+            out.add(key)
+    return out
+
+
 def _moved(inp: TickInput, memo: PlanMemo) -> set[str]:
     """The invokers whose report does not read as the memo's did (`_same_report`), or reported then or now only."""
-    moved = set(memo.reports.keys() - inp.reports.keys())
-    last = memo.reports
-    for inv, rep in inp.reports.items():
-        was = last.get(inv)
-        if was is None or not _same_report(rep, was):
-            moved.add(inv)
-    return moved
+    return _differing(inp.reports, memo.reports, _same_report)
 
 
 def _respecced(inp: TickInput, memo: PlanMemo) -> set[str]:
     """The functions whose spec is not the memo's (added, removed or changed)."""
-    respecced = set(memo.specs.keys() - inp.specs.keys())
-    last = memo.specs
-    for fqn, spec in inp.specs.items():
-        was = last.get(fqn)
-        if was is not spec and was != spec:
-            respecced.add(fqn)
-    return respecced
+    return _differing(inp.specs, memo.specs, lambda spec, was: spec is was or spec == was)
 
 
 def _changed(inp: TickInput, work: _Work, memo: PlanMemo, figures: dict[str, _Figures],

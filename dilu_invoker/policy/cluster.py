@@ -606,30 +606,8 @@ class ClusterSnapshot:
             for i in new.instances:
                 affected[i.id] = None
                 held.setdefault(i.id, []).append(o)
-            if old.lit:
-                k = request_bucket(old.used_request)
-                buckets[k] = _remove(buckets[k], o)
-                rooms[k] = _remove(rooms[k], (_free(old), o))
-                limits[k] = _remove(limits[k], (old.used_limit, o))
-                lit -= 1
-            else:
-                ords = unlit[inv]
-                unlit = unlit.set(inv, _remove(ords, o))
-                unlit_nodes = unlit_nodes or list(self.unlit_nodes)
-                n = len(ords) - 1
-                unlit_nodes[n] = _remove(unlit_nodes[n], self.invoker_ordinals[inv][0])
-            if new.lit:
-                k = request_bucket(new.used_request)
-                buckets[k] = _insert(buckets[k], o)
-                rooms[k] = _insert(rooms[k], (_free(new), o))
-                limits[k] = _insert(limits[k], (new.used_limit, o))
-                lit += 1
-            else:
-                ords = unlit[inv]
-                unlit = unlit.set(inv, _insert(ords, o))
-                unlit_nodes = unlit_nodes or list(self.unlit_nodes)
-                n = len(ords)
-                unlit_nodes[n] = _insert(unlit_nodes[n], self.invoker_ordinals[inv][0])
+            unlit, unlit_nodes = self._reindex(o, old, new, buckets, rooms, limits, unlit, unlit_nodes)
+            lit += new.lit - old.lit
         # Each touched invoker's node-room entry, recomputed from its GPUs as `build` computes it.
         node_room = list(self.node_room)
         stale = [at for inv in touched_invokers
@@ -702,6 +680,37 @@ class ClusterSnapshot:
             large_request_slots=large_request,
         )
 
+    def _reindex(
+        self, o: int, old: GpuState, new: GpuState, buckets: list[tuple[int, ...]], rooms: list[tuple[RoomEntry, ...]],
+        limits: list[tuple[RoomEntry, ...]], unlit: Map[str, tuple[int, ...]], unlit_nodes: list[tuple[int, ...]] | None,
+    ) -> tuple[Map[str, tuple[int, ...]], list[tuple[int, ...]] | None]:
+        """GPU `o`'s entries moved from its `old` state to its `new` one: the Σ-request buckets (in place), and
+        the unlit GPUs and nodes (returned; `unlit_nodes` copied from this snapshot's at its first change)."""
+        inv = new.ref.invoker
+        if old.lit:
+            k = request_bucket(old.used_request)
+            buckets[k] = _remove(buckets[k], o)
+            rooms[k] = _remove(rooms[k], (_free(old), o))
+            limits[k] = _remove(limits[k], (old.used_limit, o))
+        else:
+            ords = unlit[inv]
+            unlit = unlit.set(inv, _remove(ords, o))
+            unlit_nodes = unlit_nodes or list(self.unlit_nodes)
+            n = len(ords) - 1
+            unlit_nodes[n] = _remove(unlit_nodes[n], self.invoker_ordinals[inv][0])
+        if new.lit:
+            k = request_bucket(new.used_request)
+            buckets[k] = _insert(buckets[k], o)
+            rooms[k] = _insert(rooms[k], (_free(new), o))
+            limits[k] = _insert(limits[k], (new.used_limit, o))
+        else:
+            ords = unlit[inv]
+            unlit = unlit.set(inv, _insert(ords, o))
+            unlit_nodes = unlit_nodes or list(self.unlit_nodes)
+            n = len(ords)
+            unlit_nodes[n] = _insert(unlit_nodes[n], self.invoker_ordinals[inv][0])
+        return unlit, unlit_nodes
+
     def _rebuild(
         self,
         changed: Mapping[int, GpuState],
@@ -724,33 +733,13 @@ class ClusterSnapshot:
         )
         for o, new in changed.items():
             old = old_gpus[o]
-            inv = new.ref.invoker
+            unlit, unlit_nodes = self._reindex(o, old, new, buckets, rooms, limits, unlit, unlit_nodes)
             if old.lit:
-                k = request_bucket(old.used_request)
-                buckets[k] = _remove(buckets[k], o)
-                rooms[k] = _remove(rooms[k], (_free(old), o))
-                limits[k] = _remove(limits[k], (old.used_limit, o))
                 sum_frac -= old.used_memory / old.memory_mib
                 lit -= 1
-            else:
-                ords = unlit[inv]
-                unlit = unlit.set(inv, _remove(ords, o))
-                unlit_nodes = unlit_nodes or list(self.unlit_nodes)
-                n = len(ords) - 1
-                unlit_nodes[n] = _remove(unlit_nodes[n], self.invoker_ordinals[inv][0])
             if new.lit:
-                k = request_bucket(new.used_request)
-                buckets[k] = _insert(buckets[k], o)
-                rooms[k] = _insert(rooms[k], (_free(new), o))
-                limits[k] = _insert(limits[k], (new.used_limit, o))
                 sum_frac += new.used_memory / new.memory_mib
                 lit += 1
-            else:
-                ords = unlit[inv]
-                unlit = unlit.set(inv, _insert(ords, o))
-                unlit_nodes = unlit_nodes or list(self.unlit_nodes)
-                n = len(ords)
-                unlit_nodes[n] = _insert(unlit_nodes[n], self.invoker_ordinals[inv][0])
             sum_req += new.used_request - old.used_request
             sum_mem += new.used_memory - old.used_memory
         if lit == 0:
