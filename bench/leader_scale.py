@@ -100,8 +100,11 @@ class _NoFreeze(LongLived):
         pass
 
 
-async def lead(live: LiveHarness, seconds: float, seed: int, freeze: bool = True) -> dict[str, Any]:
+async def lead(live: LiveHarness, seconds: float, seed: int, freeze: bool = True,
+               tick_s: float | None = None) -> dict[str, Any]:
     cfg = Config()
+    if tick_s is not None:
+        cfg = replace(cfg, balancer=replace(cfg.balancer, tick_s=tick_s))
     keys = Keys(cfg.redis.prefix)
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedRedis(tmp, persistent=False) as server:
