@@ -658,13 +658,24 @@ class ClusterSnapshot:
                 sum_frac += g.used_memory / g.memory_mib
             sum_req += g.used_request
             sum_mem += g.used_memory
+        return self._derived(gpus, buckets, rooms, limits, tuple(node_room), unlit, unlit_nodes, locations, fn_counts,
+                             widths, requests, memories, lit, (sum_req, sum_mem, sum_frac), (large_memory, large_request))
+
+    def _derived(
+        self, gpus: GpuVector, buckets: list[tuple[int, ...]], rooms: list[tuple[RoomEntry, ...]],
+        limits: list[tuple[RoomEntry, ...]], node_room: tuple[NodeRoom, ...], unlit: Map[str, tuple[int, ...]],
+        unlit_nodes: list[tuple[int, ...]] | None, locations: Map[str, tuple[int, ...]],
+        fn_counts: Map[str, Map[str, int]], widths: dict[int, int], requests: Map[float, int],
+        memories: Map[float, int], lit: int, sums: tuple[float, float, float], large: tuple[int, int],
+    ) -> ClusterSnapshot:
+        """This snapshot with the indexes a derivation (`with_states`, `with_instance`) rebuilt."""
         return _copy(
             self,
             gpus=gpus,
             lit_buckets=tuple(buckets),
             lit_room=tuple(rooms),
             lit_limits=tuple(limits),
-            node_room=tuple(node_room),
+            node_room=node_room,
             unlit=unlit,
             unlit_nodes=self.unlit_nodes if unlit_nodes is None else tuple(unlit_nodes),
             locations=locations,
@@ -673,11 +684,11 @@ class ClusterSnapshot:
             request_counts=requests,
             memory_counts=memories,
             lit_count=lit,
-            sum_request=sum_req,
-            sum_memory=sum_mem,
-            sum_memory_fraction=sum_frac,
-            large_memory_slots=large_memory,
-            large_request_slots=large_request,
+            sum_request=sums[0],
+            sum_memory=sums[1],
+            sum_memory_fraction=sums[2],
+            large_memory_slots=large[0],
+            large_request_slots=large[1],
         )
 
     def _reindex(
@@ -761,27 +772,8 @@ class ClusterSnapshot:
         requests, memories, large_memory, large_request = _tally(
             instance, sign, self.max_memory_mib / 2, self.request_counts, self.memory_counts,
             self.large_memory_slots, self.large_request_slots)
-        return _copy(
-            self,
-            gpus=gpus,
-            lit_buckets=tuple(buckets),
-            lit_room=tuple(rooms),
-            lit_limits=tuple(limits),
-            node_room=node_room,
-            unlit=unlit,
-            unlit_nodes=self.unlit_nodes if unlit_nodes is None else tuple(unlit_nodes),
-            locations=locations,
-            function_counts=fn_counts,
-            width_counts=MappingProxyType(widths),
-            request_counts=requests,
-            memory_counts=memories,
-            lit_count=lit,
-            sum_request=sum_req,
-            sum_memory=sum_mem,
-            sum_memory_fraction=sum_frac,
-            large_memory_slots=large_memory,
-            large_request_slots=large_request,
-        )
+        return self._derived(gpus, buckets, rooms, limits, node_room, unlit, unlit_nodes, locations, fn_counts,
+                             widths, requests, memories, lit, (sum_req, sum_mem, sum_frac), (large_memory, large_request))
 
 
 def _count(fn_counts: Map[str, Map[str, int]], function: str, invoker: str, sign: int) -> Map[str, Map[str, int]]:
