@@ -641,7 +641,7 @@ class Balancer:
 
     def _decode_reports(self, invokers: _Names, packed: list[bytes]) -> tuple[dict[str, LoadReport], frozenset[str]]:
         names = invokers.names
-        raws = [raw for reply in packed for raw in msgpack.unpackb(reply, raw=True)]
+        raws = _flat(packed)
         with self._decoding:
             reports: dict[str, LoadReport] = {}
             # Each report is what `decode` makes of it; the decoder reuses the objects of the elements (GPUs,
@@ -870,6 +870,11 @@ class Balancer:
         return await asyncio.to_thread(_decode_routes, names, packed)
 
 
+def _flat(packed: list[bytes]) -> list[Any]:
+    """The values of `READ_STRINGS` calls' packed replies, in the order of their keys (False: no value)."""
+    return [raw for reply in packed for raw in msgpack.unpackb(reply, raw=True)]
+
+
 def _decode_records(packed: bytes) -> dict[str, InstanceRecord]:
     flat = msgpack.unpackb(packed, raw=True)
     out: dict[str, InstanceRecord] = {}
@@ -885,7 +890,7 @@ def _decode_records(packed: bytes) -> dict[str, InstanceRecord]:
 
 
 def _decode_routes(names: list[str], packed: list[bytes]) -> dict[str, RoutingTable]:
-    raws = [raw for reply in packed for raw in msgpack.unpackb(reply, raw=True)]
+    raws = _flat(packed)
     out: dict[str, RoutingTable] = {}
     for name, raw in zip(names, raws, strict=True):
         if raw is False or raw is None:  # no table (Lua's false)
