@@ -539,6 +539,67 @@ class CommandOp(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class StageRecord:
+    """One pipeline stage of a split instance (an LLM placed over several GPUs of one invoker): its own id
+    (`stage_id`), its GPU and what it holds there. Each stage runs as its own process on its GPU, with its own
+    budget reservation, shim control block and memory cap (docs/balancer.md, "Split instances")."""
+
+    id: str
+    gpu: int
+    gpu_uuid: str | None
+    request: float
+    limit: float
+    memory_mb: int
+
+    @classmethod
+    def from_wire(cls, data: Any) -> StageRecord:
+        return _fields_of(cls, data)
+
+
+def stage_id(instance: str, index: int) -> str:
+    """The id of stage `index` of a split instance (the id placement gives the piece, `placement.part_id`)."""
+    return f"{instance}#p{index}"
+
+
+def stage_parent(reservation: str) -> str | None:
+    """The split instance a stage id (`stage_id`) belongs to; None for any other id (instance ids have no
+    ``#``: `planner.instance_id`)."""
+    head, sep, index = reservation.rpartition("#p")
+    return head if sep and head and index.isdigit() else None
+
+
+def stages_of(value: Any) -> tuple[StageRecord, ...]:
+    """The ``stages`` field as read from the wire (a list of maps, or empty)."""
+    if not value:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise WireError(f"stages: expected a list, got {type(value).__name__}")
+    stages = tuple(s if isinstance(s, StageRecord) else StageRecord.from_wire(s) for s in value)
+    if len(stages) < 2:
+        raise WireError("stages: a split instance has at least two")
+    return stages
+
+
+def _set_stages(obj: Any) -> None:
+    """Converts a just-decoded object's ``stages`` in place (each record carries the field, mostly empty: the
+    builder's fast path stays, and only a split instance pays for its stages)."""
+    raw = obj.stages
+    if raw.__class__ is not tuple or raw:
+        object.__setattr__(obj, "stages", stages_of(raw))
+
+
+def stage_span(stages: tuple[StageRecord, ...], index: int) -> tuple[float, float]:
+    """The share of the model stage `index` holds, as a [start, end) span of [0, 1]: its memory over the
+    stages' total, in stage order (`actions.pipeline.Stage.layers` turns it into a range of layers)."""
+    total = sum(max(0, s.memory_mb) for s in stages)
+    if total <= 0:
+        return index / len(stages), (index + 1) / len(stages)
+    before = sum(max(0, s.memory_mb) for s in stages[:index])
+    end = 1.0 if index == len(stages) - 1 else (before + max(0, stages[index].memory_mb)) / total
+    return before / total, end
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceCommand:
     op: str
     epoch: int
@@ -554,10 +615,14 @@ class InstanceCommand:
     boot: str = ""
     """The invoker's boot id the command is meant for ("" any); another incarnation ignores it."""
     reason: str = ""
+    stages: tuple[StageRecord, ...] = ()
+    """A split instance's pipeline stages, in order (``gpu``/``gpu_uuid`` are the first's); empty: one GPU."""
 
     @classmethod
     def from_wire(cls, data: Any) -> InstanceCommand:
-        return _fields_of(cls, data)
+        cmd = _fields_of(cls, data)
+        _set_stages(cmd)
+        return cmd
 
 
 # -- the balancer's instance table and routing tables ------------------------------------------------
@@ -597,10 +662,21 @@ class InstanceRecord:
     the function (make-before-break): once it is ready, the original is drained and this is cleared."""
     user_memory_mb: int = 0
     """Of its invoker's user memory, what it holds (its action's memory limit)."""
+    stages: tuple[StageRecord, ...] = ()
+    """A split instance's pipeline stages, in order, each on its own GPU of `invoker` (`gpu`/`gpu_uuid` are the
+    first's; `request`, `limit` and `memory_mb` the whole instance's); empty: the instance is on one GPU."""
 
     @classmethod
     def from_wire(cls, data: Any) -> InstanceRecord:
-        return _fields_of(cls, data)
+        rec = _fields_of(cls, data)
+        _set_stages(rec)
+        return rec
+
+    def gpu_reservations(self) -> tuple[tuple[str, str], ...]:
+        """(GPU uuid, reservation id) of each GPU it holds: one per stage of a split instance, else its own."""
+        if self.stages:
+            return tuple((s.gpu_uuid, s.id) for s in self.stages if s.gpu_uuid)
+        return ((self.gpu_uuid, self.id),) if self.gpu_uuid else ()
 
 
 @dataclass(frozen=True, slots=True)
