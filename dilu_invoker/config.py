@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dilu_invoker.model import MAX_STAGES
+
 
 class ConfigError(ValueError):
     """A setting is missing or invalid; the message names the flag and the variable."""
@@ -326,6 +328,9 @@ class BalancerConfig:
                                               "(1.0: any lit GPU)")
     compaction_merges: int = _opt(0, "moves a compaction run may spend merging SM room no instance can use into "
                                      "room one can, while Σ request binds (0: none)")
+    max_stages: int = _opt(4, "an llm instance of an action declaring gpu-stages N may be split into up to "
+                              "min(N, this) pipeline stages on as many GPUs of one invoker when no one GPU holds "
+                              "it (1: never split)")
     model_preload: bool = _opt(True, "cluster mode: pre-load the models of GPU actions that declare gpu-weights-mb "
                                      "when the controller creates or updates them (follows CouchDB's changes of the "
                                      "whisks database, so the balancer needs the CouchDB settings)")
@@ -339,6 +344,8 @@ class BalancerConfig:
             raise ConfigError("--balancer-compaction-max-request must be between 0 and 1")
         if self.compaction_merges < 0:
             raise ConfigError("--balancer-compaction-merges must be at least 0")
+        if not 1 <= self.max_stages <= MAX_STAGES:
+            raise ConfigError(f"--balancer-max-stages must be from 1 to {MAX_STAGES}")
         for name in ("tick_s", "lease_ttl_s", "report_ttl_s", "report_period_s", "start_timeout_s",
                      "route_wait_s", "result_ttl_s"):
             if not getattr(self, name) > 0:

@@ -240,6 +240,10 @@ def weights_group(invoker: str, function: str, revision: str) -> str:
     return f"{invoker}:{function}@{revision}"
 
 
+#: the most pipeline stages one instance may be split into (annotation ``gpu-stages``)
+MAX_STAGES = 8
+
+
 @dataclass(frozen=True, slots=True)
 class GpuNeeds:
     """What a GPU action asks for, read from its annotations (see docs/rest-api.md, "GPU annotations")."""
@@ -257,6 +261,9 @@ class GpuNeeds:
     #: how much of ``memory_mb`` is read-only weights that instances of one revision on one GPU share through
     #: the models API (docs/runtime.md): the GPU budget counts them once per GPU
     weights_mb: int = 0
+    #: the most pipeline stages the action's code serves (``dilu_invoker.actions.pipeline``): the balancer may
+    #: split an ``llm`` instance over up to this many GPUs of one invoker (docs/balancer.md, "Split instances")
+    stages: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 < self.sm_request <= 1.0:
@@ -279,6 +286,13 @@ class GpuNeeds:
             raise ValidationError("Annotation 'gpu-capacity-blocks-per-ms' must be a positive number.")
         if not 0 <= self.weights_mb <= self.memory_mb:
             raise ValidationError("Annotation 'gpu-weights-mb' must be an integer from 0 to 'gpu-memory-mb'.")
+        if not 1 <= self.stages <= MAX_STAGES:
+            raise ValidationError(f"Annotation 'gpu-stages' must be an integer from 1 to {MAX_STAGES}.")
+        if self.stages > 1 and self.gpu_class is not GpuClass.LLM:
+            raise ValidationError("Annotation 'gpu-stages' above 1 needs 'gpu-class' llm.")
+        if self.stages > 1 and self.weights_mb:
+            raise ValidationError("Annotation 'gpu-stages' above 1 cannot go with 'gpu-weights-mb' "
+                                  "(a stage holds a part of the weights, which no other instance shares).")
 
     ANNOTATIONS = (
         "gpu-class",
@@ -291,6 +305,7 @@ class GpuNeeds:
         "max-instances",
         "gpu-capacity-blocks-per-ms",
         "gpu-weights-mb",
+        "gpu-stages",
     )
 
     @classmethod
@@ -338,6 +353,7 @@ class GpuNeeds:
             max_instances=integer("max-instances", base.max_instances),
             capacity_blocks_per_ms=number("gpu-capacity-blocks-per-ms", base.capacity_blocks_per_ms),
             weights_mb=integer("gpu-weights-mb", base.weights_mb),
+            stages=integer("gpu-stages", base.stages),
         )
 
 

@@ -275,6 +275,8 @@ class FunctionSpec:
     """The action's memory limit (``limits.memory``): what an instance holds of its invoker's user memory."""
     weights_mb: int = 0
     """Of ``memory_mb``, the read-only weights its instances on one GPU share (``gpu-weights-mb``)."""
+    stages: int = 1
+    """The most pipeline stages its code serves (``gpu-stages``): an instance may be split over that many GPUs."""
 
     @classmethod
     def of(cls, action: Action) -> FunctionSpec:
@@ -314,6 +316,7 @@ class FunctionSpec:
             affinity=affinity,
             user_memory_mb=action.limits.memory_mb,
             weights_mb=needs.weights_mb,
+            stages=needs.stages,
         )
 
     @classmethod

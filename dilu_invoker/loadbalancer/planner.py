@@ -64,6 +64,7 @@ from dilu_invoker.wire import (
     RecordState,
     RouteEntry,
     RoutingTable,
+    StageRecord,
     revision_generation,
 )
 
@@ -337,9 +338,12 @@ def shares_weights(spec: FunctionSpec) -> bool:
     return bool(spec.rev) and 0 < spec.weights_mb <= spec.memory_mb
 
 
-def placement_request(spec: FunctionSpec, instance: str) -> PlacementRequest:
+def placement_request(spec: FunctionSpec, instance: str, max_stages: int = 1) -> PlacementRequest:
+    """`spec`'s instance as placement asks for it; it may be split into up to ``min(spec.stages, max_stages)``
+    pipeline stages (`PlacementConfig.llm_max_parts`, ``--balancer-max-stages``)."""
     shared = shares_weights(spec)
     return PlacementRequest(
+        max_parts=max(1, min(spec.stages, max_stages)) if not shared else 1,
         instance_id=instance,
         function=spec.fqn,
         cls=InstanceClass.parse(spec.cls),
@@ -350,6 +354,22 @@ def placement_request(spec: FunctionSpec, instance: str) -> PlacementRequest:
         affinity=Affinity(spec.affinity) if spec.affinity else None,
         weights_mib=float(spec.weights_mb) if shared else 0.0,
         weights_group=weights_identity(spec.fqn, spec.rev) if shared else "",
+    )
+
+
+def stages_of_decision(cluster: ClusterSnapshot, where: PlacementDecision, memory_mb: int
+                       ) -> tuple[StageRecord, ...]:
+    """A split placement's pipeline stages as the record names them (one per piece, in placement's order:
+    the piece ids are the stage ids); empty for a one-GPU placement. Budgets count whole MiB: each piece's
+    memory is rounded, and the last takes what makes the stages' sum the instance's `memory_mb`."""
+    if not where.parts:
+        return ()
+    mibs = [round(p.instance.memory_mib) for p in where.parts[:-1]]
+    mibs.append(max(0, memory_mb - sum(mibs)))
+    return tuple(
+        StageRecord(id=p.instance.id, gpu=p.gpu.gpu, gpu_uuid=cluster.gpu(p.gpu).uuid or None,
+                    request=p.instance.request, limit=p.instance.limit, memory_mb=mib)
+        for p, mib in zip(where.parts, mibs, strict=True)
     )
 
 
@@ -600,7 +620,7 @@ def _compact(
     movable = {
         r.id
         for r in work.records.values()
-        if r.state == RecordState.READY and r.function in calm and r.function in inp.specs
+        if r.state == RecordState.READY and r.function in calm and r.function in inp.specs and not r.stages
         and not outdated(r.rev, inp.specs[r.function].rev) and not shares_weights(inp.specs[r.function])
     }
     pinned = frozenset(i for i in cluster.locations if i not in movable)
@@ -749,7 +769,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 memory = UserMemory(inp.reports, work.records)
             for _ in range(owed):
                 iid = instance_id(fqn, epoch, seq)
-                request = placement_request(spec, iid)
+                request = placement_request(spec, iid, cfg.placement.llm_max_parts)
                 fits, short = memory.fits(cluster, spec)
                 where, evicts = (_place_or_evict(fits, spec, request, cfg.placement, evictable)
                                  if fits is not None else (None, None))
@@ -765,7 +785,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 ref = where.gpus[0]
                 if evicts is not None:  # the kept weights there go: this tick's next placements see the room
                     cluster = without_kept(cluster, {evicts: evictable.pop(evicts)})
-                weights = spec.weights_mb if holds_weights(cluster.gpu(ref), request) else 0
+                weights = spec.weights_mb if not where.split and holds_weights(cluster.gpu(ref), request) else 0
                 cluster = apply_placement(cluster, request, where)
                 rep = inp.reports.get(ref.invoker)
                 record = InstanceRecord(
@@ -773,6 +793,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                     gpu_uuid=cluster.gpu(ref).uuid or None, cls=spec.cls, request=spec.request, limit=spec.limit,
                     memory_mb=spec.memory_mb, slots=spec.slots, state=RecordState.STARTING.value, since=now,
                     epoch=epoch, boot=rep.boot if rep is not None else "", user_memory_mb=spec.user_memory_mb,
+                    stages=stages_of_decision(cluster, where, spec.memory_mb),
                 )
                 work.records[iid] = record
                 memory.hold(record.invoker, record.user_memory_mb)

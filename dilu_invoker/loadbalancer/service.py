@@ -44,7 +44,7 @@ from redis.exceptions import RedisError
 from dilu_invoker import logs
 from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import Config, ConfigError
-from dilu_invoker.gpu.budgets import BudgetCache, GpuBudget, GpuBudgets, Reservation
+from dilu_invoker.gpu.budgets import BudgetCache, GpuBudget, GpuBudgets, Reservation, ReserveResult
 from dilu_invoker.loadbalancer.lease import LeaderLease, Leadership, Ops
 from dilu_invoker.loadbalancer.model_preload import ActionFeed, following, place_first
 from dilu_invoker.loadbalancer.planner import (
@@ -83,9 +83,11 @@ from dilu_invoker.wire import (
     RecordState,
     ReportDecoder,
     RoutingTable,
+    StageRecord,
     WireError,
     decode,
     pack,
+    stage_parent,
     text,
 )
 
@@ -150,7 +152,8 @@ def planner_config(cfg: Config) -> PlannerConfig:
     except ValueError as exc:
         raise ConfigError(f"balancer scaling settings (--balancer-window, -scale-*): {exc}") from None
     try:
-        placement = PlacementConfig(strategy=b.strategy, gamma=cfg.gpu.gamma, affinity=Affinity(b.affinity))
+        placement = PlacementConfig(strategy=b.strategy, gamma=cfg.gpu.gamma, affinity=Affinity(b.affinity),
+                                    llm_max_parts=b.max_stages)
     except ValueError as exc:
         raise ConfigError(f"--balancer-strategy / --gpu-gamma: {exc}") from None
     compaction = None
@@ -250,7 +253,8 @@ def gpu_state_of(invoker: str, gpu: GpuReport, enabled: bool, budget: GpuBudget 
         placed.append(PlacedInstance(
             id=r.instance, function=r.function, cls=cls, request=r.request, limit=r.limit,
             memory_mib=float(r.memory_mb),
-            profile=Profile(spec.profile) if spec is not None and spec.profile else None))
+            profile=Profile(spec.profile) if spec is not None and spec.profile else None,
+            part_of=stage_parent(r.instance)))
     memory = budget.capacity.memory_mb if budget is not None else gpu.memory_mb
     groups = weight_groups_of(invoker, budget.reservations.values()) if budget is not None else frozenset()
     ref = GpuRef(invoker, gpu.index)
@@ -755,10 +759,9 @@ class Balancer:
         ttl_s = self.cfg.gpu.reservation_ttl_s
         # Room held by instances that are gone goes back first, so this tick's starts can use it.
         for order in plan.forgotten:
-            r = order.record
-            if r.gpu_uuid:
+            for uuid, rid in order.record.gpu_reservations():
                 with contextlib.suppress(RedisError):
-                    await self.budgets.release(r.gpu_uuid, r.id)
+                    await self.budgets.release(uuid, rid)
         records = dict(plan.records)
         states = dict(plan.states)
         starts = []
@@ -768,13 +771,7 @@ class Balancer:
             if r.gpu_uuid is None:
                 starts.append(order)
                 continue
-            # On a GPU holding its revision's weights it declares them with the group its invoker's own
-            # reservation will name, so Redis charges it the rest now and the invoker's settles the same.
-            result = await self.budgets.reserve(r.gpu_uuid, Reservation(
-                instance=r.id, function=r.function, cls=r.cls, invoker=r.invoker, request=r.request,
-                limit=r.limit, memory_mb=r.memory_mb, weights_mb=order.weights_mb,
-                group=weights_group(r.invoker, r.function, r.rev) if order.weights_mb else ""), ttl_s=ttl_s,
-                evict=order.evicts)
+            result = await self._reserve(r, order, ttl_s)
             if not result.ok:
                 # The budget saw something the snapshot did not (a concurrent admission): retry next tick.
                 log.info("GPU budget refused a placement", instance=r.id, gpu=r.gpu_uuid, reason=result.reason)
@@ -789,7 +786,8 @@ class Balancer:
         by_gpu: dict[str, list[str]] = {}
         for r in records.values():
             if r.state == RecordState.STARTING and r.gpu_uuid and r not in reserved:
-                by_gpu.setdefault(r.gpu_uuid, []).append(r.id)
+                for uuid, rid in r.gpu_reservations():
+                    by_gpu.setdefault(uuid, []).append(rid)
         for uuid, ids in by_gpu.items():
             with contextlib.suppress(RedisError):
                 await self.budgets.renew(uuid, ids, ttl_s=ttl_s)
@@ -804,8 +802,9 @@ class Balancer:
         if ops.count and not await self.lease.apply(lead, ops):
             self.metrics.totals = before
             for r in reserved:
-                with contextlib.suppress(RedisError):
-                    await self.budgets.release(r.gpu_uuid or "", r.id)
+                for uuid, rid in r.gpu_reservations():
+                    with contextlib.suppress(RedisError):
+                        await self.budgets.release(uuid, rid)
             self._lost.set()
             return False
         for d in plan.decisions:
@@ -818,6 +817,30 @@ class Balancer:
         self._compaction = plan.compaction
         self._memo = plan.memo
         return True
+
+    async def _reserve(self, r: InstanceRecord, order: Order, ttl_s: float) -> ReserveResult:
+        """Reserve a start's GPU budget: one reservation, or one per stage of a split instance, all or none
+        (a stage refused releases the stages reserved before it)."""
+        if r.stages:
+            done: list[StageRecord] = []
+            for st in r.stages:
+                result = await self.budgets.reserve(st.gpu_uuid or "", Reservation(
+                    instance=st.id, function=r.function, cls=r.cls, invoker=r.invoker, request=st.request,
+                    limit=st.limit, memory_mb=st.memory_mb), ttl_s=ttl_s)
+                if not result.ok:
+                    for prev in done:
+                        with contextlib.suppress(RedisError):
+                            await self.budgets.release(prev.gpu_uuid or "", prev.id)
+                    return replace(result, reason=f"stage {st.id}: {result.reason}")
+                done.append(st)
+            return result
+        # On a GPU holding its revision's weights it declares them with the group its invoker's own
+        # reservation will name, so Redis charges it the rest now and the invoker's settles the same.
+        return await self.budgets.reserve(r.gpu_uuid or "", Reservation(
+            instance=r.id, function=r.function, cls=r.cls, invoker=r.invoker, request=r.request,
+            limit=r.limit, memory_mb=r.memory_mb, weights_mb=order.weights_mb,
+            group=weights_group(r.invoker, r.function, r.rev) if order.weights_mb else ""), ttl_s=ttl_s,
+            evict=order.evicts)
 
     def _writes(self, lead: Leadership, plan: TickPlan, records: Mapping[str, InstanceRecord],
                 starts: list[Order]) -> Ops:
@@ -835,7 +858,8 @@ class Balancer:
             ops.xadd(self.keys.commands(r.invoker), pack(InstanceCommand(
                 op=CommandOp.START.value, epoch=lead.epoch, instance=r.id, function=r.function, rev=r.rev,
                 gpu=r.gpu, gpu_uuid=r.gpu_uuid, cls=r.cls, request=r.request, limit=r.limit,
-                memory_mb=r.memory_mb, boot=r.boot, reason=order.reason)), maxlen=COMMAND_STREAM_MAXLEN)
+                memory_mb=r.memory_mb, boot=r.boot, reason=order.reason, stages=r.stages)),
+                maxlen=COMMAND_STREAM_MAXLEN)
         for order in plan.stops:
             r = order.record
             ops.xadd(self.keys.commands(r.invoker), pack(InstanceCommand(
