@@ -77,9 +77,16 @@ class LiveHarness:
         # In the order they were placed (the simulator appends to a GPU's instances likewise).
         for r in sorted(self.records.values(), key=lambda r: int(r.id.rsplit("-", 1)[1])):
             if r.state != RecordState.STOPPING and r.gpu is not None:
-                placed.setdefault(GpuRef(r.invoker, r.gpu), []).append(PlacedInstance(
-                    id=r.id, function=r.function, cls=InstanceClass.parse(r.cls), request=r.request,
-                    limit=r.limit, memory_mib=float(r.memory_mb)))
+                cls = InstanceClass.parse(r.cls)
+                # A split instance as its stages' reservations hold it: a piece on each stage's GPU.
+                for s in r.stages:
+                    placed.setdefault(GpuRef(r.invoker, s.gpu), []).append(PlacedInstance(
+                        id=s.id, function=r.function, cls=cls, request=s.request, limit=s.limit,
+                        memory_mib=float(s.memory_mb), part_of=r.id))
+                if not r.stages:
+                    placed.setdefault(GpuRef(r.invoker, r.gpu), []).append(PlacedInstance(
+                        id=r.id, function=r.function, cls=cls, request=r.request, limit=r.limit,
+                        memory_mib=float(r.memory_mb)))
         return ClusterSnapshot.build(now=now, gpus=[
             GpuState(ref=GpuRef(inv, i), memory_mib=float(GPU_MIB), uuid=f"{inv}-g{i}",
                      instances=tuple(placed.get(GpuRef(inv, i), ())))
@@ -100,7 +107,9 @@ class LiveHarness:
         self.last_build_s, self.last_plan_s = c1 - c0, time.process_time() - c1
         for d in plan.decisions:
             if d.kind == "place":
-                self.log.append(("place", d.function, (GpuRef(d.invoker, d.gpu or 0),)))
+                rec = plan.records[d.instance]
+                self.log.append(("place", d.function, tuple(GpuRef(d.invoker, s.gpu) for s in rec.stages)
+                                 or (GpuRef(d.invoker, d.gpu or 0),)))
             elif d.kind == "move":
                 orig = before[plan.records[d.instance].replaces]
                 self.log.append(("move", orig.function, GpuRef(orig.invoker, orig.gpu or 0),

@@ -107,15 +107,16 @@ def compaction_config(spec: str, base: CompactionConfig = SIM_COMPACTION) -> Com
 def run_one(
     n: int, train: float, llm: float, seed: int, policy: str, repeat: int = 1,
     compaction: CompactionConfig = SIM_COMPACTION, light_split: float | None = None,
-    split_node_fit: bool = False, *, as_live: bool = False, every: float | None = None,
+    split_node_fit: bool = False, *, as_live: bool = False, every: float | None = None, live_stages: int = 1,
 ) -> dict[str, Any]:
     """One trace under one policy, `repeat` times in a row (the same decisions every time): the
     median CPU and wall time, and the CPU range (on a shared host one run's CPU time varies).
     `as_live`: `dilu` as the live balancer runs it (`live_placement_config`, `compaction` in place of its
-    compaction); `every`: `dilu`'s compaction period (default 2 s, live 30 s)."""
+    compaction; `live_stages`: the `gpu-stages` its LLM actions declare, 1: none); `every`: `dilu`'s compaction
+    period (default 2 s, live 30 s)."""
     events = dilu_mix(n, train_fraction=train, llm_fraction=llm, seed=seed)
     if as_live and policy == "dilu":
-        cfg = live_placement_config(gpu_memory_gib=40.0, compaction=compaction,
+        cfg = live_placement_config(gpu_memory_gib=40.0, compaction=compaction, llm_split_parts=live_stages,
                                     **({} if every is None else {"compact_every_s": every}))
     else:
         cfg = PlacementSimConfig(
@@ -161,6 +162,7 @@ def run_one(
         "splits": d["split_instances"], "rejected": s["rejected"], "load": _load().split()[0],
         "decisions": digest, "light_split": light_split, "split_node_fit": split_node_fit,
         "as_live": as_live and policy == "dilu", "compact_every_s": cfg.compact_every_s,
+        "live_stages": live_stages if as_live and policy == "dilu" else None,
     }
 
 
@@ -294,6 +296,9 @@ def main() -> int:
     ap.add_argument("--as-live", action="store_true",
                     help="dilu as the live balancer runs it by default (no LLM split, LIVE_COMPACTION every 30 s; "
                          "--compaction then overrides LIVE_COMPACTION's fields)")
+    ap.add_argument("--live-stages", type=int, default=1, metavar="N",
+                    help="with --as-live: the trace's LLM actions declare gpu-stages N, so the live balancer splits "
+                         "an LLM no lit GPU holds over up to N GPUs of a node (default 1: none declares it)")
     ap.add_argument("--compact-every", type=float, default=None, metavar="SECONDS",
                     help="dilu's compaction period in trace seconds (default 2, with --as-live 30)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
@@ -303,6 +308,10 @@ def main() -> int:
             or args.compact_every is not None) and args.baseline is not None:
         raise SystemExit("--compaction, --light-split, --split-node-fit, --as-live or --compact-every and --baseline: "
                          "the paired replays run the defaults")
+    if args.live_stages != 1 and not args.as_live:
+        raise SystemExit("--live-stages needs --as-live (the simulator's own dilu splits by default)")
+    if args.live_stages < 1:
+        raise SystemExit("--live-stages must be at least 1")
     if args.as_live and (args.light_split is not None or args.split_node_fit):
         raise SystemExit("--as-live: the live balancer splits no LLM (not with --light-split or --split-node-fit)")
 
@@ -320,7 +329,8 @@ def main() -> int:
             for seed in seeds:
                 for policy in policies:
                     r = run_one(n, train, llm, seed, policy, args.repeat, compaction, args.light_split,
-                               args.split_node_fit, as_live=args.as_live, every=args.compact_every)
+                               args.split_node_fit, as_live=args.as_live, every=args.compact_every,
+                               live_stages=args.live_stages)
                     child = None
                     if args.baseline is not None and policy == "dilu":
                         # This code and the baseline's, each in a child process of its own started

@@ -127,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dilu as the live balancer runs it: LLMs never split, the live compaction (by default GPUs "
                         "with Σ request <= 0.5 and at most 3 instances, 2 moves a run, no merges) every 30 s; "
                         "--compact-every, --compact-max-request and --compact-merges then set the balancer's "
-                        "--balancer-compaction-period-s, -max-request and -merges; not with the other --compact-* "
-                        "flags or --llm-split-parts")
+                        "--balancer-compaction-period-s, -max-request and -merges, and --llm-split-parts N has the "
+                        "trace's LLM actions declare gpu-stages N (the live balancer then splits an LLM no lit GPU "
+                        "holds, default 1: none declares it); not with the other --compact-* flags")
     p.add_argument("--seed", type=int, default=0, help="accepted for symmetry; placement is deterministic")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -267,7 +268,7 @@ def _placement(args: argparse.Namespace) -> int:
     configs: dict[str, PlacementSimConfig] = {}
     if args.as_live:
         given = [flag for flag, value in (
-            ("--llm-split-parts", args.llm_split_parts), ("--compact-max-sources", args.compact_max_sources),
+            ("--compact-max-sources", args.compact_max_sources),
             ("--compact-max-instances", args.compact_max_instances), ("--no-compact-pieces", args.no_compact_pieces or None),
         ) if value is not None]
         if given:
@@ -277,6 +278,8 @@ def _placement(args: argparse.Namespace) -> int:
         every = args.compact_every
         if policy == "dilu" and args.as_live:
             live: dict[str, Any] = {} if every is None else {"compact_every_s": every}
+            if args.llm_split_parts is not None:
+                live["llm_split_parts"] = args.llm_split_parts
             settings = {"max_request": args.compact_max_request, "merges": args.compact_merges}
             live["compaction"] = live_compaction_config(**{k: v for k, v in settings.items() if v is not None})
             configs[policy] = live_placement_config(gpu_memory_gib=args.gpu_memory_gib, gpus=args.gpus,

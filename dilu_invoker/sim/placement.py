@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from dilu_invoker.policy import (
@@ -101,6 +101,9 @@ class PlacementSimConfig:
     """dilu splits an LLM that would light a GPU whole over lit GPUs of one node and one new GPU
     when the lit GPUs take at least this share of it (`PlacementConfig.light_split_min_share`);
     None: never (the default)."""
+    compaction_splits: bool = True
+    """Whether a compaction move may split the instance it moves (as placement would); the live balancer's
+    moves never split (its compaction places one-GPU instances only)."""
     split_node_fit: bool = False
     """Where memory binds, dilu splits an LLM over the lit GPUs of the node left with the least free memory
     once it is placed (`PlacementConfig.split_node_fit`); False: the node where it needs the fewest pieces
@@ -131,15 +134,17 @@ class PlacementSimConfig:
 
 
 def live_placement_config(**changes: Any) -> PlacementSimConfig:
-    """`dilu` as the live balancer runs it by default: LLMs are never split (the live planner places
-    one-GPU instances only, `PlacementConfig.llm_max_parts` 1), and compaction is
+    """`dilu` as the live balancer runs it by default: LLMs are not split (`llm_split_parts` 1: the trace's LLM
+    actions declare no ``gpu-stages``; N: they declare N, and the live balancer splits an LLM no lit GPU holds
+    over up to N GPUs of a node, `--balancer-max-stages` at least N), a compaction move never splits and never
+    moves a stage, and compaction is
     `policy.live_compaction.LIVE_COMPACTION` at `LiveCompaction`'s period (`--balancer-compaction-period-s`,
     30 s; at most `--balancer-compaction-max-moves` moves a run). Moves are instant here; the live planner
     also waits for a move in flight (a replacement's cold start) before its next run. `changes`: other
     fields of `PlacementSimConfig` (cluster shape, a compaction variant to try live)."""
     live = LiveCompaction()
     return PlacementSimConfig(**{"policy": "dilu", "llm_split_parts": 1, "compact_every_s": live.period_s,
-                                 "compaction": live.config, **changes})
+                                 "compaction": live.config, "compaction_splits": False, **changes})
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +272,7 @@ def simulate_placement(
     target)."""
     wall0 = time.perf_counter()
     pconf = config.placement_config()
+    compaction_pconf = pconf if config.compaction_splits else replace(pconf, llm_max_parts=1)
     capacity = config.gpu_memory_gib * GIB
     n_gpus = config.gpus or cluster_size(events, config.gpus_per_node)
     nodes = math.ceil(n_gpus / config.gpus_per_node)
@@ -333,7 +339,7 @@ def simulate_placement(
                 departed = False
                 if log is not None:
                     log.append(("compact", ev.t))
-                plan = compaction_plan(cluster.at(ev.t), pconf, config.compaction, compaction_state)
+                plan = compaction_plan(cluster.at(ev.t), compaction_pconf, config.compaction, compaction_state)
                 compaction_state = plan.state
                 compaction_runs += 1
                 if plan.moves:

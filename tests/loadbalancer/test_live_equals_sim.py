@@ -52,22 +52,28 @@ def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     return out
 
 
-@pytest.mark.parametrize(("n", "llm", "seed", "compaction"),
-                         [(100, 0.2, 4, COMPACTION), (100, 0.4, 9, COMPACTION), (160, 0.0, 3, MERGING),
-                          (160, 0.2, 5, WIDE)],
-                         ids=["llm-20%", "llm-40%", "inference-merging", "any-gpu-merging"])
-def test_the_live_planner_places_and_moves_as_the_simulator(n: int, llm: float, seed: int,
-                                                             compaction: CompactionConfig) -> None:
-    events = dilu_mix(n, train_fraction=0.0, llm_fraction=llm, seed=seed)
+@pytest.mark.parametrize(("n", "train", "llm", "seed", "compaction", "stages"),
+                         [(100, 0.0, 0.2, 4, COMPACTION, 1), (100, 0.0, 0.4, 9, COMPACTION, 1),
+                          (160, 0.0, 0.0, 3, MERGING, 1), (160, 0.0, 0.2, 5, WIDE, 1),
+                          (160, 0.0, 0.4, 2, COMPACTION, 4), (120, 0.0, 0.4, 7, WIDE, 2)],
+                         ids=["llm-20%", "llm-40%", "inference-merging", "any-gpu-merging", "stages-4",
+                              "stages-2-merging"])
+def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float, llm: float, seed: int,
+                                                             compaction: CompactionConfig, stages: int) -> None:
+    """`stages` > 1: the LLM actions declare gpu-stages N (`--balancer-max-stages` 4): both split an LLM no lit GPU
+    holds into pipeline stages, and neither moves a stage nor splits a move."""
+    events = dilu_mix(n, train_fraction=train, llm_fraction=llm, seed=seed)
     sim_log: list[tuple[Any, ...]] = []
-    sim = simulate_placement(events, PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, llm_split_parts=1,
-                                                        compact_every_s=PERIOD_S, compaction=compaction), log=sim_log)
+    sim = simulate_placement(events, PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, llm_split_parts=stages,
+                                                        compact_every_s=PERIOD_S, compaction=compaction,
+                                                        compaction_splits=False), log=sim_log)
     assert (sim.details["compaction_merges"] > 0) is (compaction.merges > 0), "merging must be exercised"
+    assert (sim.details["split_instances"] > 0) is (stages > 1), "splitting must be exercised"
     nodes = cluster_size(events, 4) // 4
     cfg = PlannerConfig(
         horizontal=HorizontalConfig(window=4, scale_out_samples=2, scale_in_samples=2, sample_period_s=0.1,
                                     stale_after_s=1e9, cooldown_s=1e-6, scale_to_zero_after_s=1e-6),
-        placement=PlacementConfig(),
+        placement=PlacementConfig(llm_max_parts=4),
         compaction=LiveCompaction(config=compaction, period_s=PERIOD_S),
     )
     live = LiveHarness(nodes, cfg)
@@ -97,7 +103,7 @@ def test_the_live_planner_places_and_moves_as_the_simulator(n: int, llm: float, 
                 live.specs[ev.instance] = FunctionSpec(
                     fqn=ev.instance, rev="1-a", kind="python:3-gpu", cls=s.cls.value, request=s.sm_request,
                     limit=s.sm_limit, memory_mb=int(s.memory_mib), min_instances=1, max_instances=1,
-                    capacity_rps=1.0)
+                    capacity_rps=1.0, stages=stages if s.cls.value == "llm" else 1)
         if any(ev.op == CREATE for ev in evs):
             live.tick(t + 0.5)  # placed
             live.tick(t + 0.6)  # ready

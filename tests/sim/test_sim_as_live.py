@@ -24,12 +24,16 @@ def llm_events(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_live_profile_is_what_the_balancer_runs_by_default() -> None:
-    """The balancer's planner from a default configuration: one-GPU placements and this compaction, this
-    often. If a live default changes, the simulator's `--as-live` follows (or this fails)."""
+    """The balancer's planner from a default configuration: this compaction, this often, and LLMs split into
+    at most `--balancer-max-stages` (4) stages, which only actions declaring gpu-stages are (the simulator's
+    `--as-live` by default: none declares it). If a live default changes, `--as-live` follows (or this fails)."""
     live = planner_config(Config())
     sim = live_placement_config()
     assert live.compaction is not None
-    assert sim.placement_config().llm_max_parts == live.placement.llm_max_parts == 1
+    assert sim.placement_config().llm_max_parts == 1
+    assert live_placement_config(llm_split_parts=4).placement_config().llm_max_parts == live.placement.llm_max_parts
+    assert live.placement.llm_max_parts == Config().balancer.max_stages == 4
+    assert not sim.compaction_splits and not sim.compaction.move_pieces
     assert sim.compaction == live.compaction.config and sim.compact_every_s == live.compaction.period_s
     assert sim.placement_config().gamma == live.placement.gamma and sim.policy == live.placement.strategy
 
@@ -53,6 +57,19 @@ def test_as_live_splits_nothing_and_says_what_it_ran(llm_events: Path, tmp_path:
     assert live["peak_vs_integral"] >= default["peak_vs_integral"]
 
 
+def test_as_live_splits_the_llms_of_actions_declaring_stages(llm_events: Path, tmp_path: Path) -> None:
+    runs = {}
+    for name, argv in (("live", []), ("stages", ["--llm-split-parts", "4"])):
+        out = tmp_path / name
+        assert main(["placement", "--events", str(llm_events), "--policy", "dilu", "--gpu-memory-gib", "40",
+                     "--as-live", "--out", str(out), "--quiet", "--no-plots", *argv]) == 0
+        runs[name] = json.loads((out / "details.json").read_text())
+    live, stages = runs["live"], runs["stages"]
+    assert stages["split_instances"] > 0 and stages["llm_split_parts"] == 4 and live["split_instances"] == 0
+    assert stages["compaction"] == live["compaction"] and stages["compact_every_s"] == 30.0
+    assert stages["peak_vs_integral"] <= live["peak_vs_integral"]
+
+
 def test_as_live_takes_a_period(llm_events: Path, tmp_path: Path) -> None:
     out = tmp_path / "p"
     assert main(["placement", "--events", str(llm_events), "--policy", "dilu", "--as-live", "--compact-every", "10",
@@ -61,7 +78,7 @@ def test_as_live_takes_a_period(llm_events: Path, tmp_path: Path) -> None:
     assert details["compact_every_s"] == 10.0 and details["llm_split_parts"] == 1
 
 
-@pytest.mark.parametrize("flag", [["--llm-split-parts", "2"], ["--compact-max-sources", "4"],
+@pytest.mark.parametrize("flag", [["--compact-max-sources", "4"],
                                   ["--compact-max-instances", "2"], ["--no-compact-pieces"]])
 def test_as_live_refuses_the_flags_it_sets(llm_events: Path, tmp_path: Path, flag: list[str],
                                            capsys: pytest.CaptureFixture[str]) -> None:
