@@ -56,15 +56,17 @@ def main(args):
     if args.get("fail_at") == k:
         raise RuntimeError(f"no luck at {k}")
     seen = list(args.get("seen", [])) + [{"stage": k, "count": n, "span": os.environ["DILU_STAGE_SPAN"],
-                                          "pid": os.getpid(), "got_pad": len(args.get("pad", ""))}]
+                                          "pid": os.getpid(), "got_pad": len(args.get("pad", "")),
+                                          "aid": os.environ["__OW_ACTIVATION_ID"],
+                                          "deadline": os.environ["__OW_DEADLINE"]}]
     out = {**args, "seen": seen}
     out["pad"] = "x" * args["pad_bytes"] if args.get("pad_bytes") and k < n - 1 else ""
     return out
 '''
 
 
-def _action(**limits: int) -> Action:
-    return Action(namespace="guest", name="llm", exec=Exec(kind="python:3-gpu", code=CODE),
+def _action(name: str = "llm", **limits: int) -> Action:
+    return Action(namespace="guest", name=name, exec=Exec(kind="python:3-gpu", code=CODE),
                   limits=replace(ActionLimits(), **limits), revision="1-split",
                   annotations=(Parameter("gpu-sm-request", 0.2), Parameter("gpu-sm-limit", 0.5),
                                Parameter("gpu-memory-mb", 9000), Parameter("gpu-weights-mb", 3000)))
@@ -195,6 +197,9 @@ async def test_a_two_stage_instance_runs_its_stages_in_order_as_one_activation(n
         (0, 2, f"{spans[0][0]!r}:{spans[0][1]!r}"), (1, 2, f"{spans[1][0]!r}:{spans[1][1]!r}")]
     assert spans[0] == (0.0, 6000 / 9000)
     assert result["seen"][0]["pid"] != result["seen"][1]["pid"]  # two processes
+    # one activation: its id and its deadline (the whole pipeline's) at every stage
+    assert {s["aid"] for s in result["seen"]} == {activation.activation_id}
+    assert len({s["deadline"] for s in result["seen"]}) == 1
     # one record: the whole run, the logs of both stages in order, each naming its stage
     assert activation.duration >= 0 and activation.annotation("path") == "guest/llm"
     lines = [line for line in activation.logs if "at stage" in line]
@@ -234,6 +239,21 @@ async def test_a_failing_stage_fails_the_activation_and_no_later_stage_runs(node
     ok = await node.manager.run("llm-2", _req(node.action))
     assert ok is not None and ok.response.status is ActivationStatus.SUCCESS
     assert node.state("llm-2") is InstanceState.READY
+
+
+async def test_the_time_limit_holds_for_the_whole_pipeline(node: Node) -> None:
+    action = _action("llm-short", timeout_ms=1000)
+    await node.manager.registry.ensure(action)
+    node.action = action
+    assert await node.start("llm-8", _stages("llm-8")) == "start"
+    # each stage alone is within the limit, both together are not: the last stage gets what is left
+    timed_out = await node.manager.run("llm-8", _req(action, sleep=0.6))
+    assert timed_out is not None and timed_out.response.status is ActivationStatus.DEVELOPER_ERROR
+    assert timed_out.response.result == {
+        "error": "stage 1 of 2: The action exceeded its time limits of 1000 milliseconds."}
+    assert timed_out.annotation("timeout") is True and timed_out.duration < 1500
+    # its container is removed for the timeout (as any instance's): the pipeline fails whole
+    await until(lambda: node.state("llm-8") is InstanceState.FAILED, "llm-8 failed")
 
 
 async def test_an_intermediate_result_may_be_larger_than_a_result(node: Node) -> None:

@@ -127,12 +127,14 @@ class StageStart:
 
 @dataclass(frozen=True, slots=True)
 class StageRun:
-    """One stage's part of a pipelined activation: its place, what its result may weigh, the time left."""
+    """One stage's part of a pipelined activation: its place, what its result may weigh, the time left (and
+    the pipeline's deadline, epoch ms, which every stage's run carries)."""
 
     index: int
     count: int
     max_result_bytes: int
     timeout_s: float
+    deadline_ms: int
 
 
 class GpuAllocator(Protocol):
@@ -688,7 +690,10 @@ class Invoker:
         value = req.content
         if isinstance(value, dict) and req.init_args:
             value = {k: v for k, v in value.items() if k not in req.init_args}
-        body = build_run_body(value, self._context(req))
+        context = self._context(req)
+        if stage is not None:
+            context = replace(context, deadline_ms=stage.deadline_ms)
+        body = build_run_body(value, context)
         collection: LogCollection | None = None
         output = proxy.output
         if output is not None and proxy.slots == 1:
@@ -862,6 +867,7 @@ class Invoker:
         arrived = req.transid_start_ms or now_ms()
         limit_s = action.limits.timeout_ms / 1000
         deadline = time.monotonic() + limit_s  # the action's time limit holds for the whole pipeline
+        deadline_ms = now_ms() + action.limits.timeout_ms
         count = len(stages)
         content = req.content
         logs: list[str] = []
@@ -876,7 +882,7 @@ class Invoker:
                 response = ActivationResponse.developer_error(f"{named}: {timed_out_message(limit_s, init=False)}")
                 break
             final = k == count - 1
-            run = StageRun(k, count, DEFAULT_MAX_RESULT_BYTES if final else STAGE_MAX_RESULT_BYTES, left_s)
+            run = StageRun(k, count, DEFAULT_MAX_RESULT_BYTES if final else STAGE_MAX_RESULT_BYTES, left_s, deadline_ms)
             try:
                 activation = await self._run(replace(req, content=content, init_args=req.init_args if k == 0 else ()),
                                              key=self.instance_key(part, action), may_start=False,
