@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from dilu_invoker import config
 from dilu_invoker.gpu.budgets import GpuBudgets
 from dilu_invoker.invoker.cluster.agent import Agent
-from dilu_invoker.invoker.cluster.instances import InstanceManager, LocalInstance
+from dilu_invoker.invoker.cluster.instances import InstanceManager, LocalInstance, _share_of
 from dilu_invoker.invoker.dataplane.core import (
     DEFAULT_MAX_RESULT_BYTES,
     STAGE_MAX_RESULT_BYTES,
@@ -345,3 +345,31 @@ async def test_stage_ids_taken_by_another_instance_are_refused(node: Node) -> No
     assert node.state("llm-7") is InstanceState.READY
     assert set(await node.reservations(UUIDS[0])) == {"llm-7#p0"}
     assert set(await node.reservations(UUIDS[1])) == {"llm-7#p1"}
+
+
+async def test_a_stop_while_the_stages_start_stops_them_all(node: Node) -> None:
+    stages = _stages("llm-9")
+    assert node.manager.handle(_start("llm-9", stages, node.action)) == "start"
+    await until(lambda: len(node.stage_containers("llm-9")) == 2, "both stages starting")
+    assert node.state("llm-9") is InstanceState.STARTING  # the last stage takes 0.3 s more
+    assert node.manager.handle(InstanceCommand(op="stop", epoch=1, instance="llm-9", function="guest/llm")) == "stop"
+    await until(lambda: "llm-9" not in node.manager.instances, "llm-9 stopped")
+    await until(lambda: not node.stage_containers("llm-9"), "its stage containers gone")
+    for s in stages:
+        assert s.id not in await node.reservations(s.gpu_uuid or "")
+
+
+S = (0.4, False, 0.0)
+
+
+@pytest.mark.parametrize(("parts", "shares", "expected"), [
+    (("a",), {"a": S}, S),
+    (("a",), {}, (None, None, None)),
+    (("a#p0", "a#p1"), {"a#p0": (0.4, False, 0.0), "a#p1": (0.2, True, 0.3)}, (0.2, True, 0.3)),
+    (("a#p0", "a#p1"), {"a#p0": S}, (None, None, None)),  # one stage not seen yet: unknown
+    (("a#p0", "a#p1"), {"a#p0": S, "a#p1": (None, None, None)}, (None, False, 0.0)),
+], ids=["one", "one-unknown", "slowest-stage", "stage-missing", "stage-share-unknown"])
+def test_a_split_instance_reports_its_slowest_stage(
+        parts: tuple[str, ...], shares: dict[str, tuple[float | None, bool | None, float | None]],
+        expected: tuple[float | None, bool | None, float | None]) -> None:
+    assert _share_of(parts, shares) == expected
