@@ -14,6 +14,13 @@ DRAINING once a stop is ordered and the start is over; FAILED when the start fai
 away without a stop. Its activations wait for one of the container's slots in the container pool (the one
 slot count), which reports when each gets one (queueing delay, in-flight count).
 
+A *split* instance (a START with ``stages``: an LLM placed as pipeline stages over several GPUs of this
+invoker) is one instance of several containers, one per stage, each under its stage's id on its stage's GPU
+with the stage's GPU needs; they start together. It is READY when every stage is, FAILED when any stage's
+start fails or any stage's container goes away without a stop (the other stages are then stopped and every
+reservation released); a run goes through the stages in turn (`Invoker.run_on_stages`). docs/invoker.md,
+"Split instances (pipeline stages)".
+
 Commands arrive on ``{prefix}inv:{name}:cmd`` (consumer group ``invoker``). A command of an older epoch
 than one already obeyed is refused (a deposed leader); one meant for an earlier boot of this invoker is
 ignored. Each instance queues its activations for its ``concurrency`` slots and counts arrivals,
@@ -37,7 +44,8 @@ from dilu_invoker.invoker.api import InvokerOverloaded
 from dilu_invoker.invoker.cluster.agent import Agent
 from dilu_invoker.invoker.cluster.streams import read_group
 from dilu_invoker.invoker.dataplane.container import ContainerProxy, State, Transition
-from dilu_invoker.model import Action, Activation, ActivationRequest
+from dilu_invoker.invoker.dataplane.core import StageStart
+from dilu_invoker.model import Action, Activation, ActivationRequest, ActivationResponse
 from dilu_invoker.wire import (
     COMMAND_GROUP,
     CommandOp,
@@ -46,6 +54,7 @@ from dilu_invoker.wire import (
     InstanceState,
     WireError,
     from_stream,
+    stage_span,
     text,
 )
 
@@ -55,6 +64,9 @@ log = structlog.get_logger(__name__)
 FAILED_KEEP_S = 30.0
 #: queueing delays kept per report period for the percentile
 MAX_DELAY_SAMPLES = 4096
+#: how often a split instance's stage processes are checked: one that exited fails the pipeline then, not at
+#: its next run (a stage idle behind a busy one may not run for a while)
+STAGE_WATCH_S = 0.5
 
 
 @dataclass(slots=True)
@@ -101,8 +113,8 @@ class Failure:
 class LocalInstance:
     cmd: InstanceCommand
     action: Action | None = None
-    #: its container (once the start got one); the pool owns it
-    proxy: ContainerProxy | None = None
+    #: its containers (once the start got them) by the id each runs under (`parts`); the pool owns them
+    proxies: dict[str, ContainerProxy] = field(default_factory=dict)
     #: the start, owned by the manager; the instance is STARTING until it is done
     starting: asyncio.Task[None] | None = None
     slots: int = 1
@@ -121,8 +133,15 @@ class LocalInstance:
         return self.cmd.function
 
     @property
+    def parts(self) -> tuple[str, ...]:
+        """The ids its containers run under: each stage's of a split instance, else its own."""
+        return tuple(s.id for s in self.cmd.stages) or (self.id,)
+
+    @property
     def container(self) -> str | None:
-        return self.proxy.name if self.proxy is not None else None
+        """Its (first stage's) container."""
+        proxy = self.proxies.get(self.parts[0])
+        return proxy.name if proxy is not None else None
 
     @property
     def started(self) -> bool:
@@ -136,7 +155,8 @@ class LocalInstance:
             return InstanceState.STARTING
         if self.stop_reason is not None:
             return InstanceState.DRAINING
-        if self.proxy is not None and self.proxy.state in (State.READY, State.PAUSED):
+        proxies = [self.proxies.get(part) for part in self.parts]
+        if all(p is not None and p.state in (State.READY, State.PAUSED) for p in proxies):
             return InstanceState.READY
         return InstanceState.STARTING
 
@@ -156,6 +176,8 @@ class InstanceManager:
         self.budgets = agent.budgets
         self.reservation_ttl_s = reservation_ttl_s
         self.instances: dict[str, LocalInstance] = {}
+        #: a split instance's stage ids → its id (what its containers run under → the instance)
+        self._stage_owner: dict[str, str] = {}
         self.max_epoch = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         #: called when an instance becomes ready, fails or is gone (the report goes out at once)
@@ -196,9 +218,14 @@ class InstanceManager:
                 return "duplicate"
             inst = LocalInstance(cmd)
             self.instances[cmd.instance] = inst
+            problem = self._stage_ids_problem(cmd) if cmd.stages else None
+            if cmd.stages and problem is None:  # its stage ids are its own: it starts, fails, stops by them
+                self._stage_owner.update((s.id, cmd.instance) for s in cmd.stages)
+                problem = self._stage_problem(cmd)
             log.info("instance starting", instance=cmd.instance, function=cmd.function, gpu=cmd.gpu,
-                     request=cmd.request, limit=cmd.limit, reason=cmd.reason)
-            inst.starting = self._spawn(self._start(inst))
+                     request=cmd.request, limit=cmd.limit, reason=cmd.reason,
+                     stages=[(s.id, s.gpu) for s in cmd.stages] or None)
+            inst.starting = self._spawn(self._start(inst, problem))
             return "start"
         if cmd.op == CommandOp.STOP:
             if inst is None:
@@ -223,21 +250,54 @@ class InstanceManager:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def _start(self, inst: LocalInstance) -> None:
+    def _stage_ids_problem(self, cmd: InstanceCommand) -> str | None:
+        ids = [s.id for s in cmd.stages]
+        taken = [i for i in ids if not i or i in self.instances or i in self._stage_owner or i == cmd.instance]
+        if taken or len(set(ids)) < len(ids):
+            return f"invalid split instance: stage ids must be distinct and new, got {ids}"
+        return None
+
+    def _stage_problem(self, cmd: InstanceCommand) -> str | None:
+        """What makes a split instance's stages impossible here (None: nothing): each stage needs its own GPU
+        of this invoker and a valid share."""
+        stages = cmd.stages
+        gpus = [s.gpu for s in stages]
+        if len(set(gpus)) < len(gpus):
+            return f"invalid split instance: each stage needs a GPU of its own, got GPUs {gpus}"
+        devices = {d.index: d.uuid for d in getattr(self.invoker.gpu, "devices", ())}
+        for k, s in enumerate(stages):
+            if s.gpu not in devices:
+                return (f"invalid split instance: stage {k} is placed on GPU {s.gpu}, which this invoker does not "
+                        f"have (its GPUs: {sorted(devices)})")
+            if s.gpu_uuid and s.gpu_uuid != devices[s.gpu]:
+                return (f"invalid split instance: stage {k} is placed on {s.gpu_uuid}, but GPU {s.gpu} of this "
+                        f"invoker is {devices[s.gpu]}")
+            if not (0.0 < s.request <= s.limit <= 1.0) or s.memory_mb <= 0:
+                return (f"invalid split instance: stage {k} asks for request {s.request}, limit {s.limit}, "
+                        f"memory {s.memory_mb} MB (0 < request <= limit <= 1, memory > 0)")
+        return None
+
+    async def _start(self, inst: LocalInstance, problem: str | None = None) -> None:
         try:
+            if problem is not None:
+                self._fail(inst, problem)
+                return
             action = await self.registry.load(inst.function)
             if action is None:
                 self._fail(inst, f"action {inst.function} is not registered")
                 return
             inst.action = action
             inst.slots = max(1, action.limits.concurrency)
-            container, failure = await self.invoker.start_instance(inst.id, action, gpu_index=inst.cmd.gpu)
-            if container is not None:
-                inst.proxy = self.invoker.pool.containers.get(container)
-            if failure is not None:
-                self._fail(inst, f"start failed: {failure.result}")
-            elif inst.failure is None:
-                log.info("instance ready", instance=inst.id, function=inst.function, container=container)
+            if inst.cmd.stages:
+                await asyncio.gather(*(self._start_stage(inst, action, k) for k in range(len(inst.cmd.stages))))
+            else:
+                container, failure = await self.invoker.start_instance(inst.id, action, gpu_index=inst.cmd.gpu)
+                self._started_part(inst, inst.id, container, failure)
+            if inst.failure is None:
+                log.info("instance ready", instance=inst.id, function=inst.function,
+                         containers=[p.name for p in inst.proxies.values()])
+                if inst.cmd.stages:
+                    self._spawn(self._watch_stages(inst))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the instance fails, the invoker goes on
@@ -249,39 +309,104 @@ class InstanceManager:
         if inst.stop_reason is not None:
             await self._stop(inst)
 
+    async def _start_stage(self, inst: LocalInstance, action: Action, k: int) -> None:
+        stages = inst.cmd.stages
+        stage = stages[k]
+        start = StageStart(index=k, count=len(stages), span=stage_span(stages, k), request=stage.request,
+                           limit=stage.limit, memory_mb=stage.memory_mb)
+        container, failure = await self.invoker.start_instance(stage.id, action, gpu_index=stage.gpu, stage=start)
+        self._started_part(inst, stage.id, container, failure, f"stage {k} of {len(stages)}: ")
+
+    async def _watch_stages(self, inst: LocalInstance) -> None:
+        """Remove a stage whose process exited (the removal fails the instance, `_on_transition`)."""
+        while self.instances.get(inst.id) is inst and inst.failure is None and inst.stop_reason is None:
+            for proxy in list(inst.proxies.values()):
+                container = proxy.container
+                if container is not None and not container.alive and proxy.state in (State.READY, State.PAUSED):
+                    self.invoker.pool.remove(proxy, f"its process exited ({container.exit_reason() or 'no reason'})")
+            await asyncio.sleep(STAGE_WATCH_S)
+
+    def _started_part(self, inst: LocalInstance, part: str, container: str | None,
+                      failure: ActivationResponse | None, named: str = "") -> None:
+        """One of its containers' start is over: from now on its removal without a stop fails the instance."""
+        proxy = self.invoker.pool.containers.get(container) if container is not None else None
+        if failure is not None:
+            self._fail(inst, f"{named}start failed: {failure.result}")
+        elif proxy is None or proxy.state in (State.REMOVING, State.REMOVED):
+            self._fail(inst, f"{named}start failed: its container is gone")
+        else:
+            inst.proxies[part] = proxy
+
     def _fail(self, inst: LocalInstance, reason: str) -> None:
         if inst.failure is not None or (inst.stop_reason is not None and inst.started):
             return
         log.warning("instance failed", instance=inst.id, function=inst.function, reason=reason)
         inst.failure = Failure(reason, time.monotonic())
+        if inst.cmd.stages and self._owns_stages(inst):
+            # A pipeline is whole or nothing: its other stages go, and what each holds on its GPU.
+            self._stop_parts(inst, f"another stage of the instance failed: {reason}")
+            self._spawn(self._release(self._held(inst)))
         if inst.started:
             self.on_change()
+
+    def _stop_parts(self, inst: LocalInstance, reason: str) -> None:
+        """Remove each of its containers: those it has, and those of stages still starting (none when its
+        stage ids were refused: they may be another instance's)."""
+        if not self._owns_stages(inst):
+            return
+        parts = set(inst.parts)
+        for proxy in list(self.invoker.pool.containers.values()):
+            if proxy.placement.instance in parts:
+                self.invoker.stop_instance(proxy.name, reason)
 
     def _on_transition(self, t: Transition) -> None:
         if t.new is not State.REMOVING or self._closing:
             return
         proxy = self.invoker.pool.containers.get(t.container)
-        iid = proxy.placement.instance if proxy is not None else None
-        inst = self.instances.get(iid) if iid is not None else None
-        if inst is not None and inst.stop_reason is None and inst.proxy is proxy:
-            self._fail(inst, f"container removed: {t.reason}")
+        part = proxy.placement.instance if proxy is not None else None
+        if part is None:
+            return
+        inst = self.instances.get(self._stage_owner.get(part, part))
+        if inst is not None and inst.stop_reason is None and inst.proxies.get(part) is proxy:
+            named = f"stage {inst.parts.index(part)} of {len(inst.parts)}: " if inst.cmd.stages else ""
+            self._fail(inst, f"{named}container removed: {t.reason}")
 
     async def _stop(self, inst: LocalInstance) -> None:
         timeout_s = (inst.action.limits.timeout_ms / 1000 if inst.action else 60.0) + 5.0
         deadline = time.monotonic() + timeout_s
         while (inst.in_flight or inst.waiting) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if inst.container is not None:
+        if inst.cmd.stages:
+            self._stop_parts(inst, inst.stop_reason or "stopped")
+        elif inst.container is not None:
             self.invoker.stop_instance(inst.container, inst.stop_reason or "stopped")
-        await self._release(inst)
-        self.instances.pop(inst.id, None)
+        await self._release(self._held(inst))
+        self._forget(inst)
         log.info("instance stopped", instance=inst.id, function=inst.function, reason=inst.stop_reason)
         self.on_change()
 
-    async def _release(self, inst: LocalInstance) -> None:
-        if self.budgets is not None and inst.cmd.gpu_uuid:
+    def _forget(self, inst: LocalInstance) -> None:
+        if self.instances.get(inst.id) is inst:
+            del self.instances[inst.id]
+            for s in inst.cmd.stages:
+                if self._stage_owner.get(s.id) == inst.id:
+                    del self._stage_owner[s.id]
+
+    def _held(self, inst: LocalInstance) -> tuple[tuple[str, str], ...]:
+        """(GPU uuid, reservation id) of what it holds; none for a split instance whose stage ids were
+        refused (they may be another instance's)."""
+        return reservations_of(inst.cmd) if self._owns_stages(inst) else ()
+
+    def _owns_stages(self, inst: LocalInstance) -> bool:
+        """Its stage ids are its own (true of any instance but a split one whose stage ids were refused)."""
+        return all(self._stage_owner.get(s.id) == inst.id for s in inst.cmd.stages)
+
+    async def _release(self, held: tuple[tuple[str, str], ...]) -> None:
+        if self.budgets is None:
+            return
+        for uuid, reservation in held:
             with contextlib.suppress(RedisError):
-                await self.budgets.release(inst.cmd.gpu_uuid, inst.id)
+                await self.budgets.release(uuid, reservation)
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -304,8 +429,12 @@ class InstanceManager:
                 inst.in_flight += 1
 
         try:
-            activation = await self.invoker.run_on_instance(instance_id, replace(req, action=inst.action),
-                                                            on_lease=got_slot)
+            if inst.cmd.stages:
+                activation = await self.invoker.run_on_stages(inst.parts, replace(req, action=inst.action),
+                                                              on_lease=got_slot)
+            else:
+                activation = await self.invoker.run_on_instance(instance_id, replace(req, action=inst.action),
+                                                                on_lease=got_slot)
         except InvokerOverloaded:
             return None
         finally:
@@ -337,11 +466,11 @@ class InstanceManager:
         out: list[InstanceReport] = []
         for inst in list(self.instances.values()):
             if inst.failure is not None and inst.stop_reason is None and now - inst.failure.at > FAILED_KEEP_S:
-                self.instances.pop(inst.id, None)
-                self._spawn(self._release(inst))
+                self._spawn(self._release(self._held(inst)))
+                self._forget(inst)
                 continue
             arrivals, completions, latency, delay = inst.stats.take(now)
-            share, saturated, throttled = (shares or {}).get(inst.id, (None, None, None))
+            share, saturated, throttled = _share_of(inst.parts, shares or {})
             cmd = inst.cmd
             out.append(InstanceReport(
                 id=inst.id, function=inst.function, rev=(inst.action.revision or "") if inst.action else cmd.rev,
@@ -357,8 +486,9 @@ class InstanceManager:
             return
         by_gpu: dict[str, list[str]] = {}
         for inst in self.instances.values():
-            if inst.cmd.gpu_uuid and inst.state is not InstanceState.FAILED:
-                by_gpu.setdefault(inst.cmd.gpu_uuid, []).append(inst.id)
+            if inst.state is not InstanceState.FAILED:
+                for uuid, reservation in self._held(inst):
+                    by_gpu.setdefault(uuid, []).append(reservation)
         for uuid, ids in by_gpu.items():
             await self.budgets.renew(uuid, ids, ttl_s=self.reservation_ttl_s)
 
@@ -366,4 +496,27 @@ class InstanceManager:
         self._closing = True  # the invoker removes every container next: that is no instance failure
         await cancel_and_wait(*self._tasks)
         for inst in list(self.instances.values()):
-            await self._release(inst)
+            await self._release(self._held(inst))
+
+
+def reservations_of(cmd: InstanceCommand) -> tuple[tuple[str, str], ...]:
+    """(GPU uuid, reservation id) of each GPU the instance holds: each stage's of a split one (under the stage's
+    id), else its own (`InstanceRecord.gpu_reservations` on the balancer's side)."""
+    if cmd.stages:
+        return tuple((s.gpu_uuid, s.id) for s in cmd.stages if s.gpu_uuid)
+    return ((cmd.gpu_uuid, cmd.instance),) if cmd.gpu_uuid else ()
+
+
+def _share_of(parts: tuple[str, ...], shares: Mapping[str, tuple[float | None, bool | None, float | None]],
+              ) -> tuple[float | None, bool | None, float | None]:
+    """(share, saturated, throttled s) of an instance from its containers': a pipeline runs at its slowest
+    stage's pace, so the lowest share; saturated when any stage is; the most throttled stage's time."""
+    if len(parts) == 1:
+        return shares.get(parts[0], (None, None, None))
+    seen = [shares[p] for p in parts if p in shares]
+    if len(seen) < len(parts):
+        return None, None, None
+    got = [s for s, _, _ in seen if s is not None]
+    sat = [x for _, x, _ in seen if x is not None]
+    thr = [t for _, _, t in seen if t is not None]
+    return (min(got) if len(got) == len(seen) else None, any(sat) if sat else None, max(thr) if thr else None)

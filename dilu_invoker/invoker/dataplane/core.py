@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -51,6 +52,7 @@ from dilu_invoker.invoker.dataplane.runtime_client import (
     build_run_body,
     encode_body,
     models_key,
+    timed_out_message,
     url_address,
 )
 from dilu_invoker.invoker.manifest import ImageName, Manifest, RuntimeKind
@@ -64,16 +66,23 @@ from dilu_invoker.model import (
     ActivationStatus,
     GpuNeeds,
     Identity,
+    JsonValue,
     Parameter,
     ValidationError,
     new_activation_id,
     now_ms,
 )
+from dilu_invoker.wire import stage_parent
 
 log = structlog.get_logger(__name__)
 
 BLACKBOX = "blackbox"
 DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
+#: what a pipeline stage's result may weigh when the next stage takes it as its params (the last stage's is
+#: the activation's result: DEFAULT_MAX_RESULT_BYTES); docs/invoker.md, "Split instances"
+STAGE_MAX_RESULT_BYTES = 64 * 1024 * 1024
+#: the /init environment of a pipeline stage: its index, the stage count and its span of the model
+STAGE_INDEX_ENV, STAGE_COUNT_ENV, STAGE_SPAN_ENV = "DILU_STAGE_INDEX", "DILU_STAGE_COUNT", "DILU_STAGE_SPAN"
 #: code larger than this is encoded into the /init body on a thread while the container starts
 _PARALLEL_ENCODE_BYTES = 1024 * 1024
 
@@ -89,6 +98,43 @@ class ContainerExit:
     gpu_index: int | None
     gpu_uuid: str | None
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageStart:
+    """What one pipeline stage of a split instance starts with instead of its action's: its place in the
+    pipeline (the /init environment) and its own GPU needs (docs/invoker.md, "Split instances")."""
+
+    index: int
+    count: int
+    span: tuple[float, float]
+    request: float
+    limit: float
+    memory_mb: int
+
+    def env(self) -> dict[str, str]:
+        start, end = self.span
+        return {STAGE_INDEX_ENV: str(self.index), STAGE_COUNT_ENV: str(self.count),
+                STAGE_SPAN_ENV: f"{start!r}:{end!r}"}
+
+    def needs(self, action: Action) -> GpuNeeds:
+        """The action's GPU class with the stage's share; its weights are a slice of the model's, shared with
+        no other instance, and the action's measured capacity is the whole model's (ValidationError)."""
+        base = GpuNeeds.from_annotations(action.annotation_map)
+        return replace(base, sm_request=self.request, sm_limit=self.limit, memory_mb=self.memory_mb, weights_mb=0,
+                       capacity_blocks_per_ms=None)
+
+
+@dataclass(frozen=True, slots=True)
+class StageRun:
+    """One stage's part of a pipelined activation: its place, what its result may weigh, the time left (and
+    the pipeline's deadline, epoch ms, which every stage's run carries)."""
+
+    index: int
+    count: int
+    max_result_bytes: int
+    timeout_s: float
+    deadline_ms: int
 
 
 class GpuAllocator(Protocol):
@@ -173,6 +219,8 @@ class Invoker:
         # weights) on the GPU for a grace period (keep.py); only where the GPU node can keep weights.
         self.keeper: WeightsKeeper | None = None
         self._stopping: set[str] = set()
+        #: containers that are pipeline stages of split instances (never kept at exit)
+        self._stage_containers: set[str] = set()
         keep_weights = getattr(gpu, "keep_weights", None)
         if ic.weights_grace_s > 0 and keep_weights is not None:
             self.keeper = WeightsKeeper(grace_s=ic.weights_grace_s, keep_weights=keep_weights,
@@ -268,7 +316,7 @@ class Invoker:
             reset_activation(**tokens)
 
     async def _run(self, req: ActivationRequest, *, key: PoolKey | None = None, may_start: bool = True,
-                   on_lease: Callable[[], None] | None = None) -> Activation:
+                   on_lease: Callable[[], None] | None = None, stage: StageRun | None = None) -> Activation:
         arrived = req.transid_start_ms or now_ms()
         action = req.action
         runtime = self._runtime_of(action)
@@ -277,7 +325,8 @@ class Invoker:
                 "Action version is not compatible and cannot be invoked."))
         key = key or PoolKey.of(req.identity.namespace, action)
         for _attempt in range(3):
-            activation = await self._attempt(req, runtime, key, arrived, may_start=may_start, on_lease=on_lease)
+            activation = await self._attempt(req, runtime, key, arrived, may_start=may_start, on_lease=on_lease,
+                                             stage=stage)
             if activation is not None:
                 return activation
             log.info("container shutting down; rescheduling the activation")
@@ -286,8 +335,10 @@ class Invoker:
 
     async def _attempt(self, req: ActivationRequest, runtime: RuntimeKind, key: PoolKey,
                        arrived: int, *, may_start: bool = True,
-                       on_lease: Callable[[], None] | None = None) -> Activation | None:
-        """One try on one container; None when the runtime asked for the activation to be rescheduled."""
+                       on_lease: Callable[[], None] | None = None, stage: StageRun | None = None) -> Activation | None:
+        """One try on one container; None when the runtime asked for the activation to be rescheduled.
+        ``stage``: a pipeline stage's run (its result cap and time left; its record is a part of the
+        activation's, not counted on its own)."""
         action = req.action
         memory = action.limits.memory_mb
         self.metrics.queue_length.set(self.pool.queue_length + 1)
@@ -317,7 +368,7 @@ class Invoker:
                     release_reason = "initialization failed"
                     self._refuse_if_closing()
                     return self._finish(req, runtime, start, now_ms(), failure, init_logs, arrived=arrived,
-                                        start_ms=start, init_ms=init_ms, preloaded=proxy.preloaded)
+                                        start_ms=start, init_ms=init_ms, preloaded=proxy.preloaded, stage=stage)
             else:
                 failure = await asyncio.shield(proxy.ready)
                 if failure is not None:
@@ -326,19 +377,19 @@ class Invoker:
                     response = failure if isinstance(failure, ActivationResponse) else ActivationResponse.whisk_error(
                         MSG_ABNORMAL_RUN)
                     return self._finish(req, runtime, now_ms(), now_ms(), response, (), arrived=arrived,
-                                        start_ms=now_ms(), init_ms=None)
+                                        start_ms=now_ms(), init_ms=None, stage=stage)
                 if not await self.pool.resume(proxy):
                     release_reason = "resume failed"
                     return self._finish(req, runtime, now_ms(), now_ms(), ActivationResponse.whisk_error(
                         MSG_ABNORMAL_RUN), (),
-                        arrived=arrived, start_ms=now_ms(), init_ms=None)
+                        arrived=arrived, start_ms=now_ms(), init_ms=None, stage=stage)
                 start = now_ms()
             run_start = now_ms()
             load = self._gpu_loads.get(proxy.name)
             began = time.monotonic()
             running = load.started(began) if load is not None else None
             try:
-                outcome, logs = await self._run_once(proxy, req)
+                outcome, logs = await self._run_once(proxy, req, stage)
             finally:
                 if load is not None and running is not None:
                     # A cold start's wait is its container's start and /init, not a queue.
@@ -359,7 +410,7 @@ class Invoker:
                 response = ActivationResponse.developer_error("The action exhausted its memory and was aborted.")
             return self._finish(req, runtime, start, end, response, logs, arrived=arrived,
                                 start_ms=start if init_ms is not None else run_start, init_ms=init_ms,
-                                timed_out=outcome.timed_out, preloaded=proxy.preloaded)
+                                timed_out=outcome.timed_out, preloaded=proxy.preloaded, stage=stage)
         except InvokerOverloaded:
             raise
         except Exception as exc:
@@ -408,25 +459,27 @@ class Invoker:
     async def _start_and_init(
         self, proxy: ContainerProxy, req: ActivationRequest, runtime: RuntimeKind, *,
         gpu_index: int | None = None, gpu_key: str | None = None, idle_room_only: bool = False,
+        stage: StageStart | None = None,
     ) -> tuple[ActivationResponse | None, int | None, tuple[str, ...]]:
         """Start the container and send /init; returns (failure or None, init ms, init logs)."""
         action = req.action
         spec = proxy.spec
+        stage_env = stage.env() if stage is not None else {}
         # Parallel setup: a large code attachment is encoded while the container starts.
         encoding: asyncio.Future[bytes] | None = None
         if len(action.exec.code or "") > _PARALLEL_ENCODE_BYTES:
-            encoding = asyncio.ensure_future(asyncio.to_thread(lambda: encode_body(self._init_body(req))))
+            encoding = asyncio.ensure_future(asyncio.to_thread(lambda: encode_body(self._init_body(req, stage_env))))
         # A model pre-load (idle_room_only) is background work: it leaves the last pre-loaded container to
         # the requests that may come meanwhile, the function's first one among them.
         taken = await self._take_preloaded(proxy, req, runtime, gpu_index=gpu_index, gpu_key=gpu_key,
-                                           spare_last=idle_room_only)
+                                           spare_last=idle_room_only, stage=stage)
         if taken is not None:
             container = taken.container
         else:
             try:
                 if runtime.gpu:
                     spec = await self._attach_gpu(proxy, action, spec, gpu_index=gpu_index, gpu_key=gpu_key,
-                                                  idle_room_only=idle_room_only)
+                                                  idle_room_only=idle_room_only, stage=stage)
                 container = await self.backend.start(spec)
             except ImageError as exc:
                 failure = ActivationResponse.developer_error(str(exc))
@@ -435,7 +488,8 @@ class Invoker:
                 return failure, None, ()
             except BackendError as exc:
                 log.warning("container start failed", container=proxy.name, error=str(exc))
-                failure = ActivationResponse.whisk_error("Failed to provision resources to run the action.")
+                failure = ActivationResponse.whisk_error("Failed to provision resources to run the action." + (
+                    f" ({exc})" if stage is not None else ""))
                 self.pool.remove(proxy, f"start failed: {exc}", failure=failure)
                 await _settle(encoding)
                 return failure, None, ()
@@ -465,7 +519,8 @@ class Invoker:
         if cap and encoding is not None:
             await _settle(encoding)
             encoding = None
-        body: dict[str, object] | bytes = await encoding if encoding is not None else self._init_body(req, cap)
+        body: dict[str, object] | bytes = await encoding if encoding is not None else self._init_body(
+            req, {**cap, **stage_env})
         outcome = await client.init(body, action.limits.timeout_ms / 1000)
         init_ms = int((time.monotonic() - init_start) * 1000)
         if outcome.status_code != ActivationStatus.SUCCESS:
@@ -496,7 +551,8 @@ class Invoker:
                                main=action.exec.main, env=init_env, context=self._context(req))
 
     async def _take_preloaded(self, proxy: ContainerProxy, req: ActivationRequest, runtime: RuntimeKind, *,
-                              gpu_index: int | None, gpu_key: str | None, spare_last: bool = False) -> Taken | None:
+                              gpu_index: int | None, gpu_key: str | None, spare_last: bool = False,
+                              stage: StageStart | None = None) -> Taken | None:
         """A pre-loaded container of the kind for this cold start, bound to the action (its memory limit,
         its GPU share); None: a plain cold start."""
         preload = self.preload
@@ -514,13 +570,16 @@ class Invoker:
             ok = False
             if taken.gpu is not None and taken.gpu_key is not None and retarget is not None:
                 try:
-                    needs = GpuNeeds.from_annotations(req.action.annotation_map)
+                    needs = stage.needs(req.action) if stage is not None else GpuNeeds.from_annotations(
+                        req.action.annotation_map)
                     # a balancer-placed instance keeps its share under its own id (gpu_key)
                     ok = bool(await retarget(taken.gpu_key, req.action.fqn, needs, new_id=gpu_key,
                                              revision=req.action.revision or req.action.version))
                 except (ValidationError, Exception) as exc:  # noqa: BLE001 - the plain path decides then
                     log.info("pre-loaded GPU container not usable for the action", action=req.action.fqn,
                              error=repr(exc))
+            if ok and stage is not None and (taken.gpu is None or taken.gpu.gpu_index != gpu_index):
+                ok = False  # a stage runs on its own GPU or not at all
             if not ok:
                 await preload.lost(runtime.kind, taken.standby, "GPU share does not fit")
                 return None
@@ -528,7 +587,7 @@ class Invoker:
             current = attachment_of(gpu_key or taken.gpu_key) if attachment_of is not None else None
             if current is not None:
                 taken = replace(taken, gpu=current)
-            if self.keeper is not None and taken.gpu is not None and taken.gpu.gpu_index is not None:
+            if self.keeper is not None and stage is None and taken.gpu is not None and taken.gpu.gpu_index is not None:
                 self.keeper.started_beside((req.action.fqn, proxy.key.revision, taken.gpu.gpu_index))
             proxy.placement = replace(proxy.placement, gpu=taken.gpu, gpu_key=gpu_key or taken.gpu_key)
         preload.hit(runtime.kind)
@@ -580,10 +639,12 @@ class Invoker:
 
     async def _attach_gpu(self, proxy: ContainerProxy, action: Action, spec: ContainerSpec, *,
                           gpu_index: int | None = None, gpu_key: str | None = None,
-                          idle_room_only: bool = False) -> ContainerSpec:
+                          idle_room_only: bool = False, stage: StageStart | None = None) -> ContainerSpec:
         try:
-            needs = GpuNeeds.from_annotations(action.annotation_map)
+            needs = stage.needs(action) if stage is not None else GpuNeeds.from_annotations(action.annotation_map)
         except ValidationError as exc:
+            if stage is not None:
+                raise BackendError(f"invalid GPU needs of pipeline stage {stage.index}: {exc}") from exc
             log.warning("invalid GPU annotations; running without a GPU", action=action.fqn, error=str(exc))
             return spec
         key = gpu_key or proxy.name
@@ -596,7 +657,13 @@ class Invoker:
             # Kept weights (staged exit) give way to a container that finds no room.
             if await self.keeper.evict_gpu(gpu_index):
                 attachment = await self.gpu.attach(key, action.fqn, needs, gpu_index=gpu_index, revision=revision)
-        if attachment is not None and self.keeper is not None and attachment.gpu_index is not None:
+        if stage is not None and (attachment is None or attachment.gpu_index != gpu_index):
+            # A stage holds its span of the model on its own GPU: anywhere else, or on the CPU, it is no stage.
+            if attachment is not None and self.gpu is not None:
+                await self.gpu.detach(key)
+            where = "no room" if attachment is None else f"a place on GPU {attachment.gpu_index} only"
+            raise BackendError(f"pipeline stage {stage.index}: GPU {gpu_index} gave {where}")
+        if attachment is not None and self.keeper is not None and stage is None and attachment.gpu_index is not None:
             self.keeper.started_beside((action.fqn, proxy.key.revision, attachment.gpu_index))
         if attachment is None:
             if not self._cpu_fallback_logged:
@@ -610,24 +677,30 @@ class Invoker:
         mounts = tuple(Mount(m.source, m.target, m.read_only) for m in attachment.mounts)
         return replace(spec, env=env, mounts=spec.mounts + mounts, devices=spec.devices + attachment.devices)
 
-    async def _run_once(self, proxy: ContainerProxy, req: ActivationRequest) -> tuple[RuntimeOutcome, tuple[str, ...]]:
+    async def _run_once(self, proxy: ContainerProxy, req: ActivationRequest,
+                        stage: StageRun | None = None) -> tuple[RuntimeOutcome, tuple[str, ...]]:
         assert proxy.container is not None
         action = req.action
-        client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
+        max_result_bytes = stage.max_result_bytes if stage is not None else DEFAULT_MAX_RESULT_BYTES
+        timeout_s = stage.timeout_s if stage is not None else action.limits.timeout_ms / 1000
+        client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=max_result_bytes,
                                secret=proxy.container.secret,
                                connections=self._run_connections if proxy.spec.own_runtime else None,
                                lane=proxy.container.lane)
         value = req.content
         if isinstance(value, dict) and req.init_args:
             value = {k: v for k, v in value.items() if k not in req.init_args}
-        body = build_run_body(value, self._context(req))
+        context = self._context(req)
+        if stage is not None:
+            context = replace(context, deadline_ms=stage.deadline_ms)
+        body = build_run_body(value, context)
         collection: LogCollection | None = None
         output = proxy.output
         if output is not None and proxy.slots == 1:
             collection, output.pending = output.pending, None
             collection = collection or output.reader.start(limit_bytes=action.limits.logs_mb * 1024 * 1024)
         try:
-            outcome = await client.run(body, action.limits.timeout_ms / 1000)
+            outcome = await client.run(body, timeout_s)
         except BaseException:
             if collection is not None:
                 await collection.finish(developer_error=True)
@@ -662,7 +735,9 @@ class Invoker:
         with its weights (keep.py)."""
         stopped = proxy.name in self._stopping
         self._stopping.discard(proxy.name)
-        if self.keeper is not None and self._may_keep(proxy, stopped):
+        if proxy.name in self._stage_containers:  # a stage's weights are a slice of its model: never kept
+            self._stage_containers.discard(proxy.name)
+        elif self.keeper is not None and self._may_keep(proxy, stopped):
             self._forget_gpu_load(proxy)
             if await self.keeper.keep(proxy):
                 return
@@ -718,13 +793,18 @@ class Invoker:
         return PoolKey(f"instance:{instance_id}", action.fqn, action.revision or "")
 
     async def start_instance(self, instance_id: str, action: Action, *, gpu_index: int | None = None,
-                             idle_room_only: bool = False) -> tuple[str | None, ActivationResponse | None]:
+                             idle_room_only: bool = False,
+                             stage: StageStart | None = None) -> tuple[str | None, ActivationResponse | None]:
         """Start and initialize the instance's container; (container name, failure or None).
         ``idle_room_only`` (a model pre-load, model_preload.py): on a GPU with idle room or not at all —
-        no kept weights are evicted for it, and no GPU means a failure, not a run on the CPU."""
+        no kept weights are evicted for it, and no GPU means a failure, not a run on the CPU.
+        ``stage``: the container is a pipeline stage of a split instance (``instance_id`` the stage's id): on
+        ``gpu_index`` or not at all, with the stage's GPU needs and place in its /init, never kept at exit."""
         runtime = self._runtime_of(action)
         if runtime is None:
             return None, ActivationResponse.whisk_error("Action version is not compatible and cannot be invoked.")
+        if stage is not None and not runtime.gpu:
+            return None, ActivationResponse.whisk_error(f"a pipeline stage needs a GPU runtime, not {runtime.kind}")
         lease = await self.pool.acquire(
             self.instance_key(instance_id, action), action, memory_mb=action.limits.memory_mb,
             slots=action.limits.concurrency, make_spec=lambda name: self._container_spec(name, action, runtime),
@@ -734,13 +814,16 @@ class Invoker:
         if not lease.cold:  # the instance already has a container (a repeated command)
             self.pool.release(proxy, healthy=True)
             return proxy.name, await asyncio.shield(proxy.ready)
+        if stage is not None:
+            self._stage_containers.add(proxy.name)
         owner = Identity(subject=action.namespace, namespace=action.namespace, uuid="", key="")
         req = ActivationRequest(activation_id=new_activation_id(), action=action, identity=owner,
                                 content=action.default_params, init_args=action.init_param_names)
         failure: ActivationResponse | None = None
         try:
             failure, _init_ms, _logs = await self._start_and_init(proxy, req, runtime, gpu_index=gpu_index,
-                                                                  gpu_key=instance_id, idle_room_only=idle_room_only)
+                                                                  gpu_key=instance_id, idle_room_only=idle_room_only,
+                                                                  stage=stage)
         except Exception as exc:  # reported as the instance's failure
             log.exception("instance start failed", instance=instance_id)
             failure = ActivationResponse.whisk_error(f"instance start failed: {exc!r}")
@@ -759,6 +842,76 @@ class Invoker:
             return None
         finally:
             reset_activation(**tokens)
+
+    async def run_on_stages(self, stages: Sequence[str], req: ActivationRequest, *,
+                            on_lease: Callable[[], None] | None = None) -> Activation | None:
+        """Run through a split instance's pipeline stages (their ids, in order): the activation's params go to
+        the first, each stage's result (a JSON object) is the next one's params, the last one's is the
+        activation's result; one record for the whole run, its logs each stage's in turn. A failing stage ends
+        the activation with its failure, named (``stage k of N: ...``). ``on_lease``: the first stage gave it a
+        slot. None when the first stage has no container (any more)."""
+        tokens = bind_activation(activation_id=req.activation_id, transid=req.transid_id,
+                                 instance=stage_parent_of(stages))
+        try:
+            return await self._pipeline(stages, req, on_lease)
+        finally:
+            reset_activation(**tokens)
+
+    async def _pipeline(self, stages: Sequence[str], req: ActivationRequest,
+                        on_lease: Callable[[], None] | None) -> Activation | None:
+        action = req.action
+        runtime = self._runtime_of(action)
+        if runtime is None:
+            return self._failed(req, ActivationResponse.whisk_error(
+                "Action version is not compatible and cannot be invoked."))
+        arrived = req.transid_start_ms or now_ms()
+        limit_s = action.limits.timeout_ms / 1000
+        deadline = time.monotonic() + limit_s  # the action's time limit holds for the whole pipeline
+        deadline_ms = now_ms() + action.limits.timeout_ms
+        count = len(stages)
+        content = req.content
+        logs: list[str] = []
+        first: Activation | None = None
+        response = ActivationResponse.whisk_error(MSG_ABNORMAL_RUN)
+        timed_out = False
+        for k, part in enumerate(stages):
+            named = f"stage {k} of {count}"
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                timed_out = True
+                response = ActivationResponse.developer_error(f"{named}: {timed_out_message(limit_s, init=False)}")
+                break
+            final = k == count - 1
+            run = StageRun(k, count, DEFAULT_MAX_RESULT_BYTES if final else STAGE_MAX_RESULT_BYTES, left_s, deadline_ms)
+            try:
+                activation = await self._run(replace(req, content=content, init_args=req.init_args if k == 0 else ()),
+                                             key=self.instance_key(part, action), may_start=False,
+                                             on_lease=on_lease if k == 0 else None, stage=run)
+            except (NoContainer, InvokerOverloaded) as exc:
+                if k == 0:
+                    if isinstance(exc, NoContainer):
+                        return None
+                    raise
+                response = ActivationResponse.whisk_error(f"{named}: {MSG_ABNORMAL_RUN} ({exc})")
+                break
+            first = first or activation
+            logs.extend(_stage_line(line, k) for line in activation.logs)
+            timed_out = activation.annotation("timeout") is True
+            response = activation.response
+            if timed_out:  # its time was what the pipeline had left of the action's limit
+                response = ActivationResponse.developer_error(timed_out_message(limit_s, init=False))
+            if response.status is not ActivationStatus.SUCCESS:
+                response = _stage_failure(response, named)
+                break
+            if not final:
+                if not isinstance(response.result, dict):
+                    response = ActivationResponse.developer_error(
+                        f"{named}: its result is not a JSON object, the next stage's params")
+                    break
+                content = response.result
+        start = first.start if first is not None else now_ms()
+        return self._finish(req, runtime, start, now_ms(), response, tuple(logs), arrived=arrived, start_ms=start,
+                            init_ms=None, timed_out=timed_out)
 
     def stop_instance(self, container: str, reason: str) -> None:
         proxy = self.pool.containers.get(container)
@@ -783,6 +936,7 @@ class Invoker:
         init_ms: int | None,
         timed_out: bool = False,
         preloaded: bool = False,
+        stage: StageRun | None = None,
     ) -> Activation:
         action = req.action
         wait_ms = max(0, start_ms - arrived)
@@ -814,6 +968,8 @@ class Invoker:
             annotations=tuple(annotations),
             cause=req.cause,
         )
+        if stage is not None:  # a part of a pipelined activation, counted once as a whole (`run_on_stages`)
+            return activation
         self.metrics.record(activation, kind=runtime.kind, memory_mb=action.limits.memory_mb,
                             wait_ms=wait_ms, init_ms=init_ms)
         # Per activation at info only when it tells something (a cold start, a failure): a warm success
@@ -913,6 +1069,27 @@ async def open_invoker(
                 errors.append(exc)
         for error in errors:
             log.warning("error during invoker shutdown", error=repr(error))
+
+
+def stage_parent_of(stages: Sequence[str]) -> str:
+    """The split instance of its stage ids (for the log context)."""
+    return stage_parent(stages[0]) or stages[0] if stages else ""
+
+
+def _stage_line(line: str, index: int) -> str:
+    """A stage's log line with the stage in it, after the time stamp and the stream (``... stdout: [stage 1] x``)."""
+    head, sep, rest = line.partition(": ")
+    return f"{head}: [stage {index}] {rest}" if sep else f"[stage {index}] {line}"
+
+
+def _stage_failure(response: ActivationResponse, named: str) -> ActivationResponse:
+    """A stage's failed response as the activation's, with the stage named in its error."""
+    result = response.result
+    error = result.get("error") if isinstance(result, dict) else result
+    text = error if isinstance(error, str) else json.dumps(error)
+    named_result: dict[str, JsonValue] = {**result, "error": f"{named}: {text}"} if isinstance(result, dict) \
+        else {"error": f"{named}: {text}"}
+    return ActivationResponse(response.status, named_result, response.size)
 
 
 def _mps_cap(attachment: GpuAttachment | None) -> dict[str, str]:
