@@ -788,12 +788,14 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 weights = spec.weights_mb if not where.split and holds_weights(cluster.gpu(ref), request) else 0
                 cluster = apply_placement(cluster, request, where)
                 rep = inp.reports.get(ref.invoker)
+                stages = stages_of_decision(cluster, where, spec.memory_mb)
+                # Each stage is a container of its own, holding the action's memory limit of its invoker.
                 record = InstanceRecord(
                     id=iid, function=fqn, rev=spec.rev, invoker=ref.invoker, gpu=ref.gpu,
                     gpu_uuid=cluster.gpu(ref).uuid or None, cls=spec.cls, request=spec.request, limit=spec.limit,
                     memory_mb=spec.memory_mb, slots=spec.slots, state=RecordState.STARTING.value, since=now,
-                    epoch=epoch, boot=rep.boot if rep is not None else "", user_memory_mb=spec.user_memory_mb,
-                    stages=stages_of_decision(cluster, where, spec.memory_mb),
+                    epoch=epoch, boot=rep.boot if rep is not None else "",
+                    user_memory_mb=spec.user_memory_mb * max(1, len(stages)), stages=stages,
                 )
                 work.records[iid] = record
                 memory.hold(record.invoker, record.user_memory_mb)
