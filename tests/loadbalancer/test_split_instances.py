@@ -6,9 +6,14 @@ every stage. Real Redis; the invoker's reports are written as an invoker writes 
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
@@ -16,8 +21,9 @@ from dilu_invoker import config
 from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity, Reservation
 from dilu_invoker.invoker.cluster.registry import FunctionRegistry
 from dilu_invoker.loadbalancer.service import Balancer, cluster_of
-from dilu_invoker.model import Action, Exec, Parameter, ValidationError
+from dilu_invoker.model import GUEST_IDENTITY, Action, Exec, Parameter, ValidationError
 from dilu_invoker.policy.placement import part_id
+from dilu_invoker.standalone import run_standalone
 from dilu_invoker.wire import (
     FunctionSpec,
     GpuReport,
@@ -214,3 +220,87 @@ async def test_a_failed_split_instance_releases_every_stage(redis: aioredis.Redi
     assert not any(r.instance.startswith(cmd.instance) for r in (await _reservations(redis)).values())
     [stop] = await _starts(redis, op="stop")
     assert stop.instance == cmd.instance
+
+
+# -- through the product: `standalone`, actions created over the REST API ------------------------------------
+
+STAGE_CODE = """
+import os
+
+def main(args):
+    seen = list(args.get("seen", []))
+    seen.append([int(os.environ["DILU_STAGE_INDEX"]), int(os.environ["DILU_STAGE_COUNT"]),
+                 os.environ["DILU_STAGE_SPAN"], os.getpid()])
+    return {"seen": seen, "prompt": args["prompt"]}
+"""
+
+
+async def test_standalone_serves_an_llm_as_two_stages(tmp_path: Path) -> None:
+    """`standalone` with two 16 GB GPUs (an inventory file) and its embedded balancer. A filler function's two
+    10 GB instances light both GPUs; then an llm action declaring gpu-stages 2 and 9 GB, which no lit GPU holds
+    whole, is placed as two stages, one on each GPU, each reserved there; a blocking invocation over the REST API
+    runs both stages in order, each in its own process with its own span, and answers the last stage's result."""
+    (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": "GPU-s0", "memory_mb": GPU_MB},
+                                                         {"uuid": "GPU-s1", "memory_mb": GPU_MB}]))
+    base = config.load(environ={})
+    cfg = replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
+                  gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json")),
+                  balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0))
+    token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
+
+    async with run_standalone(cfg) as running, aiohttp.ClientSession(
+            headers={"Authorization": f"Basic {token}"}) as http:
+        assert running.balancer is not None
+        redis = running.balancer.redis
+        keys = Keys(cfg.redis.prefix)
+        url = f"{running.api_url}/api/v1/namespaces/_/actions"
+
+        async def create(name: str, code: str, ann: dict[str, object]) -> None:
+            body = {"exec": {"kind": "python:3-gpu", "code": code},
+                    "annotations": [{"key": k, "value": v} for k, v in ann.items()]}
+            async with http.put(f"{url}/{name}", json=body) as r:
+                assert r.status == 200, await r.text()
+            async with http.post(f"{url}/{name}", json={"prompt": "register"}) as r:  # registers the function
+                assert r.status == 202
+
+        async def records(function: str, n: int) -> list[InstanceRecord]:
+            deadline = time.monotonic() + 20.0
+            while True:
+                got = [r for r in (decode(InstanceRecord, raw) for raw in (await redis.hgetall(keys.instances)).values())
+                       if r is not None and r.function == function]
+                if len(got) == n and all(r.state == "ready" for r in got):
+                    return got
+                assert time.monotonic() < deadline, f"{function}: never {n} ready instances: {got}"
+                await asyncio.sleep(0.05)
+
+        # A bad annotation is refused in OpenWhisk's error shape, and nothing is stored.
+        bad = {"exec": {"kind": "python:3-gpu", "code": STAGE_CODE},
+               "annotations": [{"key": "gpu-stages", "value": 2}]}
+        async with http.put(f"{url}/plain", json=bad) as r:
+            assert r.status == 400
+            err = await r.json()
+            assert "gpu-stages" in err["error"] and err["code"]
+
+        await create("fill", "def main(a):\n    return a\n",
+                     {"gpu-memory-mb": 10000, "gpu-sm-request": 0.3, "gpu-sm-limit": 0.5, "min-instances": 2})
+        fill = await records("guest/fill", 2)
+        assert {r.gpu for r in fill} == {0, 1}
+        await create("llm", STAGE_CODE, {"gpu-class": "llm", "gpu-stages": 2, "gpu-memory-mb": 9000,
+                                         "gpu-sm-request": 0.4, "gpu-sm-limit": 0.6, "min-instances": 1})
+        [llm] = await records("guest/llm", 1)
+        assert len(llm.stages) == 2 and {s.gpu for s in llm.stages} == {0, 1}
+        budgets = GpuBudgets(redis, cfg.redis.prefix)
+        for s in llm.stages:
+            got = await budgets.get(s.gpu_uuid or "")
+            assert got is not None and got.reservations[s.id].memory_mb == s.memory_mb
+            assert got.sum_memory_mb <= GPU_MB
+
+        async with http.post(f"{url}/llm?blocking=true&result=true", json={"prompt": "hello"}) as r:
+            assert r.status == 200, await r.text()
+            result = await r.json()
+        assert result["prompt"] == "hello"
+        seen = result["seen"]
+        assert [(i, n) for i, n, _, _ in seen] == [(0, 2), (1, 2)]
+        spans = [tuple(float(x) for x in span.split(":")) for _, _, span, _ in seen]
+        assert spans[0][0] == 0.0 and spans[0][1] == spans[1][0] and spans[1][1] == 1.0
+        assert seen[0][3] != seen[1][3]  # two processes
