@@ -331,3 +331,39 @@ async def test_two_runtime_stages_compute_what_one_unsplit_runtime_does(http: ai
         # Stage 1 given the activation's params (not stage 0's result) says what it lacks.
         status, wrong = await post(http, second.url + "/run", run_body(params))
         assert status == 200 and "no 'dilu_stage' field" in wrong["error"]
+
+
+def documented_example() -> str:
+    """The complete action of docs/runtime.md's "Pipeline stages" section, made small."""
+    text = (REPO_ROOT / "docs" / "runtime.md").read_text()
+    section = text.split("## Pipeline stages (split instances)", 1)[1].split("\n## ", 1)[0]
+    source = section.split("A complete action", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    sizes = "LAYERS, D, HEADS, VOCAB = 24, 1024, 16, 32000\n"
+    assert sizes in source
+    return source.replace(sizes, "LAYERS, D, HEADS, VOCAB = 5, 32, 4, 50\n")
+
+
+def test_the_documented_example_is_the_one_tested() -> None:
+    source = documented_example()
+    compile(source, "example", "exec")
+    assert "pipeline.stage()" in source and "pipeline.receive(args)" in source and "pipeline.send(x, **meta)" in source
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed here")
+async def test_the_documented_example_split_in_two_answers_as_whole(http: aiohttp.ClientSession) -> None:
+    source = documented_example()
+    async with contextlib.AsyncExitStack() as stack:
+        whole, first, second = await asyncio.gather(*(stack.enter_async_context(running_runtime()) for _ in range(3)))
+        inits = await asyncio.gather(
+            post(http, whole.url + "/init", init_body(source)),
+            post(http, first.url + "/init", init_body(source, env=stage_env(0, 2, "0:0.5"))),
+            post(http, second.url + "/init", init_body(source, env=stage_env(1, 2, "0.5:1"))),
+        )
+        assert inits == [(200, {"ok": True})] * 3
+        for tokens in ([1, 2, 3], [7, 0, 49, 12, 5]):
+            params = {"tokens": tokens, "max_tokens": 4}
+            status, expected = await post(http, whole.url + "/run", run_body(params))
+            assert status == 200 and set(expected) == {"next_token", "max_tokens"}, expected
+            status, middle = await post(http, first.url + "/run", run_body(params))
+            assert status == 200 and middle["dilu_stage"]["shape"] == [1, len(tokens), 32] and middle["max_tokens"] == 4
+            assert await post(http, second.url + "/run", run_body(middle)) == (200, expected)
