@@ -402,11 +402,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="dilu-split-bench-"))
     runtimes: list[Runtime] = []
     try:
+        # Several BLAS thread pools that spin on a few shared cores measure the spinning, not the model.
+        threads = args.cpu_threads if args.cpu_threads is not None else (1 if args.device == "cpu" else None)
+        pools = {} if threads is None else {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
         visible = {"CUDA_VISIBLE_DEVICES": "0"} if args.spread_gpus else {}
-        runtimes.append(start_runtime("whole", scratch / "whole", visible))
+        runtimes.append(start_runtime("whole", scratch / "whole", {**pools, **visible}))
         for k in range(args.stages):
             gpu = {"CUDA_VISIBLE_DEVICES": str(k)} if args.spread_gpus else {}
-            runtimes.append(start_runtime(f"stage{k}", scratch / f"stage{k}", gpu))
+            runtimes.append(start_runtime(f"stage{k}", scratch / f"stage{k}", {**pools, **gpu}))
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             drivers = [Driver(session, rt, plain=args.plain_client) for rt in runtimes]
@@ -488,7 +491,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "client": "plain aiohttp" if args.plain_client or RuntimeClient is None else "RuntimeClient",
         "gpu_note": gpu_note,
         "config": {**config, "stages": args.stages, "seq": args.seq, "batch": args.batch, "requests": args.requests,
-                   "warmup": args.warmup},
+                   "warmup": args.warmup, "cpu_threads": threads},
         "init_s": init_s,
         "max_abs_diff": max(diffs),
         "max_abs_logit": float(np.abs(logits_of(last["whole"])).max()),
@@ -533,10 +536,13 @@ def render(raw: dict[str, Any]) -> str:
         f"* time: {raw['utc']}",
         f"* model: {cfg['layers']} layers, d_model {cfg['d_model']}, {cfg['heads']} heads, vocab {cfg['vocab']}, "
         f"{cfg['dtype']} on {cfg['device']}; batch {cfg['batch']} × seq {cfg['seq']} tokens per request; "
-        f"{cfg['requests']} requests after {cfg['warmup']} warm-up",
+        f"{cfg['requests']} requests after {cfg['warmup']} warm-up"
+        + (f"; {cfg['cpu_threads']} BLAS/OpenMP thread(s) per process" if cfg.get("cpu_threads") else ""),
     ]
     if raw["gpu_note"]:
         lines.append(f"* GPUs: {raw['gpu_note']}")
+    if cfg["device"] == "cpu":
+        lines.append("* a dry run on the CPU: it shows the stages compute what the whole does, not what a split costs on GPUs")
     lines += [
         f"* result: split vs whole, max abs difference of the last position's logits {raw['max_abs_diff']:.3g} "
         f"(largest |logit| {raw['max_abs_logit']:.3g}); the same next tokens in every request: "
@@ -592,6 +598,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for each /init and /run")
+    ap.add_argument("--cpu-threads", type=int, help="OMP/OpenBLAS/MKL threads of each runtime (default: 1 on --device cpu, "
+                    "the libraries' own on cuda)")
     ap.add_argument("--spread-gpus", action="store_true", help="stage k on GPU k (CUDA_VISIBLE_DEVICES)")
     ap.add_argument("--plain-client", action="store_true", help="plain aiohttp instead of the invoker's RuntimeClient")
     ap.add_argument("--keep-logs", action="store_true", help="keep the runtimes' stdout/stderr")
