@@ -20,7 +20,6 @@ import pytest
 
 from dilu_invoker.actions import pipeline
 from dilu_invoker.actions.pipeline import ENV_COUNT, ENV_INDEX, ENV_SPAN, Stage
-from dilu_invoker.wire import StageRecord, stage_span
 from tests.fakes.bodies import init_body, post, run_body
 from tests.fakes.runtime_process import REPO_ROOT, running_runtime
 
@@ -81,6 +80,8 @@ def test_two_stages_are_within_one_layer_of_their_share() -> None:
 
 def test_spans_from_the_stage_records_tile_through_the_environment() -> None:
     """wire.stage_span makes the spans the invoker writes; each stage parses its own variables."""
+    from dilu_invoker.wire import StageRecord, stage_span  # here: the module above needs only the runtime's dependencies
+
     stages = tuple(StageRecord(f"i#p{k}", k, None, 0.5, 1.0, mb) for k, mb in enumerate((30000, 9000, 41000)))
     ranges = []
     for k in range(len(stages)):
