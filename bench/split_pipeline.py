@@ -449,6 +449,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 await run_split(params)
             hops.clear()
             lat: dict[str, list[float]] = {"whole": [], "split": []}
+            #: per request, the part of its latency spent outside the actions' main (HTTP, the runtimes, JSON)
+            outside: dict[str, list[float]] = {"whole": [], "split": []}
             diffs: list[float] = []
             same_tokens = True
             last: dict[str, dict[str, Any]] = {}
@@ -461,6 +463,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     result, elapsed = await (run_whole if mode == "whole" else run_split)(params)
                     results[mode] = result
                     lat[mode].append(elapsed * 1e3)
+                    in_main = sum(s["receive_ms"] + s["compute_ms"] + s["send_ms"] for s in result["stats"])
+                    outside[mode].append(elapsed * 1e3 - in_main)
                 diff = np.abs(logits_of(results["split"]).astype(np.float64) - logits_of(results["whole"]).astype(np.float64))
                 diffs.append(float(diff.max()) if diff.size else 0.0)
                 same_tokens &= results["split"]["next_tokens"] == results["whole"]["next_tokens"]
@@ -497,6 +501,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "max_abs_logit": float(np.abs(logits_of(last["whole"])).max()),
         "same_next_tokens": same_tokens,
         "latency_ms": lat,
+        "outside_ms": outside,
         "whole": {**whole_summary, "stats": whole_stats},
         "split": {**split_summary, "stats": stage_stats},
         "ratio": {key: split_summary[key] / whole_summary[key] for key in whole_summary},
@@ -553,6 +558,8 @@ def render(raw: dict[str, Any]) -> str:
         f"| whole (1 process) | {whole['p50']:.2f} | {whole['p90']:.2f} | {whole['max']:.2f} |",
         f"| split ({cfg['stages']} stages) | {split['p50']:.2f} | {split['p90']:.2f} | {split['max']:.2f} |",
         f"| split / whole | {raw['ratio']['p50']:.2f}× | {raw['ratio']['p90']:.2f}× | {raw['ratio']['max']:.2f}× |",
+        *(f"| {mode}: outside the actions' main (HTTP, runtimes, JSON) | {o['p50']:.2f} | {o['p90']:.2f} | {o['max']:.2f} |"
+          for mode, o in ((mode, summary(raw["outside_ms"][mode])) for mode in ("whole", "split"))),
         "",
         "| process | span | layers | weights MB | share of weights | peak GPU MB (max_memory_allocated) | peak GPU / whole's | "
         "peak RSS MB | compute ms (last request) | receive + send ms |",

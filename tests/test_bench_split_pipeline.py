@@ -37,6 +37,8 @@ def test_the_split_model_computes_what_the_whole_one_does_and_both_are_timed(
     for mode in ("whole", "split"):
         assert len(raw["latency_ms"][mode]) == requests and min(raw["latency_ms"][mode]) > 0
         assert raw[mode]["p50"] <= raw[mode]["p90"] <= raw[mode]["max"]
+        # The part outside the actions' main is a part: positive and less than each request's latency.
+        assert all(0 < o < t for o, t in zip(raw["outside_ms"][mode], raw["latency_ms"][mode], strict=True))
     assert raw["ratio"]["p50"] == pytest.approx(raw["split"]["p50"] / raw["whole"]["p50"])
     parts = raw["split"]["stats"]
     assert [s["stage"] for s in parts] == list(range(stages))
@@ -52,3 +54,4 @@ def test_the_split_model_computes_what_the_whole_one_does_and_both_are_timed(
     assert raw["gpu_note"] is None  # the CPU: no claim about GPUs
     assert "| whole (1 process) |" in text and f"| split ({stages} stages) |" in text
     assert f"| stage {stages - 1} of {stages} |" in text and "max abs difference" in text
+    assert "| split: outside the actions' main (HTTP, runtimes, JSON) |" in text
