@@ -13,8 +13,8 @@ each stage's result to the next stage's ``/run``, as the invoker does.
 Measured: the largest absolute difference of the split result (the last position's logits) from the whole
 one, request for request; each request's latency, whole and split (requests alternate between the two, so
 the machine's noise hits both alike), p50/p90/max and the split/whole ratio; what each process holds (its
-weights, and torch.cuda.max_memory_allocated over its life as its result reports it: each stage should hold
-about its share) and the intermediate result's size (the JSON body between stages).
+weights, and torch.cuda.max_memory_allocated since the weights were built, as its result reports it: each
+stage should hold about its share) and the intermediate result's size (the JSON body between stages).
 
 The model is built with torch.nn (``nn.TransformerEncoderLayer``, pre-norm, GELU, 4×d feed-forward, causal
 mask: a decoder-only block) in ``--dtype`` (fp16 on CUDA, fp32 on the CPU by default); stage 0 holds the token
@@ -99,8 +99,8 @@ def fill(module, part):
     with torch.no_grad():
         for name, p in sorted(module.named_parameters()):
             if p.dim() >= 2:
-                scale = 1.0 if isinstance(module, nn.Embedding) else p.shape[-1] ** -0.5
-                p.copy_((torch.randn(p.shape, generator=g, device=DEVICE) * scale).to(DTYPE))
+                # In place: no float32 temporaries (they would be the process's peak, not its serving)
+                p.normal_(0.0, 1.0 if isinstance(module, nn.Embedding) else p.shape[-1] ** -0.5, generator=g)
             elif name.endswith("weight"):
                 p.fill_(1.0)  # norms
             else:
@@ -124,6 +124,7 @@ WEIGHTS = sum(p.numel() * p.element_size() for m in [EMBED, *BLOCKS, NORM, HEAD]
 CUDA = DEVICE.type == "cuda"
 if CUDA:
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()  # the peak reported is serving's: the weights and the requests' activations
 
 
 def main(args):
@@ -561,7 +562,7 @@ def render(raw: dict[str, Any]) -> str:
         *(f"| {mode}: outside the actions' main (HTTP, runtimes, JSON) | {o['p50']:.2f} | {o['p90']:.2f} | {o['max']:.2f} |"
           for mode, o in ((mode, summary(raw["outside_ms"][mode])) for mode in ("whole", "split"))),
         "",
-        "| process | span | layers | weights MB | share of weights | peak GPU MB (max_memory_allocated) | peak GPU / whole's | "
+        "| process | span | layers | weights MB | share of weights | peak GPU MB serving (max_memory_allocated) | peak GPU / whole's | "
         "peak RSS MB | compute ms (last request) | receive + send ms |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
