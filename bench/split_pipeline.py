@@ -522,22 +522,32 @@ def _mb(value: int | None) -> str:
     return f"{mb:,.0f}" if mb >= 10 else f"{mb:.2f}"
 
 
-def render(raw: dict[str, Any]) -> str:
+INTRO = """\
+# A split instance against a whole one (bench/split_pipeline.py)
+
+A decoder-only transformer with random weights from a seed, served whole in one action runtime process and
+split into pipeline stages, each its own runtime process started with the stage variables
+(`DILU_STAGE_INDEX`, `DILU_STAGE_COUNT`, `DILU_STAGE_SPAN`) and building only its layers
+(`dilu_invoker.actions.pipeline`, docs/runtime.md "Pipeline stages"). Both are driven over HTTP `/init` and
+`/run` with the invoker's request bodies; a split request feeds each stage's result to the next stage's
+`/run`. Requests are sequential and alternate between whole and split.
+"""
+
+CLIENTS = {
+    "RuntimeClient": "the invoker's `RuntimeClient`",
+    "plain aiohttp": "plain aiohttp requests with the invoker's bodies (the invoker's client was not importable, or `--plain-client`)",
+}
+
+
+def render(raw: dict[str, Any], title: str | None = None) -> str:
+    """One run: under the document's title and intro, or (`title`) as a section of a document of several."""
     cfg = raw["config"]
     whole, split = raw["whole"], raw["split"]
     total_weights = sum(s["weights_bytes"] for s in split["stats"])
-    lines = [
-        "# A split instance against a whole one (bench/split_pipeline.py)",
-        "",
-        "A decoder-only transformer with random weights from a seed, served whole in one action runtime process and",
-        f"split into {cfg['stages']} pipeline stages, each its own runtime process started with the stage variables",
-        "(`DILU_STAGE_INDEX`, `DILU_STAGE_COUNT`, `DILU_STAGE_SPAN`) and building only its layers",
-        "(`dilu_invoker.actions.pipeline`, docs/runtime.md \"Pipeline stages\"). Both are driven over HTTP `/init` and",
-        f"`/run` with the invoker's client ({raw['client']}); a split request feeds each stage's result to the next",
-        "stage's `/run`. Requests are sequential and alternate between whole and split.",
-        "",
+    lines = [INTRO] if title is None else [f"## {title}", ""]
+    lines += [
         f"* machine: {raw['machine']}",
-        f"* backend: {raw['backend']}",
+        f"* backend: {raw['backend']}; client: {CLIENTS.get(raw['client'], raw['client'])}",
         f"* command: `{raw['command']}`",
         f"* time: {raw['utc']}",
         f"* model: {cfg['layers']} layers, d_model {cfg['d_model']}, {cfg['heads']} heads, vocab {cfg['vocab']}, "
@@ -613,7 +623,19 @@ def main() -> int:
     ap.add_argument("--keep-logs", action="store_true", help="keep the runtimes' stdout/stderr")
     ap.add_argument("--out", help="the Markdown report (e.g. docs/benchmarks/split-pipeline.md)")
     ap.add_argument("--json", help="the raw results")
+    ap.add_argument("--from-json", action="append", metavar="FILE[=TITLE]",
+                    help="render recorded runs (--json files) instead of running, each a section; repeat for several")
     args = ap.parse_args()
+    if args.from_json:
+        parts = [INTRO]
+        for item in args.from_json:
+            path, _, title = item.partition("=")
+            parts.append(render(json.loads(Path(path).read_text()), title or Path(path).stem))
+        text = "\n".join(parts)
+        if args.out:
+            Path(args.out).write_text(text)
+        print(text)
+        return 0
     if args.stages < 2 or args.layers < args.stages or args.requests < 1:
         ap.error("need --stages >= 2, --layers >= --stages and --requests >= 1")
     raw = asyncio.run(measure(args))
