@@ -55,3 +55,20 @@ def test_the_split_model_computes_what_the_whole_one_does_and_both_are_timed(
     assert "| whole (1 process) |" in text and f"| split ({stages} stages) |" in text
     assert f"| stage {stages - 1} of {stages} |" in text and "max abs difference" in text
     assert "| split: outside the actions' main (HTTP, runtimes, JSON) |" in text
+
+
+def test_the_page_is_the_recorded_runs_rendered() -> None:
+    """docs/benchmarks/split-pipeline.md holds each recorded H100 run as render() writes it (no hand-edited numbers)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.split_pipeline import INTRO, render
+
+    page = (ROOT / "docs" / "benchmarks" / "split-pipeline.md").read_text()
+    assert page.startswith(INTRO)
+    data = ROOT / "docs" / "benchmarks" / "data" / "split-pipeline"
+    runs = sorted(data.glob("*.json"))
+    assert len(runs) == 3
+    for path in runs:
+        raw = json.loads(path.read_text())
+        assert raw["max_abs_diff"] == 0 and raw["same_next_tokens"] and raw["gpu_note"]
+        section = render(raw, "TITLE").split("\n", 1)[1]  # all but the heading
+        assert section in page, path.name
