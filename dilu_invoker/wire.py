@@ -583,6 +583,15 @@ def stages_of(value: Any) -> tuple[StageRecord, ...]:
     return stages
 
 
+def gpu_reservations(instance: str, gpu_uuid: str | None, stages: tuple[StageRecord, ...],
+                     ) -> tuple[tuple[str, str], ...]:
+    """(GPU uuid, reservation id) of each GPU an instance holds: each stage's of a split one (under the stage's
+    id), else its own (the balancer's record and the invoker's start command alike)."""
+    if stages:
+        return tuple((s.gpu_uuid, s.id) for s in stages if s.gpu_uuid)
+    return ((gpu_uuid, instance),) if gpu_uuid else ()
+
+
 def _set_stages(obj: Any) -> None:
     """Converts a just-decoded object's ``stages`` in place (each record carries the field, mostly empty: the
     builder's fast path stays, and only a split instance pays for its stages)."""
@@ -677,9 +686,7 @@ class InstanceRecord:
 
     def gpu_reservations(self) -> tuple[tuple[str, str], ...]:
         """(GPU uuid, reservation id) of each GPU it holds: one per stage of a split instance, else its own."""
-        if self.stages:
-            return tuple((s.gpu_uuid, s.id) for s in self.stages if s.gpu_uuid)
-        return ((self.gpu_uuid, self.id),) if self.gpu_uuid else ()
+        return gpu_reservations(self.id, self.gpu_uuid, self.stages)
 
 
 @dataclass(frozen=True, slots=True)

@@ -773,6 +773,12 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 fits, short = memory.fits(cluster, spec)
                 where, evicts = (_place_or_evict(fits, spec, request, cfg.placement, evictable)
                                  if fits is not None else (None, None))
+                if (where is not None and fits is not None and where.split
+                        and not memory.holds(where.gpus[0].invoker, spec.user_memory_mb * len(where.parts))):
+                    # Each stage is a container holding the action's memory limit: where the invoker's user
+                    # memory cannot hold them all, the instance is placed whole.
+                    where, evicts = _place_or_evict(fits, spec, replace(request, max_parts=1), cfg.placement,
+                                                    evictable)
                 if where is None or not where.placed:
                     reason = short if where is None else (f"{where.reason}; {short}" if short else where.reason)
                     if reason != blocked:
@@ -969,6 +975,10 @@ class UserMemory:
     def _is_short(self, inv: str, need: int) -> bool:
         total = self.total.get(inv, 0)
         return bool(total) and total - self.held.get(inv, 0) < need
+
+    def holds(self, invoker: str, mb: int) -> bool:
+        """Whether `invoker`'s user memory has `mb` more room (one that does not say has)."""
+        return not self._is_short(invoker, mb)
 
     def hold(self, invoker: str, mb: int) -> None:
         """A placed instance starts holding `mb` on `invoker` (negative: a stopped one no longer does)."""

@@ -242,16 +242,18 @@ async def test_a_failing_stage_fails_the_activation_and_no_later_stage_runs(node
 
 
 async def test_the_time_limit_holds_for_the_whole_pipeline(node: Node) -> None:
-    action = _action("llm-short", timeout_ms=1000)
+    # (the limit holds for /init too: 3 s leaves a loaded machine room to start the stages' runtimes)
+    action = _action("llm-short", timeout_ms=3000)
     await node.manager.registry.ensure(action)
     node.action = action
     assert await node.start("llm-8", _stages("llm-8")) == "start"
+    assert node.state("llm-8") is InstanceState.READY, node.inst("llm-8").failure
     # each stage alone is within the limit, both together are not: the last stage gets what is left
-    timed_out = await node.manager.run("llm-8", _req(action, sleep=0.6))
+    timed_out = await node.manager.run("llm-8", _req(action, sleep=1.8))
     assert timed_out is not None and timed_out.response.status is ActivationStatus.DEVELOPER_ERROR
     assert timed_out.response.result == {
-        "error": "stage 1 of 2: The action exceeded its time limits of 1000 milliseconds."}
-    assert timed_out.annotation("timeout") is True and timed_out.duration < 1500
+        "error": "stage 1 of 2: The action exceeded its time limits of 3000 milliseconds."}
+    assert timed_out.annotation("timeout") is True and timed_out.duration < 4500
     # its container is removed for the timeout (as any instance's): the pipeline fails whole
     await until(lambda: node.state("llm-8") is InstanceState.FAILED, "llm-8 failed")
 

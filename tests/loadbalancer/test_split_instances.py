@@ -56,12 +56,13 @@ def _uuid(invoker: str, gpu: int) -> str:
 
 
 async def _invoker(redis: aioredis.Redis, name: str, *, gpus: int = 3,
-                   instances: tuple[InstanceReport, ...] = ()) -> None:
+                   instances: tuple[InstanceReport, ...] = (), user_memory_mb: int = 0) -> None:
     budgets = GpuBudgets(redis, PREFIX)
     for g in range(gpus):
         await budgets.register_gpu(_uuid(name, g), GpuCapacity(node=name, index=g, name="t", memory_mb=GPU_MB,
                                                                sm_count=132))
     report = LoadReport(invoker=name, boot="boot", at_ms=int(time.time() * 1000), instances=instances,
+                        user_memory_mb=user_memory_mb,
                         gpus=tuple(GpuReport(index=g, uuid=_uuid(name, g), memory_mb=GPU_MB) for g in range(gpus)))
     await redis.set(KEYS.report(name), pack(report), px=60_000)
     await redis.set(KEYS.boot(name), "boot", px=60_000)
@@ -177,6 +178,24 @@ async def test_without_stages_the_llm_lights_a_gpu_of_its_own(redis: aioredis.Re
     assert cmd.stages == () and (cmd.gpu, cmd.gpu_uuid) == (2, _uuid("invoker0", 2))
     assert {k: (r.request, r.memory_mb) for k, r in (await _reservations(redis)).items()} == {
         f"2:{cmd.instance}": (0.4, 12000)}
+
+
+@pytest.mark.parametrize(("user_memory_mb", "stages"), [(600, 2), (400, 0)])
+async def test_each_stage_holds_the_actions_memory_of_its_invoker(redis: aioredis.Redis, user_memory_mb: int,
+                                                                  stages: int) -> None:
+    """Each stage is a container holding the action's memory limit (256 MB here) of its invoker's user memory:
+    with room for two it is split, with room for one it is placed whole, lighting a GPU."""
+    await _invoker(redis, "invoker0", user_memory_mb=user_memory_mb)
+    await _lit(redis)
+    await _function(redis)
+    balancer, lead = await _leader(redis)
+    assert await balancer.tick(lead)  # type: ignore[arg-type]
+    [cmd] = await _starts(redis)
+    assert len(cmd.stages) == stages
+    rec = decode(InstanceRecord, await redis.hget(KEYS.instances, cmd.instance))
+    assert rec is not None and rec.user_memory_mb == 256 * max(1, stages)
+    if not stages:
+        assert cmd.gpu == 2
 
 
 async def test_a_stage_its_budget_refuses_leaves_nothing_reserved(redis: aioredis.Redis) -> None:

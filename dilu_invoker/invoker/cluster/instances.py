@@ -54,6 +54,7 @@ from dilu_invoker.wire import (
     InstanceState,
     WireError,
     from_stream,
+    gpu_reservations,
     stage_span,
     text,
 )
@@ -500,11 +501,8 @@ class InstanceManager:
 
 
 def reservations_of(cmd: InstanceCommand) -> tuple[tuple[str, str], ...]:
-    """(GPU uuid, reservation id) of each GPU the instance holds: each stage's of a split one (under the stage's
-    id), else its own (`InstanceRecord.gpu_reservations` on the balancer's side)."""
-    if cmd.stages:
-        return tuple((s.gpu_uuid, s.id) for s in cmd.stages if s.gpu_uuid)
-    return ((cmd.gpu_uuid, cmd.instance),) if cmd.gpu_uuid else ()
+    """(GPU uuid, reservation id) of each GPU the instance holds (`wire.gpu_reservations`)."""
+    return gpu_reservations(cmd.instance, cmd.gpu_uuid, cmd.stages)
 
 
 def _share_of(parts: tuple[str, ...], shares: Mapping[str, tuple[float | None, bool | None, float | None]],
