@@ -109,6 +109,17 @@ async def _reservations(redis: aioredis.Redis, invoker: str = "invoker0", gpus: 
     return out
 
 
+async def _placed_split(redis: aioredis.Redis) -> tuple[Balancer, object, InstanceCommand]:
+    """GPUs 0 and 1 half full, the llm function, one tick of a leader: its start command."""
+    await _invoker(redis, "invoker0")
+    await _lit(redis)
+    await _function(redis)
+    balancer, lead = await _leader(redis)
+    assert await balancer.tick(lead)  # type: ignore[arg-type]
+    [cmd] = await _starts(redis)
+    return balancer, lead, cmd
+
+
 def test_the_annotation_is_checked_when_the_action_is_stored() -> None:
     def spec(**ann: object) -> FunctionSpec:
         return FunctionSpec.of(Action(namespace="guest", name="x", exec=Exec(kind="python:3-gpu", code=""),
@@ -126,12 +137,7 @@ def test_the_annotation_is_checked_when_the_action_is_stored() -> None:
 
 
 async def test_an_llm_no_lit_gpu_holds_is_placed_as_stages_each_reserved(redis: aioredis.Redis) -> None:
-    await _invoker(redis, "invoker0")
-    await _lit(redis)
-    await _function(redis)
-    balancer, lead = await _leader(redis)
-    assert await balancer.tick(lead)  # type: ignore[arg-type]
-    [cmd] = await _starts(redis)
+    balancer, lead, cmd = await _placed_split(redis)
     assert len(cmd.stages) == 2
     assert {s.gpu for s in cmd.stages} == {0, 1}
     assert [s.id for s in cmd.stages] == [stage_id(cmd.instance, 0), stage_id(cmd.instance, 1)]
@@ -224,12 +230,7 @@ async def test_a_stage_its_budget_refuses_leaves_nothing_reserved(redis: aioredi
 
 
 async def test_a_failed_split_instance_releases_every_stage(redis: aioredis.Redis) -> None:
-    await _invoker(redis, "invoker0")
-    await _lit(redis)
-    await _function(redis)
-    balancer, lead = await _leader(redis)
-    assert await balancer.tick(lead)  # type: ignore[arg-type]
-    [cmd] = await _starts(redis)
+    balancer, lead, cmd = await _placed_split(redis)
     assert len(await _reservations(redis)) == 2
     failed = InstanceReport(id=cmd.instance, function=FN, rev=REV, state="failed", cls="llm", gpu=cmd.gpu,
                             request=cmd.request, limit=cmd.limit, memory_mb=cmd.memory_mb,
