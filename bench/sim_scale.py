@@ -294,7 +294,8 @@ def main() -> int:
                     help="where memory binds, dilu splits an LLM over the lit GPUs of the node left with the "
                          "least free memory (PlacementConfig.split_node_fit)")
     ap.add_argument("--as-live", action="store_true",
-                    help="dilu as the live balancer runs it by default (no LLM split, LIVE_COMPACTION every 30 s; "
+                    help="dilu as the live balancer runs it by default (no LLM split unless --live-stages, "
+                         "LIVE_COMPACTION every 30 s; "
                          "--compaction then overrides LIVE_COMPACTION's fields)")
     ap.add_argument("--live-stages", type=int, default=1, metavar="N",
                     help="with --as-live: the trace's LLM actions declare gpu-stages N, so the live balancer splits "
@@ -313,7 +314,8 @@ def main() -> int:
     if args.live_stages < 1:
         raise SystemExit("--live-stages must be at least 1")
     if args.as_live and (args.light_split is not None or args.split_node_fit):
-        raise SystemExit("--as-live: the live balancer splits no LLM (not with --light-split or --split-node-fit)")
+        raise SystemExit("--as-live: the live balancer has no light split nor node fit (not with --light-split or "
+                         "--split-node-fit)")
 
     def mixes(spec: str) -> list[tuple[float, float]]:
         return [(float(a), float(b)) for a, b in (m.split(":") for m in spec.split(","))]
@@ -391,7 +393,9 @@ def main() -> int:
                 "Traces: `dilu_mix(N, train_fraction, llm_fraction, seed)` (`dilu-invoker simulate gen "
                 "placement --instances N --train-fraction T --llm-fraction L --seed S`), 40 GiB GPUs, 4 per "
                 "node, the cluster sized by the simulator; "
-                + ("`dilu` as the live balancer runs it (`--as-live`: no LLM split, `LIVE_COMPACTION`"
+                + (("`dilu` as the live balancer runs it (`--as-live`: "
+                    + (f"LLM actions declaring `gpu-stages {args.live_stages}`" if args.live_stages > 1 else "no LLM split")
+                    + ", `LIVE_COMPACTION`")
                    if args.as_live else "`dilu` with splitting and compaction (`SIM_COMPACTION`")
                 + (f" with `{args.compaction}`" if args.compaction else "")
                 + f") every {args.compact_every if args.compact_every is not None else 30 if args.as_live else 2:g} s "

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moves a compaction run may spend merging SM room no instance can use, while Σ request "
                         "binds (default: the simulator's, 1; 0: none)")
     p.add_argument("--as-live", action="store_true",
-                   help="dilu as the live balancer runs it: LLMs never split, the live compaction (by default GPUs "
+                   help="dilu as the live balancer runs it: no LLM action declares gpu-stages (no split), the live compaction (by default GPUs "
                         "with Σ request <= 0.5 and at most 3 instances, 2 moves a run, no merges) every 30 s; "
                         "--compact-every, --compact-max-request and --compact-merges then set the balancer's "
                         "--balancer-compaction-period-s, -max-request and -merges, and --llm-split-parts N has the "
