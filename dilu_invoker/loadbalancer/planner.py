@@ -668,8 +668,9 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     # Lost instances leave the cluster snapshot (their budgets may still hold them until they expire).
     if cluster is not None:
         for order in work.forgotten:
-            if cluster.has_instance(order.record.id):
-                cluster = cluster.without_instance(order.record.id)
+            for held in [s.id for s in order.record.stages] or [order.record.id]:  # a split instance: its stages
+                if cluster.has_instance(held):
+                    cluster = cluster.without_instance(held)
     seq = inp.seq
     states = dict(inp.states)
     scale: list[ScaleDecision] = []

@@ -242,6 +242,25 @@ async def test_a_failed_split_instance_releases_every_stage(redis: aioredis.Redi
     assert stop.instance == cmd.instance
 
 
+async def test_a_lost_split_instance_is_replaced_on_the_room_its_stages_left(redis: aioredis.Redis) -> None:
+    """A ready split instance its invoker no longer runs is replaced in the same tick, split again over the
+    GPUs its stages left (the snapshot drops every stage of a forgotten instance, not only its id)."""
+    balancer, lead, cmd = await _placed_split(redis)
+    ready = InstanceReport(id=cmd.instance, function=FN, rev=REV, state="ready", cls="llm", gpu=cmd.gpu,
+                           request=cmd.request, limit=cmd.limit, memory_mb=cmd.memory_mb)
+    await _invoker(redis, "invoker0", instances=(ready,))
+    assert await balancer.tick(lead)  # type: ignore[arg-type]
+    assert balancer._records[cmd.instance].state == "ready"
+    failed = replace(ready, state="failed", error="stage 0 of 2: container removed: its process exited")
+    await _invoker(redis, "invoker0", instances=(failed,))
+    assert await balancer.tick(lead)  # type: ignore[arg-type]
+    first, second = await _starts(redis)
+    assert first.instance == cmd.instance and second.instance != cmd.instance
+    assert {s.gpu for s in second.stages} == {0, 1}
+    held = {r.instance for r in (await _reservations(redis)).values()}
+    assert held == {s.id for s in second.stages}
+
+
 # -- through the product: `standalone`, actions created over the REST API ------------------------------------
 
 STAGE_CODE = """
