@@ -405,9 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         f"action this trace peaks at {live_row['peak_vs_bound']:.3f}× the bound and averages "
         f"{live_row['mean_vs_bound']:.3f}× (the ablation's second-last row); with every LLM action declaring "
         f"`gpu-stages {LIVE_STAGES}`, {staged_row['peak_vs_bound']:.3f}× and {staged_row['mean_vs_bound']:.3f}× (its "
-        f"last row). So the live product "
+        f"last row). So even with stages the live product "
         f"{'meets' if max(staged_row['peak_vs_bound'], staged_row['mean_vs_bound']) <= 1.05 else 'does not meet'} "
-        "the first two targets at best; docs/benchmarks/sim-scale.md (twenty-fourth and twenty-fifth rounds) has "
+        "the first two targets; docs/benchmarks/sim-scale.md (twenty-fourth and twenty-fifth rounds) has "
         "every mix."),
         "",
         "### How close to the bound can a placement get on this mix",
