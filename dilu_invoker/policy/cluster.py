@@ -698,28 +698,20 @@ class ClusterSnapshot:
         """GPU `o`'s entries moved from its `old` state to its `new` one: the Σ-request buckets (in place), and
         the unlit GPUs and nodes (returned; `unlit_nodes` copied from this snapshot's at its first change)."""
         inv = new.ref.invoker
-        if old.lit:
-            k = request_bucket(old.used_request)
-            buckets[k] = _remove(buckets[k], o)
-            rooms[k] = _remove(rooms[k], (_free(old), o))
-            limits[k] = _remove(limits[k], (old.used_limit, o))
-        else:
-            ords = unlit[inv]
-            unlit = unlit.set(inv, _remove(ords, o))
-            unlit_nodes = unlit_nodes or list(self.unlit_nodes)
-            n = len(ords) - 1
-            unlit_nodes[n] = _remove(unlit_nodes[n], self.invoker_ordinals[inv][0])
-        if new.lit:
-            k = request_bucket(new.used_request)
-            buckets[k] = _insert(buckets[k], o)
-            rooms[k] = _insert(rooms[k], (_free(new), o))
-            limits[k] = _insert(limits[k], (new.used_limit, o))
-        else:
-            ords = unlit[inv]
-            unlit = unlit.set(inv, _insert(ords, o))
-            unlit_nodes = unlit_nodes or list(self.unlit_nodes)
-            n = len(ords)
-            unlit_nodes[n] = _insert(unlit_nodes[n], self.invoker_ordinals[inv][0])
+        # The old state's entries out, then the new state's in: the same steps, removing then inserting.
+        for g, op, removing in ((old, _remove, True), (new, _insert, False)):
+            if g.lit:
+                k = request_bucket(g.used_request)
+                buckets[k] = op(buckets[k], o)
+                rooms[k] = op(rooms[k], (_free(g), o))
+                limits[k] = op(limits[k], (g.used_limit, o))
+            else:
+                ords = unlit[inv]
+                unlit = unlit.set(inv, op(ords, o))
+                unlit_nodes = unlit_nodes or list(self.unlit_nodes)
+                # the node is listed under each count of unlit GPUs below its own: its last entry goes or comes
+                n = len(ords) - 1 if removing else len(ords)
+                unlit_nodes[n] = op(unlit_nodes[n], self.invoker_ordinals[inv][0])
         return unlit, unlit_nodes
 
     def _rebuild(
