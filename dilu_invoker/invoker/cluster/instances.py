@@ -396,7 +396,8 @@ class InstanceManager:
     def _held(self, inst: LocalInstance) -> tuple[tuple[str, str], ...]:
         """(GPU uuid, reservation id) of what it holds; none for a split instance whose stage ids were
         refused (they may be another instance's)."""
-        return reservations_of(inst.cmd) if self._owns_stages(inst) else ()
+        cmd = inst.cmd
+        return gpu_reservations(cmd.instance, cmd.gpu_uuid, cmd.stages) if self._owns_stages(inst) else ()
 
     def _owns_stages(self, inst: LocalInstance) -> bool:
         """Its stage ids are its own (true of any instance but a split one whose stage ids were refused)."""
@@ -498,11 +499,6 @@ class InstanceManager:
         await cancel_and_wait(*self._tasks)
         for inst in list(self.instances.values()):
             await self._release(self._held(inst))
-
-
-def reservations_of(cmd: InstanceCommand) -> tuple[tuple[str, str], ...]:
-    """(GPU uuid, reservation id) of each GPU the instance holds (`wire.gpu_reservations`)."""
-    return gpu_reservations(cmd.instance, cmd.gpu_uuid, cmd.stages)
 
 
 def _share_of(parts: tuple[str, ...], shares: Mapping[str, tuple[float | None, bool | None, float | None]],
