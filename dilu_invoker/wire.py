@@ -377,6 +377,12 @@ class InstanceReport:
     """90th percentile of the time activations waited for a slot of this instance."""
     error: str = ""
     """Why the instance failed (state ``failed``): the balancer tells the waiting callers."""
+    moved: str = ""
+    """A split instance: the id of the stage its last stage move (`CommandOp.MOVE_STAGE`) put in place, once the
+    move is done (the new stage serves, the old one is stopped and its reservation released); "" before any."""
+    move_failed: str = ""
+    """A split instance: ``"{new stage id}: {why}"`` of its last stage move that failed (the old stage serves
+    on, the new one is gone and its reservation released); "" before any."""
 
     @classmethod
     def from_wire(cls, data: Any) -> InstanceReport:
@@ -539,6 +545,11 @@ class CommandOp(enum.StrEnum):
     PRELOAD = "preload"
     #: let go of the model pre-loaded for ``function`` (its action was deleted, or replaced elsewhere)
     RELEASE = "release"
+    #: hand one pipeline stage of split instance ``instance`` over to another GPU of the invoker while the pipeline
+    #: serves (compaction, make-before-break): ``stages`` is the instance's whole new stage list, equal to its
+    #: current one but at one index, where a stage with a new id (`moved_stage_id`) on another GPU takes the old
+    #: stage's place. docs/invoker.md, "Stage moves".
+    MOVE_STAGE = "move-stage"
 
 
 @dataclass(frozen=True, slots=True)
@@ -564,11 +575,21 @@ def stage_id(instance: str, index: int) -> str:
     return f"{instance}#p{index}"
 
 
+def moved_stage_id(instance: str, index: int, move: int) -> str:
+    """The id of stage `index` of a split instance once a stage move (`CommandOp.MOVE_STAGE`) put it on another
+    GPU: a new id, so that the old stage and its replacement are reserved side by side until the move is done;
+    `move` tells the moves of one balancer apart (its sequence number)."""
+    return f"{instance}#p{index}.{move}"
+
+
 def stage_parent(reservation: str) -> str | None:
-    """The split instance a stage id (`stage_id`) belongs to; None for any other id (instance ids have no
-    ``#``: `planner.instance_id`)."""
+    """The split instance a stage id (`stage_id`, `moved_stage_id`) belongs to; None for any other id (instance
+    ids have no ``#``: `planner.instance_id`)."""
     head, sep, index = reservation.rpartition("#p")
-    return head if sep and head and index.isdigit() else None
+    if not (sep and head):
+        return None
+    k, dot, move = index.partition(".")
+    return head if k.isdigit() and (not dot or move.isdigit()) else None
 
 
 def stages_of(value: Any) -> tuple[StageRecord, ...]:
@@ -598,6 +619,16 @@ def _set_stages(obj: Any) -> None:
     raw = obj.stages
     if raw.__class__ is not tuple or raw:
         object.__setattr__(obj, "stages", stages_of(raw))
+
+
+def _set_moving(rec: Any) -> None:
+    """`_set_stages` for a record's ``moving`` (the stages a stage move replaces: one or more)."""
+    raw = rec.moving
+    if raw.__class__ is not tuple or raw:
+        if not isinstance(raw, (list, tuple)):
+            raise WireError(f"moving: expected a list, got {type(raw).__name__}")
+        object.__setattr__(rec, "moving", tuple(s if isinstance(s, StageRecord) else StageRecord.from_wire(s)
+                                                for s in raw))
 
 
 def stage_span(stages: tuple[StageRecord, ...], index: int) -> tuple[float, float]:
@@ -677,16 +708,22 @@ class InstanceRecord:
     stages: tuple[StageRecord, ...] = ()
     """A split instance's pipeline stages, in order, each on its own GPU of `invoker` (`gpu`/`gpu_uuid` are the
     first's; `request`, `limit` and `memory_mb` the whole instance's); empty: the instance is on one GPU."""
+    moving: tuple[StageRecord, ...] = ()
+    """While a stage move (`CommandOp.MOVE_STAGE`) is in flight: the stage it replaces, which the instance still
+    holds until its invoker reports the move done (`stages` already names the new one); empty otherwise."""
 
     @classmethod
     def from_wire(cls, data: Any) -> InstanceRecord:
         rec = _fields_of(cls, data)
         _set_stages(rec)
+        _set_moving(rec)
         return rec
 
     def gpu_reservations(self) -> tuple[tuple[str, str], ...]:
-        """(GPU uuid, reservation id) of each GPU it holds: one per stage of a split instance, else its own."""
-        return gpu_reservations(self.id, self.gpu_uuid, self.stages)
+        """(GPU uuid, reservation id) of each GPU it holds: one per stage of a split instance (the stage a move
+        replaces too, until the move is done), else its own."""
+        held = gpu_reservations(self.id, self.gpu_uuid, self.stages)
+        return held + tuple((s.gpu_uuid, s.id) for s in self.moving if s.gpu_uuid) if self.moving else held
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,15 +4,18 @@ refused with a clear error instead of reaching the planner or the invoker."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
 from dilu_invoker.wire import (
     InstanceCommand,
     InstanceRecord,
+    InstanceReport,
     StageRecord,
     WireError,
     decode,
+    moved_stage_id,
     pack,
     stage_id,
     stage_parent,
@@ -83,5 +86,27 @@ def test_stage_spans_follow_the_stages_memory_and_cover_the_model() -> None:
 
 def test_a_stage_id_names_its_instance_and_nothing_else_does() -> None:
     assert stage_parent(stage_id("fn-3-17", 2)) == "fn-3-17"
-    for other in ("fn-3-17", "#p1", "fn#p", "fn#px", "fn#q1", ""):
+    assert stage_parent(moved_stage_id("fn-3-17", 2, 40)) == "fn-3-17"
+    for other in ("fn-3-17", "#p1", "fn#p", "fn#px", "fn#q1", "", "fn#p1.", "fn#p.3", "fn#p1.x", "fn#p1.2.3"):
         assert stage_parent(other) is None
+
+
+def test_a_stage_move_in_flight_holds_the_old_stage_and_the_new_one() -> None:
+    new = StageRecord(moved_stage_id("llm-1-4", 1, 9), 3, "GPU-d", 0.2, 0.4, 14000)
+    rec = record(stages=(STAGES[0], new), moving=(STAGES[1],))
+    back = decode(InstanceRecord, pack(rec))
+    assert back == rec and back is not None and isinstance(back.moving, tuple)
+    assert back.gpu_reservations() == (("GPU-a", "llm-1-4#p0"), ("GPU-d", "llm-1-4#p1.9"),
+                                       ("GPU-c", "llm-1-4#p1"))
+    done = replace(back, moving=())
+    assert done.gpu_reservations() == (("GPU-a", "llm-1-4#p0"), ("GPU-d", "llm-1-4#p1.9"))
+    with pytest.raises(WireError, match="moving: expected a list"):
+        InstanceRecord.from_wire({**unpack(pack(rec)), "moving": 7})
+
+
+def test_a_report_says_how_the_last_stage_move_ended() -> None:
+    rep = InstanceReport(id="llm-1-4", function="ns/llm", rev="1", state="ready", moved="llm-1-4#p1.9",
+                         move_failed="llm-1-4#p0.8: stage 0 of 2: start failed")
+    assert decode(InstanceReport, pack(rep)) == rep
+    old = InstanceReport.from_wire({"id": "x", "function": "f", "rev": "1", "state": "ready"})
+    assert old.moved == "" and old.move_failed == ""
