@@ -32,6 +32,9 @@ from dilu_invoker.wire import (
     InstanceReport,
     LoadReport,
     RecordState,
+    stage_id,
+    stage_index,
+    stage_parent,
 )
 
 GPU_MIB = 40 * 1024
@@ -64,9 +67,11 @@ class LiveHarness:
         by_inv: dict[str, list[InstanceReport]] = {inv: [] for inv in self.invokers}
         for r in self.records.values():
             if r.state != RecordState.STOPPING:
+                # A stage move is done by the next report (the new stage serves, the old one is gone).
+                move = r.stage_move()
                 by_inv[r.invoker].append(InstanceReport(
                     id=r.id, function=r.function, rev=r.rev, state="ready", gpu=r.gpu, request=r.request,
-                    limit=r.limit, memory_mb=r.memory_mb))
+                    limit=r.limit, memory_mb=r.memory_mb, moved=move[1].id if move is not None else ""))
         return {inv: LoadReport(invoker=inv, boot="b", at_ms=0,
                                 gpus=tuple(GpuReport(index=i, uuid=f"{inv}-g{i}", memory_mb=GPU_MIB)
                                            for i in range(GPUS_PER_NODE)),
@@ -74,19 +79,26 @@ class LiveHarness:
 
     def _cluster(self, now: float) -> ClusterSnapshot:
         placed: dict[GpuRef, list[PlacedInstance]] = {}
-        # In the order they were placed (the simulator appends to a GPU's instances likewise).
-        for r in sorted(self.records.values(), key=lambda r: int(r.id.rsplit("-", 1)[1])):
+        # In the order they were placed (the simulator appends to a GPU's instances likewise; a moved stage is
+        # placed when it moved: its id ends with that sequence number).
+        pieces: list[tuple[int, GpuRef, PlacedInstance]] = []
+        for r in self.records.values():
             if r.state != RecordState.STOPPING and r.gpu is not None:
                 cls = InstanceClass.parse(r.cls)
-                # A split instance as its stages' reservations hold it: a piece on each stage's GPU.
-                for s in r.stages:
-                    placed.setdefault(GpuRef(r.invoker, s.gpu), []).append(PlacedInstance(
+                seq = int(r.id.rsplit("-", 1)[1])
+                # A split instance as its stages' reservations hold it: a piece on each stage's GPU (the stage a
+                # move replaces too, until the move is done).
+                for s in (*r.stages, *r.moving):
+                    _, dot, moved = s.id.rpartition("#p")[2].partition(".")
+                    pieces.append((int(moved) if dot else seq, GpuRef(r.invoker, s.gpu), PlacedInstance(
                         id=s.id, function=r.function, cls=cls, request=s.request, limit=s.limit,
-                        memory_mib=float(s.memory_mb), part_of=r.id))
+                        memory_mib=float(s.memory_mb), part_of=r.id)))
                 if not r.stages:
-                    placed.setdefault(GpuRef(r.invoker, r.gpu), []).append(PlacedInstance(
+                    pieces.append((seq, GpuRef(r.invoker, r.gpu), PlacedInstance(
                         id=r.id, function=r.function, cls=cls, request=r.request, limit=r.limit,
-                        memory_mib=float(r.memory_mb)))
+                        memory_mib=float(r.memory_mb))))
+        for _, ref, inst in sorted(pieces, key=lambda p: p[0]):
+            placed.setdefault(ref, []).append(inst)
         return ClusterSnapshot.build(now=now, gpus=[
             GpuState(ref=GpuRef(inv, i), memory_mib=float(GPU_MIB), uuid=f"{inv}-g{i}",
                      instances=tuple(placed.get(GpuRef(inv, i), ())))
@@ -112,8 +124,13 @@ class LiveHarness:
                                  or (GpuRef(d.invoker, d.gpu or 0),)))
             elif d.kind == "move":
                 orig = before[plan.records[d.instance].replaces]
-                self.log.append(("move", orig.function, GpuRef(orig.invoker, orig.gpu or 0),
-                                 GpuRef(d.invoker, d.gpu or 0)))
+                self.log.append(("move", orig.function, _source(d.reason), GpuRef(d.invoker, d.gpu or 0)))
+            elif d.kind == "stage-move":
+                rec = plan.records[stage_parent(d.instance) or ""]
+                old = rec.moving[0]
+                # Named as the simulator names the piece (`part_id` of the instance: here, its function).
+                self.log.append(("move", stage_id(rec.function, stage_index(old.id) or 0),
+                                 GpuRef(rec.invoker, old.gpu), GpuRef(d.invoker, d.gpu or 0)))
             elif d.kind in ("blocked", "move-abandoned", "lost"):
                 self.log.append((d.kind, d.function))
         self.records, self.states, self.routes = dict(plan.records), dict(plan.states), dict(plan.routes)
@@ -121,6 +138,13 @@ class LiveHarness:
         self.loop = plan.compaction
         self.memo = plan.memo
         return plan
+
+
+def _source(reason: str) -> GpuRef:
+    """The GPU a compaction move empties, as its decision's reason names it ("… (from INVOKER/gpuN)")."""
+    where = reason.rpartition("(from ")[2].rstrip(")")
+    invoker, _, gpu = where.rpartition("/gpu")
+    return GpuRef(invoker, int(gpu))
 
 
 #: `live_figures`' clock at tick 0 (ms)

@@ -328,6 +328,10 @@ class BalancerConfig:
                                               "(1.0: any lit GPU)")
     compaction_merges: int = _opt(0, "moves a compaction run may spend merging SM room no instance can use into "
                                      "room one can, while Σ request binds (0: none)")
+    compaction_stages: bool = _opt(True, "compaction may move one pipeline stage of a split instance to another "
+                                         "GPU of its invoker while the pipeline serves, place a split instance "
+                                         "anew, and split an llm instance it moves (false: it never touches split "
+                                         "instances and never splits)")
     max_stages: int = _opt(4, "an llm instance of an action declaring gpu-stages N may be split into up to "
                               "min(N, this) pipeline stages on as many GPUs of one invoker when no one GPU holds "
                               "it (1: never split)")

@@ -582,6 +582,13 @@ def moved_stage_id(instance: str, index: int, move: int) -> str:
     return f"{instance}#p{index}.{move}"
 
 
+def stage_index(reservation: str) -> int | None:
+    """The index of the stage a stage id (`stage_id`, `moved_stage_id`) names; None for any other id."""
+    if stage_parent(reservation) is None:
+        return None
+    return int(reservation.rpartition("#p")[2].partition(".")[0])
+
+
 def stage_parent(reservation: str) -> str | None:
     """The split instance a stage id (`stage_id`, `moved_stage_id`) belongs to; None for any other id (instance
     ids have no ``#``: `planner.instance_id`)."""
@@ -711,6 +718,8 @@ class InstanceRecord:
     moving: tuple[StageRecord, ...] = ()
     """While a stage move (`CommandOp.MOVE_STAGE`) is in flight: the stage it replaces, which the instance still
     holds until its invoker reports the move done (`stages` already names the new one); empty otherwise."""
+    moving_since: float = 0.0
+    """When the stage move in flight was ordered (the balancer's clock, seconds)."""
 
     @classmethod
     def from_wire(cls, data: Any) -> InstanceRecord:
@@ -724,6 +733,25 @@ class InstanceRecord:
         replaces too, until the move is done), else its own."""
         held = gpu_reservations(self.id, self.gpu_uuid, self.stages)
         return held + tuple((s.gpu_uuid, s.id) for s in self.moving if s.gpu_uuid) if self.moving else held
+
+    def stage_move(self) -> tuple[StageRecord, StageRecord] | None:
+        """The stage move in flight, as (the stage it replaces, the stage that takes its place); None: none."""
+        if not self.moving:
+            return None
+        old = self.moving[0]
+        k = stage_index(old.id)
+        fresh = next((s for s in self.stages if stage_index(s.id) == k), None)
+        return (old, fresh) if fresh is not None else None
+
+    def stage_move_undone(self) -> InstanceRecord:
+        """The record as it was before its stage move (the old stage back in its place, nothing moving)."""
+        move = self.stage_move()
+        if move is None:
+            return dataclasses.replace(self, moving=(), moving_since=0.0)
+        old, fresh = move
+        stages = tuple(old if s is fresh else s for s in self.stages)
+        return dataclasses.replace(self, stages=stages, moving=(), moving_since=0.0, gpu=stages[0].gpu,
+                                   gpu_uuid=stages[0].gpu_uuid)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from dilu_invoker.wire import (
     moved_stage_id,
     pack,
     stage_id,
+    stage_index,
     stage_parent,
     stage_span,
     unpack,
@@ -87,8 +88,9 @@ def test_stage_spans_follow_the_stages_memory_and_cover_the_model() -> None:
 def test_a_stage_id_names_its_instance_and_nothing_else_does() -> None:
     assert stage_parent(stage_id("fn-3-17", 2)) == "fn-3-17"
     assert stage_parent(moved_stage_id("fn-3-17", 2, 40)) == "fn-3-17"
+    assert stage_index(stage_id("fn-3-17", 2)) == 2 and stage_index(moved_stage_id("fn-3-17", 3, 40)) == 3
     for other in ("fn-3-17", "#p1", "fn#p", "fn#px", "fn#q1", "", "fn#p1.", "fn#p.3", "fn#p1.x", "fn#p1.2.3"):
-        assert stage_parent(other) is None
+        assert stage_parent(other) is None and stage_index(other) is None
 
 
 def test_a_stage_move_in_flight_holds_the_old_stage_and_the_new_one() -> None:

@@ -51,7 +51,7 @@ from dilu_invoker.policy import (
     repeat_decision,
 )
 from dilu_invoker.policy.live_compaction import LiveCompaction, function_calm
-from dilu_invoker.policy.placement import PlacementDecision, holds_weights, place_sharing
+from dilu_invoker.policy.placement import PlacementDecision, PlacementPart, holds_weights, place_sharing
 from dilu_invoker.policy.spread import place_spread
 from dilu_invoker.wire import (
     Decision,
@@ -65,7 +65,10 @@ from dilu_invoker.wire import (
     RouteEntry,
     RoutingTable,
     StageRecord,
+    moved_stage_id,
     revision_generation,
+    stage_id,
+    stage_parent,
 )
 
 
@@ -184,6 +187,9 @@ class TickPlan:
     seq: int
     cluster: ClusterSnapshot | None
     compaction: CompactionLoop = field(default_factory=CompactionLoop)
+    stage_moves: tuple[Order, ...] = ()
+    """Stage moves compaction ordered (`CommandOp.MOVE_STAGE`): each record as it is while its move is in flight
+    (`InstanceRecord.stage_move`); the service reserves the new stage, then sends the command."""
     memo: PlanMemo | None = field(default=None, compare=False)
     """What the next tick may reuse (`PlanMemo`); not part of the plan's decisions."""
 
@@ -362,14 +368,22 @@ def stages_of_decision(cluster: ClusterSnapshot, where: PlacementDecision, memor
     """A split placement's pipeline stages as the record names them (one per piece, in placement's order:
     the piece ids are the stage ids); empty for a one-GPU placement. Budgets count whole MiB: each piece's
     memory is rounded, and the last takes what makes the stages' sum the instance's `memory_mb`."""
-    if not where.parts:
+    return stages_of_parts(cluster, where.parts, memory_mb)
+
+
+def stages_of_parts(cluster: ClusterSnapshot, parts: tuple[PlacementPart, ...], memory_mb: int,
+                    instance: str | None = None) -> tuple[StageRecord, ...]:
+    """`stages_of_decision` for placement's pieces; `instance`: the stages are named for it (`stage_id`), not
+    as the pieces are (a compaction move places the pieces of the instance it replaces)."""
+    if not parts:
         return ()
-    mibs = [round(p.instance.memory_mib) for p in where.parts[:-1]]
+    mibs = [round(p.instance.memory_mib) for p in parts[:-1]]
     mibs.append(max(0, memory_mb - sum(mibs)))
     return tuple(
-        StageRecord(id=p.instance.id, gpu=p.gpu.gpu, gpu_uuid=cluster.gpu(p.gpu).uuid or None,
-                    request=p.instance.request, limit=p.instance.limit, memory_mb=mib)
-        for p, mib in zip(where.parts, mibs, strict=True)
+        StageRecord(id=p.instance.id if instance is None else stage_id(instance, k), gpu=p.gpu.gpu,
+                    gpu_uuid=cluster.gpu(p.gpu).uuid or None, request=p.instance.request, limit=p.instance.limit,
+                    memory_mb=mib)
+        for k, (p, mib) in enumerate(zip(parts, mibs, strict=True))
     )
 
 
@@ -464,6 +478,7 @@ class _Work:
 
     records: dict[str, InstanceRecord]
     starts: list[Order] = field(default_factory=list)
+    stage_moves: list[Order] = field(default_factory=list)
     stops: list[Order] = field(default_factory=list)
     forgotten: list[Order] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
@@ -548,12 +563,17 @@ def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work, memo: PlanMemo |
                 work.forget(r, f"{r.id}: not ready after {now - r.since:.0f} s", owed=False, stop=True,
                             now=now, epoch=epoch)
                 continue
+        if r.moving:
+            after = _stage_move_outcome(r, new, inst, cfg, work, now, epoch)
+            if after is None:
+                continue
+            new = after
         spec = inp.specs.get(r.function)
         if spec is not None and new.state != RecordState.STOPPING and outdated(new.rev, spec.rev):
             new = replace(new, state=RecordState.STOPPING.value, since=now)
             work.stops.append(Order(new, f"{r.id}: runs revision {r.rev}, the action is now {spec.rev}"))
             work.lost[r.function] = work.lost.get(r.function, 0) + 1
-        elif new is r and r.state != RecordState.STARTING:
+        elif new is r and r.state != RecordState.STARTING and not r.moving:
             settled[r.id] = r
         work.records[r.id] = new
     # Instances an invoker runs that the table does not know (e.g. it came back after being given up): a report
@@ -575,6 +595,33 @@ def _reconcile(inp: TickInput, cfg: PlannerConfig, work: _Work, memo: PlanMemo |
             work.stops.append(Order(ghost, f"{inst.id}: unknown to the balancer"))
     _finish_moves(now, epoch, work)
     return settled
+
+
+def _stage_move_outcome(r: InstanceRecord, new: InstanceRecord, inst: InstanceReport, cfg: PlannerConfig,
+                        work: _Work, now: float, epoch: int) -> InstanceRecord | None:
+    """A split instance with a stage move in flight (`r`; `new`: it as this tick has it so far), by its invoker's
+    report `inst`: done (the old stage is gone: nothing moves any more), failed (the old stage serves on: the
+    record as before the move), or in flight; None: the move took longer than a start may (the instance is given
+    up, stopped and owed: what it runs is no longer known)."""
+    move = r.stage_move()
+    if move is None:  # a record no move could have written: it holds what it lists
+        return replace(new, moving=(), moving_since=0.0)
+    old, fresh = move
+    if inst.moved == fresh.id:
+        reason = f"{old.id}: moved to {r.invoker}/gpu{fresh.gpu} as {fresh.id}, which serves (compaction)"
+        work.decisions.append(Decision(now, epoch, "stage-move-done", r.function, reason, fresh.id, r.invoker,
+                                       fresh.gpu))
+        return replace(new, moving=(), moving_since=0.0)
+    if inst.move_failed.startswith(f"{fresh.id}:"):
+        reason = f"{r.id}: stage move of {old.id} failed ({inst.move_failed}); it serves on from gpu{old.gpu}"
+        work.decisions.append(Decision(now, epoch, "stage-move-failed", r.function, reason, fresh.id, r.invoker,
+                                       fresh.gpu))
+        return new.stage_move_undone()
+    if now - r.moving_since > cfg.start_timeout_s:
+        work.forget(r, f"{r.id}: stage move of {old.id} to gpu{fresh.gpu} not done after {now - r.moving_since:.0f} s",
+                    owed=True, stop=True, now=now, epoch=epoch)
+        return None
+    return new
 
 
 def _finish_moves(now: float, epoch: int, work: _Work) -> None:
@@ -608,49 +655,108 @@ def _compact(
     calm: set[str],
     seq: int,
 ) -> tuple[ClusterSnapshot, int, CompactionLoop]:
-    """One compaction run: replacements for the moves of `compaction_plan` (see the module doc)."""
+    """One compaction run: replacements for the moves of `compaction_plan` (see the module doc), and stage moves
+    for the pieces of split instances it moves (`_move_stage`)."""
     live = cfg.compaction
     loop = inp.compaction
     assert live is not None
-    if inp.now < loop.next_at or any(r.replaces for r in work.records.values()):
+    if inp.now < loop.next_at or any(r.replaces or r.moving for r in work.records.values()):
         return cluster, seq, loop
     now, epoch = inp.now, inp.epoch
+    stages = live.config.move_pieces
     # Instances of a function sharing read-only weights stay: compaction sizes a move by what the instance
     # is charged on its GPU (without the weights where it shares them), and its replacement would load a copy.
-    movable = {
-        r.id
-        for r in work.records.values()
-        if r.state == RecordState.READY and r.function in calm and r.function in inp.specs and not r.stages
-        and not outdated(r.rev, inp.specs[r.function].rev) and not shares_weights(inp.specs[r.function])
-    }
+    # A split instance's stages move with `move_pieces` only.
+    movable: set[str] = set()
+    for r in work.records.values():
+        if (r.state == RecordState.READY and r.function in calm and r.function in inp.specs
+                and not outdated(r.rev, inp.specs[r.function].rev) and not shares_weights(inp.specs[r.function])):
+            if not r.stages:
+                movable.add(r.id)
+            elif stages:
+                movable.update(s.id for s in r.stages)
     pinned = frozenset(i for i in cluster.locations if i not in movable)
-    # Stages of split instances are not moved live: placement for compaction never splits.
-    placement = replace(cfg.placement, llm_max_parts=1)
+
+    def parts_allowed(function: str) -> int:  # what `placement_request` allows an instance of the function
+        spec = inp.specs.get(function)
+        return max(1, min(spec.stages, cfg.placement.llm_max_parts)) if spec is not None and stages else 1
+
+    # Placement for compaction splits as far as the llm actions declare `gpu-stages` (never without stage moves);
+    # a move that splits an instance further than its own action declares is not made, nor are the other moves
+    # off its source GPU (which would stay lit).
+    placement = replace(cfg.placement, llm_max_parts=max(
+        (parts_allowed(f) for f, spec in inp.specs.items() if spec.cls == InstanceClass.LLM.value), default=1))
     plan = compaction_plan(cluster, placement, live.config, loop.state, pinned=pinned)
+    too_split = {mv.source for mv in plan.moves if len(mv.parts) > parts_allowed(mv.function)}
+    # One move per instance a run: the invoker hands over one stage at a time, and a replacement is started once.
+    touched: set[str] = set()
     for mv in plan.moves:
-        orig = work.records.get(mv.instance_id)
-        if orig is None or mv.parts or mv.replaces:
+        if mv.source in too_split:
+            continue
+        parent = stage_parent(mv.instance_id)
+        orig = work.records.get(parent if parent is not None and not mv.replaces else mv.instance_id)
+        if orig is None or orig.id in touched or (parent is not None and not orig.stages):
+            continue
+        touched.add(orig.id)
+        if parent is not None and not mv.replaces:
+            cluster, seq = _move_stage(inp, work, cluster, seq, orig, mv.instance_id, mv.target,
+                                       f"compaction: {mv.reason}")
             continue
         iid = instance_id(orig.function, epoch, seq)
         seq += 1
         ref = mv.target
         rep = inp.reports.get(ref.invoker)
+        spec = inp.specs[orig.function]
+        # The whole instance, as the cluster holds it (a split original: as its first stage's piece, summed).
+        held = cluster.instance(orig.stages[0].id if orig.stages else orig.id)
+        whole = PlacedInstance(id=iid, function=held.function, cls=held.cls, request=orig.request if orig.stages
+                               else held.request, limit=orig.limit if orig.stages else held.limit,
+                               memory_mib=float(orig.memory_mb) if orig.stages else held.memory_mib,
+                               profile=held.profile)
+        split = stages_of_parts(cluster, mv.parts, orig.memory_mb, iid)
         record = replace(
             orig, id=iid, invoker=ref.invoker, gpu=ref.gpu, gpu_uuid=cluster.gpu(ref).uuid or None,
             state=RecordState.STARTING.value, since=now, epoch=epoch, boot=rep.boot if rep is not None else "",
-            missing=0, replaces=orig.id,
+            missing=0, replaces=orig.id, stages=split, moving=(), moving_since=0.0,
+            user_memory_mb=spec.user_memory_mb * max(1, len(split)),
         )
-        held = cluster.instance(orig.id)
-        cluster = cluster.with_instance(
-            PlacedInstance(id=iid, function=held.function, cls=held.cls, request=held.request, limit=held.limit,
-                           memory_mib=held.memory_mib, profile=held.profile),
-            (ref,),
-        )
-        reason = f"compaction: {mv.reason}; {iid} replaces {orig.id}"
+        if split:
+            for st, part in zip(split, mv.parts, strict=True):
+                cluster = cluster.with_instance(replace(part.instance, id=st.id, part_of=iid), (part.gpu,))
+        else:
+            cluster = cluster.with_instance(whole, (ref,))
+        src = mv.source
+        reason = f"compaction: {mv.reason}; {iid} replaces {orig.id} (from {src.invoker}/gpu{src.gpu})"
         work.records[iid] = record
         work.starts.append(Order(record, reason))
         work.decisions.append(Decision(now, epoch, "move", orig.function, reason, iid, ref.invoker, ref.gpu))
     return cluster, seq, CompactionLoop(next_at=now + live.period_s, state=plan.state)
+
+
+def _move_stage(inp: TickInput, work: _Work, cluster: ClusterSnapshot, seq: int, orig: InstanceRecord,
+                piece: str, target: GpuRef, reason: str) -> tuple[ClusterSnapshot, int]:
+    """Stage `piece` of split instance `orig` to GPU `target` of its invoker, make-before-break: the record names
+    the new stage (a new id, `moved_stage_id`) in the old one's place and keeps the old one in `moving` until the
+    invoker reports the hand-over done; the cluster holds both meanwhile."""
+    k = next((n for n, s in enumerate(orig.stages) if s.id == piece), None)
+    if k is None or target.invoker != orig.invoker:
+        return cluster, seq
+    now, epoch = inp.now, inp.epoch
+    old = orig.stages[k]
+    fresh = StageRecord(id=moved_stage_id(orig.id, k, seq), gpu=target.gpu,
+                        gpu_uuid=cluster.gpu(target).uuid or None, request=old.request, limit=old.limit,
+                        memory_mb=old.memory_mb)
+    seq += 1
+    stages = (*orig.stages[:k], fresh, *orig.stages[k + 1:])
+    record = replace(orig, stages=stages, moving=(old,), moving_since=now, gpu=stages[0].gpu,
+                     gpu_uuid=stages[0].gpu_uuid)
+    cluster = cluster.with_instance(replace(cluster.instance(old.id), id=fresh.id), (target,))
+    reason = f"{reason}; stage {k} of {orig.id} to gpu{target.gpu} as {fresh.id} (from gpu{old.gpu})"
+    work.records[orig.id] = record
+    work.stage_moves.append(Order(record, reason))
+    work.decisions.append(Decision(now, epoch, "stage-move", orig.function, reason, fresh.id, target.invoker,
+                                   target.gpu))
+    return cluster, seq
 
 
 def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
@@ -668,7 +774,8 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     # Lost instances leave the cluster snapshot (their budgets may still hold them until they expire).
     if cluster is not None:
         for order in work.forgotten:
-            for held in [s.id for s in order.record.stages] or [order.record.id]:  # a split instance: its stages
+            held_ids = [s.id for s in (*order.record.stages, *order.record.moving)] or [order.record.id]
+            for held in held_ids:  # a split instance: its stages (one a move replaces too)
                 if cluster.has_instance(held):
                     cluster = cluster.without_instance(held)
     seq = inp.seq
@@ -852,6 +959,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
         seq=seq,
         cluster=cluster,
         compaction=loop,
+        stage_moves=tuple(work.stage_moves),
         # Copies of the mappings (not of what they hold): a caller may change its own in place.
         memo=PlanMemo(cfg=cfg, epoch=epoch, records=dict(records), reports=dict(inp.reports), figures=figures,
                       specs=dict(inp.specs), states=dict(states), routes=dict(routes), demand=demand, functions=memos,

@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, replace
 from itertools import compress
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 import redis.asyncio as aioredis
@@ -160,7 +160,8 @@ def planner_config(cfg: Config) -> PlannerConfig:
     if b.compaction:
         compaction = LiveCompaction(config=live_compaction_config(max_moves=b.compaction_max_moves,
                                                                   max_request=b.compaction_max_request,
-                                                                  merges=b.compaction_merges),
+                                                                  merges=b.compaction_merges,
+                                                                  stages=b.compaction_stages),
                                     period_s=b.compaction_period_s)
     return PlannerConfig(horizontal=horizontal, placement=placement, start_timeout_s=b.start_timeout_s,
                          demand_hold_s=max(2.0, 2 * cfg.balancer.report_period_s), compaction=compaction)
@@ -170,7 +171,10 @@ class BalancerMetrics:
     """Prometheus metrics of one balancer (its own registry), and the compaction totals it also keeps in
     Redis (``P bal:compaction``, msgpack map) so any process can read them."""
 
-    MOVES = ("move", "move-done", "move-abandoned")
+    #: decision kind → outcome: a replacement's, or a stage move's (`CommandOp.MOVE_STAGE`)
+    MOVES: ClassVar[Mapping[str, str]] = {"move": "started", "move-done": "done", "move-abandoned": "abandoned",
+                                          "stage-move": "started", "stage-move-done": "done",
+                                          "stage-move-failed": "abandoned"}
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -179,11 +183,11 @@ class BalancerMetrics:
         self.compaction_runs = Counter("dilu_balancer_compaction_runs", "Compaction runs", registry=r)
         self.compaction_moves = Counter(
             "dilu_balancer_compaction_moves",
-            "Compaction moves by outcome: started (a replacement, i.e. one cold start), done (original "
-            "drained), abandoned (the replacement failed; the original kept serving)",
+            "Compaction moves by outcome: started (a replacement or a pipeline stage's, i.e. cold starts), done "
+            "(original drained), abandoned (the replacement or the new stage failed; the original kept serving)",
             ("outcome",), registry=r)
         self.compaction_in_flight = Gauge("dilu_balancer_compaction_in_flight",
-                                          "Compaction replacements starting", registry=r)
+                                          "Compaction replacements starting and stage moves in flight", registry=r)
         self.totals: dict[str, int] = {"runs": 0, "started": 0, "done": 0, "abandoned": 0}
 
     def observe(self, plan: TickPlan, before: CompactionLoop) -> bool:
@@ -195,12 +199,12 @@ class BalancerMetrics:
             self.totals["runs"] += 1
             changed = True
         for d in plan.decisions:
-            if d.kind in self.MOVES:
-                outcome = {"move": "started", "move-done": "done", "move-abandoned": "abandoned"}[d.kind]
+            outcome = self.MOVES.get(d.kind)
+            if outcome is not None:
                 self.compaction_moves.labels(outcome).inc()
                 self.totals[outcome] += 1
                 changed = True
-        self.compaction_in_flight.set(sum(1 for r in plan.records.values() if r.replaces))
+        self.compaction_in_flight.set(sum(1 for r in plan.records.values() if r.replaces or r.moving))
         return changed
 
 
@@ -782,6 +786,22 @@ class Balancer:
                 continue
             reserved.append(r)
             starts.append(order)
+        moves = []
+        for order in plan.stage_moves:
+            r = order.record
+            move = r.stage_move()
+            assert move is not None
+            fresh = move[1]
+            result = await self.budgets.reserve(fresh.gpu_uuid or "", Reservation(
+                instance=fresh.id, function=r.function, cls=r.cls, invoker=r.invoker, request=fresh.request,
+                limit=fresh.limit, memory_mb=fresh.memory_mb), ttl_s=ttl_s)
+            if not result.ok:
+                # As for a start: the budget saw something the snapshot did not. The old stage serves on.
+                log.info("GPU budget refused a stage move", instance=r.id, stage=fresh.id, gpu=fresh.gpu_uuid,
+                         reason=result.reason)
+                records[r.id] = r.stage_move_undone()
+                continue
+            moves.append(order)
         # Until its invoker renews them, the leader keeps the reservations of starting instances alive.
         by_gpu: dict[str, list[str]] = {}
         for r in records.values():
@@ -794,7 +814,7 @@ class Balancer:
 
         # The tick's writes, packed in a worker thread (a tick that changes thousands of records or routing
         # tables would otherwise hold the event loop, and with it the lease's renewal).
-        ops = await asyncio.to_thread(self._writes, lead, plan, records, starts)
+        ops = await asyncio.to_thread(self._writes, lead, plan, records, starts, moves)
         before = dict(self.metrics.totals)
         if self.metrics.observe(plan, self._compaction):
             ops.hset(self.keys.compaction, "totals", msgpack.packb(self.metrics.totals))
@@ -805,6 +825,10 @@ class Balancer:
                 for uuid, rid in r.gpu_reservations():
                     with contextlib.suppress(RedisError):
                         await self.budgets.release(uuid, rid)
+            for order in moves:
+                fresh = order.record.stage_move()[1]  # type: ignore[index]
+                with contextlib.suppress(RedisError):
+                    await self.budgets.release(fresh.gpu_uuid or "", fresh.id)
             self._lost.set()
             return False
         for d in plan.decisions:
@@ -843,7 +867,7 @@ class Balancer:
             evict=order.evicts)
 
     def _writes(self, lead: Leadership, plan: TickPlan, records: Mapping[str, InstanceRecord],
-                starts: list[Order]) -> Ops:
+                starts: list[Order], moves: list[Order]) -> Ops:
         """What the tick writes under the lease, against what the last applied tick left (`_records`, `_routes`)."""
         ops = Ops()
         # (the plan hands back the same objects for what it did not change: those are passed over at once)
@@ -857,6 +881,13 @@ class Balancer:
             r = order.record
             ops.xadd(self.keys.commands(r.invoker), pack(InstanceCommand(
                 op=CommandOp.START.value, epoch=lead.epoch, instance=r.id, function=r.function, rev=r.rev,
+                gpu=r.gpu, gpu_uuid=r.gpu_uuid, cls=r.cls, request=r.request, limit=r.limit,
+                memory_mb=r.memory_mb, boot=r.boot, reason=order.reason, stages=r.stages)),
+                maxlen=COMMAND_STREAM_MAXLEN)
+        for order in moves:
+            r = order.record
+            ops.xadd(self.keys.commands(r.invoker), pack(InstanceCommand(
+                op=CommandOp.MOVE_STAGE.value, epoch=lead.epoch, instance=r.id, function=r.function, rev=r.rev,
                 gpu=r.gpu, gpu_uuid=r.gpu_uuid, cls=r.cls, request=r.request, limit=r.limit,
                 memory_mb=r.memory_mb, boot=r.boot, reason=order.reason, stages=r.stages)),
                 maxlen=COMMAND_STREAM_MAXLEN)

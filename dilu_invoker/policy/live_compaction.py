@@ -11,18 +11,24 @@ from dilu_invoker.policy.compaction import CompactionConfig
 from dilu_invoker.policy.horizontal import FunctionLoad, ScaleAction, ScaleDecision
 
 #: Compaction as the live balancer runs it by default: only GPUs with Σ request ≤ 0.5 and at most 3
-#: instances are emptied, 32 per run, and stages of split instances never move.
-LIVE_COMPACTION = CompactionConfig(source_max_request=0.5, max_sources=32, max_moves=2)
+#: instances are emptied, 32 per run, 2 moves a run. A pipeline stage of a split instance may move to another GPU
+#: of its invoker (the invoker hands it over while the pipeline serves, `CommandOp.MOVE_STAGE`), a split
+#: instance may be placed anew, and a move may split the llm instance it moves (`move_pieces`; the
+#: `--balancer-compaction-stages` switch).
+LIVE_COMPACTION = CompactionConfig(source_max_request=0.5, max_sources=32, max_moves=2, move_pieces=True)
 
 
 def live_compaction_config(*, max_moves: int = LIVE_COMPACTION.max_moves,
                            max_request: float = LIVE_COMPACTION.source_max_request,
-                           merges: int = LIVE_COMPACTION.merges) -> CompactionConfig:
+                           merges: int = LIVE_COMPACTION.merges,
+                           stages: bool = LIVE_COMPACTION.move_pieces) -> CompactionConfig:
     """`LIVE_COMPACTION` with the balancer's settings: `--balancer-compaction-max-moves` (moves a run),
-    `--balancer-compaction-max-request` (which GPUs it may empty) and `--balancer-compaction-merges` (moves a
-    run may spend merging SM room). The balancer, the serving simulator and `simulate placement --as-live`
-    all build it here."""
-    return replace(LIVE_COMPACTION, max_moves=max_moves, source_max_request=max_request, merges=merges)
+    `--balancer-compaction-max-request` (which GPUs it may empty), `--balancer-compaction-merges` (moves a
+    run may spend merging SM room) and `--balancer-compaction-stages` (split instances: stage moves, placing one
+    anew, splitting on a move). The balancer, the serving simulator and `simulate placement --as-live` all build
+    it here."""
+    return replace(LIVE_COMPACTION, max_moves=max_moves, source_max_request=max_request, merges=merges,
+                   move_pieces=stages)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,7 +36,9 @@ class LiveCompaction:
     """Compaction on the live cluster: the same `compaction_plan` the simulator runs."""
 
     config: CompactionConfig = LIVE_COMPACTION
-    """`max_moves` bounds the replacements one run starts (each is a cold start)."""
+    """`max_moves` bounds the replacements one run starts (each is a cold start). With `move_pieces`, a move may
+    also split the llm instance it moves over up to `PlacementConfig.llm_max_parts` GPUs, as placement would;
+    without, compaction never touches a split instance and never splits."""
     period_s: float = 30.0
     """At most one run this often, and none while a move it started is still in flight."""
 

@@ -23,6 +23,8 @@ from dilu_invoker.policy import (
     ClusterSnapshot,
     CompactionConfig,
     CompactionState,
+    GpuRef,
+    GpuState,
     InstanceClass,
     PlacementConfig,
     PlacementRequest,
@@ -103,7 +105,11 @@ class PlacementSimConfig:
     None: never (the default)."""
     compaction_splits: bool = True
     """Whether a compaction move may split the instance it moves (as placement would); the live balancer's
-    moves never split (its compaction places one-GPU instances only)."""
+    moves split exactly when its compaction moves stages (`--balancer-compaction-stages`)."""
+    whole_mib_stages: bool = False
+    """Each pipeline stage of a split instance holds whole MiB, as the live balancer's GPU budgets count it
+    (`planner.stages_of_parts`: each piece's memory rounded, the last taking what keeps the instance's sum);
+    False: the exact share placement computed (the simulator's own `dilu`)."""
     split_node_fit: bool = False
     """Where memory binds, dilu splits an LLM over the lit GPUs of the node left with the least free memory
     once it is placed (`PlacementConfig.split_node_fit`); False: the node where it needs the fewest pieces
@@ -136,15 +142,45 @@ class PlacementSimConfig:
 def live_placement_config(**changes: Any) -> PlacementSimConfig:
     """`dilu` as the live balancer runs it by default: LLMs are not split (`llm_split_parts` 1: the trace's LLM
     actions declare no ``gpu-stages``; N: they declare N, and the live balancer splits an LLM no lit GPU holds
-    over up to N GPUs of a node, `--balancer-max-stages` at least N), a compaction move never splits and never
-    moves a stage, and compaction is
+    over up to N GPUs of a node, `--balancer-max-stages` at least N), and compaction is
     `policy.live_compaction.LIVE_COMPACTION` at `LiveCompaction`'s period (`--balancer-compaction-period-s`,
-    30 s; at most `--balancer-compaction-max-moves` moves a run). Moves are instant here; the live planner
-    also waits for a move in flight (a replacement's cold start) before its next run. `changes`: other
-    fields of `PlacementSimConfig` (cluster shape, a compaction variant to try live)."""
+    30 s; at most `--balancer-compaction-max-moves` moves a run). A compaction move may split what it moves and
+    move a pipeline stage exactly when its compaction's `move_pieces` is on (`--balancer-compaction-stages`,
+    the default). Moves are instant here; the live planner also waits for a move in flight (a replacement's
+    cold start, a stage's hand-over) before its next run. `changes`: other fields of `PlacementSimConfig`
+    (cluster shape, a compaction variant to try live)."""
     live = LiveCompaction()
+    compaction = changes.get("compaction", live.config)
     return PlacementSimConfig(**{"policy": "dilu", "llm_split_parts": 1, "compact_every_s": live.period_s,
-                                 "compaction": live.config, "compaction_splits": False, **changes})
+                                 "compaction": live.config, "compaction_splits": compaction.move_pieces,
+                                 "whole_mib_stages": True, **changes})
+
+
+def whole_mib_stages(cluster: ClusterSnapshot, instance: str) -> ClusterSnapshot:
+    """`cluster` with the pieces of split instance `instance` holding whole MiB, as the live balancer's budgets
+    hold its stages (`PlacementSimConfig.whole_mib_stages`): each piece's memory rounded, in stage order, the
+    last taking the rest of the instance's sum. Each piece stays where it is in its GPU's instances."""
+    pieces: list[tuple[str, GpuRef]] = []
+    k = 0
+    while cluster.has_instance(part_id(instance, k)):
+        pid = part_id(instance, k)
+        pieces.append((pid, cluster.instance_gpus(pid)[0]))
+        k += 1
+    if not pieces:
+        return cluster
+    held = [cluster.instance(pid) for pid, _ in pieces]
+    total = sum(i.memory_mib for i in held)
+    mibs = [float(round(i.memory_mib)) for i in held[:-1]]
+    mibs.append(float(max(0, round(total) - sum(mibs))))
+    changes: dict[int, GpuState] = {}
+    for (pid, ref), inst, mib in zip(pieces, held, mibs, strict=True):
+        if inst.memory_mib == mib:
+            continue
+        o = cluster.ordinals[ref]
+        g = changes.get(o) or cluster.gpus[o]
+        changes[o] = replace(g, instances=tuple(replace(i, memory_mib=mib) if i.id == pid else i
+                                                for i in g.instances))
+    return cluster.with_states(cluster.now, changes) if changes else cluster
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +380,10 @@ def simulate_placement(
                 compaction_runs += 1
                 if plan.moves:
                     cluster = plan.cluster
+                    if config.whole_mib_stages:
+                        for mv in plan.moves:
+                            if mv.parts:
+                                cluster = whole_mib_stages(cluster, mv.instance_id)
                     compaction_moves += len(plan.moves)
                     compaction_cold_starts += plan.cold_starts
                     compaction_merges += plan.merged
@@ -373,6 +413,8 @@ def simulate_placement(
                            else ("reject", ev.t, ev.instance))
             if decision.placed:
                 cluster = apply_placement(cluster, req, decision)
+                if decision.split and config.whole_mib_stages:
+                    cluster = whole_mib_stages(cluster, ev.instance)
                 if decision.split:
                     placed_ids[ev.instance] = tuple(p.instance.id for p in decision.parts)
                     split_instances += 1

@@ -38,6 +38,8 @@ MERGING = replace(COMPACTION, merges=1)
 #: What an operator sets with --balancer-compaction-max-request 1.0 --balancer-compaction-merges 1 (more moves a run
 #: than the default 2, so that one trace exercises them).
 WIDE = live_compaction_config(max_moves=64, max_request=1.0, merges=1)
+#: --balancer-compaction-stages false: compaction never touches a split instance and never splits.
+NO_STAGE_MOVES = replace(COMPACTION, move_pieces=False)
 
 
 def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
@@ -55,20 +57,26 @@ def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 @pytest.mark.parametrize(("n", "train", "llm", "seed", "compaction", "stages"),
                          [(100, 0.0, 0.2, 4, COMPACTION, 1), (100, 0.0, 0.4, 9, COMPACTION, 1),
                           (160, 0.0, 0.0, 3, MERGING, 1), (160, 0.0, 0.2, 5, WIDE, 1),
-                          (160, 0.0, 0.4, 2, COMPACTION, 4), (120, 0.0, 0.4, 7, WIDE, 2)],
+                          (160, 0.0, 0.4, 1, COMPACTION, 4), (120, 0.0, 0.4, 7, WIDE, 2),
+                          (160, 0.0, 0.4, 7, WIDE, 4), (160, 0.0, 0.4, 2, NO_STAGE_MOVES, 4)],
                          ids=["llm-20%", "llm-40%", "inference-merging", "any-gpu-merging", "stages-4",
-                              "stages-2-merging"])
+                              "stages-2-merging", "stages-4-merging", "stages-4-no-stage-moves"])
 def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float, llm: float, seed: int,
                                                              compaction: CompactionConfig, stages: int) -> None:
     """`stages` > 1: the LLM actions declare gpu-stages N (`--balancer-max-stages` 4): both split an LLM no lit GPU
-    holds into pipeline stages, and neither moves a stage nor splits a move."""
+    holds into pipeline stages and, with stage moves (`move_pieces`, `--balancer-compaction-stages`), move a stage
+    to another GPU of its node, place a split instance anew and split an LLM they move. The simulator's stages
+    hold whole MiB, as the live budgets do (`whole_mib_stages`)."""
     events = dilu_mix(n, train_fraction=train, llm_fraction=llm, seed=seed)
     sim_log: list[tuple[Any, ...]] = []
     sim = simulate_placement(events, PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, llm_split_parts=stages,
                                                         compact_every_s=PERIOD_S, compaction=compaction,
-                                                        compaction_splits=False), log=sim_log)
+                                                        compaction_splits=compaction.move_pieces,
+                                                        whole_mib_stages=True), log=sim_log)
     assert (sim.details["compaction_merges"] > 0) is (compaction.merges > 0), "merging must be exercised"
     assert (sim.details["split_instances"] > 0) is (stages > 1), "splitting must be exercised"
+    piece_moves = sum(1 for e in sim_log if e[0] == "move" and "#p" in e[2])
+    assert (piece_moves > 0) is (stages > 1 and compaction.move_pieces), "stage moves must be exercised"
     nodes = cluster_size(events, 4) // 4
     cfg = PlannerConfig(
         horizontal=HorizontalConfig(window=4, scale_out_samples=2, scale_in_samples=2, sample_period_s=0.1,
