@@ -1,0 +1,177 @@
+"""Stage moves in the live balancer: compaction empties a GPU that holds only one pipeline stage of a split instance
+by moving that stage to another lit GPU of its invoker while the pipeline serves. The balancer reserves the new
+stage under a new id beside the old one, names it in the record (the old one in `moving`) and sends the invoker a
+``move-stage`` command; the invoker's report that the move is done (or failed) settles the record. Real Redis; the
+invoker's reports and releases are written as an invoker writes them (tests/invoker/test_stage_moves.py runs the
+invoker's side)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
+from dilu_invoker.loadbalancer.service import Balancer
+from dilu_invoker.wire import (
+    CommandOp,
+    Decision,
+    InstanceCommand,
+    InstanceRecord,
+    InstanceReport,
+    decode,
+    from_stream,
+    stage_parent,
+)
+from tests.loadbalancer.test_split_instances import (
+    FN,
+    KEYS,
+    PREFIX,
+    REV,
+    TTL,
+    _function,
+    _invoker,
+    _leader,
+    _lit,
+    _reservations,
+    _starts,
+    _uuid,
+)
+
+
+def _ready(cmd: InstanceCommand, **kw: object) -> InstanceReport:
+    return InstanceReport(id=cmd.instance, function=FN, rev=REV, state="ready", cls="llm", gpu=cmd.gpu,
+                          request=cmd.request, limit=cmd.limit, memory_mb=cmd.memory_mb, **kw)  # type: ignore[arg-type]
+
+
+async def _decisions(redis: aioredis.Redis) -> list[Decision]:
+    return [from_stream(Decision, f) for _, f in await redis.xrange(KEYS.decisions)]
+
+
+async def _record(redis: aioredis.Redis, instance: str) -> InstanceRecord:
+    rec = decode(InstanceRecord, await redis.hget(KEYS.instances, instance))
+    assert rec is not None
+    return rec
+
+
+async def _stage_on_its_own(redis: aioredis.Redis, **balancer: object) -> tuple[Balancer, object, InstanceCommand]:
+    """An llm placed as two stages over GPUs 0 and 1 (each half full of another function), ready; then GPU 0's
+    other instance goes, leaving stage 0 alone there, and GPU 2 is lit by a small instance with room for it."""
+    await _invoker(redis, "invoker0")
+    await _lit(redis)
+    await _function(redis)
+    b, lead = await _leader(redis, compaction_period_s=0.01, **balancer)
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    [cmd] = await _starts(redis)
+    assert [s.gpu for s in cmd.stages] == [0, 1]
+    await _invoker(redis, "invoker0", instances=(_ready(cmd),))
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    assert b._records[cmd.instance].state == "ready"
+    budgets = GpuBudgets(redis, PREFIX)
+    await budgets.release(_uuid("invoker0", 0), "other-0")
+    assert (await budgets.reserve(_uuid("invoker0", 2), Reservation(
+        instance="other-2", function="guest/other", cls="inference", invoker="invoker0", request=0.1, limit=0.2,
+        memory_mb=2000), ttl_s=TTL)).ok
+    await asyncio.sleep(0.02)  # the compaction period
+    return b, lead, cmd
+
+
+async def test_a_stage_alone_on_its_gpu_moves_make_before_break(redis: aioredis.Redis) -> None:
+    b, lead, cmd = await _stage_on_its_own(redis)
+    old0, old1 = cmd.stages
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    [move] = await _starts(redis, op=CommandOp.MOVE_STAGE.value)
+    new0 = move.stages[0]
+    # The command: the instance's whole stage list, a new stage 0 on GPU 2 with the old one's share, stage 1 as is.
+    assert move.instance == cmd.instance and move.stages[1] == old1
+    assert new0.id != old0.id and stage_parent(new0.id) == cmd.instance and new0.gpu == 2
+    assert new0.gpu_uuid == _uuid("invoker0", 2)
+    assert (new0.request, new0.limit, new0.memory_mb) == (old0.request, old0.limit, old0.memory_mb)
+    # Both stage 0s are held while the old one serves: the new one reserved on GPU 2 under its own id.
+    held = await _reservations(redis)
+    assert {k for k in held} == {f"0:{old0.id}", f"1:{old1.id}", f"2:{new0.id}"}
+    assert (held[f"2:{new0.id}"].request, held[f"2:{new0.id}"].memory_mb) == (old0.request, old0.memory_mb)
+    rec = await _record(redis, cmd.instance)
+    assert rec.stages == move.stages and rec.moving == (old0,) and rec.gpu == 2
+    assert rec.state == "ready"  # it serves on throughout
+    kinds = [d.kind for d in await _decisions(redis)]
+    assert "stage-move" in kinds
+    # No second run while the move is in flight, and no other command.
+    await asyncio.sleep(0.02)
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    assert len(await _starts(redis, op=CommandOp.MOVE_STAGE.value)) == 1
+    assert len(await _starts(redis)) == 1 and await _starts(redis, op="stop") == []
+    # The invoker reports it done once the old stage is stopped and released: the record settles.
+    await GpuBudgets(redis, PREFIX).release(_uuid("invoker0", 0), old0.id)
+    await _invoker(redis, "invoker0", instances=(_ready(move, moved=new0.id),))
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    rec = await _record(redis, cmd.instance)
+    assert rec.moving == () and rec.stages == move.stages and rec.gpu_reservations() == (
+        (new0.gpu_uuid, new0.id), (old1.gpu_uuid, old1.id))
+    assert [d.kind for d in await _decisions(redis)].count("stage-move-done") == 1
+    assert b.metrics.totals["started"] == 1 and b.metrics.totals["done"] == 1
+    # GPU 0 is dark now.
+    assert {k for k in await _reservations(redis)} == {f"1:{old1.id}", f"2:{new0.id}"}
+
+
+async def test_a_failed_stage_move_leaves_the_old_stage_serving(redis: aioredis.Redis) -> None:
+    b, lead, cmd = await _stage_on_its_own(redis)
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    [move] = await _starts(redis, op=CommandOp.MOVE_STAGE.value)
+    new0 = move.stages[0]
+    await GpuBudgets(redis, PREFIX).release(_uuid("invoker0", 2), new0.id)  # as the invoker does
+    await _invoker(redis, "invoker0", instances=(_ready(cmd, move_failed=f"{new0.id}: stage 0 of 2: start failed"),))
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    rec = await _record(redis, cmd.instance)
+    assert rec.stages == cmd.stages and rec.moving == () and rec.state == "ready"
+    [failed] = [d for d in await _decisions(redis) if d.kind == "stage-move-failed"]
+    assert "start failed" in failed.reason and failed.instance == new0.id
+    assert b.metrics.totals["abandoned"] == 1
+    assert await _starts(redis, op="stop") == []
+
+
+async def test_a_stage_move_its_budget_refuses_is_not_made(redis: aioredis.Redis) -> None:
+    """Another admission takes GPU 2 after the balancer read the budgets: no command, the record as it was."""
+    b, lead, cmd = await _stage_on_its_own(redis)
+    budgets = GpuBudgets(redis, PREFIX)
+    reserve = b.budgets.reserve
+    rival = Reservation(instance="rival", function="guest/rival", cls="inference", invoker="invoker0",
+                        request=0.1, limit=0.2, memory_mb=13000)
+
+    async def rival_first(uuid: str, reservation: Reservation, **kw: object):  # type: ignore[no-untyped-def]
+        if "#p0." in reservation.instance:
+            assert (await budgets.reserve(uuid, rival, ttl_s=TTL)).ok
+        return await reserve(uuid, reservation, **kw)  # type: ignore[arg-type]
+
+    b.budgets.reserve = rival_first  # type: ignore[method-assign]
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    assert await _starts(redis, op=CommandOp.MOVE_STAGE.value) == []
+    rec = await _record(redis, cmd.instance)
+    assert rec.stages == cmd.stages and rec.moving == ()
+    assert {r.instance for r in (await _reservations(redis)).values()} == {*(s.id for s in cmd.stages), "rival"}
+
+
+async def test_a_stage_move_that_never_ends_gives_the_instance_up(redis: aioredis.Redis) -> None:
+    """The invoker never reports the move (its command lost, say): after the start timeout the instance is stopped,
+    every stage it held released (old and new), and a replacement owed."""
+    b, lead, cmd = await _stage_on_its_own(redis, start_timeout_s=0.3)
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    [move] = await _starts(redis, op=CommandOp.MOVE_STAGE.value)
+    await asyncio.sleep(0.4)
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    [stop] = await _starts(redis, op="stop")
+    assert stop.instance == cmd.instance
+    held = {r.instance for r in (await _reservations(redis)).values()}
+    assert not held & {*(s.id for s in cmd.stages), move.stages[0].id}
+    assert any(d.kind == "lost" and "not done after" in d.reason for d in await _decisions(redis))
+
+
+async def test_with_stage_moves_switched_off_no_stage_moves(redis: aioredis.Redis) -> None:
+    b, lead, cmd = await _stage_on_its_own(redis, compaction_stages=False)
+    for _ in range(3):
+        assert await b.tick(lead)  # type: ignore[arg-type]
+        await asyncio.sleep(0.02)
+    assert await _starts(redis, op=CommandOp.MOVE_STAGE.value) == []
+    assert len(await _starts(redis)) == 1
+    assert (await _record(redis, cmd.instance)).stages == cmd.stages
+    assert not any(d.kind.startswith("stage-move") for d in await _decisions(redis))
