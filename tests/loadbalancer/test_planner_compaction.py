@@ -129,7 +129,7 @@ def test_a_failed_replacement_is_abandoned_and_owes_nothing() -> None:
 
 def test_live_defaults() -> None:
     assert (LIVE_COMPACTION.source_max_request, LIVE_COMPACTION.max_sources, LIVE_COMPACTION.max_moves,
-            LIVE_COMPACTION.move_pieces) == (0.5, 32, 2, False)
+            LIVE_COMPACTION.move_pieces) == (0.5, 32, 2, True)
     with pytest.raises(ValueError, match="period_s"):
         LiveCompaction(period_s=0)
     assert tick({"invoker0": report("invoker0")}).compaction == CompactionLoop()

@@ -33,7 +33,12 @@ def test_the_live_profile_is_what_the_balancer_runs_by_default() -> None:
     assert sim.placement_config().llm_max_parts == 1
     assert live_placement_config(llm_split_parts=4).placement_config().llm_max_parts == live.placement.llm_max_parts
     assert live.placement.llm_max_parts == Config().balancer.max_stages == 4
-    assert not sim.compaction_splits and not sim.compaction.move_pieces
+    # Stage moves and splitting moves are on (--balancer-compaction-stages); stages hold whole MiB, as budgets do.
+    assert sim.compaction_splits and sim.compaction.move_pieces and sim.whole_mib_stages
+    assert Config().balancer.compaction_stages
+    off = planner_config(Config(balancer=BalancerConfig(compaction_stages=False)))
+    assert off.compaction is not None and not off.compaction.config.move_pieces
+    assert not live_placement_config(compaction=off.compaction.config).compaction_splits
     assert sim.compaction == live.compaction.config and sim.compact_every_s == live.compaction.period_s
     assert sim.placement_config().gamma == live.placement.gamma and sim.policy == live.placement.strategy
 
