@@ -21,6 +21,12 @@ start fails or any stage's container goes away without a stop (the other stages 
 reservation released); a run goes through the stages in turn (`Invoker.run_on_stages`). docs/invoker.md,
 "Split instances (pipeline stages)".
 
+A *stage move* (a MOVE_STAGE: one stage of a ready split instance to another GPU of this invoker) is make-before-
+break while the pipeline serves: the new stage starts beside the old one (a failing new stage fails the move,
+never the instance), the instance switches over to it (runs that start from then on go through it), the old
+stage drains the runs that started on it and is stopped, and its reservation released. docs/invoker.md, "Stage
+moves".
+
 Commands arrive on ``{prefix}inv:{name}:cmd`` (consumer group ``invoker``). A command of an older epoch
 than one already obeyed is refused (a deposed leader); one meant for an earlier boot of this invoker is
 ignored. Each instance queues its activations for its ``concurrency`` slots and counts arrivals,
@@ -31,8 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,9 +60,11 @@ from dilu_invoker.wire import (
     InstanceCommand,
     InstanceReport,
     InstanceState,
+    StageRecord,
     WireError,
     from_stream,
     gpu_reservations,
+    stage_parent,
     stage_span,
     text,
 )
@@ -68,6 +78,9 @@ MAX_DELAY_SAMPLES = 4096
 #: how often a split instance's stage processes are checked: one that exited fails the pipeline then, not at
 #: its next run (a stage idle behind a busy one may not run for a while)
 STAGE_WATCH_S = 0.5
+#: how long a stopped container's removal (its processes, its GPU share) is waited for before its reservation is
+#: released all the same (a stage move's old or failed new stage)
+REMOVAL_WAIT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -110,6 +123,31 @@ class Failure:
     at: float
 
 
+class MovePhase(enum.Enum):
+    #: the new stage starts beside the old one, which serves on
+    STARTING = "starting"
+    #: the new stage serves; the old one finishes the runs that started on it, then goes
+    DRAINING = "draining"
+
+
+@dataclass(slots=True, eq=False)
+class StageMove:
+    """A stage move in flight (`CommandOp.MOVE_STAGE`): stage `index` of a split instance goes from `old` to
+    `new`, on another GPU of this invoker; `stages` is the instance's stage list once it is done."""
+
+    index: int
+    old: StageRecord
+    new: StageRecord
+    stages: tuple[StageRecord, ...]
+    phase: MovePhase = MovePhase.STARTING
+
+    @property
+    def beside(self) -> StageRecord:
+        """The stage the instance holds beside its stages (`LocalInstance.parts`): the new one while it starts,
+        the old one while it drains."""
+        return self.new if self.phase is MovePhase.STARTING else self.old
+
+
 @dataclass(slots=True, eq=False)
 class LocalInstance:
     cmd: InstanceCommand
@@ -124,6 +162,15 @@ class LocalInstance:
     stats: PeriodStats = field(default_factory=PeriodStats)
     stop_reason: str | None = None
     failure: Failure | None = None
+    #: a split instance's stage move in flight
+    move: StageMove | None = None
+    #: the id of the stage its last stage move put in place, once done; ``"{new id}: {why}"`` of the last one
+    #: that failed (the report's ``moved`` and ``move_failed``)
+    moved: str = ""
+    move_failed: str = ""
+    #: a split instance's runs, started or waiting, by each part they go through: a stage a move replaced is
+    #: drained when none of those that started before the switch is left on it
+    using: Counter[str] = field(default_factory=Counter)
 
     @property
     def id(self) -> str:
@@ -137,6 +184,11 @@ class LocalInstance:
     def parts(self) -> tuple[str, ...]:
         """The ids its containers run under: each stage's of a split instance, else its own."""
         return tuple(s.id for s in self.cmd.stages) or (self.id,)
+
+    @property
+    def held_parts(self) -> tuple[str, ...]:
+        """`parts`, and the stage a move in flight holds beside them: what a stop or a failure stops."""
+        return self.parts + (self.move.beside.id,) if self.move is not None else self.parts
 
     @property
     def container(self) -> str | None:
@@ -237,6 +289,12 @@ class InstanceManager:
             if inst.started:  # else the start stops it when it is over
                 self._spawn(self._stop(inst))
             return "stop"
+        if cmd.op == CommandOp.MOVE_STAGE:
+            if inst is None:  # nothing here to report its failure on, nor to say the new stage's id is its own
+                log.warning("stage move of an unknown instance refused", instance=cmd.instance,
+                            stages=[(s.id, s.gpu) for s in cmd.stages])
+                return "unknown"
+            return self._move_stage(inst, cmd)
         other = self.other_ops.get(cmd.op)
         if other is not None:
             return other(cmd)
@@ -265,17 +323,23 @@ class InstanceManager:
         gpus = [s.gpu for s in stages]
         if len(set(gpus)) < len(gpus):
             return f"invalid split instance: each stage needs a GPU of its own, got GPUs {gpus}"
-        devices = {d.index: d.uuid for d in getattr(self.invoker.gpu, "devices", ())}
         for k, s in enumerate(stages):
-            if s.gpu not in devices:
-                return (f"invalid split instance: stage {k} is placed on GPU {s.gpu}, which this invoker does not "
-                        f"have (its GPUs: {sorted(devices)})")
-            if s.gpu_uuid and s.gpu_uuid != devices[s.gpu]:
-                return (f"invalid split instance: stage {k} is placed on {s.gpu_uuid}, but GPU {s.gpu} of this "
-                        f"invoker is {devices[s.gpu]}")
-            if not (0.0 < s.request <= s.limit <= 1.0) or s.memory_mb <= 0:
-                return (f"invalid split instance: stage {k} asks for request {s.request}, limit {s.limit}, "
-                        f"memory {s.memory_mb} MB (0 < request <= limit <= 1, memory > 0)")
+            problem = self._placement_problem(k, s)
+            if problem is not None:
+                return f"invalid split instance: {problem}"
+        return None
+
+    def _placement_problem(self, k: int, s: StageRecord) -> str | None:
+        """What makes stage `k` impossible here on its own (None: nothing): a GPU of this invoker, that GPU's
+        uuid, a valid share."""
+        devices = {d.index: d.uuid for d in getattr(self.invoker.gpu, "devices", ())}
+        if s.gpu not in devices:
+            return f"stage {k} is placed on GPU {s.gpu}, which this invoker does not have (its GPUs: {sorted(devices)})"
+        if s.gpu_uuid and s.gpu_uuid != devices[s.gpu]:
+            return f"stage {k} is placed on {s.gpu_uuid}, but GPU {s.gpu} of this invoker is {devices[s.gpu]}"
+        if not (0.0 < s.request <= s.limit <= 1.0) or s.memory_mb <= 0:
+            return (f"stage {k} asks for request {s.request}, limit {s.limit}, memory {s.memory_mb} MB "
+                    f"(0 < request <= limit <= 1, memory > 0)")
         return None
 
     async def _start(self, inst: LocalInstance, problem: str | None = None) -> None:
@@ -319,7 +383,9 @@ class InstanceManager:
         self._started_part(inst, stage.id, container, failure, f"stage {k} of {len(stages)}: ")
 
     async def _watch_stages(self, inst: LocalInstance) -> None:
-        """Remove a stage whose process exited (the removal fails the instance, `_on_transition`)."""
+        """Remove a stage whose process exited (the removal fails the instance, `_on_transition`). It watches the
+        instance's current stages (`proxies`): after a stage move's switch the new one, not the old one that
+        drains (whose exit fails nothing)."""
         while self.instances.get(inst.id) is inst and inst.failure is None and inst.stop_reason is None:
             for proxy in list(inst.proxies.values()):
                 container = proxy.container
@@ -351,14 +417,24 @@ class InstanceManager:
             self.on_change()
 
     def _stop_parts(self, inst: LocalInstance, reason: str) -> None:
-        """Remove each of its containers: those it has, and those of stages still starting (none when its
-        stage ids were refused: they may be another instance's)."""
-        if not self._owns_stages(inst):
-            return
-        parts = set(inst.parts)
+        """Remove each of its containers: those it has, those of stages still starting, and the stage a move in
+        flight holds beside them (none when its stage ids were refused: they may be another instance's)."""
+        if self._owns_stages(inst):
+            self._stop_containers(set(inst.held_parts), reason)
+
+    def _stop_containers(self, parts: Collection[str], reason: str) -> None:
+        """Remove every container that runs under one of these ids (started or still starting)."""
         for proxy in list(self.invoker.pool.containers.values()):
             if proxy.placement.instance in parts:
                 self.invoker.stop_instance(proxy.name, reason)
+
+    async def _gone(self, parts: Collection[str], timeout_s: float = REMOVAL_WAIT_S) -> None:
+        """Until no container of these ids is left (its processes and GPU share gone with it), at most
+        `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (any(p.placement.instance in parts for p in self.invoker.pool.containers.values())
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
 
     def _on_transition(self, t: Transition) -> None:
         if t.new is not State.REMOVING or self._closing:
@@ -372,9 +448,13 @@ class InstanceManager:
             named = f"stage {inst.parts.index(part)} of {len(inst.parts)}: " if inst.cmd.stages else ""
             self._fail(inst, f"{named}container removed: {t.reason}")
 
+    @staticmethod
+    def _drain_s(inst: LocalInstance) -> float:
+        """How long its runs in flight are waited for: the action's time limit and a margin."""
+        return (inst.action.limits.timeout_ms / 1000 if inst.action else 60.0) + 5.0
+
     async def _stop(self, inst: LocalInstance) -> None:
-        timeout_s = (inst.action.limits.timeout_ms / 1000 if inst.action else 60.0) + 5.0
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self._drain_s(inst)
         while (inst.in_flight or inst.waiting) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if inst.cmd.stages:
@@ -389,15 +469,20 @@ class InstanceManager:
     def _forget(self, inst: LocalInstance) -> None:
         if self.instances.get(inst.id) is inst:
             del self.instances[inst.id]
-            for s in inst.cmd.stages:
+            moving = (inst.move.old, inst.move.new) if inst.move is not None else ()
+            for s in (*inst.cmd.stages, *moving):
                 if self._stage_owner.get(s.id) == inst.id:
                     del self._stage_owner[s.id]
 
     def _held(self, inst: LocalInstance) -> tuple[tuple[str, str], ...]:
-        """(GPU uuid, reservation id) of what it holds; none for a split instance whose stage ids were
-        refused (they may be another instance's)."""
+        """(GPU uuid, reservation id) of what it holds, the stage a move in flight holds beside its stages
+        included; none for a split instance whose stage ids were refused (they may be another instance's)."""
+        if not self._owns_stages(inst):
+            return ()
         cmd = inst.cmd
-        return gpu_reservations(cmd.instance, cmd.gpu_uuid, cmd.stages) if self._owns_stages(inst) else ()
+        held = gpu_reservations(cmd.instance, cmd.gpu_uuid, cmd.stages)
+        beside = inst.move.beside if inst.move is not None else None
+        return held + ((beside.gpu_uuid, beside.id),) if beside is not None and beside.gpu_uuid else held
 
     def _owns_stages(self, inst: LocalInstance) -> bool:
         """Its stage ids are its own (true of any instance but a split one whose stage ids were refused)."""
@@ -409,6 +494,151 @@ class InstanceManager:
         for uuid, reservation in held:
             with contextlib.suppress(RedisError):
                 await self.budgets.release(uuid, reservation)
+
+    # -- stage moves -----------------------------------------------------------------------------
+
+    def _move_stage(self, inst: LocalInstance, cmd: InstanceCommand) -> str:
+        """Start a stage move of the instance (`_move` carries it out), or refuse it: the move fails at once and
+        nothing of the instance is touched."""
+        stages, current = cmd.stages, inst.cmd.stages
+        if stages and (stages == current or (inst.move is not None and stages == inst.move.stages)):
+            return "duplicate"  # the move in flight or done, sent again: nothing to do, and no failure to report
+        changed = [k for k, (s, c) in enumerate(zip(stages, current, strict=False)) if s != c]
+        k = changed[0] if len(stages) == len(current) and len(changed) == 1 else None
+        problem = self._move_problem(inst, stages, changed, k)
+        if problem is not None:
+            new = stages[k] if k is not None else None
+            named = new.id if new is not None else ",".join(s.id for s in stages if s.id not in inst.parts)
+            log.warning("stage move refused", instance=inst.id, new=named, reason=problem)
+            if new is not None and new.gpu_uuid and self._new_stage_id(inst, new.id):
+                # what the balancer reserved for it (an id that is not new may be another stage's: left alone)
+                self._spawn(self._release(((new.gpu_uuid, new.id),)))
+            if named not in inst.held_parts:  # (a report of a stage that serves or moves would say it failed)
+                inst.move_failed = f"{named}: {problem}"
+                self.on_change()
+            return "refused"
+        assert k is not None
+        move = inst.move = StageMove(k, current[k], stages[k], stages)
+        self._stage_owner[move.new.id] = inst.id
+        log.info("stage move starting", instance=inst.id, stage=k, old=move.old.id, old_gpu=move.old.gpu,
+                 new=move.new.id, gpu=move.new.gpu, reason=cmd.reason)
+        self._spawn(self._move(inst, move))
+        return "move-stage"
+
+    def _move_problem(self, inst: LocalInstance, stages: tuple[StageRecord, ...], changed: list[int],
+                      k: int | None) -> str | None:
+        """Why a stage move of the instance to `stages` cannot be done (None: it can)."""
+        current = inst.cmd.stages
+        if not current:
+            return f"invalid stage move: {inst.id} is not a split instance"
+        if inst.state is not InstanceState.READY:
+            return f"stage move refused: the instance is {inst.state.value}, not ready"
+        if inst.move is not None:
+            return f"stage move refused: a stage move of the instance is in flight (to {inst.move.new.id})"
+        if len(stages) != len(current):
+            return f"invalid stage move: {len(stages)} stages, the instance has {len(current)}"
+        if k is None:
+            return f"invalid stage move: exactly one stage must change, got stages {changed}"
+        new = stages[k]
+        if not self._new_stage_id(inst, new.id):
+            return f"invalid stage move: stage id {new.id!r} is not a new stage id of {inst.id}"
+        held = {s.gpu: j for j, s in enumerate(current)}  # the new list's other stages are these
+        if new.gpu in held:
+            return f"invalid stage move: stage {k} is moved to GPU {new.gpu}, which holds stage {held[new.gpu]}"
+        problem = self._placement_problem(k, new)
+        return f"invalid stage move: {problem}" if problem is not None else None
+
+    def _new_stage_id(self, inst: LocalInstance, sid: str) -> bool:
+        """A stage id of the instance that nothing here runs under or holds."""
+        return (stage_parent(sid) == inst.id and sid not in self.instances and sid not in self._stage_owner
+                and sid not in inst.parts)
+
+    def _serving(self, inst: LocalInstance) -> bool:
+        return self.instances.get(inst.id) is inst and inst.failure is None and inst.stop_reason is None
+
+    async def _move(self, inst: LocalInstance, move: StageMove) -> None:
+        """Make before break: start the new stage beside the old one, switch the instance over to it, drain the
+        old one, stop it and release what it holds. The instance serves throughout; a new stage that fails to
+        start, or whose container goes before the switch, fails the move only."""
+        new, k, n = move.new, move.index, len(move.stages)
+        try:
+            assert inst.action is not None  # a ready instance has its action
+            start = StageStart(index=k, count=n, span=stage_span(move.stages, k), request=new.request,
+                               limit=new.limit, memory_mb=new.memory_mb)
+            container, failure = await self.invoker.start_instance(new.id, inst.action, gpu_index=new.gpu,
+                                                                   stage=start)
+            proxy = self.invoker.pool.containers.get(container) if container is not None else None
+            if not self._serving(inst):
+                why = "the instance " + ("failed" if inst.failure is not None else "was stopped")
+            elif failure is not None:
+                why = f"start failed: {failure.result}"
+            elif proxy is None or proxy.state in (State.REMOVING, State.REMOVED):
+                why = "start failed: its container is gone"
+            else:
+                why = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the move fails, the instance serves on
+            log.exception("stage move failed", instance=inst.id, new=new.id)
+            why = f"start failed: {exc!r}"
+        if why is not None:
+            await self._move_failed(inst, move, why)
+            return
+        assert proxy is not None
+        self._switch(inst, move, proxy)
+        await self._drain_moved(inst, move)
+
+    async def _move_failed(self, inst: LocalInstance, move: StageMove, why: str) -> None:
+        """The new stage goes (its container, its reservation); the old one serves on."""
+        new = move.new
+        log.warning("stage move failed", instance=inst.id, stage=move.index, new=new.id, gpu=new.gpu, reason=why)
+        self._stop_containers((new.id,), f"stage move failed: {why}")
+        await self._gone((new.id,))
+        if new.gpu_uuid:
+            await self._release(((new.gpu_uuid, new.id),))
+        if inst.move is move:
+            inst.move = None
+        if self._stage_owner.get(new.id) == inst.id:
+            del self._stage_owner[new.id]
+        inst.move_failed = f"{new.id}: {why}"
+        self.on_change()
+
+    def _switch(self, inst: LocalInstance, move: StageMove, proxy: ContainerProxy) -> None:
+        """Every run that starts from now on goes through the new stage; those that started before keep the
+        stages they started with (`run`)."""
+        stages = move.stages
+        inst.cmd = replace(inst.cmd, stages=stages, gpu=stages[0].gpu, gpu_uuid=stages[0].gpu_uuid)
+        inst.proxies.pop(move.old.id, None)  # its removal from now on fails nothing (`_on_transition`)
+        inst.proxies[move.new.id] = proxy
+        move.phase = MovePhase.DRAINING
+        log.info("stage move switched", instance=inst.id, stage=move.index, new=move.new.id, container=proxy.name,
+                 draining=inst.using[move.old.id])
+
+    async def _drain_moved(self, inst: LocalInstance, move: StageMove) -> None:
+        """The old stage finishes the runs that started on it (at most the action's time limit and a margin),
+        then goes; the move is done. A stop or failure of the instance meanwhile takes it with the rest."""
+        old, new = move.old, move.new
+        deadline = time.monotonic() + self._drain_s(inst)
+        while inst.using[old.id] and time.monotonic() < deadline and self._serving(inst):
+            await asyncio.sleep(0.05)
+        if not self._serving(inst):
+            return
+        if inst.using[old.id]:
+            log.warning("stage move: runs still on the old stage are cut short", instance=inst.id, stage=old.id,
+                        runs=inst.using[old.id])
+        self._stop_containers((old.id,), f"stage {move.index} moved to GPU {new.gpu} ({new.id})")
+        await self._gone((old.id,))
+        if old.gpu_uuid:
+            await self._release(((old.gpu_uuid, old.id),))
+        if inst.move is move:
+            inst.move = None
+        if self._stage_owner.get(old.id) == inst.id:
+            del self._stage_owner[old.id]
+        if not inst.using[old.id]:
+            del inst.using[old.id]
+        inst.moved = new.id
+        log.info("stage move done", instance=inst.id, stage=move.index, old=old.id, new=new.id, gpu=new.gpu)
+        self.on_change()
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -430,9 +660,13 @@ class InstanceManager:
                 inst.waiting -= 1
                 inst.in_flight += 1
 
+        # A split instance's run goes through the stages it starts with, to its end: a stage move drains the
+        # stage it replaces by these counts.
+        parts = inst.parts if inst.cmd.stages else ()
+        inst.using.update(parts)
         try:
-            if inst.cmd.stages:
-                activation = await self.invoker.run_on_stages(inst.parts, replace(req, action=inst.action),
+            if parts:
+                activation = await self.invoker.run_on_stages(parts, replace(req, action=inst.action),
                                                               on_lease=got_slot)
             else:
                 activation = await self.invoker.run_on_instance(instance_id, replace(req, action=inst.action),
@@ -444,6 +678,7 @@ class InstanceManager:
                 inst.waiting -= 1
             else:
                 inst.in_flight -= 1
+            inst.using.subtract(parts)
         if activation is not None and started is not None:
             inst.stats.completed((time.monotonic() - started) * 1000)
         return activation
@@ -480,7 +715,8 @@ class InstanceManager:
                 memory_mb=cmd.memory_mb, slots=inst.slots, share=share, saturated=saturated, throttled_s=throttled,
                 waiting=inst.waiting, in_flight=inst.in_flight, arrival_rate=arrivals, completion_rate=completions,
                 latency_ms=latency, queue_delay_ms=delay,
-                error=inst.failure.reason if inst.failure is not None else ""))
+                error=inst.failure.reason if inst.failure is not None else "", moved=inst.moved,
+                move_failed=inst.move_failed))
         return out
 
     async def renew_reservations(self) -> None:
