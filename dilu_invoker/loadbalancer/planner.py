@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from dilu_invoker.model import LimitBounds
 from dilu_invoker.policy import (
     Affinity,
     ClusterSnapshot,
@@ -70,6 +71,11 @@ from dilu_invoker.wire import (
     stage_id,
     stage_parent,
 )
+
+#: Beyond a start, the longest a stage move may take on its invoker: the old stage drains the runs that started on it
+#: for up to the action's time limit (at most OpenWhisk's 300 s) and 5 s, and its removal is waited for up to
+#: `instances.REMOVAL_WAIT_S` (30 s). A move not done after `start_timeout_s` and this gives its instance up.
+STAGE_MOVE_DRAIN_S = LimitBounds().timeout_ms[1] / 1000 + 5.0 + 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -617,7 +623,7 @@ def _stage_move_outcome(r: InstanceRecord, new: InstanceRecord, inst: InstanceRe
         work.decisions.append(Decision(now, epoch, "stage-move-failed", r.function, reason, fresh.id, r.invoker,
                                        fresh.gpu))
         return new.stage_move_undone()
-    if now - r.moving_since > cfg.start_timeout_s:
+    if now - r.moving_since > cfg.start_timeout_s + STAGE_MOVE_DRAIN_S:
         work.forget(r, f"{r.id}: stage move of {old.id} to gpu{fresh.gpu} not done after {now - r.moving_since:.0f} s",
                     owed=True, stop=True, now=now, epoch=epoch)
         return None

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
 from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
+from dilu_invoker.loadbalancer import planner
 from dilu_invoker.loadbalancer.service import Balancer
 from dilu_invoker.wire import (
     CommandOp,
@@ -151,10 +153,14 @@ async def test_a_stage_move_its_budget_refuses_is_not_made(redis: aioredis.Redis
     assert {r.instance for r in (await _reservations(redis)).values()} == {*(s.id for s in cmd.stages), "rival"}
 
 
-async def test_a_stage_move_that_never_ends_gives_the_instance_up(redis: aioredis.Redis) -> None:
-    """The invoker never reports the move (its command lost, say): after the start timeout the instance is stopped,
-    every stage it held released (old and new), and a replacement owed."""
-    b, lead, cmd = await _stage_on_its_own(redis, start_timeout_s=0.3)
+async def test_a_stage_move_that_never_ends_gives_the_instance_up(redis: aioredis.Redis,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The invoker never reports the move (its command lost, say): after the start timeout and the longest drain
+    (`STAGE_MOVE_DRAIN_S`, shortened here) the instance is stopped, every stage it held released (old and new), and
+    a replacement owed."""
+    assert planner.STAGE_MOVE_DRAIN_S == 335.0
+    monkeypatch.setattr(planner, "STAGE_MOVE_DRAIN_S", 0.1)
+    b, lead, cmd = await _stage_on_its_own(redis, start_timeout_s=0.2)
     assert await b.tick(lead)  # type: ignore[arg-type]
     [move] = await _starts(redis, op=CommandOp.MOVE_STAGE.value)
     await asyncio.sleep(0.4)
