@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compact-max-instances", type=_positive(int), default=None,
                    help="compaction empties only GPUs holding at most this many instances (default 3)")
     p.add_argument("--no-compact-pieces", action="store_true",
-                   help="compaction leaves GPUs holding pieces of split instances alone")
+                   help="compaction leaves GPUs holding pieces of split instances alone (and, with --as-live, never "
+                        "splits a move: --balancer-compaction-stages false)")
     p.add_argument("--compact-merges", type=_nonneg_int, default=None,
                    help="moves a compaction run may spend merging SM room no instance can use, while Σ request "
                         "binds (default: the simulator's, 1; 0: none)")
@@ -269,7 +270,7 @@ def _placement(args: argparse.Namespace) -> int:
     if args.as_live:
         given = [flag for flag, value in (
             ("--compact-max-sources", args.compact_max_sources),
-            ("--compact-max-instances", args.compact_max_instances), ("--no-compact-pieces", args.no_compact_pieces or None),
+            ("--compact-max-instances", args.compact_max_instances),
         ) if value is not None]
         if given:
             raise CliError(f"--as-live takes the live balancer's settings; not with {', '.join(given)}")
@@ -280,7 +281,9 @@ def _placement(args: argparse.Namespace) -> int:
             live: dict[str, Any] = {} if every is None else {"compact_every_s": every}
             if args.llm_split_parts is not None:
                 live["llm_split_parts"] = args.llm_split_parts
-            settings = {"max_request": args.compact_max_request, "merges": args.compact_merges}
+            # --no-compact-pieces: the balancer's --balancer-compaction-stages false
+            settings = {"max_request": args.compact_max_request, "merges": args.compact_merges,
+                        "stages": False if args.no_compact_pieces else None}
             live["compaction"] = live_compaction_config(**{k: v for k, v in settings.items() if v is not None})
             configs[policy] = live_placement_config(gpu_memory_gib=args.gpu_memory_gib, gpus=args.gpus,
                                                     gpus_per_node=args.gpus_per_node, gamma=args.gamma, **live)

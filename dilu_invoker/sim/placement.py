@@ -480,6 +480,8 @@ def simulate_placement(
         "compact_every_s": config.compact_every_s,
         # The compaction's settings (`CompactionConfig`), so that a run says what it simulated.
         "compaction": {f.name: getattr(config.compaction, f.name) for f in fields(config.compaction)},
+        "compaction_splits": config.compaction_splits,
+        "whole_mib_stages": config.whole_mib_stages,
         "compaction_runs": compaction_runs,
         "compaction_moves": compaction_moves,
         "compaction_cold_starts": compaction_cold_starts,

@@ -451,7 +451,7 @@ class _Sim:
         self.lit_by: dict[str, int] = {}
         # compaction (dilu by default, the baselines never; ServingSimConfig.live_compaction)
         self.compaction = config.live_compaction()
-        # Stages of split instances are not moved live: placement for compaction never splits.
+        # Its functions declare no gpu-stages (placement never splits here): nor does placement for compaction.
         self.compaction_pconf = replace(self.pconf, llm_max_parts=1)
         self.compaction_next = 0.0
         self.compaction_state: CompactionState | None = None

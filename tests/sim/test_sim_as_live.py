@@ -83,8 +83,7 @@ def test_as_live_takes_a_period(llm_events: Path, tmp_path: Path) -> None:
     assert details["compact_every_s"] == 10.0 and details["llm_split_parts"] == 1
 
 
-@pytest.mark.parametrize("flag", [["--compact-max-sources", "4"],
-                                  ["--compact-max-instances", "2"], ["--no-compact-pieces"]])
+@pytest.mark.parametrize("flag", [["--compact-max-sources", "4"], ["--compact-max-instances", "2"]])
 def test_as_live_refuses_the_flags_it_sets(llm_events: Path, tmp_path: Path, flag: list[str],
                                            capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["placement", "--events", str(llm_events), "--policy", "dilu", "--as-live", *flag,
@@ -106,6 +105,14 @@ def test_as_live_takes_the_balancers_compaction_settings(llm_events: Path, tmp_p
     assert details["compaction"] == asdict(live.compaction.config)
     assert details["compaction"]["source_max_request"] == 1.0 and details["compaction"]["merges"] == 1
     assert details["compaction"]["max_moves"] == 2 and details["llm_split_parts"] == 1
+    # --no-compact-pieces is --balancer-compaction-stages false.
+    out = tmp_path / "off"
+    assert main(["placement", "--events", str(llm_events), "--policy", "dilu", "--as-live", "--no-compact-pieces",
+                 "--out", str(out), "--quiet", "--no-plots"]) == 0
+    details = json.loads((out / "details.json").read_text())
+    off = planner_config(Config(balancer=BalancerConfig(compaction_stages=False)))
+    assert off.compaction is not None and details["compaction"] == asdict(off.compaction.config)
+    assert details["compaction"]["move_pieces"] is False and details["compaction_splits"] is False
 
 
 @pytest.mark.parametrize(("max_request", "merges"), [(0.5, 0), (1.0, 1)])
