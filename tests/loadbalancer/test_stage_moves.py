@@ -8,36 +8,27 @@ invoker's side)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
-import time
-from dataclasses import replace
 from pathlib import Path
 
-import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from dilu_invoker import config
+from bench.stage_move import render, stage_move_trial
 from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
 from dilu_invoker.loadbalancer import planner
 from dilu_invoker.loadbalancer.service import Balancer
-from dilu_invoker.model import GUEST_IDENTITY
-from dilu_invoker.standalone import run_standalone
 from dilu_invoker.wire import (
     CommandOp,
     Decision,
     InstanceCommand,
     InstanceRecord,
     InstanceReport,
-    Keys,
     decode,
     from_stream,
     stage_parent,
 )
 from tests.loadbalancer.test_split_instances import (
     FN,
-    GPU_MB,
     KEYS,
     PREFIX,
     REV,
@@ -199,114 +190,28 @@ async def test_with_stage_moves_switched_off_no_stage_moves(redis: aioredis.Redi
 
 # -- through the product: `standalone`, actions created over the REST API ------------------------------------
 
-MOVE_CODE = """
-import os
-
-def main(args):
-    seen = list(args.get("seen", []))
-    seen.append([int(os.environ["DILU_STAGE_INDEX"]), os.environ.get("DILU_GPU_UUID", ""), os.getpid()])
-    return {"seen": seen, "n": args["n"]}
-"""
-
 
 async def test_standalone_moves_a_stage_while_it_serves(tmp_path: Path) -> None:
-    """`standalone` with three 16 GB inventory GPUs and its embedded balancer (compaction every 0.5 s). A filler
-    that scales to zero when idle and a second filler light GPUs 0 and 1; an llm declaring gpu-stages 2 is split
-    over them; a small function lights GPU 2. Once the first filler has scaled to zero, GPU 0 holds stage 0
-    alone: compaction moves it to GPU 2 while a client keeps invoking the llm over the REST API. Not one
-    activation fails, runs after the move go through a new stage-0 process on GPU 2, GPU 0 is left dark, and the
-    move cost one cold start."""
-    gpus = [{"uuid": f"GPU-m{g}", "memory_mb": GPU_MB} for g in range(3)]
-    (tmp_path / "inventory.json").write_text(json.dumps(gpus))
-    base = config.load(environ={})
-    cfg = replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
-                  gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json")),
-                  balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0,
-                                   compaction_period_s=0.5, scale_to_zero_after_s=2.0, cooldown_s=0.2))
-    token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
-
-    async with run_standalone(cfg) as running, aiohttp.ClientSession(
-            headers={"Authorization": f"Basic {token}"}) as http:
-        assert running.balancer is not None
-        redis = running.balancer.redis
-        keys = Keys(cfg.redis.prefix)
-        url = f"{running.api_url}/api/v1/namespaces/_/actions"
-
-        async def create(name: str, code: str, ann: dict[str, object], **limits: int) -> None:
-            body = {"exec": {"kind": "python:3-gpu", "code": code}, "limits": limits,
-                    "annotations": [{"key": k, "value": v} for k, v in ann.items()]}
-            async with http.put(f"{url}/{name}", json=body) as r:
-                assert r.status == 200, await r.text()
-            async with http.post(f"{url}/{name}?blocking=true", json={"n": 0}) as r:  # registers the function
-                assert r.status == 200, await r.text()
-
-        async def records(function: str, n: int, timeout_s: float = 30.0) -> list[InstanceRecord]:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                got = [r for r in (decode(InstanceRecord, raw) for raw in (await redis.hgetall(keys.instances)).values())
-                       if r is not None and r.function == function]
-                if len(got) == n and all(r.state == "ready" and not r.moving for r in got):
-                    return got
-                assert time.monotonic() < deadline, f"{function}: never {n} settled instances: {got}"
-                await asyncio.sleep(0.05)
-
-        filler = "def main(a):\n    return a\n"
-        await create("fill0", filler, {"gpu-memory-mb": 10000, "gpu-sm-request": 0.3, "gpu-sm-limit": 0.5})
-        [fill0] = await records("guest/fill0", 1)
-        await create("fill1", filler, {"gpu-memory-mb": 10000, "gpu-sm-request": 0.3, "gpu-sm-limit": 0.5,
-                                       "min-instances": 1})
-        [fill1] = await records("guest/fill1", 1)
-        assert {fill0.gpu, fill1.gpu} == {0, 1}
-        await create("llm", MOVE_CODE, {"gpu-class": "llm", "gpu-stages": 2, "gpu-memory-mb": 9000,
-                                        "gpu-sm-request": 0.4, "gpu-sm-limit": 0.6, "min-instances": 1,
-                                        "max-instances": 1}, concurrency=4)
-        [llm] = await records("guest/llm", 1)
-        assert [s.gpu for s in llm.stages] == [fill0.gpu, fill1.gpu]
-        await create("small", filler, {"gpu-memory-mb": 3500, "gpu-sm-request": 0.6, "gpu-sm-limit": 0.7,
-                                       "min-instances": 1})
-        [small] = await records("guest/small", 1)
-        assert small.gpu == 2
-
-        results: list[tuple[int, list[list[object]]]] = []
-        failures: list[str] = []
-        done = asyncio.Event()
-
-        async def client() -> None:
-            n = 0
-            while not done.is_set():
-                n += 1
-                async with http.post(f"{url}/llm?blocking=true&result=true", json={"n": n}) as r:
-                    body = await r.json()
-                    if r.status != 200 or body.get("n") != n:
-                        failures.append(f"{r.status}: {body}")
-                    else:
-                        results.append((n, body["seen"]))
-                await asyncio.sleep(0.02)
-
-        task = asyncio.create_task(client())
-        try:
-            await records("guest/fill0", 0)  # scaled to zero: stage 0 is alone on GPU 0
-            deadline = time.monotonic() + 30.0
-            while True:
-                [now] = await records("guest/llm", 1)
-                if now.stages[0].gpu == 2:
-                    break
-                assert time.monotonic() < deadline, f"stage 0 never moved: {now}"
-                await asyncio.sleep(0.1)
-            before = len(results)
-            while len(results) < before + 5:
-                await asyncio.sleep(0.05)
-        finally:
-            done.set()
-            await task
-        assert failures == []
-        assert now.id == llm.id and now.stages[1] == llm.stages[1] and now.stages[0].id != llm.stages[0].id
-        first, last = results[0][1], results[-1][1]
-        assert first[0][1] == f"GPU-m{fill0.gpu}" and last[0][1] == "GPU-m2"  # stage 0's GPU, before and after
-        assert first[0][2] != last[0][2] and first[1][2] == last[1][2]  # a new stage-0 process; stage 1 the same
-        assert [n for n, _ in results] == sorted(n for n, _ in results)
-        budgets = GpuBudgets(redis, cfg.redis.prefix)
-        dark = await budgets.get(f"GPU-m{fill0.gpu}")
-        assert dark is not None and dark.reservations == {}
-        totals = running.balancer.metrics.totals
-        assert (totals["started"], totals["done"], totals["abandoned"]) == (1, 1, 0)
+    """`bench/stage_move.py`'s scenario, one trial: `standalone` with three inventory GPUs and its embedded balancer
+    moves stage 0 of an llm declaring gpu-stages 2 to another GPU while two clients keep invoking it over the REST
+    API. Not one activation fails, runs after the move go through a new stage-0 process on the new GPU while stage
+    1's process is the same, the GPU it left is dark, and the move cost one cold start."""
+    trial = await stage_move_trial(tmp_path, clients=2, after=5)
+    assert trial.failures == []
+    before, after = trial.before, trial.after
+    assert after.id == before.id and after.stages[1] == before.stages[1]
+    assert after.stages[0].id != before.stages[0].id and after.stages[0].gpu == 2 != before.stages[0].gpu
+    assert after.moving == ()
+    first = min(trial.results, key=lambda r: r[2])[4]
+    last = max(trial.results, key=lambda r: r[2])[4]
+    assert first[0][1] == f"GPU-m{before.stages[0].gpu}" and last[0][1] == "GPU-m2"  # stage 0's GPU
+    assert first[0][2] != last[0][2] and first[1][2] == last[1][2]  # a new stage-0 process; stage 1 the same
+    for c in (0, 1):  # each client's requests, in order, none lost
+        assert [n for k, n, *_ in sorted(trial.results, key=lambda r: r[2]) if k == c] == list(
+            range(1, 1 + sum(1 for r in trial.results if r[0] == c)))
+    assert trial.left_behind == {}
+    assert (trial.totals["started"], trial.totals["done"], trial.totals["abandoned"]) == (1, 1, 0)
+    s = trial.summary()
+    assert 0 < trial.ordered_at < trial.done_at and s["move_s"] > 0 and s["requests_during"] > 0
+    md = render({"machine": "m", "date": "d", "command": "c", "clients": 2, "trials": [s]})
+    assert f"| 1 | {s['requests']} | 0 | {s['move_s']} |" in md and "failed requests 0 in all" in md
