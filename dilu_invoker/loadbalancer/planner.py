@@ -975,7 +975,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
 
 #: The figures of an instance's report that a tick reads (`_figures`), in order.
 _FIGURES = operator.attrgetter("function", "id", "state", "rev", "waiting", "in_flight", "queue_delay_ms",
-                               "saturated", "completion_rate", "latency_ms", "slots")
+                               "saturated", "completion_rate", "latency_ms", "slots", "moved", "move_failed")
 _by_id = operator.attrgetter("id")
 
 

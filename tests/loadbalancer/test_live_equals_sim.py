@@ -77,6 +77,13 @@ def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float
     assert (sim.details["split_instances"] > 0) is (stages > 1), "splitting must be exercised"
     piece_moves = sum(1 for e in sim_log if e[0] == "move" and "#p" in e[2])
     assert (piece_moves > 0) is (stages > 1 and compaction.move_pieces), "stage moves must be exercised"
+    live = _replay(events, compaction, stages)
+    expected = sim_decisions(sim_log)
+    assert sum(1 for e in expected if e[0] == "move") > 0, "the trace must exercise compaction"
+    assert live.log == expected
+
+def _replay(events: list[Any], compaction: CompactionConfig, stages: int, *, incremental: bool = True) -> LiveHarness:
+    """The live planner through the trace's events (the module doc); `incremental`: with each plan's memo."""
     nodes = cluster_size(events, 4) // 4
     cfg = PlannerConfig(
         horizontal=HorizontalConfig(window=4, scale_out_samples=2, scale_in_samples=2, sample_period_s=0.1,
@@ -85,6 +92,7 @@ def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float
         compaction=LiveCompaction(config=compaction, period_s=PERIOD_S),
     )
     live = LiveHarness(nodes, cfg)
+    live.incremental = incremental
     by_time: dict[float, list[Any]] = {}
     for ev in events:
         by_time.setdefault(ev.t, []).append(ev)
@@ -115,6 +123,13 @@ def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float
         if any(ev.op == CREATE for ev in evs):
             live.tick(t + 0.5)  # placed
             live.tick(t + 0.6)  # ready
-    expected = sim_decisions(sim_log)
-    assert sum(1 for e in expected if e[0] == "move") > 0, "the trace must exercise compaction"
-    assert live.log == expected
+    return live
+
+
+def test_with_stage_moves_an_incremental_tick_decides_as_one_from_scratch() -> None:
+    """Stage moves settle from the reports' `moved` (`_FIGURES` reads it): the planner with each plan's memo makes the
+    same placements, moves and table as it makes planning every tick from scratch."""
+    events = dilu_mix(160, train_fraction=0.0, llm_fraction=0.4, seed=7)
+    memo, scratch = _replay(events, WIDE, 4), _replay(events, WIDE, 4, incremental=False)
+    assert sum(1 for e in memo.log if e[0] == "move" and "#p" in e[1]) > 0
+    assert memo.log == scratch.log and memo.records == scratch.records
