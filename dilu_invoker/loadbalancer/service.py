@@ -877,20 +877,15 @@ class Balancer:
                 ops.hset(self.keys.instances, rid, pack(rec))
         for rid in self._records.keys() - records.keys():
             ops.hdel(self.keys.instances, rid)
-        for order in starts:
-            r = order.record
-            ops.xadd(self.keys.commands(r.invoker), pack(InstanceCommand(
-                op=CommandOp.START.value, epoch=lead.epoch, instance=r.id, function=r.function, rev=r.rev,
-                gpu=r.gpu, gpu_uuid=r.gpu_uuid, cls=r.cls, request=r.request, limit=r.limit,
-                memory_mb=r.memory_mb, boot=r.boot, reason=order.reason, stages=r.stages)),
-                maxlen=COMMAND_STREAM_MAXLEN)
-        for order in moves:
-            r = order.record
-            ops.xadd(self.keys.commands(r.invoker), pack(InstanceCommand(
-                op=CommandOp.MOVE_STAGE.value, epoch=lead.epoch, instance=r.id, function=r.function, rev=r.rev,
-                gpu=r.gpu, gpu_uuid=r.gpu_uuid, cls=r.cls, request=r.request, limit=r.limit,
-                memory_mb=r.memory_mb, boot=r.boot, reason=order.reason, stages=r.stages)),
-                maxlen=COMMAND_STREAM_MAXLEN)
+        # A start names the instance's stages; a stage move its whole new stage list (`CommandOp.MOVE_STAGE`).
+        for op, orders in ((CommandOp.START, starts), (CommandOp.MOVE_STAGE, moves)):
+            for order in orders:
+                r = order.record
+                ops.xadd(self.keys.commands(r.invoker), pack(InstanceCommand(
+                    op=op.value, epoch=lead.epoch, instance=r.id, function=r.function, rev=r.rev,
+                    gpu=r.gpu, gpu_uuid=r.gpu_uuid, cls=r.cls, request=r.request, limit=r.limit,
+                    memory_mb=r.memory_mb, boot=r.boot, reason=order.reason, stages=r.stages)),
+                    maxlen=COMMAND_STREAM_MAXLEN)
         for order in plan.stops:
             r = order.record
             ops.xadd(self.keys.commands(r.invoker), pack(InstanceCommand(

@@ -5,13 +5,15 @@ GPU budgets; the test plays the balancer (it hands the manager its START and STO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import redis.asyncio as aioredis
@@ -137,10 +139,15 @@ class Node:
         return {r.instance: r.expires_ms for r in budget.reservations.values()} if budget is not None else {}
 
 
-@pytest.fixture
-async def node(tmp_path: Path, redis: aioredis.Redis) -> AsyncIterator[Node]:
+N = TypeVar("N", bound=Node)
+
+
+@contextlib.asynccontextmanager
+async def running_node(tmp_path: Path, redis: aioredis.Redis, uuids: Sequence[str], action: Action,
+                       kind: type[N]) -> AsyncIterator[N]:
+    """An invoker with the inventory GPUs `uuids` (16 GB each) and its instance manager, `action` registered."""
     inventory = tmp_path / "inventory.json"
-    inventory.write_text(json.dumps([{"uuid": u, "memory_mb": 16000} for u in UUIDS]))
+    inventory.write_text(json.dumps([{"uuid": u, "memory_mb": 16000} for u in uuids]))
     base = config.load(environ={})
     cfg = replace(base, data_dir=str(tmp_path / "data"), redis=replace(base.redis, prefix=PREFIX),
                   gpu=replace(base.gpu, inventory=str(inventory), mps="off"),
@@ -149,12 +156,17 @@ async def node(tmp_path: Path, redis: aioredis.Redis) -> AsyncIterator[Node]:
     async with open_invoker(cfg, redis=redis) as invoker:
         agent = Agent.of(invoker, redis, prefix=PREFIX, boot="b1")
         manager = InstanceManager(agent, reservation_ttl_s=300.0)
-        action = _action()
         await agent.registry.ensure(action)
         try:
-            yield Node(invoker, manager, GpuBudgets(redis, PREFIX), action)
+            yield kind(invoker, manager, GpuBudgets(redis, PREFIX), action)
         finally:
             await manager.close()
+
+
+@pytest.fixture
+async def node(tmp_path: Path, redis: aioredis.Redis) -> AsyncIterator[Node]:
+    async with running_node(tmp_path, redis, UUIDS, _action(), Node) as n:
+        yield n
 
 
 async def test_a_two_stage_instance_runs_its_stages_in_order_as_one_activation(node: Node) -> None:

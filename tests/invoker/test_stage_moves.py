@@ -6,7 +6,6 @@ its commands)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import tempfile
@@ -19,12 +18,8 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from dilu_invoker import config
-from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
-from dilu_invoker.invoker.cluster.agent import Agent
-from dilu_invoker.invoker.cluster.instances import InstanceManager
+from dilu_invoker.gpu.budgets import Reservation
 from dilu_invoker.invoker.dataplane.container import ContainerProxy
-from dilu_invoker.invoker.dataplane.core import open_invoker
 from dilu_invoker.model import Action, ActionLimits, Activation, ActivationStatus, Exec, Parameter
 from dilu_invoker.wire import (
     InstanceCommand,
@@ -34,7 +29,7 @@ from dilu_invoker.wire import (
     stage_id,
     stage_span,
 )
-from tests.invoker.test_split_instances import Node, _req, until
+from tests.invoker.test_split_instances import Node, _req, running_node, until
 
 PREFIX = "moves:"
 UUIDS = ("GPU-move-0", "GPU-move-1", "GPU-move-2")
@@ -136,28 +131,13 @@ class Mover(Node):
 
 @pytest.fixture
 async def node(tmp_path: Path, redis: aioredis.Redis) -> AsyncIterator[Mover]:
-    inventory = tmp_path / "inventory.json"
-    inventory.write_text(json.dumps([{"uuid": u, "memory_mb": 16000} for u in UUIDS]))
-    base = config.load(environ={})
-    cfg = replace(base, data_dir=str(tmp_path / "data"), redis=replace(base.redis, prefix=PREFIX),
-                  gpu=replace(base.gpu, inventory=str(inventory), mps="off"),
-                  invoker=replace(base.invoker, user_memory_mb=4096, preload=0, model_preload_mb=0,
-                                  weights_grace_s=30.0))
-    async with open_invoker(cfg, redis=redis) as invoker:
-        agent = Agent.of(invoker, redis, prefix=PREFIX, boot="b1")
-        manager = InstanceManager(agent, reservation_ttl_s=300.0)
-        action = _action("llm")
-        await agent.registry.ensure(action)
-        mover = Mover(invoker, manager, GpuBudgets(redis, PREFIX), action)
+    async with running_node(tmp_path, redis, UUIDS, _action("llm"), Mover) as mover:
 
         def changed() -> None:
             mover.changes += 1
 
-        manager.on_change = changed
-        try:
-            yield mover
-        finally:
-            await manager.close()
+        mover.manager.on_change = changed
+        yield mover
 
 
 @pytest.fixture

@@ -592,16 +592,21 @@ class InstanceManager:
         """The new stage goes (its container, its reservation); the old one serves on."""
         new = move.new
         log.warning("stage move failed", instance=inst.id, stage=move.index, new=new.id, gpu=new.gpu, reason=why)
-        self._stop_containers((new.id,), f"stage move failed: {why}")
-        await self._gone((new.id,))
-        if new.gpu_uuid:
-            await self._release(((new.gpu_uuid, new.id),))
-        if inst.move is move:
-            inst.move = None
-        if self._stage_owner.get(new.id) == inst.id:
-            del self._stage_owner[new.id]
+        await self._let_go(inst, move, new, f"stage move failed: {why}")
         inst.move_failed = f"{new.id}: {why}"
         self.on_change()
+
+    async def _let_go(self, inst: LocalInstance, move: StageMove, stage: StageRecord, reason: str) -> None:
+        """The stage a move leaves behind (the old one once done, the new one once failed): its container stopped
+        and its removal waited for, its reservation released, its id no longer the instance's; the move is over."""
+        self._stop_containers((stage.id,), reason)
+        await self._gone((stage.id,))
+        if stage.gpu_uuid:
+            await self._release(((stage.gpu_uuid, stage.id),))
+        if inst.move is move:
+            inst.move = None
+        if self._stage_owner.get(stage.id) == inst.id:
+            del self._stage_owner[stage.id]
 
     def _switch(self, inst: LocalInstance, move: StageMove, proxy: ContainerProxy) -> None:
         """Every run that starts from now on goes through the new stage; those that started before keep the
@@ -626,14 +631,7 @@ class InstanceManager:
         if inst.using[old.id]:
             log.warning("stage move: runs still on the old stage are cut short", instance=inst.id, stage=old.id,
                         runs=inst.using[old.id])
-        self._stop_containers((old.id,), f"stage {move.index} moved to GPU {new.gpu} ({new.id})")
-        await self._gone((old.id,))
-        if old.gpu_uuid:
-            await self._release(((old.gpu_uuid, old.id),))
-        if inst.move is move:
-            inst.move = None
-        if self._stage_owner.get(old.id) == inst.id:
-            del self._stage_owner[old.id]
+        await self._let_go(inst, move, old, f"stage {move.index} moved to GPU {new.gpu} ({new.id})")
         if not inst.using[old.id]:
             del inst.using[old.id]
         inst.moved = new.id
