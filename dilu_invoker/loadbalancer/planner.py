@@ -14,7 +14,9 @@
 4. with compaction on (:class:`LiveCompaction`), at most every ``period_s``, runs the simulator's
    :func:`~dilu_invoker.policy.compaction_plan` on the cluster and starts a replacement for each move
    (make-before-break: the original keeps serving; once the replacement is ready it is routed to and the
-   original drained), never for an instance of a function in a burst or while a move is in flight;
+   original drained), never for an instance of a function in a burst or while a move is in flight; a move of
+   one pipeline stage of a split instance is a stage move instead (the record names the new stage and keeps the
+   old one in ``moving`` until its invoker reports the hand-over done: `_move_stage`, `_stage_move_outcome`);
 5. builds each function's routing table (its ready instances on live invokers).
 
 No I/O and no clock: ``now`` and everything else comes in :class:`TickInput`; the service applies the
