@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -26,7 +26,9 @@ from dilu_invoker.policy import (
     GpuRef,
     GpuState,
     InstanceClass,
+    PlacedInstance,
     PlacementConfig,
+    PlacementPart,
     PlacementRequest,
     apply_placement,
     cluster_fragmentation,
@@ -156,30 +158,32 @@ def live_placement_config(**changes: Any) -> PlacementSimConfig:
                                  "whole_mib_stages": True, **changes})
 
 
-def whole_mib_stages(cluster: ClusterSnapshot, instance: str) -> ClusterSnapshot:
-    """`cluster` with the pieces of split instance `instance` holding whole MiB, as the live balancer's budgets
-    hold its stages (`PlacementSimConfig.whole_mib_stages`): each piece's memory rounded, in stage order, the
-    last taking the rest of the instance's sum. Each piece stays where it is in its GPU's instances."""
-    pieces: list[tuple[str, GpuRef]] = []
-    k = 0
-    while cluster.has_instance(part_id(instance, k)):
-        pid = part_id(instance, k)
-        pieces.append((pid, cluster.instance_gpus(pid)[0]))
-        k += 1
-    if not pieces:
-        return cluster
-    held = [cluster.instance(pid) for pid, _ in pieces]
-    total = sum(i.memory_mib for i in held)
-    mibs = [float(round(i.memory_mib)) for i in held[:-1]]
+def whole_mib_parts(parts: tuple[PlacementPart, ...]) -> tuple[PlacementPart, ...]:
+    """The pieces of a split placement holding whole MiB, as the live balancer's budgets hold its stages
+    (`PlacementSimConfig.whole_mib_stages`, `planner.stages_of_parts`): each piece's memory rounded, in stage order,
+    the last taking the rest of the instance's sum."""
+    total = sum(p.instance.memory_mib for p in parts)
+    mibs = [float(round(p.instance.memory_mib)) for p in parts[:-1]]
     mibs.append(float(max(0, round(total) - sum(mibs))))
+    return tuple(p if p.instance.memory_mib == mib else replace(p, instance=replace(p.instance, memory_mib=mib))
+                 for p, mib in zip(parts, mibs, strict=True))
+
+
+def whole_mib_stages(cluster: ClusterSnapshot, instances: Iterable[str]) -> ClusterSnapshot:
+    """`cluster` with the pieces of the split `instances` holding whole MiB (`whole_mib_parts`), each piece where it
+    is in its GPU's instances (one `ClusterSnapshot.with_states` for them all)."""
     changes: dict[int, GpuState] = {}
-    for (pid, ref), inst, mib in zip(pieces, held, mibs, strict=True):
-        if inst.memory_mib == mib:
-            continue
-        o = cluster.ordinals[ref]
-        g = changes.get(o) or cluster.gpus[o]
-        changes[o] = replace(g, instances=tuple(replace(i, memory_mib=mib) if i.id == pid else i
-                                                for i in g.instances))
+    for instance in instances:
+        pieces: list[tuple[PlacedInstance, GpuRef]] = []
+        while cluster.has_instance(pid := part_id(instance, len(pieces))):
+            pieces.append((cluster.instance(pid), cluster.instance_gpus(pid)[0]))
+        rounded = whole_mib_parts(tuple(PlacementPart(gpu=ref, instance=i) for i, ref in pieces))
+        for (inst, ref), part in zip(pieces, rounded, strict=True):
+            if part.instance is inst:
+                continue
+            o = cluster.ordinals[ref]
+            g = changes.get(o) or cluster.gpus[o]
+            changes[o] = replace(g, instances=tuple(part.instance if i.id == inst.id else i for i in g.instances))
     return cluster.with_states(cluster.now, changes) if changes else cluster
 
 
@@ -381,9 +385,7 @@ def simulate_placement(
                 if plan.moves:
                     cluster = plan.cluster
                     if config.whole_mib_stages:
-                        for mv in plan.moves:
-                            if mv.parts:
-                                cluster = whole_mib_stages(cluster, mv.instance_id)
+                        cluster = whole_mib_stages(cluster, [mv.instance_id for mv in plan.moves if mv.parts])
                     compaction_moves += len(plan.moves)
                     compaction_cold_starts += plan.cold_starts
                     compaction_merges += plan.merged
@@ -412,9 +414,9 @@ def simulate_placement(
                 log.append(("place", ev.t, ev.instance, decision.gpus) if decision.placed
                            else ("reject", ev.t, ev.instance))
             if decision.placed:
-                cluster = apply_placement(cluster, req, decision)
                 if decision.split and config.whole_mib_stages:
-                    cluster = whole_mib_stages(cluster, ev.instance)
+                    decision = replace(decision, parts=whole_mib_parts(decision.parts))
+                cluster = apply_placement(cluster, req, decision)
                 if decision.split:
                     placed_ids[ev.instance] = tuple(p.instance.id for p in decision.parts)
                     split_instances += 1
