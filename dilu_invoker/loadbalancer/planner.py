@@ -609,8 +609,8 @@ def _stage_move_outcome(r: InstanceRecord, new: InstanceRecord, inst: InstanceRe
                         work: _Work, now: float, epoch: int) -> InstanceRecord | None:
     """A split instance with a stage move in flight (`r`; `new`: it as this tick has it so far), by its invoker's
     report `inst`: done (the old stage is gone: nothing moves any more), failed (the old stage serves on: the
-    record as before the move), or in flight; None: the move took longer than a start may (the instance is given
-    up, stopped and owed: what it runs is no longer known)."""
+    record as before the move), or in flight; None: the move took longer than a start and the longest drain may
+    (`STAGE_MOVE_DRAIN_S`; the instance is given up, stopped and owed: what it runs is no longer known)."""
     move = r.stage_move()
     if move is None:  # a record no move could have written: it holds what it lists
         return replace(new, moving=(), moving_since=0.0)
@@ -705,6 +705,10 @@ def _compact(
         orig = work.records.get(parent if parent is not None and not mv.replaces else mv.instance_id)
         if orig is None or orig.id in touched or (parent is not None and not orig.stages):
             continue
+        # The whole instance, as the cluster holds it (a split original: as one of its stages' pieces, summed).
+        held_id = next((s.id for s in orig.stages if cluster.has_instance(s.id)), "") if orig.stages else orig.id
+        if not cluster.has_instance(held_id):
+            continue
         touched.add(orig.id)
         if parent is not None and not mv.replaces:
             cluster, seq = _move_stage(inp, work, cluster, seq, orig, mv.instance_id, mv.target,
@@ -715,8 +719,7 @@ def _compact(
         ref = mv.target
         rep = inp.reports.get(ref.invoker)
         spec = inp.specs[orig.function]
-        # The whole instance, as the cluster holds it (a split original: as its first stage's piece, summed).
-        held = cluster.instance(orig.stages[0].id if orig.stages else orig.id)
+        held = cluster.instance(held_id)
         whole = PlacedInstance(id=iid, function=held.function, cls=held.cls, request=orig.request if orig.stages
                                else held.request, limit=orig.limit if orig.stages else held.limit,
                                memory_mib=float(orig.memory_mb) if orig.stages else held.memory_mib,
