@@ -190,8 +190,9 @@ class BalancerMetrics:
                                           "Compaction replacements starting and stage moves in flight", registry=r)
         self.totals: dict[str, int] = {"runs": 0, "started": 0, "done": 0, "abandoned": 0}
 
-    def observe(self, plan: TickPlan, before: CompactionLoop) -> bool:
-        """Count a tick's compaction; True when the totals changed."""
+    def observe(self, plan: TickPlan, before: CompactionLoop, refused: frozenset[str] = frozenset()) -> bool:
+        """Count a tick's compaction; True when the totals changed. `refused`: the replacements and new stages whose
+        GPU budget refused them (not started: not counted)."""
         self.ticks.inc()
         changed = False
         if plan.compaction.next_at != before.next_at:
@@ -200,11 +201,12 @@ class BalancerMetrics:
             changed = True
         for d in plan.decisions:
             outcome = self.MOVES.get(d.kind)
-            if outcome is not None:
+            if outcome is not None and not (outcome == "started" and d.instance in refused):
                 self.compaction_moves.labels(outcome).inc()
                 self.totals[outcome] += 1
                 changed = True
-        self.compaction_in_flight.set(sum(1 for r in plan.records.values() if r.replaces or r.moving))
+        self.compaction_in_flight.set(sum(1 for r in plan.records.values()
+                                          if (r.replaces or r.moving) and r.id not in refused))
         return changed
 
 
@@ -770,6 +772,7 @@ class Balancer:
         states = dict(plan.states)
         starts = []
         reserved: list[InstanceRecord] = []
+        refused: set[str] = set()  # compaction's replacements and new stages the budgets refused
         for order in plan.starts:
             r = order.record
             if r.gpu_uuid is None:
@@ -780,7 +783,9 @@ class Balancer:
                 # The budget saw something the snapshot did not (a concurrent admission): retry next tick.
                 log.info("GPU budget refused a placement", instance=r.id, gpu=r.gpu_uuid, reason=result.reason)
                 records.pop(r.id, None)
-                if not r.replaces:  # a compaction replacement is not owed: its original keeps serving
+                if r.replaces:  # a compaction replacement is not owed: its original keeps serving
+                    refused.add(r.id)
+                else:
                     st = states.get(r.function, FunctionState())
                     states[r.function] = replace(st, owed=st.owed + 1)
                 continue
@@ -800,6 +805,7 @@ class Balancer:
                 log.info("GPU budget refused a stage move", instance=r.id, stage=fresh.id, gpu=fresh.gpu_uuid,
                          reason=result.reason)
                 records[r.id] = r.stage_move_undone()
+                refused.update((fresh.id, r.id))
                 continue
             moves.append(order)
         # Until its invoker renews them, the leader keeps the reservations of starting instances alive.
@@ -816,7 +822,7 @@ class Balancer:
         # tables would otherwise hold the event loop, and with it the lease's renewal).
         ops = await asyncio.to_thread(self._writes, lead, plan, records, starts, moves)
         before = dict(self.metrics.totals)
-        if self.metrics.observe(plan, self._compaction):
+        if self.metrics.observe(plan, self._compaction, frozenset(refused)):
             ops.hset(self.keys.compaction, "totals", msgpack.packb(self.metrics.totals))
 
         if ops.count and not await self.lease.apply(lead, ops):

@@ -48,6 +48,8 @@ async def test_a_refused_compaction_replacement_is_not_owed_as_one_more_instance
     assert [d.kind for d in moves] == ["move"] and "replaces a" in moves[0].reason
     assert await _starts(redis, "invoker1") == [] and set(await redis.hkeys(KEYS.instances)) == {b"a", b"b"}
     assert balancer._states.get("guest/f") is None or balancer._states["guest/f"].owed == 0
+    # Nothing was started: the metrics count no move (a refused replacement is no cold start).
+    assert balancer.metrics.totals["started"] == 0
     balancer.budgets.reserve = reserve  # type: ignore[method-assign]
     assert await balancer.tick(lead)
     assert await _starts(redis, "invoker0") == [] and await _starts(redis, "invoker1") == []

@@ -156,6 +156,7 @@ async def test_a_stage_move_its_budget_refuses_is_not_made(redis: aioredis.Redis
     rec = await _record(redis, cmd.instance)
     assert rec.stages == cmd.stages and rec.moving == ()
     assert {r.instance for r in (await _reservations(redis)).values()} == {*(s.id for s in cmd.stages), "rival"}
+    assert b.metrics.totals["started"] == 0  # not a move begun
 
 
 async def test_a_stage_move_that_never_ends_gives_the_instance_up(redis: aioredis.Redis,
