@@ -74,6 +74,10 @@ from dilu_invoker.wire import (
     stage_parent,
 )
 
+#: After a move of an instance failed, compaction leaves it where it is for this many periods: a new stage or a
+#: replacement that did not start on a GPU would most likely fail there again, a cold start each time.
+FAILED_MOVE_COOLDOWN_RUNS = 10
+
 #: Beyond a start, the longest a stage move may take on its invoker: the old stage drains the runs that started on it
 #: for up to the action's time limit (at most OpenWhisk's 300 s) and 5 s, and its removal is waited for up to
 #: `instances.REMOVAL_WAIT_S` (30 s). A move not done after `start_timeout_s` and this gives its instance up.
@@ -88,6 +92,9 @@ class CompactionLoop:
     """No run before this (the balancer's clock)."""
     state: CompactionState | None = None
     """The last plan's state (sources known to fail)."""
+    cooling: tuple[tuple[str, float], ...] = ()
+    """(instance id, until): instances a move of which failed lately (a replacement abandoned, a stage move that
+    failed); compaction does not move them again before then (`FAILED_MOVE_COOLDOWN_RUNS`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -493,6 +500,8 @@ class _Work:
     lost: dict[str, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     """Function → why an instance of it failed on its invoker this tick."""
+    failed_moves: list[str] = field(default_factory=list)
+    """Instances whose compaction move failed this tick (`CompactionLoop.cooling`)."""
 
     def forget(self, r: InstanceRecord, reason: str, *, owed: bool, stop: bool, now: float, epoch: int) -> None:
         self.records.pop(r.id, None)
@@ -502,6 +511,8 @@ class _Work:
             self.lost[r.function] = self.lost.get(r.function, 0) + 1
         if stop:
             self.stops.append(Order(r, reason))
+        if r.replaces:
+            self.failed_moves.append(r.replaces)
         kind = "move-abandoned" if r.replaces else "lost" if owed else "forget"
         self.decisions.append(Decision(now, epoch, kind, r.function, reason, r.id, r.invoker, r.gpu))
 
@@ -624,6 +635,7 @@ def _stage_move_outcome(r: InstanceRecord, new: InstanceRecord, inst: InstanceRe
         reason = f"{r.id}: stage move of {old.id} failed ({inst.move_failed}); it serves on from gpu{old.gpu}"
         work.decisions.append(Decision(now, epoch, "stage-move-failed", r.function, reason, fresh.id, r.invoker,
                                        fresh.gpu))
+        work.failed_moves.append(r.id)
         return new.stage_move_undone()
     if now - r.moving_since > cfg.start_timeout_s + STAGE_MOVE_DRAIN_S:
         work.forget(r, f"{r.id}: stage move of {old.id} to gpu{fresh.gpu} not done after {now - r.moving_since:.0f} s",
@@ -666,18 +678,23 @@ def _compact(
     """One compaction run: replacements for the moves of `compaction_plan` (see the module doc), and stage moves
     for the pieces of split instances it moves (`_move_stage`)."""
     live = cfg.compaction
-    loop = inp.compaction
     assert live is not None
-    if inp.now < loop.next_at or any(r.replaces or r.moving for r in work.records.values()):
-        return cluster, seq, loop
     now, epoch = inp.now, inp.epoch
+    loop = inp.compaction
+    if work.failed_moves or (loop.cooling and loop.cooling[0][1] <= now):
+        until = now + FAILED_MOVE_COOLDOWN_RUNS * live.period_s
+        cooling = {i: t for i, t in loop.cooling if t > now} | dict.fromkeys(work.failed_moves, until)
+        loop = replace(loop, cooling=tuple(sorted(cooling.items(), key=lambda it: (it[1], it[0]))))
+    if now < loop.next_at or any(r.replaces or r.moving for r in work.records.values()):
+        return cluster, seq, loop
+    cooling_ids = {i for i, _ in loop.cooling}
     stages = live.config.move_pieces
     # Instances of a function sharing read-only weights stay: compaction sizes a move by what the instance
     # is charged on its GPU (without the weights where it shares them), and its replacement would load a copy.
     # A split instance's stages move with `move_pieces` only.
     movable: set[str] = set()
     for r in work.records.values():
-        if (r.state == RecordState.READY and r.function in calm and r.function in inp.specs
+        if (r.state == RecordState.READY and r.function in calm and r.function in inp.specs and r.id not in cooling_ids
                 and not outdated(r.rev, inp.specs[r.function].rev) and not shares_weights(inp.specs[r.function])):
             if not r.stages:
                 movable.add(r.id)
@@ -741,7 +758,7 @@ def _compact(
         work.records[iid] = record
         work.starts.append(Order(record, reason))
         work.decisions.append(Decision(now, epoch, "move", orig.function, reason, iid, ref.invoker, ref.gpu))
-    return cluster, seq, CompactionLoop(next_at=now + live.period_s, state=plan.state)
+    return cluster, seq, CompactionLoop(next_at=now + live.period_s, state=plan.state, cooling=loop.cooling)
 
 
 def _move_stage(inp: TickInput, work: _Work, cluster: ClusterSnapshot, seq: int, orig: InstanceRecord,

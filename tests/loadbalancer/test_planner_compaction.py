@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from dilu_invoker.loadbalancer.planner import (
+    FAILED_MOVE_COOLDOWN_RUNS,
     CompactionLoop,
     PlannerConfig,
     TickInput,
@@ -125,6 +126,16 @@ def test_a_failed_replacement_is_abandoned_and_owes_nothing() -> None:
     assert "move-abandoned" in [d.kind for d in plan.decisions]
     assert plan.starts == ()  # no replacement for a replacement
     assert plan.states[F].owed == 0
+    # a cools down: the next runs leave it where it is (b moves beside it instead) until FAILED_MOVE_COOLDOWN_RUNS
+    # periods have passed; then it may move again.
+    until = NOW + 1 + FAILED_MOVE_COOLDOWN_RUNS * 10.0
+    assert plan.compaction.cooling == (("a", until),)
+    reports["invoker1"] = report("invoker1", instances=(inst("b", fn=G),))
+    later = _tick(reports, dict(plan.records), cfg=ON, loop=replace(plan.compaction, next_at=0.0), now=NOW + 20)
+    assert moves(later) == [(G, "b", "invoker0")]
+    assert later.compaction.cooling == (("a", until),)
+    after = _tick(reports, dict(plan.records), cfg=ON, loop=replace(plan.compaction, next_at=0.0), now=until + 1)
+    assert moves(after) == [(F, "a", "invoker1")] and after.compaction.cooling == ()
 
 
 def test_live_defaults() -> None:

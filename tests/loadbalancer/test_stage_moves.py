@@ -121,7 +121,11 @@ async def test_a_stage_alone_on_its_gpu_moves_make_before_break(redis: aioredis.
     assert {k for k in await _reservations(redis)} == {f"1:{old1.id}", f"2:{new0.id}"}
 
 
-async def test_a_failed_stage_move_leaves_the_old_stage_serving(redis: aioredis.Redis) -> None:
+async def test_a_failed_stage_move_leaves_the_old_stage_serving(redis: aioredis.Redis,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and compaction leaves the instance where it is for `FAILED_MOVE_COOLDOWN_RUNS` periods (2 here), then
+    tries again."""
+    monkeypatch.setattr(planner, "FAILED_MOVE_COOLDOWN_RUNS", 2)
     b, lead, cmd = await _stage_on_its_own(redis)
     assert await b.tick(lead)  # type: ignore[arg-type]
     [move] = await _starts(redis, op=CommandOp.MOVE_STAGE.value)
@@ -135,6 +139,15 @@ async def test_a_failed_stage_move_leaves_the_old_stage_serving(redis: aioredis.
     assert "start failed" in failed.reason and failed.instance == new0.id
     assert b.metrics.totals["abandoned"] == 1
     assert await _starts(redis, op="stop") == []
+    # The next run is due but the instance cools down: no second try yet.
+    await asyncio.sleep(PERIOD_S)
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    assert len(await _starts(redis, op=CommandOp.MOVE_STAGE.value)) == 1
+    # Two periods after the failure it may move again (a new stage id).
+    await asyncio.sleep(PERIOD_S + 0.1)
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    first, again = await _starts(redis, op=CommandOp.MOVE_STAGE.value)
+    assert again.stages[0].id not in (first.stages[0].id, cmd.stages[0].id) and again.stages[0].gpu == 2
 
 
 async def test_a_stage_move_its_budget_refuses_is_not_made(redis: aioredis.Redis) -> None:
