@@ -95,20 +95,27 @@ class Trial:
         }
 
 
+def inventory_standalone(workdir: Path, uuids: list[str], **balancer: Any) -> config.Config:
+    """`standalone`'s embedded defaults with the GPUs `uuids` (16 GB each) from an inventory file in `workdir`, its
+    data there, the API on a free port, and the balancer's settings `balancer` over quick ticks and reports."""
+    (workdir / "inventory.json").write_text(json.dumps([{"uuid": u, "memory_mb": GPU_MB} for u in uuids]))
+    base = config.load(environ={})
+    return replace(base, data_dir=str(workdir / "data"), api=replace(base.api, port=0),
+                   gpu=replace(base.gpu, inventory=str(workdir / "inventory.json")),
+                   balancer=replace(base.balancer, **{"tick_s": 0.2, "report_period_s": 0.2, "report_ttl_s": 1.0,
+                                                      **balancer}))
+
+
+#: the guest's credentials, as `wsk` sends them
+GUEST_AUTH = {"Authorization": f"Basic {base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()}"}
+
+
 async def stage_move_trial(workdir: Path, *, clients: int = 1, after: int = 5, timeout_s: float = 30.0) -> Trial:
     """One trial in `workdir` (see the module doc): the clients run until `after` requests each ended after the
     move was done."""
-    gpus = [{"uuid": f"GPU-m{g}", "memory_mb": GPU_MB} for g in range(3)]
-    (workdir / "inventory.json").write_text(json.dumps(gpus))
-    base = config.load(environ={})
-    cfg = replace(base, data_dir=str(workdir / "data"), api=replace(base.api, port=0),
-                  gpu=replace(base.gpu, inventory=str(workdir / "inventory.json")),
-                  balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0,
-                                   compaction_period_s=0.5, scale_to_zero_after_s=2.0, cooldown_s=0.2))
-    token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
-
-    async with run_standalone(cfg) as running, aiohttp.ClientSession(
-            headers={"Authorization": f"Basic {token}"}) as http:
+    cfg = inventory_standalone(workdir, [f"GPU-m{g}" for g in range(3)], compaction_period_s=0.5,
+                               scale_to_zero_after_s=2.0, cooldown_s=0.2)
+    async with run_standalone(cfg) as running, aiohttp.ClientSession(headers=GUEST_AUTH) as http:
         assert running.balancer is not None
         redis = running.balancer.redis
         keys = Keys(cfg.redis.prefix)

@@ -7,8 +7,6 @@ every stage. Real Redis; the invoker's reports are written as an invoker writes 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,11 +15,12 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from bench.stage_move import GUEST_AUTH, inventory_standalone
 from dilu_invoker import config
 from dilu_invoker.gpu.budgets import GpuBudgets, GpuCapacity, Reservation
 from dilu_invoker.invoker.cluster.registry import FunctionRegistry
 from dilu_invoker.loadbalancer.service import Balancer, cluster_of
-from dilu_invoker.model import GUEST_IDENTITY, Action, Exec, Parameter, ValidationError
+from dilu_invoker.model import Action, Exec, Parameter, ValidationError
 from dilu_invoker.policy.placement import part_id
 from dilu_invoker.standalone import run_standalone
 from dilu_invoker.wire import (
@@ -279,16 +278,8 @@ async def test_standalone_serves_an_llm_as_two_stages(tmp_path: Path) -> None:
     10 GB instances light both GPUs; then an llm action declaring gpu-stages 2 and 9 GB, which no lit GPU holds
     whole, is placed as two stages, one on each GPU, each reserved there; a blocking invocation over the REST API
     runs both stages in order, each in its own process with its own span, and answers the last stage's result."""
-    (tmp_path / "inventory.json").write_text(json.dumps([{"uuid": "GPU-s0", "memory_mb": GPU_MB},
-                                                         {"uuid": "GPU-s1", "memory_mb": GPU_MB}]))
-    base = config.load(environ={})
-    cfg = replace(base, data_dir=str(tmp_path / "data"), api=replace(base.api, port=0),
-                  gpu=replace(base.gpu, inventory=str(tmp_path / "inventory.json")),
-                  balancer=replace(base.balancer, tick_s=0.2, report_period_s=0.2, report_ttl_s=1.0))
-    token = base64.b64encode(GUEST_IDENTITY.api_key.encode()).decode()
-
-    async with run_standalone(cfg) as running, aiohttp.ClientSession(
-            headers={"Authorization": f"Basic {token}"}) as http:
+    cfg = inventory_standalone(tmp_path, ["GPU-s0", "GPU-s1"])
+    async with run_standalone(cfg) as running, aiohttp.ClientSession(headers=GUEST_AUTH) as http:
         assert running.balancer is not None
         redis = running.balancer.redis
         keys = Keys(cfg.redis.prefix)
