@@ -40,6 +40,7 @@ from dilu_invoker.model import (
     new_activation_id,
 )
 from dilu_invoker.wire import InstanceCommand, InstanceState, StageRecord, stage_id, stage_span
+from tests.invoker.test_model_preload import _until
 
 PREFIX = "split:"
 UUIDS = ("GPU-split-0", "GPU-split-1")
@@ -93,15 +94,8 @@ def _req(action: Action, **content: object) -> ActivationRequest:
 
 
 async def until(predicate: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = predicate()
-        if not isinstance(got, bool):
-            got = await got
-        if got:
-            return
-        assert time.monotonic() < deadline, f"{what}: not reached in {timeout_s} s"
-        await asyncio.sleep(0.02)
+    """`test_model_preload._until`, the predicate first as these tests (and the stage-move tests) name it."""
+    await _until(what, predicate, timeout_s)
 
 
 @dataclass
