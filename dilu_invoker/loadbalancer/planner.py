@@ -54,7 +54,13 @@ from dilu_invoker.policy import (
     repeat_decision,
 )
 from dilu_invoker.policy.live_compaction import LiveCompaction, function_calm
-from dilu_invoker.policy.placement import PlacementDecision, PlacementPart, holds_weights, place_sharing
+from dilu_invoker.policy.placement import (
+    PlacementDecision,
+    PlacementPart,
+    holds_weights,
+    place_sharing,
+    whole_mib_pieces,
+)
 from dilu_invoker.policy.spread import place_spread
 from dilu_invoker.wire import (
     Decision,
@@ -392,8 +398,7 @@ def stages_of_parts(cluster: ClusterSnapshot, parts: tuple[PlacementPart, ...], 
     as the pieces are (a compaction move places the pieces of the instance it replaces)."""
     if not parts:
         return ()
-    mibs = [round(p.instance.memory_mib) for p in parts[:-1]]
-    mibs.append(max(0, memory_mb - sum(mibs)))
+    mibs = whole_mib_pieces([p.instance.memory_mib for p in parts], memory_mb)
     return tuple(
         StageRecord(id=p.instance.id if instance is None else stage_id(instance, k), gpu=p.gpu.gpu,
                     gpu_uuid=cluster.gpu(p.gpu).uuid or None, request=p.instance.request, limit=p.instance.limit,

@@ -60,6 +60,7 @@ from dilu_invoker.policy.placement import (
     part_id,
     place,
     register_strategy,
+    whole_mib_pieces,
 )
 from dilu_invoker.policy.profiling import (
     Measurement,
@@ -153,4 +154,5 @@ __all__ = [
     "repeat_decision",
     "training_search",
     "water_fill",
+    "whole_mib_pieces",
 ]

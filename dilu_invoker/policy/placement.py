@@ -790,6 +790,15 @@ def part_id(instance_id: str, index: int) -> str:
     return f"{instance_id}#p{index}"
 
 
+def whole_mib_pieces(memories: Sequence[float], total: int) -> list[int]:
+    """The pieces of a split instance in whole MiB, as GPU budgets hold its stages: each piece's memory rounded, in
+    stage order, the last taking what makes their sum `total` (the live balancer's records and the simulator's
+    `whole_mib_stages` alike)."""
+    mibs = [round(m) for m in memories[:-1]]
+    mibs.append(max(0, total - sum(mibs)))
+    return mibs
+
+
 @dataclass(frozen=True, slots=True)
 class PlacementDecision:
     instance_id: str

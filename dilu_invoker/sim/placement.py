@@ -37,6 +37,7 @@ from dilu_invoker.policy import (
     lit_gpu_lower_bound,
     part_id,
     place,
+    whole_mib_pieces,
 )
 from dilu_invoker.policy.live_compaction import LiveCompaction
 from dilu_invoker.sim.events import CREATE, GIB, InstanceSpec, PlacementEvent
@@ -162,10 +163,8 @@ def whole_mib_parts(parts: tuple[PlacementPart, ...]) -> tuple[PlacementPart, ..
     """The pieces of a split placement holding whole MiB, as the live balancer's budgets hold its stages
     (`PlacementSimConfig.whole_mib_stages`, `planner.stages_of_parts`): each piece's memory rounded, in stage order,
     the last taking the rest of the instance's sum."""
-    total = sum(p.instance.memory_mib for p in parts)
-    mibs = [float(round(p.instance.memory_mib)) for p in parts[:-1]]
-    mibs.append(float(max(0, round(total) - sum(mibs))))
-    return tuple(p if p.instance.memory_mib == mib else replace(p, instance=replace(p.instance, memory_mib=mib))
+    mibs = whole_mib_pieces([p.instance.memory_mib for p in parts], round(sum(p.instance.memory_mib for p in parts)))
+    return tuple(p if p.instance.memory_mib == mib else replace(p, instance=replace(p.instance, memory_mib=float(mib)))
                  for p, mib in zip(parts, mibs, strict=True))
 
 
