@@ -818,8 +818,9 @@ class GpuNode:
     async def _sync_loop(self) -> None:
         while True:
             period = min(self.sync_period_s, 1.0) if self._needs_sync else self.sync_period_s
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake_sync.wait(), period)
+            with contextlib.suppress(TimeoutError):  # (not wait_for, which can swallow a cancellation: service._sleep)
+                async with asyncio.timeout(period):
+                    await self._wake_sync.wait()
             self._wake_sync.clear()
             try:
                 await self._sync_once()

@@ -553,8 +553,11 @@ class Balancer:
             log.info("balancer no longer leads", holder=self.holder, epoch=lead.epoch)
 
     async def _sleep(self, timeout: float) -> None:
+        # `asyncio.timeout`, not `wait_for`: Python 3.11's wait_for can swallow a cancellation that arrives as the
+        # wait ends, and a leader cancelled then would tick on.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
         self._wake.clear()
 
     async def _renew_loop(self, lead: Leadership) -> None:

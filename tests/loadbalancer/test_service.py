@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import replace
 
+import pytest
 import redis.asyncio as aioredis
 
 from dilu_invoker import config
@@ -292,3 +293,27 @@ def test_long_lived_objects_leave_the_collector_between_ticks_and_come_back() ->
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
+
+
+async def test_a_leader_cancelled_as_it_is_woken_stops(redis: aioredis.Redis) -> None:
+    """The tick's sleep ends on a wake (a demand signal) or its period. A cancellation that arrives in the same step
+    as the wake must still cancel it (Python 3.11's `wait_for` returned normally there, and a leader cancelled then
+    ticked on), and one during the sleep too."""
+    b = Balancer(redis, _cfg(), holder="solo")
+    sleeping = asyncio.create_task(b._sleep(10.0))
+    await asyncio.sleep(0)
+    b._wake.set()
+    sleeping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sleeping
+    b._wake.clear()
+    sleeping = asyncio.create_task(b._sleep(10.0))
+    await asyncio.sleep(0.01)
+    sleeping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sleeping
+    # Woken or timed out, it returns and clears the wake.
+    b._wake.set()
+    await asyncio.wait_for(b._sleep(10.0), 1.0)
+    assert not b._wake.is_set()
+    await asyncio.wait_for(b._sleep(0.01), 1.0)
