@@ -36,6 +36,8 @@ from dilu_invoker.model import LimitBounds
 from dilu_invoker.policy import (
     Affinity,
     ClusterSnapshot,
+    CompactionMove,
+    CompactionPlan,
     CompactionState,
     FunctionLoad,
     GpuRef,
@@ -717,21 +719,22 @@ def _compact(
     placement = replace(cfg.placement, llm_max_parts=max(
         (parts_allowed(f) for f, spec in inp.specs.items() if spec.cls == InstanceClass.LLM.value), default=1))
     plan = compaction_plan(cluster, placement, live.config, loop.state, pinned=pinned)
-    too_split = {mv.source for mv in plan.moves if len(mv.parts) > parts_allowed(mv.function)}
-    # One move per instance a run: the invoker hands over one stage at a time, and a replacement is started once.
-    touched: set[str] = set()
-    for mv in plan.moves:
-        if mv.source in too_split:
-            continue
+    chosen, short = _chosen_moves(inp, work, cluster, plan, parts_allowed)
+    if short:
+        # An invoker's user memory cannot hold the containers some moves start: those instances stay where they are
+        # (and cool down, as after a failed move), and the run plans once more without them.
+        plan = compaction_plan(cluster, placement, live.config, loop.state,
+                               pinned=pinned | {s.id for orig, _ in short.values() for s in orig.stages} | set(short))
+        chosen, again = _chosen_moves(inp, work, cluster, plan, parts_allowed)
+        short |= again
+        for orig, why in short.values():
+            work.decisions.append(Decision(now, epoch, "move-held", orig.function, why, orig.id, orig.invoker,
+                                           orig.gpu))
+        until = now + FAILED_MOVE_COOLDOWN_RUNS * live.period_s
+        loop = replace(loop, cooling=tuple(sorted((dict(loop.cooling) | dict.fromkeys(short, until)).items(),
+                                                  key=lambda it: (it[1], it[0]))))
+    for mv, orig, held_id in chosen:
         parent = stage_parent(mv.instance_id)
-        orig = work.records.get(parent if parent is not None and not mv.replaces else mv.instance_id)
-        if orig is None or orig.id in touched or (parent is not None and not orig.stages):
-            continue
-        # The whole instance, as the cluster holds it (a split original: as one of its stages' pieces, summed).
-        held_id = next((s.id for s in orig.stages if cluster.has_instance(s.id)), "") if orig.stages else orig.id
-        if not cluster.has_instance(held_id):
-            continue
-        touched.add(orig.id)
         if parent is not None and not mv.replaces:
             cluster, seq = _move_stage(inp, work, cluster, seq, orig, mv.instance_id, mv.target,
                                        f"compaction: {mv.reason}")
@@ -764,6 +767,57 @@ def _compact(
         work.starts.append(Order(record, reason))
         work.decisions.append(Decision(now, epoch, "move", orig.function, reason, iid, ref.invoker, ref.gpu))
     return cluster, seq, CompactionLoop(next_at=now + live.period_s, state=plan.state, cooling=loop.cooling)
+
+
+def _chosen_moves(inp: TickInput, work: _Work, cluster: ClusterSnapshot, plan: CompactionPlan,
+                  parts_allowed: Callable[[str], int],
+                  ) -> tuple[list[tuple[CompactionMove, InstanceRecord, str]], dict[str, tuple[InstanceRecord, str]]]:
+    """The moves of `plan` a run makes, each with the record it moves and the id the cluster holds it under, and
+    the instances held back because an invoker's user memory cannot hold the containers their moves start (record
+    id → the record and why).
+
+    Not made: a move that splits an instance further than its action declares, a second move of one instance (the
+    invoker hands over one stage at a time, a replacement is started once), and every move off a GPU one of whose
+    moves is not made (it would stay lit anyway), nor onto one (the plan counted on the room it frees). User memory
+    (docs/balancer.md, "User memory"): a replacement holds its action's memory for each of its containers on its
+    invoker while the original still holds its own, a stage move one more container on the instance's invoker
+    until the old stage is drained."""
+    too_split = {mv.source for mv in plan.moves if len(mv.parts) > parts_allowed(mv.function)}
+    picked: list[tuple[CompactionMove, InstanceRecord, str]] = []
+    touched: set[str] = set()
+    for mv in plan.moves:
+        if mv.source in too_split:
+            continue
+        parent = stage_parent(mv.instance_id)
+        orig = work.records.get(parent if parent is not None and not mv.replaces else mv.instance_id)
+        if orig is None or orig.id in touched or (parent is not None and not orig.stages):
+            continue
+        # The whole instance, as the cluster holds it (a split original: as one of its stages' pieces, summed).
+        held_id = next((s.id for s in orig.stages if cluster.has_instance(s.id)), "") if orig.stages else orig.id
+        if not cluster.has_instance(held_id):
+            continue
+        touched.add(orig.id)
+        picked.append((mv, orig, held_id))
+    memory = UserMemory(inp.reports, work.records)
+    short: dict[str, tuple[InstanceRecord, str]] = {}
+    short_sources: set[GpuRef] = set()
+    for mv, orig, _ in picked:
+        per = inp.specs[orig.function].user_memory_mb
+        if stage_parent(mv.instance_id) is not None and not mv.replaces:
+            inv, need = orig.invoker, per
+        else:
+            inv, need = mv.target.invoker, per * max(1, len(mv.parts))
+        if memory.holds(inv, need):
+            memory.hold(inv, need)
+            continue
+        short_sources.add(mv.source)
+        total, held = memory.total.get(inv, 0), memory.held.get(inv, 0)
+        short[orig.id] = (orig, f"compaction: invoker user memory: moving {orig.id} needs {need} MB on {inv}, "
+                                f"which has {total - held} of {total} MB free; it stays on "
+                                f"{mv.source.invoker}/gpu{mv.source.gpu}")
+    if short_sources:
+        picked = [p for p in picked if p[0].source not in short_sources and p[0].target not in short_sources]
+    return picked, short
 
 
 def _move_stage(inp: TickInput, work: _Work, cluster: ClusterSnapshot, seq: int, orig: InstanceRecord,
@@ -1111,7 +1165,9 @@ class UserMemory:
         self.held: dict[str, int] = {}
         for r in records.values():
             if r.state != RecordState.STOPPING:
-                self.held[r.invoker] = self.held.get(r.invoker, 0) + r.user_memory_mb
+                # A stage being moved is one more container until the old one is drained (`InstanceRecord.moving`).
+                extra = r.user_memory_mb // len(r.stages) * len(r.moving) if r.stages else 0
+                self.held[r.invoker] = self.held.get(r.invoker, 0) + r.user_memory_mb + extra
         self._short: dict[int, set[str]] = {}  # need (MB) -> the judged invokers that cannot fit it
 
     def _is_short(self, inv: str, need: int) -> bool:

@@ -174,7 +174,7 @@ class BalancerMetrics:
     #: decision kind → outcome: a replacement's, or a stage move's (`CommandOp.MOVE_STAGE`)
     MOVES: ClassVar[Mapping[str, str]] = {"move": "started", "move-done": "done", "move-abandoned": "abandoned",
                                           "stage-move": "started", "stage-move-done": "done",
-                                          "stage-move-failed": "abandoned"}
+                                          "stage-move-failed": "abandoned", "move-held": "held"}
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -184,11 +184,12 @@ class BalancerMetrics:
         self.compaction_moves = Counter(
             "dilu_balancer_compaction_moves",
             "Compaction moves by outcome: started (a replacement or a pipeline stage's, i.e. cold starts), done "
-            "(original drained), abandoned (the replacement or the new stage failed; the original kept serving)",
+            "(original drained), abandoned (the replacement or the new stage failed; the original kept serving), "
+            "held (not made: the target invoker's user memory could not hold the containers it starts)",
             ("outcome",), registry=r)
         self.compaction_in_flight = Gauge("dilu_balancer_compaction_in_flight",
                                           "Compaction replacements starting and stage moves in flight", registry=r)
-        self.totals: dict[str, int] = {"runs": 0, "started": 0, "done": 0, "abandoned": 0}
+        self.totals: dict[str, int] = {"runs": 0, "started": 0, "done": 0, "abandoned": 0, "held": 0}
 
     def observe(self, plan: TickPlan, before: CompactionLoop, refused: frozenset[str] = frozenset()) -> bool:
         """Count a tick's compaction; True when the totals changed. `refused`: the replacements and new stages whose

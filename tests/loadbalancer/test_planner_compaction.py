@@ -144,3 +144,40 @@ def test_live_defaults() -> None:
     with pytest.raises(ValueError, match="period_s"):
         LiveCompaction(period_s=0)
     assert tick({"invoker0": report("invoker0")}).compaction == CompactionLoop()
+
+
+# -- user memory (docs/balancer.md, "User memory") ------------------------------------------------------------------
+
+
+#: (invoker0's user memory, invoker1's) → the moves made, the instances held back by memory
+MEMORY_CASES = {
+    "room on both: a moves beside b": ((4000, 4000), [(F, "a", "invoker1")], set()),
+    "invoker1 full: a stays, b moves beside it": ((4000, 2000), [(G, "b", "invoker0")], {"a"}),
+    "both full: nothing moves": ((2000, 2000), [], {"a", "b"}),
+    "an invoker that does not say has room": ((0, 0), [(F, "a", "invoker1")], set()),
+}
+
+
+@pytest.mark.parametrize(("memory", "expect", "held"), MEMORY_CASES.values(), ids=MEMORY_CASES.keys())
+def test_a_move_needs_user_memory_on_its_target(memory: tuple[int, int], expect: list, held: set[str]) -> None:
+    """A replacement is a pinned container holding its action's memory on its target invoker while the original
+    still holds its own: compaction makes no move the target's user memory cannot hold; that instance stays (and
+    cools down) and the run plans again without it."""
+    reports, records = two_gpus()
+    reports = {inv: replace(rep, user_memory_mb=mb) for (inv, rep), mb in zip(reports.items(), memory, strict=True)}
+    records = {i: replace(r, user_memory_mb=2000) for i, r in records.items()}
+    specs = (spec(F, user_memory_mb=2000), spec(G, user_memory_mb=2000))
+    plan = plan_tick(TickInput(
+        now=NOW, epoch=7, reports=reports, known_invokers=frozenset(reports), records=records,
+        specs={s.fqn: s for s in specs}, cluster=cluster(reports, records), states={}, seq=1,
+        compaction=CompactionLoop()), ON)
+    assert moves(plan) == expect
+    assert {d.instance for d in plan.decisions if d.kind == "move-held"} == held
+    for d in plan.decisions:
+        if d.kind == "move-held":
+            assert "needs 2000 MB" in d.reason and "0 of 2000 MB free" in d.reason
+    until = NOW + FAILED_MOVE_COOLDOWN_RUNS * 10.0
+    assert plan.compaction.cooling == tuple((i, until) for i in sorted(held))
+    # What a move starts is held at once: the replacement's memory on its invoker, beside the original's.
+    for o in plan.starts:
+        assert o.record.user_memory_mb == 2000 and o.record.invoker in reports

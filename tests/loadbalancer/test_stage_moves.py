@@ -23,6 +23,7 @@ from dilu_invoker.wire import (
     InstanceCommand,
     InstanceRecord,
     InstanceReport,
+    LoadReport,
     decode,
     from_stream,
     stage_parent,
@@ -201,6 +202,37 @@ async def test_with_stage_moves_switched_off_no_stage_moves(redis: aioredis.Redi
     assert (await _record(redis, cmd.instance)).stages == cmd.stages
     assert not any(d.kind.startswith("stage-move") for d in await _decisions(redis))
 
+
+
+@pytest.mark.parametrize(("user_memory_mb", "moves"), [(512, 0), (768, 1)])
+async def test_a_stage_move_needs_one_more_container_of_user_memory(redis: aioredis.Redis, user_memory_mb: int,
+                                                                    moves: int) -> None:
+    """The new stage is one more container (the action's 256 MB) on the instance's invoker until the old one is
+    drained: with exactly the two stages' 512 MB of user memory the move is held back (`move-held`) and the
+    instance cools down; with one container more it is made, and while it is in flight the invoker's user memory
+    counts three containers."""
+    b, lead, cmd = await _stage_on_its_own(redis)
+    assert (await _record(redis, cmd.instance)).user_memory_mb == 512
+    await _invoker(redis, "invoker0", instances=(_ready(cmd),), user_memory_mb=user_memory_mb)
+    assert await b.tick(lead)  # type: ignore[arg-type]
+    assert len(await _starts(redis, op=CommandOp.MOVE_STAGE.value)) == moves
+    held = [d for d in await _decisions(redis) if d.kind == "move-held"]
+    rec = await _record(redis, cmd.instance)
+    if moves:
+        assert held == [] and len(rec.moving) == 1
+        report = LoadReport(invoker="invoker0", boot="boot", at_ms=0, user_memory_mb=user_memory_mb)
+        memory = planner.UserMemory({"invoker0": report}, {rec.id: rec})
+        assert memory.held["invoker0"] == 768 and not memory.holds("invoker0", 1)
+    else:
+        assert [d.instance for d in held] == [cmd.instance]
+        assert "needs 256 MB on invoker0, which has 0 of 512 MB free" in held[0].reason
+        assert rec.stages == cmd.stages and rec.moving == ()
+        assert (b.metrics.totals["started"], b.metrics.totals["held"]) == (0, 1)
+        # Cooling down: the next runs leave it where it is, and say nothing more.
+        await asyncio.sleep(PERIOD_S)
+        assert await b.tick(lead)  # type: ignore[arg-type]
+        assert await _starts(redis, op=CommandOp.MOVE_STAGE.value) == []
+        assert len([d for d in await _decisions(redis) if d.kind == "move-held"]) == 1
 
 # -- through the product: `standalone`, actions created over the REST API ------------------------------------
 
