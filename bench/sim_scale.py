@@ -148,6 +148,7 @@ def run_one(
         elif (r.summary, r.samples, h) != (first.summary, first.samples, digest):
             raise AssertionError(f"{policy} on {n} {train}:{llm} seed {seed}: a repeat decided otherwise")
     gc.unfreeze()
+    assert first is not None
     wall, cpu = statistics.median(walls), statistics.median(cpus)
     s, d = r.summary, r.details
     return {
@@ -159,6 +160,11 @@ def run_one(
         "peak_frac": d["peak_vs_bound"], "mean_frac": d["mean_vs_bound"],
         "moves_per_100": 100.0 * d["compaction_moves"] / n,
         "cold_per_100": 100.0 * d["compaction_cold_starts"] / n,
+        # the compaction runs' CPU (the first replay's): in all, and per run (what a leader's run takes)
+        "compact_cpu_s": first.details["compaction_cpu_s"], "compact_runs": first.details["compaction_runs"],
+        "compact_run_p50_ms": 1e3 * first.details["compaction_run_cpu_s"]["p50"],
+        "compact_run_p99_ms": 1e3 * first.details["compaction_run_cpu_s"]["p99"],
+        "compact_run_max_ms": 1e3 * first.details["compaction_run_cpu_s"]["max"],
         "splits": d["split_instances"], "rejected": s["rejected"], "load": _load().split()[0],
         "decisions": digest, "light_split": light_split, "split_node_fit": split_node_fit,
         "as_live": as_live and policy == "dilu", "compact_every_s": cfg.compact_every_s,
@@ -356,7 +362,10 @@ def main() -> int:
                         f"cpu {r['cpu_s']:6.2f} s ({r['cpu_min']:.2f}–{r['cpu_max']:.2f}) "
                         f"{r['us_per_event']:6.0f} µs/ev peak {r['peak']:5d} "
                         f"peak/int {r['peak_int']:.3f} mean/int {r['mean_int']:.3f} "
-                        f"cold/100 {r['cold_per_100']:.1f} decisions {r['decisions']} load {_load()}",
+                        f"cold/100 {r['cold_per_100']:.1f} compaction {r['compact_cpu_s']:.1f} s in "
+                        f"{r['compact_runs']} runs (p50 {r['compact_run_p50_ms']:.1f} ms, p99 "
+                        f"{r['compact_run_p99_ms']:.0f} ms, max {r['compact_run_max_ms']:.0f} ms) "
+                        f"decisions {r['decisions']} load {_load()}",
                         flush=True,
                     )
                     if child is not None:

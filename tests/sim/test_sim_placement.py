@@ -219,6 +219,12 @@ def test_compaction_runs_only_after_a_departure(lines: list[str], runs: int) -> 
     lines = sorted(lines, key=lambda line: json.loads(line)["t"])
     _, d, _ = run(lines, "dilu", compact_every_s=1.0)
     assert d["compaction_runs"] == runs
+    # Each run's CPU is kept: the quantiles are ordered, and the slowest is within the total (zeros without a run).
+    per_run = d["compaction_run_cpu_s"]
+    assert set(per_run) == {"p50", "p99", "max"}
+    assert 0.0 <= per_run["p50"] <= per_run["p99"] <= per_run["max"] <= d["compaction_cpu_s"] + 1e-3
+    if not runs:
+        assert per_run == {"p50": 0.0, "p99": 0.0, "max": 0.0} and d["compaction_cpu_s"] == 0.0
 
 
 @pytest.mark.parametrize(
