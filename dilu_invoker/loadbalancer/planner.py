@@ -86,6 +86,12 @@ from dilu_invoker.wire import (
 #: replacement that did not start on a GPU would most likely fail there again, a cold start each time.
 FAILED_MOVE_COOLDOWN_RUNS = 10
 
+#: After a move of an instance of a function failed on a GPU (its replacement or new stage did not start there),
+#: compaction moves no instance of that function onto that GPU for this long (seconds of the balancer's clock), beyond
+#: the instance's own cool-down: a GPU whose real state the budgets do not show (memory a stray process holds, a
+#: device in trouble) would otherwise cost a cold start every cool-down.
+FAILED_TARGET_HOLD_S = 1800.0
+
 #: Beyond a start, the longest a stage move may take on its invoker: the old stage drains the runs that started on it
 #: for up to the action's time limit (at most OpenWhisk's 300 s) and 5 s, and its removal is waited for up to
 #: `instances.REMOVAL_WAIT_S` (30 s). A move not done after `start_timeout_s` and this gives its instance up.
@@ -103,6 +109,9 @@ class CompactionLoop:
     cooling: tuple[tuple[str, float], ...] = ()
     """(instance id, until): instances a move of which failed lately (a replacement abandoned, a stage move that
     failed); compaction does not move them again before then (`FAILED_MOVE_COOLDOWN_RUNS`)."""
+    failed_targets: tuple[tuple[str, str, int, float], ...] = ()
+    """(function, invoker, GPU index, until): GPUs a move of an instance of the function failed on lately; compaction
+    moves no instance of it there before then (`FAILED_TARGET_HOLD_S`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -509,6 +518,8 @@ class _Work:
     """Function → why an instance of it failed on its invoker this tick."""
     failed_moves: list[str] = field(default_factory=list)
     """Instances whose compaction move failed this tick (`CompactionLoop.cooling`)."""
+    failed_targets: list[tuple[str, GpuRef]] = field(default_factory=list)
+    """(function, GPU) of each process those moves did not start (`CompactionLoop.failed_targets`)."""
 
     def forget(self, r: InstanceRecord, reason: str, *, owed: bool, stop: bool, now: float, epoch: int) -> None:
         self.records.pop(r.id, None)
@@ -520,6 +531,8 @@ class _Work:
             self.stops.append(Order(r, reason))
         if r.replaces:
             self.failed_moves.append(r.replaces)
+            gpus = [s.gpu for s in r.stages] if r.stages else [r.gpu] if r.gpu is not None else []
+            self.failed_targets.extend((r.function, GpuRef(r.invoker, g)) for g in gpus)
         kind = "move-abandoned" if r.replaces else "lost" if owed else "forget"
         self.decisions.append(Decision(now, epoch, kind, r.function, reason, r.id, r.invoker, r.gpu))
 
@@ -643,6 +656,7 @@ def _stage_move_outcome(r: InstanceRecord, new: InstanceRecord, inst: InstanceRe
         work.decisions.append(Decision(now, epoch, "stage-move-failed", r.function, reason, fresh.id, r.invoker,
                                        fresh.gpu))
         work.failed_moves.append(r.id)
+        work.failed_targets.append((r.function, GpuRef(r.invoker, fresh.gpu)))
         return new.stage_move_undone()
     if now - r.moving_since > cfg.start_timeout_s + STAGE_MOVE_DRAIN_S:
         work.forget(r, f"{r.id}: stage move of {old.id} to gpu{fresh.gpu} not done after {now - r.moving_since:.0f} s",
@@ -692,6 +706,11 @@ def _compact(
         until = now + FAILED_MOVE_COOLDOWN_RUNS * live.period_s
         cooling = {i: t for i, t in loop.cooling if t > now} | dict.fromkeys(work.failed_moves, until)
         loop = replace(loop, cooling=tuple(sorted(cooling.items(), key=lambda it: (it[1], it[0]))))
+    if work.failed_targets or (loop.failed_targets and loop.failed_targets[0][3] <= now):
+        avoid = {(f, inv, g): t for f, inv, g, t in loop.failed_targets if t > now} | {
+            (f, ref.invoker, ref.gpu): now + FAILED_TARGET_HOLD_S for f, ref in work.failed_targets}
+        loop = replace(loop, failed_targets=tuple(sorted(((*k, t) for k, t in avoid.items()),
+                                                         key=lambda it: (it[3], it[:3]))))
     if now < loop.next_at or any(r.replaces or r.moving for r in work.records.values()):
         return cluster, seq, loop
     cooling_ids = {i for i, _ in loop.cooling}
@@ -719,13 +738,14 @@ def _compact(
     placement = replace(cfg.placement, llm_max_parts=max(
         (parts_allowed(f) for f, spec in inp.specs.items() if spec.cls == InstanceClass.LLM.value), default=1))
     plan = compaction_plan(cluster, placement, live.config, loop.state, pinned=pinned)
-    chosen, short = _chosen_moves(inp, work, cluster, plan, parts_allowed)
+    chosen, short = _chosen_moves(inp, work, cluster, plan, parts_allowed, loop.failed_targets)
     if short:
-        # An invoker's user memory cannot hold the containers some moves start: those instances stay where they are
-        # (and cool down, as after a failed move), and the run plans once more without them.
+        # An invoker's user memory cannot hold the containers some moves start, or they would go where a move of
+        # their function failed lately: those instances stay where they are (and cool down, as after a failed
+        # move), and the run plans once more without them.
         plan = compaction_plan(cluster, placement, live.config, loop.state,
                                pinned=pinned | {s.id for orig, _ in short.values() for s in orig.stages} | set(short))
-        chosen, again = _chosen_moves(inp, work, cluster, plan, parts_allowed)
+        chosen, again = _chosen_moves(inp, work, cluster, plan, parts_allowed, loop.failed_targets)
         short |= again
         for orig, why in short.values():
             work.decisions.append(Decision(now, epoch, "move-held", orig.function, why, orig.id, orig.invoker,
@@ -766,15 +786,16 @@ def _compact(
         work.records[iid] = record
         work.starts.append(Order(record, reason))
         work.decisions.append(Decision(now, epoch, "move", orig.function, reason, iid, ref.invoker, ref.gpu))
-    return cluster, seq, CompactionLoop(next_at=now + live.period_s, state=plan.state, cooling=loop.cooling)
+    return cluster, seq, replace(loop, next_at=now + live.period_s, state=plan.state)
 
 
 def _chosen_moves(inp: TickInput, work: _Work, cluster: ClusterSnapshot, plan: CompactionPlan,
-                  parts_allowed: Callable[[str], int],
+                  parts_allowed: Callable[[str], int], failed_targets: tuple[tuple[str, str, int, float], ...] = (),
                   ) -> tuple[list[tuple[CompactionMove, InstanceRecord, str]], dict[str, tuple[InstanceRecord, str]]]:
     """The moves of `plan` a run makes, each with the record it moves and the id the cluster holds it under, and
-    the instances held back because an invoker's user memory cannot hold the containers their moves start (record
-    id → the record and why).
+    the instances held back because an invoker's user memory cannot hold the containers their moves start, or
+    because a move would start a process of their function on a GPU where one failed lately (`failed_targets`;
+    record id → the record and why).
 
     Not made: a move that splits an instance further than its action declares, a second move of one instance (the
     invoker hands over one stage at a time, a replacement is started once), and every move off a GPU one of whose
@@ -801,7 +822,15 @@ def _chosen_moves(inp: TickInput, work: _Work, cluster: ClusterSnapshot, plan: C
     memory = UserMemory(inp.reports, work.records)
     short: dict[str, tuple[InstanceRecord, str]] = {}
     short_sources: set[GpuRef] = set()
+    failed_on = {(f, GpuRef(inv, g)) for f, inv, g, _ in failed_targets}
     for mv, orig, _ in picked:
+        bad = next((p.gpu for p in mv.parts if (orig.function, p.gpu) in failed_on), None) if mv.parts else (
+            mv.target if (orig.function, mv.target) in failed_on else None)
+        if bad is not None:
+            short_sources.add(mv.source)
+            short[orig.id] = (orig, f"compaction: a move of {orig.function} onto {bad.invoker}/gpu{bad.gpu} failed "
+                                    f"lately; {orig.id} stays on {mv.source.invoker}/gpu{mv.source.gpu}")
+            continue
         per = inp.specs[orig.function].user_memory_mb
         if stage_parent(mv.instance_id) is not None and not mv.replaces:
             inv, need = orig.invoker, per

@@ -185,7 +185,8 @@ class BalancerMetrics:
             "dilu_balancer_compaction_moves",
             "Compaction moves by outcome: started (a replacement or a pipeline stage's, i.e. cold starts), done "
             "(original drained), abandoned (the replacement or the new stage failed; the original kept serving), "
-            "held (not made: the target invoker's user memory could not hold the containers it starts)",
+            "held (not made: the target invoker's user memory could not hold the containers it starts, or a move of "
+            "the function onto that GPU failed lately)",
             ("outcome",), registry=r)
         self.compaction_in_flight = Gauge("dilu_balancer_compaction_in_flight",
                                           "Compaction replacements starting and stage moves in flight", registry=r)

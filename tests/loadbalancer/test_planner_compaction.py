@@ -10,6 +10,7 @@ import pytest
 
 from dilu_invoker.loadbalancer.planner import (
     FAILED_MOVE_COOLDOWN_RUNS,
+    FAILED_TARGET_HOLD_S,
     CompactionLoop,
     PlannerConfig,
     TickInput,
@@ -134,8 +135,19 @@ def test_a_failed_replacement_is_abandoned_and_owes_nothing() -> None:
     later = _tick(reports, dict(plan.records), cfg=ON, loop=replace(plan.compaction, next_at=0.0), now=NOW + 20)
     assert moves(later) == [(G, "b", "invoker0")]
     assert later.compaction.cooling == (("a", until),)
+    # The GPU the replacement failed on is remembered for FAILED_TARGET_HOLD_S: once a has cooled down, a plan that
+    # moves f's instance there again is not carried out (move-held; a cools down again) and b moves instead ...
+    assert plan.compaction.failed_targets == ((F, "invoker1", 0, NOW + 1 + FAILED_TARGET_HOLD_S),)
     after = _tick(reports, dict(plan.records), cfg=ON, loop=replace(plan.compaction, next_at=0.0), now=until + 1)
-    assert moves(after) == [(F, "a", "invoker1")] and after.compaction.cooling == ()
+    assert moves(after) == [(G, "b", "invoker0")]
+    [held] = [d for d in after.decisions if d.kind == "move-held"]
+    assert held.instance == "a" and "onto invoker1/gpu0 failed lately" in held.reason
+    assert after.compaction.cooling == (("a", until + 1 + FAILED_MOVE_COOLDOWN_RUNS * 10.0),)
+    # ... until the GPU is no longer held against f: then a may move there again.
+    later = NOW + 2 + FAILED_TARGET_HOLD_S
+    again = _tick(reports, dict(plan.records), cfg=ON, loop=replace(plan.compaction, next_at=0.0), now=later)
+    assert moves(again) == [(F, "a", "invoker1")]
+    assert again.compaction.cooling == () and again.compaction.failed_targets == ()
 
 
 def test_live_defaults() -> None:

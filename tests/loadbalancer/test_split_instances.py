@@ -47,7 +47,7 @@ GPU_MB = 16000
 def _cfg(**balancer: object) -> config.Config:
     base = config.load(environ={})
     return replace(base, redis=replace(base.redis, prefix=PREFIX),
-                   balancer=replace(base.balancer, tick_s=0.2, lease_ttl_s=5.0, **balancer))
+                   balancer=replace(base.balancer, **{"tick_s": 0.2, "lease_ttl_s": 5.0, **balancer}))
 
 
 def _uuid(invoker: str, gpu: int) -> str:

@@ -8,6 +8,7 @@ invoker's side)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -124,15 +125,18 @@ async def test_a_stage_alone_on_its_gpu_moves_make_before_break(redis: aioredis.
 
 async def test_a_failed_stage_move_leaves_the_old_stage_serving(redis: aioredis.Redis,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """... and compaction leaves the instance where it is for `FAILED_MOVE_COOLDOWN_RUNS` periods (2 here), then
-    tries again."""
+    """... and compaction leaves the instance where it is for `FAILED_MOVE_COOLDOWN_RUNS` periods (2 here), and
+    keeps the function's processes off the GPU the new stage failed on for `FAILED_TARGET_HOLD_S` (4 periods here):
+    after its cool-down the move is held (`move-held`), after the GPU's hold it is tried again."""
     monkeypatch.setattr(planner, "FAILED_MOVE_COOLDOWN_RUNS", 2)
-    b, lead, cmd = await _stage_on_its_own(redis)
+    monkeypatch.setattr(planner, "FAILED_TARGET_HOLD_S", 4 * PERIOD_S)
+    b, lead, cmd = await _stage_on_its_own(redis, lease_ttl_s=30.0)  # it ticks for longer than the tests' lease
     assert await b.tick(lead)  # type: ignore[arg-type]
     [move] = await _starts(redis, op=CommandOp.MOVE_STAGE.value)
     new0 = move.stages[0]
     await GpuBudgets(redis, PREFIX).release(_uuid("invoker0", 2), new0.id)  # as the invoker does
     await _invoker(redis, "invoker0", instances=(_ready(cmd, move_failed=f"{new0.id}: stage 0 of 2: start failed"),))
+    failed_at = time.monotonic()
     assert await b.tick(lead)  # type: ignore[arg-type]
     rec = await _record(redis, cmd.instance)
     assert rec.stages == cmd.stages and rec.moving == () and rec.state == "ready"
@@ -144,9 +148,18 @@ async def test_a_failed_stage_move_leaves_the_old_stage_serving(redis: aioredis.
     await asyncio.sleep(PERIOD_S)
     assert await b.tick(lead)  # type: ignore[arg-type]
     assert len(await _starts(redis, op=CommandOp.MOVE_STAGE.value)) == 1
-    # Two periods after the failure it may move again (a new stage id).
+    # Two periods after the failure it has cooled down, but GPU 2 is still held against the function.
     await asyncio.sleep(PERIOD_S + 0.1)
     assert await b.tick(lead)  # type: ignore[arg-type]
+    assert len(await _starts(redis, op=CommandOp.MOVE_STAGE.value)) == 1
+    [held] = [d for d in await _decisions(redis) if d.kind == "move-held"]
+    assert held.instance == cmd.instance and "onto invoker0/gpu2 failed lately" in held.reason
+    # Once the GPU's hold is over (and the instance's new cool-down), it moves again (a new stage id), not before.
+    while len(await _starts(redis, op=CommandOp.MOVE_STAGE.value)) == 1:
+        assert time.monotonic() - failed_at < 8 * PERIOD_S
+        await asyncio.sleep(PERIOD_S / 4)
+        assert await b.tick(lead)  # type: ignore[arg-type]
+    assert time.monotonic() - failed_at >= 4 * PERIOD_S
     first, again = await _starts(redis, op=CommandOp.MOVE_STAGE.value)
     assert again.stages[0].id not in (first.stages[0].id, cmd.stages[0].id) and again.stages[0].gpu == 2
 
