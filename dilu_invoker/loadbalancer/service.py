@@ -212,6 +212,21 @@ class BalancerMetrics:
         return changed
 
 
+def compaction_held(raw: bytes | str, now: float) -> CompactionLoop:
+    """What an earlier leader's compaction held back (``P bal:compaction`` field ``held``): the instances cooling down
+    after a failed move and the GPUs held against a function (`CompactionLoop.cooling`, `failed_targets`), those not
+    over by ``now``. Anything unreadable is dropped: this is only what spares a cold start."""
+    try:
+        held = msgpack.unpackb(raw) if isinstance(raw, bytes) else {}
+        cooling = tuple(sorted(((str(i), float(t)) for i, t in held.get("cooling", ()) if float(t) > now),
+                               key=lambda it: (it[1], it[0])))
+        targets = tuple(sorted(((str(f), str(inv), int(g), float(t)) for f, inv, g, t in held.get("failed_targets", ())
+                                if float(t) > now), key=lambda it: (it[3], it[:3])))
+    except (ValueError, TypeError, AttributeError):
+        return CompactionLoop()
+    return CompactionLoop(cooling=cooling, failed_targets=targets)
+
+
 def _natural(name: str) -> tuple[str, int, str]:
     m = re.match(r"^(.*?)(\d+)$", name)
     return (m.group(1), int(m.group(2)), name) if m else (name, -1, name)
@@ -514,11 +529,13 @@ class Balancer:
         self._memo = None
         self._budget_cache = self._new_budget_cache()
         self._snapshots = SnapshotCache()
-        raw = await self.redis.hget(self.keys.compaction, "totals")
+        raw, held = await self.redis.hmget(self.keys.compaction, ["totals", "held"])
         if raw:
             with contextlib.suppress(ValueError, TypeError):
                 totals = msgpack.unpackb(raw)
                 self.metrics.totals.update({k: int(v) for k, v in totals.items() if k in self.metrics.totals})
+        if held:
+            self._compaction = compaction_held(held, time.time())
         self._records = await self._load_records()
         self._routes = await self._load_routes()
         log.info("balancer leads", holder=self.holder, epoch=lead.epoch, instances=len(self._records))
@@ -829,6 +846,9 @@ class Balancer:
         before = dict(self.metrics.totals)
         if self.metrics.observe(plan, self._compaction, frozenset(refused)):
             ops.hset(self.keys.compaction, "totals", msgpack.packb(self.metrics.totals))
+        now_held = (plan.compaction.cooling, plan.compaction.failed_targets)
+        if now_held != (self._compaction.cooling, self._compaction.failed_targets):
+            ops.hset(self.keys.compaction, "held", msgpack.packb({"cooling": now_held[0], "failed_targets": now_held[1]}))
 
         if ops.count and not await self.lease.apply(lead, ops):
             self.metrics.totals = before

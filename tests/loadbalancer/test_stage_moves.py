@@ -11,13 +11,15 @@ import asyncio
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import redis.asyncio as aioredis
 
 from bench.stage_move import render, stage_move_trial
 from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
 from dilu_invoker.loadbalancer import planner
-from dilu_invoker.loadbalancer.service import Balancer
+from dilu_invoker.loadbalancer.planner import CompactionLoop
+from dilu_invoker.loadbalancer.service import Balancer, compaction_held
 from dilu_invoker.wire import (
     CommandOp,
     Decision,
@@ -144,6 +146,13 @@ async def test_a_failed_stage_move_leaves_the_old_stage_serving(redis: aioredis.
     assert "start failed" in failed.reason and failed.instance == new0.id
     assert b.metrics.totals["abandoned"] == 1
     assert await _starts(redis, op="stop") == []
+    # The cool-down and the GPU held against the function are in Redis: a new leader carries them on.
+    assert b._compaction.cooling[0][0] == cmd.instance
+    assert b._compaction.failed_targets[0][:3] == (FN, "invoker0", 2)
+    heir = Balancer(redis, b.cfg, holder="heir")
+    await heir._take_over(lead)  # type: ignore[arg-type]
+    assert (heir._compaction.cooling, heir._compaction.failed_targets) == (
+        b._compaction.cooling, b._compaction.failed_targets)
     # The next run is due but the instance cools down: no second try yet.
     await asyncio.sleep(PERIOD_S)
     assert await b.tick(lead)  # type: ignore[arg-type]
@@ -274,3 +283,14 @@ async def test_standalone_moves_a_stage_while_it_serves(tmp_path: Path) -> None:
     assert 0 < trial.ordered_at < trial.done_at and s["move_s"] > 0 and s["requests_during"] > 0
     md = render({"machine": "m", "date": "d", "command": "c", "clients": 2, "trials": [s]})
     assert f"| 1 | {s['requests']} | 0 | {s['move_s']} |" in md and "failed requests 0 in all" in md
+
+
+def test_what_compaction_held_back_is_read_back_without_what_is_over_or_unreadable() -> None:
+    raw = msgpack.packb({"cooling": [["a", 50.0], ["b", 150.0]],
+                         "failed_targets": [["guest/f", "invoker0", 1, 120.0], ["guest/g", "invoker1", 0, 90.0]]})
+    loop = compaction_held(raw, 100.0)
+    assert loop.cooling == (("b", 150.0),)
+    assert loop.failed_targets == (("guest/f", "invoker0", 1, 120.0),)
+    assert loop.next_at == 0.0 and loop.state is None
+    for bad in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"cooling": [["a"]]}), "text"):
+        assert compaction_held(bad, 100.0) == CompactionLoop()
