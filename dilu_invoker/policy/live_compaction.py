@@ -14,8 +14,12 @@ from dilu_invoker.policy.horizontal import FunctionLoad, ScaleAction, ScaleDecis
 #: instances are emptied, 32 per run, 2 moves a run. A pipeline stage of a split instance may move to another GPU
 #: of its invoker (the invoker hands it over while the pipeline serves, `CommandOp.MOVE_STAGE`), a split
 #: instance may be placed anew, and a move may split the llm instance it moves (`move_pieces`; the
-#: `--balancer-compaction-stages` switch).
-LIVE_COMPACTION = CompactionConfig(source_max_request=0.5, max_sources=32, max_moves=2, move_pieces=True)
+#: `--balancer-compaction-stages` switch). A run merges no SM room by default; one that does
+#: (`--balancer-compaction-merges`) looks as the simulator's does: at up to 256 GPUs with lost room per merging move,
+#: emptying only GPUs of one instance meanwhile (docs/benchmarks/sim-scale.md, twenty-seventh round: on 0:0.4 the
+#: simulator's packing for fewer cold starts and less CPU than 16 GPUs and 2 instances).
+LIVE_COMPACTION = CompactionConfig(source_max_request=0.5, max_sources=32, max_moves=2, move_pieces=True,
+                                   merge_sources=256, merge_source_instances=1)
 
 
 def live_compaction_config(*, max_moves: int = LIVE_COMPACTION.max_moves,

@@ -18,6 +18,7 @@ from dilu_invoker.loadbalancer.planner import (
     plan_tick,
 )
 from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction
+from dilu_invoker.sim.placement import SIM_COMPACTION
 from dilu_invoker.wire import FunctionReport, RecordState
 from tests.loadbalancer.test_planner import CFG, NOW, cluster, inst, record, report, spec, tick
 
@@ -152,7 +153,10 @@ def test_a_failed_replacement_is_abandoned_and_owes_nothing() -> None:
 
 def test_live_defaults() -> None:
     assert (LIVE_COMPACTION.source_max_request, LIVE_COMPACTION.max_sources, LIVE_COMPACTION.max_moves,
-            LIVE_COMPACTION.move_pieces) == (0.5, 32, 2, True)
+            LIVE_COMPACTION.move_pieces, LIVE_COMPACTION.merges) == (0.5, 32, 2, True, 0)
+    # A run that merges (--balancer-compaction-merges) looks as the simulator's does.
+    assert (LIVE_COMPACTION.merge_sources, LIVE_COMPACTION.merge_source_instances) == (
+        SIM_COMPACTION.merge_sources, SIM_COMPACTION.merge_source_instances) == (256, 1)
     with pytest.raises(ValueError, match="period_s"):
         LiveCompaction(period_s=0)
     assert tick({"invoker0": report("invoker0")}).compaction == CompactionLoop()
