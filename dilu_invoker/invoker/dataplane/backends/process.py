@@ -140,6 +140,10 @@ class ProcessBackend:
         #: containers get a direct lane for /run (docs/runtime.md, "The direct lane")
         self.direct_lane = direct_lane
         self._live: set[ProcessContainer] = set()
+        #: one runtime process is forked at a time: a fork (with the sandbox's steps in the child) blocks the event loop
+        #: until the child execs, about 25 ms here; starts of a burst forked back to back in one turn of the loop
+        #: blocked it for all of them at once (200 ms for 8; docs/benchmarks/spawn.md)
+        self._spawning = asyncio.Lock()
         self.sandboxes = Sandboxes(mode=isolation, uid_range=parse_uid_range(uid_range), work_dir=work_dir,
                                    hide=hide)
 
@@ -189,19 +193,21 @@ class ProcessBackend:
                 listener.listen(128)
                 port = int(listener.getsockname()[1])
                 fd = listener.fileno()
-                proc = await asyncio.create_subprocess_exec(
-                    *box.command([self._python, "-m", "dilu_invoker.actions.runtime", "--host", "127.0.0.1",
-                                  "--port", str(port), "--listen-fd", str(fd), "--direct-fd", str(theirs.fileno())]),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    env=env,
-                    cwd=str(box.dir),
-                    start_new_session=True,
-                    preexec_fn=box.preexec(report_w),
-                    pass_fds=(fd, theirs.fileno()),
-                    limit=1 << 20,
-                )
+                async with self._spawning:
+                    proc = await asyncio.create_subprocess_exec(
+                        *box.command([self._python, "-m", "dilu_invoker.actions.runtime", "--host", "127.0.0.1",
+                                      "--port", str(port), "--listen-fd", str(fd), "--direct-fd",
+                                      str(theirs.fileno())]),
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=asyncio.subprocess.PIPE,
+                        env=env,
+                        cwd=str(box.dir),
+                        start_new_session=True,
+                        preexec_fn=box.preexec(report_w),
+                        pass_fds=(fd, theirs.fileno()),
+                        limit=1 << 20,
+                    )
             except (OSError, subprocess.SubprocessError) as exc:
                 why = preexec_failure(report_r)  # closes it
                 report_r = -1
