@@ -115,6 +115,14 @@ class CompactionConfig:
     repack_moves: int = 10
     """The most cold starts one re-pack may cost (each instance whose GPU changes is one, each
     stage of an instance cut anew is one)."""
+    one_move_per_instance: bool = False
+    """Move each instance at most once a call: a stage moved, no other stage of the same instance and no placing it
+    anew in the same call (nor the other way round). The live balancer hands one stage of an instance over at a
+    time and starts a replacement once (`policy.live_compaction.LIVE_COMPACTION` sets it), so a plan it carries out
+    whole must not hold two moves of one instance. A source GPU holding a piece of an instance this call moved is
+    left for the next call; merging moves leave such pieces where they are. Emptying, `merges` and `memory_merges`
+    keep the rule; `rebalances`, `memory_rebalances` and `repacks` (which the live balancer refuses) do not look at
+    it."""
     repack_above: float | None = None
     """Re-pack only while the lit GPUs, once the call has emptied what it could, exceed the integral
     bound of what is placed by more than this fraction of it (`_above_bound`), besides the merges'
@@ -200,6 +208,26 @@ def _stages(cluster: ClusterSnapshot, part_of: str, invoker: str) -> list[tuple[
         for i in g.instances
         if i.part_of == part_of
     ]
+
+
+def _moved_whole(work: ClusterSnapshot, move: CompactionMove) -> str:
+    """The id of the whole instance `move` moved (the cluster after it): a split instance's, not its piece's."""
+    if move.replaces or move.parts or not work.has_instance(move.instance_id):
+        return move.instance_id
+    inst = work.instance(move.instance_id)
+    return inst.part_of or inst.id
+
+
+def _pin_moved(work: ClusterSnapshot, moves: Iterable[CompactionMove], pinned: frozenset[str]) -> frozenset[str]:
+    """`pinned` with the instances `moves` moved, each with every piece of it (`CompactionConfig.one_move_per_instance`)."""
+    ids = set(pinned)
+    for m in moves:
+        whole = _moved_whole(work, m)
+        ids.add(whole)
+        for inv in {m.source.invoker, m.target.invoker}:
+            if inv in work.invoker_ordinals:
+                ids.update(p.id for _, p in _stages(work, whole, inv))
+    return frozenset(ids)
 
 
 def _whole_request(piece: PlacedInstance, stages: list[tuple[GpuRef, PlacedInstance]]) -> PlacementRequest:
@@ -1038,6 +1066,8 @@ def compaction_plan(
     # instance placed anew lose their piece (and gain room).
     siblings: set[GpuRef] = set()
     failures = failed.mutate()
+    # The instances this call moved (`one_move_per_instance`), by their whole's id.
+    moved: set[str] = set()
     while heap:
         at, o = heapq.heappop(heap)
         if tried >= config.max_sources or len(moves) >= config.max_moves:
@@ -1049,6 +1079,9 @@ def compaction_plan(
             continue
         if pinned and any(i.id in pinned for i in gpu.instances):
             pending.append(o)
+            continue
+        if moved and any((i.part_of or i.id) in moved for i in gpu.instances):
+            pending.append(o)  # one move per instance a call: the next call may move it
             continue
         if len(moves) + len(gpu.instances) > config.max_moves:
             pending.append(o)
@@ -1083,6 +1116,8 @@ def compaction_plan(
         for m in trial_moves:
             targets.add(m.target)
             targets.update(p.gpu for p in m.parts)
+        if config.one_move_per_instance:
+            moved.update(_moved_whole(work, m) for m in trial_moves)
         freed.append(gpu.ref)
         freed.extend(trial_freed)
         if opened:
@@ -1159,6 +1194,8 @@ def compaction_plan(
         moves.extend(repacked)
         freed.extend(dark)
     merged: list[CompactionMove] = []
+    if config.one_move_per_instance and moves:
+        pinned = _pin_moved(work, moves, pinned)
     if merging and len(moves) < config.max_moves and _above_bound(work, config.merge_above):
         work, merged = _merge(work, placement, config, min(config.merges, config.max_moves - len(moves)),
                               targets, pinned)
@@ -1300,6 +1337,8 @@ def _merge(
         target = work.refs[t]
         work = work.without_instance(inst.id).with_instance(inst, (target,))
         targets.add(target)
+        if config.one_move_per_instance:
+            pinned = _pin_moved(work, [CompactionMove(inst.id, inst.function, gpu.ref, target, "")], pinned)
         room = omega - gpu.used_request
         why = (
             f"SM room {room:.2f} < the least request {smallest:.2f}"
@@ -1435,6 +1474,8 @@ def _merge_memory(
         target = work.refs[t]
         work = work.without_instance(inst.id).with_instance(inst, (target,))
         targets.add(target)
+        if config.one_move_per_instance:
+            pinned = _pin_moved(work, [CompactionMove(inst.id, inst.function, gpu.ref, target, "")], pinned)
         free_gib = (gpu.memory_mib - gpu.used_memory) / 1024
         room = omega - gpu.used_request
         why = (

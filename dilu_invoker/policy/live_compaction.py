@@ -17,9 +17,10 @@ from dilu_invoker.policy.horizontal import FunctionLoad, ScaleAction, ScaleDecis
 #: `--balancer-compaction-stages` switch). A run merges no SM room by default; one that does
 #: (`--balancer-compaction-merges`) looks as the simulator's does: at up to 256 GPUs with lost room per merging move,
 #: emptying only GPUs of one instance meanwhile (docs/benchmarks/sim-scale.md, twenty-seventh round: on 0:0.4 the
-#: simulator's packing for fewer cold starts and less CPU than 16 GPUs and 2 instances).
+#: simulator's packing for fewer cold starts and less CPU than 16 GPUs and 2 instances). A run moves each instance
+#: at most once (`one_move_per_instance`): the invoker hands one stage over at a time.
 LIVE_COMPACTION = CompactionConfig(source_max_request=0.5, max_sources=32, max_moves=2, move_pieces=True,
-                                   merge_sources=256, merge_source_instances=1)
+                                   merge_sources=256, merge_source_instances=1, one_move_per_instance=True)
 
 
 def live_compaction_config(*, max_moves: int = LIVE_COMPACTION.max_moves,

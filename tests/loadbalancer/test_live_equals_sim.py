@@ -38,6 +38,9 @@ MERGING = replace(COMPACTION, merges=1)
 #: What an operator sets with --balancer-compaction-max-request 1.0 --balancer-compaction-merges 1 (more moves a run
 #: than the default 2, so that one trace exercises them).
 WIDE = live_compaction_config(max_moves=64, max_request=1.0, merges=1)
+#: ... with --balancer-compaction-merges 2: two merging moves a run may move two stages of one instance, which the
+#: live balancer would not (`one_move_per_instance`).
+TWO_MERGES = live_compaction_config(max_moves=64, max_request=1.0, merges=2)
 #: --balancer-compaction-stages false: compaction never touches a split instance and never splits.
 NO_STAGE_MOVES = replace(COMPACTION, move_pieces=False)
 
@@ -58,9 +61,11 @@ def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
                          [(100, 0.0, 0.2, 4, COMPACTION, 1), (100, 0.0, 0.4, 9, COMPACTION, 1),
                           (160, 0.0, 0.0, 3, MERGING, 1), (160, 0.0, 0.2, 5, WIDE, 1),
                           (160, 0.0, 0.4, 1, COMPACTION, 4), (120, 0.0, 0.4, 7, WIDE, 2),
-                          (160, 0.0, 0.4, 7, WIDE, 4), (160, 0.0, 0.4, 2, NO_STAGE_MOVES, 4)],
+                          (160, 0.0, 0.4, 7, WIDE, 4), (160, 0.0, 0.4, 2, NO_STAGE_MOVES, 4),
+                          (160, 0.0, 0.4, 3, TWO_MERGES, 4)],
                          ids=["llm-20%", "llm-40%", "inference-merging", "any-gpu-merging", "stages-4",
-                              "stages-2-merging", "stages-4-merging", "stages-4-no-stage-moves"])
+                              "stages-2-merging", "stages-4-merging", "stages-4-no-stage-moves",
+                              "stages-4-two-merges"])
 def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float, llm: float, seed: int,
                                                              compaction: CompactionConfig, stages: int) -> None:
     """`stages` > 1: the LLM actions declare gpu-stages N (`--balancer-max-stages` 4): both split an LLM no lit GPU
@@ -81,6 +86,36 @@ def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float
     expected = sim_decisions(sim_log)
     assert sum(1 for e in expected if e[0] == "move") > 0, "the trace must exercise compaction"
     assert live.log == expected
+
+def _twice_moved(log: list[tuple[Any, ...]]) -> int:
+    """How many compaction runs of a simulator log moved one instance (a split one: any of its stages) twice."""
+    runs: list[list[str]] = []
+    for entry in log:
+        if entry[0] == "compact":
+            runs.append([])
+        elif entry[0] == "move":
+            runs[-1].append(entry[2].split("#p")[0])
+    return sum(1 for moved in runs if len(moved) != len(set(moved)))
+
+
+def test_a_live_run_moves_an_instance_once() -> None:
+    """The live balancer hands one stage of an instance over at a time: its compaction (`LIVE_COMPACTION`,
+    `one_move_per_instance`) plans no second move of an instance in a run, where the same plan without the rule
+    makes one on this trace (two merging moves, two stages of one LLM), and so the live planner, which would skip
+    that second move, decides as the simulator (`test_the_live_planner_places_and_moves_as_the_simulator`,
+    "stages-4-two-merges")."""
+    events = dilu_mix(160, train_fraction=0.0, llm_fraction=0.4, seed=3)
+    twice = {}
+    for rule in (True, False):
+        log: list[tuple[Any, ...]] = []
+        compaction = replace(TWO_MERGES, one_move_per_instance=rule)
+        simulate_placement(events, PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, llm_split_parts=4,
+                                                      compact_every_s=PERIOD_S, compaction=compaction,
+                                                      compaction_splits=True, whole_mib_stages=True), log=log)
+        twice[rule] = _twice_moved(log)
+    assert TWO_MERGES.one_move_per_instance and LIVE_COMPACTION.one_move_per_instance
+    assert twice == {True: 0, False: twice[False]} and twice[False] > 0
+
 
 def _replay(events: list[Any], compaction: CompactionConfig, stages: int, *, incremental: bool = True) -> LiveHarness:
     """The live planner through the trace's events (the module doc); `incremental`: with each plan's memo."""
