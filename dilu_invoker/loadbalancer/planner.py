@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -224,6 +225,8 @@ class TickPlan:
     (`InstanceRecord.stage_move`); the service reserves the new stage, then sends the command."""
     memo: PlanMemo | None = field(default=None, compare=False)
     """What the next tick may reuse (`PlanMemo`); not part of the plan's decisions."""
+    compaction_cpu_s: float | None = field(default=None, compare=False)
+    """CPU seconds of the planning thread this tick's compaction run took (None: no run this tick)."""
 
 
 #: What a tick reads of one invoker's report (`_figures`).
@@ -1053,9 +1056,13 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
             calm.add(fqn)
         memos[fqn] = FunctionMemo(load, is_calm)
     loop = inp.compaction
+    compaction_cpu_s = None
     if cfg.compaction is not None and cluster is not None:
         before = len(work.starts)
+        c0 = time.thread_time()
         cluster, seq, loop = _compact(inp, cfg, work, cluster, calm, seq)
+        if loop.next_at != inp.compaction.next_at:  # a run
+            compaction_cpu_s = time.thread_time() - c0
         for o in work.starts[before:]:
             repeated.discard(o.record.function)
             kept.pop(o.record.function, None)
@@ -1080,6 +1087,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
         memo=PlanMemo(cfg=cfg, epoch=epoch, records=dict(records), reports=dict(inp.reports), figures=figures,
                       specs=dict(inp.specs), states=dict(states), routes=dict(routes), demand=demand, functions=memos,
                       decisions={d.function: d for d in scale}, settled=settled, functions_order=functions),
+        compaction_cpu_s=compaction_cpu_s,
     )
 
 

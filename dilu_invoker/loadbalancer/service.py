@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import msgpack
 import redis.asyncio as aioredis
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import RedisError
 
 from dilu_invoker import logs
@@ -190,6 +190,10 @@ class BalancerMetrics:
             ("outcome",), registry=r)
         self.compaction_in_flight = Gauge("dilu_balancer_compaction_in_flight",
                                           "Compaction replacements starting and stage moves in flight", registry=r)
+        self.compaction_run_cpu = Histogram(
+            "dilu_balancer_compaction_run_cpu_seconds",
+            "CPU seconds of each compaction run (the leader's planning thread): what compaction costs the leader",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
         self.totals: dict[str, int] = {"runs": 0, "started": 0, "done": 0, "abandoned": 0, "held": 0}
 
     def observe(self, plan: TickPlan, before: CompactionLoop, refused: frozenset[str] = frozenset()) -> bool:
@@ -197,6 +201,8 @@ class BalancerMetrics:
         GPU budget refused them (not started: not counted)."""
         self.ticks.inc()
         changed = False
+        if plan.compaction_cpu_s is not None:
+            self.compaction_run_cpu.observe(plan.compaction_cpu_s)
         if plan.compaction.next_at != before.next_at:
             self.compaction_runs.inc()
             self.totals["runs"] += 1

@@ -72,6 +72,10 @@ def test_compaction_decides_moves(case: Case) -> None:
     }
     plan = _tick(reports, records, cfg=case.cfg, loop=case.loop)
     assert tuple(moves(plan)) == case.expect
+    # A run is timed (the leader's metric dilu_balancer_compaction_run_cpu_seconds); no run, no time.
+    ran = plan.compaction.next_at != case.loop.next_at
+    assert ran is (case.cfg.compaction is not None and case.loop.next_at <= NOW)
+    assert (plan.compaction_cpu_s is not None) is ran and (plan.compaction_cpu_s or 0.0) >= 0.0
     # Make-before-break: the originals still serve, the replacement is not routed to yet.
     assert plan.records["a"].state == RecordState.READY and plan.records["b"].state == RecordState.READY
     assert [e.id for e in plan.routes[F].instances] == ["a"]

@@ -105,6 +105,10 @@ async def test_a_stage_alone_on_its_gpu_moves_make_before_break(redis: aioredis.
     rec = await _record(redis, cmd.instance)
     assert rec.stages == move.stages and rec.moving == (old0,) and rec.gpu == 2
     assert rec.state == "ready"  # it serves on throughout
+    # Each run's CPU is a metric: as many as there were runs (the set-up's ticks ran one too).
+    runs = b.metrics.registry.get_sample_value("dilu_balancer_compaction_runs_total")
+    assert runs is not None and runs >= 1
+    assert b.metrics.registry.get_sample_value("dilu_balancer_compaction_run_cpu_seconds_count") == runs
     kinds = [d.kind for d in await _decisions(redis)]
     assert "stage-move" in kinds
     # No second run while the move is in flight, and no other command.
