@@ -86,8 +86,9 @@ def _child(tmp_path: Path) -> int:
 
 
 def test_a_failing_command_is_restarted_with_only_the_env_file(tmp_path: Path) -> None:
-    # First run: record the environment and fail; second run: stay up.
-    script = ('if [ -f ran ]; then echo "$GREETING" > second; exec sleep 60; '
+    # First run: record the environment and fail; second run: stay up. "second" appears whole (written, then
+    # renamed): a redirection creates the file before it writes, and the check below would race it.
+    script = ('if [ -f ran ]; then echo "$GREETING" > second.part && mv second.part second; exec sleep 60; '
               'else env > first-env; touch ran; exit 3; fi')
     proc = _start(tmp_path, script, env={"GREETING": "hello again"})
     try:
