@@ -29,7 +29,7 @@ import math
 import operator
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -113,6 +113,26 @@ class CompactionLoop:
     failed_targets: tuple[tuple[str, str, int, float], ...] = ()
     """(function, invoker, GPU index, until): GPUs a move of an instance of the function failed on lately; compaction
     moves no instance of it there before then (`FAILED_TARGET_HOLD_S`)."""
+
+    def expiring(self, now: float) -> bool:
+        """Whether a cool-down or a held GPU is over by `now` (`held` would drop it)."""
+        return bool((self.cooling and self.cooling[0][1] <= now)
+                    or (self.failed_targets and self.failed_targets[0][3] <= now))
+
+    def held(self, now: float, cool: Iterable[str] = (), cool_until: float = 0.0,
+             hold: Iterable[tuple[str, str, int]] = (), hold_until: float = 0.0) -> CompactionLoop:
+        """This loop without the cool-downs and held GPUs over by `now`, with the instances `cool` cooling down until
+        `cool_until` and the GPUs `hold` ((function, invoker, GPU index)) held until `hold_until`; each in the order
+        they end."""
+        cooling = {i: t for i, t in self.cooling if t > now} | dict.fromkeys(cool, cool_until)
+        targets = {e[:3]: e[3] for e in self.failed_targets if e[3] > now} | dict.fromkeys(hold, hold_until)
+        return replace(self, cooling=tuple(sorted(cooling.items(), key=_by_end)),
+                       failed_targets=tuple(sorted(((*k, t) for k, t in targets.items()), key=_by_end)))
+
+
+def _by_end(entry: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Order of held entries: when they end (their last field), then the rest."""
+    return entry[-1], entry[:-1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -705,15 +725,10 @@ def _compact(
     assert live is not None
     now, epoch = inp.now, inp.epoch
     loop = inp.compaction
-    if work.failed_moves or (loop.cooling and loop.cooling[0][1] <= now):
-        until = now + FAILED_MOVE_COOLDOWN_RUNS * live.period_s
-        cooling = {i: t for i, t in loop.cooling if t > now} | dict.fromkeys(work.failed_moves, until)
-        loop = replace(loop, cooling=tuple(sorted(cooling.items(), key=lambda it: (it[1], it[0]))))
-    if work.failed_targets or (loop.failed_targets and loop.failed_targets[0][3] <= now):
-        avoid = {(f, inv, g): t for f, inv, g, t in loop.failed_targets if t > now} | {
-            (f, ref.invoker, ref.gpu): now + FAILED_TARGET_HOLD_S for f, ref in work.failed_targets}
-        loop = replace(loop, failed_targets=tuple(sorted(((*k, t) for k, t in avoid.items()),
-                                                         key=lambda it: (it[3], it[:3]))))
+    cool_until = now + FAILED_MOVE_COOLDOWN_RUNS * live.period_s
+    if work.failed_moves or work.failed_targets or loop.expiring(now):
+        loop = loop.held(now, work.failed_moves, cool_until,
+                         [(f, ref.invoker, ref.gpu) for f, ref in work.failed_targets], now + FAILED_TARGET_HOLD_S)
     if now < loop.next_at or any(r.replaces or r.moving for r in work.records.values()):
         return cluster, seq, loop
     cooling_ids = {i for i, _ in loop.cooling}
@@ -753,9 +768,7 @@ def _compact(
         for orig, why in short.values():
             work.decisions.append(Decision(now, epoch, "move-held", orig.function, why, orig.id, orig.invoker,
                                            orig.gpu))
-        until = now + FAILED_MOVE_COOLDOWN_RUNS * live.period_s
-        loop = replace(loop, cooling=tuple(sorted((dict(loop.cooling) | dict.fromkeys(short, until)).items(),
-                                                  key=lambda it: (it[1], it[0]))))
+        loop = loop.held(now, short, cool_until)
     for mv, orig, held_id in chosen:
         parent = stage_parent(mv.instance_id)
         if parent is not None and not mv.replaces:
@@ -1203,7 +1216,7 @@ class UserMemory:
         for r in records.values():
             if r.state != RecordState.STOPPING:
                 # A stage being moved is one more container until the old one is drained (`InstanceRecord.moving`).
-                extra = r.user_memory_mb // len(r.stages) * len(r.moving) if r.stages else 0
+                extra = r.user_memory_mb // len(r.stages) * len(r.moving) if r.moving and r.stages else 0
                 self.held[r.invoker] = self.held.get(r.invoker, 0) + r.user_memory_mb + extra
         self._short: dict[int, set[str]] = {}  # need (MB) -> the judged invokers that cannot fit it
 

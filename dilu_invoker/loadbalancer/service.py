@@ -224,13 +224,12 @@ def compaction_held(raw: bytes | str, now: float) -> CompactionLoop:
     over by ``now``. Anything unreadable is dropped: this is only what spares a cold start."""
     try:
         held = msgpack.unpackb(raw) if isinstance(raw, bytes) else {}
-        cooling = tuple(sorted(((str(i), float(t)) for i, t in held.get("cooling", ()) if float(t) > now),
-                               key=lambda it: (it[1], it[0])))
-        targets = tuple(sorted(((str(f), str(inv), int(g), float(t)) for f, inv, g, t in held.get("failed_targets", ())
-                                if float(t) > now), key=lambda it: (it[3], it[:3])))
+        loop = CompactionLoop(
+            cooling=tuple((str(i), float(t)) for i, t in held.get("cooling", ())),
+            failed_targets=tuple((str(f), str(inv), int(g), float(t)) for f, inv, g, t in held.get("failed_targets", ())))
     except (ValueError, TypeError, AttributeError):
         return CompactionLoop()
-    return CompactionLoop(cooling=cooling, failed_targets=targets)
+    return loop.held(now)
 
 
 def _natural(name: str) -> tuple[str, int, str]:

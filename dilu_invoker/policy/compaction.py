@@ -218,13 +218,14 @@ def _moved_whole(work: ClusterSnapshot, move: CompactionMove) -> str:
     return inst.part_of or inst.id
 
 
-def _pin_moved(work: ClusterSnapshot, moves: Iterable[CompactionMove], pinned: frozenset[str]) -> frozenset[str]:
-    """`pinned` with the instances `moves` moved, each with every piece of it (`CompactionConfig.one_move_per_instance`)."""
+def _pin_moved(work: ClusterSnapshot, moves: Iterable[tuple[str, GpuRef, GpuRef]],
+               pinned: frozenset[str]) -> frozenset[str]:
+    """`pinned` with the instances moved, each with every piece of it (`CompactionConfig.one_move_per_instance`):
+    `moves` are (the whole instance's id, source, target)."""
     ids = set(pinned)
-    for m in moves:
-        whole = _moved_whole(work, m)
+    for whole, source, target in moves:
         ids.add(whole)
-        for inv in {m.source.invoker, m.target.invoker}:
+        for inv in {source.invoker, target.invoker}:
             if inv in work.invoker_ordinals:
                 ids.update(p.id for _, p in _stages(work, whole, inv))
     return frozenset(ids)
@@ -1195,7 +1196,7 @@ def compaction_plan(
         freed.extend(dark)
     merged: list[CompactionMove] = []
     if config.one_move_per_instance and moves:
-        pinned = _pin_moved(work, moves, pinned)
+        pinned = _pin_moved(work, ((_moved_whole(work, m), m.source, m.target) for m in moves), pinned)
     if merging and len(moves) < config.max_moves and _above_bound(work, config.merge_above):
         work, merged = _merge(work, placement, config, min(config.merges, config.max_moves - len(moves)),
                               targets, pinned)
@@ -1338,7 +1339,7 @@ def _merge(
         work = work.without_instance(inst.id).with_instance(inst, (target,))
         targets.add(target)
         if config.one_move_per_instance:
-            pinned = _pin_moved(work, [CompactionMove(inst.id, inst.function, gpu.ref, target, "")], pinned)
+            pinned = _pin_moved(work, [(inst.part_of or inst.id, gpu.ref, target)], pinned)
         room = omega - gpu.used_request
         why = (
             f"SM room {room:.2f} < the least request {smallest:.2f}"
@@ -1475,7 +1476,7 @@ def _merge_memory(
         work = work.without_instance(inst.id).with_instance(inst, (target,))
         targets.add(target)
         if config.one_move_per_instance:
-            pinned = _pin_moved(work, [CompactionMove(inst.id, inst.function, gpu.ref, target, "")], pinned)
+            pinned = _pin_moved(work, [(inst.part_of or inst.id, gpu.ref, target)], pinned)
         free_gib = (gpu.memory_mib - gpu.used_memory) / 1024
         room = omega - gpu.used_request
         why = (
