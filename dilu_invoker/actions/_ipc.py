@@ -11,6 +11,7 @@ invoker to the worker and back without waking the proxy (docs/runtime.md, "The d
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import enum
 import json
@@ -33,6 +34,8 @@ class Kind(enum.IntEnum):
     # proxy -> worker
     INIT = 1
     RUN = 2
+    RUN_STAGE = 3  # a pipeline stage's run, on the direct lane only: a stage frame (`pack_stage`) whose JSON is
+    # the /run body; its blob, if any, is the previous stage's tensor (`value.dilu_stage.data`)
     # worker -> proxy
     INIT_OK = 10  # payload: JSON list of the top-level installed modules the action imported (may be empty)
     INIT_DECODE_ERROR = 11  # code could not be decoded (bad base64): 400 like upstream
@@ -42,6 +45,8 @@ class Kind(enum.IntEnum):
     RESULT_NOT_DICT = 21  # main returned something other than a dict or list
     RESULT_NOT_JSON = 22  # payload: UTF-8 message saying why the result could not be encoded
     BAD_REQUEST = 23  # payload: UTF-8 message; the run body was not usable
+    RESULT_STAGE = 24  # the answer to a RUN_STAGE that welcomes one: a stage frame whose JSON is the result with
+    # its tensor's bytes (`dilu_stage.data`, a `Blob`) taken out as the blob
     PRELOADED = 30  # unsolicited (request id 0), once: JSON {modules, missing, cuda, ms} of the pre-load
     HELD_MODELS = 32  # unsolicited (request id 0), just before INIT_OK when /init left this process holding models
     # (the models API): JSON list of their names, what the invoker's model pre-loading keeps
@@ -53,6 +58,91 @@ class Kind(enum.IntEnum):
 
 
 MSG_NOT_DICT = "The action did not return a dictionary or array."
+
+#: the field of a pipeline stage's intermediate result that carries its tensor (`dilu_invoker.actions.pipeline`)
+STAGE_FIELD = "dilu_stage"
+#: a stage frame's head: the length of its JSON part, and its flags (`WELCOME_BLOB`)
+STAGE_HEAD = struct.Struct(">QB")
+#: a RUN_STAGE's flag: the invoker takes a RESULT_STAGE for an answer (every stage but the last)
+WELCOME_BLOB = 1
+
+
+class Blob(bytes):
+    """A tensor's bytes in a pipeline stage's result (`pipeline.send`): base64 text wherever the result is JSON
+    (`json_default`), the raw bytes of a stage frame on the direct lane (docs/runtime.md, "Pipeline stages")."""
+
+    __slots__ = ()
+
+
+class BlobView:
+    """The invoker's hold on a stage frame's blob on its way to the next stage: a view of the frame it came in, not
+    a copy (no action code sees it; an action's `dilu_stage.data` is a `Blob`)."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def __len__(self) -> int:
+        return self.view.nbytes
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlobView):
+            other = other.view
+        return isinstance(other, bytes | bytearray | memoryview) and self.view == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"BlobView({self.view.nbytes} bytes)"
+
+
+def json_default(obj: object) -> str:
+    """`json.dumps`' `default`: a `Blob` (or `BlobView`) as its base64; anything else is not JSON, as without it."""
+    if isinstance(obj, Blob):
+        return base64.b64encode(obj).decode("ascii")
+    if isinstance(obj, BlobView):
+        return base64.b64encode(obj.view).decode("ascii")
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+def take_blob(obj: object) -> tuple[object, bytes | memoryview | None]:
+    """`obj` without the `Blob` (or `BlobView`) at `dilu_stage.data` (a shallow copy; `obj` is left as it is), and
+    its bytes; `obj` itself and None when it holds none there."""
+    wire = obj.get(STAGE_FIELD) if isinstance(obj, dict) else None
+    blob = wire.get("data") if isinstance(wire, dict) else None
+    if not isinstance(blob, Blob | BlobView):
+        return obj, None
+    assert isinstance(obj, dict) and isinstance(wire, dict)
+    return {**obj, STAGE_FIELD: {k: v for k, v in wire.items() if k != "data"}}, \
+        blob.view if isinstance(blob, BlobView) else blob
+
+
+def put_blob(obj: object, blob: bytes | memoryview, *, view: bool = False) -> None:
+    """Put a stage frame's blob back where `take_blob` took it: at `dilu_stage.data` of `obj`, when `obj` has a
+    `dilu_stage` object without `data` (anything else leaves `obj` alone: the blob was not the tensor's). A `Blob`
+    (its copy), or with `view` a `BlobView` of it (the invoker's, passing it on)."""
+    wire = obj.get(STAGE_FIELD) if isinstance(obj, dict) else None
+    if isinstance(wire, dict) and "data" not in wire:
+        wire["data"] = BlobView(memoryview(blob)) if view else Blob(blob)
+
+
+def pack_stage(text: bytes, blob: bytes | memoryview | None, flags: int = 0) -> list[bytes]:
+    """A stage frame's payload, in parts (written one after the other, not joined: the blob is not copied): its
+    head, its JSON part `text`, then the blob's bytes."""
+    return [STAGE_HEAD.pack(len(text), flags), text, blob if blob is not None else b""]  # type: ignore[list-item]
+
+
+def unpack_stage(payload: bytes) -> tuple[bytes, memoryview, int]:
+    """(JSON part, blob (a view of `payload`), flags) of a stage frame's payload; ValueError when it is not one."""
+    if len(payload) < STAGE_HEAD.size:
+        raise ValueError("a stage frame shorter than its head")
+    n, flags = STAGE_HEAD.unpack_from(payload)
+    end = STAGE_HEAD.size + n
+    if end > len(payload):
+        raise ValueError(f"a stage frame's JSON part of {n} bytes runs past its {len(payload)} bytes")
+    view = memoryview(payload)
+    return bytes(view[STAGE_HEAD.size:end]), view[end:], flags
 MSG_EXITED = "command exited"
 
 
@@ -70,9 +160,9 @@ def error_body(error: str) -> bytes:
     return json.dumps({"error": error}).encode()
 
 
-def read_exact(sock: socket.socket, n: int) -> bytes | None:
+def read_exact(sock: socket.socket, n: int, *, whole: bool = False) -> bytes | None:
     """Exactly `n` bytes from a blocking socket, unbuffered (so a selector over several sockets stays true);
-    None at EOF."""
+    None at EOF. `whole`: the bytearray they were read into (not copied into bytes: a stage frame's tensor)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -81,7 +171,7 @@ def read_exact(sock: socket.socket, n: int) -> bytes | None:
         if k == 0:
             return None
         got += k
-    return bytes(buf)
+    return buf if whole else bytes(buf)  # type: ignore[return-value]  # read as bytes are
 
 
 def read_frame(sock: socket.socket) -> tuple[int, int, bytes] | None:
@@ -90,7 +180,7 @@ def read_frame(sock: socket.socket) -> tuple[int, int, bytes] | None:
     if header is None:
         return None
     kind, request_id, length = HEADER.unpack(header)
-    payload = read_exact(sock, length) if length else b""
+    payload = read_exact(sock, length, whole=kind == Kind.RUN_STAGE) if length else b""
     if payload is None:
         return None
     return kind, request_id, payload
@@ -98,6 +188,11 @@ def read_frame(sock: socket.socket) -> tuple[int, int, bytes] | None:
 
 def pack(kind: Kind, request_id: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(kind, request_id, len(payload)) + payload
+
+
+def pack_parts(kind: Kind, request_id: int, parts: list[bytes]) -> list[bytes]:
+    """A frame whose payload is `parts` one after the other, as parts (for `sendmsg`, `writelines`)."""
+    return [HEADER.pack(kind, request_id, sum(len(p) for p in parts)), *parts]
 
 
 def installed_roots() -> tuple[str, ...]:

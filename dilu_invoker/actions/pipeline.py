@@ -34,11 +34,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dilu_invoker.actions._ipc import STAGE_FIELD, Blob
+
 ENV_INDEX = "DILU_STAGE_INDEX"
 ENV_COUNT = "DILU_STAGE_COUNT"
 ENV_SPAN = "DILU_STAGE_SPAN"
 #: the field of an intermediate result that carries the tensor
-FIELD = "dilu_stage"
+FIELD = STAGE_FIELD
 #: dtype name on the wire -> (item size, numpy name). bfloat16 has no numpy type: without torch it is read as
 #: its raw 16 bits (uint16), as the models API does.
 DTYPES: dict[str, tuple[int, str]] = {
@@ -193,11 +195,13 @@ def send(x: Any, **meta: Any) -> dict[str, Any]:
             raise ValueError(f"cannot send an array of dtype {x.dtype}")
         data = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<")).tobytes()
         shape = list(x.shape)
-    wire = {"dtype": dtype, "shape": shape, "data": base64.b64encode(data).decode("ascii")}
+    # The bytes as they are: the runtime writes them as base64 wherever the result is JSON, and as they are in a
+    # stage frame on the direct lane (no base64, no JSON of them; docs/runtime.md, "Pipeline stages").
+    wire = {"dtype": dtype, "shape": shape, "data": Blob(data)}
     return {FIELD: wire, **meta}
 
 
-def _check(args: Any) -> tuple[str, list[int], bytes]:
+def _check(args: Any) -> tuple[str, list[int], bytes | bytearray | memoryview]:
     if not isinstance(args, Mapping) or FIELD not in args:
         raise ValueError(f"not an intermediate result: no {FIELD!r} field (was the previous stage's result made by send?)")
     wire = args[FIELD]
@@ -208,12 +212,15 @@ def _check(args: Any) -> tuple[str, list[int], bytes]:
         raise ValueError(f"{FIELD}.dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ValueError(f"{FIELD}.shape {shape!r} is not a list of non-negative integers")
-    if not isinstance(data, str):
+    if isinstance(data, bytes | bytearray | memoryview):  # a stage frame's blob (or `send`'s own result)
+        raw = data.cast("B") if isinstance(data, memoryview) else data
+    elif not isinstance(data, str):
         raise ValueError(f"{FIELD}.data is not a base64 string")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"{FIELD}.data is not valid base64: {exc}") from None
+    else:
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"{FIELD}.data is not valid base64: {exc}") from None
     expected = math.prod(shape) * DTYPES[dtype][0]
     if len(raw) != expected:
         raise ValueError(f"{FIELD}.data holds {len(raw)} bytes, but {dtype} of shape {shape} is {expected}")

@@ -42,10 +42,17 @@ from dilu_invoker.actions._ipc import (
     ESCAPED_SENTINEL,
     SENTINEL,
     SENTINEL_LINE,
+    WELCOME_BLOB,
     Kind,
     installed_roots,
+    json_default,
     pack,
+    pack_parts,
+    pack_stage,
+    put_blob,
     read_frame,
+    take_blob,
+    unpack_stage,
 )
 
 MODULE_NAME = "main__"
@@ -87,16 +94,17 @@ class Worker:
 
     # -- wire ---------------------------------------------------------------------------------------
 
-    def _send(self, kind: Kind, request_id: int, payload: bytes = b"") -> None:
-        frame = pack(kind, request_id, payload)
+    def _send(self, kind: Kind, request_id: int, payload: bytes | list[bytes] = b"") -> None:
+        frame = b"".join(pack_parts(kind, request_id, payload)) if isinstance(payload, list) else pack(kind, request_id, payload)
         with self._send_lock:
             self._sock.sendall(frame)
 
-    def _send_direct(self, kind: Kind, request_id: int, payload: bytes = b"") -> None:
+    def _send_direct(self, kind: Kind, request_id: int, payload: bytes | list[bytes] = b"") -> None:
         assert self._direct is not None
-        frame = pack(kind, request_id, payload)
+        parts = pack_parts(kind, request_id, payload) if isinstance(payload, list) else [pack(kind, request_id, payload)]
         with contextlib.suppress(OSError), self._direct_lock:  # the invoker went away: nobody to answer
-            self._direct.sendall(frame)
+            for part in parts:  # a stage frame's blob is sent as it is, not joined to its head first
+                self._direct.sendall(part)
 
     def serve(self) -> None:
         channels = [self._sock] if self._direct is None else [self._sock, self._direct]
@@ -118,14 +126,15 @@ class Worker:
     def _dispatch(self, kind: int, request_id: int, payload: bytes, *, direct: bool) -> None:
         if kind == Kind.INIT and not direct:
             self._handle_init(request_id, payload)
-        elif kind == Kind.RUN:
+        elif kind == Kind.RUN or (kind == Kind.RUN_STAGE and direct):
             if direct:
                 # The proxy counts it, so that if this process dies meanwhile the run's logs still end.
                 self._send(Kind.DIRECT_BEGIN, request_id)
             if self._concurrent:
-                threading.Thread(target=self._handle_run, args=(request_id, payload, direct), daemon=True).start()
+                threading.Thread(target=self._handle_run, args=(request_id, payload, direct, kind == Kind.RUN_STAGE),
+                                 daemon=True).start()
             else:
-                self._handle_run(request_id, payload, direct)
+                self._handle_run(request_id, payload, direct, kind == Kind.RUN_STAGE)
 
     # -- /init --------------------------------------------------------------------------------------
 
@@ -194,17 +203,26 @@ class Worker:
 
     # -- /run ---------------------------------------------------------------------------------------
 
-    def _handle_run(self, request_id: int, payload: bytes, direct: bool = False) -> None:
+    def _handle_run(self, request_id: int, payload: bytes, direct: bool = False, staged: bool = False) -> None:
+        """One run: a RUN frame's body, or (`staged`) a RUN_STAGE frame's: the body, the previous stage's tensor
+        bytes put back at `value.dilu_stage.data`, and whether a RESULT_STAGE answer is welcome."""
         reply = self._send_direct if direct else self._send
         if self._main is None:  # a lane used before /init (not by the invoker): answered as the proxy would
             reply(Kind.BAD_REQUEST, request_id, b"no action defined yet")
             if direct:
                 self._send(Kind.DIRECT_END, request_id)
             return
+        welcome = False
         try:
+            blob = None
+            if staged:
+                payload, blob, flags = unpack_stage(payload)
+                welcome = bool(flags & WELCOME_BLOB)
             body = json.loads(payload)
             if not isinstance(body, dict):
                 raise TypeError("the run body is not a JSON object")
+            if blob is not None:
+                put_blob(body.get("value"), blob)
         except (ValueError, TypeError) as exc:
             _end_activation_output()
             reply(Kind.BAD_REQUEST, request_id, str(exc).encode())
@@ -227,7 +245,7 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001 - the action's failure becomes its error result
             _print_user_traceback(exc)
             result = {"error": str(exc)}
-        kind, out = _encode_result(result)
+        kind, out = _encode_result(result, welcome)
         _end_activation_output()
         self._report_run_imports()
         reply(kind, request_id, out)
@@ -432,13 +450,20 @@ def _print_user_traceback(exc: BaseException) -> None:
     traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
 
 
-def _encode_result(result: Any) -> tuple[Kind, bytes]:
+def _encode_result(result: Any, welcome_blob: bool = False) -> tuple[Kind, bytes | list[bytes]]:
+    """The answer frame's kind and payload. A `Blob` (`pipeline.send`'s tensor bytes) is base64 in the JSON, except
+    that where a stage frame is welcome (`welcome_blob`) the one at `dilu_stage.data` goes as the frame's blob."""
     if not isinstance(result, (dict, list, tuple)):
         return Kind.RESULT_NOT_DICT, b""
+    blob = None
+    if welcome_blob:
+        result, blob = take_blob(result)
     try:
-        text = json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=json_default)
     except (TypeError, ValueError, RecursionError) as exc:
         return Kind.RESULT_NOT_JSON, f"The action returned a result that is not valid JSON: {exc}".encode()
+    if blob is not None:
+        return Kind.RESULT_STAGE, pack_stage(text.encode("utf-8", "surrogatepass"), blob)
     return Kind.RESULT, text.encode("utf-8", "surrogatepass")
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from dilu_invoker.actions import pipeline
+from dilu_invoker.actions._ipc import Blob, json_default
 from dilu_invoker.actions.pipeline import ENV_COUNT, ENV_INDEX, ENV_SPAN, Stage
 from tests.fakes.bodies import init_body, post, run_body
 from tests.fakes.runtime_process import REPO_ROOT, running_runtime
@@ -27,8 +28,9 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
 def wire(result: dict[str, Any]) -> dict[str, Any]:
-    """What the next stage's `main` gets: the result after the runtime's JSON and the invoker's."""
-    return json.loads(json.dumps(result, separators=(",", ":")))
+    """What the next stage's `main` gets over HTTP: the result after the runtime's JSON (the tensor's bytes as
+    base64) and the invoker's."""
+    return json.loads(json.dumps(result, separators=(",", ":"), default=json_default))
 
 
 # -- layers ----------------------------------------------------------------------------------------------
@@ -178,7 +180,27 @@ def test_a_non_contiguous_array_is_sent_in_its_logical_order() -> None:
 def test_the_payload_is_the_raw_little_endian_bytes() -> None:
     x = np.array([1.0, -2.0], dtype=">f4")  # big-endian in, little-endian on the wire
     data = pipeline.send(x)["dilu_stage"]["data"]
-    assert base64.b64decode(data) == np.array([1.0, -2.0], dtype="<f4").tobytes()
+    assert isinstance(data, Blob) and data == np.array([1.0, -2.0], dtype="<f4").tobytes()
+    assert base64.b64decode(wire(pipeline.send(x))["dilu_stage"]["data"]) == data  # base64 in JSON
+
+
+@pytest.mark.parametrize("form", [bytes, bytearray, memoryview, Blob], ids=lambda f: f.__name__)
+def test_receive_takes_the_bytes_of_a_stage_frame(form: Any) -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    message = pipeline.send(x, n=2)
+    message["dilu_stage"]["data"] = form(bytes(message["dilu_stage"]["data"]))
+    y, meta = pipeline.receive(message, as_numpy=True)
+    assert meta == {"n": 2} and np.array_equal(x, y)
+    message["dilu_stage"]["data"] = form(bytes(message["dilu_stage"]["data"])[:-1])
+    with pytest.raises(ValueError, match="holds 47 bytes"):
+        pipeline.receive(message, as_numpy=True)
+
+
+def test_a_blob_is_json_only_through_the_runtimes_encoder() -> None:
+    with pytest.raises(TypeError, match="Blob is not JSON serializable"):
+        json.dumps(pipeline.send(np.zeros(2)))
+    with pytest.raises(TypeError, match="bytes is not JSON serializable"):
+        json.dumps({"x": b"ab"}, default=json_default)  # only a Blob is the runtime's to write
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed here")

@@ -16,6 +16,16 @@ from typing import Any
 import aiohttp
 import pytest
 
+from dilu_invoker.actions._ipc import (
+    STAGE_HEAD,
+    WELCOME_BLOB,
+    Blob,
+    BlobView,
+    pack_stage,
+    put_blob,
+    take_blob,
+    unpack_stage,
+)
 from dilu_invoker.invoker.dataplane.runtime_client import (
     DEFAULT_MAX_RESULT_BYTES,
     MSG_ABNORMAL_INIT,
@@ -330,6 +340,60 @@ def test_init_body_carries_params_and_ow_env() -> None:
     }
     bare = build_init_body(name="img", code=None, binary=False)
     assert bare == {"value": {"name": "img", "main": "main", "binary": False}}
+
+
+def _stage_frame(result: dict[str, Any], blob: bytes | None) -> bytes:
+    return b"".join(pack_stage(json.dumps(result).encode(), blob))
+
+
+def test_run_outcome_of_a_stage_frame() -> None:
+    """A RESULT_STAGE (a stage's answer on the direct lane): its JSON part is the result, its blob the tensor's
+    bytes put back at `dilu_stage.data` as a `BlobView` (of the frame, not a copy); an error beside a tensor is the
+    stage's error; a frame that is not one is the action's fault; the result limit holds for the whole frame."""
+    head = {"dilu_stage": {"dtype": "uint8", "shape": [3]}, "n": 1}
+    body = _stage_frame(head, b"abc")
+    ok = run_outcome(http_status=200, body=body, elapsed_s=0.1, timeout_s=5, staged=True)
+    assert ok.status_code is ActivationStatus.SUCCESS and ok.size == len(body)
+    assert ok.result == {"dilu_stage": {"dtype": "uint8", "shape": [3], "data": b"abc"}, "n": 1}
+    view = ok.result["dilu_stage"]["data"]
+    assert isinstance(view, BlobView) and view.view.obj is body and len(view) == 3
+    # over HTTP the same result is JSON, the bytes as base64: what `encode_body` writes of it for the next stage
+    assert json.loads(encode_body({"value": ok.result}))["value"]["dilu_stage"]["data"] == "YWJj"
+    failed = run_outcome(http_status=200, body=_stage_frame({**head, "error": "no"}, b"abc"), elapsed_s=0.1,
+                         timeout_s=5, staged=True)
+    assert failed.status_code is ActivationStatus.APPLICATION_ERROR and failed.result == {"error": "no"}
+    for broken in (b"\0\0", STAGE_HEAD.pack(99, 0) + b"{}"):
+        bad = run_outcome(http_status=200, body=broken, elapsed_s=0.1, timeout_s=5, staged=True)
+        assert bad.status_code is ActivationStatus.DEVELOPER_ERROR and "valid stage frame" in bad.result["error"]
+    over = run_outcome(http_status=200, body=body[:10], elapsed_s=0.1, timeout_s=5, max_result_bytes=10,
+                       total_length=len(body), staged=True)
+    assert over.status_code is ActivationStatus.APPLICATION_ERROR and over.size == len(body)
+    # what was kept of the frame (10 bytes) less its 9-byte head
+    assert over.result["error"].endswith(f"{len(body)} > 10 bytes. The truncated response was: {{")
+    # a blob with no tensor field to go to is not the tensor's: the result is its JSON part alone
+    plain = run_outcome(http_status=200, body=_stage_frame({"n": 2}, b"zz"), elapsed_s=0.1, timeout_s=5, staged=True)
+    assert plain.result == {"n": 2}
+
+
+def test_take_and_put_blob_are_each_others_inverse() -> None:
+    result = {"dilu_stage": {"dtype": "uint8", "shape": [2], "data": Blob(b"hi")}, "k": [1]}
+    rest, blob = take_blob(result)
+    assert blob == b"hi" and rest == {"dilu_stage": {"dtype": "uint8", "shape": [2]}, "k": [1]}
+    assert result["dilu_stage"]["data"] == b"hi"  # the result itself is left as it was
+    text, got, flags = unpack_stage(b"".join(pack_stage(json.dumps(rest).encode(), blob, WELCOME_BLOB)))
+    back = json.loads(text)
+    put_blob(back, got)
+    assert back == result and flags == WELCOME_BLOB
+    # no Blob (a base64 string, or plain bytes the runtime does not write): nothing is taken
+    for other in ({"dilu_stage": {"data": "aGk="}}, {"dilu_stage": {"data": b"hi"}}, [1], None):
+        assert take_blob(other) == (other, None)
+    kept = {"dilu_stage": {"data": "x"}}
+    put_blob(kept, b"y")  # a tensor field that has its data already keeps it
+    assert kept == {"dilu_stage": {"data": "x"}}
+    # the invoker's view of a blob goes on as its bytes, and as base64 where the next stage takes JSON
+    viewed = {"dilu_stage": {"dtype": "uint8"}}
+    put_blob(viewed, memoryview(b"..hi")[2:], view=True)
+    assert take_blob(viewed)[1] == b"hi" and json.loads(encode_body(viewed))["dilu_stage"]["data"] == "aGk="
 
 
 def test_run_body_fields() -> None:

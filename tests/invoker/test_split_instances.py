@@ -138,15 +138,16 @@ N = TypeVar("N", bound=Node)
 
 @contextlib.asynccontextmanager
 async def running_node(tmp_path: Path, redis: aioredis.Redis, uuids: Sequence[str], action: Action,
-                       kind: type[N]) -> AsyncIterator[N]:
-    """An invoker with the inventory GPUs `uuids` (16 GB each) and its instance manager, `action` registered."""
+                       kind: type[N], *, direct_lane: bool = True) -> AsyncIterator[N]:
+    """An invoker with the inventory GPUs `uuids` (16 GB each) and its instance manager, `action` registered;
+    `direct_lane` False: its process containers take no direct lane (runs go over HTTP, as in Docker)."""
     inventory = tmp_path / "inventory.json"
     inventory.write_text(json.dumps([{"uuid": u, "memory_mb": 16000} for u in uuids]))
     base = config.load(environ={})
     cfg = replace(base, data_dir=str(tmp_path / "data"), redis=replace(base.redis, prefix=PREFIX),
                   gpu=replace(base.gpu, inventory=str(inventory), mps="off"),
                   invoker=replace(base.invoker, user_memory_mb=4096, preload=0, model_preload_mb=0,
-                                  weights_grace_s=30.0))
+                                  weights_grace_s=30.0, process_direct_lane=direct_lane))
     async with open_invoker(cfg, redis=redis) as invoker:
         agent = Agent.of(invoker, redis, prefix=PREFIX, boot="b1")
         manager = InstanceManager(agent, reservation_ttl_s=300.0)

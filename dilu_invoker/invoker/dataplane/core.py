@@ -700,7 +700,10 @@ class Invoker:
             collection, output.pending = output.pending, None
             collection = collection or output.reader.start(limit_bytes=action.limits.logs_mb * 1024 * 1024)
         try:
-            outcome = await client.run(body, timeout_s)
+            # A stage's run goes as a stage frame on the direct lane: the tensor it hands on is never base64 or JSON
+            # there, nor parsed here (every stage but the last may answer so).
+            outcome = await client.run(body, timeout_s,
+                                       stage=None if stage is None else stage.index < stage.count - 1)
         except BaseException:
             if collection is not None:
                 await collection.finish(developer_error=True)

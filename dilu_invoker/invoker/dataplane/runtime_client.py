@@ -19,12 +19,26 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import aiohttp
 import structlog
 
-from dilu_invoker.actions._ipc import HEADER, MSG_EXITED, Kind, error_body, pack, run_answer
+from dilu_invoker.actions._ipc import (
+    HEADER,
+    MSG_EXITED,
+    STAGE_HEAD,
+    WELCOME_BLOB,
+    Kind,
+    error_body,
+    json_default,
+    pack_parts,
+    pack_stage,
+    put_blob,
+    run_answer,
+    take_blob,
+    unpack_stage,
+)
 from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN
 from dilu_invoker.model import ActivationStatus
 
@@ -150,7 +164,8 @@ def build_run_body(value: Any, context: ActivationContext) -> dict[str, Any]:
 
 
 def encode_body(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    """The body as JSON; a pipeline stage's tensor bytes (`Blob`) in it as base64, as the runtime writes them."""
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=json_default).encode("utf-8")
 
 
 # -- outcomes -----------------------------------------------------------------------------------------
@@ -245,26 +260,44 @@ def run_outcome(
     timeout_s: float,
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     total_length: int | None = None,
+    staged: bool = False,
 ) -> RuntimeOutcome:
     """Map a `/run` exchange to an activation outcome (`Container.run` + `processRunResponseContent`).
 
     `http_status` None means no usable response (connection refused or reset, timeout, no body).
-    `body` may be a prefix of a longer response whose full length is `total_length`.
+    `body` may be a prefix of a longer response whose full length is `total_length`. `staged`: `body` is a stage
+    frame's payload (a RESULT_STAGE on the direct lane): its JSON part is the result, its blob the tensor bytes
+    at the result's `dilu_stage.data` (a `BlobView` of `body`, not a copy); its size limit is over the whole
+    frame.
     """
     length = len(body) if total_length is None else total_length
     meta: dict[str, Any] = {"http_status": http_status, "elapsed_s": elapsed_s}
     if http_status == 503:
         return _error(ActivationStatus.WHISK_ERROR, MSG_SHUTTING_DOWN, reschedule=True, **meta)
-    failure = _shared_failure(init=False, http_status=http_status, body=body, length=length, elapsed_s=elapsed_s,
-                              timeout_s=timeout_s, max_result_bytes=max_result_bytes,
-                              truncation=ActivationStatus.APPLICATION_ERROR, meta=meta)
+    # (a stage frame over the limit shows the start of its JSON part, not its binary head)
+    shown = body[STAGE_HEAD.size:] if staged and length > max_result_bytes else body  # (not copied when it fits)
+    failure = _shared_failure(init=False, http_status=http_status, body=shown,
+                              length=length, elapsed_s=elapsed_s, timeout_s=timeout_s,
+                              max_result_bytes=max_result_bytes, truncation=ActivationStatus.APPLICATION_ERROR,
+                              meta=meta)
     if failure is not None:
         return failure
+    blob = None
+    if staged:
+        try:
+            body, blob, _ = unpack_stage(body)
+        except ValueError as exc:
+            return _error(ActivationStatus.DEVELOPER_ERROR, f"The action did not produce a valid stage frame: {exc}",
+                          size=length, **meta)
     text, size, parsed = _decoded(body)
+    if blob is not None:
+        size = length
     if isinstance(parsed, dict):
         if http_status == 200:
             if "error" in parsed:
                 return _error(ActivationStatus.APPLICATION_ERROR, parsed["error"], size=size, **meta)
+            if blob is not None:
+                put_blob(parsed, blob, view=True)
             return RuntimeOutcome(status_code=ActivationStatus.SUCCESS, result=parsed, size=size, **meta)
         error = parsed["error"] if "error" in parsed else invalid_run_response_message(text)
         return _error(ActivationStatus.DEVELOPER_ERROR, error, size=size, **meta)
@@ -312,6 +345,8 @@ class _Exchange:
     body: bytes
     total_length: int | None
     elapsed_s: float
+    #: `body` is a stage frame's payload (RESULT_STAGE)
+    staged: bool = False
 
 
 # The deadline is ours (asyncio.timeout); the session's default timeouts must not cut in first.
@@ -456,17 +491,21 @@ class DirectLane(asyncio.Protocol):
             if self._skipping is not None:
                 request_id, kind, length, left = self._skipping
                 take = min(left, len(buf))
-                room = self._limit_of(request_id) - len(self._kept)
-                if room > 0:
-                    self._kept += buf[:min(take, room)]
+                # `_kept` is sized to what is kept of the frame: filled in place, never grown (a stage frame's
+                # tensor may weigh tens of MiB)
+                at = length - left
+                keep = min(take, len(self._kept) - at)
+                if keep > 0:
+                    with memoryview(buf) as view:
+                        self._kept[at:at + keep] = view[:keep]
                 del buf[:take]
                 left -= take
                 if left:
                     self._skipping = (request_id, kind, length, left)
                     return
                 self._skipping = None
-                self._deliver(request_id, kind, bytes(self._kept), length)
-                self._kept = bytearray()
+                kept, self._kept = self._kept, bytearray()
+                self._deliver(request_id, kind, kept, length)
                 continue
             if len(buf) < HEADER.size:
                 return
@@ -479,15 +518,18 @@ class DirectLane(asyncio.Protocol):
                 continue
             del buf[:HEADER.size]
             self._skipping = (request_id, kind, length, length)
+            self._kept = bytearray(min(length, self._limit_of(request_id)))
 
     def _limit_of(self, request_id: int) -> int:
         entry = self._pending.get(request_id)
         return entry[1] if entry is not None else 0
 
-    def _deliver(self, request_id: int, kind: Kind, payload: bytes, length: int) -> None:
+    def _deliver(self, request_id: int, kind: Kind, payload: bytes | bytearray, length: int) -> None:
         entry = self._pending.pop(request_id, None)
         if entry is not None and not entry[0].done():
-            entry[0].set_result((kind, payload, length))
+            # A long frame's payload is the bytearray it was read into: read as bytes are (sliced, decoded, parsed,
+            # viewed), and not copied once more.
+            entry[0].set_result((kind, cast(bytes, payload), length))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -496,8 +538,9 @@ class DirectLane(asyncio.Protocol):
             if not future.done():
                 future.set_exception(LaneClosed(sent=True))
 
-    async def request(self, payload: bytes, *, limit: int) -> tuple[Kind, bytes, int]:
-        """One RUN: (answer kind, its payload up to `limit` bytes, the payload's full length)."""
+    async def request(self, payload: bytes | list[bytes], *, limit: int, kind: Kind = Kind.RUN) -> tuple[Kind, bytes, int]:
+        """One RUN (or RUN_STAGE, its payload in parts): (answer kind, its payload up to `limit` bytes, the
+        payload's full length)."""
         transport = self.transport
         if self.closed or transport is None or transport.is_closing():
             raise LaneClosed(sent=False)
@@ -506,7 +549,8 @@ class DirectLane(asyncio.Protocol):
         future: asyncio.Future[tuple[Kind, bytes, int]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, limit)
         try:
-            transport.write(pack(Kind.RUN, request_id, payload))
+            for part in pack_parts(kind, request_id, payload if isinstance(payload, list) else [payload]):
+                transport.write(part)  # not `writelines`, which joins them first: a stage frame's blob is copied once
             self.runs += 1
             return await future
         finally:
@@ -559,18 +603,24 @@ class RuntimeClient:
         activation for nothing."""
         return await self._call("/init", payload, timeout_s, retry=True, mapping=init_outcome)
 
-    async def run(self, payload: Mapping[str, Any] | bytes, timeout_s: float) -> RuntimeOutcome:
+    async def run(self, payload: Mapping[str, Any] | bytes, timeout_s: float, *,
+                  stage: bool | None = None) -> RuntimeOutcome:
         """POST /run once (never retried: the action may have started) — on the direct lane where the
-        container has one open, else over HTTP."""
-        return await self._call("/run", payload, timeout_s, retry=False, mapping=run_outcome)
+        container has one open, else over HTTP. `stage` (a pipeline stage's run, `payload` its body as a
+        mapping): on the lane the run goes as a stage frame (RUN_STAGE), the tensor bytes at
+        `value.dilu_stage.data` (a `Blob`) as they are; True: every stage but the last, whose result may come
+        back the same way (its `dilu_stage.data` then a `Blob`). Over HTTP the body is JSON, a `Blob` in it base64,
+        as without `stage`."""
+        return await self._call("/run", payload, timeout_s, retry=False, mapping=run_outcome, stage=stage)
 
-    async def _run_direct(self, lane: DirectLane, data: bytes, timeout_s: float) -> _Exchange | None:
+    async def _run_direct(self, lane: DirectLane, data: bytes | list[bytes], timeout_s: float,
+                          kind: Kind = Kind.RUN) -> _Exchange | None:
         """The run on the lane, as the proxy would have answered it; None: the lane was closed before the
         request went out (nothing ran: the caller uses HTTP, where the proxy says what became of its worker)."""
         start = time.monotonic()
         try:
             async with asyncio.timeout(timeout_s):
-                kind, payload, length = await lane.request(data, limit=self._max_result_bytes)
+                kind, payload, length = await lane.request(data, limit=self._max_result_bytes, kind=kind)
         except TimeoutError:
             return _Exchange(None, b"", None, max(time.monotonic() - start, timeout_s))
         except LaneClosed as closed:
@@ -579,12 +629,14 @@ class RuntimeClient:
             # The worker died with the run in it: the proxy's answer to that over HTTP.
             body = error_body(MSG_EXITED)
             return _Exchange(400, body, len(body), time.monotonic() - start)
+        if kind is Kind.RESULT_STAGE:
+            return _Exchange(200, payload, length, time.monotonic() - start, staged=True)
         status, body = run_answer(kind, payload)
         return _Exchange(status, body, length if kind is Kind.RESULT else len(body), time.monotonic() - start)
 
     async def _call(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool,
-                    mapping: Callable[..., RuntimeOutcome]) -> RuntimeOutcome:
-        exchange = await self._post(path, payload, timeout_s, retry=retry)
+                    mapping: Callable[..., RuntimeOutcome], stage: bool | None = None) -> RuntimeOutcome:
+        exchange = await self._post(path, payload, timeout_s, retry=retry, stage=stage)
         outcome = mapping(
             http_status=exchange.http_status,
             body=exchange.body,
@@ -592,6 +644,7 @@ class RuntimeClient:
             timeout_s=timeout_s,
             max_result_bytes=self._max_result_bytes,
             total_length=exchange.total_length,
+            **({"staged": True} if exchange.staged else {}),
         )
         log.debug(
             f"runtime{path.replace('/', '.')}",
@@ -602,9 +655,18 @@ class RuntimeClient:
         )
         return outcome
 
-    async def _post(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool) -> _Exchange:
+    async def _post(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool,
+                    stage: bool | None = None) -> _Exchange:
+        if self._lane is not None and path == "/run" and stage is not None and not isinstance(payload, bytes):
+            # A stage frame: the JSON of the body without the tensor bytes, then those bytes as they are.
+            value, blob = take_blob(payload.get("value"))
+            text = encode_body({**payload, "value": value} if blob is not None else payload)
+            exchange = await self._run_direct(self._lane, pack_stage(text, blob, WELCOME_BLOB if stage else 0),
+                                              timeout_s, Kind.RUN_STAGE)
+            if exchange is not None:
+                return exchange
         data = payload if isinstance(payload, bytes) else encode_body(payload)
-        if self._lane is not None and path == "/run":
+        if self._lane is not None and path == "/run" and stage is None:
             exchange = await self._run_direct(self._lane, data, timeout_s)
             if exchange is not None:
                 return exchange
