@@ -11,11 +11,12 @@ stage frames (base64 in the JSON of the result and of the next run's body, parse
 invoker; the bench sends the runs without their stage flag to get it). A string is JSON either way.
 
     PYTHONPATH=. python3 bench/split_hop.py [--sizes 0.25,1,4,16] [--requests 15] [--payloads tensor,string]
-                                            [--json FILE] [--out FILE]
+                                            [--no-direct-lane] [--json FILE] [--out FILE]
 
 The process backend hands each run to the stage's worker on its direct lane (docs/runtime.md, "The direct
 lane"), not through the runtime's HTTP proxy: this is the path a split instance's activations take on an
-invoker, where `bench/split_pipeline.py` measures the runtimes' HTTP endpoints (the Docker backend's path).
+invoker with the process backend. `--no-direct-lane` sends them through the runtimes' HTTP endpoints instead, the
+Docker backend's path (stage frames as HTTP bodies where the runtime takes them).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ MODES = {"tensor": ("frames", "json"), "string": ("json",)}
 
 
 async def measure(sizes_mib: list[float], requests: int, scratch: Path,
-                  payloads: tuple[str, ...] = ("tensor", "string")) -> dict[str, Any]:
+                  payloads: tuple[str, ...] = ("tensor", "string"), direct_lane: bool = True) -> dict[str, Any]:
     server = EmbeddedRedis(scratch / "redis")
     await server.start()
     redis = redis_client(server.url)
@@ -118,7 +119,8 @@ async def measure(sizes_mib: list[float], requests: int, scratch: Path,
     configure(replace(base.log, level="warning"))  # the invoker's debug lines would be timed too
     cfg = replace(base, data_dir=str(scratch / "data"), redis=replace(base.redis, prefix=PREFIX),
                   gpu=replace(base.gpu, inventory=str(inventory), mps="off"),
-                  invoker=replace(base.invoker, user_memory_mb=8192, preload=0, model_preload_mb=0))
+                  invoker=replace(base.invoker, user_memory_mb=8192, preload=0, model_preload_mb=0,
+                                  process_direct_lane=direct_lane))
     rows: list[dict[str, Any]] = []
     try:
         async with open_invoker(cfg, redis=redis) as invoker:
@@ -180,16 +182,18 @@ async def measure(sizes_mib: list[float], requests: int, scratch: Path,
     finally:
         await redis.aclose()
         await server.stop()
-    return {"rows": rows}
+    return {"rows": rows, "direct_lane": direct_lane}
 
 
 def render(raw: dict[str, Any]) -> str:
+    path = "the direct lane" if raw.get("direct_lane", True) else "the runtimes' HTTP endpoints (no direct lane)"
     lines = [
         "# The hop between a split instance's stages, through the invoker (bench/split_hop.py)",
         "",
         (__doc__ or "").split("\n\n")[0].replace("\n", " "),
         "",
         f"* machine: {raw['machine']}",
+        f"* path: {path}",
         f"* command: `{raw['command']}`",
         f"* time: {raw['utc']}",
         "",
@@ -209,6 +213,8 @@ def main() -> int:
     ap.add_argument("--sizes", default="0.25,1,4,16", help="MiB handed from stage 0 to stage 1, comma separated")
     ap.add_argument("--requests", type=int, default=15, help="requests of each size (and as many without)")
     ap.add_argument("--payloads", default="tensor,string", help="what stage 0 hands on: tensor, string (comma separated)")
+    ap.add_argument("--no-direct-lane", action="store_true",
+                    help="runs go through the runtimes' HTTP endpoints (the Docker backend's path), not the direct lane")
     ap.add_argument("--json", help="the raw results")
     ap.add_argument("--out", help="the Markdown report")
     args = ap.parse_args()
@@ -219,7 +225,7 @@ def main() -> int:
     if not payloads or any(p not in MODES for p in payloads):
         raise SystemExit(f"--payloads: some of {', '.join(MODES)}")
     with tempfile.TemporaryDirectory(prefix="dilu-hop-") as tmp:
-        raw = asyncio.run(measure(sizes, args.requests, Path(tmp), payloads))
+        raw = asyncio.run(measure(sizes, args.requests, Path(tmp), payloads, not args.no_direct_lane))
     raw.update({"utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
                 "command": "PYTHONPATH=. python3 " + " ".join(["bench/split_hop.py", *sys.argv[1:]]),
                 "machine": f"{platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, Python "

@@ -27,9 +27,22 @@ def test_the_hop_bench_hands_each_size_on_and_reports_it(tmp_path: Path) -> None
         assert r["bytes"] == int(r["mib"] * (1 << 20))
         assert len(r["empty_all"]) == len(r["with_all"]) == 2 and min(r["empty_all"] + r["with_all"]) > 0
         assert r["hop_ms"] == r["with_ms"] - r["empty_ms"] - r["stages_work_ms"]
+    assert raw["direct_lane"] is True
     text = page.read_text()
     assert "bench/split_hop.py --sizes 0.01,0.05" in text and "| 0.05 | tensor | frames |" in text
     for flag, value in (("--sizes", "100"), ("--payloads", "video")):
         bad = subprocess.run([sys.executable, str(ROOT / "bench" / "split_hop.py"), flag, value],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert bad.returncode != 0 and flag in bad.stderr
+
+
+def test_the_hop_bench_runs_over_http_without_the_direct_lane(tmp_path: Path) -> None:
+    out, page = tmp_path / "hop.json", tmp_path / "hop.md"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "split_hop.py"), "--sizes", "0.01", "--requests", "1",
+                           "--payloads", "tensor", "--no-direct-lane", "--json", str(out), "--out", str(page)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    raw = json.loads(out.read_text())
+    assert raw["direct_lane"] is False and [(r["payload"], r["mode"]) for r in raw["rows"]] == [
+        ("tensor", "frames"), ("tensor", "json")]
+    assert "* path: the runtimes' HTTP endpoints" in page.read_text()

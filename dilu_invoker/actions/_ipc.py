@@ -65,6 +65,10 @@ STAGE_FIELD = "dilu_stage"
 STAGE_HEAD = struct.Struct(">QB")
 #: a RUN_STAGE's flag: the invoker takes a RESULT_STAGE for an answer (every stage but the last)
 WELCOME_BLOB = 1
+#: a stage frame as an HTTP body (`POST /run` of a runtime that takes them, and its answer)
+STAGE_CONTENT_TYPE = "application/x-dilu-stage-frame"
+#: the header of a successful `/init` answer by which a runtime says it takes stage frames over HTTP
+STAGE_FRAMES_HEADER = "X-Dilu-Stage-Frames"
 
 
 class Blob(bytes):

@@ -29,7 +29,17 @@ from typing import Any
 
 from aiohttp import web
 
-from dilu_invoker.actions._ipc import HEADER, MSG_EXITED, SENTINEL_LINE, Kind, pack, run_answer
+from dilu_invoker.actions._ipc import (
+    HEADER,
+    MSG_EXITED,
+    SENTINEL_LINE,
+    STAGE_CONTENT_TYPE,
+    STAGE_FRAMES_HEADER,
+    Kind,
+    pack,
+    run_answer,
+    unpack_stage,
+)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -252,7 +262,11 @@ class WorkerProcess:
             pending.timer = loop.call_later(max(deadline_s, 0.0), self._deadline_passed)
         self._pending[request_id] = pending
         try:
-            frames.transport.write(pack(kind, request_id, payload))
+            if len(payload) < 65536:
+                frames.transport.write(pack(kind, request_id, payload))
+            else:  # a large body (a stage frame's tensor): not copied behind its header first
+                frames.transport.write(HEADER.pack(kind, request_id, len(payload)))
+                frames.transport.write(payload)
             await frames.drain()
         except (ConnectionError, OSError):
             pass  # the reader task reports the worker's death to this request too
@@ -458,7 +472,8 @@ class Runtime:
             if self.state is State.INITIALIZING:
                 self.state = State.READY
             self._close_direct()
-            return web.json_response({"ok": True})
+            # Stage frames (a split instance's tensors as bytes, docs/runtime.md "Stage frames") are welcome on /run.
+            return web.json_response({"ok": True}, headers={STAGE_FRAMES_HEADER: "1"})
         # The worker wrote its own sentinels after explaining the failure on stderr.
         self._discard(worker)
         self.state = State.UNINITIALIZED
@@ -498,8 +513,9 @@ class Runtime:
         self._enter()
         try:
             body = await request.read()
+            staged = request.content_type == STAGE_CONTENT_TYPE
             if self.options.allow_concurrent:
-                return await self._run(body)
+                return await self._run(body, staged)
             if not await self._wait_turn():
                 # Queued behind a running activation when shutdown began: it never started, so OpenWhisk
                 # may run it elsewhere.
@@ -507,7 +523,7 @@ class Runtime:
             try:
                 if self.state is not State.READY:
                     return _json_response(500, MSG_NO_ACTION)
-                return await self._run(body)
+                return await self._run(body, staged)
             finally:
                 self._run_lock.release()
         finally:
@@ -544,9 +560,11 @@ class Runtime:
             return False
         return True
 
-    async def _run(self, body: bytes) -> web.Response:
+    async def _run(self, body: bytes, staged: bool = False) -> web.Response:
+        """One /run: a JSON body, or (`staged`) a stage frame whose JSON part is the body, handed to the worker as
+        it is (`Kind.RUN_STAGE`); a stage frame's answer (`Kind.RESULT_STAGE`) goes back as one."""
         try:
-            message = json.loads(body)
+            message = json.loads(unpack_stage(body)[0] if staged else body)
             if not isinstance(message, dict):
                 raise TypeError("the body is not a JSON object")
         except (ValueError, TypeError) as exc:
@@ -555,12 +573,15 @@ class Runtime:
         worker = self.worker
         assert worker is not None
         try:
-            kind, payload = await worker.request(Kind.RUN, body, deadline_s=self._guard_delay(message))
+            kind, payload = await worker.request(Kind.RUN_STAGE if staged else Kind.RUN, body,
+                                                 deadline_s=self._guard_delay(message))
         except WorkerExited as exited:
             self.state = State.FAILED
             if exited.deadline:
                 return _json_response(502, MSG_DEADLINE)
             return _json_response(400, MSG_EXITED)
+        if kind is Kind.RESULT_STAGE:
+            return web.Response(status=200, body=payload, content_type=STAGE_CONTENT_TYPE)
         status, answer = run_answer(kind, payload)
         return web.Response(status=status, body=answer, content_type="application/json")
 

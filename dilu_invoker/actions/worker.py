@@ -126,7 +126,7 @@ class Worker:
     def _dispatch(self, kind: int, request_id: int, payload: bytes, *, direct: bool) -> None:
         if kind == Kind.INIT and not direct:
             self._handle_init(request_id, payload)
-        elif kind == Kind.RUN or (kind == Kind.RUN_STAGE and direct):
+        elif kind in (Kind.RUN, Kind.RUN_STAGE):
             if direct:
                 # The proxy counts it, so that if this process dies meanwhile the run's logs still end.
                 self._send(Kind.DIRECT_BEGIN, request_id)

@@ -19,7 +19,16 @@ import numpy as np
 import pytest
 
 from dilu_invoker.actions import pipeline
-from dilu_invoker.actions._ipc import Blob, json_default
+from dilu_invoker.actions._ipc import (
+    STAGE_CONTENT_TYPE,
+    STAGE_FRAMES_HEADER,
+    WELCOME_BLOB,
+    Blob,
+    json_default,
+    pack_stage,
+    take_blob,
+    unpack_stage,
+)
 from dilu_invoker.actions.pipeline import ENV_COUNT, ENV_INDEX, ENV_SPAN, Stage
 from tests.fakes.bodies import init_body, post, run_body
 from tests.fakes.runtime_process import REPO_ROOT, running_runtime
@@ -390,3 +399,32 @@ async def test_the_documented_example_split_in_two_answers_as_whole(http: aiohtt
             status, middle = await post(http, first.url + "/run", run_body(params))
             assert status == 200 and middle["dilu_stage"]["shape"] == [1, len(tokens), 32] and middle["max_tokens"] == 4
             assert await post(http, second.url + "/run", run_body(middle)) == (200, expected)
+
+
+async def test_a_runtime_takes_stage_frames_over_http_and_answers_one(http: aiohttp.ClientSession) -> None:
+    """The Docker backend's path: /init says the runtime takes stage frames; a /run whose body is one (content type
+    `STAGE_CONTENT_TYPE`) reaches `main` with the tensor's bytes, and a stage that welcomes one answers one; a body
+    that is not a stage frame is refused as any unreadable body is."""
+    x = np.random.default_rng(9).standard_normal((3, 16)).round(6)
+    headers = {"Content-Type": STAGE_CONTENT_TYPE}
+    async with contextlib.AsyncExitStack() as stack:
+        first, second = await asyncio.gather(*(stack.enter_async_context(running_runtime()) for _ in range(2)))
+        for rt, env in ((first, stage_env(0, 2, "0:0.4")), (second, stage_env(1, 2, "0.4:1"))):
+            async with http.post(rt.url + "/init", json=init_body(SPLIT_MODEL, env=env)) as response:
+                assert response.status == 200 and response.headers.get(STAGE_FRAMES_HEADER) == "1"
+        frame = b"".join(pack_stage(json.dumps(run_body({"x": x.tolist(), "tag": "t"})).encode(), None,
+                                    WELCOME_BLOB))
+        async with http.post(first.url + "/run", data=frame, headers=headers) as response:
+            assert response.status == 200 and response.content_type == STAGE_CONTENT_TYPE
+            text, blob, _ = unpack_stage(await response.read())
+        middle = json.loads(text)
+        assert middle["dilu_stage"] == {"dtype": "float64", "shape": [3, 16]} and len(blob) == 3 * 16 * 8
+        # the next stage gets it back as a frame too; as the last stage (no WELCOME_BLOB) it answers JSON
+        value, _ = take_blob({**middle, "dilu_stage": {**middle["dilu_stage"], "data": Blob(blob)}})
+        frame = b"".join(pack_stage(json.dumps(run_body(value)).encode(), blob))
+        async with http.post(second.url + "/run", data=frame, headers=headers) as response:
+            assert response.status == 200 and response.content_type == "application/json"
+            result = await response.json()
+        assert result["tag"] == "t" and result["layers"] == [[0, 3], [3, 7]] and len(result["y"]) == 3
+        async with http.post(second.url + "/run", data=b"\0\0\0", headers=headers) as response:
+            assert response.status == 400 and "Error reading request body" in (await response.json())["error"]

@@ -221,6 +221,9 @@ class Invoker:
         self._stopping: set[str] = set()
         #: containers that are pipeline stages of split instances (never kept at exit)
         self._stage_containers: set[str] = set()
+        #: containers whose runtime said at /init that it takes stage frames over HTTP (a split instance's tensors
+        #: as bytes where there is no direct lane: the Docker backend)
+        self._stage_frames: set[str] = set()
         keep_weights = getattr(gpu, "keep_weights", None)
         if ic.weights_grace_s > 0 and keep_weights is not None:
             self.keeper = WeightsKeeper(grace_s=ic.weights_grace_s, keep_weights=keep_weights,
@@ -535,6 +538,8 @@ class Invoker:
                 await collection.finish(developer_error=True)
             return ActivationResponse.whisk_error("Failed to provision resources to run the action."), init_ms, ()
         proxy.output.pending = collection
+        if outcome.stage_frames:
+            self._stage_frames.add(proxy.name)
         self.pool.mark_ready(proxy, "initialized", init_ms=init_ms)
         if self.preload is not None and self.preload.covers(runtime.kind):
             self._in_background(self._learn_imports(runtime.kind, container))
@@ -686,7 +691,7 @@ class Invoker:
         client = RuntimeClient(self._session, proxy.container.url, max_result_bytes=max_result_bytes,
                                secret=proxy.container.secret,
                                connections=self._run_connections if proxy.spec.own_runtime else None,
-                               lane=proxy.container.lane)
+                               lane=proxy.container.lane, stage_frames=proxy.name in self._stage_frames)
         value = req.content
         if isinstance(value, dict) and req.init_args:
             value = {k: v for k, v in value.items() if k not in req.init_args}
@@ -758,6 +763,7 @@ class Invoker:
         its GPU share. A kept process (keep.py) brings its backend handle (the proxy has none any more) and
         what its weights are attached under."""
         self._forget_gpu_load(proxy)
+        self._stage_frames.discard(proxy.name)
         container = container or proxy.container
         log.debug("destroying container", container=proxy.name, handle=container is not None)
         if container is not None:

@@ -18,7 +18,7 @@ import hmac
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import aiohttp
@@ -27,6 +27,8 @@ import structlog
 from dilu_invoker.actions._ipc import (
     HEADER,
     MSG_EXITED,
+    STAGE_CONTENT_TYPE,
+    STAGE_FRAMES_HEADER,
     STAGE_HEAD,
     WELCOME_BLOB,
     Kind,
@@ -188,6 +190,8 @@ class RuntimeOutcome:
     reschedule: bool = False
     http_status: int | None = None
     elapsed_s: float = 0.0
+    #: a successful `/init`'s: the runtime takes stage frames over HTTP (`STAGE_FRAMES_HEADER`)
+    stage_frames: bool = False
 
     @property
     def ok(self) -> bool:
@@ -347,6 +351,8 @@ class _Exchange:
     elapsed_s: float
     #: `body` is a stage frame's payload (RESULT_STAGE)
     staged: bool = False
+    #: the answer carried `STAGE_FRAMES_HEADER` (a successful /init of a runtime that takes stage frames)
+    stage_frames: bool = False
 
 
 # The deadline is ours (asyncio.timeout); the session's default timeouts must not cut in first.
@@ -412,14 +418,16 @@ class RunConnections:
         self._idle.clear()
 
 
-def _parse_head(head: bytes) -> tuple[int, int | None, bool]:
-    """(status, Content-Length or None when absent or chunked, whether the connection may be reused)."""
+def _parse_head(head: bytes) -> tuple[int, int | None, bool, str]:
+    """(status, Content-Length or None when absent or chunked, whether the connection may be reused, the media
+    type of Content-Type, lower case, "" when absent)."""
     lines = head.decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
     status = int(rest[:3])
     length: int | None = None
     chunked = False
     reuse = version == "HTTP/1.1"
+    media = ""
     for line in lines[1:]:
         name, sep, value = line.partition(":")
         if not sep:
@@ -431,9 +439,11 @@ def _parse_head(head: bytes) -> tuple[int, int | None, bool]:
             chunked = True
         elif name == "connection":
             reuse = reuse and value.strip().lower() != "close"
+        elif name == "content-type":
+            media = value.partition(";")[0].strip().lower()
     if chunked:
-        return status, None, False
-    return status, length, reuse
+        return status, None, False, media
+    return status, length, reuse, media
 
 
 class LaneClosed(Exception):
@@ -577,11 +587,14 @@ class RuntimeClient:
         secret: str | None = None,
         alive: Callable[[], bool] | None = None,
         connections: RunConnections | None = None,
+        stage_frames: bool = False,
         lane: DirectLane | None = None,
     ) -> None:
         self._session = session
         #: the container's direct lane for /run (process backend), tried before HTTP
         self._lane = lane
+        #: the runtime takes stage frames over HTTP (its /init said so: `RuntimeOutcome.stage_frames`)
+        self._stage_frames = stage_frames
         #: keep-alive connections for /run (only for the project's own runtime, see `RunConnections`)
         self._connections = connections
         #: whether the container still runs: /init stops retrying a connection to one that died
@@ -646,6 +659,8 @@ class RuntimeClient:
             total_length=exchange.total_length,
             **({"staged": True} if exchange.staged else {}),
         )
+        if exchange.stage_frames and outcome.ok:
+            outcome = replace(outcome, stage_frames=True)
         log.debug(
             f"runtime{path.replace('/', '.')}",
             url=self._base_url,
@@ -657,23 +672,35 @@ class RuntimeClient:
 
     async def _post(self, path: str, payload: Mapping[str, Any] | bytes, timeout_s: float, *, retry: bool,
                     stage: bool | None = None) -> _Exchange:
-        if self._lane is not None and path == "/run" and stage is not None and not isinstance(payload, bytes):
+        frame: list[bytes] | None = None
+        if path == "/run" and stage is not None and not isinstance(payload, bytes) and (
+                self._lane is not None or self._stage_frames):
             # A stage frame: the JSON of the body without the tensor bytes, then those bytes as they are.
             value, blob = take_blob(payload.get("value"))
             text = encode_body({**payload, "value": value} if blob is not None else payload)
-            exchange = await self._run_direct(self._lane, pack_stage(text, blob, WELCOME_BLOB if stage else 0),
-                                              timeout_s, Kind.RUN_STAGE)
-            if exchange is not None:
-                return exchange
-        data = payload if isinstance(payload, bytes) else encode_body(payload)
+            frame = pack_stage(text, blob, WELCOME_BLOB if stage else 0)
+            if self._lane is not None:
+                exchange = await self._run_direct(self._lane, frame, timeout_s, Kind.RUN_STAGE)
+                if exchange is not None:
+                    return exchange
+                if not self._stage_frames:
+                    frame = None
+        if frame is not None and self._connections is not None and not retry:
+            # (its parts written one after the other: the tensor's bytes are not copied into one body first)
+            return await self._post_kept(path, frame, timeout_s, self._connections, STAGE_CONTENT_TYPE)
+        content_type = "application/json"
+        if frame is not None:
+            data, content_type = b"".join(frame), STAGE_CONTENT_TYPE
+        else:
+            data = payload if isinstance(payload, bytes) else encode_body(payload)
         if self._lane is not None and path == "/run" and stage is None:
             exchange = await self._run_direct(self._lane, data, timeout_s)
             if exchange is not None:
                 return exchange
         if self._connections is not None and not retry:
-            return await self._post_kept(path, data, timeout_s, self._connections)
+            return await self._post_kept(path, data, timeout_s, self._connections, content_type)
         url = self._base_url + path
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
         if self._secret:
             headers["X-Dilu-Runtime-Secret"] = self._secret
         start = time.monotonic()
@@ -694,7 +721,9 @@ class RuntimeClient:
                         if declared > wanted:
                             # Drop the connection instead of reading (maybe) gigabytes we will not use.
                             response.close()
-                        return _Exchange(status, body, declared, time.monotonic() - start)
+                        return _Exchange(status, body, declared, time.monotonic() - start,
+                                         staged=status == 200 and response.content_type == STAGE_CONTENT_TYPE,
+                                         stage_frames=response.headers.get(STAGE_FRAMES_HEADER) == "1")
             except TimeoutError:
                 return _Exchange(None, b"", None, max(time.monotonic() - start, timeout_s))
             except aiohttp.ClientConnectorError as exc:
@@ -708,21 +737,28 @@ class RuntimeClient:
                 log.debug("runtime.exchange_failed", url=url, error=str(exc))
                 return _Exchange(None, b"", None, time.monotonic() - start)
 
-    async def _post_kept(self, path: str, data: bytes, timeout_s: float, connections: RunConnections) -> _Exchange:
-        """One POST on a kept connection (`RunConnections`), never retried."""
+    async def _post_kept(self, path: str, data: bytes | list[bytes], timeout_s: float, connections: RunConnections,
+                         content_type: str = "application/json") -> _Exchange:
+        """One POST on a kept connection (`RunConnections`), never retried; `data` the body, or its parts."""
         host, port = self.address
         secret = f"X-Dilu-Runtime-Secret: {self._secret}\r\n" if self._secret else ""
-        request = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                   f"Accept: application/json\r\n{secret}Content-Length: {len(data)}\r\n\r\n").encode() + data
+        parts = data if isinstance(data, list) else [data]
+        length = sum(len(part) for part in parts)
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {content_type}\r\n"
+                f"Accept: application/json\r\n{secret}Content-Length: {length}\r\n\r\n").encode()
         start = time.monotonic()
         conn: _Conn | None = None
         reuse = False
         try:
             async with asyncio.timeout(timeout_s):
                 conn = await connections.acquire(host, port)
-                conn.writer.write(request)
+                if length < 65536:
+                    conn.writer.write(head + b"".join(parts))  # one write, as one segment
+                else:
+                    for part in (head, *parts):
+                        conn.writer.write(part)
                 head = await conn.reader.readuntil(b"\r\n\r\n")
-                status, declared, reuse = _parse_head(head)
+                status, declared, reuse, media = _parse_head(head)
                 if declared is None or declared <= 0:
                     # OpenWhisk's client treats an unknown or empty entity as no response.
                     reuse = reuse and declared == 0
@@ -731,7 +767,8 @@ class RuntimeClient:
                 body = await conn.reader.readexactly(wanted)
                 # Past the limit: drop the connection instead of reading (maybe) gigabytes we will not use.
                 reuse = reuse and declared == wanted
-                return _Exchange(status, body, declared, time.monotonic() - start)
+                return _Exchange(status, body, declared, time.monotonic() - start,
+                                 staged=status == 200 and media == STAGE_CONTENT_TYPE)
         except TimeoutError:
             reuse = False
             return _Exchange(None, b"", None, max(time.monotonic() - start, timeout_s))
