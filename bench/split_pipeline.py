@@ -310,10 +310,14 @@ class PlainClient:
 class Driver:
     """/init and /run on one runtime as the invoker makes them."""
 
-    def __init__(self, session: aiohttp.ClientSession, runtime: Runtime, *, plain: bool) -> None:
+    def __init__(self, session: aiohttp.ClientSession, runtime: Runtime, *, plain: bool, frames: bool = False) -> None:
         self.runtime = runtime
+        self._session = session
         self._plain = PlainClient(session, runtime.url) if plain or RuntimeClient is None else None
         self._client = None if self._plain else RuntimeClient(session, runtime.url, max_result_bytes=MAX_RESULT_BYTES)
+        #: hand tensors on as stage frames where the runtime says at /init that it takes them (as the invoker does)
+        self._frames = frames and self._client is not None
+        self.stage_frames = False
 
     @staticmethod
     def _context(timeout_s: float) -> Any:
@@ -345,18 +349,23 @@ class Driver:
             assert self._client is not None
             outcome = await self._client.init(body, timeout_s)
             ok, result = outcome.ok, outcome.result
+            if ok and outcome.stage_frames and self._frames:
+                self.stage_frames = True
+                self._client = RuntimeClient(self._session, self.runtime.url, max_result_bytes=MAX_RESULT_BYTES,
+                                             stage_frames=True)
         if not ok:
             raise RuntimeError(f"/init of {self.runtime.name} failed: {result}\n{self.runtime.logs()}")
 
-    async def run(self, value: Any, timeout_s: float) -> tuple[Any, int, float]:
-        """The result, its size (bytes of JSON) and the round trip's seconds."""
+    async def run(self, value: Any, timeout_s: float, stage: bool | None = None) -> tuple[Any, int, float]:
+        """The result, its size (bytes of JSON, or of the stage frame) and the round trip's seconds; `stage` as
+        `RuntimeClient.run` takes it (a stage's run, which goes as a stage frame where the runtime takes them)."""
         body = self._bodies(timeout_s)[1](value)
         start = time.perf_counter()
         if self._plain is not None:
             ok, result, size = await self._plain.call("/run", body, timeout_s)
         else:
             assert self._client is not None
-            outcome = await self._client.run(body, timeout_s)
+            outcome = await self._client.run(body, timeout_s, stage=stage if self.stage_frames else None)
             ok, result, size = outcome.ok, outcome.result, outcome.size or 0
         elapsed = time.perf_counter() - start
         if not ok:
@@ -413,7 +422,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             runtimes.append(start_runtime(f"stage{k}", scratch / f"stage{k}", {**pools, **gpu}))
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            drivers = [Driver(session, rt, plain=args.plain_client) for rt in runtimes]
+            drivers = [Driver(session, rt, plain=args.plain_client, frames=args.hops == "frames") for rt in runtimes]
             whole, stages = drivers[0], drivers[1:]
             envs = [base_env] + [{**base_env, pipeline.ENV_INDEX: str(k), pipeline.ENV_COUNT: str(args.stages),
                                   pipeline.ENV_SPAN: f"{a!r}:{b!r}"} for k, (a, b) in enumerate(stage_spans)]
@@ -431,7 +440,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 value: Any = params
                 total = 0.0
                 for k, driver in enumerate(stages):
-                    value, size, elapsed = await driver.run(value, args.timeout)
+                    value, size, elapsed = await driver.run(value, args.timeout, stage=k < len(stages) - 1)
                     total += elapsed
                     if k < len(stages) - 1:
                         wire = value[pipeline.FIELD]
@@ -494,6 +503,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_line(whole_stats.get("device", "cpu")),
         "backend": whole_stats["backend"],
         "client": "plain aiohttp" if args.plain_client or RuntimeClient is None else "RuntimeClient",
+        "hops_as": "stage frames" if all(d.stage_frames for d in stages) else "JSON",
         "gpu_note": gpu_note,
         "config": {**config, "stages": args.stages, "seq": args.seq, "batch": args.batch, "requests": args.requests,
                    "warmup": args.warmup, "cpu_threads": threads},
@@ -547,7 +557,8 @@ def render(raw: dict[str, Any], title: str | None = None) -> str:
     lines = [INTRO] if title is None else [f"## {title}", ""]
     lines += [
         f"* machine: {raw['machine']}",
-        f"* backend: {raw['backend']}; client: {CLIENTS.get(raw['client'], raw['client'])}",
+        f"* backend: {raw['backend']}; client: {CLIENTS.get(raw['client'], raw['client'])}"
+        + (f"; tensors between stages as {raw['hops_as']}" if raw.get("hops_as") else ""),
         f"* command: `{raw['command']}`",
         f"* time: {raw['utc']}",
         f"* model: {cfg['layers']} layers, d_model {cfg['d_model']}, {cfg['heads']} heads, vocab {cfg['vocab']}, "
@@ -593,8 +604,12 @@ def render(raw: dict[str, Any], title: str | None = None) -> str:
     if hops:
         json_bytes = max(h["json_bytes"] for h in hops)
         tensor_bytes = max(h["tensor_bytes"] for h in hops)
-        lines += ["", f"Intermediate result between stages: {json_bytes / 2**20:.2f} MiB of JSON "
-                      f"(a tensor of {tensor_bytes / 2**20:.2f} MiB, in base64) per request."]
+        if raw.get("hops_as") == "stage frames":
+            lines += ["", f"Intermediate result between stages: a stage frame of {json_bytes / 2**20:.2f} MiB (a tensor "
+                          f"of {tensor_bytes / 2**20:.2f} MiB, its bytes as they are) per request."]
+        else:
+            lines += ["", f"Intermediate result between stages: {json_bytes / 2**20:.2f} MiB of JSON "
+                          f"(a tensor of {tensor_bytes / 2**20:.2f} MiB, in base64) per request."]
     lines.append("")
     return "\n".join(lines)
 
@@ -620,6 +635,9 @@ def main() -> int:
                     "the libraries' own on cuda)")
     ap.add_argument("--spread-gpus", action="store_true", help="stage k on GPU k (CUDA_VISIBLE_DEVICES)")
     ap.add_argument("--plain-client", action="store_true", help="plain aiohttp instead of the invoker's RuntimeClient")
+    ap.add_argument("--hops", choices=("frames", "json"), default="frames",
+                    help="hand tensors between stages as stage frames where the runtimes take them, as the invoker "
+                         "does (default), or as base64 in JSON (the path before stage frames; always with --plain-client)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the runtimes' stdout/stderr")
     ap.add_argument("--out", help="the Markdown report (e.g. docs/benchmarks/split-pipeline.md)")
     ap.add_argument("--json", help="the raw results")

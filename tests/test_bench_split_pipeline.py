@@ -50,7 +50,12 @@ def test_the_split_model_computes_what_the_whole_one_does_and_both_are_timed(
     hops = raw["hops"]
     assert len(hops) == requests * (stages - 1)
     tensor = 2 * 8 * 32 * 4  # batch × seq × d_model float32
-    assert all(h["tensor_bytes"] == tensor and h["json_bytes"] > tensor * 4 // 3 for h in hops)
+    if client:  # plain requests: base64 in JSON
+        assert raw["hops_as"] == "JSON" and "tensors between stages as JSON" in text
+        assert all(h["tensor_bytes"] == tensor and h["json_bytes"] > tensor * 4 // 3 for h in hops)
+    else:  # the invoker's client, as the invoker hands them on: stage frames, the tensor's bytes and a little JSON
+        assert raw["hops_as"] == "stage frames" and "a stage frame of" in text
+        assert all(h["tensor_bytes"] == tensor and tensor < h["json_bytes"] < tensor * 4 // 3 for h in hops)
     assert raw["gpu_note"] is None  # the CPU: no claim about GPUs
     assert "| whole (1 process) |" in text and f"| split ({stages} stages) |" in text
     assert f"| stage {stages - 1} of {stages} |" in text and "max abs difference" in text
