@@ -183,7 +183,7 @@ def send(x: Any, **meta: Any) -> dict[str, Any]:
             raise ValueError(f"cannot send a tensor of dtype {x.dtype}")
         flat = x.detach().to("cpu").contiguous().reshape(-1)
         # A byte view, not .numpy(): numpy has no bfloat16.
-        data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        data: Any = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
         shape = list(x.shape)
     else:
         np = sys.modules.get("numpy")
@@ -193,10 +193,11 @@ def send(x: Any, **meta: Any) -> dict[str, Any]:
         dtype = x.dtype.name
         if dtype not in DTYPES or DTYPES[dtype][1] != dtype:
             raise ValueError(f"cannot send an array of dtype {x.dtype}")
-        data = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<")).tobytes()
+        data = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<")).reshape(-1).view(np.uint8).data
         shape = list(x.shape)
     # The bytes as they are: the runtime writes them as base64 wherever the result is JSON, and as they are in a
     # stage frame on the direct lane (no base64, no JSON of them; docs/runtime.md, "Pipeline stages").
+    # (`data` a view of the tensor's bytes: the Blob is their one copy)
     wire = {"dtype": dtype, "shape": shape, "data": Blob(data)}
     return {FIELD: wire, **meta}
 
