@@ -4,6 +4,7 @@
 # own runtime process, driven with the invoker's RuntimeClient) with --hops json and --hops frames alternating,
 # TRIALS times each, at batch 4 x 512 tokens (8 MiB of hidden state between the stages), then once each at
 # batch 8 x 512 (16 MiB). Wheels for what the PyTorch image lacks come from .whl/ (bench/h200_product.sh wheels).
+# Only the raw JSON is written (render pages with bench/split_pipeline.py --from-json): the device hands back few files.
 #   bench/h200_split_hops.sh OUT [TRIALS]       (DRY=1: on the CPU, tiny, for a dry run)
 set -uo pipefail
 out=${1:-out}; trials=${2:-2}
@@ -27,12 +28,12 @@ log "tree $(source_hash); git $(git rev-parse --short HEAD 2>/dev/null || echo n
 for t in $(seq 1 "$trials"); do
   for hops in json frames; do
     step "b4-$hops-$t" 150 "$py" bench/split_pipeline.py "${model[@]}" --hops "$hops" \
-      --json "$out/2-stages-$hops-$t.json" --out "$out/2-stages-$hops-$t.md"
+      --json "$out/2-stages-$hops-$t.json"
   done
 done
 for hops in json frames; do
   if [ -z "${DRY:-}" ]; then big=(--batch 8); else big=(--batch 4); fi
   step "b8-$hops" 150 "$py" bench/split_pipeline.py "${model[@]}" "${big[@]}" --hops "$hops" \
-    --json "$out/2-stages-batch-8-$hops.json" --out "$out/2-stages-batch-8-$hops.md"
+    --json "$out/2-stages-batch-8-$hops.json"
 done
 log "done after $((SECONDS - START)) s"
