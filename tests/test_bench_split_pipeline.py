@@ -71,7 +71,7 @@ def test_the_page_is_the_recorded_runs_rendered() -> None:
     assert page.startswith(INTRO)
     data = ROOT / "docs" / "benchmarks" / "data" / "split-pipeline"
     runs = sorted(data.glob("*.json"))
-    assert len(runs) == 5
+    assert len(runs) == 11
     for path in runs:
         raw = json.loads(path.read_text())
         assert raw["max_abs_diff"] == 0 and raw["same_next_tokens"] and raw["gpu_note"]
