@@ -143,13 +143,18 @@ def test_the_cli_refuses_a_removed_flag_in_one_line(capsys: pytest.CaptureFixtur
 def test_live_compaction_settings_reach_the_planner_and_are_checked() -> None:
     from dilu_invoker.loadbalancer.service import planner_config
 
-    env = {"DILU_BALANCER_COMPACTION_MAX_REQUEST": "1.0", "DILU_BALANCER_COMPACTION_MERGES": "2"}
+    env = {"DILU_BALANCER_COMPACTION_MAX_REQUEST": "1.0", "DILU_BALANCER_COMPACTION_MERGES": "2",
+           "DILU_BALANCER_COMPACTION_MEMORY_MERGES": "1"}
     live = planner_config(config.load(environ=env)).compaction
     assert live is not None
-    assert (live.config.source_max_request, live.config.merges, live.config.max_moves) == (1.0, 2, 2)
+    assert (live.config.source_max_request, live.config.merges, live.config.memory_merges,
+            live.config.max_moves) == (1.0, 2, 1, 2)
     default = planner_config(config.load(environ={})).compaction
-    assert default is not None and (default.config.source_max_request, default.config.merges) == (0.5, 0)
+    assert default is not None
+    assert (default.config.source_max_request, default.config.merges, default.config.memory_merges) == (0.5, 0, 0)
     with pytest.raises(config.ConfigError, match="--balancer-compaction-max-request"):
         config.load(environ={"DILU_BALANCER_COMPACTION_MAX_REQUEST": "1.5"})
     with pytest.raises(config.ConfigError, match="--balancer-compaction-merges"):
         config.load(environ={"DILU_BALANCER_COMPACTION_MERGES": "-1"})
+    with pytest.raises(config.ConfigError, match="--balancer-compaction-memory-merges"):
+        config.load(environ={"DILU_BALANCER_COMPACTION_MEMORY_MERGES": "-1"})

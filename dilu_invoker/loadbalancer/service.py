@@ -161,6 +161,7 @@ def planner_config(cfg: Config) -> PlannerConfig:
         compaction = LiveCompaction(config=live_compaction_config(max_moves=b.compaction_max_moves,
                                                                   max_request=b.compaction_max_request,
                                                                   merges=b.compaction_merges,
+                                                                  memory_merges=b.compaction_memory_merges,
                                                                   stages=b.compaction_stages),
                                     period_s=b.compaction_period_s)
     return PlannerConfig(horizontal=horizontal, placement=placement, start_timeout_s=b.start_timeout_s,

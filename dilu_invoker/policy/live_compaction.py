@@ -18,22 +18,29 @@ from dilu_invoker.policy.horizontal import FunctionLoad, ScaleAction, ScaleDecis
 #: (`--balancer-compaction-merges`) looks as the simulator's does: at up to 256 GPUs with lost room per merging move,
 #: emptying only GPUs of one instance meanwhile (docs/benchmarks/sim-scale.md, twenty-seventh round: on 0:0.4 the
 #: simulator's packing for fewer cold starts and less CPU than 16 GPUs and 2 instances). A run moves each instance
-#: at most once (`one_move_per_instance`): the invoker hands one stage over at a time.
+#: at most once (`one_move_per_instance`): the invoker hands one stage over at a time. A run that merges free memory
+#: (`--balancer-compaction-memory-merges`, none by default) does so only while the lit GPUs exceed the integral bound
+#: of what is placed by more than 0.5% (`memory_merge_above`; docs/benchmarks/sim-scale.md, twenty-eighth round: at
+#: the bound, as on the mixes with 20-40% training and few LLMs, ungated memory merges cost 30 cold starts per 100
+#: instances for nothing).
 LIVE_COMPACTION = CompactionConfig(source_max_request=0.5, max_sources=32, max_moves=2, move_pieces=True,
-                                   merge_sources=256, merge_source_instances=1, one_move_per_instance=True)
+                                   merge_sources=256, merge_source_instances=1, one_move_per_instance=True,
+                                   memory_merge_above=0.005)
 
 
 def live_compaction_config(*, max_moves: int = LIVE_COMPACTION.max_moves,
                            max_request: float = LIVE_COMPACTION.source_max_request,
                            merges: int = LIVE_COMPACTION.merges,
+                           memory_merges: int = LIVE_COMPACTION.memory_merges,
                            stages: bool = LIVE_COMPACTION.move_pieces) -> CompactionConfig:
     """`LIVE_COMPACTION` with the balancer's settings: `--balancer-compaction-max-moves` (moves a run),
     `--balancer-compaction-max-request` (which GPUs it may empty), `--balancer-compaction-merges` (moves a
-    run may spend merging SM room) and `--balancer-compaction-stages` (split instances: stage moves, placing one
+    run may spend merging SM room), `--balancer-compaction-memory-merges` (moves a run may spend merging free
+    memory, where memory binds) and `--balancer-compaction-stages` (split instances: stage moves, placing one
     anew, splitting on a move). The balancer, the serving simulator and `simulate placement --as-live` all build
     it here."""
     return replace(LIVE_COMPACTION, max_moves=max_moves, source_max_request=max_request, merges=merges,
-                   move_pieces=stages)
+                   memory_merges=memory_merges, move_pieces=stages)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

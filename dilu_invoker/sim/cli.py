@@ -124,11 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compact-merges", type=_nonneg_int, default=None,
                    help="moves a compaction run may spend merging SM room no instance can use, while Σ request "
                         "binds (default: the simulator's, 1; 0: none)")
+    p.add_argument("--compact-memory-merges", type=_nonneg_int, default=None,
+                   help="moves a compaction run may spend merging free memory no instance can use, while memory "
+                        "binds (default: the simulator's, 0; with --as-live the balancer's "
+                        "--balancer-compaction-memory-merges)")
     p.add_argument("--as-live", action="store_true",
                    help="dilu as the live balancer runs it: no LLM action declares gpu-stages (no split), the live compaction (by default GPUs "
                         "with Σ request <= 0.5 and at most 3 instances, 2 moves a run, no merges) every 30 s; "
-                        "--compact-every, --compact-max-request and --compact-merges then set the balancer's "
-                        "--balancer-compaction-period-s, -max-request and -merges, and --llm-split-parts N has the "
+                        "--compact-every, --compact-max-request, --compact-merges and --compact-memory-merges then set "
+                        "the balancer's --balancer-compaction-period-s, -max-request, -merges and -memory-merges, and "
+                        "--llm-split-parts N has the "
                         "trace's LLM actions declare gpu-stages N (the live balancer then splits an LLM no lit GPU "
                         "holds, default 1: none declares it); not with the other --compact-* flags")
     p.add_argument("--seed", type=int, default=0, help="accepted for symmetry; placement is deterministic")
@@ -185,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compaction empties only GPUs whose Σ request is at most this (--balancer-compaction-max-request)")
     s.add_argument("--compaction-merges", type=_nonneg_int, default=0,
                    help="moves one compaction run may spend merging SM room (--balancer-compaction-merges)")
+    s.add_argument("--compaction-memory-merges", type=_nonneg_int, default=0,
+                   help="moves one compaction run may spend merging free memory, where memory binds "
+                        "(--balancer-compaction-memory-merges)")
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true")
@@ -283,6 +291,7 @@ def _placement(args: argparse.Namespace) -> int:
                 live["llm_split_parts"] = args.llm_split_parts
             # --no-compact-pieces: the balancer's --balancer-compaction-stages false
             settings = {"max_request": args.compact_max_request, "merges": args.compact_merges,
+                        "memory_merges": args.compact_memory_merges,
                         "stages": False if args.no_compact_pieces else None}
             live["compaction"] = live_compaction_config(**{k: v for k, v in settings.items() if v is not None})
             configs[policy] = live_placement_config(gpu_memory_gib=args.gpu_memory_gib, gpus=args.gpus,
@@ -308,6 +317,8 @@ def _placement(args: argparse.Namespace) -> int:
                 max_moves=max(64, max_sources),
                 move_pieces=not args.no_compact_pieces,
                 merges=SIM_COMPACTION.merges if args.compact_merges is None else args.compact_merges,
+                memory_merges=(SIM_COMPACTION.memory_merges if args.compact_memory_merges is None
+                               else args.compact_memory_merges),
             ),
         )
 
@@ -528,6 +539,7 @@ def _serving(args: argparse.Namespace) -> int:
             compaction_max_moves=args.compaction_max_moves,
             compaction_max_request=args.compaction_max_request,
             compaction_merges=args.compaction_merges,
+            compaction_memory_merges=args.compaction_memory_merges,
         )
 
     def run_serving(policy: str, bar: Progress | None) -> ServingResult:

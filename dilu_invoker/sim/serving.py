@@ -179,11 +179,14 @@ class ServingSimConfig:
     none for the baselines; 0: none."""
     compaction_max_moves: int = 2
     """Moves one compaction run may start, each a replacement's start (`--balancer-compaction-max-moves`);
-    the rest is `policy.live_compaction.LIVE_COMPACTION`, but for the next two."""
+    the rest is `policy.live_compaction.LIVE_COMPACTION`, but for the next three."""
     compaction_max_request: float = 0.5
     """Compaction empties only GPUs whose Σ SM request is at most this (`--balancer-compaction-max-request`)."""
     compaction_merges: int = 0
     """Moves a compaction run may spend merging SM room no instance can use (`--balancer-compaction-merges`)."""
+    compaction_memory_merges: int = 0
+    """Moves a compaction run may spend merging free memory no instance can use, where memory binds
+    (`--balancer-compaction-memory-merges`)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_SPEC:
@@ -218,6 +221,8 @@ class ServingSimConfig:
             raise ValueError(f"compaction_max_request must be between 0 and 1, got {self.compaction_max_request!r}")
         if self.compaction_merges < 0:
             raise ValueError(f"compaction_merges must be >= 0, got {self.compaction_merges!r}")
+        if self.compaction_memory_merges < 0:
+            raise ValueError(f"compaction_memory_merges must be >= 0, got {self.compaction_memory_merges!r}")
 
     def live_compaction(self) -> LiveCompaction | None:
         """The balancer's compaction with these settings; None when off."""
@@ -228,7 +233,9 @@ class ServingSimConfig:
             return None
         return LiveCompaction(config=live_compaction_config(max_moves=self.compaction_max_moves,
                                                             max_request=self.compaction_max_request,
-                                                            merges=self.compaction_merges), period_s=period)
+                                                            merges=self.compaction_merges,
+                                                            memory_merges=self.compaction_memory_merges),
+                              period_s=period)
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,6 +161,9 @@ def test_live_defaults() -> None:
     # A run that merges (--balancer-compaction-merges) looks as the simulator's does.
     assert (LIVE_COMPACTION.merge_sources, LIVE_COMPACTION.merge_source_instances) == (
         SIM_COMPACTION.merge_sources, SIM_COMPACTION.merge_source_instances) == (256, 1)
+    # No memory merges by default; a run that merges memory (--balancer-compaction-memory-merges) does so only
+    # while the lit GPUs are more than 0.5% over the integral bound.
+    assert (LIVE_COMPACTION.memory_merges, LIVE_COMPACTION.memory_merge_above) == (0, 0.005)
     with pytest.raises(ValueError, match="period_s"):
         LiveCompaction(period_s=0)
     assert tick({"invoker0": report("invoker0")}).compaction == CompactionLoop()
