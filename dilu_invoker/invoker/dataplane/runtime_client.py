@@ -620,10 +620,11 @@ class RuntimeClient:
                   stage: bool | None = None) -> RuntimeOutcome:
         """POST /run once (never retried: the action may have started) — on the direct lane where the
         container has one open, else over HTTP. `stage` (a pipeline stage's run, `payload` its body as a
-        mapping): on the lane the run goes as a stage frame (RUN_STAGE), the tensor bytes at
-        `value.dilu_stage.data` (a `Blob`) as they are; True: every stage but the last, whose result may come
-        back the same way (its `dilu_stage.data` then a `Blob`). Over HTTP the body is JSON, a `Blob` in it base64,
-        as without `stage`."""
+        mapping): the run goes as a stage frame — a RUN_STAGE on the lane, or over HTTP a body of
+        `STAGE_CONTENT_TYPE` where the runtime takes them (`stage_frames`) — the tensor bytes at
+        `value.dilu_stage.data` (a `Blob` or `BlobView`) as they are; True: every stage but the last, whose result
+        may come back the same way (its `dilu_stage.data` then a `BlobView`). To any other runtime the body is JSON,
+        a tensor in it base64, as without `stage`."""
         return await self._call("/run", payload, timeout_s, retry=False, mapping=run_outcome, stage=stage)
 
     async def _run_direct(self, lane: DirectLane, data: bytes | list[bytes], timeout_s: float,
