@@ -96,6 +96,9 @@ def play_invokers(url: str, reports: dict[str, bytes], stop: Any, seed: int) -> 
 class _NoFreeze(LongLived):
     """The collector left as CPython runs it (`--no-gc-freeze`)."""
 
+    def freeze(self) -> None:
+        pass
+
     def after_tick(self) -> None:
         pass
 

@@ -359,29 +359,42 @@ def function_load(
     `index`: `ReportIndex.of(reports)`, made once for every function of a tick)."""
     index = index if index is not None else ReportIndex.of(reports)
     by_id = index.instances.get(spec.fqn, {})
-    ready = [r for r in records if r.state == RecordState.READY]
-    starting = [r for r in records if r.state == RecordState.STARTING]
-    stopping = [r for r in records if r.state == RecordState.STOPPING]
-    live = [by_id[r.id] for r in records if r.id in by_id and r.state != RecordState.STOPPING]
+    # One pass over the records (a tick makes this for every function it plans): the counts by state, and the
+    # reports of the records not stopping, in the records' order (the float sums below follow it).
+    ready = starting = stopping = saturated = 0
+    live: list[InstanceReport] = []
+    for r in records:
+        state = r.state
+        inst = by_id.get(r.id)
+        if state == RecordState.READY:
+            ready += 1
+            if inst is not None and inst.saturated:
+                saturated += 1
+        elif state == RecordState.STARTING:
+            starting += 1
+        elif state == RecordState.STOPPING:
+            stopping += 1
+            continue
+        if inst is not None:
+            live.append(inst)
     fn_reports = index.functions.get(spec.fqn, [])
     waiting = sum(f.waiting for f in fn_reports) + sum(i.waiting for i in live)
     if demand_at is not None and now - demand_at <= demand_hold_s:
         waiting = max(waiting, 1)
     delays = [f.queue_delay_ms for f in fn_reports] + [i.queue_delay_ms for i in live]
-    saturated = sum(1 for r in ready if r.id in by_id and by_id[r.id].saturated)
     return FunctionLoad(
         function=spec.fqn,
         now=now,
-        instances=len(ready),
-        starting=len(starting),
-        stopping=len(stopping),
+        instances=ready,
+        starting=starting,
+        stopping=stopping,
         arrival_rate=sum(f.arrival_rate for f in fn_reports),
         capacity_per_instance=spec.capacity_rps or estimate_capacity(live),
         waiting=waiting,
         in_flight=sum(i.in_flight for i in live),
         queue_delay_ms=max(delays, default=0.0),
         slo_ms=spec.slo_ms,
-        instances_at_limit=min(saturated, len(ready)),
+        instances_at_limit=min(saturated, ready),
         min_instances=spec.min_instances,
         max_instances=max(spec.max_instances, spec.min_instances),
     )
@@ -1294,25 +1307,41 @@ def _routes(
             for i in rep.instances:
                 if i.id in ids:
                     loads[i.id] = i
+    reports, epoch, fallback = inp.reports, inp.epoch, cluster is None
     for fqn in names:
         table = kept.get(fqn)
         if table is not None:
             out[fqn] = table
             continue
-        spec = inp.specs[fqn]
-        entries = tuple(
-            RouteEntry(id=r.id, invoker=r.invoker, slots=r.slots,
-                       in_flight=loads[r.id].in_flight if r.id in loads else 0,
-                       waiting=loads[r.id].waiting if r.id in loads else 0)
-            for r in sorted(by_function.get(fqn, ()), key=lambda r: r.id)
-            if r.state == RecordState.READY and r.invoker in inp.reports and not outdated(r.rev, spec.rev)
-        )
-        state = states.get(fqn, FunctionState())
+        rev = inp.specs[fqn].rev
+        entries = []
+        for r in sorted(by_function.get(fqn, ()), key=_by_id):
+            if r.state == RecordState.READY and r.invoker in reports and not outdated(r.rev, rev):
+                load = loads.get(r.id)
+                entries.append(RouteEntry(r.id, r.invoker, r.slots, load.in_flight if load is not None else 0,
+                                          load.waiting if load is not None else 0))
+        state = states.get(fqn)
+        blocked = state.blocked if state is not None and not entries else ""
         prev = inp.routes.get(fqn)
-        table = RoutingTable(function=fqn, rev=spec.rev, epoch=inp.epoch, version=prev.version if prev else 0,
-                             instances=entries, local_fallback=cluster is None,
-                             blocked=state.blocked if not entries else "")
-        if not table.same_routes(prev):
-            table = replace(table, version=(prev.version if prev else 0) + 1)
-        out[fqn] = table
+        if prev is not None and _same_routes(prev, rev, fallback, blocked, entries):
+            # The published table, when it is the one this would make (the service then writes nothing for it).
+            if prev.epoch == epoch and prev.function == fqn and prev.instances == tuple(entries):
+                out[fqn] = prev
+                continue
+            version = prev.version
+        else:
+            version = prev.version + 1 if prev is not None else 1
+        out[fqn] = RoutingTable(function=fqn, rev=rev, epoch=epoch, version=version, instances=tuple(entries),
+                                local_fallback=fallback, blocked=blocked)
     return out
+
+
+def _same_routes(table: RoutingTable, rev: str, fallback: bool, blocked: str, entries: list[RouteEntry]) -> bool:
+    """`RoutingTable.same_routes` of `table` and a table of these fields, without making the other table."""
+    if (table.rev != rev or table.local_fallback != fallback or table.blocked != blocked
+            or len(table.instances) != len(entries)):
+        return False
+    for a, b in zip(table.instances, entries, strict=True):
+        if a.id != b.id or a.invoker != b.invoker or a.slots != b.slots:
+            return False
+    return True

@@ -421,26 +421,55 @@ class LongLived:
     reports decoded, the snapshot, the plan's memo), and each tick leaves a few hundred thousand new ones alive
     in place of the last tick's. CPython then runs a full collection over the whole heap every tick or two:
     0.4–0.7 s at 32,000 instances, more than the plan's own work (docs/benchmarks/planner-scale.md, round 5).
-    After each tick everything alive is moved out of the collector's view (`gc.freeze`), so the full passes scan
-    only what the next tick makes; what later dies is freed by reference counting as before. Garbage in a
-    reference cycle among frozen objects (rare here: an exception's traceback) would wait, so every
-    `thaw_every` ticks the objects go back to the collector (`gc.unfreeze`), whose next full pass sees them all
-    once."""
+    After the takeover and after each tick everything alive is moved out of the collector's view (`gc.freeze`),
+    so the full passes scan only what the next tick makes; what later dies is freed by reference counting as
+    before. Garbage in a reference cycle among frozen objects (rare here: an exception's traceback) would wait,
+    so every `thaw_every` ticks the objects go back to the collector (`gc.unfreeze`), whose next full pass sees
+    them all once.
+
+    While a tick runs on a frozen heap (`before_tick` to `after_tick`) there is no full pass at all: the
+    tick's new objects are young collected as before, but the full passes over all of them (0.5–1.2 s a tick
+    at 32,000 instances, round 6) would only find what the tick still holds, which the freeze after it takes
+    out of view anyway. A tick after a thaw keeps its full passes, so the thawed heap is collected."""
+
+    #: generation 2's threshold while a tick runs on a frozen heap (no full collection falls due)
+    NO_FULL_PASS = 1 << 30
 
     def __init__(self, thaw_every: int = 300) -> None:
         self.thaw_every = thaw_every
         self.ticks = 0
+        self._frozen = False
+        self._thresholds: tuple[int, int, int] | None = None
+
+    def freeze(self) -> None:
+        """What is alive now is long-lived (the state a new leader loaded, or a tick left)."""
+        gc.freeze()
+        self._frozen = True
+
+    def before_tick(self) -> None:
+        if self._frozen and self._thresholds is None:
+            self._thresholds = gc.get_threshold()
+            gc.set_threshold(self._thresholds[0], self._thresholds[1], self.NO_FULL_PASS)
 
     def after_tick(self) -> None:
+        self._restore()
         self.ticks += 1
         if self.ticks % self.thaw_every == 0:
             gc.unfreeze()
+            self._frozen = False
         else:
-            gc.freeze()
+            self.freeze()
 
     def release(self) -> None:
         """Give everything back to the collector (a leader that stops leading)."""
+        self._restore()
         gc.unfreeze()
+        self._frozen = False
+
+    def _restore(self) -> None:
+        if self._thresholds is not None:
+            gc.set_threshold(*self._thresholds)
+            self._thresholds = None
 
 
 def default_holder() -> str:
@@ -555,6 +584,7 @@ class Balancer:
         renew = asyncio.create_task(self._renew_loop(lead), name="balancer-renew")
         demand = asyncio.create_task(self._demand_loop(), name="balancer-demand")
         try:
+            self._collector.freeze()  # what the takeover loaded (every record and routing table)
             last = 0.0
             while not self._lost.is_set():
                 if time.monotonic() > self._valid_until:
@@ -564,6 +594,7 @@ class Balancer:
                 if gap < MIN_TICK_GAP_S:
                     await asyncio.sleep(MIN_TICK_GAP_S - gap)
                 last = time.monotonic()
+                self._collector.before_tick()
                 try:
                     if not await self.tick(lead):
                         log.warning("balancer lost the lease; stepping down", epoch=lead.epoch)

@@ -295,6 +295,60 @@ def test_long_lived_objects_leave_the_collector_between_ticks_and_come_back() ->
         gc.unfreeze()
 
 
+def _full_passes(allocate: int) -> int:
+    """How many full collections run while `allocate` new containers are made and kept."""
+    import gc
+
+    passes = 0
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        nonlocal passes
+        if phase == "start" and info["generation"] == 2:
+            passes += 1
+
+    gc.callbacks.append(seen)
+    try:
+        kept = [[] for _ in range(allocate)]
+        del kept
+    finally:
+        gc.callbacks.remove(seen)
+    return passes
+
+
+def test_a_tick_on_a_frozen_heap_runs_no_full_collection() -> None:
+    """Between `before_tick` and `after_tick` on a frozen heap no full collection falls due (young ones still run),
+    and the thresholds are CPython's again after the tick; a tick after a thaw keeps its full passes, so the thawed
+    heap is collected."""
+    import gc
+
+    from dilu_invoker.loadbalancer.service import LongLived
+
+    thresholds = gc.get_threshold()
+    keep = LongLived(thaw_every=2)
+    try:
+        keep.freeze()
+        gc.collect()  # what the collector counts as long-lived: what is not frozen (little)
+        assert _full_passes(200_000) > 0, "no full pass without the tick's setting: the test exercises nothing"
+        keep.before_tick()
+        assert _full_passes(200_000) == 0
+        keep.after_tick()  # the first: frozen again
+        assert gc.get_threshold() == thresholds
+        keep.before_tick()
+        assert _full_passes(200_000) == 0
+        keep.after_tick()  # the second: thawed
+        assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+        keep.before_tick()
+        assert gc.get_threshold() == thresholds
+        assert _full_passes(200_000) > 0
+        keep.after_tick()
+        keep.before_tick()
+        keep.release()  # a leader that stops mid-tick gives the thresholds back too
+        assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+
+
 async def test_a_leader_cancelled_as_it_is_woken_stops(redis: aioredis.Redis) -> None:
     """The tick's sleep ends on a wake (a demand signal) or its period. A cancellation that arrives in the same step
     as the wake must still cancel it (Python 3.11's `wait_for` returned normally there, and a leader cancelled then
@@ -317,3 +371,30 @@ async def test_a_leader_cancelled_as_it_is_woken_stops(redis: aioredis.Redis) ->
     await asyncio.wait_for(b._sleep(10.0), 1.0)
     assert not b._wake.is_set()
     await asyncio.wait_for(b._sleep(0.01), 1.0)
+
+
+async def test_a_leaders_ticks_run_on_a_frozen_heap_from_the_first(redis: aioredis.Redis) -> None:
+    """What a takeover loaded is frozen before the first tick, so even the first tick runs with no full collection
+    due; when the leader stops, the collector's thresholds are CPython's again and nothing stays frozen."""
+    import gc
+
+    from dilu_invoker.loadbalancer.service import LongLived
+
+    thresholds = gc.get_threshold()
+    b = Balancer(redis, _cfg(), holder="solo")
+    seen: list[tuple[int, bool]] = []
+
+    async def tick(lead):  # type: ignore[no-untyped-def]
+        seen.append((gc.get_threshold()[2], gc.get_freeze_count() > 0))
+        return len(seen) < 2  # the second: "the lease is lost", the leader steps down
+
+    b.tick = tick  # type: ignore[method-assign]
+    try:
+        lead = await b.campaign_once()
+        assert lead is not None
+        await asyncio.wait_for(b._lead(lead), 10.0)
+        assert seen == [(LongLived.NO_FULL_PASS, True)] * 2
+        assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
