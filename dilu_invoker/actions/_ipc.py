@@ -194,9 +194,20 @@ def pack(kind: Kind, request_id: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(kind, request_id, len(payload)) + payload
 
 
-def pack_parts(kind: Kind, request_id: int, parts: list[bytes]) -> list[bytes]:
-    """A frame whose payload is `parts` one after the other, as parts (for `sendmsg`, `writelines`)."""
-    return [HEADER.pack(kind, request_id, sum(len(p) for p in parts)), *parts]
+#: a frame at least this long is written as its parts (its payload not copied behind its header); a shorter one
+#: as one write (one segment, one read on the other side)
+WHOLE_WRITE_BYTES = 65536
+
+
+def frame_chunks(kind: Kind, request_id: int, payload: bytes | list[bytes]) -> list[bytes]:
+    """A frame whose payload is `payload` (or its parts one after the other), as what to write in turn: one chunk
+    when it is short, else its header and then each part as it is (a stage frame's tensor is not copied)."""
+    parts = payload if isinstance(payload, list) else [payload]
+    length = sum(len(p) for p in parts)
+    head = HEADER.pack(kind, request_id, length)
+    if length < WHOLE_WRITE_BYTES:
+        return [head + b"".join(parts)]
+    return [head, *parts]
 
 
 def installed_roots() -> tuple[str, ...]:

@@ -36,7 +36,7 @@ from dilu_invoker.actions._ipc import (
     STAGE_CONTENT_TYPE,
     STAGE_FRAMES_HEADER,
     Kind,
-    pack,
+    frame_chunks,
     run_answer,
     unpack_stage,
 )
@@ -262,11 +262,8 @@ class WorkerProcess:
             pending.timer = loop.call_later(max(deadline_s, 0.0), self._deadline_passed)
         self._pending[request_id] = pending
         try:
-            if len(payload) < 65536:
-                frames.transport.write(pack(kind, request_id, payload))
-            else:  # a large body (a stage frame's tensor): not copied behind its header first
-                frames.transport.write(HEADER.pack(kind, request_id, len(payload)))
-                frames.transport.write(payload)
+            for chunk in frame_chunks(kind, request_id, payload):  # a large body is not copied behind its header
+                frames.transport.write(chunk)
             await frames.drain()
         except (ConnectionError, OSError):
             pass  # the reader task reports the worker's death to this request too

@@ -44,10 +44,9 @@ from dilu_invoker.actions._ipc import (
     SENTINEL_LINE,
     WELCOME_BLOB,
     Kind,
+    frame_chunks,
     installed_roots,
     json_default,
-    pack,
-    pack_parts,
     pack_stage,
     put_blob,
     read_frame,
@@ -95,16 +94,15 @@ class Worker:
     # -- wire ---------------------------------------------------------------------------------------
 
     def _send(self, kind: Kind, request_id: int, payload: bytes | list[bytes] = b"") -> None:
-        frame = b"".join(pack_parts(kind, request_id, payload)) if isinstance(payload, list) else pack(kind, request_id, payload)
+        frame = b"".join(frame_chunks(kind, request_id, payload))
         with self._send_lock:
             self._sock.sendall(frame)
 
     def _send_direct(self, kind: Kind, request_id: int, payload: bytes | list[bytes] = b"") -> None:
         assert self._direct is not None
-        parts = pack_parts(kind, request_id, payload) if isinstance(payload, list) else [pack(kind, request_id, payload)]
         with contextlib.suppress(OSError), self._direct_lock:  # the invoker went away: nobody to answer
-            for part in parts:  # a stage frame's blob is sent as it is, not joined to its head first
-                self._direct.sendall(part)
+            for chunk in frame_chunks(kind, request_id, payload):
+                self._direct.sendall(chunk)
 
     def serve(self) -> None:
         channels = [self._sock] if self._direct is None else [self._sock, self._direct]

@@ -31,10 +31,11 @@ from dilu_invoker.actions._ipc import (
     STAGE_FRAMES_HEADER,
     STAGE_HEAD,
     WELCOME_BLOB,
+    WHOLE_WRITE_BYTES,
     Kind,
     error_body,
+    frame_chunks,
     json_default,
-    pack_parts,
     pack_stage,
     put_blob,
     run_answer,
@@ -559,8 +560,8 @@ class DirectLane(asyncio.Protocol):
         future: asyncio.Future[tuple[Kind, bytes, int]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, limit)
         try:
-            for part in pack_parts(kind, request_id, payload if isinstance(payload, list) else [payload]):
-                transport.write(part)  # not `writelines`, which joins them first: a stage frame's blob is copied once
+            for chunk in frame_chunks(kind, request_id, payload):
+                transport.write(chunk)  # not `writelines`, which joins them first: a stage frame's blob is copied once
             self.runs += 1
             return await future
         finally:
@@ -753,7 +754,7 @@ class RuntimeClient:
         try:
             async with asyncio.timeout(timeout_s):
                 conn = await connections.acquire(host, port)
-                if length < 65536:
+                if length < WHOLE_WRITE_BYTES:
                     conn.writer.write(head + b"".join(parts))  # one write, as one segment
                 else:
                     for part in (head, *parts):
