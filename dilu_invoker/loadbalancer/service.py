@@ -435,11 +435,18 @@ class LongLived:
     #: generation 2's threshold while a tick runs on a frozen heap (no full collection falls due)
     NO_FULL_PASS = 1 << 30
 
+    # The collector's thresholds are the process's, and several balancers may lead in one process (tests, a
+    # standalone beside a cluster balancer): the first tick to start keeps CPython's thresholds and the last to
+    # end gives them back, whatever order their awaits interleave in. Without the count, a tick that began
+    # while another ran kept the raised threshold as "CPython's" and left it set for good.
+    _ticking = 0
+    _saved: tuple[int, int, int] | None = None
+
     def __init__(self, thaw_every: int = 300) -> None:
         self.thaw_every = thaw_every
         self.ticks = 0
         self._frozen = False
-        self._thresholds: tuple[int, int, int] | None = None
+        self._in_tick = False
 
     def freeze(self) -> None:
         """What is alive now is long-lived (the state a new leader loaded, or a tick left)."""
@@ -447,9 +454,14 @@ class LongLived:
         self._frozen = True
 
     def before_tick(self) -> None:
-        if self._frozen and self._thresholds is None:
-            self._thresholds = gc.get_threshold()
-            gc.set_threshold(self._thresholds[0], self._thresholds[1], self.NO_FULL_PASS)
+        if not self._frozen or self._in_tick:
+            return
+        self._in_tick = True
+        cls = LongLived
+        if cls._ticking == 0:
+            cls._saved = gc.get_threshold()
+            gc.set_threshold(cls._saved[0], cls._saved[1], self.NO_FULL_PASS)
+        cls._ticking += 1
 
     def after_tick(self) -> None:
         self._restore()
@@ -467,9 +479,14 @@ class LongLived:
         self._frozen = False
 
     def _restore(self) -> None:
-        if self._thresholds is not None:
-            gc.set_threshold(*self._thresholds)
-            self._thresholds = None
+        if not self._in_tick:
+            return
+        self._in_tick = False
+        cls = LongLived
+        cls._ticking -= 1
+        if cls._ticking == 0 and cls._saved is not None:
+            gc.set_threshold(*cls._saved)
+            cls._saved = None
 
 
 def default_holder() -> str:

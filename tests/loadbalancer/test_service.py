@@ -323,6 +323,8 @@ def test_a_tick_on_a_frozen_heap_runs_no_full_collection() -> None:
 
     from dilu_invoker.loadbalancer.service import LongLived
 
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # CPython's defaults, whatever an earlier test left
     thresholds = gc.get_threshold()
     keep = LongLived(thaw_every=2)
     try:
@@ -344,6 +346,38 @@ def test_a_tick_on_a_frozen_heap_runs_no_full_collection() -> None:
         keep.before_tick()
         keep.release()  # a leader that stops mid-tick gives the thresholds back too
         assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
+
+
+def test_ticks_of_two_leaders_in_one_process_give_the_thresholds_back() -> None:
+    """Two leaders in one process whose ticks overlap (each awaits Redis mid-tick): the collector's thresholds
+    stay raised while either tick runs and are the process's own once both have ended, in either order; a
+    second `before_tick` without an `after_tick` counts once."""
+    import gc
+
+    from dilu_invoker.loadbalancer.service import LongLived
+
+    thresholds = gc.get_threshold()
+    a, b = LongLived(), LongLived()
+    try:
+        a.freeze()
+        b.freeze()
+        for first, second in ((a, b), (b, a)):
+            first.before_tick()
+            first.before_tick()
+            second.before_tick()
+            assert gc.get_threshold()[2] == LongLived.NO_FULL_PASS
+            first.after_tick()
+            assert gc.get_threshold()[2] == LongLived.NO_FULL_PASS  # the other tick still runs
+            second.after_tick()
+            assert gc.get_threshold() == thresholds
+        a.before_tick()
+        b.before_tick()
+        a.release()
+        b.release()  # leaders that stop mid-tick
+        assert gc.get_threshold() == thresholds
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
