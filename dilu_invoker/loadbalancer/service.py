@@ -529,6 +529,8 @@ class Balancer:
         self._records: dict[str, InstanceRecord] = {}
         self._routes: dict[str, RoutingTable] = {}
         self._states: dict[str, FunctionState] = {}
+        #: the `now` of the tick whose plan `_states` carry (None before a leader's first tick)
+        self._planned_at: float | None = None
         self._demand: dict[str, float] = {}
         self._seq = 1
         self._bad_reports: set[str] = set()
@@ -575,6 +577,7 @@ class Balancer:
         self.leading = lead
         self._lost.clear()
         self._states = {}
+        self._planned_at = None
         self._demand = {}
         self._seq = 1
         self._compaction = CompactionLoop()
@@ -687,10 +690,12 @@ class Balancer:
             TickInput(now=now, epoch=lead.epoch, reports=reports, known_invokers=known, records=self._records,
                       specs=specs, cluster=cluster, demand=dict(self._demand), states=self._states,
                       routes=self._routes, seq=self._seq, compaction=self._compaction, evictable=evictable,
-                      memo=self._memo),
+                      memo=self._memo, last_tick_at=self._planned_at),
             self.planner,
         )
         ok = await self._apply(lead, plan)
+        if ok:
+            self._planned_at = now
         self.ticks += 1
         return ok
 

@@ -126,6 +126,10 @@ class FunctionLoad:
     """Ready instances saturated at their limit: vertical scaling has nothing more to give them."""
     min_instances: int | None = None
     max_instances: int | None = None
+    last_tick_at: float | None = None
+    """When the caller's previous pass over its functions (a leader's tick) ran, or None (not known, a first
+    tick). A window whose last sample is from that pass missed none, however long ago it was: a leader slowed
+    by its cluster's size does not restart every window (`stale_after_s` is for samples a function missed)."""
 
     def __post_init__(self) -> None:
         if not self.function:
@@ -230,12 +234,24 @@ def sustained_level(rates: tuple[float, ...], samples: int, *, high: bool) -> fl
     return ordered[samples - 1]
 
 
+def window_is_stale(
+    last_sample_at: float | None, now: float, last_tick_at: float | None, config: HorizontalConfig
+) -> bool:
+    """Whether a window last sampled at `last_sample_at` restarts at `now`: more than `stale_after_s` without a
+    sample, unless the last sample came from the caller's previous pass (`FunctionLoad.last_tick_at`). A pass
+    that came within half a sample period of the last sample took none, so "from the previous pass" allows
+    that much."""
+    if last_sample_at is None or now - last_sample_at <= config.stale_after_s:
+        return False
+    return last_tick_at is None or last_sample_at < last_tick_at - 0.5 * config.sample_period_s
+
+
 def _advance_window(
     load: FunctionLoad, state: HorizontalState, config: HorizontalConfig
 ) -> tuple[HorizontalState, str]:
     rates, last = state.rates, state.last_sample_at
     note = ""
-    if last is not None and load.now - last > config.stale_after_s:
+    if last is not None and window_is_stale(last, load.now, load.last_tick_at, config):
         rates, note = (
             (),
             f"window restarted after {load.now - last:.1f} s without samples",
@@ -419,19 +435,21 @@ def decide_scale(
 
 
 def repeat_decision(
-    prev: ScaleDecision, load: FunctionLoad, state: HorizontalState, now: float, config: HorizontalConfig
+    prev: ScaleDecision, load: FunctionLoad, state: HorizontalState, now: float, config: HorizontalConfig,
+    *, last_tick_at: float | None = None,
 ) -> ScaleDecision | None:
     """`decide_scale` at `now` for a function whose load figures have not changed since `prev` was decided on
     `load` (its figures; its `now` is not read), with `state` carried from it, when that is certainly `prev` again: the same
     hold, only the clock and the window's sample time moved. None when it might not be (call `decide_scale`):
     `prev` scaled, the window would change (a sample of another rate, a restart after a gap, no sample this
     tick) or the clock crosses a threshold of the cooldown or of the idle timeout. A balancer tick asks this
-    for each function whose inputs did not change, so that a steady cluster costs little per function."""
+    for each function whose inputs did not change, so that a steady cluster costs little per function.
+    `last_tick_at` is this tick's `FunctionLoad.last_tick_at` (`load`'s is the last tick's)."""
     if prev.action is not ScaleAction.HOLD or (state is not prev.state and state != prev.state) or now < prev.now:
         return None
     last = state.last_sample_at
     # `_advance_window`: a sample is taken (no restart) and leaves the window as it was.
-    if last is None or now - last > config.stale_after_s or now - last < 0.5 * config.sample_period_s:
+    if last is None or window_is_stale(last, now, last_tick_at, config) or now - last < 0.5 * config.sample_period_s:
         return None
     if (state.rates + (load.arrival_rate,))[-config.window :] != state.rates:
         return None

@@ -84,6 +84,7 @@ class World:
         self.seq = 1
         self.loop = CompactionLoop()
         self.memo: PlanMemo | None = None
+        self.planned_at: float | None = None
         self.next_fn = 0
         for _ in range(functions):
             self.add_function()
@@ -148,7 +149,9 @@ class World:
             now=self.now, epoch=3, reports=reports, known_invokers=frozenset(self.boots), records=self.records,
             specs=self.specs, cluster=self.cluster(reports), demand=self.demand, states=self.states,
             routes=self.routes, seq=self.seq, compaction=self.loop if compact else replace(self.loop, next_at=1e18),
-            memo=self.memo)
+            memo=self.memo,
+            # the service's previous tick, or not known (a new leader's first, or the rule without it)
+            last_tick_at=self.planned_at if self.rng.random() < 0.7 else None)
         incremental = plan_tick(inp, CFG)
         scratch = plan_tick(replace(inp, memo=None), CFG)
         records, states = dict(incremental.records), dict(incremental.states)
@@ -161,6 +164,7 @@ class World:
                 states[r.function] = replace(st, owed=st.owed + 1)
         self.records, self.states, self.routes = records, states, dict(incremental.routes)
         self.seq, self.loop, self.memo = incremental.seq, incremental.compaction, incremental.memo
+        self.planned_at = self.now
         return incremental, scratch
 
     def change(self) -> None:
@@ -259,16 +263,17 @@ def test_a_memo_of_another_epoch_or_configuration_is_not_used() -> None:
 # -- the horizontal policy's repetition ------------------------------------------------------------
 
 
-def _load(rate: float, *, n: int = 2, now: float, waiting: int = 0, lo: int = 0, hi: int = 6) -> FunctionLoad:
+def _load(rate: float, *, n: int = 2, now: float, waiting: int = 0, lo: int = 0, hi: int = 6,
+          last_tick_at: float | None = None) -> FunctionLoad:
     return FunctionLoad(function="f", now=now, instances=n, arrival_rate=rate, capacity_per_instance=2.0,
-                        waiting=waiting, min_instances=lo, max_instances=hi)
+                        waiting=waiting, min_instances=lo, max_instances=hi, last_tick_at=last_tick_at)
 
 
 def test_repeat_decision_is_decide_scale_or_declines() -> None:
     """Whenever `repeat_decision` answers, `decide_scale` answers the same; it answers for a settled hold."""
     rng = random.Random(1)
     cfg = HORIZONTAL
-    answered = 0
+    answered = long_gaps = 0
     for _ in range(4000):
         rate = rng.choice([0.0, 0.0, 1.0, 3.0, 5.0])
         n, lo = rng.choice([0, 1, 2, 3]), rng.choice([0, 1])
@@ -278,13 +283,18 @@ def test_repeat_decision_is_decide_scale_or_declines() -> None:
                                 last_busy_at=rng.choice([None, 80.0, 94.5, 99.0]))
         then = 100.0
         prev = decide_scale(_load(rate, n=n, now=then, lo=lo), state, cfg)
-        later = then + rng.choice([0.05, 0.4, 1.0, 1.0, 2.0, 4.0, 6.0])
-        again = repeat_decision(prev, _load(rate, n=n, now=then, lo=lo), prev.state, later, cfg)
+        later = then + rng.choice([0.05, 0.4, 1.0, 1.0, 2.0, 4.0, 6.0, 6.0])
+        # the previous pass: the one that sampled (`then`), one a little after it, one long before, or not known
+        tick_at = rng.choice([None, then, then + 0.3, then - 7.0])
+        again = repeat_decision(prev, _load(rate, n=n, now=then, lo=lo), prev.state, later, cfg, last_tick_at=tick_at)
         if again is None:
             continue
         answered += 1
-        assert again == decide_scale(_load(rate, n=n, now=later, lo=lo), prev.state, cfg)
+        if later - then > cfg.stale_after_s:
+            long_gaps += 1
+        assert again == decide_scale(_load(rate, n=n, now=later, lo=lo, last_tick_at=tick_at), prev.state, cfg)
     assert answered > 200
+    assert long_gaps > 20, "no hold repeated across a slow tick: the test exercises nothing"
 
 
 def test_repeat_decision_declines_a_scaling_decision() -> None:

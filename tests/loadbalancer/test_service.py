@@ -138,6 +138,37 @@ async def test_a_standby_takes_over_with_the_table(redis: aioredis.Redis) -> Non
     assert len(await _commands(redis, "invoker0")) == 1 and await redis.hlen(KEYS.instances) == 1
 
 
+async def test_each_tick_tells_the_plan_when_the_last_applied_tick_ran(redis: aioredis.Redis,
+                                                                        monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The plan learns the `now` of this leader's last applied tick (`TickInput.last_tick_at`), so the scaler's
+    windows survive slow ticks; a new leader's first tick knows none."""
+    from dilu_invoker.loadbalancer import service
+
+    seen: list[tuple[float, float | None]] = []
+    real = service.plan_tick
+
+    def plan(inp, cfg):  # type: ignore[no-untyped-def]
+        seen.append((inp.now, inp.last_tick_at))
+        return real(inp, cfg)
+
+    monkeypatch.setattr(service, "plan_tick", plan)
+    await _invoker(redis, "invoker0")
+    await _function(redis, "f", **{"min-instances": 1})
+    balancer = Balancer(redis, _cfg(), holder="solo")
+    lead = await balancer.campaign_once()
+    assert lead is not None
+    for _ in range(3):
+        assert await balancer.tick(lead)
+    assert [last for _, last in seen] == [None, seen[0][0], seen[1][0]]
+    # The lease is taken over: the new leader's first tick knows no last tick (it carries no windows).
+    await redis.delete(KEYS.lease)
+    other = Balancer(redis, _cfg(), holder="other")
+    lead2 = await other.campaign_once()
+    assert lead2 is not None
+    assert await other.tick(lead2)
+    assert seen[-1][1] is None
+
+
 async def test_an_unreadable_report_counts_as_gone(redis: aioredis.Redis) -> None:
     await _invoker(redis, "invoker0")
     await _invoker(redis, "invoker1")

@@ -237,6 +237,39 @@ TICKS = {
 }
 
 
+def test_a_slow_caller_does_not_restart_its_windows() -> None:
+    """A caller whose passes come 6 s apart (a leader slowed by a large cluster) and says when its previous pass
+    was keeps each window: a sustained load scales out after `scale_out_samples` passes, as at 1 s; told nothing,
+    every pass restarts the window and the load never scales out. A sample the function missed (its last one
+    older than the previous pass) still restarts it."""
+    rates = [15.0] * 30  # above one instance's capacity
+
+    def passes(gap: float, tell: bool) -> list[ScaleDecision]:
+        state, out, prev = HorizontalState(), [], None
+        for i, rate in enumerate(rates):
+            t = i * gap
+            d = decide_scale(load(t, rate, 1, last_tick_at=prev if tell else None), state, CFG)
+            out.append(d)
+            state, prev = d.state, t
+        return out
+
+    def first_out(ds: list[ScaleDecision]) -> int | None:
+        return next((i for i, d in enumerate(ds) if d.action is ScaleAction.OUT), None)
+
+    at_1s = first_out(passes(1.0, tell=False))
+    assert at_1s == CFG.scale_out_samples - 1
+    assert first_out(passes(6.0, tell=True)) == at_1s
+    slow_untold = passes(6.0, tell=False)
+    assert first_out(slow_untold) is None and all("window restarted" in d.reason for d in slow_untold[1:])
+    # The function was not sampled by the previous pass (at 56 s): its window from 50 s restarts.
+    st = HorizontalState(rates=(15.0,) * 10, last_sample_at=50.0, last_busy_at=50.0)
+    d = decide_scale(load(62.0, 15.0, 1, last_tick_at=56.0), st, CFG)
+    assert "window restarted" in d.reason and d.state.rates == (15.0,)
+    # A pass within half a period after the sample took none; the one after it still continues the window.
+    d = decide_scale(load(62.0, 15.0, 1, last_tick_at=50.4), st, CFG)
+    assert "window restarted" not in d.reason and len(d.state.rates) == 11
+
+
 @pytest.mark.parametrize("tick", TICKS.values(), ids=TICKS.keys())
 def test_single_tick(tick: Tick) -> None:
     d = decide_scale(tick.load, tick.state, CFG)
