@@ -20,7 +20,9 @@ it plans every function from scratch) and for the steady ticks after it (a tick 
 hold), each tick's wall seconds and this process's CPU seconds (every thread: the event loop and the plan's
 worker), median and max; the event loop's longest stall in each phase (a task that sleeps 10 ms and measures how
 late it wakes: what the lease renewal and the demand reader wait at worst); and whether the lease held (the
-epoch counter: 1 if the balancer never lost and re-took it). `--no-gc-freeze` runs the leader with the garbage
+epoch counter: 1 if the balancer never lost and re-took it); and how many samples the scaler's windows hold when
+the run ends (`window_samples_median`, `windows_full` of `functions`: a window that keeps restarting stays short,
+docs/benchmarks/planner-scale.md round 7). `--no-gc-freeze` runs the leader with the garbage
 collector as CPython runs it, for comparison (`service.LongLived`). A tick is followed by `--balancer-tick-s` of
 sleep (or less, when woken by demand), so the ticks come every tick time + 1 s.
 """
@@ -162,6 +164,8 @@ async def lead(live: LiveHarness, seconds: float, seed: int, freeze: bool = True
             task.cancel()
             watcher.cancel()
             await asyncio.gather(task, watcher, return_exceptions=True)
+            # How many samples the scaler's windows hold at the end: a window that keeps restarting stays short.
+            samples = sorted(len(s.horizontal.rates) for s in balancer._states.values())
             stop.set()
             writer.join(10)
             epoch = int(await client.get(keys.epoch) or 0)
@@ -189,6 +193,8 @@ async def lead(live: LiveHarness, seconds: float, seed: int, freeze: bool = True
         "takeover_stall_max_s": max((d for at, d in stalls if at <= first_end), default=0.0),
         **phase(filling, "filling"), **phase(steady, "steady"),
         "stall_max_s": max((d for _, d in stalls), default=0.0), "epochs": epoch, "gc_freeze": freeze,
+        "window_samples_median": statistics.median(samples) if samples else None,
+        "windows_full": sum(1 for k in samples if k >= window), "functions": len(samples),
     }
 
 

@@ -22,3 +22,5 @@ def test_a_small_cluster_is_taken_over_and_led_past_the_window() -> None:
     assert r["filling_ticks"] == r["window"] == 40 and r["steady_ticks"] > 0
     assert r["steady_wall_max_s"] >= r["steady_wall_median_s"] > 0 and r["steady_cpu_median_s"] > 0
     assert r["stall_max_s"] >= r["steady_stall_max_s"] >= 0 and r["gc_freeze"] is True
+    # Past the window the scaler's windows are full (no function scaled in 8 s of steady load).
+    assert r["functions"] > 0 and r["windows_full"] > 0 and r["window_samples_median"] == r["window"]
