@@ -112,6 +112,23 @@ async def _event_loop_block_guard(request: pytest.FixtureRequest) -> AsyncIterat
         )
 
 
+@pytest.fixture(autouse=True)
+def _collector_settings_guard() -> Iterator[None]:
+    """The cyclic collector's thresholds and frozen objects are the process's: a test that leaves them changed
+    (a balancer leader not stopped, `service.LongLived`) would change how every later test collects garbage.
+    The test that did so fails, and the settings are put back for the next."""
+    import gc
+
+    thresholds = gc.get_threshold()
+    yield
+    after, frozen = gc.get_threshold(), gc.get_freeze_count()
+    if after != thresholds or frozen:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+        pytest.fail(f"the test left the garbage collector changed: thresholds {after} (were {thresholds}), "
+                    f"{frozen} objects frozen", pytrace=False)
+
+
 # --------------------------------------------------------------------------------------------
 # Redis
 # --------------------------------------------------------------------------------------------

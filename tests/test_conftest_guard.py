@@ -1,4 +1,5 @@
-"""The shared event-loop guard of tests/conftest.py fails an async test that blocks its loop."""
+"""The shared guards of tests/conftest.py: the event-loop guard fails an async test that blocks its loop, the
+collector guard a test that leaves the garbage collector changed."""
 
 from __future__ import annotations
 
@@ -45,3 +46,39 @@ def test_guard_fails_only_the_blocking_test(pytester: pytest.Pytester, monkeypat
     result.assert_outcomes(passed=4, errors=1)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_blocks *", "the event loop was blocked for *"])
     result.stdout.fnmatch_lines(["*test_guarded.py*in test_blocks", "*time.sleep(0.7)"])  # where it blocked
+
+
+_GC_TESTS = '''
+import gc
+
+
+def test_leaves_a_threshold_raised():
+    gc.set_threshold(700, 10, 1 << 30)
+
+
+def test_sees_the_thresholds_back():
+    assert gc.get_threshold()[2] != 1 << 30
+
+
+def test_leaves_objects_frozen():
+    gc.freeze()
+
+
+def test_sees_nothing_frozen():
+    assert gc.get_freeze_count() == 0
+'''
+
+
+def test_collector_guard_fails_the_test_that_changes_it(pytester: pytest.Pytester,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that leaves the garbage collector's thresholds changed or objects frozen fails at teardown, and the
+    next test runs with the settings put back."""
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
+    pytester.makeini("[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n")
+    pytester.makepyfile(test_gc=_GC_TESTS)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4, errors=2)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaves_a_threshold_raised*",
+                                 "the test left the garbage collector changed: thresholds (700, 10, 1073741824)*"])
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaves_objects_frozen*"])
