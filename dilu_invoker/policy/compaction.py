@@ -110,19 +110,23 @@ class CompactionConfig:
     elsewhere. A re-pack is kept only when the GPU ends dark (no GPU is lit by it) within
     `repack_moves` cold starts. Gated as merges are (`merge_above` where Σ request binds,
     `memory_merge_above` where memory does), and by `repack_above`. 0: none (the default, live and
-    simulated); live compaction refuses it (a stage is cut anew on the GPUs the old pipeline serves
-    from)."""
+    simulated). Live compaction takes it only with `repack_live` (the re-pack it can carry out)."""
     repack_moves: int = 10
     """The most cold starts one re-pack may cost (each instance whose GPU changes is one, each
     stage of an instance cut anew is one)."""
+    repack_live: bool = False
+    """Re-pack as the live balancer carries moves out, make-before-break: no instance is displaced (its
+    replacement would need room only its own move frees), and a split instance with a stage on the GPU is
+    placed anew away from every GPU its stages hold, as emptying places it (the old pipeline serves until the
+    new one does). With `one_move_per_instance`, an instance this call moved before is not re-packed."""
     one_move_per_instance: bool = False
     """Move each instance at most once a call: a stage moved, no other stage of the same instance and no placing it
     anew in the same call (nor the other way round). The live balancer hands one stage of an instance over at a
     time and starts a replacement once (`policy.live_compaction.LIVE_COMPACTION` sets it), so a plan it carries out
     whole must not hold two moves of one instance. A source GPU holding a piece of an instance this call moved is
     left for the next call; merging moves leave such pieces where they are. Emptying, `merges` and `memory_merges`
-    keep the rule; `rebalances`, `memory_rebalances` and `repacks` (which the live balancer refuses) do not look at
-    it."""
+    keep the rule, and `repacks` with `repack_live`; `rebalances`, `memory_rebalances` and `repacks` without it
+    (which the live balancer refuses) do not look at it."""
     repack_above: float | None = None
     """Re-pack only while the lit GPUs, once the call has emptied what it could, exceed the integral
     bound of what is placed by more than this fraction of it (`_above_bound`), besides the merges'
@@ -1191,7 +1195,10 @@ def compaction_plan(
         and _above_bound(work, config.merge_above if binds else config.memory_merge_above)
         and _above_bound(work, config.repack_above)
     ):
-        work, repacked, dark = _repack(work, placement, config, config.max_moves - len(moves), targets, pinned)
+        held = pinned
+        if config.one_move_per_instance and config.repack_live and moves:
+            held = _pin_moved(work, ((_moved_whole(work, m), m.source, m.target) for m in moves), pinned)
+        work, repacked, dark = _repack(work, placement, config, config.max_moves - len(moves), targets, held)
         moves.extend(repacked)
         freed.extend(dark)
     merged: list[CompactionMove] = []
@@ -2620,7 +2627,7 @@ def _repack(
             if gone is not None and gone[1] >= allowed and gone[2] == pinned and all(map(is_, gone[0], node)):
                 continue
             tries += 1
-            found = _repack_gpu(work, o, placement, allowed, targets, pinned, known)
+            found = _repack_gpu(work, o, placement, allowed, targets, pinned, known, live=config.repack_live)
             if found is None:
                 index.failed[o] = (node, allowed, pinned)
                 continue
@@ -2662,11 +2669,15 @@ def _repack_gpu(
     targets: set[GpuRef],
     pinned: frozenset[str],
     known: _Refuted,
+    *,
+    live: bool = False,
 ) -> tuple[ClusterSnapshot, list[CompactionMove], list[GpuRef]] | None:
     """Every instance of GPU `o` placed anew on other lit GPUs (`place`, lit GPUs only, the GPU
     avoided): whole instances the largest first, where no lit GPU takes one after displacing one
     instance of another lit GPU of the node (`_displace`); then each split instance with a stage
-    there cut anew as a whole, on any lit GPUs but `o` (its other stages' GPUs included). Returns
+    there cut anew as a whole, on any lit GPUs but `o` (its other stages' GPUs included). `live`
+    (`CompactionConfig.repack_live`): no displacing, and a split instance is placed anew away from every
+    GPU its stages hold (`_move_whole` as emptying runs it). Returns
     the cluster after, the moves and the GPUs left dark (`o` first), or None: some instance found
     no room, or the moves cost more than `budget` cold starts. A placement `known` to fail is not
     run; one that fails is learnt there."""
@@ -2707,7 +2718,7 @@ def _repack_gpu(
                 )
             ]
         else:
-            displaced = _displace(trial, inst, request, source, placement, targets, pinned, known)
+            displaced = None if live else _displace(trial, inst, request, source, placement, targets, pinned, known)
             if displaced is None:
                 return None
             trial, made = displaced
@@ -2717,7 +2728,7 @@ def _repack_gpu(
             return None
     for whole in sorted({i.part_of for i in gpu.instances if i.part_of is not None}):
         piece = next(p for p in trial.gpus[o].instances if p.part_of == whole)
-        cut = _move_whole(trial, piece, source, placement, repack=True, known=known)
+        cut = _move_whole(trial, piece, source, placement, repack=not live, known=known)
         if cut is None:
             return None
         trial, move, _ = cut

@@ -31,6 +31,7 @@ from dilu_invoker.sim.placement import PlacementSimConfig, cluster_size, simulat
 from dilu_invoker.wire import FunctionSpec
 
 PERIOD_S = 2.0
+SEED_REPACKS = 3
 COMPACTION = replace(LIVE_COMPACTION, max_moves=64)
 #: With merging moves (the simulator's default, off in the live default): inference only, where Σ request
 #: binds and merges happen.
@@ -44,6 +45,10 @@ TWO_MERGES = live_compaction_config(max_moves=64, max_request=1.0, merges=2)
 #: ... and --balancer-compaction-memory-merges 1: moves that merge free memory where memory binds (on its trace they
 #: change the simulator's decisions: 202 moves instead of 200).
 MEMORY_MERGES = live_compaction_config(max_moves=64, max_request=1.0, merges=2, memory_merges=1)
+#: ... and 8 re-packs a run, make-before-break (`repack_live`: no displacing, a split instance placed anew away from
+#: its old GPUs), while well above the integral bound. No balancer flag sets it yet: on this trace the live planner
+#: decides otherwise from its 88th decision (the xfail below).
+REPACKS = live_compaction_config(max_moves=64, max_request=1.0, merges=2, memory_merges=1, repacks=8)
 #: --balancer-compaction-stages false: compaction never touches a split instance and never splits.
 NO_STAGE_MOVES = replace(COMPACTION, move_pieces=False)
 
@@ -65,10 +70,13 @@ def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
                           (160, 0.0, 0.0, 3, MERGING, 1), (160, 0.0, 0.2, 5, WIDE, 1),
                           (160, 0.0, 0.4, 1, COMPACTION, 4), (120, 0.0, 0.4, 7, WIDE, 2),
                           (160, 0.0, 0.4, 7, WIDE, 4), (160, 0.0, 0.4, 2, NO_STAGE_MOVES, 4),
-                          (160, 0.0, 0.4, 3, TWO_MERGES, 4), (240, 0.0, 0.4, 3, MEMORY_MERGES, 4)],
+                          (160, 0.0, 0.4, 3, TWO_MERGES, 4), (240, 0.0, 0.4, 3, MEMORY_MERGES, 4),
+                          pytest.param(240, 0.0, 0.4, SEED_REPACKS, REPACKS, 4, marks=pytest.mark.xfail(
+                              strict=True, reason="the live planner's re-packs differ from the simulator's "
+                                                  "(docs/benchmarks/sim-scale.md, twenty-ninth round)"))],
                          ids=["llm-20%", "llm-40%", "inference-merging", "any-gpu-merging", "stages-4",
                               "stages-2-merging", "stages-4-merging", "stages-4-no-stage-moves",
-                              "stages-4-two-merges", "stages-4-memory-merges"])
+                              "stages-4-two-merges", "stages-4-memory-merges", "stages-4-repacks"])
 def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float, llm: float, seed: int,
                                                              compaction: CompactionConfig, stages: int) -> None:
     """`stages` > 1: the LLM actions declare gpu-stages N (`--balancer-max-stages` 4): both split an LLM no lit GPU
@@ -82,14 +90,16 @@ def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float
                                                         compaction_splits=compaction.move_pieces,
                                                         whole_mib_stages=True), log=sim_log)
     assert (sim.details["compaction_merges"] > 0) is (compaction.merges > 0), "merging must be exercised"
-    if compaction.memory_merges:
+    # The last field set (re-packs, else memory merges) changes the simulator's decisions on its trace.
+    last = {"repacks": 0} if compaction.repacks else {"memory_merges": 0} if compaction.memory_merges else None
+    if last is not None:
         without: list[tuple[Any, ...]] = []
         simulate_placement(events, PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, llm_split_parts=stages,
                                                       compact_every_s=PERIOD_S,
-                                                      compaction=replace(compaction, memory_merges=0),
+                                                      compaction=replace(compaction, **last),
                                                       compaction_splits=compaction.move_pieces,
                                                       whole_mib_stages=True), log=without)
-        assert sim_decisions(without) != sim_decisions(sim_log), "memory merges must be exercised"
+        assert sim_decisions(without) != sim_decisions(sim_log), f"{next(iter(last))} must be exercised"
     assert (sim.details["split_instances"] > 0) is (stages > 1), "splitting must be exercised"
     piece_moves = sum(1 for e in sim_log if e[0] == "move" and "#p" in e[2])
     assert (piece_moves > 0) is (stages > 1 and compaction.move_pieces), "stage moves must be exercised"

@@ -94,6 +94,18 @@ CASES = [
     ("cut-anew-needs-splitting", CUT, REPACK, {}, replace(SPLIT, llm_max_parts=1)),
     # A stage of L is pinned: a/2 is not tried.
     ("cut-anew-pinned", CUT, REPACK, {}, SPLIT, frozenset({"s0"})),
+    # Make-before-break (`repack_live`): u would need v's room before v's replacement frees it, and L placed
+    # anew on a/0 would share its memory with s0 until the new pipeline serves: neither re-pack is made.
+    ("live-displaces-none", SWAP, replace(REPACK, repack_live=True), {}, SPLIT),
+    ("live-cuts-away-from-its-stages", CUT, replace(REPACK, repack_live=True), {}, SPLIT),
+    # Where the room is there already, the live re-pack moves as the other does: u to a/0.
+    (
+        "live-room-elsewhere",
+        (gpu(A0, i("x", 0.5)), gpu(A1, i("y", 0.5)), gpu(A2, i("u", 0.45))),
+        replace(REPACK, repack_live=True),
+        {"u": (A0,)},
+        SPLIT,
+    ),
 ]
 
 
@@ -127,12 +139,14 @@ def test_repack(case: tuple) -> None:
     assert all(m.reason.startswith("re-pack") for m in plan.moves) and plan.merged == 0
 
 
-def test_live_compaction_refuses_repacking() -> None:
+def test_live_compaction_refuses_repacking_it_cannot_carry_out() -> None:
+    """Live compaction takes a re-pack only make-before-break (`repack_live`, set in `LIVE_COMPACTION`)."""
     from dilu_invoker.policy.live_compaction import LIVE_COMPACTION, LiveCompaction
 
-    assert LIVE_COMPACTION.repacks == 0
-    with pytest.raises(ValueError, match="repacks must be 0"):
-        LiveCompaction(config=replace(LIVE_COMPACTION, repacks=1))
+    assert LIVE_COMPACTION.repacks == 0 and LIVE_COMPACTION.repack_live
+    with pytest.raises(ValueError, match="repacks needs repack_live"):
+        LiveCompaction(config=replace(LIVE_COMPACTION, repacks=1, repack_live=False))
+    assert LiveCompaction(config=replace(LIVE_COMPACTION, repacks=1)).config.repacks == 1
 
 
 def test_config_bounds_and_default() -> None:
