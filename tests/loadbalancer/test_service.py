@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -138,6 +139,20 @@ async def test_a_standby_takes_over_with_the_table(redis: aioredis.Redis) -> Non
     assert len(await _commands(redis, "invoker0")) == 1 and await redis.hlen(KEYS.instances) == 1
 
 
+async def _leading_with(redis: aioredis.Redis, monkeypatch, plan) -> tuple[Balancer, Any]:  # type: ignore[no-untyped-def]
+    """A leader of one invoker and one function held at one instance, planning with `plan` in place of
+    `plan_tick`."""
+    from dilu_invoker.loadbalancer import service
+
+    monkeypatch.setattr(service, "plan_tick", plan)
+    await _invoker(redis, "invoker0")
+    await _function(redis, "f", **{"min-instances": 1})
+    balancer = Balancer(redis, _cfg(), holder="solo")
+    lead = await balancer.campaign_once()
+    assert lead is not None
+    return balancer, lead
+
+
 async def test_each_tick_tells_the_plan_when_the_last_applied_tick_ran(redis: aioredis.Redis,
                                                                         monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The plan learns the `now` of this leader's last applied tick (`TickInput.last_tick_at`), so the scaler's
@@ -151,12 +166,7 @@ async def test_each_tick_tells_the_plan_when_the_last_applied_tick_ran(redis: ai
         seen.append((inp.now, inp.last_tick_at))
         return real(inp, cfg)
 
-    monkeypatch.setattr(service, "plan_tick", plan)
-    await _invoker(redis, "invoker0")
-    await _function(redis, "f", **{"min-instances": 1})
-    balancer = Balancer(redis, _cfg(), holder="solo")
-    lead = await balancer.campaign_once()
-    assert lead is not None
+    balancer, lead = await _leading_with(redis, monkeypatch, plan)
     for _ in range(3):
         assert await balancer.tick(lead)
     assert [last for _, last in seen] == [None, seen[0][0], seen[1][0]]
@@ -212,12 +222,7 @@ async def test_a_long_plan_does_not_hold_the_event_loop(redis: aioredis.Redis, m
         time.sleep(0.8)  # a plan as slow as a huge cluster's, holding the GIL only as pure Python does
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(service, "plan_tick", slow_plan)
-    await _invoker(redis, "invoker0")
-    await _function(redis, "f", **{"min-instances": 1})
-    balancer = Balancer(redis, _cfg(), holder="solo")
-    lead = await balancer.campaign_once()
-    assert lead is not None
+    balancer, lead = await _leading_with(redis, monkeypatch, slow_plan)
     beats: list[float] = []
     beat = asyncio.create_task(_heartbeat(beats))
     t0 = time.monotonic()
