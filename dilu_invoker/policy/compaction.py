@@ -2624,7 +2624,10 @@ def _repack(
                 exhausted = False
                 break
             gone = index.failed.get(o)
-            if gone is not None and gone[1] >= allowed and gone[2] == pinned and all(map(is_, gone[0], node)):
+            # The node as it was then, by value: a planner that derives its snapshots anew (the live balancer's)
+            # skips the same GPUs as one that keeps them (the simulator's), so both spend their tries alike.
+            if gone is not None and gone[1] >= allowed and gone[2] == pinned and all(
+                    a is b or a == b for a, b in zip(gone[0], node, strict=True)):
                 continue
             tries += 1
             found = _repack_gpu(work, o, placement, allowed, targets, pinned, known, live=config.repack_live)

@@ -45,9 +45,9 @@ TWO_MERGES = live_compaction_config(max_moves=64, max_request=1.0, merges=2)
 #: ... and --balancer-compaction-memory-merges 1: moves that merge free memory where memory binds (on its trace they
 #: change the simulator's decisions: 202 moves instead of 200).
 MEMORY_MERGES = live_compaction_config(max_moves=64, max_request=1.0, merges=2, memory_merges=1)
-#: ... and 8 re-packs a run, make-before-break (`repack_live`: no displacing, a split instance placed anew away from
-#: its old GPUs), while well above the integral bound. No balancer flag sets it yet: on this trace the live planner
-#: decides otherwise from its 88th decision (the xfail below).
+#: ... and --balancer-compaction-repacks 8: re-packs make-before-break (`repack_live`: no displacing, a split instance
+#: placed anew away from its old GPUs), while well above the integral bound. (Before a re-pack's failed GPU was
+#: skipped by value, the live planner decided otherwise here from its 88th decision.)
 REPACKS = live_compaction_config(max_moves=64, max_request=1.0, merges=2, memory_merges=1, repacks=8)
 #: --balancer-compaction-stages false: compaction never touches a split instance and never splits.
 NO_STAGE_MOVES = replace(COMPACTION, move_pieces=False)
@@ -71,9 +71,7 @@ def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
                           (160, 0.0, 0.4, 1, COMPACTION, 4), (120, 0.0, 0.4, 7, WIDE, 2),
                           (160, 0.0, 0.4, 7, WIDE, 4), (160, 0.0, 0.4, 2, NO_STAGE_MOVES, 4),
                           (160, 0.0, 0.4, 3, TWO_MERGES, 4), (240, 0.0, 0.4, 3, MEMORY_MERGES, 4),
-                          pytest.param(240, 0.0, 0.4, SEED_REPACKS, REPACKS, 4, marks=pytest.mark.xfail(
-                              strict=True, reason="the live planner's re-packs differ from the simulator's "
-                                                  "(docs/benchmarks/sim-scale.md, twenty-ninth round)"))],
+                          (240, 0.0, 0.4, SEED_REPACKS, REPACKS, 4)],
                          ids=["llm-20%", "llm-40%", "inference-merging", "any-gpu-merging", "stages-4",
                               "stages-2-merging", "stages-4-merging", "stages-4-no-stage-moves",
                               "stages-4-two-merges", "stages-4-memory-merges", "stages-4-repacks"])
