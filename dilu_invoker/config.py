@@ -331,6 +331,10 @@ class BalancerConfig:
     compaction_memory_merges: int = _opt(0, "moves a compaction run may spend merging free GPU memory no instance can "
                                             "use into room one can, while memory binds (the mixes with training; "
                                             "0: none)")
+    compaction_repacks: int = _opt(0, "lit GPUs a compaction run may try to turn off by re-packing them "
+                                      "make-before-break (each instance placed anew elsewhere, a split instance "
+                                      "away from its old GPUs), while the lit GPUs exceed 1.025 times the "
+                                      "integral bound of what is placed (0: none)")
     compaction_stages: bool = _opt(True, "compaction may move one pipeline stage of a split instance to another "
                                          "GPU of its invoker while the pipeline serves, place a split instance "
                                          "anew, and split an llm instance it moves (false: it never touches split "
@@ -353,6 +357,8 @@ class BalancerConfig:
             raise ConfigError("--balancer-compaction-merges must be at least 0")
         if self.compaction_memory_merges < 0:
             raise ConfigError("--balancer-compaction-memory-merges must be at least 0")
+        if self.compaction_repacks < 0:
+            raise ConfigError("--balancer-compaction-repacks must be at least 0")
         if not 1 <= self.max_stages <= MAX_STAGES:
             raise ConfigError(f"--balancer-max-stages must be from 1 to {MAX_STAGES}")
         for name in ("tick_s", "lease_ttl_s", "report_ttl_s", "report_period_s", "start_timeout_s",

@@ -144,17 +144,20 @@ def test_live_compaction_settings_reach_the_planner_and_are_checked() -> None:
     from dilu_invoker.loadbalancer.service import planner_config
 
     env = {"DILU_BALANCER_COMPACTION_MAX_REQUEST": "1.0", "DILU_BALANCER_COMPACTION_MERGES": "2",
-           "DILU_BALANCER_COMPACTION_MEMORY_MERGES": "1"}
+           "DILU_BALANCER_COMPACTION_MEMORY_MERGES": "1", "DILU_BALANCER_COMPACTION_REPACKS": "8"}
     live = planner_config(config.load(environ=env)).compaction
     assert live is not None
     assert (live.config.source_max_request, live.config.merges, live.config.memory_merges,
-            live.config.max_moves) == (1.0, 2, 1, 2)
+            live.config.max_moves, live.config.repacks, live.config.repack_live) == (1.0, 2, 1, 2, 8, True)
     default = planner_config(config.load(environ={})).compaction
     assert default is not None
-    assert (default.config.source_max_request, default.config.merges, default.config.memory_merges) == (0.5, 0, 0)
+    assert (default.config.source_max_request, default.config.merges, default.config.memory_merges,
+            default.config.repacks) == (0.5, 0, 0, 0)
     with pytest.raises(config.ConfigError, match="--balancer-compaction-max-request"):
         config.load(environ={"DILU_BALANCER_COMPACTION_MAX_REQUEST": "1.5"})
     with pytest.raises(config.ConfigError, match="--balancer-compaction-merges"):
         config.load(environ={"DILU_BALANCER_COMPACTION_MERGES": "-1"})
     with pytest.raises(config.ConfigError, match="--balancer-compaction-memory-merges"):
         config.load(environ={"DILU_BALANCER_COMPACTION_MEMORY_MERGES": "-1"})
+    with pytest.raises(config.ConfigError, match="--balancer-compaction-repacks"):
+        config.load(environ={"DILU_BALANCER_COMPACTION_REPACKS": "-1"})

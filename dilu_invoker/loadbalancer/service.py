@@ -162,7 +162,8 @@ def planner_config(cfg: Config) -> PlannerConfig:
                                                                   max_request=b.compaction_max_request,
                                                                   merges=b.compaction_merges,
                                                                   memory_merges=b.compaction_memory_merges,
-                                                                  stages=b.compaction_stages),
+                                                                  stages=b.compaction_stages,
+                                                                  repacks=b.compaction_repacks),
                                     period_s=b.compaction_period_s)
     return PlannerConfig(horizontal=horizontal, placement=placement, start_timeout_s=b.start_timeout_s,
                          demand_hold_s=max(2.0, 2 * cfg.balancer.report_period_s), compaction=compaction)

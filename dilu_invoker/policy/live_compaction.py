@@ -23,9 +23,8 @@ from dilu_invoker.policy.horizontal import FunctionLoad, ScaleAction, ScaleDecis
 #: of what is placed by more than 0.5% (`memory_merge_above`; docs/benchmarks/sim-scale.md, twenty-eighth round: at
 #: the bound, as on the mixes with 20-40% training and few LLMs, ungated memory merges cost 30 cold starts per 100
 #: instances for nothing). Re-packing is make-before-break here (`repack_live`: no displacing, a split instance placed
-#: anew away from its old GPUs) and gated at 2.5% over the bound (`repack_above`), but none runs (`repacks` 0) and the
-#: balancer has no flag for it yet: with it the live planner does not yet decide as the simulator
-#: (docs/benchmarks/sim-scale.md, twenty-ninth round); `simulate placement --as-live` replays it.
+#: anew away from its old GPUs) and gated at 2.5% over the bound (`repack_above`); none runs by default
+#: (`--balancer-compaction-repacks`, 0; docs/benchmarks/sim-scale.md, twenty-ninth round).
 LIVE_COMPACTION = CompactionConfig(source_max_request=0.5, max_sources=32, max_moves=2, move_pieces=True,
                                    merge_sources=256, merge_source_instances=1, one_move_per_instance=True,
                                    memory_merge_above=0.005, repack_live=True, repack_above=0.025)
@@ -41,8 +40,8 @@ def live_compaction_config(*, max_moves: int = LIVE_COMPACTION.max_moves,
     `--balancer-compaction-max-request` (which GPUs it may empty), `--balancer-compaction-merges` (moves a
     run may spend merging SM room), `--balancer-compaction-memory-merges` (moves a run may spend merging free
     memory, where memory binds) and `--balancer-compaction-stages` (split instances: stage moves, placing one
-    anew, splitting on a move); `repacks` has no balancer flag yet (`LIVE_COMPACTION`). The balancer, the
-    serving simulator and `simulate placement --as-live` all build it here."""
+    anew, splitting on a move) and `--balancer-compaction-repacks` (lit GPUs a run may try to turn off by
+    re-packing them). The balancer, the serving simulator and `simulate placement --as-live` all build it here."""
     return replace(LIVE_COMPACTION, max_moves=max_moves, source_max_request=max_request, merges=merges,
                    memory_merges=memory_merges, move_pieces=stages, repacks=repacks)
 
