@@ -128,11 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moves a compaction run may spend merging free memory no instance can use, while memory "
                         "binds (default: the simulator's, 0; with --as-live the balancer's "
                         "--balancer-compaction-memory-merges)")
+    p.add_argument("--compact-repacks", type=_nonneg_int, default=None,
+                   help="lit GPUs a compaction run may try to turn off by re-packing them (default: the "
+                        "simulator's, 0; with --as-live the balancer's --balancer-compaction-repacks, make-before-break)")
     p.add_argument("--as-live", action="store_true",
                    help="dilu as the live balancer runs it: no LLM action declares gpu-stages (no split), the live compaction (by default GPUs "
                         "with Σ request <= 0.5 and at most 3 instances, 2 moves a run, no merges) every 30 s; "
-                        "--compact-every, --compact-max-request, --compact-merges and --compact-memory-merges then set "
-                        "the balancer's --balancer-compaction-period-s, -max-request, -merges and -memory-merges, and "
+                        "--compact-every, --compact-max-request, --compact-merges, --compact-memory-merges and "
+                        "--compact-repacks then set the balancer's --balancer-compaction-period-s, -max-request, "
+                        "-merges, -memory-merges and -repacks, and "
                         "--llm-split-parts N has the "
                         "trace's LLM actions declare gpu-stages N (the live balancer then splits an LLM no lit GPU "
                         "holds, default 1: none declares it); not with the other --compact-* flags")
@@ -193,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compaction-memory-merges", type=_nonneg_int, default=0,
                    help="moves one compaction run may spend merging free memory, where memory binds "
                         "(--balancer-compaction-memory-merges)")
+    s.add_argument("--compaction-repacks", type=_nonneg_int, default=0,
+                   help="lit GPUs one compaction run may try to turn off by re-packing them, make-before-break "
+                        "(--balancer-compaction-repacks)")
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true")
@@ -291,7 +298,7 @@ def _placement(args: argparse.Namespace) -> int:
                 live["llm_split_parts"] = args.llm_split_parts
             # --no-compact-pieces: the balancer's --balancer-compaction-stages false
             settings = {"max_request": args.compact_max_request, "merges": args.compact_merges,
-                        "memory_merges": args.compact_memory_merges,
+                        "memory_merges": args.compact_memory_merges, "repacks": args.compact_repacks,
                         "stages": False if args.no_compact_pieces else None}
             live["compaction"] = live_compaction_config(**{k: v for k, v in settings.items() if v is not None})
             configs[policy] = live_placement_config(gpu_memory_gib=args.gpu_memory_gib, gpus=args.gpus,
@@ -319,6 +326,7 @@ def _placement(args: argparse.Namespace) -> int:
                 merges=SIM_COMPACTION.merges if args.compact_merges is None else args.compact_merges,
                 memory_merges=(SIM_COMPACTION.memory_merges if args.compact_memory_merges is None
                                else args.compact_memory_merges),
+                repacks=SIM_COMPACTION.repacks if args.compact_repacks is None else args.compact_repacks,
             ),
         )
 
@@ -540,6 +548,7 @@ def _serving(args: argparse.Namespace) -> int:
             compaction_max_request=args.compaction_max_request,
             compaction_merges=args.compaction_merges,
             compaction_memory_merges=args.compaction_memory_merges,
+            compaction_repacks=args.compaction_repacks,
         )
 
     def run_serving(policy: str, bar: Progress | None) -> ServingResult:

@@ -179,7 +179,7 @@ class ServingSimConfig:
     none for the baselines; 0: none."""
     compaction_max_moves: int = 2
     """Moves one compaction run may start, each a replacement's start (`--balancer-compaction-max-moves`);
-    the rest is `policy.live_compaction.LIVE_COMPACTION`, but for the next three."""
+    the rest is `policy.live_compaction.LIVE_COMPACTION`, but for the next four."""
     compaction_max_request: float = 0.5
     """Compaction empties only GPUs whose Σ SM request is at most this (`--balancer-compaction-max-request`)."""
     compaction_merges: int = 0
@@ -187,6 +187,9 @@ class ServingSimConfig:
     compaction_memory_merges: int = 0
     """Moves a compaction run may spend merging free memory no instance can use, where memory binds
     (`--balancer-compaction-memory-merges`)."""
+    compaction_repacks: int = 0
+    """Lit GPUs a compaction run may try to turn off by re-packing them, make-before-break
+    (`--balancer-compaction-repacks`)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_SPEC:
@@ -223,6 +226,8 @@ class ServingSimConfig:
             raise ValueError(f"compaction_merges must be >= 0, got {self.compaction_merges!r}")
         if self.compaction_memory_merges < 0:
             raise ValueError(f"compaction_memory_merges must be >= 0, got {self.compaction_memory_merges!r}")
+        if self.compaction_repacks < 0:
+            raise ValueError(f"compaction_repacks must be >= 0, got {self.compaction_repacks!r}")
 
     def live_compaction(self) -> LiveCompaction | None:
         """The balancer's compaction with these settings; None when off."""
@@ -234,7 +239,8 @@ class ServingSimConfig:
         return LiveCompaction(config=live_compaction_config(max_moves=self.compaction_max_moves,
                                                             max_request=self.compaction_max_request,
                                                             merges=self.compaction_merges,
-                                                            memory_merges=self.compaction_memory_merges),
+                                                            memory_merges=self.compaction_memory_merges,
+                                                            repacks=self.compaction_repacks),
                               period_s=period)
 
 

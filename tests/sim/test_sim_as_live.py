@@ -94,20 +94,21 @@ def test_as_live_refuses_the_flags_it_sets(llm_events: Path, tmp_path: Path, fla
 
 
 def test_as_live_takes_the_balancers_compaction_settings(llm_events: Path, tmp_path: Path) -> None:
-    """`--compact-max-request`, `--compact-merges` and `--compact-memory-merges` with `--as-live` are the balancer's
-    `--balancer-compaction-max-request`, `-merges` and `-memory-merges`: the same `CompactionConfig` as the planner
-    built from them."""
+    """`--compact-max-request`, `--compact-merges`, `--compact-memory-merges` and `--compact-repacks` with `--as-live`
+    are the balancer's `--balancer-compaction-max-request`, `-merges`, `-memory-merges` and `-repacks`: the same
+    `CompactionConfig` as the planner built from them."""
     out = tmp_path / "k"
     assert main(["placement", "--events", str(llm_events), "--policy", "dilu", "--as-live", "--compact-max-request",
-                 "1.0", "--compact-merges", "1", "--compact-memory-merges", "2", "--out", str(out), "--quiet",
-                 "--no-plots"]) == 0
+                 "1.0", "--compact-merges", "1", "--compact-memory-merges", "2", "--compact-repacks", "3",
+                 "--out", str(out), "--quiet", "--no-plots"]) == 0
     details = json.loads((out / "details.json").read_text())
     live = planner_config(Config(balancer=BalancerConfig(compaction_max_request=1.0, compaction_merges=1,
-                                                         compaction_memory_merges=2)))
+                                                         compaction_memory_merges=2, compaction_repacks=3)))
     assert live.compaction is not None
     assert details["compaction"] == asdict(live.compaction.config)
     assert details["compaction"]["source_max_request"] == 1.0 and details["compaction"]["merges"] == 1
     assert details["compaction"]["memory_merges"] == 2
+    assert details["compaction"]["repacks"] == 3 and details["compaction"]["repack_live"] is True
     assert details["compaction"]["max_moves"] == 2 and details["llm_split_parts"] == 1
     # --no-compact-pieces is --balancer-compaction-stages false.
     out = tmp_path / "off"
@@ -119,18 +120,23 @@ def test_as_live_takes_the_balancers_compaction_settings(llm_events: Path, tmp_p
     assert details["compaction"]["move_pieces"] is False and details["compaction_splits"] is False
 
 
-@pytest.mark.parametrize(("max_request", "merges", "memory_merges"), [(0.5, 0, 0), (1.0, 1, 0), (1.0, 2, 1)])
+@pytest.mark.parametrize(("max_request", "merges", "memory_merges", "repacks"),
+                         [(0.5, 0, 0, 0), (1.0, 1, 0, 0), (1.0, 2, 1, 0), (1.0, 2, 1, 8)])
 def test_the_serving_simulator_compacts_as_the_balancer_configured_alike(max_request: float, merges: int,
-                                                                         memory_merges: int) -> None:
+                                                                         memory_merges: int, repacks: int) -> None:
     from dilu_invoker.sim.serving import ServingSimConfig
 
     sim = ServingSimConfig(policy="dilu", gpus=8, compaction_max_request=max_request, compaction_merges=merges,
-                           compaction_memory_merges=memory_merges, compaction_max_moves=3).live_compaction()
+                           compaction_memory_merges=memory_merges, compaction_repacks=repacks,
+                           compaction_max_moves=3).live_compaction()
     live = planner_config(Config(balancer=BalancerConfig(compaction_max_request=max_request,
                                                          compaction_merges=merges,
                                                          compaction_memory_merges=memory_merges,
+                                                         compaction_repacks=repacks,
                                                          compaction_max_moves=3)))
     assert sim is not None and live.compaction is not None
     assert sim == live.compaction
     with pytest.raises(ValueError, match="compaction_max_request"):
         ServingSimConfig(policy="dilu", gpus=8, compaction_max_request=1.2)
+    with pytest.raises(ValueError, match="compaction_repacks"):
+        ServingSimConfig(policy="dilu", gpus=8, compaction_repacks=-1)
