@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, TypeVar
 
@@ -787,11 +787,21 @@ class RoutingTable:
 
     def same_routes(self, other: RoutingTable | None) -> bool:
         """Equal but for the load figures (those change every tick and do not warrant a notification)."""
-        return other is not None and self._route_key() == other._route_key()
+        return other is not None and routes_equal(other, self.rev, self.local_fallback, self.blocked, self.instances)
 
-    def _route_key(self) -> tuple[Any, ...]:
-        return (self.rev, self.local_fallback, self.blocked,
-                tuple((e.id, e.invoker, e.slots) for e in self.instances))
+
+def routes_equal(table: RoutingTable, rev: str, local_fallback: bool, blocked: str,
+                 instances: Sequence[RouteEntry]) -> bool:
+    """`RoutingTable.same_routes` of `table` and a table of these fields, without making that table (the balancer
+    asks it for every function each tick): the same revision, fallback, blocked reason and instances, an instance
+    compared by id, invoker and slots (not its load figures)."""
+    if (table.rev != rev or table.local_fallback != local_fallback or table.blocked != blocked
+            or len(table.instances) != len(instances)):
+        return False
+    for a, b in zip(table.instances, instances, strict=True):
+        if a.id != b.id or a.invoker != b.invoker or a.slots != b.slots:
+            return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -200,12 +200,16 @@ WHOLE_WRITE_BYTES = 65536
 
 
 def frame_chunks(kind: Kind, request_id: int, payload: bytes | list[bytes]) -> list[bytes]:
-    """A frame whose payload is `payload` (or its parts one after the other), as what to write in turn: one chunk
-    when it is short, else its header and then each part as it is (a stage frame's tensor is not copied)."""
+    """A frame whose payload is `payload` (or its parts one after the other), as what to write in turn
+    (`write_chunks`)."""
     parts = payload if isinstance(payload, list) else [payload]
-    length = sum(len(p) for p in parts)
-    head = HEADER.pack(kind, request_id, length)
-    if length < WHOLE_WRITE_BYTES:
+    return write_chunks(HEADER.pack(kind, request_id, sum(len(p) for p in parts)), parts)
+
+
+def write_chunks(head: bytes, parts: list[bytes]) -> list[bytes]:
+    """`head` and then `parts`, as what to write in turn: one chunk when the parts are short (one segment, one
+    read on the other side), else the head and then each part as it is (a stage frame's tensor is not copied)."""
+    if sum(len(p) for p in parts) < WHOLE_WRITE_BYTES:
         return [head + b"".join(parts)]
     return [head, *parts]
 

@@ -79,6 +79,7 @@ from dilu_invoker.wire import (
     StageRecord,
     moved_stage_id,
     revision_generation,
+    routes_equal,
     stage_id,
     stage_parent,
 )
@@ -1330,7 +1331,7 @@ def _routes(
         state = states.get(fqn)
         blocked = state.blocked if state is not None and not entries else ""
         prev = inp.routes.get(fqn)
-        if prev is not None and _same_routes(prev, rev, fallback, blocked, entries):
+        if prev is not None and routes_equal(prev, rev, fallback, blocked, entries):
             # The published table, when it is the one this would make (the service then writes nothing for it).
             if prev.epoch == epoch and prev.function == fqn and prev.instances == tuple(entries):
                 out[fqn] = prev
@@ -1342,13 +1343,3 @@ def _routes(
                                 local_fallback=fallback, blocked=blocked)
     return out
 
-
-def _same_routes(table: RoutingTable, rev: str, fallback: bool, blocked: str, entries: list[RouteEntry]) -> bool:
-    """`RoutingTable.same_routes` of `table` and a table of these fields, without making the other table."""
-    if (table.rev != rev or table.local_fallback != fallback or table.blocked != blocked
-            or len(table.instances) != len(entries)):
-        return False
-    for a, b in zip(table.instances, entries, strict=True):
-        if a.id != b.id or a.invoker != b.invoker or a.slots != b.slots:
-            return False
-    return True

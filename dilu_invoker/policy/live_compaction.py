@@ -39,7 +39,7 @@ def live_compaction_config(*, max_moves: int = LIVE_COMPACTION.max_moves,
     """`LIVE_COMPACTION` with the balancer's settings: `--balancer-compaction-max-moves` (moves a run),
     `--balancer-compaction-max-request` (which GPUs it may empty), `--balancer-compaction-merges` (moves a
     run may spend merging SM room), `--balancer-compaction-memory-merges` (moves a run may spend merging free
-    memory, where memory binds) and `--balancer-compaction-stages` (split instances: stage moves, placing one
+    memory, where memory binds), `--balancer-compaction-stages` (split instances: stage moves, placing one
     anew, splitting on a move) and `--balancer-compaction-repacks` (lit GPUs a run may try to turn off by
     re-packing them). The balancer, the serving simulator and `simulate placement --as-live` all build it here."""
     return replace(LIVE_COMPACTION, max_moves=max_moves, source_max_request=max_request, merges=merges,

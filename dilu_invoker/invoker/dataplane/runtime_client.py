@@ -31,7 +31,6 @@ from dilu_invoker.actions._ipc import (
     STAGE_FRAMES_HEADER,
     STAGE_HEAD,
     WELCOME_BLOB,
-    WHOLE_WRITE_BYTES,
     Kind,
     error_body,
     frame_chunks,
@@ -41,6 +40,7 @@ from dilu_invoker.actions._ipc import (
     run_answer,
     take_blob,
     unpack_stage,
+    write_chunks,
 )
 from dilu_invoker.invoker.api import MSG_ABNORMAL_RUN
 from dilu_invoker.model import ActivationStatus
@@ -754,11 +754,8 @@ class RuntimeClient:
         try:
             async with asyncio.timeout(timeout_s):
                 conn = await connections.acquire(host, port)
-                if length < WHOLE_WRITE_BYTES:
-                    conn.writer.write(head + b"".join(parts))  # one write, as one segment
-                else:
-                    for part in (head, *parts):
-                        conn.writer.write(part)
+                for chunk in write_chunks(head, parts):
+                    conn.writer.write(chunk)
                 head = await conn.reader.readuntil(b"\r\n\r\n")
                 status, declared, reuse, media = _parse_head(head)
                 if declared is None or declared <= 0:
