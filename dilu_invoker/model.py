@@ -242,6 +242,8 @@ def weights_group(invoker: str, function: str, revision: str) -> str:
 
 #: the most pipeline stages one instance may be split into (annotation ``gpu-stages``)
 MAX_STAGES = 8
+#: the most GPUs one instance may take as a gang (``gpu-count``): the GPUs of one invoker
+MAX_GANG = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +266,10 @@ class GpuNeeds:
     #: the most pipeline stages the action's code serves (``dilu_invoker.actions.pipeline``): the balancer may
     #: split an ``llm`` instance over up to this many GPUs of one invoker (docs/balancer.md, "Split instances")
     stages: int = 1
+    #: GPUs each instance takes, all on one invoker (``gpu-count``): above 1 an instance is a *gang* of that many
+    #: worker processes ("ranks"), one per GPU, each holding ``sm_request``/``sm_limit`` and ``memory_mb`` there,
+    #: started and stopped together (data-parallel training; docs/balancer.md, "Gangs")
+    gpus: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 < self.sm_request <= 1.0:
@@ -293,6 +299,14 @@ class GpuNeeds:
         if self.stages > 1 and self.weights_mb:
             raise ValidationError("Annotation 'gpu-stages' above 1 cannot go with 'gpu-weights-mb' "
                                   "(a stage holds a part of the weights, which no other instance shares).")
+        if not 1 <= self.gpus <= MAX_GANG:
+            raise ValidationError(f"Annotation 'gpu-count' must be an integer from 1 to {MAX_GANG}.")
+        if self.gpus > 1 and self.stages > 1:
+            raise ValidationError("Annotation 'gpu-count' above 1 cannot go with 'gpu-stages' above 1 (a gang's "
+                                  "ranks each hold the whole model; pipeline stages each hold a part).")
+        if self.gpus > 1 and self.weights_mb:
+            raise ValidationError("Annotation 'gpu-count' above 1 cannot go with 'gpu-weights-mb' (a gang's ranks "
+                                  "share no weights with other instances).")
 
     ANNOTATIONS = (
         "gpu-class",
@@ -306,6 +320,7 @@ class GpuNeeds:
         "gpu-capacity-blocks-per-ms",
         "gpu-weights-mb",
         "gpu-stages",
+        "gpu-count",
     )
 
     @classmethod
@@ -354,6 +369,7 @@ class GpuNeeds:
             capacity_blocks_per_ms=number("gpu-capacity-blocks-per-ms", base.capacity_blocks_per_ms),
             weights_mb=integer("gpu-weights-mb", base.weights_mb),
             stages=integer("gpu-stages", base.stages),
+            gpus=integer("gpu-count", base.gpus),
         )
 
 

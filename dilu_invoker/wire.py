@@ -277,6 +277,9 @@ class FunctionSpec:
     """Of ``memory_mb``, the read-only weights its instances on one GPU share (``gpu-weights-mb``)."""
     stages: int = 1
     """The most pipeline stages its code serves (``gpu-stages``): an instance may be split over that many GPUs."""
+    gpus: int = 1
+    """GPUs each instance takes as a gang (``gpu-count``), all on one invoker; ``request``, ``limit`` and
+    ``memory_mb`` are per GPU."""
 
     @classmethod
     def of(cls, action: Action) -> FunctionSpec:
@@ -317,6 +320,7 @@ class FunctionSpec:
             user_memory_mb=action.limits.memory_mb,
             weights_mb=needs.weights_mb,
             stages=needs.stages,
+            gpus=needs.gpus,
         )
 
     @classmethod
@@ -554,9 +558,10 @@ class CommandOp(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class StageRecord:
-    """One pipeline stage of a split instance (an LLM placed over several GPUs of one invoker): its own id
-    (`stage_id`), its GPU and what it holds there. Each stage runs as its own process on its GPU, with its own
-    budget reservation, shim control block and memory cap (docs/balancer.md, "Split instances")."""
+    """One GPU's part of an instance over several GPUs of one invoker: a pipeline stage of a split instance (an
+    LLM, ids by `stage_id`) or a rank of a gang (``gpu-count``, ids by `rank_id`): its own id, its GPU and what it
+    holds there. Each runs as its own process on its GPU, with its own budget reservation, shim control block and
+    memory cap (docs/balancer.md, "Split instances" and "Gangs")."""
 
     id: str
     gpu: int
@@ -580,6 +585,23 @@ def moved_stage_id(instance: str, index: int, move: int) -> str:
     GPU: a new id, so that the old stage and its replacement are reserved side by side until the move is done;
     `move` tells the moves of one balancer apart (its sequence number)."""
     return f"{instance}#p{index}.{move}"
+
+
+def rank_id(instance: str, rank: int, world: int) -> str:
+    """The id of rank `rank` of a gang of `world` ranks (an instance over `world` GPUs of one invoker,
+    ``gpu-count``): the gang's size is in every rank's id, so a GPU's reservations alone say what the gang is
+    (`rank_of`)."""
+    return f"{instance}#r{rank}of{world}"
+
+
+def rank_of(reservation: str) -> tuple[str, int, int] | None:
+    """(gang instance, rank, world size) of a rank id (`rank_id`); None for any other id."""
+    head, sep, tail = reservation.rpartition("#r")
+    rank, of, world = tail.partition("of")
+    if not (sep and head and of and rank.isdigit() and world.isdigit()):
+        return None
+    k, n = int(rank), int(world)
+    return (head, k, n) if 0 <= k < n else None
 
 
 def stage_index(reservation: str) -> int | None:
@@ -609,6 +631,11 @@ def stages_of(value: Any) -> tuple[StageRecord, ...]:
     if len(stages) < 2:
         raise WireError("stages: a split instance has at least two")
     return stages
+
+
+def is_gang(stages: tuple[StageRecord, ...]) -> bool:
+    """Whether an instance's parts (``stages``) are the ranks of a gang (`rank_id`) rather than pipeline stages."""
+    return bool(stages) and rank_of(stages[0].id) is not None
 
 
 def gpu_reservations(instance: str, gpu_uuid: str | None, stages: tuple[StageRecord, ...],
@@ -666,13 +693,19 @@ class InstanceCommand:
     """The invoker's boot id the command is meant for ("" any); another incarnation ignores it."""
     reason: str = ""
     stages: tuple[StageRecord, ...] = ()
-    """A split instance's pipeline stages, in order (``gpu``/``gpu_uuid`` are the first's); empty: one GPU."""
+    """A split instance's pipeline stages, or a gang's ranks (`gang`), in order (``gpu``/``gpu_uuid`` are the
+    first's); empty: one GPU."""
 
     @classmethod
     def from_wire(cls, data: Any) -> InstanceCommand:
         cmd = _fields_of(cls, data)
         _set_stages(cmd)
         return cmd
+
+    @property
+    def gang(self) -> bool:
+        """Its `stages` are the ranks of a gang (`rank_id`), not pipeline stages."""
+        return is_gang(self.stages)
 
 
 # -- the balancer's instance table and routing tables ------------------------------------------------
@@ -713,8 +746,9 @@ class InstanceRecord:
     user_memory_mb: int = 0
     """Of its invoker's user memory, what it holds (its action's memory limit)."""
     stages: tuple[StageRecord, ...] = ()
-    """A split instance's pipeline stages, in order, each on its own GPU of `invoker` (`gpu`/`gpu_uuid` are the
-    first's; `request`, `limit` and `memory_mb` the whole instance's); empty: the instance is on one GPU."""
+    """A split instance's pipeline stages, or a gang's ranks (`gang`), in order, each on its own GPU of `invoker`
+    (`gpu`/`gpu_uuid` are the first's; `request` and `limit` the whole instance's, per GPU for a gang; `memory_mb`
+    the whole instance's, the ranks' sum for a gang); empty: the instance is on one GPU."""
     moving: tuple[StageRecord, ...] = ()
     """While a stage move (`CommandOp.MOVE_STAGE`) is in flight: the stage it replaces, which the instance still
     holds until its invoker reports the move done (`stages` already names the new one); empty otherwise."""
@@ -727,6 +761,11 @@ class InstanceRecord:
         _set_stages(rec)
         _set_moving(rec)
         return rec
+
+    @property
+    def gang(self) -> bool:
+        """Its `stages` are the ranks of a gang (`rank_id`), not pipeline stages."""
+        return is_gang(self.stages)
 
     def gpu_reservations(self) -> tuple[tuple[str, str], ...]:
         """(GPU uuid, reservation id) of each GPU it holds: one per stage of a split instance (the stage a move
