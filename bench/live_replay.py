@@ -88,6 +88,12 @@ class LiveHarness:
                 seq = int(r.id.rsplit("-", 1)[1])
                 # A split instance as its stages' reservations hold it: a piece on each stage's GPU (the stage a
                 # move replaces too, until the move is done).
+                if r.gang:  # a gang as its ranks' reservations hold it: the one instance on each rank's GPU
+                    for s in r.stages:
+                        pieces.append((seq, GpuRef(r.invoker, s.gpu), PlacedInstance(
+                            id=r.id, function=r.function, cls=cls, request=s.request, limit=s.limit,
+                            memory_mib=float(s.memory_mb), gpus=len(r.stages))))
+                    continue
                 for s in (*r.stages, *r.moving):
                     _, dot, moved = s.id.rpartition("#p")[2].partition(".")
                     pieces.append((int(moved) if dot else seq, GpuRef(r.invoker, s.gpu), PlacedInstance(

@@ -78,6 +78,7 @@ from dilu_invoker.wire import (
     RoutingTable,
     StageRecord,
     moved_stage_id,
+    rank_id,
     revision_generation,
     routes_equal,
     stage_id,
@@ -421,10 +422,13 @@ def shares_weights(spec: FunctionSpec) -> bool:
 
 def placement_request(spec: FunctionSpec, instance: str, max_stages: int = 1) -> PlacementRequest:
     """`spec`'s instance as placement asks for it; it may be split into up to ``min(spec.stages, max_stages)``
-    pipeline stages (`PlacementConfig.llm_max_parts`, ``--balancer-max-stages``)."""
+    pipeline stages (`PlacementConfig.llm_max_parts`, ``--balancer-max-stages``); a gang (``gpu-count`` N) asks
+    for N GPUs of one invoker, each holding its request, limit and memory."""
     shared = shares_weights(spec)
+    gang = spec.gpus > 1
     return PlacementRequest(
-        max_parts=max(1, min(spec.stages, max_stages)) if not shared else 1,
+        gpus=spec.gpus,
+        max_parts=max(1, min(spec.stages, max_stages)) if not (shared or gang) else 1,
         instance_id=instance,
         function=spec.fqn,
         cls=InstanceClass.parse(spec.cls),
@@ -459,6 +463,26 @@ def stages_of_parts(cluster: ClusterSnapshot, parts: tuple[PlacementPart, ...], 
                     memory_mb=mib)
         for k, (p, mib) in enumerate(zip(parts, mibs, strict=True))
     )
+
+
+def ranks_of_decision(cluster: ClusterSnapshot, where: PlacementDecision, spec: FunctionSpec, instance: str
+                      ) -> tuple[StageRecord, ...]:
+    """A gang's ranks as the record names them (`rank_id`), one on each GPU of the decision in placement's order,
+    each with the function's per-GPU request, limit and memory; empty for a one-GPU placement."""
+    n = len(where.gpus)
+    if n < 2:
+        return ()
+    return tuple(StageRecord(id=rank_id(instance, k, n), gpu=ref.gpu, gpu_uuid=cluster.gpu(ref).uuid or None,
+                             request=spec.request, limit=spec.limit, memory_mb=spec.memory_mb)
+                 for k, ref in enumerate(where.gpus))
+
+
+def snapshot_ids(r: InstanceRecord) -> list[str]:
+    """The ids the cluster snapshot holds a record under: a split instance's stages (the stage a move replaces
+    too), a gang and any other instance its own id (a gang is one instance on each of its GPUs)."""
+    if r.stages and not r.gang:
+        return [s.id for s in (*r.stages, *r.moving)]
+    return [r.id]
 
 
 def place_new(cluster: ClusterSnapshot, spec: FunctionSpec, request: PlacementRequest,
@@ -762,7 +786,7 @@ def _compact(
                 and not outdated(r.rev, inp.specs[r.function].rev) and not shares_weights(inp.specs[r.function])):
             if not r.stages:
                 movable.add(r.id)
-            elif stages:
+            elif stages and not r.gang:  # a gang never moves (compaction moves one-GPU instances and pieces)
                 movable.update(s.id for s in r.stages)
     pinned = frozenset(i for i in cluster.locations if i not in movable)
 
@@ -926,8 +950,7 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
     # Lost instances leave the cluster snapshot (their budgets may still hold them until they expire).
     if cluster is not None:
         for order in work.forgotten:
-            held_ids = [s.id for s in (*order.record.stages, *order.record.moving)] or [order.record.id]
-            for held in held_ids:  # a split instance: its stages (one a move replaces too)
+            for held in snapshot_ids(order.record):  # a split instance: its stages (one a move replaces too)
                 if cluster.has_instance(held):
                     cluster = cluster.without_instance(held)
     seq = inp.seq
@@ -1055,12 +1078,14 @@ def plan_tick(inp: TickInput, cfg: PlannerConfig) -> TickPlan:
                 weights = spec.weights_mb if not where.split and holds_weights(cluster.gpu(ref), request) else 0
                 cluster = apply_placement(cluster, request, where)
                 rep = inp.reports.get(ref.invoker)
-                stages = stages_of_decision(cluster, where, spec.memory_mb)
-                # Each stage is a container of its own, holding the action's memory limit of its invoker.
+                stages = (ranks_of_decision(cluster, where, spec, iid) if request.gpus > 1
+                          else stages_of_decision(cluster, where, spec.memory_mb))
+                # Each stage (each rank of a gang) is a container of its own, holding the action's memory limit of
+                # its invoker.
                 record = InstanceRecord(
                     id=iid, function=fqn, rev=spec.rev, invoker=ref.invoker, gpu=ref.gpu,
                     gpu_uuid=cluster.gpu(ref).uuid or None, cls=spec.cls, request=spec.request, limit=spec.limit,
-                    memory_mb=spec.memory_mb, slots=spec.slots, state=RecordState.STARTING.value, since=now,
+                    memory_mb=spec.memory_mb * max(1, request.gpus), slots=spec.slots, state=RecordState.STARTING.value, since=now,
                     epoch=epoch, boot=rep.boot if rep is not None else "",
                     user_memory_mb=spec.user_memory_mb * max(1, len(stages)), stages=stages,
                 )
@@ -1261,8 +1286,8 @@ class UserMemory:
                 short.discard(invoker)
 
     def fits(self, cluster: ClusterSnapshot, spec: FunctionSpec) -> tuple[ClusterSnapshot | None, str]:
-        """`user_memory_fits` for ``spec`` on what is held now."""
-        need = spec.user_memory_mb
+        """`user_memory_fits` for ``spec`` on what is held now (a gang's: a container per rank)."""
+        need = spec.user_memory_mb * max(1, spec.gpus)
         if not need:
             return cluster, ""
         short = self._short.get(need)

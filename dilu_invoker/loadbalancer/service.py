@@ -87,6 +87,7 @@ from dilu_invoker.wire import (
     WireError,
     decode,
     pack,
+    rank_of,
     stage_parent,
     text,
 )
@@ -280,11 +281,13 @@ def gpu_state_of(invoker: str, gpu: GpuReport, enabled: bool, budget: GpuBudget 
             cls = InstanceClass.parse(r.cls)
         except ValueError:
             cls = InstanceClass.INFERENCE
+        # A gang's rank is the gang on this GPU: one instance over as many GPUs as its id says (`rank_of`).
+        gang = rank_of(r.instance)
         placed.append(PlacedInstance(
-            id=r.instance, function=r.function, cls=cls, request=r.request, limit=r.limit,
-            memory_mib=float(r.memory_mb),
+            id=r.instance if gang is None else gang[0], function=r.function, cls=cls, request=r.request,
+            limit=r.limit, memory_mib=float(r.memory_mb),
             profile=Profile(spec.profile) if spec is not None and spec.profile else None,
-            part_of=stage_parent(r.instance)))
+            gpus=1 if gang is None else gang[2], part_of=stage_parent(r.instance)))
     memory = budget.capacity.memory_mb if budget is not None else gpu.memory_mb
     groups = weight_groups_of(invoker, budget.reservations.values()) if budget is not None else frozenset()
     ref = GpuRef(invoker, gpu.index)

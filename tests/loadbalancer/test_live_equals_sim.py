@@ -71,16 +71,19 @@ def sim_decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
                           (160, 0.0, 0.4, 1, COMPACTION, 4), (120, 0.0, 0.4, 7, WIDE, 2),
                           (160, 0.0, 0.4, 7, WIDE, 4), (160, 0.0, 0.4, 2, NO_STAGE_MOVES, 4),
                           (160, 0.0, 0.4, 3, TWO_MERGES, 4), (240, 0.0, 0.4, 3, MEMORY_MERGES, 4),
-                          (240, 0.0, 0.4, SEED_REPACKS, REPACKS, 4)],
+                          (240, 0.0, 0.4, SEED_REPACKS, REPACKS, 4), (120, 0.2, 0.2, 1, COMPACTION, 1),
+                          (160, 0.4, 0.0, 3, COMPACTION, 1), (160, 0.2, 0.4, 1, MEMORY_MERGES, 4)],
                          ids=["llm-20%", "llm-40%", "inference-merging", "any-gpu-merging", "stages-4",
                               "stages-2-merging", "stages-4-merging", "stages-4-no-stage-moves",
-                              "stages-4-two-merges", "stages-4-memory-merges", "stages-4-repacks"])
+                              "stages-4-two-merges", "stages-4-memory-merges", "stages-4-repacks",
+                              "training-20%-gangs", "training-40%-gangs", "training-20%-stages-4-memory-merges"])
 def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float, llm: float, seed: int,
                                                              compaction: CompactionConfig, stages: int) -> None:
     """`stages` > 1: the LLM actions declare gpu-stages N (`--balancer-max-stages` 4): both split an LLM no lit GPU
     holds into pipeline stages and, with stage moves (`move_pieces`, `--balancer-compaction-stages`), move a stage
     to another GPU of its node, place a split instance anew and split an LLM they move. The simulator's stages
-    hold whole MiB, as the live budgets do (`whole_mib_stages`)."""
+    hold whole MiB, as the live budgets do (`whole_mib_stages`). `train` > 0: training instances are gangs of 2 or 4
+    GPUs (the actions declare gpu-count), which both place on GPUs of one invoker and never move."""
     events = dilu_mix(n, train_fraction=train, llm_fraction=llm, seed=seed)
     sim_log: list[tuple[Any, ...]] = []
     sim = simulate_placement(events, PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, llm_split_parts=stages,
@@ -101,8 +104,12 @@ def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float
     assert (sim.details["split_instances"] > 0) is (stages > 1), "splitting must be exercised"
     piece_moves = sum(1 for e in sim_log if e[0] == "move" and "#p" in e[2])
     assert (piece_moves > 0) is (stages > 1 and compaction.move_pieces), "stage moves must be exercised"
+    gangs = {ev.instance for ev in events if ev.op == CREATE and ev.spec.gpus > 1}
+    assert bool(gangs) is (train > 0), "gangs must be exercised"
+    assert not any(e[0] == "move" and e[2].split("#p")[0] in gangs for e in sim_log), "a gang never moves"
     live = _replay(events, compaction, stages)
     expected = sim_decisions(sim_log)
+    assert sum(1 for e in live.log if e[0] == "place" and e[1] in gangs and len(e[2]) > 1) == len(gangs)
     assert sum(1 for e in expected if e[0] == "move") > 0, "the trace must exercise compaction"
     assert live.log == expected
 
@@ -173,7 +180,7 @@ def _replay(events: list[Any], compaction: CompactionConfig, stages: int, *, inc
                 live.specs[ev.instance] = FunctionSpec(
                     fqn=ev.instance, rev="1-a", kind="python:3-gpu", cls=s.cls.value, request=s.sm_request,
                     limit=s.sm_limit, memory_mb=int(s.memory_mib), min_instances=1, max_instances=1,
-                    capacity_rps=1.0, stages=stages if s.cls.value == "llm" else 1)
+                    capacity_rps=1.0, stages=stages if s.cls.value == "llm" else 1, gpus=s.gpus)
         if any(ev.op == CREATE for ev in evs):
             live.tick(t + 0.5)  # placed
             live.tick(t + 0.6)  # ready
