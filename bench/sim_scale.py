@@ -117,6 +117,7 @@ def run_one(
     events = dilu_mix(n, train_fraction=train, llm_fraction=llm, seed=seed)
     if as_live and policy == "dilu":
         cfg = live_placement_config(gpu_memory_gib=40.0, compaction=compaction, llm_split_parts=live_stages,
+                                    split_node_fit=split_node_fit,
                                     **({} if every is None else {"compact_every_s": every}))
     else:
         cfg = PlacementSimConfig(
@@ -298,7 +299,8 @@ def main() -> int:
                          "node when the lit GPUs take at least SHARE of it (PlacementConfig.light_split_min_share)")
     ap.add_argument("--split-node-fit", action="store_true",
                     help="where memory binds, dilu splits an LLM over the lit GPUs of the node left with the "
-                         "least free memory (PlacementConfig.split_node_fit)")
+                         "least free memory (PlacementConfig.split_node_fit; with --as-live the balancer's "
+                         "--balancer-split-node-fit)")
     ap.add_argument("--as-live", action="store_true",
                     help="dilu as the live balancer runs it by default (no LLM split unless --live-stages, "
                          "LIVE_COMPACTION every 30 s; "
@@ -319,9 +321,8 @@ def main() -> int:
         raise SystemExit("--live-stages needs --as-live (the simulator's own dilu splits by default)")
     if args.live_stages < 1:
         raise SystemExit("--live-stages must be at least 1")
-    if args.as_live and (args.light_split is not None or args.split_node_fit):
-        raise SystemExit("--as-live: the live balancer has no light split nor node fit (not with --light-split or "
-                         "--split-node-fit)")
+    if args.as_live and args.light_split is not None:
+        raise SystemExit("--as-live: the live balancer has no light split (not with --light-split)")
 
     def mixes(spec: str) -> list[tuple[float, float]]:
         return [(float(a), float(b)) for a, b in (m.split(":") for m in spec.split(","))]

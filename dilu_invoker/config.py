@@ -339,6 +339,10 @@ class BalancerConfig:
                                          "GPU of its invoker while the pipeline serves, place a split instance "
                                          "anew, and split an llm instance it moves (false: it never touches split "
                                          "instances and never splits)")
+    split_node_fit: bool = _opt(False, "where GPU memory binds, an llm instance split into pipeline stages goes to "
+                                       "the invoker left with the least free GPU memory once it is placed "
+                                       "(node-level best fit; false: the invoker where it needs the fewest "
+                                       "stages)")
     max_stages: int = _opt(4, "an llm instance of an action declaring gpu-stages N may be split into up to "
                               "min(N, this) pipeline stages on as many GPUs of one invoker when no one GPU holds "
                               "it (1: never split)")

@@ -161,3 +161,12 @@ def test_live_compaction_settings_reach_the_planner_and_are_checked() -> None:
         config.load(environ={"DILU_BALANCER_COMPACTION_MEMORY_MERGES": "-1"})
     with pytest.raises(config.ConfigError, match="--balancer-compaction-repacks"):
         config.load(environ={"DILU_BALANCER_COMPACTION_REPACKS": "-1"})
+
+
+def test_node_fit_reaches_the_planners_placement() -> None:
+    from dilu_invoker.loadbalancer.service import planner_config
+
+    assert planner_config(config.load(environ={"DILU_BALANCER_SPLIT_NODE_FIT": "true"})).placement.split_node_fit
+    assert not planner_config(config.load(environ={})).placement.split_node_fit
+    args = cli.build_parser().parse_args(["balancer", "--balancer-split-node-fit"])
+    assert planner_config(config.load(args, environ={})).placement.split_node_fit

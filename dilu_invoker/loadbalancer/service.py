@@ -154,7 +154,7 @@ def planner_config(cfg: Config) -> PlannerConfig:
         raise ConfigError(f"balancer scaling settings (--balancer-window, -scale-*): {exc}") from None
     try:
         placement = PlacementConfig(strategy=b.strategy, gamma=cfg.gpu.gamma, affinity=Affinity(b.affinity),
-                                    llm_max_parts=b.max_stages)
+                                    llm_max_parts=b.max_stages, split_node_fit=b.split_node_fit)
     except ValueError as exc:
         raise ConfigError(f"--balancer-strategy / --gpu-gamma: {exc}") from None
     compaction = None

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compact-repacks", type=_nonneg_int, default=None,
                    help="lit GPUs a compaction run may try to turn off by re-packing them (default: the "
                         "simulator's, 0; with --as-live the balancer's --balancer-compaction-repacks, make-before-break)")
+    p.add_argument("--split-node-fit", action="store_true",
+                   help="where memory binds, dilu splits an LLM over the lit GPUs of the node left with the least "
+                        "free memory (node-level best fit; with --as-live the balancer's --balancer-split-node-fit)")
     p.add_argument("--as-live", action="store_true",
                    help="dilu as the live balancer runs it: no LLM action declares gpu-stages (no split), the live compaction (by default GPUs "
                         "with Σ request <= 0.5 and at most 3 instances, 2 moves a run, no merges) every 30 s; "
@@ -296,6 +299,7 @@ def _placement(args: argparse.Namespace) -> int:
             live: dict[str, Any] = {} if every is None else {"compact_every_s": every}
             if args.llm_split_parts is not None:
                 live["llm_split_parts"] = args.llm_split_parts
+            live["split_node_fit"] = args.split_node_fit
             # --no-compact-pieces: the balancer's --balancer-compaction-stages false
             settings = {"max_request": args.compact_max_request, "merges": args.compact_merges,
                         "memory_merges": args.compact_memory_merges, "repacks": args.compact_repacks,
@@ -313,6 +317,7 @@ def _placement(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node,
             gamma=args.gamma,
             llm_split_parts=4 if args.llm_split_parts is None else args.llm_split_parts,
+            split_node_fit=args.split_node_fit and policy == "dilu",
             compact_every_s=every,
             # The simulator's compaction with the flags' fields: every other field (merging, resizing,
             # memory merges, their gates) is `SIM_COMPACTION`'s, so a change of the default reaches the CLI.

@@ -482,6 +482,7 @@ def simulate_placement(
         "mean_vs_integral": round(mean_lit / mean_integral, 4) if mean_integral else None,
         "llm_split_parts": pconf.llm_max_parts if pconf.strategy_spec().splits else 1,
         "split_instances": split_instances,
+        "split_node_fit": pconf.split_node_fit,
         "compact_every_s": config.compact_every_s,
         # The compaction's settings (`CompactionConfig`), so that a run says what it simulated.
         "compaction": {f.name: getattr(config.compaction, f.name) for f in fields(config.compaction)},

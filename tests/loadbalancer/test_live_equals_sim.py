@@ -113,6 +113,23 @@ def test_the_live_planner_places_and_moves_as_the_simulator(n: int, train: float
     assert sum(1 for e in expected if e[0] == "move") > 0, "the trace must exercise compaction"
     assert live.log == expected
 
+def test_with_node_fit_the_live_planner_places_and_moves_as_the_simulator() -> None:
+    """``--balancer-split-node-fit`` (`PlacementConfig.split_node_fit`): where memory binds, an LLM split over lit GPUs
+    goes to the invoker left with the least free memory. On a trace with training gangs and LLMs declaring
+    gpu-stages 4 it changes the simulator's decisions, and the live planner with it decides as the simulator."""
+    events = dilu_mix(160, train_fraction=0.2, llm_fraction=0.4, seed=2)
+    logs: dict[bool, list[tuple[Any, ...]]] = {}
+    for fit in (True, False):
+        logs[fit] = []
+        simulate_placement(events, PlacementSimConfig(policy="dilu", gpu_memory_gib=40.0, llm_split_parts=4,
+                                                      compact_every_s=PERIOD_S, compaction=MEMORY_MERGES,
+                                                      compaction_splits=True, whole_mib_stages=True,
+                                                      split_node_fit=fit), log=logs[fit])
+    expected = sim_decisions(logs[True])
+    assert expected != sim_decisions(logs[False]), "node fit must be exercised"
+    assert _replay(events, MEMORY_MERGES, 4, node_fit=True).log == expected
+
+
 def _twice_moved(log: list[tuple[Any, ...]]) -> int:
     """How many compaction runs of a simulator log moved one instance (a split one: any of its stages) twice."""
     runs: list[list[str]] = []
@@ -143,13 +160,15 @@ def test_a_live_run_moves_an_instance_once() -> None:
     assert twice == {True: 0, False: twice[False]} and twice[False] > 0
 
 
-def _replay(events: list[Any], compaction: CompactionConfig, stages: int, *, incremental: bool = True) -> LiveHarness:
-    """The live planner through the trace's events (the module doc); `incremental`: with each plan's memo."""
+def _replay(events: list[Any], compaction: CompactionConfig, stages: int, *, incremental: bool = True,
+            node_fit: bool = False) -> LiveHarness:
+    """The live planner through the trace's events (the module doc); `incremental`: with each plan's memo;
+    `node_fit`: ``--balancer-split-node-fit``."""
     nodes = cluster_size(events, 4) // 4
     cfg = PlannerConfig(
         horizontal=HorizontalConfig(window=4, scale_out_samples=2, scale_in_samples=2, sample_period_s=0.1,
                                     stale_after_s=1e9, cooldown_s=1e-6, scale_to_zero_after_s=1e-6),
-        placement=PlacementConfig(llm_max_parts=4),
+        placement=PlacementConfig(llm_max_parts=4, split_node_fit=node_fit),
         compaction=LiveCompaction(config=compaction, period_s=PERIOD_S),
     )
     live = LiveHarness(nodes, cfg)

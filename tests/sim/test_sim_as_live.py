@@ -108,6 +108,7 @@ def test_as_live_takes_the_balancers_compaction_settings(llm_events: Path, tmp_p
     assert details["compaction"] == asdict(live.compaction.config)
     assert details["compaction"]["source_max_request"] == 1.0 and details["compaction"]["merges"] == 1
     assert details["compaction"]["memory_merges"] == 2
+    assert details["split_node_fit"] is False
     assert details["compaction"]["repacks"] == 3 and details["compaction"]["repack_live"] is True
     assert details["compaction"]["max_moves"] == 2 and details["llm_split_parts"] == 1
     # --no-compact-pieces is --balancer-compaction-stages false.
@@ -140,3 +141,14 @@ def test_the_serving_simulator_compacts_as_the_balancer_configured_alike(max_req
         ServingSimConfig(policy="dilu", gpus=8, compaction_max_request=1.2)
     with pytest.raises(ValueError, match="compaction_repacks"):
         ServingSimConfig(policy="dilu", gpus=8, compaction_repacks=-1)
+
+
+def test_as_live_takes_the_balancers_node_fit(llm_events: Path, tmp_path: Path) -> None:
+    """`--split-node-fit` with `--as-live` is the balancer's `--balancer-split-node-fit`: the planner's placement
+    setting, reported in the run's details."""
+    out = tmp_path / "f"
+    assert main(["placement", "--events", str(llm_events), "--policy", "dilu", "--as-live", "--split-node-fit",
+                 "--out", str(out), "--quiet", "--no-plots"]) == 0
+    details = json.loads((out / "details.json").read_text())
+    assert details["split_node_fit"] is True
+    assert planner_config(Config(balancer=BalancerConfig(split_node_fit=True))).placement.split_node_fit
