@@ -402,6 +402,12 @@ class Invoker:
     async def run(self, req: ActivationRequest) -> Activation:
         tokens = bind_activation(activation_id=req.activation_id, transid=req.transid_id)
         try:
+            runtime = self._runtime_of(req.action)
+            gang = gang_refusal(req.action) if runtime is not None and runtime.gpu else None
+            if gang is not None:
+                log.warning("activation refused: a gang runs on balancer-placed instances only",
+                            action=req.action.fqn)
+                return self.refuse(req, gang)
             return await self._run(req)
         finally:
             reset_activation(**tokens)
@@ -1286,6 +1292,21 @@ async def open_invoker(
 def stage_parent_of(stages: Sequence[str]) -> str:
     """The split instance of its stage ids (for the log context)."""
     return stage_parent(stages[0]) or stages[0] if stages else ""
+
+
+def gang_refusal(action: Action) -> str | None:
+    """Why this invoker's own pool cannot run the action (None: it can): one annotated ``gpu-count`` N > 1 runs
+    only as a gang the balancer placed (N ranks on N GPUs of one invoker, `Invoker.run_on_ranks`), never in one
+    container on one GPU, nor on the CPU."""
+    try:
+        gpus = GpuNeeds.from_annotations(action.annotation_map).gpus
+    except ValidationError:
+        return None  # the GPU path explains invalid annotations (and runs without a GPU), as before
+    if gpus <= 1:
+        return None
+    return (f"The action cannot run: annotation 'gpu-count' of {gpus} makes each instance a gang of {gpus} GPUs, "
+            "which only the balancer places (cluster mode, or standalone with balancer routing); "
+            "this invoker's own containers take one GPU each.")
 
 
 def gang_of(ranks: Sequence[str]) -> str:
