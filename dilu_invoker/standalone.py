@@ -166,11 +166,13 @@ def lock_data_dir(path: Path) -> Iterator[None]:
         os.close(fd)
 def _action_fit(cfg: Config, invokers: Sequence[Invoker]) -> ActionFit:
     """What the invokers of this standalone can ever run: PUT refuses actions whose limits exceed it."""
-    gpus = [d for inv in invokers if inv.gpu is not None for d in getattr(inv.gpu, "devices", ())]
+    each = [tuple(getattr(inv.gpu, "devices", ())) if inv.gpu is not None else () for inv in invokers]
+    gpus = [d for devices in each for d in devices]
     largest = max(gpus, key=lambda d: d.memory_mb, default=None)
     return ActionFit(user_memory_mb=cfg.invoker.user_memory_mb,
                      gpu_memory_mb=largest.memory_mb if largest is not None else None,
-                     gpu_name=f"GPU {largest.index} {largest.name}" if largest is not None else "")
+                     gpu_name=f"GPU {largest.index} {largest.name}" if largest is not None else "",
+                     invoker_gpus=max((len(devices) for devices in each), default=0), gangs=cfg.balancer.routing)
 
 
 @contextlib.asynccontextmanager

@@ -73,18 +73,40 @@ class ActionFit:
     gpu_memory_mb: int | None = None
     """Memory of the largest GPU; None: no GPU (GPU kinds then run on the CPU, nothing to judge)."""
     gpu_name: str = ""
+    invoker_gpus: int | None = None
+    """The most GPUs one invoker has, all a gang (``gpu-count``) may take; None: not judged."""
+    gangs: bool = True
+    """Whether the balancer places instances here (balancer routing): a gang runs nowhere else."""
 
     def refusal(self, action: Action, *, gpu: bool) -> str | None:
         mem = action.limits.memory_mb
         if mem > self.user_memory_mb:
             return (f"The action's memory limit of {mem} MB exceeds the invoker user memory of "
                     f"{self.user_memory_mb} MB: it could never run.")
+        if gpu:
+            gangs = self._gang_refusal(action)
+            if gangs is not None:
+                return gangs
         if gpu and self.gpu_memory_mb is not None:
             needs = GpuNeeds.from_annotations(action.annotation_map)
             if needs.memory_mb > self.gpu_memory_mb:
                 return (f"Annotation 'gpu-memory-mb' of {needs.memory_mb} MB exceeds the largest GPU here "
                         f"({self.gpu_memory_mb} MB{', ' + self.gpu_name if self.gpu_name else ''}): "
                         "it could never be placed.")
+        return None
+
+
+    def _gang_refusal(self, action: Action) -> str | None:
+        gpus = GpuNeeds.from_annotations(action.annotation_map).gpus
+        if gpus <= 1:
+            return None
+        if not self.gangs:
+            return (f"Annotation 'gpu-count' of {gpus} makes each instance a gang of {gpus} GPUs, which only the "
+                    "balancer places, and this system runs without balancer routing (--no-balancer-routing): "
+                    "it could never run.")
+        if self.invoker_gpus is not None and gpus > self.invoker_gpus:
+            return (f"Annotation 'gpu-count' of {gpus} exceeds the GPUs of any invoker here ({self.invoker_gpus}): "
+                    "a gang's GPUs are all on one invoker, so it could never be placed.")
         return None
 
 

@@ -116,3 +116,31 @@ async def test_leftovers_of_an_earlier_run_are_removed(podman_socket: str, runti
     finally:
         client.close()
         await backend.close()
+
+
+@pytest.mark.allow_loop_block
+async def test_a_container_reaches_another_at_its_peer_host(podman_socket: str, runtime_images: list[str]) -> None:
+    # (a gang's ranks meet at rank 0's peer_host, its MASTER_ADDR: docs/invoker.md, "Gangs (gpu-count)"; the
+    # listener is not paused meanwhile, as a gang's rank 0 is not while a run waits for its peers)
+    base = config.load(environ={})
+    cfg = replace(base, invoker=replace(base.invoker, backend="docker", docker_url=podman_socket, id=8,
+                                        idle_timeout_s=60, pause_grace_s=60, docker_ulimits=HOST_ULIMITS))
+    async with open_invoker(cfg) as invoker:
+        await _peers_meet(invoker)
+
+
+async def _peers_meet(invoker: Invoker) -> None:
+    listen = ("import socket, threading\nserver = socket.create_server(('0.0.0.0', 29500))\n"
+              "def serve():\n    while True:\n        conn, _ = server.accept()\n        conn.sendall(b'pong')\n"
+              "        conn.close()\nthreading.Thread(target=serve, daemon=True).start()\n"
+              "def main(a):\n    return {'listening': True}\n")
+    dial = ("import socket\ndef main(a):\n    with socket.create_connection((a['host'], 29500), timeout=10) as c:\n"
+            "        return {'got': c.recv(16).decode()}\n")
+    first = await invoker.run(_req(listen, name="rank0"))
+    assert first.response.result == {"listening": True}, first.response
+    [rank0] = [p for p in invoker.pool.containers.values() if p.action.name == "rank0"]
+    assert rank0.container is not None
+    host = rank0.container.peer_host
+    assert host not in ("127.0.0.1", ""), host  # an address on the engine's network
+    other = await invoker.run(_req(dial, name="rank1", content={"host": host}))
+    assert other.response.result == {"got": "pong"}, other.response

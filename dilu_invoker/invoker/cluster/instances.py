@@ -21,6 +21,11 @@ start fails or any stage's container goes away without a stop (the other stages 
 reservation released); a run goes through the stages in turn (`Invoker.run_on_stages`). docs/invoker.md,
 "Split instances (pipeline stages)".
 
+A *gang* (a START whose ``stages`` are ranks, `InstanceCommand.gang`: an action annotated ``gpu-count`` N) starts,
+fails and stops as a split instance does, rank by rank on its GPUs; each rank's /init carries torch.distributed's
+``env://`` rendezvous (rank 0's address and a port picked here), and a run goes to every rank at once
+(`Invoker.run_on_ranks`). It is never moved. docs/invoker.md, "Gangs (gpu-count)".
+
 A *stage move* (a MOVE_STAGE: one stage of a ready split instance to another GPU of this invoker) is make-before-
 break while the pipeline serves: the new stage starts beside the old one (a failing new stage fails the move,
 never the instance), the instance switches over to it (runs that start from then on go through it), the old
@@ -52,8 +57,8 @@ from dilu_invoker.invoker.api import InvokerOverloaded
 from dilu_invoker.invoker.cluster.agent import Agent
 from dilu_invoker.invoker.cluster.streams import read_group
 from dilu_invoker.invoker.dataplane.container import ContainerProxy, State, Transition
-from dilu_invoker.invoker.dataplane.core import StageStart
-from dilu_invoker.model import Action, Activation, ActivationRequest, ActivationResponse
+from dilu_invoker.invoker.dataplane.core import RankStart, Rendezvous, StageStart
+from dilu_invoker.model import Action, Activation, ActivationRequest, ActivationResponse, GpuNeeds, ValidationError
 from dilu_invoker.wire import (
     COMMAND_GROUP,
     CommandOp,
@@ -64,6 +69,7 @@ from dilu_invoker.wire import (
     WireError,
     from_stream,
     gpu_reservations,
+    rank_of,
     stage_parent,
     stage_span,
     text,
@@ -313,7 +319,10 @@ class InstanceManager:
         ids = [s.id for s in cmd.stages]
         taken = [i for i in ids if not i or i in self.instances or i in self._stage_owner or i == cmd.instance]
         if taken or len(set(ids)) < len(ids):
-            return f"invalid split instance: stage ids must be distinct and new, got {ids}"
+            return f"invalid {_kind(cmd)}: {_parts(cmd)} ids must be distinct and new, got {ids}"
+        n = len(ids)
+        if cmd.gang and (n < 2 or [rank_of(i) for i in ids] != [(cmd.instance, k, n) for k in range(n)]):
+            return f"invalid gang: its ranks' ids must be rank 0 to {n - 1} of {n} of {cmd.instance}, got {ids}"
         return None
 
     def _stage_problem(self, cmd: InstanceCommand) -> str | None:
@@ -321,24 +330,25 @@ class InstanceManager:
         of this invoker and a valid share."""
         stages = cmd.stages
         gpus = [s.gpu for s in stages]
+        part = _parts(cmd)
         if len(set(gpus)) < len(gpus):
-            return f"invalid split instance: each stage needs a GPU of its own, got GPUs {gpus}"
+            return f"invalid {_kind(cmd)}: each {part} needs a GPU of its own, got GPUs {gpus}"
         for k, s in enumerate(stages):
-            problem = self._placement_problem(k, s)
+            problem = self._placement_problem(k, s, part)
             if problem is not None:
-                return f"invalid split instance: {problem}"
+                return f"invalid {_kind(cmd)}: {problem}"
         return None
 
-    def _placement_problem(self, k: int, s: StageRecord) -> str | None:
-        """What makes stage `k` impossible here on its own (None: nothing): a GPU of this invoker, that GPU's
-        uuid, a valid share."""
+    def _placement_problem(self, k: int, s: StageRecord, part: str = "stage") -> str | None:
+        """What makes stage (or rank) `k` impossible here on its own (None: nothing): a GPU of this invoker, that
+        GPU's uuid, a valid share."""
         devices = {d.index: d.uuid for d in getattr(self.invoker.gpu, "devices", ())}
         if s.gpu not in devices:
-            return f"stage {k} is placed on GPU {s.gpu}, which this invoker does not have (its GPUs: {sorted(devices)})"
+            return f"{part} {k} is placed on GPU {s.gpu}, which this invoker does not have (its GPUs: {sorted(devices)})"
         if s.gpu_uuid and s.gpu_uuid != devices[s.gpu]:
-            return f"stage {k} is placed on {s.gpu_uuid}, but GPU {s.gpu} of this invoker is {devices[s.gpu]}"
+            return f"{part} {k} is placed on {s.gpu_uuid}, but GPU {s.gpu} of this invoker is {devices[s.gpu]}"
         if not (0.0 < s.request <= s.limit <= 1.0) or s.memory_mb <= 0:
-            return (f"stage {k} asks for request {s.request}, limit {s.limit}, memory {s.memory_mb} MB "
+            return (f"{part} {k} asks for request {s.request}, limit {s.limit}, memory {s.memory_mb} MB "
                     f"(0 < request <= limit <= 1, memory > 0)")
         return None
 
@@ -353,7 +363,13 @@ class InstanceManager:
                 return
             inst.action = action
             inst.slots = max(1, action.limits.concurrency)
-            if inst.cmd.stages:
+            problem = _gang_problem(inst.cmd, action)
+            if problem is not None:
+                self._fail(inst, problem)
+                return
+            if inst.cmd.gang:
+                await self._start_ranks(inst, action)
+            elif inst.cmd.stages:
                 await asyncio.gather(*(self._start_stage(inst, action, k) for k in range(len(inst.cmd.stages))))
             else:
                 container, failure = await self.invoker.start_instance(inst.id, action, gpu_index=inst.cmd.gpu)
@@ -381,6 +397,27 @@ class InstanceManager:
                            limit=stage.limit, memory_mb=stage.memory_mb)
         container, failure = await self.invoker.start_instance(stage.id, action, gpu_index=stage.gpu, stage=start)
         self._started_part(inst, stage.id, container, failure, f"stage {k} of {len(stages)}: ")
+
+    async def _start_ranks(self, inst: LocalInstance, action: Action) -> None:
+        """Every rank of a gang at once, each on its GPU; they meet at rank 0's address (`Rendezvous`), which each
+        rank's /init waits for."""
+        ranks = inst.cmd.stages
+        rendezvous = Rendezvous.new()
+
+        async def one(k: int) -> None:
+            rank = ranks[k]
+            start = RankStart(rank=k, world=len(ranks), rendezvous=rendezvous, request=rank.request,
+                              limit=rank.limit, memory_mb=rank.memory_mb)
+            try:
+                container, failure = await self.invoker.start_instance(rank.id, action, gpu_index=rank.gpu,
+                                                                       stage=start)
+            finally:
+                if k == 0:  # started (the address is out) or not: no rank waits on in vain
+                    rendezvous.close("rank 0 did not start")
+            self._started_part(inst, rank.id, container, failure, f"{start.named}: ")
+
+        log.info("gang rendezvous", instance=inst.id, master_port=rendezvous.port, world=len(ranks))
+        await asyncio.gather(*(one(k) for k in range(len(ranks))))
 
     async def _watch_stages(self, inst: LocalInstance) -> None:
         """Remove a stage whose process exited (the removal fails the instance, `_on_transition`). It watches the
@@ -410,8 +447,8 @@ class InstanceManager:
         log.warning("instance failed", instance=inst.id, function=inst.function, reason=reason)
         inst.failure = Failure(reason, time.monotonic())
         if inst.cmd.stages and self._owns_stages(inst):
-            # A pipeline is whole or nothing: its other stages go, and what each holds on its GPU.
-            self._stop_parts(inst, f"another stage of the instance failed: {reason}")
+            # A pipeline (a gang) is whole or nothing: its other stages (ranks) go, and what each holds on its GPU.
+            self._stop_parts(inst, f"another {_parts(inst.cmd)} of the instance failed: {reason}")
             self._spawn(self._release(self._held(inst)))
         if inst.started:
             self.on_change()
@@ -445,7 +482,7 @@ class InstanceManager:
             return
         inst = self.instances.get(self._stage_owner.get(part, part))
         if inst is not None and inst.stop_reason is None and inst.proxies.get(part) is proxy:
-            named = f"stage {inst.parts.index(part)} of {len(inst.parts)}: " if inst.cmd.stages else ""
+            named = f"{_parts(inst.cmd)} {inst.parts.index(part)} of {len(inst.parts)}: " if inst.cmd.stages else ""
             self._fail(inst, f"{named}container removed: {t.reason}")
 
     @staticmethod
@@ -531,6 +568,9 @@ class InstanceManager:
         current = inst.cmd.stages
         if not current:
             return f"invalid stage move: {inst.id} is not a split instance"
+        if inst.cmd.gang:
+            return (f"invalid stage move: {inst.id} is a gang of {len(current)} ranks, not a split instance (its "
+                    "ranks start, run and stop together: a gang is never moved rank by rank)")
         if inst.state is not InstanceState.READY:
             return f"stage move refused: the instance is {inst.state.value}, not ready"
         if inst.move is not None:
@@ -659,11 +699,14 @@ class InstanceManager:
                 inst.in_flight += 1
 
         # A split instance's run goes through the stages it starts with, to its end: a stage move drains the
-        # stage it replaces by these counts.
+        # stage it replaces by these counts. A gang's goes to all its ranks at once.
         parts = inst.parts if inst.cmd.stages else ()
         inst.using.update(parts)
         try:
-            if parts:
+            if parts and inst.cmd.gang:
+                activation = await self.invoker.run_on_ranks(parts, replace(req, action=inst.action),
+                                                             on_lease=got_slot)
+            elif parts:
                 activation = await self.invoker.run_on_stages(parts, replace(req, action=inst.action),
                                                               on_lease=got_slot)
             else:
@@ -733,6 +776,27 @@ class InstanceManager:
         await cancel_and_wait(*self._tasks)
         for inst in list(self.instances.values()):
             await self._release(self._held(inst))
+
+
+def _kind(cmd: InstanceCommand) -> str:
+    return "gang" if cmd.gang else "split instance"
+
+
+def _parts(cmd: InstanceCommand) -> str:
+    return "rank" if cmd.gang else "stage"
+
+
+def _gang_problem(cmd: InstanceCommand, action: Action) -> str | None:
+    """Why the start cannot make the action's instance (None: it can): an action annotated ``gpu-count`` N > 1
+    runs as a gang of N ranks or not at all, never on one GPU."""
+    try:
+        gpus = GpuNeeds.from_annotations(action.annotation_map).gpus
+    except ValidationError:
+        return None  # the start explains it (or runs without a GPU), as for any instance
+    if gpus > 1 and not cmd.gang:
+        got = f"{len(cmd.stages)} pipeline stages" if cmd.stages else "one GPU"
+        return f"invalid start: annotation 'gpu-count' {gpus} makes each instance a gang of {gpus} ranks, got {got}"
+    return None
 
 
 def _share_of(parts: tuple[str, ...], shares: Mapping[str, tuple[float | None, bool | None, float | None]],

@@ -72,7 +72,7 @@ from dilu_invoker.model import (
     new_activation_id,
     now_ms,
 )
-from dilu_invoker.wire import stage_parent
+from dilu_invoker.wire import rank_of, stage_parent
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +83,12 @@ DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
 STAGE_MAX_RESULT_BYTES = 64 * 1024 * 1024
 #: the /init environment of a pipeline stage: its index, the stage count and its span of the model
 STAGE_INDEX_ENV, STAGE_COUNT_ENV, STAGE_SPAN_ENV = "DILU_STAGE_INDEX", "DILU_STAGE_COUNT", "DILU_STAGE_SPAN"
+#: the /init environment of a gang's rank: its rank and the gang's size (``gpu-count``) under names of ours, and
+#: torch.distributed's ``env://`` rendezvous (rank 0 at MASTER_ADDR:MASTER_PORT); docs/invoker.md, "Gangs"
+RANK_ENV, WORLD_SIZE_ENV = "DILU_RANK", "DILU_WORLD_SIZE"
+TORCH_RANK_ENV, TORCH_WORLD_SIZE_ENV = "RANK", "WORLD_SIZE"
+LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV = "LOCAL_RANK", "LOCAL_WORLD_SIZE"
+MASTER_ADDR_ENV, MASTER_PORT_ENV = "MASTER_ADDR", "MASTER_PORT"
 #: code larger than this is encoded into the /init body on a thread while the container starts
 _PARALLEL_ENCODE_BYTES = 1024 * 1024
 
@@ -124,17 +130,99 @@ class StageStart:
         return replace(base, sm_request=self.request, sm_limit=self.limit, memory_mb=self.memory_mb, weights_mb=0,
                        capacity_blocks_per_ms=None)
 
+    @property
+    def named(self) -> str:
+        return f"pipeline stage {self.index}"
+
+
+class Rendezvous:
+    """Where a gang's ranks meet (torch.distributed's ``env://``): rank 0's address, known once its container
+    started (`Container.peer_host`), and a port the invoker picked for the gang. Every rank's /init waits for
+    the address; a rank 0 that does not start fails the wait (`close`)."""
+
+    __slots__ = ("_address", "port")
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._address: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    @classmethod
+    def new(cls) -> Rendezvous:
+        """A rendezvous on a port that is free on this host now (rank 0's runtime binds it later; in a Docker
+        container's own network namespace any port is free)."""
+        from dilu_invoker.invoker.dataplane.backends.process import free_port
+
+        return cls(free_port())
+
+    def found(self, address: str) -> None:
+        """Rank 0's container started at `address`."""
+        if not self._address.done():
+            self._address.set_result(address)
+
+    def close(self, why: str) -> None:
+        """Rank 0 did not start (or the gang's start is over): a rank still waiting fails with `why`."""
+        if not self._address.done():
+            self._address.set_exception(BackendError(why))
+            self._address.exception()  # told to those that wait; no one may be left to
+
+    async def address(self, timeout_s: float) -> str:
+        """Rank 0's address (BackendError: it did not start within `timeout_s`, or at all)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._address), timeout_s)
+        except TimeoutError as exc:
+            raise BackendError(f"rank 0 did not start within {timeout_s:g} s") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class RankStart:
+    """What one rank of a gang (``gpu-count``) starts with instead of its action's: its rank, the gang's size and
+    its rendezvous (the /init environment, `env`), and its own GPU needs (docs/invoker.md, "Gangs (gpu-count)")."""
+
+    rank: int
+    world: int
+    rendezvous: Rendezvous
+    request: float
+    limit: float
+    memory_mb: int
+
+    @property
+    def index(self) -> int:
+        return self.rank
+
+    @property
+    def named(self) -> str:
+        return f"rank {self.rank} of {self.world}"
+
+    def env(self, master_addr: str) -> dict[str, str]:
+        """torch.distributed's ``env://`` variables (all ranks on one host: the local rank is the rank) and ours."""
+        rank, world = str(self.rank), str(self.world)
+        return {TORCH_RANK_ENV: rank, TORCH_WORLD_SIZE_ENV: world, LOCAL_RANK_ENV: rank, LOCAL_WORLD_SIZE_ENV: world,
+                MASTER_ADDR_ENV: master_addr, MASTER_PORT_ENV: str(self.rendezvous.port), RANK_ENV: rank,
+                WORLD_SIZE_ENV: world}
+
+    def needs(self, action: Action) -> GpuNeeds:
+        """The action's GPU needs with the rank's share; it shares no weights (ValidationError). Unlike a stage's,
+        the action's measured capacity holds: each rank runs the whole model on its GPU."""
+        base = GpuNeeds.from_annotations(action.annotation_map)
+        return replace(base, sm_request=self.request, sm_limit=self.limit, memory_mb=self.memory_mb, weights_mb=0)
+
+
+#: one GPU's part of an instance over several GPUs: a pipeline stage or a gang's rank
+PartStart = StageStart | RankStart
+
 
 @dataclass(frozen=True, slots=True)
 class StageRun:
-    """One stage's part of a pipelined activation: its place, what its result may weigh, the time left (and
-    the pipeline's deadline, epoch ms, which every stage's run carries)."""
+    """One stage's part of a pipelined activation (or one rank's of a gang's): its place, what its result may
+    weigh, the time left (and the whole run's deadline, epoch ms, which every stage's run carries)."""
 
     index: int
     count: int
     max_result_bytes: int
     timeout_s: float
     deadline_ms: int
+    #: a gang's rank (`Invoker.run_on_ranks`): a plain run, its result no next stage's params
+    rank: bool = False
 
 
 class GpuAllocator(Protocol):
@@ -195,7 +283,7 @@ class Invoker:
         self.metrics.user_memory.set(ic.user_memory_mb)
         self.metrics.enabled.set(1)
         self._exit_hooks: list[Callable[[ContainerExit], object]] = []
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Future[Any]] = set()
         # Each GPU container's own queue, reported to the GPU manager (dilu_invoker.gpu.load): by pool key
         # (waiters belong to a key) and by container name (what runs on it).
         self._gpu_queues: dict[PoolKey, KeyQueue] = {}
@@ -314,6 +402,12 @@ class Invoker:
     async def run(self, req: ActivationRequest) -> Activation:
         tokens = bind_activation(activation_id=req.activation_id, transid=req.transid_id)
         try:
+            runtime = self._runtime_of(req.action)
+            gang = gang_refusal(req.action) if runtime is not None and runtime.gpu else None
+            if gang is not None:
+                log.warning("activation refused: a gang runs on balancer-placed instances only",
+                            action=req.action.fqn)
+                return self.refuse(req, gang)
             return await self._run(req)
         finally:
             reset_activation(**tokens)
@@ -462,15 +556,16 @@ class Invoker:
     async def _start_and_init(
         self, proxy: ContainerProxy, req: ActivationRequest, runtime: RuntimeKind, *,
         gpu_index: int | None = None, gpu_key: str | None = None, idle_room_only: bool = False,
-        stage: StageStart | None = None,
+        stage: PartStart | None = None,
     ) -> tuple[ActivationResponse | None, int | None, tuple[str, ...]]:
         """Start the container and send /init; returns (failure or None, init ms, init logs)."""
         action = req.action
         spec = proxy.spec
-        stage_env = stage.env() if stage is not None else {}
-        # Parallel setup: a large code attachment is encoded while the container starts.
+        stage_env = stage.env() if isinstance(stage, StageStart) else {}
+        # Parallel setup: a large code attachment is encoded while the container starts (a rank's environment
+        # is known only then: rank 0's address).
         encoding: asyncio.Future[bytes] | None = None
-        if len(action.exec.code or "") > _PARALLEL_ENCODE_BYTES:
+        if len(action.exec.code or "") > _PARALLEL_ENCODE_BYTES and not isinstance(stage, RankStart):
             encoding = asyncio.ensure_future(asyncio.to_thread(lambda: encode_body(self._init_body(req, stage_env))))
         # A model pre-load (idle_room_only) is background work: it leaves the last pre-loaded container to
         # the requests that may come meanwhile, the function's first one among them.
@@ -500,6 +595,8 @@ class Invoker:
             await container.destroy()
             await _settle(encoding)
             return ActivationResponse.whisk_error("Failed to provision resources to run the action."), None, ()
+        if isinstance(stage, RankStart) and stage.rank == 0:
+            stage.rendezvous.found(container.peer_host)
         if proxy.placement.gpu is not None:
             self._watch_gpu_load(proxy)
         reader = ActivationLogReader(container.stdout, container.stderr,
@@ -514,6 +611,15 @@ class Invoker:
             # The init's output belongs to the first run's logs (a successful /init writes no sentinel).
             collection = reader.start(limit_bytes=limit)
         proxy.started(container)
+        if isinstance(stage, RankStart):
+            try:
+                stage_env = stage.env(await stage.rendezvous.address(action.limits.timeout_ms / 1000))
+            except BackendError as exc:
+                failure = ActivationResponse.whisk_error(f"Failed to provision resources to run the action. ({exc})")
+                if collection is not None:
+                    await collection.finish(developer_error=True)
+                self.pool.remove(proxy, f"start failed: {exc}", failure=failure)
+                return failure, None, ()
         init_start = time.monotonic()
         client = RuntimeClient(self._session, container.url, max_result_bytes=DEFAULT_MAX_RESULT_BYTES,
                                secret=container.secret, alive=lambda: container.alive)
@@ -557,7 +663,7 @@ class Invoker:
 
     async def _take_preloaded(self, proxy: ContainerProxy, req: ActivationRequest, runtime: RuntimeKind, *,
                               gpu_index: int | None, gpu_key: str | None, spare_last: bool = False,
-                              stage: StageStart | None = None) -> Taken | None:
+                              stage: PartStart | None = None) -> Taken | None:
         """A pre-loaded container of the kind for this cold start, bound to the action (its memory limit,
         its GPU share); None: a plain cold start."""
         preload = self.preload
@@ -644,12 +750,12 @@ class Invoker:
 
     async def _attach_gpu(self, proxy: ContainerProxy, action: Action, spec: ContainerSpec, *,
                           gpu_index: int | None = None, gpu_key: str | None = None,
-                          idle_room_only: bool = False, stage: StageStart | None = None) -> ContainerSpec:
+                          idle_room_only: bool = False, stage: PartStart | None = None) -> ContainerSpec:
         try:
             needs = stage.needs(action) if stage is not None else GpuNeeds.from_annotations(action.annotation_map)
         except ValidationError as exc:
             if stage is not None:
-                raise BackendError(f"invalid GPU needs of pipeline stage {stage.index}: {exc}") from exc
+                raise BackendError(f"invalid GPU needs of {stage.named}: {exc}") from exc
             log.warning("invalid GPU annotations; running without a GPU", action=action.fqn, error=str(exc))
             return spec
         key = gpu_key or proxy.name
@@ -663,11 +769,12 @@ class Invoker:
             if await self.keeper.evict_gpu(gpu_index):
                 attachment = await self.gpu.attach(key, action.fqn, needs, gpu_index=gpu_index, revision=revision)
         if stage is not None and (attachment is None or attachment.gpu_index != gpu_index):
-            # A stage holds its span of the model on its own GPU: anywhere else, or on the CPU, it is no stage.
+            # A stage holds its span of the model (a rank its copy) on its own GPU: anywhere else, or on the CPU,
+            # it is no part of its instance.
             if attachment is not None and self.gpu is not None:
                 await self.gpu.detach(key)
             where = "no room" if attachment is None else f"a place on GPU {attachment.gpu_index} only"
-            raise BackendError(f"pipeline stage {stage.index}: GPU {gpu_index} gave {where}")
+            raise BackendError(f"{stage.named}: GPU {gpu_index} gave {where}")
         if attachment is not None and self.keeper is not None and stage is None and attachment.gpu_index is not None:
             self.keeper.started_beside((action.fqn, proxy.key.revision, attachment.gpu_index))
         if attachment is None:
@@ -708,7 +815,7 @@ class Invoker:
             # A stage's run goes as a stage frame on the direct lane: the tensor it hands on is never base64 or JSON
             # there, nor parsed here (every stage but the last may answer so).
             outcome = await client.run(body, timeout_s,
-                                       stage=None if stage is None else stage.index < stage.count - 1)
+                                       stage=None if stage is None or stage.rank else stage.index < stage.count - 1)
         except BaseException:
             if collection is not None:
                 await collection.finish(developer_error=True)
@@ -803,17 +910,18 @@ class Invoker:
 
     async def start_instance(self, instance_id: str, action: Action, *, gpu_index: int | None = None,
                              idle_room_only: bool = False,
-                             stage: StageStart | None = None) -> tuple[str | None, ActivationResponse | None]:
+                             stage: PartStart | None = None) -> tuple[str | None, ActivationResponse | None]:
         """Start and initialize the instance's container; (container name, failure or None).
         ``idle_room_only`` (a model pre-load, model_preload.py): on a GPU with idle room or not at all —
         no kept weights are evicted for it, and no GPU means a failure, not a run on the CPU.
-        ``stage``: the container is a pipeline stage of a split instance (``instance_id`` the stage's id): on
-        ``gpu_index`` or not at all, with the stage's GPU needs and place in its /init, never kept at exit."""
+        ``stage``: the container is a pipeline stage of a split instance or a rank of a gang (``instance_id`` the
+        stage's or rank's id): on ``gpu_index`` or not at all, with its own GPU needs and its place in its /init,
+        never kept at exit."""
         runtime = self._runtime_of(action)
         if runtime is None:
             return None, ActivationResponse.whisk_error("Action version is not compatible and cannot be invoked.")
         if stage is not None and not runtime.gpu:
-            return None, ActivationResponse.whisk_error(f"a pipeline stage needs a GPU runtime, not {runtime.kind}")
+            return None, ActivationResponse.whisk_error(f"{stage.named} needs a GPU runtime, not {runtime.kind}")
         lease = await self.pool.acquire(
             self.instance_key(instance_id, action), action, memory_mb=action.limits.memory_mb,
             slots=action.limits.concurrency, make_spec=lambda name: self._container_spec(name, action, runtime),
@@ -920,6 +1028,107 @@ class Invoker:
                 content = response.result
         start = first.start if first is not None else now_ms()
         return self._finish(req, runtime, start, now_ms(), response, tuple(logs), arrived=arrived, start_ms=start,
+                            init_ms=None, timed_out=timed_out)
+
+    async def run_on_ranks(self, ranks: Sequence[str], req: ActivationRequest, *,
+                           on_lease: Callable[[], None] | None = None) -> Activation | None:
+        """Run on every rank of a gang at once (their ids, in rank order), each with the activation's params, under
+        the action's one time limit: the result is rank 0's; one record for the whole run, its logs every rank's in
+        rank order, each line naming its rank. A failing rank fails the activation, named (``rank k of N: ...``),
+        the first to fail, as soon as it does (ranks still running finish in the background, in their slots).
+        ``on_lease``: rank 0 gave it a slot. None when rank 0 has no container (any more)."""
+        tokens = bind_activation(activation_id=req.activation_id, transid=req.transid_id,
+                                 instance=gang_of(ranks))
+        try:
+            return await self._gang(ranks, req, on_lease)
+        finally:
+            reset_activation(**tokens)
+
+    async def _gang(self, ranks: Sequence[str], req: ActivationRequest,
+                    on_lease: Callable[[], None] | None) -> Activation | None:
+        action = req.action
+        runtime = self._runtime_of(action)
+        if runtime is None:
+            return self._failed(req, ActivationResponse.whisk_error(
+                "Action version is not compatible and cannot be invoked."))
+        arrived = req.transid_start_ms or now_ms()
+        limit_s = action.limits.timeout_ms / 1000
+        deadline = time.monotonic() + limit_s  # the action's time limit holds for every rank's run
+        deadline_ms = now_ms() + action.limits.timeout_ms
+        world = len(ranks)
+        loop = asyncio.get_running_loop()
+        # Each rank's slot is taken in rank order, the next one's once this one has it: two activations of the
+        # gang never each hold a slot the other waits for. A rank that gets none (False) leaves the rest untaken.
+        leased: list[asyncio.Future[bool]] = [loop.create_future() for _ in ranks]
+        over = False
+
+        async def one(k: int, part: str) -> Activation | None:
+            if k and not await leased[k - 1]:
+                return None
+            if over:  # an earlier rank failed before this one's turn: no use running it
+                return None
+
+            def got() -> None:
+                if not leased[k].done():
+                    leased[k].set_result(True)
+                if k == 0 and on_lease is not None:
+                    on_lease()
+
+            run = StageRun(k, world, DEFAULT_MAX_RESULT_BYTES, max(0.001, deadline - time.monotonic()), deadline_ms,
+                           rank=True)
+            try:
+                return await self._run(req, key=self.instance_key(part, action), may_start=False, on_lease=got,
+                                       stage=run)
+            finally:
+                if not leased[k].done():
+                    leased[k].set_result(False)
+
+        tasks = [asyncio.ensure_future(one(k, part)) for k, part in enumerate(ranks)]
+        done: dict[int, Activation] = {}
+        failure: tuple[int, ActivationResponse, bool] | None = None
+        overloaded: InvokerOverloaded | None = None
+        pending = set(tasks)
+        while pending and failure is None and overloaded is None:
+            finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(finished, key=tasks.index):
+                k = tasks.index(task)
+                named = f"rank {k} of {world}"
+                try:
+                    activation = task.result()
+                except NoContainer as exc:
+                    if k == 0:
+                        return None  # (every other rank then takes no slot and ends)
+                    failure = failure or (k, ActivationResponse.whisk_error(f"{named}: {MSG_ABNORMAL_RUN} ({exc})"),
+                                          False)
+                    continue
+                except InvokerOverloaded as exc:
+                    overloaded = overloaded or exc
+                    continue
+                if activation is None:  # an earlier rank got no slot: its failure is the activation's
+                    continue
+                done[k] = activation
+                response = activation.response
+                timed_out = activation.annotation("timeout") is True
+                if timed_out:  # its time was what the gang had left of the action's limit
+                    response = ActivationResponse.developer_error(timed_out_message(limit_s, init=False))
+                if response.status is not ActivationStatus.SUCCESS and failure is None:
+                    failure = (k, _stage_failure(response, named), timed_out)
+        over = True
+        for task in pending:  # ranks still running (a failed rank's peers): their runs end in their slots
+            self._background.add(task)
+            task.add_done_callback(_retrieved)
+            task.add_done_callback(self._background.discard)
+        if overloaded is not None and failure is None:
+            raise overloaded
+        logs = tuple(_stage_line(line, k, "rank") for k in sorted(done) for line in done[k].logs)
+        start = min((a.start for a in done.values()), default=now_ms())
+        if failure is not None:
+            _k, response, timed_out = failure
+        elif 0 in done and len(done) == world:
+            response, timed_out = done[0].response, False
+        else:  # (no rank failed, yet not every rank ran: cannot be; an abnormal run all the same)
+            response, timed_out = ActivationResponse.whisk_error(MSG_ABNORMAL_RUN), False
+        return self._finish(req, runtime, start, now_ms(), response, logs, arrived=arrived, start_ms=start,
                             init_ms=None, timed_out=timed_out)
 
     def stop_instance(self, container: str, reason: str) -> None:
@@ -1085,10 +1294,38 @@ def stage_parent_of(stages: Sequence[str]) -> str:
     return stage_parent(stages[0]) or stages[0] if stages else ""
 
 
-def _stage_line(line: str, index: int) -> str:
-    """A stage's log line with the stage in it, after the time stamp and the stream (``... stdout: [stage 1] x``)."""
+def gang_refusal(action: Action) -> str | None:
+    """Why this invoker's own pool cannot run the action (None: it can): one annotated ``gpu-count`` N > 1 runs
+    only as a gang the balancer placed (N ranks on N GPUs of one invoker, `Invoker.run_on_ranks`), never in one
+    container on one GPU, nor on the CPU."""
+    try:
+        gpus = GpuNeeds.from_annotations(action.annotation_map).gpus
+    except ValidationError:
+        return None  # the GPU path explains invalid annotations (and runs without a GPU), as before
+    if gpus <= 1:
+        return None
+    return (f"The action cannot run: annotation 'gpu-count' of {gpus} makes each instance a gang of {gpus} GPUs, "
+            "which only the balancer places (cluster mode, or standalone with balancer routing); "
+            "this invoker's own containers take one GPU each.")
+
+
+def gang_of(ranks: Sequence[str]) -> str:
+    """The gang instance of its ranks' ids (for the log context)."""
+    of = rank_of(ranks[0]) if ranks else None
+    return of[0] if of is not None else (ranks[0] if ranks else "")
+
+
+def _stage_line(line: str, index: int, part: str = "stage") -> str:
+    """A stage's (a rank's) log line with the stage in it, after the time stamp and the stream
+    (``... stdout: [stage 1] x``, ``... stdout: [rank 1] x``)."""
     head, sep, rest = line.partition(": ")
-    return f"{head}: [stage {index}] {rest}" if sep else f"[stage {index}] {line}"
+    return f"{head}: [{part} {index}] {rest}" if sep else f"[{part} {index}] {line}"
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A background task's outcome is nobody's to await: its exception, if any, is logged here."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a gang rank's run failed after its activation ended", error=repr(task.exception()))
 
 
 def _stage_failure(response: ActivationResponse, named: str) -> ActivationResponse:

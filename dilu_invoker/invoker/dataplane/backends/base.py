@@ -52,6 +52,9 @@ class Container(Protocol):
 
     name: str
     url: str
+    #: the address the backend's other containers reach this one at (a gang's ``MASTER_ADDR`` when it is rank 0:
+    #: docs/invoker.md, "Gangs (gpu-count)"): 127.0.0.1 for processes, the container's IP on its Docker network
+    peer_host: str
     #: sent with every request to the runtime (None: the runtime takes any caller, e.g. an upstream image)
     secret: str | None
     stdout: asyncio.StreamReader

@@ -38,11 +38,15 @@ RUNTIME_PORT = "8080/tcp"
 
 
 class DockerContainer:
-    def __init__(self, backend: DockerBackend, container: Any, name: str, url: str, secret: str | None) -> None:
+    def __init__(self, backend: DockerBackend, container: Any, name: str, url: str, secret: str | None,
+                 peer_host: str = "127.0.0.1") -> None:
         self._backend = backend
         self._container = container
         self.name = name
         self.url = url
+        #: its IP on its Docker network, where the other containers of the network reach it (docs/invoker.md,
+        #: "Gangs (gpu-count)")
+        self.peer_host = peer_host
         self.secret = secret
         #: no direct lane into a docker container: /run goes over the runtime's HTTP
         self.lane: DirectLane | None = None
@@ -159,7 +163,8 @@ class DockerBackend:
         if secret is not None:
             spec = replace(spec, env={**spec.env, "DILU_RUNTIME_SECRET": secret})
         container, port, stream = await asyncio.to_thread(self._start_sync, spec)
-        wrapped = DockerContainer(self, container, spec.name, f"http://127.0.0.1:{port}", secret)
+        wrapped = DockerContainer(self, container, spec.name, f"http://127.0.0.1:{port}", secret,
+                                  peer_host=network_address(container.attrs, self._network))
         threading.Thread(target=wrapped._pump_logs, args=(stream, loop), name=f"logs-{spec.name}",
                          daemon=True).start()
         log.debug("docker container started", container=spec.name, image=spec.image, port=port)
@@ -241,3 +246,16 @@ class DockerBackend:
         if self._client is not None:
             client, self._client = self._client, None
             await asyncio.to_thread(client.close)
+
+
+def network_address(attrs: dict[str, Any], network: str | None) -> str:
+    """A started container's IP on its network (`network`, else the engine's default bridge) from its inspect
+    data; 127.0.0.1 when it has none (host networking)."""
+    settings = attrs.get("NetworkSettings") or {}
+    networks = settings.get("Networks") or {}
+    named = networks.get(network) if network else None
+    for candidate in (named, {"IPAddress": settings.get("IPAddress")}, *networks.values()):
+        address = (candidate or {}).get("IPAddress")
+        if address:
+            return str(address)
+    return "127.0.0.1"

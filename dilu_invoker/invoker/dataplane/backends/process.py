@@ -53,6 +53,8 @@ class ProcessContainer:
         #: /run straight to the initialised worker (docs/runtime.md, "The direct lane")
         self.lane = lane
         self.url = f"http://127.0.0.1:{port}"
+        #: every runtime process shares the host's network namespace (no sandbox makes one of its own)
+        self.peer_host = "127.0.0.1"
         self.port = port
         self.secret: str | None = secret
         self.sandbox = sandbox
