@@ -95,7 +95,6 @@ class ActionFit:
                         "it could never be placed.")
         return None
 
-
     def _gang_refusal(self, action: Action) -> str | None:
         gpus = GpuNeeds.from_annotations(action.annotation_map).gpus
         if gpus <= 1:

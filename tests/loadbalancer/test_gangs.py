@@ -6,21 +6,28 @@ gang releases every rank. Real Redis; the invoker's reports are written as an in
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import replace
+from pathlib import Path
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from bench.stage_move import GUEST_AUTH, inventory_standalone
 from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
 from dilu_invoker.invoker.cluster.registry import FunctionRegistry
 from dilu_invoker.loadbalancer.planner import placement_request, snapshot_ids
 from dilu_invoker.loadbalancer.service import cluster_of
 from dilu_invoker.model import Action, Exec, Parameter, ValidationError
 from dilu_invoker.policy import PlacementRequest
+from dilu_invoker.standalone import run_standalone
 from dilu_invoker.wire import (
     FunctionSpec,
     InstanceRecord,
     InstanceReport,
+    Keys,
     decode,
     rank_id,
     rank_of,
@@ -166,3 +173,82 @@ async def test_a_failed_gang_releases_every_rank_and_is_placed_again(redis: aior
     # The lost gang left the snapshot whole (by its own id): its replacement finds two GPUs again.
     held = {r.instance for r in (await _reservations(redis)).values()}
     assert held == {s.id for s in second.stages}
+
+
+# -- through the product: `standalone`, an action created over the REST API ------------------------------------
+
+
+async def test_standalone_runs_a_gang_over_two_gpus(tmp_path: Path) -> None:
+    """`standalone` with two 16 GB GPUs (an inventory file) and its embedded balancer: an action annotated
+    gpu-count 2 is placed as a gang of two ranks, one on each GPU, each reserved there; its ranks meet at the
+    MASTER_ADDR:MASTER_PORT the invoker gives them (rank 0 listens, rank 1 connects, during /init), and a blocking
+    invocation over the REST API reaches both ranks at once and answers rank 0's result."""
+    cfg = inventory_standalone(tmp_path, ["GPU-g0", "GPU-g1"])
+    async with run_standalone(cfg) as running, aiohttp.ClientSession(headers=GUEST_AUTH) as http:
+        assert running.balancer is not None
+        redis = running.balancer.redis
+        keys = Keys(cfg.redis.prefix)
+        url = f"{running.api_url}/api/v1/namespaces/_/actions/gang"
+        body = {"exec": {"kind": "python:3-gpu", "code": GANG_CODE},
+                "annotations": [{"key": k, "value": v} for k, v in (
+                    ("gpu-count", 2), ("gpu-memory-mb", 6000), ("gpu-sm-request", 0.3), ("gpu-sm-limit", 0.6),
+                    ("min-instances", 1))]}
+        async with http.put(url, json=body) as r:
+            assert r.status == 200, await r.text()
+        async with http.post(url, json={"word": "register"}) as r:  # registers the function
+            assert r.status == 202
+        deadline = time.monotonic() + 30.0
+        while True:
+            got = [r for r in (decode(InstanceRecord, raw) for raw in (await redis.hgetall(keys.instances)).values())
+                   if r is not None and r.function == "guest/gang"]
+            if got and got[0].state == "ready":
+                break
+            assert time.monotonic() < deadline, f"the gang never became ready: {got}"
+            await asyncio.sleep(0.05)
+        [gang] = got
+        assert gang.gang and {s.gpu for s in gang.stages} == {0, 1}
+        budgets = GpuBudgets(redis, cfg.redis.prefix)
+        for s in gang.stages:
+            held = await budgets.get(s.gpu_uuid or "")
+            assert held is not None and held.reservations[s.id].memory_mb == 6000
+        async with http.post(f"{url}?blocking=true&result=true", json={"word": "hello"}) as r:
+            assert r.status == 200, await r.text()
+            result = await r.json()
+        assert result["rank"] == 0
+        seen = result["seen"]
+        assert [seen[k]["rank"] for k in ("0", "1")] == [0, 1] and seen["0"]["pid"] != seen["1"]["pid"]
+        assert {seen[k]["world"] for k in ("0", "1")} == {2} and seen["1"]["word"] == "hello"
+
+
+# Rank 0 listens at MASTER_ADDR:MASTER_PORT from its /init on; rank 1 connects there. A run: rank 1 tells rank 0
+# what it sees, and rank 0 answers with both (so a run that does not reach both ranks hangs).
+GANG_CODE = '''
+import json, os, socket, time
+
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+ADDR, PORT = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+if RANK == 0:
+    server = socket.create_server((ADDR, PORT))
+    server.settimeout(20)
+    conn, _ = server.accept()
+else:
+    deadline = time.time() + 20
+    while True:
+        try:
+            conn = socket.create_connection((ADDR, PORT), timeout=20)
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.05)
+conn.settimeout(20)
+peer = conn.makefile("rwb")
+
+def main(args):
+    me = {"rank": RANK, "world": WORLD, "pid": os.getpid(), "word": args.get("word")}
+    if RANK == 0:
+        return {"rank": 0, "seen": {"0": me, "1": json.loads(peer.readline())}}
+    peer.write((json.dumps(me) + "\\n").encode())
+    peer.flush()
+    return {"rank": RANK}
+'''

@@ -1297,7 +1297,10 @@ def stage_parent_of(stages: Sequence[str]) -> str:
 def gang_refusal(action: Action) -> str | None:
     """Why this invoker's own pool cannot run the action (None: it can): one annotated ``gpu-count`` N > 1 runs
     only as a gang the balancer placed (N ranks on N GPUs of one invoker, `Invoker.run_on_ranks`), never in one
-    container on one GPU, nor on the CPU."""
+    container on one GPU, nor on the CPU. On every run of the pool: an action without the annotation costs one scan
+    of its annotations."""
+    if action.annotation("gpu-count") is None:
+        return None
     try:
         gpus = GpuNeeds.from_annotations(action.annotation_map).gpus
     except ValidationError:
