@@ -33,6 +33,7 @@ from dilu_invoker.wire import (
     rank_of,
     stage_parent,
 )
+from tests.invoker.test_gangs import CODE as GANG_CODE
 from tests.loadbalancer.test_split_instances import (
     KEYS,
     PREFIX,
@@ -189,7 +190,7 @@ async def test_standalone_runs_a_gang_over_two_gpus(tmp_path: Path) -> None:
         redis = running.balancer.redis
         keys = Keys(cfg.redis.prefix)
         url = f"{running.api_url}/api/v1/namespaces/_/actions/gang"
-        body = {"exec": {"kind": "python:3-gpu", "code": GANG_CODE},
+        body = {"exec": {"kind": "python:3-gpu", "code": GANG_CODE},  # the ranks meet over a TCP socket
                 "annotations": [{"key": k, "value": v} for k, v in (
                     ("gpu-count", 2), ("gpu-memory-mb", 6000), ("gpu-sm-request", 0.3), ("gpu-sm-limit", 0.6),
                     ("min-instances", 1))]}
@@ -214,41 +215,9 @@ async def test_standalone_runs_a_gang_over_two_gpus(tmp_path: Path) -> None:
         async with http.post(f"{url}?blocking=true&result=true", json={"word": "hello"}) as r:
             assert r.status == 200, await r.text()
             result = await r.json()
-        assert result["rank"] == 0
+        assert result["rank"] == 0  # rank 0's result, with what each rank saw in the same run
         seen = result["seen"]
-        assert [seen[k]["rank"] for k in ("0", "1")] == [0, 1] and seen["0"]["pid"] != seen["1"]["pid"]
-        assert {seen[k]["world"] for k in ("0", "1")} == {2} and seen["1"]["word"] == "hello"
+        assert [(seen[k]["env"]["RANK"], seen[k]["env"]["WORLD_SIZE"]) for k in ("0", "1")] == [("0", "2"), ("1", "2")]
+        assert seen["0"]["pid"] != seen["1"]["pid"] and seen["1"]["word"] == "hello"
+        assert seen["0"]["aid"] == seen["1"]["aid"]
 
-
-# Rank 0 listens at MASTER_ADDR:MASTER_PORT from its /init on; rank 1 connects there. A run: rank 1 tells rank 0
-# what it sees, and rank 0 answers with both (so a run that does not reach both ranks hangs).
-GANG_CODE = '''
-import json, os, socket, time
-
-RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-ADDR, PORT = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-if RANK == 0:
-    server = socket.create_server((ADDR, PORT))
-    server.settimeout(20)
-    conn, _ = server.accept()
-else:
-    deadline = time.time() + 20
-    while True:
-        try:
-            conn = socket.create_connection((ADDR, PORT), timeout=20)
-            break
-        except OSError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.05)
-conn.settimeout(20)
-peer = conn.makefile("rwb")
-
-def main(args):
-    me = {"rank": RANK, "world": WORLD, "pid": os.getpid(), "word": args.get("word")}
-    if RANK == 0:
-        return {"rank": 0, "seen": {"0": me, "1": json.loads(peer.readline())}}
-    peer.write((json.dumps(me) + "\\n").encode())
-    peer.flush()
-    return {"rank": RANK}
-'''

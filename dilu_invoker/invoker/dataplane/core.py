@@ -212,6 +212,19 @@ PartStart = StageStart | RankStart
 
 
 @dataclass(frozen=True, slots=True)
+class _Whole:
+    """What every part's run of one activation over a split instance's stages or a gang's ranks shares: the runtime,
+    when the activation arrived (epoch ms), and the action's one time limit (`limit_s`; ends at `deadline`, monotonic
+    seconds, and `deadline_ms`, epoch ms)."""
+
+    runtime: RuntimeKind
+    arrived: int
+    limit_s: float
+    deadline: float
+    deadline_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class StageRun:
     """One stage's part of a pipelined activation (or one rank's of a gang's): its place, what its result may
     weigh, the time left (and the whole run's deadline, epoch ms, which every stage's run carries)."""
@@ -967,24 +980,34 @@ class Invoker:
         activation's result; one record for the whole run, its logs each stage's in turn. A failing stage ends
         the activation with its failure, named (``stage k of N: ...``). ``on_lease``: the first stage gave it a
         slot. None when the first stage has no container (any more)."""
+        return await self._over_parts(stages, req, lambda whole: self._pipeline(stages, req, on_lease, whole))
+
+    async def _over_parts(self, parts: Sequence[str], req: ActivationRequest,
+                          run: Callable[[_Whole], Awaitable[Activation | None]]) -> Activation | None:
+        """One activation over an instance's parts (`run_on_stages`, `run_on_ranks`): bound to the instance in the
+        log context, refused when the action's runtime is not known here, else `run` with what every part's run
+        shares (`_Whole`)."""
         tokens = bind_activation(activation_id=req.activation_id, transid=req.transid_id,
-                                 instance=stage_parent_of(stages))
+                                 instance=instance_of_parts(parts))
         try:
-            return await self._pipeline(stages, req, on_lease)
+            action = req.action
+            runtime = self._runtime_of(action)
+            if runtime is None:
+                return self._failed(req, ActivationResponse.whisk_error(
+                    "Action version is not compatible and cannot be invoked."))
+            limit_s = action.limits.timeout_ms / 1000
+            # the action's time limit holds for the whole run, over every part
+            return await run(_Whole(runtime=runtime, arrived=req.transid_start_ms or now_ms(), limit_s=limit_s,
+                                    deadline=time.monotonic() + limit_s,
+                                    deadline_ms=now_ms() + action.limits.timeout_ms))
         finally:
             reset_activation(**tokens)
 
     async def _pipeline(self, stages: Sequence[str], req: ActivationRequest,
-                        on_lease: Callable[[], None] | None) -> Activation | None:
+                        on_lease: Callable[[], None] | None, whole: _Whole) -> Activation | None:
         action = req.action
-        runtime = self._runtime_of(action)
-        if runtime is None:
-            return self._failed(req, ActivationResponse.whisk_error(
-                "Action version is not compatible and cannot be invoked."))
-        arrived = req.transid_start_ms or now_ms()
-        limit_s = action.limits.timeout_ms / 1000
-        deadline = time.monotonic() + limit_s  # the action's time limit holds for the whole pipeline
-        deadline_ms = now_ms() + action.limits.timeout_ms
+        runtime, arrived, limit_s, deadline, deadline_ms = (whole.runtime, whole.arrived, whole.limit_s,
+                                                             whole.deadline, whole.deadline_ms)
         count = len(stages)
         content = req.content
         logs: list[str] = []
@@ -1037,24 +1060,13 @@ class Invoker:
         rank order, each line naming its rank. A failing rank fails the activation, named (``rank k of N: ...``),
         the first to fail, as soon as it does (ranks still running finish in the background, in their slots).
         ``on_lease``: rank 0 gave it a slot. None when rank 0 has no container (any more)."""
-        tokens = bind_activation(activation_id=req.activation_id, transid=req.transid_id,
-                                 instance=gang_of(ranks))
-        try:
-            return await self._gang(ranks, req, on_lease)
-        finally:
-            reset_activation(**tokens)
+        return await self._over_parts(ranks, req, lambda whole: self._gang(ranks, req, on_lease, whole))
 
     async def _gang(self, ranks: Sequence[str], req: ActivationRequest,
-                    on_lease: Callable[[], None] | None) -> Activation | None:
+                    on_lease: Callable[[], None] | None, whole: _Whole) -> Activation | None:
         action = req.action
-        runtime = self._runtime_of(action)
-        if runtime is None:
-            return self._failed(req, ActivationResponse.whisk_error(
-                "Action version is not compatible and cannot be invoked."))
-        arrived = req.transid_start_ms or now_ms()
-        limit_s = action.limits.timeout_ms / 1000
-        deadline = time.monotonic() + limit_s  # the action's time limit holds for every rank's run
-        deadline_ms = now_ms() + action.limits.timeout_ms
+        runtime, arrived, limit_s, deadline, deadline_ms = (whole.runtime, whole.arrived, whole.limit_s,
+                                                             whole.deadline, whole.deadline_ms)
         world = len(ranks)
         loop = asyncio.get_running_loop()
         # Each rank's slot is taken in rank order, the next one's once this one has it: two activations of the
@@ -1289,9 +1301,12 @@ async def open_invoker(
             log.warning("error during invoker shutdown", error=repr(error))
 
 
-def stage_parent_of(stages: Sequence[str]) -> str:
-    """The split instance of its stage ids (for the log context)."""
-    return stage_parent(stages[0]) or stages[0] if stages else ""
+def instance_of_parts(parts: Sequence[str]) -> str:
+    """The instance of its parts' ids, a split instance's stage ids or a gang's rank ids (for the log context)."""
+    if not parts:
+        return ""
+    gang = rank_of(parts[0])
+    return gang[0] if gang is not None else stage_parent(parts[0]) or parts[0]
 
 
 def gang_refusal(action: Action) -> str | None:
@@ -1310,12 +1325,6 @@ def gang_refusal(action: Action) -> str | None:
     return (f"The action cannot run: annotation 'gpu-count' of {gpus} makes each instance a gang of {gpus} GPUs, "
             "which only the balancer places (cluster mode, or standalone with balancer routing); "
             "this invoker's own containers take one GPU each.")
-
-
-def gang_of(ranks: Sequence[str]) -> str:
-    """The gang instance of its ranks' ids (for the log context)."""
-    of = rank_of(ranks[0]) if ranks else None
-    return of[0] if of is not None else (ranks[0] if ranks else "")
 
 
 def _stage_line(line: str, index: int, part: str = "stage") -> str:
