@@ -7,6 +7,7 @@ gang releases every rank. Real Redis; the invoker's reports are written as an in
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -179,18 +180,18 @@ async def test_a_failed_gang_releases_every_rank_and_is_placed_again(redis: aior
 # -- through the product: `standalone`, an action created over the REST API ------------------------------------
 
 
-async def test_standalone_runs_a_gang_over_two_gpus(tmp_path: Path) -> None:
-    """`standalone` with two 16 GB GPUs (an inventory file) and its embedded balancer: an action annotated
-    gpu-count 2 is placed as a gang of two ranks, one on each GPU, each reserved there; its ranks meet at the
-    MASTER_ADDR:MASTER_PORT the invoker gives them (rank 0 listens, rank 1 connects, during /init), and a blocking
-    invocation over the REST API reaches both ranks at once and answers rank 0's result."""
+async def _gang_in_standalone(tmp_path: Path, code: str, params: list[dict[str, object]],
+                              ) -> tuple[InstanceRecord, list[dict[str, object]]]:
+    """`standalone` with two 16 GB GPUs (an inventory file) and its embedded balancer: the action ``gang`` with
+    `code`, annotated gpu-count 2, created over the REST API and registered; once its gang is ready (each rank's
+    reservation checked), one blocking invocation per entry of `params`. Its record and the results."""
     cfg = inventory_standalone(tmp_path, ["GPU-g0", "GPU-g1"])
     async with run_standalone(cfg) as running, aiohttp.ClientSession(headers=GUEST_AUTH) as http:
         assert running.balancer is not None
         redis = running.balancer.redis
         keys = Keys(cfg.redis.prefix)
         url = f"{running.api_url}/api/v1/namespaces/_/actions/gang"
-        body = {"exec": {"kind": "python:3-gpu", "code": GANG_CODE},  # the ranks meet over a TCP socket
+        body = {"exec": {"kind": "python:3-gpu", "code": code},
                 "annotations": [{"key": k, "value": v} for k, v in (
                     ("gpu-count", 2), ("gpu-memory-mb", 6000), ("gpu-sm-request", 0.3), ("gpu-sm-limit", 0.6),
                     ("min-instances", 1))]}
@@ -198,7 +199,7 @@ async def test_standalone_runs_a_gang_over_two_gpus(tmp_path: Path) -> None:
             assert r.status == 200, await r.text()
         async with http.post(url, json={"word": "register"}) as r:  # registers the function
             assert r.status == 202
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + 60.0
         while True:
             got = [r for r in (decode(InstanceRecord, raw) for raw in (await redis.hgetall(keys.instances)).values())
                    if r is not None and r.function == "guest/gang"]
@@ -207,17 +208,53 @@ async def test_standalone_runs_a_gang_over_two_gpus(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, f"the gang never became ready: {got}"
             await asyncio.sleep(0.05)
         [gang] = got
-        assert gang.gang and {s.gpu for s in gang.stages} == {0, 1}
         budgets = GpuBudgets(redis, cfg.redis.prefix)
         for s in gang.stages:
             held = await budgets.get(s.gpu_uuid or "")
             assert held is not None and held.reservations[s.id].memory_mb == 6000
-        async with http.post(f"{url}?blocking=true&result=true", json={"word": "hello"}) as r:
-            assert r.status == 200, await r.text()
-            result = await r.json()
-        assert result["rank"] == 0  # rank 0's result, with what each rank saw in the same run
-        seen = result["seen"]
-        assert [(seen[k]["env"]["RANK"], seen[k]["env"]["WORLD_SIZE"]) for k in ("0", "1")] == [("0", "2"), ("1", "2")]
-        assert seen["0"]["pid"] != seen["1"]["pid"] and seen["1"]["word"] == "hello"
-        assert seen["0"]["aid"] == seen["1"]["aid"]
+        results = []
+        for p in params:
+            async with http.post(f"{url}?blocking=true&result=true", json=p) as r:
+                assert r.status == 200, await r.text()
+                results.append(await r.json())
+        return gang, results
 
+
+async def test_standalone_runs_a_gang_over_two_gpus(tmp_path: Path) -> None:
+    """An action annotated gpu-count 2 in standalone is placed as a gang of two ranks, one on each GPU, each
+    reserved there; its ranks meet at the MASTER_ADDR:MASTER_PORT the invoker gives them (rank 0 listens, rank 1
+    connects, during /init, over a TCP socket), and a blocking invocation over the REST API reaches both ranks at
+    once and answers rank 0's result."""
+    gang, [result] = await _gang_in_standalone(tmp_path, GANG_CODE, [{"word": "hello"}])
+    assert gang.gang and {s.gpu for s in gang.stages} == {0, 1}
+    assert result["rank"] == 0  # rank 0's result, with what each rank saw in the same run
+    seen = result["seen"]
+    assert isinstance(seen, dict)
+    assert [(seen[k]["env"]["RANK"], seen[k]["env"]["WORLD_SIZE"]) for k in ("0", "1")] == [("0", "2"), ("1", "2")]
+    assert seen["0"]["pid"] != seen["1"]["pid"] and seen["1"]["word"] == "hello"
+    assert seen["0"]["aid"] == seen["1"]["aid"]
+
+
+# torch.distributed's own env:// rendezvous at import (rank 0 hosts the store at MASTER_ADDR:MASTER_PORT) and a
+# collective in every run: docs/runtime.md's example with the gloo backend, on the CPU.
+TORCH_CODE = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group(backend="gloo")
+RANK, WORLD = dist.get_rank(), dist.get_world_size()
+
+def main(args):
+    x = torch.tensor([float(RANK + 1) * args.get("scale", 1)])
+    dist.all_reduce(x)
+    return {"rank": RANK, "world": WORLD, "sum": x.item(), "torch": torch.__version__}
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed here")
+async def test_a_gang_rendezvous_with_torch_distributed(tmp_path: Path) -> None:
+    """Real torch.distributed in a gang's ranks: `init_process_group` at import finds its peers through the
+    invoker's env:// variables, and each invocation's all_reduce sums both ranks' tensors (1 + 2, then twice that),
+    answered by rank 0."""
+    _, results = await _gang_in_standalone(tmp_path, TORCH_CODE, [{"scale": 1}, {"scale": 2}])
+    assert [(r["rank"], r["world"], r["sum"]) for r in results] == [(0, 2, 3.0), (0, 2, 6.0)]
