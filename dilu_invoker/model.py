@@ -324,6 +324,17 @@ class GpuNeeds:
     )
 
     @classmethod
+    def gpus_of(cls, annotations: Mapping[str, JsonValue]) -> int:
+        """GPUs each instance of an action with these annotations takes (``gpu-count``): 1 without the annotation,
+        and 1 when the annotations are invalid (whoever reads them whole explains why)."""
+        if "gpu-count" not in annotations:
+            return 1
+        try:
+            return cls.from_annotations(annotations).gpus
+        except ValidationError:
+            return 1
+
+    @classmethod
     def from_annotations(cls, annotations: Mapping[str, JsonValue], *, base: GpuNeeds | None = None) -> GpuNeeds:
         base = base or cls()
 

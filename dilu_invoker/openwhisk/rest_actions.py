@@ -96,7 +96,7 @@ class ActionFit:
         return None
 
     def _gang_refusal(self, action: Action) -> str | None:
-        gpus = GpuNeeds.from_annotations(action.annotation_map).gpus
+        gpus = GpuNeeds.gpus_of(action.annotation_map)
         if gpus <= 1:
             return None
         if not self.gangs:

@@ -18,10 +18,9 @@ import redis.asyncio as aioredis
 
 from bench.stage_move import GUEST_AUTH, inventory_standalone
 from dilu_invoker.gpu.budgets import GpuBudgets, Reservation
-from dilu_invoker.invoker.cluster.registry import FunctionRegistry
 from dilu_invoker.loadbalancer.planner import placement_request, snapshot_ids
 from dilu_invoker.loadbalancer.service import cluster_of
-from dilu_invoker.model import Action, Exec, Parameter, ValidationError
+from dilu_invoker.model import Action, Exec, GpuNeeds, Parameter, ValidationError
 from dilu_invoker.policy import PlacementRequest
 from dilu_invoker.standalone import run_standalone
 from dilu_invoker.wire import (
@@ -42,6 +41,7 @@ from tests.loadbalancer.test_split_instances import (
     TTL,
     _invoker,
     _leader,
+    _register,
     _reservations,
     _starts,
     _uuid,
@@ -51,11 +51,8 @@ FN = "guest/train"
 
 
 async def _gang(redis: aioredis.Redis, **annotations: object) -> None:
-    ann = {"gpu-class": "training", "gpu-memory-mb": 9000, "gpu-sm-request": 0.5, "gpu-sm-limit": 0.8,
-           "gpu-count": 2, "min-instances": 1, **annotations}
-    action = Action(namespace="guest", name="train", exec=Exec(kind="python:3-gpu", code="def main(a): return a"),
-                    revision=REV, annotations=tuple(Parameter(k, v) for k, v in ann.items()))
-    await FunctionRegistry(redis, KEYS).ensure(action)
+    await _register(redis, "train", {"gpu-class": "training", "gpu-memory-mb": 9000, "gpu-sm-request": 0.5,
+                                     "gpu-sm-limit": 0.8, "gpu-count": 2, "min-instances": 1, **annotations})
 
 
 def _spec(**ann: object) -> FunctionSpec:
@@ -70,6 +67,9 @@ def test_the_annotation_is_checked_when_the_action_is_stored() -> None:
                 {"gpu-count": 2, "gpu-class": "llm", "gpu-stages": 2}, {"gpu-count": 2, "gpu-weights-mb": 100}):
         with pytest.raises(ValidationError, match="gpu-count"):
             _spec(**bad)
+    # What the invoker and the REST API read: 1 without the annotation or with invalid ones.
+    assert [GpuNeeds.gpus_of(a) for a in ({"gpu-count": 3}, {}, {"gpu-count": 0}, {"gpu-count": 2, "gpu-weights-mb": 9})
+            ] == [3, 1, 1, 1]
     request = placement_request(_spec(**{"gpu-count": 3, "gpu-class": "llm"}), "x-1-1", max_stages=4)
     assert isinstance(request, PlacementRequest) and (request.gpus, request.max_parts) == (3, 1)
 

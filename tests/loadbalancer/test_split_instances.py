@@ -68,12 +68,16 @@ async def _invoker(redis: aioredis.Redis, name: str, *, gpus: int = 3,
     await redis.sadd(KEYS.invokers, name)
 
 
-async def _function(redis: aioredis.Redis, **annotations: object) -> None:
-    ann = {"gpu-class": "llm", "gpu-memory-mb": 12000, "gpu-sm-request": 0.4, "gpu-sm-limit": 0.6,
-           "gpu-stages": 2, "min-instances": 1, **annotations}
-    action = Action(namespace="guest", name="llm", exec=Exec(kind="python:3-gpu", code="def main(a): return a"),
+async def _register(redis: aioredis.Redis, name: str, ann: dict[str, object]) -> None:
+    """The action ``guest/<name>`` with these annotations, in the balancer's function registry."""
+    action = Action(namespace="guest", name=name, exec=Exec(kind="python:3-gpu", code="def main(a): return a"),
                     revision=REV, annotations=tuple(Parameter(k, v) for k, v in ann.items()))
     await FunctionRegistry(redis, KEYS).ensure(action)
+
+
+async def _function(redis: aioredis.Redis, **annotations: object) -> None:
+    await _register(redis, "llm", {"gpu-class": "llm", "gpu-memory-mb": 12000, "gpu-sm-request": 0.4,
+                                   "gpu-sm-limit": 0.6, "gpu-stages": 2, "min-instances": 1, **annotations})
 
 
 async def _starts(redis: aioredis.Redis, invoker: str = "invoker0", op: str = "start") -> list[InstanceCommand]:

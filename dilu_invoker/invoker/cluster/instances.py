@@ -58,7 +58,7 @@ from dilu_invoker.invoker.cluster.agent import Agent
 from dilu_invoker.invoker.cluster.streams import read_group
 from dilu_invoker.invoker.dataplane.container import ContainerProxy, State, Transition
 from dilu_invoker.invoker.dataplane.core import RankStart, Rendezvous, StageStart
-from dilu_invoker.model import Action, Activation, ActivationRequest, ActivationResponse, GpuNeeds, ValidationError
+from dilu_invoker.model import Action, Activation, ActivationRequest, ActivationResponse, GpuNeeds
 from dilu_invoker.wire import (
     COMMAND_GROUP,
     CommandOp,
@@ -789,10 +789,7 @@ def _parts(cmd: InstanceCommand) -> str:
 def _gang_problem(cmd: InstanceCommand, action: Action) -> str | None:
     """Why the start cannot make the action's instance (None: it can): an action annotated ``gpu-count`` N > 1
     runs as a gang of N ranks or not at all, never on one GPU."""
-    try:
-        gpus = GpuNeeds.from_annotations(action.annotation_map).gpus
-    except ValidationError:
-        return None  # the start explains it (or runs without a GPU), as for any instance
+    gpus = GpuNeeds.gpus_of(action.annotation_map)  # (invalid annotations: the start explains them, as before)
     if gpus > 1 and not cmd.gang:
         got = f"{len(cmd.stages)} pipeline stages" if cmd.stages else "one GPU"
         return f"invalid start: annotation 'gpu-count' {gpus} makes each instance a gang of {gpus} ranks, got {got}"

@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -211,8 +211,7 @@ class RankStart:
 PartStart = StageStart | RankStart
 
 
-@dataclass(frozen=True, slots=True)
-class _Whole:
+class _Whole(NamedTuple):
     """What every part's run of one activation over a split instance's stages or a gang's ranks shares: the runtime,
     when the activation arrived (epoch ms), and the action's one time limit (`limit_s`; ends at `deadline`, monotonic
     seconds, and `deadline_ms`, epoch ms)."""
@@ -1006,8 +1005,7 @@ class Invoker:
     async def _pipeline(self, stages: Sequence[str], req: ActivationRequest,
                         on_lease: Callable[[], None] | None, whole: _Whole) -> Activation | None:
         action = req.action
-        runtime, arrived, limit_s, deadline, deadline_ms = (whole.runtime, whole.arrived, whole.limit_s,
-                                                             whole.deadline, whole.deadline_ms)
+        runtime, arrived, limit_s, deadline, deadline_ms = whole
         count = len(stages)
         content = req.content
         logs: list[str] = []
@@ -1065,8 +1063,7 @@ class Invoker:
     async def _gang(self, ranks: Sequence[str], req: ActivationRequest,
                     on_lease: Callable[[], None] | None, whole: _Whole) -> Activation | None:
         action = req.action
-        runtime, arrived, limit_s, deadline, deadline_ms = (whole.runtime, whole.arrived, whole.limit_s,
-                                                             whole.deadline, whole.deadline_ms)
+        runtime, arrived, limit_s, deadline, deadline_ms = whole
         world = len(ranks)
         loop = asyncio.get_running_loop()
         # Each rank's slot is taken in rank order, the next one's once this one has it: two activations of the
@@ -1316,10 +1313,7 @@ def gang_refusal(action: Action) -> str | None:
     of its annotations."""
     if action.annotation("gpu-count") is None:
         return None
-    try:
-        gpus = GpuNeeds.from_annotations(action.annotation_map).gpus
-    except ValidationError:
-        return None  # the GPU path explains invalid annotations (and runs without a GPU), as before
+    gpus = GpuNeeds.gpus_of(action.annotation_map)  # (invalid annotations: the GPU path explains them, as before)
     if gpus <= 1:
         return None
     return (f"The action cannot run: annotation 'gpu-count' of {gpus} makes each instance a gang of {gpus} GPUs, "
