@@ -5,8 +5,10 @@ balancer (it hands the manager its commands)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from dilu_invoker.invoker.dataplane.core import GANG_PEER_GRACE_S
 from dilu_invoker.model import Action, ActionLimits, ActivationStatus, Exec, Parameter
 from dilu_invoker.wire import CommandOp, InstanceCommand, InstanceState, StageRecord, rank_id, stage_id
 from tests.invoker.test_split_instances import Node, _req, running_node, until
@@ -23,7 +26,8 @@ UUIDS = ("GPU-gang-0", "GPU-gang-1", "GPU-gang-2")
 # and says which rank it is (as torch.distributed's env:// store does): a gang whose ranks do not start together,
 # or whose address is wrong, never gets past /init. A run meets again over those connections: each rank k > 0 sends
 # rank 0 what it sees, rank 0 waits for all of them, so a run that does not reach every rank at once hangs.
-# ``fail_rank`` makes that rank raise after it spoke.
+# ``fail_rank`` makes that rank raise after it spoke, ``fail_early`` before (rank 0 then waits for its word, as in a
+# collective the failed rank never joins); ``linger`` (rank → s) makes a rank wait that long before it returns.
 CODE = '''
 import json, os, socket, time
 
@@ -56,6 +60,8 @@ else:
 
 def main(args):
     print(f"rank {RANK} says {args.get('word')}", flush=True)
+    if args.get("fail_early") == RANK:
+        raise RuntimeError(f"no luck at {RANK}")
     me = {"env": {n: os.environ.get(n) for n in NAMES}, "pid": os.getpid(), "word": args.get("word"),
           "aid": os.environ["__OW_ACTIVATION_ID"]}
     if RANK == 0:
@@ -66,6 +72,7 @@ def main(args):
         seen = {}
     if args.get("fail_rank") == RANK:
         raise RuntimeError(f"no luck at {RANK}")
+    time.sleep(args.get("linger", {}).get(str(RANK), 0))
     return {"rank": RANK, "seen": seen}
 '''
 
@@ -172,6 +179,59 @@ async def test_a_failing_rank_fails_the_activation_named(node: GangNode) -> None
     assert node.state("gang-2") is InstanceState.READY
 
 
+async def test_a_rank_that_fails_while_its_peer_waits_for_it_stops_the_gang(node: GangNode) -> None:
+    ranks = _ranks("gang-6")
+    assert await node.start_gang("gang-6", ranks) == "start"
+    inst = node.inst("gang-6")
+    pids = [node.pid(r.id) for r in ranks]
+    containers = [p.name for p in inst.proxies.values()]
+    began = time.monotonic()
+    # rank 1 fails before it speaks: rank 0 waits for its word (20 s, the action's limit is 60 s)
+    failed = await node.manager.run("gang-6", _req(node.action, word="x", fail_early=1))
+    assert time.monotonic() - began < 10  # at once: the grace and the teardown are no part of the activation
+    assert failed is not None and failed.response.status is ActivationStatus.APPLICATION_ERROR
+    assert failed.response.result == {"error": "rank 1 of 2: no luck at 1"}
+    behind = asyncio.ensure_future(node.manager.run("gang-6", _req(node.action, word="y")))  # waits for rank 0
+    # rank 0 is still running after the grace: the gang is broken and stopped whole, as when a rank dies
+    await until(lambda: node.state("gang-6") is InstanceState.FAILED, "gang-6 failed", timeout_s=15)
+    assert inst.failure is not None and inst.failure.reason == (
+        "rank 0 of 2: container removed: rank 1 of 2 failed and rank 0 did not finish within "
+        f"{GANG_PEER_GRACE_S:g} s: gang stopped"), inst.failure
+    await until(lambda: not any(c in node.invoker.pool.containers for c in containers), "ranks stopped", 15)
+    await until(lambda: not any(_alive(pid) for pid in pids), "ranks' processes gone", 15)
+
+    async def released() -> bool:
+        return all([await node.reservations(r.gpu_uuid or "") == {} for r in ranks])
+
+    await until(released, "both ranks' reservations released", 15)
+    # the activation behind it is not kept waiting until rank 0's wait ends: the failed gang takes no work
+    assert await asyncio.wait_for(behind, 10) is None
+    assert time.monotonic() - began < 19  # all of it before rank 0 would have given up waiting (20 s)
+    [report] = node.manager.reports()
+    assert report.state == "failed" and "gang stopped" in report.error
+    # the balancer's next gang on those GPUs serves
+    assert await node.start_gang("gang-7", _ranks("gang-7")) == "start"
+    ok = await node.manager.run("gang-7", _req(node.action, word="anew"))
+    assert ok is not None and ok.response.status is ActivationStatus.SUCCESS, ok
+
+
+async def test_a_rank_that_fails_while_its_peer_finishes_in_the_grace_keeps_the_gang(node: GangNode) -> None:
+    ranks = _ranks("gang-8")
+    assert await node.start_gang("gang-8", ranks) == "start"
+    inst = node.inst("gang-8")
+    containers = {part: p.name for part, p in inst.proxies.items()}
+    # rank 1 fails after it spoke; rank 0 returns a little later, well within the grace
+    failed = await node.manager.run("gang-8", _req(node.action, word="x", fail_rank=1, linger={"0": 0.5}))
+    assert failed is not None and failed.response.result == {"error": "rank 1 of 2: no luck at 1"}
+    await asyncio.sleep(GANG_PEER_GRACE_S + 1.0)  # the grace is over
+    assert node.state("gang-8") is InstanceState.READY, inst.failure
+    assert {part: p.name for part, p in inst.proxies.items()} == containers
+    assert all(name in node.invoker.pool.containers for name in containers.values())
+    ok = await node.manager.run("gang-8", _req(node.action, word="z"))
+    assert ok is not None and ok.response.status is ActivationStatus.SUCCESS, ok
+    assert [ok.response.result["seen"][k]["word"] for k in ("0", "1")] == ["z", "z"]
+
+
 async def test_a_dead_rank_fails_the_gang_and_releases_every_rank(node: GangNode) -> None:
     ranks = _ranks("gang-3")
     assert await node.start_gang("gang-3", ranks) == "start"
@@ -246,3 +306,10 @@ async def test_a_bad_gang_start_fails_clearly(node: GangNode, ranks: tuple[Stage
     assert not node.invoker.pool.containers  # nothing was started for it
     assert await node.manager.run("bad", _req(node.action)) is None
 
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

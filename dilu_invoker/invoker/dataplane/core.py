@@ -89,6 +89,9 @@ RANK_ENV, WORLD_SIZE_ENV = "DILU_RANK", "DILU_WORLD_SIZE"
 TORCH_RANK_ENV, TORCH_WORLD_SIZE_ENV = "RANK", "WORLD_SIZE"
 LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV = "LOCAL_RANK", "LOCAL_WORLD_SIZE"
 MASTER_ADDR_ENV, MASTER_PORT_ENV = "MASTER_ADDR", "MASTER_PORT"
+#: how long a gang's ranks still running when one rank's run failed are given to finish before the gang is held
+#: broken (waiting in a collective the failed rank never joins) and stopped whole; docs/invoker.md, "Gangs"
+GANG_PEER_GRACE_S = 2.0
 #: code larger than this is encoded into the /init body on a thread while the container starts
 _PARALLEL_ENCODE_BYTES = 1024 * 1024
 
@@ -739,6 +742,7 @@ class Invoker:
     def _in_background(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
+        task.add_done_callback(_retrieved)
         task.add_done_callback(self._background.discard)
 
     @staticmethod
@@ -1056,7 +1060,8 @@ class Invoker:
         """Run on every rank of a gang at once (their ids, in rank order), each with the activation's params, under
         the action's one time limit: the result is rank 0's; one record for the whole run, its logs every rank's in
         rank order, each line naming its rank. A failing rank fails the activation, named (``rank k of N: ...``),
-        the first to fail, as soon as it does (ranks still running finish in the background, in their slots).
+        the first to fail, as soon as it does; ranks still running get GANG_PEER_GRACE_S to finish in the
+        background, in their slots, else the gang is stopped whole (`_stop_if_stuck`).
         ``on_lease``: rank 0 gave it a slot. None when rank 0 has no container (any more)."""
         return await self._over_parts(ranks, req, lambda whole: self._gang(ranks, req, on_lease, whole))
 
@@ -1127,6 +1132,9 @@ class Invoker:
             self._background.add(task)
             task.add_done_callback(_retrieved)
             task.add_done_callback(self._background.discard)
+        if pending and failure is not None and not failure[2]:  # (a rank out of time: so are its peers)
+            peers = {tasks.index(task): task for task in pending}
+            self._in_background(self._stop_if_stuck(ranks, action, failure[0], peers, deadline))
         if overloaded is not None and failure is None:
             raise overloaded
         logs = tuple(_stage_line(line, k, "rank") for k in sorted(done) for line in done[k].logs)
@@ -1139,6 +1147,27 @@ class Invoker:
             response, timed_out = ActivationResponse.whisk_error(MSG_ABNORMAL_RUN), False
         return self._finish(req, runtime, start, now_ms(), response, logs, arrived=arrived, start_ms=start,
                             init_ms=None, timed_out=timed_out)
+
+    async def _stop_if_stuck(self, ranks: Sequence[str], action: Action, failed: int,
+                             peers: Mapping[int, asyncio.Future[Activation | None]], deadline: float) -> None:
+        """Rank `failed` of the gang failed while its `peers` (rank → run) ran on: they get GANG_PEER_GRACE_S (at
+        most what is left of the time limit) to finish. A peer still running then likely waits in a collective
+        the failed rank never joins, and would hold its slot until the time limit: the gang is broken, and every
+        rank's container goes, which fails the instance whole as a dead rank does (`InstanceManager`)."""
+        grace_s = max(0.0, min(GANG_PEER_GRACE_S, deadline - time.monotonic()))
+        _, running = await asyncio.wait(peers.values(), timeout=grace_s)
+        if not running:
+            return
+        world = len(ranks)
+        stuck = sorted(k for k, task in peers.items() if task in running)
+        named = f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))}"
+        reason = (f"rank {failed} of {world} failed and {named} did not finish within {grace_s:.3g} s: "
+                  "gang stopped")
+        log.warning("gang stopped", reason=reason)  # (the activation and the instance are in the log context)
+        for part in ranks:
+            for proxy in list(self.pool.containers.values()):
+                if proxy.key == self.instance_key(part, action):
+                    self.pool.remove(proxy, reason)
 
     def stop_instance(self, container: str, reason: str) -> None:
         proxy = self.pool.containers.get(container)
@@ -1329,9 +1358,10 @@ def _stage_line(line: str, index: int, part: str = "stage") -> str:
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:
-    """A background task's outcome is nobody's to await: its exception, if any, is logged here."""
+    """A background task's outcome (a gang rank's run after its activation ended, ...) is nobody's to await: its
+    exception, if any, is logged here."""
     if not task.cancelled() and task.exception() is not None:
-        log.warning("a gang rank's run failed after its activation ended", error=repr(task.exception()))
+        log.warning("a background task failed", error=repr(task.exception()))
 
 
 def _stage_failure(response: ActivationResponse, named: str) -> ActivationResponse:
