@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, compress
 from operator import attrgetter, is_not
 from types import MappingProxyType
@@ -126,6 +126,11 @@ class GpuVector(Sequence[GpuState]):
         new._len = self._len
         return new
 
+    @property
+    def chunks(self) -> tuple[tuple[GpuState, ...], ...]:
+        """The states in chunks of 64 (ordinal o in chunk o >> 6), shared with the vectors derived from this one."""
+        return self._chunks
+
     def changed_since(self, old: GpuVector) -> list[int]:
         """Ordinals whose state is another object than in `old` (of the same length)."""
         out: list[int] = []
@@ -155,6 +160,8 @@ _EMPTY_MAP: Map[str, int] = Map()
 
 #: An entry of `ClusterSnapshot.lit_room`: (free MiB, ordinal), so a bucket sorts tightest first.
 RoomEntry = tuple[float, int]
+#: (Σ request, Σ memory MiB, Σ memory fraction of the lit GPUs) of some GPUs (`ClusterSnapshot.chunk_sums`)
+ChunkSums = tuple[float, float, float]
 #: What split placement reads of one lit GPU: (memory × (1 + EPS) − used MiB, free MiB, Σ request,
 #: Σ limit, ordinal, used MiB, memory × (1 + EPS) MiB, schedulable): the last three for its memory
 #: and schedulable filters, computed as the filters compute them.
@@ -317,6 +324,14 @@ class ClusterSnapshot:
     such slots share a GPU, and a training slot is never split (`integral_bound`)."""
     large_request_slots: int = 0
     """Σ gpus over live training instances asking SM request above 0.5 per GPU (`integral_bound`)."""
+    chunk_sums: tuple[ChunkSums, ...] = field(default=(), compare=False, repr=False)
+    """(Σ request, Σ memory, Σ memory fraction of the lit GPUs) of each chunk of `gpus` (`GpuVector.chunks`), each
+    added in ordinal order; `sum_request`, `sum_memory` and `sum_memory_fraction` are theirs added in chunk order
+    (`build`, `with_states`), except after `with_instance` / `without_instance`, which move the totals by the
+    change and mark its chunks `dirty_chunks`. So `with_states` adds up the chunks instead of every GPU, walking
+    only the chunks that changed."""
+    dirty_chunks: frozenset[int] = field(default=frozenset(), compare=False, repr=False)
+    """Chunks whose `chunk_sums` entry is stale (changed by `with_instance` / `without_instance` since)."""
 
     # -- construction -------------------------------------------------------------------------
 
@@ -352,7 +367,6 @@ class ClusterSnapshot:
         requests: dict[float, int] = {}
         memories: dict[float, int] = {}
         lit = 0
-        sum_req = sum_mem = sum_frac = 0.0
         large_memory = large_request = 0
         half = max(g.memory_mib for g in ordered) / 2
         for i, g in enumerate(ordered):
@@ -361,11 +375,8 @@ class ClusterSnapshot:
                 buckets[request_bucket(g.used_request)].append(i)
                 rooms[request_bucket(g.used_request)].append((_free(g), i))
                 limits[request_bucket(g.used_request)].append((g.used_limit, i))
-                sum_frac += g.used_memory / g.memory_mib
             else:
                 unlit[g.ref.invoker] += (i,)
-            sum_req += g.used_request
-            sum_mem += g.used_memory
             for inst in g.instances:
                 prev = seen.get(inst.id)
                 if prev is None:
@@ -392,11 +403,14 @@ class ClusterSnapshot:
             tuple(ords[0] for inv, ords in invoker_ordinals.items() if len(unlit[inv]) > n)
             for n in range(widest_node)
         )
+        vector = GpuVector(ordered)
+        chunk_sums = tuple(map(_chunk_sums, vector.chunks))
+        sum_req, sum_mem, sum_frac = _totals(chunk_sums)
         return cls(
             now=now,
             invokers=tuple(order),
             refs=refs,
-            gpus=GpuVector(ordered),
+            gpus=vector,
             ordinals=MappingProxyType(ordinals),
             invoker_ordinals=MappingProxyType(invoker_ordinals),
             lit_buckets=tuple(tuple(b) for b in buckets),
@@ -418,6 +432,7 @@ class ClusterSnapshot:
             min_memory_mib=min(g.memory_mib for g in ordered),
             large_memory_slots=large_memory,
             large_request_slots=large_request,
+            chunk_sums=chunk_sums,
         )
 
     @classmethod
@@ -651,22 +666,27 @@ class ClusterSnapshot:
             widths[first.gpus] = widths.get(first.gpus, 0) + 1
             requests, memories, large_memory, large_request = _tally(
                 first, +1, half, requests, memories, large_memory, large_request)
-        # The float sums as `build` adds them: every GPU in ordinal order (the lit ones for the fraction).
-        sum_req = sum_mem = sum_frac = 0.0
-        for g in gpus:
-            if g.instances:
-                sum_frac += g.used_memory / g.memory_mib
-            sum_req += g.used_request
-            sum_mem += g.used_memory
+        # The float sums as `build` adds them: each chunk's in ordinal order, those that changed (here or by
+        # `with_instance` / `without_instance` since the last exact sums) added up again, then the chunks'.
+        chunk_sums = list(self.chunk_sums)
+        vector_chunks = gpus.chunks
+        if len(chunk_sums) != len(vector_chunks):
+            chunk_sums = list(map(_chunk_sums, vector_chunks))
+        else:
+            for c in self.dirty_chunks.union({o >> _CHUNK_BITS for o in changes}):
+                chunk_sums[c] = _chunk_sums(vector_chunks[c])
+        sums = tuple(chunk_sums)
         return self._derived(gpus, buckets, rooms, limits, tuple(node_room), unlit, unlit_nodes, locations, fn_counts,
-                             widths, requests, memories, lit, (sum_req, sum_mem, sum_frac), (large_memory, large_request))
+                             widths, requests, memories, lit, _totals(sums), (large_memory, large_request),
+                             (sums, frozenset()))
 
     def _derived(
         self, gpus: GpuVector, buckets: list[tuple[int, ...]], rooms: list[tuple[RoomEntry, ...]],
         limits: list[tuple[RoomEntry, ...]], node_room: tuple[NodeRoom, ...], unlit: Map[str, tuple[int, ...]],
         unlit_nodes: list[tuple[int, ...]] | None, locations: Map[str, tuple[int, ...]],
         fn_counts: Map[str, Map[str, int]], widths: dict[int, int], requests: Map[float, int],
-        memories: Map[float, int], lit: int, sums: tuple[float, float, float], large: tuple[int, int],
+        memories: Map[float, int], lit: int, sums: ChunkSums, large: tuple[int, int],
+        chunks: tuple[tuple[ChunkSums, ...], frozenset[int]],
     ) -> ClusterSnapshot:
         """This snapshot with the indexes a derivation (`with_states`, `with_instance`) rebuilt."""
         return _copy(
@@ -689,6 +709,8 @@ class ClusterSnapshot:
             sum_memory_fraction=sums[2],
             large_memory_slots=large[0],
             large_request_slots=large[1],
+            chunk_sums=chunks[0],
+            dirty_chunks=chunks[1],
         )
 
     def _reindex(
@@ -734,7 +756,10 @@ class ClusterSnapshot:
             self.sum_memory,
             self.sum_memory_fraction,
         )
+        dirty = self.dirty_chunks
         for o, new in changed.items():
+            if o >> _CHUNK_BITS not in dirty:
+                dirty = dirty.union((o >> _CHUNK_BITS,))
             old = old_gpus[o]
             unlit, unlit_nodes = self._reindex(o, old, new, buckets, rooms, limits, unlit, unlit_nodes)
             if old.lit:
@@ -765,7 +790,29 @@ class ClusterSnapshot:
             instance, sign, self.max_memory_mib / 2, self.request_counts, self.memory_counts,
             self.large_memory_slots, self.large_request_slots)
         return self._derived(gpus, buckets, rooms, limits, node_room, unlit, unlit_nodes, locations, fn_counts,
-                             widths, requests, memories, lit, (sum_req, sum_mem, sum_frac), (large_memory, large_request))
+                             widths, requests, memories, lit, (sum_req, sum_mem, sum_frac), (large_memory, large_request),
+                             (self.chunk_sums, dirty))
+
+
+def _chunk_sums(states: Iterable[GpuState]) -> ChunkSums:
+    """Σ request, Σ memory and Σ memory fraction of the lit GPUs among `states` (one chunk), in their order."""
+    req = mem = frac = 0.0
+    for g in states:
+        if g.instances:
+            frac += g.used_memory / g.memory_mib
+        req += g.used_request
+        mem += g.used_memory
+    return req, mem, frac
+
+
+def _totals(chunk_sums: Iterable[ChunkSums]) -> ChunkSums:
+    """The chunks' sums added up in chunk order (`ClusterSnapshot.chunk_sums`)."""
+    req = mem = frac = 0.0
+    for r, m, f in chunk_sums:
+        req += r
+        mem += m
+        frac += f
+    return req, mem, frac
 
 
 def _count(fn_counts: Map[str, Map[str, int]], function: str, invoker: str, sign: int) -> Map[str, Map[str, int]]:

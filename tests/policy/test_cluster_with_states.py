@@ -149,3 +149,40 @@ def test_unchanged_gpus_are_shared_and_a_wrong_ordinal_is_refused() -> None:
         c.with_states(1.0, {2: c.gpus[1]})
     with pytest.raises(ValueError, match="ordinal 9"):
         c.with_states(1.0, {9: c.gpus[1]})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_with_states_after_placements_equals_build_over_many_chunks(seed: int) -> None:
+    """Over a cluster of several 64-GPU chunks, `with_states` of a snapshot that `with_instance` and
+    `without_instance` derived (which move the totals by each change and mark its chunk stale) still equals
+    `build` to the last bit: the stale chunks and the changed ones are summed again, the others reused."""
+    rng = random.Random(seed)
+    snap = ClusterSnapshot.uniform(invokers=40, gpus_per_invoker=8, memory_mib=40 * GIB)
+    assert len(snap.gpus.chunks) == 5
+    n = 0
+    for k in range(1, 60):
+        for _ in range(rng.randint(1, 8)):  # placements and removals, as a compaction plan makes them
+            placed = list(snap.locations)
+            if placed and rng.random() < 0.4:
+                snap = snap.without_instance(rng.choice(placed))
+            else:
+                n += 1
+                ref = snap.refs[rng.randrange(len(snap.refs))]
+                inst = PlacedInstance(id=f"p{n}", function=f"f{n % 7}", cls=InstanceClass.INFERENCE,
+                                      request=rng.choice([0.1, 0.15, 0.3]), limit=1.0,
+                                      memory_mib=rng.choice([1.5 * GIB, 3.3 * GIB, 7 * GIB]))
+                snap = snap.with_instance(inst, (ref,))
+        assert snap.dirty_chunks  # the totals were moved, the chunks not summed again
+        states = list(snap.gpus)
+        changes: dict[int, GpuState] = {}
+        for o in rng.sample(range(len(states)), rng.randint(1, 6)):  # a few GPUs read anew, elsewhere
+            n += 1
+            states[o] = changes[o] = states[o].with_instances(states[o].instances + (PlacedInstance(
+                id=f"s{n}", function="g", cls=InstanceClass.LLM, request=0.05, limit=0.5, memory_mib=0.7 * GIB),))
+        got = snap.with_states(float(k), changes)
+        want = ClusterSnapshot.build(now=float(k), gpus=states)
+        assert got == want, f"step {k}"
+        assert (got.sum_request, got.sum_memory, got.sum_memory_fraction) == (
+            want.sum_request, want.sum_memory, want.sum_memory_fraction), f"step {k}"
+        assert got.chunk_sums == want.chunk_sums and not got.dirty_chunks
+        snap = got
