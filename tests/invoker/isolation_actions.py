@@ -133,6 +133,13 @@ def main(a):
     return {"escaped": True, "allocated_mb": 32 * len(blocks)}
 """
 
+#: over its memory limit at import, as `import torch` is under the default 256 MB
+MEMORY_AT_INIT = """
+blocks = [b"x" * (32 << 20) for _ in range(20)]
+def main(a):
+    return {"escaped": True, "allocated_mb": 32 * len(blocks)}
+"""
+
 #: a double-forked daemon in its own session plus a start_new_session child
 DAEMON = """
 import os, subprocess, time

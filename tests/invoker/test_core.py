@@ -13,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from dilu_invoker.invoker.dataplane.container import State, Transition
-from dilu_invoker.invoker.dataplane.core import Invoker, open_invoker
+from dilu_invoker.invoker.dataplane.core import INIT_FAILURE_LOG_LINES, Invoker, open_invoker
 from dilu_invoker.model import Action, ActivationStatus, Exec, Parameter
 from tests.ow_support.invoker import ECHO
 from tests.ow_support.invoker import activation as _req
@@ -216,3 +216,22 @@ async def test_metrics_count_activations(invoker: Invoker) -> None:
                                      {**labels, "kind": "python:3", "memory": "256"}) == 2
     assert registry.get_sample_value("openwhisk_action_coldStarts_total", labels) == 1
     assert registry.get_sample_value("openwhisk_action_status_total", {**labels, "status": "success"}) == 2
+
+
+async def test_a_failed_instance_start_logs_the_actions_output(invoker: Invoker) -> None:
+    """An instance the balancer starts has no activation to carry its /init's output: when the init fails, the
+    invoker logs its last lines (the action's traceback) with the instance, and the instance's failure is
+    reported as before."""
+    code = ("import sys\nfor k in range(50):\n    print('loading the model', k, file=sys.stderr)\n"
+            "raise ImportError('no module named wheel_x')\n")
+    action = _action(code, name="broken")
+    with capture_logs() as logs:
+        name, failure = await invoker.start_instance("broken-1", action)
+    assert name is not None and failure is not None
+    assert failure.status is ActivationStatus.DEVELOPER_ERROR
+    [event] = [e for e in logs if e["event"] == "instance init failed"]
+    assert event["instance"] == "broken-1" and event["action"] == "guest/broken"
+    lines = event["logs"]
+    assert "ImportError: no module named wheel_x" in lines[-2]  # the tail: the traceback's last line kept
+    assert len(lines) == INIT_FAILURE_LOG_LINES  # the first of the 50 lines it printed are left out
+    assert not any(line.endswith("loading the model 0") for line in lines)

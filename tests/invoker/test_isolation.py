@@ -159,6 +159,13 @@ async def test_every_escape_is_denied_or_cleaned(product: Product) -> None:
     if p.backend == "process":  # the sandbox's cgroup tells; under docker only a killed PID 1 sets OOMKilled
         assert hog["response"]["result"] == {"error": "The action exhausted its memory and was aborted."}, hog
     assert (await p.result("shadow"))["escaped"] is False  # the invoker goes on
+    # The same at /init (the module's code): the cold start fails, and says why.
+    await p.put("hog-init", attacks.MEMORY_AT_INIT, memory=128)
+    _status, hog = await p.invoke("hog-init", {})
+    assert hog["response"]["status"] != "success", hog
+    if p.backend == "process":
+        assert hog["response"]["result"] == {"error": "The action exhausted its memory and was aborted."}, hog
+    assert (await p.result("shadow"))["escaped"] is False
 
     # Daemons and files outlive nothing.
     await p.put("daemon", attacks.DAEMON)

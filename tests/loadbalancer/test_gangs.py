@@ -180,18 +180,20 @@ async def test_a_failed_gang_releases_every_rank_and_is_placed_again(redis: aior
 # -- through the product: `standalone`, an action created over the REST API ------------------------------------
 
 
-async def _gang_in_standalone(tmp_path: Path, code: str, params: list[dict[str, object]],
+async def _gang_in_standalone(tmp_path: Path, code: str, params: list[dict[str, object]], *, memory_mb: int = 256,
                               ) -> tuple[InstanceRecord, list[dict[str, object]]]:
     """`standalone` with two 16 GB GPUs (an inventory file) and its embedded balancer: the action ``gang`` with
-    `code`, annotated gpu-count 2, created over the REST API and registered; once its gang is ready (each rank's
-    reservation checked), one blocking invocation per entry of `params`. Its record and the results."""
+    `code` and a memory limit of `memory_mb` per rank, annotated gpu-count 2, created over the REST API and
+    registered; once its gang is ready (each rank's reservation checked), one blocking invocation per entry of
+    `params`. Its record and the results."""
     cfg = inventory_standalone(tmp_path, ["GPU-g0", "GPU-g1"])
+    cfg = replace(cfg, invoker=replace(cfg.invoker, user_memory_mb=max(cfg.invoker.user_memory_mb, 2 * memory_mb)))
     async with run_standalone(cfg) as running, aiohttp.ClientSession(headers=GUEST_AUTH) as http:
         assert running.balancer is not None
         redis = running.balancer.redis
         keys = Keys(cfg.redis.prefix)
         url = f"{running.api_url}/api/v1/namespaces/_/actions/gang"
-        body = {"exec": {"kind": "python:3-gpu", "code": code},
+        body = {"exec": {"kind": "python:3-gpu", "code": code}, "limits": {"memory": memory_mb},
                 "annotations": [{"key": k, "value": v} for k, v in (
                     ("gpu-count", 2), ("gpu-memory-mb", 6000), ("gpu-sm-request", 0.3), ("gpu-sm-limit", 0.6),
                     ("min-instances", 1))]}
@@ -255,6 +257,6 @@ def main(args):
 async def test_a_gang_rendezvous_with_torch_distributed(tmp_path: Path) -> None:
     """Real torch.distributed in a gang's ranks: `init_process_group` at import finds its peers through the
     invoker's env:// variables, and each invocation's all_reduce sums both ranks' tensors (1 + 2, then twice that),
-    answered by rank 0."""
-    _, results = await _gang_in_standalone(tmp_path, TORCH_CODE, [{"scale": 1}, {"scale": 2}])
+    answered by rank 0. `import torch` needs more than the default 256 MB (the memory cgroup kills it there)."""
+    _, results = await _gang_in_standalone(tmp_path, TORCH_CODE, [{"scale": 1}, {"scale": 2}], memory_mb=3072)
     assert [(r["rank"], r["world"], r["sum"]) for r in results] == [(0, 2, 3.0), (0, 2, 6.0)]

@@ -92,6 +92,10 @@ MASTER_ADDR_ENV, MASTER_PORT_ENV = "MASTER_ADDR", "MASTER_PORT"
 #: how long a gang's ranks still running when one rank's run failed are given to finish before the gang is held
 #: broken (waiting in a collective the failed rank never joins) and stopped whole; docs/invoker.md, "Gangs"
 GANG_PEER_GRACE_S = 2.0
+#: OpenWhisk's message for an action killed over its memory limit (at /init or in a run)
+MSG_MEMORY_EXHAUSTED = "The action exhausted its memory and was aborted."
+#: the last lines of a failed instance start's /init output the invoker logs (no activation record carries them)
+INIT_FAILURE_LOG_LINES = 40
 #: code larger than this is encoded into the /init body on a thread while the container starts
 _PARALLEL_ENCODE_BYTES = 1024 * 1024
 
@@ -519,7 +523,7 @@ class Invoker:
                 "timed out" if outcome.timed_out else f"activation failed with status {outcome.status_code}")
             response = ActivationResponse(ActivationStatus(outcome.status_code), outcome.result, outcome.size)
             if not healthy and proxy.container is not None and proxy.container.exit_reason() == "oom":
-                response = ActivationResponse.developer_error("The action exhausted its memory and was aborted.")
+                response = ActivationResponse.developer_error(MSG_MEMORY_EXHAUSTED)
             return self._finish(req, runtime, start, end, response, logs, arrived=arrived,
                                 start_ms=start if init_ms is not None else run_start, init_ms=init_ms,
                                 timed_out=outcome.timed_out, preloaded=proxy.preloaded, stage=stage)
@@ -652,6 +656,8 @@ class Invoker:
             if collection is not None:
                 logs = (await collection.finish(developer_error=True)).lines
             failure = ActivationResponse(ActivationStatus(outcome.status_code), outcome.result, outcome.size)
+            if container.exit_reason() == "oom":  # e.g. `import torch` over the action's memory limit
+                failure = ActivationResponse.developer_error(MSG_MEMORY_EXHAUSTED)
             self.pool.remove(proxy, "initialization failed", failure=failure)
             return failure, init_ms, logs
         if proxy.state is not State.INITIALIZING:  # removed meanwhile (shutdown, a stopped instance)
@@ -954,9 +960,14 @@ class Invoker:
                                 content=action.default_params, init_args=action.init_param_names)
         failure: ActivationResponse | None = None
         try:
-            failure, _init_ms, _logs = await self._start_and_init(proxy, req, runtime, gpu_index=gpu_index,
-                                                                  gpu_key=instance_id, idle_room_only=idle_room_only,
-                                                                  stage=stage)
+            failure, _init_ms, logs = await self._start_and_init(proxy, req, runtime, gpu_index=gpu_index,
+                                                                 gpu_key=instance_id, idle_room_only=idle_room_only,
+                                                                 stage=stage)
+            if failure is not None and logs:
+                # No activation carries these logs (the balancer started the instance): the operator's only
+                # way to the action's traceback.
+                log.warning("instance init failed", instance=instance_id, action=action.fqn,
+                            error=failure.result, logs=list(logs[-INIT_FAILURE_LOG_LINES:]))
         except Exception as exc:  # reported as the instance's failure
             log.exception("instance start failed", instance=instance_id)
             failure = ActivationResponse.whisk_error(f"instance start failed: {exc!r}")
