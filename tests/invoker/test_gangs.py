@@ -6,8 +6,10 @@ balancer (it hands the manager its commands)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -16,7 +18,8 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from dilu_invoker.invoker.dataplane.core import GANG_PEER_GRACE_S
+from dilu_invoker.invoker.dataplane import core
+from dilu_invoker.invoker.dataplane.core import GANG_PEER_GRACE_S, GANG_PORTS, ephemeral_range, gang_port
 from dilu_invoker.model import Action, ActionLimits, ActivationStatus, Exec, Parameter
 from dilu_invoker.wire import CommandOp, InstanceCommand, InstanceState, StageRecord, rank_id, stage_id
 from tests.invoker.test_split_instances import Node, _req, running_node, until
@@ -313,3 +316,37 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_gang_port_lies_below_the_ephemeral_range_free_and_not_picked_lately(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel hands ephemeral ports to outgoing connections at any time: a gang's port comes from below that
+    range (`GANG_PORTS`), is bindable on every interface when picked, and is not picked again while rank 0 may not
+    have bound it yet. Where the range leaves no room below it, the kernel's pick (`bind(0)`) is the fallback."""
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    assert ephemeral_range(str(ranges)) == (32768, 60999)
+    assert ephemeral_range(str(tmp_path / "missing")) == (32768, 60999)
+    ports = [gang_port((32768, 60999)) for _ in range(100)]
+    assert all(GANG_PORTS[0] <= p < 32768 for p in ports) and len(set(ports)) == 100
+    # Ports other sockets hold are never picked: 255 of a window of 256 held here, the window made GANG_PORTS.
+    window = range(24000, 24256)
+    held: list[socket.socket] = []
+    try:
+        for port in window[1:]:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            with contextlib.suppress(OSError):  # (one some other process holds is just as taken)
+                sock.bind(("", port))
+        monkeypatch.setattr(core, "GANG_PORTS", (window[0], window[-1]))
+        picked = [gang_port((window[-1] + 1, 60999)) for _ in range(20)]
+        assert not set(picked) & set(window[1:])  # the free one, or (64 draws missed it) the kernel's pick
+    finally:
+        for sock in held:
+            sock.close()
+    ranges.write_text("1024 65535\n")  # no room below the range: the kernel's pick
+    low = ephemeral_range(str(ranges))
+    assert low == (1024, 65535)
+    fallback = gang_port(low)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", fallback))  # free when picked

@@ -9,12 +9,16 @@ status code — and raises :class:`InvokerOverloaded` only when it cannot queue 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
+import random
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import aiohttp
@@ -142,6 +146,51 @@ class StageStart:
         return f"pipeline stage {self.index}"
 
 
+#: the ports a gang's rendezvous is drawn from, as far as they lie below the kernel's ephemeral range: the kernel
+#: never hands such a port to an outgoing connection, so between the pick and rank 0's bind only another listener
+#: could take it (an ephemeral port, as `bind(0)` picks, may go to any connection meanwhile)
+GANG_PORTS = (20000, 32767)
+#: where the kernel's ephemeral range is read (Linux)
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+#: the most recently picked gang ports, not picked again while rank 0 may not have bound them yet
+_RECENT_GANG_PORTS: collections.deque[int] = collections.deque(maxlen=256)
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(x) for x in Path(path).read_text(encoding="ascii").split()[:2])
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def gang_port(ephemeral: tuple[int, int] | None = None) -> int:
+    """A port for a gang's rendezvous: one of `GANG_PORTS` below the ephemeral range that every interface lets us
+    bind now and that was not picked lately (`_RECENT_GANG_PORTS`), else (no room below the range, or nothing free
+    in 64 draws) one the kernel picks (`bind(0)`)."""
+    from dilu_invoker.invoker.dataplane.backends.process import free_port
+
+    low = (ephemeral or ephemeral_range())[0]
+    first, last = GANG_PORTS[0], min(GANG_PORTS[1], low - 1)
+    if last - first >= 255:
+        draw = random.SystemRandom()
+        for _ in range(64):
+            port = draw.randint(first, last)
+            if port in _RECENT_GANG_PORTS:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind(("", port))  # rank 0's store listens on every interface
+                except OSError:
+                    continue
+            _RECENT_GANG_PORTS.append(port)
+            return port
+    port = free_port()
+    _RECENT_GANG_PORTS.append(port)
+    return port
+
+
 class Rendezvous:
     """Where a gang's ranks meet (torch.distributed's ``env://``): rank 0's address, known once its container
     started (`Container.peer_host`), and a port the invoker picked for the gang. Every rank's /init waits for
@@ -156,10 +205,8 @@ class Rendezvous:
     @classmethod
     def new(cls) -> Rendezvous:
         """A rendezvous on a port that is free on this host now (rank 0's runtime binds it later; in a Docker
-        container's own network namespace any port is free)."""
-        from dilu_invoker.invoker.dataplane.backends.process import free_port
-
-        return cls(free_port())
+        container's own network namespace any port is free): `gang_port`."""
+        return cls(gang_port())
 
     def found(self, address: str) -> None:
         """Rank 0's container started at `address`."""
