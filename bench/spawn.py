@@ -1,7 +1,8 @@
 """How long a burst of container starts blocks the invoker's event loop (process backend).
 
-A runtime process is forked with the sandbox's steps between fork and exec (`Sandbox.preexec`), so the fork cannot
-use vfork and the event loop's thread waits until the child execs. The backend forks one runtime at a time
+With isolation a runtime process is forked with the sandbox's steps between fork and exec (`Sandbox.preexec`), so the
+fork cannot use vfork and the event loop's thread waits until the child execs; without isolation (what this bench
+starts) no step runs there and subprocess vforks. The backend forks one runtime at a time
 (`ProcessBackend._spawning`), so the loop runs other work between two forks. This bench starts `--burst` containers at
 once, `--rounds` times, with that and without it (every fork of the burst in one turn of the loop, as before), side by
 side in one run, and reports the loop's longest stall (what every other activation, report and health check on the

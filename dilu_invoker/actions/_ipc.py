@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import enum
 import json
 import os
+import signal
 import site
 import socket
 import struct
@@ -226,3 +228,15 @@ def installed_roots() -> tuple[str, ...]:
         with contextlib.suppress(Exception):
             roots.append(sysconfig.get_path(name))
     return tuple(sorted({os.path.realpath(r) + os.sep for r in roots if r}))
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies (Linux), and exit now if `parent` (its pid when it started this
+    process) is gone already: the kernel's parent-death signal covers only a death after the prctl."""
+    with contextlib.suppress(Exception):  # not Linux: no prctl
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)

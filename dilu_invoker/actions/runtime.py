@@ -36,6 +36,7 @@ from dilu_invoker.actions._ipc import (
     STAGE_CONTENT_TYPE,
     STAGE_FRAMES_HEADER,
     Kind,
+    die_with_parent,
     frame_chunks,
     run_answer,
     unpack_stage,
@@ -744,6 +745,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=int(os.environ.get("DILU_RUNTIME_DEADLINE_GRACE_MS", DEFAULT_DEADLINE_GRACE_MS)),
         help="stop the action this long after the run's deadline; negative disables the guard",
     )
+    parser.add_argument("--die-with", type=int, default=None, metavar="PID",
+                        help="die with this parent process (SIGKILL when it dies; exit at once if it is gone)")
     parser.add_argument(
         "--shutdown-grace-s",
         type=float,
@@ -755,6 +758,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.die_with is not None:
+        die_with_parent(args.die_with)
     if not 0 <= args.port <= 65535:
         sys.stderr.write(f"dilu-runtime: invalid port {args.port}\n")
         return 2

@@ -27,7 +27,6 @@ import io
 import json
 import os
 import select
-import signal
 import site
 import socket
 import sys
@@ -44,6 +43,7 @@ from dilu_invoker.actions._ipc import (
     SENTINEL_LINE,
     WELCOME_BLOB,
     Kind,
+    die_with_parent,
     frame_chunks,
     installed_roots,
     json_default,
@@ -55,7 +55,6 @@ from dilu_invoker.actions._ipc import (
 )
 
 MODULE_NAME = "main__"
-_PR_SET_PDEATHSIG = 1
 PRELOAD_MODULES_ENV = "DILU_PRELOAD_MODULES"
 PRELOAD_CUDA_ENV = "DILU_PRELOAD_CUDA"
 #: at most this many imported module names are reported after an /init (what the invoker learns from)
@@ -613,17 +612,9 @@ def _exit_like_python(exc: SystemExit) -> None:
     os._exit(status)
 
 
-def _die_with_parent(parent: int) -> None:
-    # Not Linux: no prctl, but the socket's EOF still ends an idle worker.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(0)
-
-
 def main(argv: list[str]) -> int:
     fd, action_dir, concurrent, parent = int(argv[0]), argv[1], argv[2] == "1", int(argv[3])
-    _die_with_parent(parent)
+    die_with_parent(parent)  # (not Linux: the socket's EOF still ends an idle worker)
     sock = socket.socket(fileno=fd)
     direct = socket.socket(fileno=int(argv[4])) if len(argv) > 4 else None
     asked = PRELOAD_MODULES_ENV in os.environ or PRELOAD_CUDA_ENV in os.environ

@@ -8,7 +8,9 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -323,3 +325,59 @@ async def test_without_unshare_a_uid_group_cannot_be_made(tmp_path: Path) -> Non
     with pytest.raises(SandboxError, match="unshare"):
         await boxes.create("a", 64, group=UidGroup(key="/pipes"))
     boxes.close()
+
+
+# A process that starts one runtime without isolation, prints its pid and waits to be killed.
+_STARTS_A_RUNTIME = """
+import asyncio, sys
+from dilu_invoker.invoker.dataplane.backends.base import ContainerSpec
+from dilu_invoker.invoker.dataplane.backends.process import ProcessBackend
+
+async def main():
+    backend = ProcessBackend(isolation="off", work_dir=sys.argv[1])
+    container = await backend.start(ContainerSpec(name="c", kind="python:3", image="", memory_mb=256))
+    print(container.sandbox.leader, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+async def test_without_isolation_nothing_runs_between_fork_and_exec_and_the_runtime_dies_with_its_invoker(
+        tmp_path: Path) -> None:
+    """Without isolation the sandbox has no step for the child to take between fork and exec (so subprocess may
+    vfork and the invoker's loop is held far less): the runtime gets its umask from subprocess and makes itself
+    die with the invoker (`--die-with`). An invoker killed with SIGKILL takes its runtime along."""
+    boxes = Sandboxes(mode="off", work_dir=str(tmp_path / "boxes"))
+    box = await boxes.create("c", 256)
+    assert box.preexec() is None
+    box.uid = 12345  # an isolated sandbox's steps still run in the child
+    assert callable(box.preexec())
+    invoker = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _STARTS_A_RUNTIME, str(tmp_path / "w"), stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert invoker.stdout is not None
+    try:
+        line = b""
+        while not line.strip().isdigit():  # (the backend's own log lines come first)
+            line = await asyncio.wait_for(invoker.stdout.readline(), 60)
+            assert line, "the process ended before it started a runtime"
+        runtime = int(line)
+        status = Path(f"/proc/{runtime}/status").read_text()
+        assert "\nUmask:\t0077\n" in status, status
+        assert f"\nPPid:\t{invoker.pid}\n" in status
+    finally:
+        invoker.kill()
+        await invoker.wait()
+    deadline = time.monotonic() + 10
+    while _alive_not_zombie(runtime):
+        assert time.monotonic() < deadline, f"runtime {runtime} outlived its invoker"
+        await asyncio.sleep(0.05)
+
+
+def _alive_not_zombie(pid: int) -> bool:
+    try:
+        state = next(line for line in open(f"/proc/{pid}/status") if line.startswith("State:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return state not in ("Z", "X")

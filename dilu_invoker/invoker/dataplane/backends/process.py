@@ -142,7 +142,7 @@ class ProcessBackend:
         #: containers get a direct lane for /run (docs/runtime.md, "The direct lane")
         self.direct_lane = direct_lane
         self._live: set[ProcessContainer] = set()
-        #: one runtime process is forked at a time: a fork (with the sandbox's steps in the child) blocks the event loop
+        #: one runtime process is forked at a time: a fork (with isolation's steps in the child) blocks the event loop
         #: until the child execs, about 25 ms here; starts of a burst forked back to back in one turn of the loop
         #: blocked it for all of them at once (200 ms for 8; docs/benchmarks/spawn.md)
         self._spawning = asyncio.Lock()
@@ -195,18 +195,25 @@ class ProcessBackend:
                 listener.listen(128)
                 port = int(listener.getsockname()[1])
                 fd = listener.fileno()
+                argv = [self._python, "-m", "dilu_invoker.actions.runtime", "--host", "127.0.0.1", "--port",
+                        str(port), "--listen-fd", str(fd), "--direct-fd", str(theirs.fileno())]
+                preexec = box.preexec(report_w)
+                # (the sandbox's steps set the umask last: earlier, it would close what they make to its uid)
+                umask = -1
+                if preexec is None:  # nothing between fork and exec (no isolation): vfork, and these instead
+                    argv += ["--die-with", str(os.getpid())]
+                    umask = 0o077
                 async with self._spawning:
                     proc = await asyncio.create_subprocess_exec(
-                        *box.command([self._python, "-m", "dilu_invoker.actions.runtime", "--host", "127.0.0.1",
-                                      "--port", str(port), "--listen-fd", str(fd), "--direct-fd",
-                                      str(theirs.fileno())]),
+                        *box.command(argv),
                         stdin=asyncio.subprocess.DEVNULL,
                         stdout=asyncio.subprocess.PIPE,
                         stderr=asyncio.subprocess.PIPE,
                         env=env,
                         cwd=str(box.dir),
                         start_new_session=True,
-                        preexec_fn=box.preexec(report_w),
+                        preexec_fn=preexec,
+                        umask=umask,
                         pass_fds=(fd, theirs.fileno()),
                         limit=1 << 20,
                     )

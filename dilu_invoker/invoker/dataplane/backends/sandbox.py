@@ -431,10 +431,15 @@ class Sandbox:
         """The command line that starts ``argv`` in this sandbox (group members: under ``prefix``)."""
         return [*self.prefix, *argv]
 
-    def preexec(self, report_fd: int | None = None) -> Callable[[], None]:
+    def preexec(self, report_fd: int | None = None) -> Callable[[], None] | None:
         """What the child does between fork and exec. subprocess reports only "Exception occurred in
         preexec_fn" when it fails; with ``report_fd`` (a close-on-exec pipe's write end) the child first writes
-        there which step failed and why, for :func:`preexec_failure` to read."""
+        there which step failed and why, for :func:`preexec_failure` to read. None without isolation (no uid, no
+        cgroup): the directory and umask are subprocess's own arguments and the runtime makes itself die with the
+        invoker (``--die-with``), so nothing runs between fork and exec and subprocess may use vfork, which
+        holds the invoker's event loop for far less than a fork does (docs/benchmarks/spawn.md)."""
+        if self.uid is None and self.cgroup is None:
+            return None
         uid, gid, cgroup, plan, hide, home = self.uid, self.gid, self.cgroup, self.plan, self.hide, str(self.dir)
         grouped, covers, keep, read_only = self.group is not None, self.covers, self.keep, self.read_only
         step = "loading libc"
