@@ -628,8 +628,10 @@ class Balancer:
                 self._collector.after_tick()
                 await self._sleep(self.cfg.balancer.tick_s)
         finally:
-            await cancel_and_wait(renew, demand)
+            # The collector first: a second cancellation during the wait below would skip what follows it, and
+            # leave the process's thresholds raised and its heap frozen.
             self._collector.release()
+            await cancel_and_wait(renew, demand)
             log.info("balancer no longer leads", holder=self.holder, epoch=lead.epoch)
 
     async def _sleep(self, timeout: float) -> None:
