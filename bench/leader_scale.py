@@ -50,6 +50,7 @@ from live_replay import GPUS_PER_NODE, LiveHarness
 from loadgen import cpu_model
 from planner_scale import _fill_budgets, spec_of
 
+from dilu_invoker.aiotasks import cancel_and_wait
 from dilu_invoker.config import Config
 from dilu_invoker.loadbalancer.service import Balancer, LongLived, planner_config
 from dilu_invoker.redis_embedded import EmbeddedRedis, redis_client
@@ -161,9 +162,9 @@ async def lead(live: LiveHarness, seconds: float, seed: int, freeze: bool = True
             started = time.perf_counter()
             task = asyncio.create_task(balancer.run())
             await asyncio.sleep(seconds)
-            task.cancel()
-            watcher.cancel()
-            await asyncio.gather(task, watcher, return_exceptions=True)
+            # As the product stops a balancer (`open_balancer`): cancelled again every 50 ms, so a cancellation that
+            # lands as a 20 ms tick's sleep times out, and is lost there, does not leave the leader running.
+            await cancel_and_wait(task, watcher)
             # How many samples the scaler's windows hold at the end: a window that keeps restarting stays short.
             samples = sorted(len(s.horizontal.rates) for s in balancer._states.values())
             stop.set()
