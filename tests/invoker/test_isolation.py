@@ -22,6 +22,7 @@ from dilu_invoker import config
 from dilu_invoker.model import GUEST_IDENTITY
 from dilu_invoker.standalone import Running, run_standalone
 from tests.invoker import isolation_actions as attacks
+from tests.ow_support.invoker import alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="isolation needs root")]
 HOST_ULIMITS = "nofile=1024:1024,nproc=32768:32768"
@@ -85,14 +86,6 @@ async def product(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     async with run_standalone(cfg) as running, aiohttp.ClientSession(
             headers={"Authorization": f"Basic {token}"}) as http:
         yield Product(running, http, cfg.data_path, tmp_path / "work", request.param, podman)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = next(line for line in open(f"/proc/{pid}/status") if line.startswith("State:")).split()[1]
-    except (OSError, StopIteration):
-        return False
-    return state not in ("Z", "X")
 
 
 def _uid_processes() -> list[int]:
@@ -175,7 +168,7 @@ async def test_every_escape_is_denied_or_cleaned(product: Product) -> None:
     litter = await p.result("litter", {"token": token})
     assert litter["left"], litter
     if p.backend == "process":
-        assert all(_alive(pid) for pid in daemon["pids"])
+        assert all(alive(pid) for pid in daemon["pids"])
         assert _uid_processes()
         assert any(os.path.exists(f) for f in litter["left"])
 
@@ -186,7 +179,7 @@ async def test_every_escape_is_denied_or_cleaned(product: Product) -> None:
         await inv.pool.close(drain_s=0)
     if p.backend == "process":
         for pid in daemon["pids"]:
-            assert not _alive(pid), f"daemon {pid} outlived its container"
+            assert not alive(pid), f"daemon {pid} outlived its container"
         assert _uid_processes() == []
         assert [d.name for d in p.work_dir.iterdir() if d.name != "uids"] == []
     for f in litter["left"]:
@@ -260,6 +253,6 @@ async def test_mps_clients_share_a_uid_and_nothing_else(tmp_path: Path) -> None:
                 inv.pool.remove(proxy, "isolation test")
         for inv in p.running.invokers:
             await inv.pool.close(drain_s=0)
-        assert not any(_alive(pid) for pid in host_pids)
+        assert not any(alive(pid) for pid in host_pids)
         assert len(before) > len(host_pids) and _uid_processes() == []
         assert sorted(d.name for d in p.work_dir.iterdir() if d.name not in ("uids", "mps")) == []

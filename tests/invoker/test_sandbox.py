@@ -22,6 +22,7 @@ from dilu_invoker.invoker.dataplane.backends.process import ProcessBackend
 from dilu_invoker.invoker.dataplane.backends.sandbox import Sandboxes, mount_plan, parse_uid_range
 from dilu_invoker.invoker.dataplane.runtime_client import RuntimeClient
 from tests.invoker import isolation_actions as attacks
+from tests.ow_support.invoker import alive
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -370,14 +371,6 @@ async def test_without_isolation_nothing_runs_between_fork_and_exec_and_the_runt
         invoker.kill()
         await invoker.wait()
     deadline = time.monotonic() + 10
-    while _alive_not_zombie(runtime):
+    while alive(runtime):
         assert time.monotonic() < deadline, f"runtime {runtime} outlived its invoker"
         await asyncio.sleep(0.05)
-
-
-def _alive_not_zombie(pid: int) -> bool:
-    try:
-        state = next(line for line in open(f"/proc/{pid}/status") if line.startswith("State:")).split()[1]
-    except (OSError, StopIteration):
-        return False
-    return state not in ("Z", "X")

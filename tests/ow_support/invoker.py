@@ -28,3 +28,13 @@ def activation(action: Action, content: object = None, **kw: object) -> Activati
     """A guest's activation of ``action`` with ``content`` (default: no parameters)."""
     return ActivationRequest(activation_id=new_activation_id(), action=action, identity=GUEST_IDENTITY,
                              content=content if content is not None else {}, **kw)  # type: ignore[arg-type]
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is neither a zombie nor dead (/proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            state = next(line for line in status if line.startswith("State:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return state not in ("Z", "X")
